@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make run` starts the service, `make test` runs the suite.
+# Both create the virtualenv and install the project on first use.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+DATA   ?= ./data
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test test-long bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvstore serve --host $(HOST) --port $(PORT) --data $(DATA)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+# The long reliability runs (hundreds of crash trials per operation); see RELIABILITY.md.
+test-long: $(STAMP)
+	KVSTORE_LONG=1 $(VENV)/bin/pytest -q -m "slow or not slow" tests/reliability
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
