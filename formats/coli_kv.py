@@ -1,0 +1,557 @@
+"""The ``.coli_kv`` layouts (FORMAT.md sections 1, 2, 4): header, records, load, write.
+
+A file is a 40-byte header followed by fixed-size records. A record layout is a numpy
+structured dtype built from the parsed header (:func:`record_dtype`); a body is parsed with one
+``np.frombuffer`` — never a per-record loop. Validation happens in a fixed order before anything is
+sized from the file: length, magic, header fields, record size, then the body extent.
+
+This module holds no file *policy*: :func:`write` is a plain write for tools and tests; durable
+appends, truncation and atomic rewrites belong to ``kvstore.journal``.
+
+Examples
+--------
+>>> import numpy as np
+>>> geometry = Geometry(n_layers=1, kv_lora=4, qk_rope=2, index_hd=0, nic=0, vocab=100)
+>>> L = np.ones((1, 3, 4), np.float32); R = np.zeros((1, 3, 2), np.float32)
+>>> blob = encode_file(geometry, np.array([5, 6, 7], np.int32), L, R, version=2)
+>>> records = parse(blob)
+>>> records.n, records.header.version, records.tokens.tolist()
+(3, 2, [5, 6, 7])
+>>> records.dequantize()[0][0, 2].tolist()
+[1.0, 1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from kvstore.formats import fp8, tq
+from kvstore.formats.errors import BadHeader, BadMagic, CodecMismatch, FormatError, GeometryMismatch, TruncatedHeader
+
+HEADER_BYTES = 40
+MAGICS = {b"COLIKV1\0": 1, b"COLIKV2\0": 2, b"COLIKV3\0": 3}
+MAGIC_OF = {version: magic for magic, version in MAGICS.items()}
+NREC_OFFSET = 32  # h6: the commit point (FORMAT.md section 4)
+CODEC_NAMES = {tq.CODEC_POLAR: "polar", tq.CODEC_INT4: "int4"}
+CODEC_IDS = {name: codec for codec, name in CODEC_NAMES.items()}
+# Widths bigger than this are not a model; refusing them early keeps a hostile header from
+# sizing anything (STYLE rule 2). nrec is bounded by the file size instead.
+MAX_WIDTH = 1 << 20
+MAX_LAYERS = 1 << 12
+HEADER_DTYPE = np.dtype([("magic", "S8"), ("words", "<i4", (8,))])
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The model fingerprint h0..h5: a file is for a model only if all six match."""
+
+    n_layers: int
+    kv_lora: int
+    qk_rope: int
+    index_hd: int
+    nic: int
+    vocab: int
+
+    def words(self) -> tuple[int, ...]:
+        return (self.n_layers, self.kv_lora, self.qk_rope, self.index_hd, self.nic, self.vocab)
+
+    def mismatches(self, other: "Geometry") -> list[str]:
+        """Field-by-field differences, as ``name: file X, expected Y`` strings."""
+        return [
+            f"{field.name}: file {getattr(self, field.name)}, expected {getattr(other, field.name)}"
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) != getattr(other, field.name)
+        ]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """What a record stores: version 1 (f32), 2 (fp8) or 3 (TQ with ``codec``/``bits``)."""
+
+    version: int
+    codec: int | None = None
+    bits: int | None = None
+
+    def __post_init__(self):
+        if self.version not in (1, 2, 3):
+            raise BadHeader(f"unknown .coli_kv version {self.version} (known: 1, 2, 3)")
+        if self.version == 3:
+            if self.codec not in CODEC_NAMES:
+                raise BadHeader(f"unknown TQ codec {self.codec} (0 = polar, 1 = int4)")
+            allowed = (4,) if self.codec == tq.CODEC_INT4 else tuple(range(2, 7))
+            if self.bits not in allowed:
+                raise BadHeader(f"{CODEC_NAMES[self.codec]} takes bits {allowed}, got {self.bits}")
+        elif self.codec is not None or self.bits is not None:
+            raise BadHeader(f"codec/bits only apply to v3 files, got version {self.version}")
+
+    @property
+    def tag(self) -> int:
+        """h7: v1 -> 0, v2 -> 1, v3 -> (codec << 8) | bits."""
+        return {1: 0, 2: 1}.get(self.version, ((self.codec or 0) << 8) | (self.bits or 0))
+
+    @classmethod
+    def from_tag(cls, version: int, tag: int) -> "Tier":
+        if version == 3:
+            return cls(3, tag >> 8, tag & 0xFF)
+        expected = 0 if version == 1 else 1
+        if tag != expected:
+            raise BadHeader(f"v{version} header has tag {tag}, expected {expected}")
+        return cls(version)
+
+    @classmethod
+    def parse(cls, name: str, codec: str | None = None, bits: int | None = None) -> "Tier":
+        """From user-facing names: ``v1``, ``v2``, ``v3`` (+ ``polar``/``int4`` and bits)."""
+        versions = {"v1": 1, "v2": 2, "v3": 3, "1": 1, "2": 2, "3": 3}
+        if name not in versions:
+            raise FormatError(f"unknown version {name!r}: use v1, v2 or v3")
+        version = versions[name]
+        if version != 3:
+            if codec is not None or bits is not None:
+                raise FormatError(f"--codec/--bits only apply to v3, not {name}")
+            return cls(version)
+        codec_name = codec or "int4"
+        if codec_name not in CODEC_IDS:
+            raise FormatError(f"unknown codec {codec_name!r}: use polar or int4")
+        codec_id = CODEC_IDS[codec_name]
+        return cls(3, codec_id, bits if bits is not None else 4)
+
+    def describe(self) -> str:
+        if self.version == 1:
+            return "v1 (f32)"
+        if self.version == 2:
+            return "v2 (fp8 e4m3)"
+        return f"v3 ({CODEC_NAMES[self.codec]}, {self.bits} bits)"
+
+    def row_bytes(self, width: int) -> int:
+        """Bytes of one stored row of ``width`` values, including its scale/radius float."""
+        if self.version == 1:
+            return 4 * width
+        if self.version == 2:
+            return width + 4
+        return tq.row_bytes(width, self.codec, self.bits) + 4
+
+
+@dataclass(frozen=True)
+class Header:
+    """The parsed 40-byte header."""
+
+    geometry: Geometry
+    tier: Tier
+    nrec: int
+
+    # Flat accessors named as in DESIGN.md.
+    n_layers = property(lambda self: self.geometry.n_layers)
+    kv_lora = property(lambda self: self.geometry.kv_lora)
+    qk_rope = property(lambda self: self.geometry.qk_rope)
+    index_hd = property(lambda self: self.geometry.index_hd)
+    nic = property(lambda self: self.geometry.nic)
+    vocab = property(lambda self: self.geometry.vocab)
+    version = property(lambda self: self.tier.version)
+    codec = property(lambda self: self.tier.codec)
+    bits = property(lambda self: self.tier.bits)
+    tag = property(lambda self: self.tier.tag)
+
+    @property
+    def magic(self) -> bytes:
+        return MAGIC_OF[self.tier.version]
+
+    @property
+    def rec_bytes(self) -> int:
+        return record_bytes(self.geometry, self.tier)
+
+    def to_bytes(self) -> bytes:
+        words = np.array([*self.geometry.words(), self.nrec, self.tier.tag], dtype="<i4")
+        return self.magic + words.tobytes()
+
+    def with_nrec(self, nrec: int) -> "Header":
+        return dataclasses.replace(self, nrec=nrec)
+
+
+def record_bytes(geometry: Geometry, tier: Tier) -> int:
+    """``4 + n_layers * (row(kv_lora) + row(qk_rope)) + nic * index_hd * 4`` (rows include scales)."""
+    per_layer = tier.row_bytes(geometry.kv_lora) + tier.row_bytes(geometry.qk_rope)
+    return 4 + geometry.n_layers * per_layer + geometry.nic * geometry.index_hd * 4
+
+
+def check_geometry(geometry: Geometry, tier: Tier) -> None:
+    """Refuse header words no model has, before anything is sized from them."""
+    g = geometry
+    if not 1 <= g.n_layers <= MAX_LAYERS:
+        raise BadHeader(f"n_layers {g.n_layers} out of range 1..{MAX_LAYERS}")
+    for name in ("kv_lora", "qk_rope"):
+        width = getattr(g, name)
+        if not 1 <= width <= MAX_WIDTH:
+            raise BadHeader(f"{name} {width} out of range 1..{MAX_WIDTH}")
+    if not 0 <= g.nic <= g.n_layers:
+        raise BadHeader(f"nic {g.nic} out of range 0..n_layers ({g.n_layers})")
+    if not 0 <= g.index_hd <= MAX_WIDTH or (g.nic > 0) != (g.index_hd > 0):
+        raise BadHeader(f"index_hd {g.index_hd} inconsistent with nic {g.nic}")
+    if g.vocab < 1:
+        raise BadHeader(f"vocab {g.vocab} must be positive")
+    if tier.version == 3:
+        for name in ("kv_lora", "qk_rope"):
+            if getattr(g, name) < 2:
+                raise BadHeader(f"v3 rows need a width of at least 2, {name} is {getattr(g, name)}")
+
+
+def record_dtype(geometry: Geometry, tier: Tier) -> np.dtype:
+    """The packed structured dtype of one record.
+
+    Fields: ``token`` <i4; ``layers`` [n_layers] of (``Lc``, ``Ls``, ``Rc``, ``Rs``) where the codes
+    are f32 (v1, and no ``Ls``/``Rs``), u8 fp8 codes (v2) or packed TQ bytes (v3) and the
+    ``Ls``/``Rs`` floats are the per-row scale (v2) or radius (v3); ``index`` <f4[nic, index_hd]
+    when nic > 0. No padding: scale floats are unaligned, numpy reads them as such.
+    """
+    if tier.version == 1:
+        layer = [("Lc", "<f4", (geometry.kv_lora,)), ("Rc", "<f4", (geometry.qk_rope,))]
+    else:
+        lw = geometry.kv_lora if tier.version == 2 else tq.row_bytes(geometry.kv_lora, tier.codec, tier.bits)
+        rw = geometry.qk_rope if tier.version == 2 else tq.row_bytes(geometry.qk_rope, tier.codec, tier.bits)
+        layer = [("Lc", "u1", (lw,)), ("Ls", "<f4"), ("Rc", "u1", (rw,)), ("Rs", "<f4")]
+    fields: list[Any] = [("token", "<i4"), ("layers", np.dtype(layer), (geometry.n_layers,))]
+    if geometry.nic:
+        fields.append(("index", "<f4", (geometry.nic, geometry.index_hd)))
+    dtype = np.dtype(fields)
+    if dtype.itemsize != record_bytes(geometry, tier):
+        raise AssertionError("record dtype disagrees with the record-size formula")  # a bug, not input
+    return dtype
+
+
+def parse_header(buf: bytes | bytearray | memoryview | np.ndarray) -> Header:
+    """Parse and validate the 40-byte header at the start of ``buf``.
+
+    Raises
+    ------
+    TruncatedHeader, BadMagic, BadHeader
+    """
+    view = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(buf.reshape(-1).view(np.uint8))
+    if len(view) < HEADER_BYTES:
+        raise TruncatedHeader(f"file is {len(view)} bytes, shorter than the 40-byte .coli_kv header")
+    raw = np.frombuffer(view, dtype=HEADER_DTYPE, count=1)[0]
+    magic = bytes(view[:8])  # not raw["magic"]: numpy's S8 strips the trailing NUL
+    if magic not in MAGICS:
+        raise BadMagic(f"not a .coli_kv file: magic {magic!r} (expected COLIKV1/2/3)")
+    words = [int(w) for w in raw["words"]]
+    tier = Tier.from_tag(MAGICS[magic], words[7])
+    geometry = Geometry(*words[:6])
+    check_geometry(geometry, tier)
+    if words[6] < 0:
+        raise BadHeader(f"nrec {words[6]} is negative")
+    return Header(geometry, tier, words[6])
+
+
+@dataclass
+class Problems:
+    """What a loader found and neutralized (sanitize-on-load, FORMAT.md section 4)."""
+
+    torn_tail_bytes: int = 0
+    overclaim: int = 0  # records the header claims beyond what is physically present
+    uncommitted: int = 0  # complete records past nrec (an append that crashed before its commit)
+    bad_scales: int = 0  # v2 rows with a scale not in (0, 3.4e38): the whole row made inert
+    bad_radii: int = 0  # v3 rows with a radius not in [0, 3.4e38): the row decodes to zeros
+    nan_codes: int = 0  # v2 code bytes 0x7F/0xFF, read as 0
+    nan_values: int = 0  # v1 f32 elements (and index rows) that are NaN or infinite
+
+    def messages(self) -> list[str]:
+        out = []
+        if self.overclaim:
+            out.append(f"header claims {self.overclaim} more records than the file holds; they are not loaded")
+        if self.uncommitted:
+            out.append(f"{self.uncommitted} complete records past the commit point (nrec) are not loaded")
+        if self.torn_tail_bytes:
+            out.append(f"{self.torn_tail_bytes} bytes past the last complete record (torn tail) are ignored")
+        if self.bad_scales:
+            out.append(f"{self.bad_scales} rows with a bad fp8 scale were made inert (zeros)")
+        if self.bad_radii:
+            out.append(f"{self.bad_radii} rows with a bad TQ radius decode to zeros")
+        if self.nan_codes:
+            out.append(f"{self.nan_codes} fp8 NaN codes read as 0")
+        if self.nan_values:
+            out.append(f"{self.nan_values} non-finite f32 values in the rows")
+        return out
+
+
+class KVRecords:
+    """The records of a ``.coli_kv`` file that are safe to resume.
+
+    Attributes
+    ----------
+    header : Header (``header.nrec`` as stored; ``n`` is what is safe)
+    n : int — ``min(nrec, complete records physically present)``
+    records : structured array [n] of :func:`record_dtype` (a view of the loaded bytes)
+    file_size : int
+    """
+
+    def __init__(self, header: Header, records: np.ndarray, file_size: int):
+        self.header = header
+        self.records = records
+        self.n = int(records.shape[0])
+        self.file_size = file_size
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.header.geometry
+
+    @property
+    def tier(self) -> Tier:
+        return self.header.tier
+
+    @property
+    def complete_records(self) -> int:
+        return (self.file_size - HEADER_BYTES) // self.header.rec_bytes if self.file_size >= HEADER_BYTES else 0
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        """int32[n], contiguous."""
+        return np.ascontiguousarray(self.records["token"])
+
+    def _layer_field(self, name: str) -> np.ndarray:
+        return self.records["layers"][name]  # [n, n_layers, ...] strided view
+
+    @cached_property
+    def _bad_row_masks(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """[n, n_layers] masks of rows whose scale/radius is corrupt (L, R); None for v1."""
+        if self.tier.version == 1:
+            return None
+        check = fp8.bad_scales if self.tier.version == 2 else (lambda r: tq.sanitize_radii(r)[1])
+        return check(self._layer_field("Ls")), check(self._layer_field("Rs"))
+
+    @cached_property
+    def problems(self) -> Problems:
+        """Counts of what sanitize-on-load neutralizes. Scales/radii are checked on load; the
+        full scan of code bytes happens the first time this is read (inspect, repair)."""
+        h = self.header
+        found = Problems()
+        complete = self.complete_records
+        found.overclaim = max(0, h.nrec - complete)
+        found.uncommitted = max(0, complete - h.nrec)
+        found.torn_tail_bytes = max(0, self.file_size - HEADER_BYTES - complete * h.rec_bytes)
+        masks = self._bad_row_masks
+        if h.version == 2:
+            found.bad_scales = int(masks[0].sum() + masks[1].sum())
+            for name in ("Lc", "Rc"):
+                found.nan_codes += int(np.count_nonzero(fp8.nan_codes(self._layer_field(name))))
+        elif h.version == 3:
+            found.bad_radii = int(masks[0].sum() + masks[1].sum())
+        else:
+            for name in ("Lc", "Rc"):
+                found.nan_values += int(np.count_nonzero(~np.isfinite(self._layer_field(name))))
+        if h.nic:
+            found.nan_values += int(np.count_nonzero(~np.isfinite(self.records["index"])))
+        return found
+
+    def quantized(self, which: str) -> tuple[np.ndarray, np.ndarray]:
+        """Raw stored rows of ``which`` (``"L"`` or ``"R"``), sanitized, layer-major.
+
+        Returns
+        -------
+        codes : u8[n_layers, n, row] (fp8 codes for v2, packed TQ bytes for v3)
+        scales : f32[n_layers, n] (fp8 scales for v2, radii for v3)
+
+        Corrupt rows come back inert (codes 0, scale 1 / radius 0) and NaN codes as 0, so a
+        consumer that decodes in hardware sees what the LUT decoder sees.
+        """
+        if self.tier.version == 1:
+            raise CodecMismatch("a v1 file stores f32 rows, not codes: use dequantize()")
+        if which not in ("L", "R"):
+            raise ValueError("which must be 'L' or 'R'")
+        codes = np.ascontiguousarray(self._layer_field(which + "c").transpose(1, 0, 2))
+        scales = np.ascontiguousarray(self._layer_field(which + "s").T)
+        bad = self._bad_row_masks[0 if which == "L" else 1].T
+        if self.tier.version == 2:
+            codes[fp8.nan_codes(codes)] = 0
+            if bad.any():
+                codes[bad] = 0
+                scales[bad] = 1.0
+        elif bad.any():
+            codes[bad] = 0
+            scales[bad] = 0.0
+        return codes, scales
+
+    def _dequantize_field(self, which: str, width: int) -> np.ndarray:
+        n_layers = self.geometry.n_layers
+        out = np.empty((n_layers, self.n, width), dtype=np.float32)
+        version = self.tier.version
+        if version == 1:
+            rows = self._layer_field(which + "c")
+            for layer in range(n_layers):
+                out[layer] = rows[:, layer]
+            return out
+        codes = self._layer_field(which + "c")
+        scales = self._layer_field(which + "s")
+        bad = self._bad_row_masks[0 if which == "L" else 1]
+        for layer in range(n_layers):
+            layer_scales = np.ascontiguousarray(scales[:, layer])
+            layer_codes = codes[:, layer]
+            if bad[:, layer].any():
+                # A corrupt row is inert: zero codes and a neutral scale/radius.
+                layer_codes = layer_codes.copy()
+                layer_codes[bad[:, layer]] = 0
+                layer_scales[bad[:, layer]] = 1.0 if version == 2 else 0.0
+            if version == 2:
+                fp8.dequantize_rows(layer_codes, layer_scales, out=out[layer])
+            else:
+                tq.dequantize_rows(layer_codes, layer_scales, width, self.tier.codec, self.tier.bits, out=out[layer])
+        return out
+
+    def dequantize(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Decode every safe record, sanitized.
+
+        Returns
+        -------
+        L : f32[n_layers, n, kv_lora]
+        R : f32[n_layers, n, qk_rope]
+        I : f32[nic, n, index_hd] or None when nic == 0
+        """
+        g = self.geometry
+        L = self._dequantize_field("L", g.kv_lora)
+        R = self._dequantize_field("R", g.qk_rope)
+        index = None
+        if g.nic:
+            index = np.ascontiguousarray(self.records["index"].transpose(1, 0, 2))
+        return L, R, index
+
+    def slice(self, start: int, stop: int) -> "KVRecords":
+        """Records ``start .. stop`` as their own KVRecords (a view, no copy)."""
+        part = self.records[start:stop]
+        return KVRecords(self.header.with_nrec(part.shape[0]), part, HEADER_BYTES + part.nbytes)
+
+    def record_bytes(self, start: int = 0, stop: int | None = None) -> bytes:
+        """The raw bytes of records ``start .. stop`` (no header), as stored."""
+        return self.records[start:stop].tobytes()
+
+
+def parse(buf: bytes | bytearray | memoryview, *, expect: Geometry | None = None, tier: Tier | None = None) -> KVRecords:
+    """Parse a whole file image.
+
+    Parameters
+    ----------
+    buf : the file's bytes
+    expect : Geometry, optional — refuse a file for another model (:class:`GeometryMismatch`)
+    tier : Tier, optional — refuse a file of another version/codec/bits (:class:`CodecMismatch`)
+
+    Returns
+    -------
+    KVRecords with ``n = min(nrec, complete records present)``: a short body stops at the last
+    complete record; it is never an error and never yields garbage.
+    """
+    header = parse_header(buf)
+    if expect is not None and header.geometry != expect:
+        raise GeometryMismatch("file is for another model: " + "; ".join(header.geometry.mismatches(expect)))
+    if tier is not None and header.tier != tier:
+        raise CodecMismatch(f"file is {header.tier.describe()}, the active tier is {tier.describe()}")
+    size = len(memoryview(buf).cast("B")) if not isinstance(buf, np.ndarray) else buf.nbytes
+    dtype = record_dtype(header.geometry, header.tier)
+    complete = (size - HEADER_BYTES) // dtype.itemsize
+    n = min(header.nrec, complete)
+    records = np.frombuffer(buf, dtype=dtype, count=n, offset=HEADER_BYTES)
+    return KVRecords(header, records, size)
+
+
+def read_header(path: str | os.PathLike) -> tuple[Header, int]:
+    """Read and validate just the header of ``path``; returns (header, file size)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return parse_header(f.read(HEADER_BYTES)), size
+
+
+def load(path: str | os.PathLike, *, expect: Geometry | None = None, tier: Tier | None = None) -> KVRecords:
+    """Load a ``.coli_kv`` file with one read and array operations.
+
+    See :func:`parse` for ``expect``/``tier`` and what ``n`` means.
+    """
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:  # one read per 2 GiB (the kernel's cap per call)
+            n = f.readinto(view[got:])
+            if not n:  # the file shrank under us: parse the prefix that was read
+                break
+            got += n
+    return parse(view[:got], expect=expect, tier=tier)
+
+
+def encode_records(geometry: Geometry, tier: Tier, tokens, L, R, I=None) -> np.ndarray:
+    """Encode rows into records.
+
+    Parameters
+    ----------
+    tokens : int32[n]
+    L : f32[n_layers, n, kv_lora]
+    R : f32[n_layers, n, qk_rope]
+    I : f32[nic, n, index_hd], required when nic > 0
+
+    Returns
+    -------
+    structured array [n] of :func:`record_dtype` (``.tobytes()`` is the body)
+    """
+    tokens = np.asarray(tokens)
+    n = tokens.shape[0] if tokens.ndim == 1 else -1
+    g = geometry
+    if tokens.ndim != 1:
+        raise FormatError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= g.vocab):
+        raise FormatError(f"token ids must be in [0, {g.vocab}), got {tokens.min()}..{tokens.max()}")
+    L = np.asarray(L, dtype=np.float32)
+    R = np.asarray(R, dtype=np.float32)
+    if L.shape != (g.n_layers, n, g.kv_lora):
+        raise GeometryMismatch(f"L has shape {L.shape}, expected {(g.n_layers, n, g.kv_lora)}")
+    if R.shape != (g.n_layers, n, g.qk_rope):
+        raise GeometryMismatch(f"R has shape {R.shape}, expected {(g.n_layers, n, g.qk_rope)}")
+    if g.nic:
+        if I is None:
+            raise GeometryMismatch(f"the model has {g.nic} indexer layers: I rows are required")
+        I = np.asarray(I, dtype=np.float32)
+        if I.shape != (g.nic, n, g.index_hd):
+            raise GeometryMismatch(f"I has shape {I.shape}, expected {(g.nic, n, g.index_hd)}")
+    elif I is not None and np.size(I):
+        raise GeometryMismatch("the model has no indexer layers (nic = 0) but I rows were given")
+    records = np.zeros(n, dtype=record_dtype(g, tier))
+    records["token"] = tokens
+    layers = records["layers"]
+    for which, rows in (("L", L), ("R", R)):
+        # [n_layers, n, w] -> [n, n_layers, w]: the record order
+        rows_t = rows.transpose(1, 0, 2)
+        if tier.version == 1:
+            layers[which + "c"] = rows_t
+        elif tier.version == 2:
+            codes, scales = fp8.quantize_rows(rows_t)
+            layers[which + "c"] = codes
+            layers[which + "s"] = scales
+        else:
+            codes, radii = tq.quantize_rows(rows_t, tier.codec, tier.bits)
+            layers[which + "c"] = codes
+            layers[which + "s"] = radii
+    if g.nic:
+        records["index"] = I.transpose(1, 0, 2)
+    return records
+
+
+def encode_file(geometry: Geometry, tokens, L, R, I=None, *, version: int, codec: int | None = None, bits: int | None = None) -> bytes:
+    """A whole file image (header with ``nrec = n`` + records)."""
+    tier = Tier(version, codec, bits)
+    check_geometry(geometry, tier)
+    records = encode_records(geometry, tier, tokens, L, R, I)
+    return Header(geometry, tier, records.shape[0]).to_bytes() + records.tobytes()
+
+
+def write(path, tokens, L, R, I=None, *, vocab: int, version: int, codec: int | None = None, bits: int | None = None) -> None:
+    """Write a complete file (geometry taken from the arrays' shapes).
+
+    A plain write for tools and tests; for durable, crash-safe writes use ``kvstore.KVFile``.
+    """
+    L = np.asarray(L, dtype=np.float32)
+    R = np.asarray(R, dtype=np.float32)
+    nic, index_hd = (0, 0) if I is None else np.asarray(I).shape[0::2]
+    geometry = Geometry(L.shape[0], L.shape[2], R.shape[2], int(index_hd), int(nic), vocab)
+    blob = encode_file(geometry, tokens, L, R, I, version=version, codec=codec, bits=bits)
+    with open(path, "wb") as f:
+        f.write(blob)

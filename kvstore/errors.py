@@ -1,0 +1,78 @@
+"""Every typed error kvstore raises, in one place.
+
+The format errors are defined in ``kvstore.formats.errors`` (that part imports nothing else) and
+re-exported here. Each error subclasses the matching built-in too, so code that only knows
+``KeyError``/``ValueError``/``OSError`` still catches it. ``reason`` is the one line the CLI prints
+(exit code 2) and the API returns (with ``http_status``).
+"""
+
+from __future__ import annotations
+
+from kvstore.formats.errors import (  # noqa: F401
+    BadHeader,
+    BadMagic,
+    CodecMismatch,
+    FormatError,
+    GeometryMismatch,
+    KVStoreError,
+    TruncatedHeader,
+)
+
+
+class JournalWriteError(KVStoreError, OSError):
+    """A write or fsync failed. Committed records are intact; the next append rewrites the tail."""
+
+    http_status = 507
+
+
+class JournalLocked(KVStoreError, BlockingIOError):
+    """Another writer holds the journal's lock."""
+
+    http_status = 409
+
+
+class JournalClosed(KVStoreError, ValueError):
+    """The journal handle was closed."""
+
+
+class PathRefused(KVStoreError, PermissionError):
+    """A path resolves outside the folder it must stay in (traversal or a symlink out)."""
+
+    http_status = 400
+
+
+class SessionNotFound(KVStoreError, KeyError):
+    http_status = 404
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.reason
+
+
+class SessionExists(KVStoreError, ValueError):
+    http_status = 409
+
+
+class InvalidSessionId(KVStoreError, ValueError):
+    http_status = 400
+
+
+class BudgetExceeded(KVStoreError, OSError):
+    """The store's hard disk limit would be crossed; nothing was written."""
+
+    http_status = 507
+
+
+class FingerprintMismatch(KVStoreError, ValueError):
+    """A session was written by another model, tokenizer or cache tier than the one restoring it."""
+
+    http_status = 409
+
+
+class IntegrityError(KVStoreError, ValueError):
+    """Stored rows do not match the hashes recorded when they were appended."""
+
+    http_status = 409
+
+
+class MigrationError(KVStoreError, ValueError):
+    """No registered migration path, or a migration that would overwrite its source."""

@@ -1,0 +1,462 @@
+"""The durable ``.coli_kv`` journal: every fsync and every atomic rename of kvstore lives here.
+
+Protocol (FORMAT.md section 4), and what each step protects against:
+
+- **create**: the header (nrec = 0) is written to a temporary file, fsynced, then linked into
+  place (never clobbering) and the directory fsynced — a crash leaves no file or a valid empty one.
+- **append**: records are written past the commit point, the data is fsynced, *then* h6 (nrec) is
+  written and fsynced. A crash at any instant leaves the old nrec valid; bytes past it are ignored
+  and the next append overwrites them.
+- **truncate**: h6 is lowered (never above what is committed and physically complete), fsynced,
+  and only then is the file shortened.
+- **rewrite** (lazy v1 -> v2/v3 upgrade, migrate, repair): the new image goes to a temporary file in
+  the same directory, is fsynced, renamed over the old one, and the directory is fsynced: a crash
+  leaves either the old file or the new one, never less.
+- After any failed write the handle forgets its cached count, so the next append re-reads the
+  committed count and rewrites the tail rather than skipping it.
+
+Writers take an advisory lock (``flock`` on a ``<file>.lock`` sidecar, which survives the renames
+above), so two writers never interleave. Readers take no lock: the commit order guarantees they see
+a consistent prefix.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from kvstore.errors import CodecMismatch, FormatError, GeometryMismatch, JournalClosed, JournalLocked, JournalWriteError
+from kvstore.formats import coli_kv, fp8, tq
+from kvstore.formats.coli_kv import HEADER_BYTES, NREC_OFFSET, Geometry, Header, KVRecords, Tier
+from kvstore.migrations import formats as format_migrations
+
+FILE_MODE = 0o600  # conversations are private: owner-only files
+MAX_RECORDS = 2**31 - 1  # h6 is an int32
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename/link/unlink in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, payload: bytes | memoryview, offset: int) -> None:
+    view = memoryview(payload).cast("B")
+    while len(view):
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, "short write")
+        view = view[written:]
+        offset += written
+
+
+def read_whole(fd: int) -> memoryview:
+    """The file's current bytes, read with as few syscalls as the kernel allows (<= 2 GiB each)."""
+    size = os.fstat(fd).st_size
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = os.preadv(fd, [view[got:]], got)
+        if n == 0:  # the file shrank under us: what was read is a prefix, parse that
+            break
+        got += n
+    return view[:got]
+
+
+class AtomicFile:
+    """Write a whole file image so that a crash leaves either the old file or the new one.
+
+    Use as a context manager; the file is published only if the block exits cleanly.
+    With ``replace=False`` an existing destination is never clobbered (``FileExistsError``).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, replace: bool = True):
+        self.path = Path(path)
+        self.replace = replace
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+        self._fd: int | None = None
+        self.size = 0
+
+    def __enter__(self) -> "AtomicFile":
+        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        return self
+
+    def write(self, payload: bytes | memoryview | np.ndarray) -> None:
+        if isinstance(payload, np.ndarray):
+            payload = memoryview(np.ascontiguousarray(payload)).cast("B")
+        _pwrite_all(self._fd, payload, self.size)
+        self.size += len(memoryview(payload).cast("B"))
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        fd, self._fd = self._fd, None
+        try:
+            if exc_type is None:
+                os.fsync(fd)  # the new image is on disk before its name can point at it
+        except BaseException:
+            os.close(fd)
+            self._discard()
+            raise
+        os.close(fd)
+        if exc_type is not None:
+            self._discard()
+            return
+        try:
+            if self.replace:
+                os.replace(self._tmp, self.path)
+            else:
+                os.link(self._tmp, self.path)  # fails if the destination exists: never clobber
+                os.unlink(self._tmp)
+            fsync_dir(self.path.parent)  # the rename itself survives a power loss
+        except BaseException:
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        try:
+            os.unlink(self._tmp)
+        except FileNotFoundError:
+            pass
+
+
+class _Lock:
+    """``flock`` on a sidecar file; waits up to ``timeout`` seconds, then raises JournalLocked."""
+
+    def __init__(self, target: Path, timeout: float):
+        self.path = target.with_name(target.name + ".lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    raise JournalLocked(f"{target.name} is being written by another writer; try again later") from None
+                time.sleep(0.005)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
+class KVFile:
+    """A durable, lockable ``.coli_kv`` journal.
+
+    Open with :meth:`create` or :meth:`open`. ``tier`` is the *active* cache tier: a v1 file opened
+    under a quantized tier is upgraded lazily (rows quantized in memory on :meth:`load`; the file is
+    rewritten atomically on the first :meth:`append`). Any other tier difference is refused with
+    :class:`CodecMismatch` — use ``kvstore.migrations`` for an explicit (lossy) conversion.
+    """
+
+    def __init__(self, path: Path, fd: int, header: Header, committed: int, tier: Tier, lock: _Lock | None):
+        self.path = path
+        self._fd = fd
+        self._header = header  # as stored on disk (its tier may differ from the active tier)
+        self._committed: int | None = committed
+        self.tier = tier
+        self._lock = lock
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def create(cls, path: str | os.PathLike, geometry: Geometry, tier: Tier, *, lock_timeout: float = 5.0) -> "KVFile":
+        """Create a new, empty journal (refuses to overwrite an existing file)."""
+        path = Path(path)
+        coli_kv.check_geometry(geometry, tier)
+        lock = _Lock(path, lock_timeout)
+        try:
+            header = Header(geometry, tier, 0)
+            with AtomicFile(path, replace=False) as out:
+                out.write(header.to_bytes())
+            fd = os.open(path, os.O_RDWR)
+        except BaseException:
+            lock.release()
+            raise
+        return cls(path, fd, header, 0, tier, lock)
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        geometry: Geometry | None = None,
+        tier: Tier | None = None,
+        writable: bool = False,
+        lock_timeout: float = 5.0,
+    ) -> "KVFile":
+        """Open an existing journal.
+
+        Parameters
+        ----------
+        geometry : the model fingerprint the caller expects (refused with GeometryMismatch if not)
+        tier : the active cache tier (default: the file's own)
+        writable : take the writer lock (waits up to ``lock_timeout`` seconds)
+        """
+        path = Path(path)
+        lock = _Lock(path, lock_timeout) if writable else None
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+            try:
+                header, committed = cls._read_commit(fd)
+                if geometry is not None and header.geometry != geometry:
+                    raise GeometryMismatch(
+                        f"{path.name} is for another model: " + "; ".join(header.geometry.mismatches(geometry))
+                    )
+                active = tier or header.tier
+                if header.tier != active and not (header.tier.version == 1 and active.version != 1):
+                    raise CodecMismatch(
+                        f"{path.name} is {header.tier.describe()} but the active tier is {active.describe()}; "
+                        f"migrate it explicitly (kvstore migrate) — the conversion is lossy"
+                    )
+                return cls(path, fd, header, committed, active, lock)
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+
+    @staticmethod
+    def _read_commit(fd: int) -> tuple[Header, int]:
+        """The on-disk header and the committed count, clamped to complete records."""
+        size = os.fstat(fd).st_size
+        header = coli_kv.parse_header(os.pread(fd, HEADER_BYTES, 0))
+        complete = (size - HEADER_BYTES) // header.rec_bytes
+        return header, min(header.nrec, complete)
+
+    # ---------------------------------------------------------------- state
+    @property
+    def geometry(self) -> Geometry:
+        return self._header.geometry
+
+    @property
+    def stored_tier(self) -> Tier:
+        return self._header.tier
+
+    @property
+    def upgrade_pending(self) -> bool:
+        """A v1 file under a quantized tier, not yet rewritten."""
+        return self._header.tier != self.tier
+
+    @property
+    def writable(self) -> bool:
+        return self._lock is not None
+
+    @property
+    def n_records(self) -> int:
+        """Records committed and physically complete."""
+        return self._commit_point()
+
+    def _check_open(self) -> None:
+        if self._fd < 0:
+            raise JournalClosed(f"{self.path.name} is closed")
+
+    def _commit_point(self) -> int:
+        self._check_open()
+        if self._committed is None:  # after a failure: trust the disk, not memory
+            self._header, self._committed = self._read_commit(self._fd)
+        return self._committed
+
+    # ---------------------------------------------------------------- reading
+    def load(self) -> KVRecords:
+        """The committed records, in the active tier (one read + array operations)."""
+        self._check_open()
+        records = coli_kv.parse(read_whole(self._fd))
+        if records.tier != self.tier:  # lazy upgrade: quantize in memory, the file stays as it is
+            converted = format_migrations.convert(records, self.tier)
+            header = Header(records.geometry, self.tier, records.n)
+            records = KVRecords(header, converted, HEADER_BYTES + converted.nbytes)
+        return records
+
+    # ---------------------------------------------------------------- writing
+    def _require_writer(self) -> None:
+        self._check_open()
+        if self._lock is None:
+            raise JournalClosed(f"{self.path.name} was opened read-only")
+
+    def encode(self, tokens, L, R, I=None) -> np.ndarray:
+        """Encode rows as records of the active tier (see ``coli_kv.encode_records``)."""
+        return coli_kv.encode_records(self.geometry, self.tier, tokens, L, R, I)
+
+    def append(self, tokens, L, R, I=None) -> int:
+        """Append rows (tokens int32[k], L f32[n_layers,k,kv_lora], R f32[n_layers,k,qk_rope],
+        I f32[nic,k,index_hd]) durably; returns the new committed count."""
+        return self.append_records(self.encode(tokens, L, R, I))
+
+    def append_records(self, records: np.ndarray | bytes | memoryview) -> int:
+        """Append already-encoded records of the active tier; returns the new committed count.
+
+        Raw bytes (e.g. uploaded by a client) are validated first: whole records, token ids in the
+        vocabulary, and no corrupt scale/radius or NaN code — nothing invalid is ever committed.
+        """
+        self._require_writer()
+        dtype = coli_kv.record_dtype(self.geometry, self.tier)
+        records = self.validate_records(records, dtype)
+        if records.shape[0] == 0:
+            return self._commit_point()
+        try:
+            committed = self._commit_point()
+            total = committed + records.shape[0]
+            if total > MAX_RECORDS:
+                raise FormatError(f"{total} records exceed the format's limit of {MAX_RECORDS}")
+            if self.upgrade_pending:
+                self._rewrite(extra=records)
+                return self._committed
+            offset = HEADER_BYTES + committed * dtype.itemsize
+            _pwrite_all(self._fd, memoryview(records).cast("B"), offset)
+            os.fsync(self._fd)  # data first: the counter must never point at unwritten rows
+            _pwrite_all(self._fd, struct.pack("<i", total), NREC_OFFSET)
+            os.fsync(self._fd)  # the commit point itself
+        except OSError as exc:
+            self._committed = None
+            raise JournalWriteError(f"append to {self.path.name} failed ({exc.strerror or exc}); committed records are intact") from exc
+        except BaseException:
+            self._committed = None
+            raise
+        self._committed = total
+        self._header = self._header.with_nrec(total)
+        return total
+
+    def validate_records(self, records: np.ndarray | bytes | memoryview, dtype: np.dtype | None = None) -> np.ndarray:
+        """Check records of the active tier before they are committed; returns them as an array."""
+        dtype = dtype or coli_kv.record_dtype(self.geometry, self.tier)
+        if not isinstance(records, np.ndarray):
+            raw = memoryview(records).cast("B")
+            if len(raw) % dtype.itemsize:
+                raise FormatError(
+                    f"{len(raw)} bytes is not a whole number of {dtype.itemsize}-byte records for this session"
+                )
+            records = np.frombuffer(raw, dtype=dtype)
+        elif records.dtype != dtype:
+            raise FormatError("records were encoded for another geometry or tier")
+        if records.shape[0] == 0:
+            return records
+        tokens = records["token"]
+        if tokens.min() < 0 or tokens.max() >= self.geometry.vocab:
+            raise FormatError(f"token ids must be in [0, {self.geometry.vocab})")
+        layers = records["layers"]
+        if self.tier.version == 1:
+            if not (np.isfinite(layers["Lc"]).all() and np.isfinite(layers["Rc"]).all()):
+                raise FormatError("rows hold NaN or infinite values")
+        elif self.tier.version == 2:
+            if fp8.bad_scales(layers["Ls"]).any() or fp8.bad_scales(layers["Rs"]).any():
+                raise FormatError("rows hold an fp8 scale that is not finite and positive")
+            if fp8.nan_codes(layers["Lc"]).any() or fp8.nan_codes(layers["Rc"]).any():
+                raise FormatError("rows hold fp8 NaN codes (0x7F/0xFF), which no encoder writes")
+        else:
+            if tq.sanitize_radii(layers["Ls"])[1].any() or tq.sanitize_radii(layers["Rs"])[1].any():
+                raise FormatError("rows hold a TQ radius that is not finite and non-negative")
+        if self.geometry.nic and not np.isfinite(records["index"]).all():
+            raise FormatError("indexer rows hold NaN or infinite values")
+        return records
+
+    def truncate(self, n: int) -> int:
+        """Keep the first ``n`` records; never publishes more than are committed and complete.
+
+        Returns the new committed count.
+        """
+        self._require_writer()
+        if n < 0:
+            raise FormatError(f"cannot truncate to {n} records")
+        try:
+            committed = self._commit_point()
+            target = min(n, committed)
+            if self.upgrade_pending:
+                self._rewrite(keep=target)
+                return self._committed
+            _pwrite_all(self._fd, struct.pack("<i", target), NREC_OFFSET)
+            os.fsync(self._fd)  # the lower commit point is durable before bytes disappear
+            os.ftruncate(self._fd, HEADER_BYTES + target * self._header.rec_bytes)
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._committed = None
+            raise JournalWriteError(f"truncate of {self.path.name} failed ({exc.strerror or exc})") from exc
+        except BaseException:
+            self._committed = None
+            raise
+        self._committed = target
+        self._header = self._header.with_nrec(target)
+        return target
+
+    def upgrade(self) -> None:
+        """Perform a pending lazy upgrade now (an atomic rewrite in the active tier)."""
+        self._require_writer()
+        if self.upgrade_pending:
+            try:
+                self._rewrite()
+            except OSError as exc:
+                self._committed = None
+                raise JournalWriteError(f"rewrite of {self.path.name} failed ({exc.strerror or exc}); the old file is intact") from exc
+
+    def _rewrite(self, extra: np.ndarray | None = None, keep: int | None = None) -> None:
+        """Atomically replace the file with its committed records in the active tier (+ ``extra``)."""
+        records = self.load()  # already converted to the active tier
+        if keep is not None:
+            records = records.slice(0, keep)
+        total = records.n + (0 if extra is None else extra.shape[0])
+        header = Header(self.geometry, self.tier, total)
+        with AtomicFile(self.path, replace=True) as out:
+            out.write(header.to_bytes())
+            out.write(records.records)
+            if extra is not None:
+                out.write(extra)
+        # Swap the handle to the new inode (the lock is on the sidecar, unaffected).
+        new_fd = os.open(self.path, os.O_RDWR)
+        os.close(self._fd)
+        self._fd = new_fd
+        self._header = header
+        self._committed = total
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> "KVFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._fd < 0 else f"{self._committed} records"
+        return f"KVFile({str(self.path)!r}, {self.tier.describe()}, {state})"
+
+
+def write_atomic(path: str | os.PathLike, header: Header, chunks: Iterable[np.ndarray], *, replace: bool = True) -> int:
+    """Write ``header`` + record chunks as a new file image, atomically; returns bytes written.
+
+    The header's nrec must equal the records written (checked) — a rewrite publishes nothing partial.
+    """
+    written = 0
+    with AtomicFile(path, replace=replace) as out:
+        out.write(header.to_bytes())
+        for chunk in chunks:
+            out.write(chunk)
+            written += chunk.shape[0]
+        if written != header.nrec:
+            raise FormatError(f"rewrite produced {written} records, header says {header.nrec}")
+    return written

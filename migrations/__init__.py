@@ -1,0 +1,11 @@
+"""Format conversions between ``.coli_kv`` versions and versioned schema steps for the index."""
+
+from kvstore.migrations.formats import (  # noqa: F401
+    REGISTRY,
+    NoMigrationPath,
+    Step,
+    convert,
+    convert_chunks,
+    is_lossy,
+    plan,
+)
