@@ -22,6 +22,7 @@ a consistent prefix.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -151,6 +152,16 @@ class _Lock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = -1
+
+
+@contextlib.contextmanager
+def writer_lock(path: str | os.PathLike, timeout: float = 5.0):
+    """Hold the journal's writer lock (e.g. while a tool rewrites the file)."""
+    lock = _Lock(Path(path), timeout)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class KVFile:

@@ -1,0 +1,103 @@
+"""Export the rows of a ``.coli_kv`` file as ``.npz``, Arrow IPC (``.arrow``) or Parquet.
+
+Rows are dequantized and sanitized, and only the ``n`` records that are safe to resume are
+exported. The npz holds ``tokens`` int32[n], ``L`` f32[n_layers, n, kv_lora],
+``R`` f32[n_layers, n, qk_rope] and, when the model has indexer layers, ``I`` f32[nic, n, index_hd].
+
+The Arrow/Parquet table has one row per (token position, layer), position-major:
+
+============  =====================================  ==========================================
+column        type                                   holds
+============  =====================================  ==========================================
+position      int32                                  record index
+token         int32                                  token id
+layer         int16                                  layer index
+L             fixed_size_list<float32>[kv_lora]      the latent row Lc
+R             fixed_size_list<float32>[qk_rope]      the rope-key row Rc
+I             fixed_size_list<float32>[index_hd]     indexer row k on layer rows k < nic (else
+                                                     null); only present when nic > 0
+============  =====================================  ==========================================
+
+The file's header (version, geometry, tier) is kept in the schema metadata.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.errors import FormatError
+from kvstore.formats.coli_kv import KVRecords
+from kvstore.journal import AtomicFile
+
+SUFFIXES = (".npz", ".arrow", ".parquet")
+
+
+def to_arrow_table(records: KVRecords, rows: tuple | None = None):
+    """The records as a ``pyarrow.Table`` (see the module docstring for the schema)."""
+    import pyarrow as pa
+
+    g = records.geometry
+    L, R, index = rows if rows is not None else records.dequantize()
+    n, n_layers = records.n, g.n_layers
+    columns = {
+        "position": pa.array(np.repeat(np.arange(n, dtype=np.int32), n_layers)),
+        "token": pa.array(np.repeat(records.tokens, n_layers)),
+        "layer": pa.array(np.tile(np.arange(n_layers, dtype=np.int16), n)),
+        # [n_layers, n, w] -> [n, n_layers, w]: position-major rows
+        "L": pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(L.transpose(1, 0, 2)).reshape(-1)), g.kv_lora),
+        "R": pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(R.transpose(1, 0, 2)).reshape(-1)), g.qk_rope),
+    }
+    if g.nic:
+        padded = np.zeros((n, n_layers, g.index_hd), dtype=np.float32)
+        padded[:, : g.nic] = index.transpose(1, 0, 2)
+        valid = np.zeros((n, n_layers), dtype=bool)
+        valid[:, : g.nic] = True
+        values = pa.array(padded.reshape(-1))
+        mask = pa.array(~valid.reshape(-1))
+        columns["I"] = pa.FixedSizeListArray.from_arrays(values, g.index_hd, mask=mask)
+    metadata = {
+        "coli_kv": json.dumps(
+            {
+                "version": records.tier.version,
+                "codec": records.tier.codec,
+                "bits": records.tier.bits,
+                "geometry": list(g.words()),
+                "n_records": n,
+            }
+        )
+    }
+    return pa.table(columns).replace_schema_metadata(metadata)
+
+
+def export(records: KVRecords, out: str | os.PathLike) -> Path:
+    """Write ``records`` to ``out`` (format by suffix), atomically; returns the path."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise FormatError(f"cannot export to {out.name!r}: use one of {', '.join(SUFFIXES)}")
+    L, R, index = records.dequantize()
+    sink = io.BytesIO()
+    if suffix == ".npz":
+        arrays = {"tokens": records.tokens, "L": L, "R": R}
+        if index is not None:
+            arrays["I"] = index
+        np.savez(sink, **arrays)
+    else:
+        table = to_arrow_table(records, (L, R, index))
+        if suffix == ".arrow":
+            import pyarrow as pa
+
+            with pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
+        else:
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, sink)
+    with AtomicFile(out) as handle:
+        handle.write(sink.getbuffer())
+    return out
