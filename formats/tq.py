@@ -331,22 +331,87 @@ def sanitize_radii(radii: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------- rotated int4 (codec 1)
 
 
+def _ordered_key(values: np.ndarray) -> np.ndarray:
+    """f32 -> int64 keys in the same order as the floats (-0.0 and +0.0 share a key)."""
+    bits = values.astype(np.float32).view(np.int32).astype(np.int64)
+    return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _from_ordered_key(keys: np.ndarray) -> np.ndarray:
+    bits = np.where(keys < 0, (-keys) | 0x80000000, keys).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def _level_thresholds() -> np.ndarray:
+    """The 15 exact f32 decision points of the int4 codebook.
+
+    ``thresholds[k]`` is the smallest f32 ``v`` whose spec distance to level k+1 is strictly
+    below its distance to level k: ``|fl(v - L[k+1])| < |fl(v - L[k])|`` (f32 subtractions; a
+    tie keeps the first index). The predicate flips once between the two levels, so a
+    bisection over the ordered f32 values finds it.
+    """
+    lower, upper = LEVELS[:-1], LEVELS[1:]
+    low_keys, high_keys = _ordered_key(lower), _ordered_key(upper)  # predicate false, true
+    while (high_keys - low_keys > 1).any():
+        middle = (low_keys + high_keys) // 2
+        v = _from_ordered_key(middle)
+        closer_above = np.abs(v - upper) < np.abs(v - lower)
+        high_keys = np.where(closer_above, middle, high_keys)
+        low_keys = np.where(closer_above, low_keys, middle)
+    return _from_ordered_key(high_keys)
+
+
+#: Exact f32 decision points between consecutive levels: code = #(thresholds <= v).
+THRESHOLDS = _level_thresholds()
+THRESHOLDS.setflags(write=False)
+
+# A uniform grid of cells 1/64 wide over [-3, 3] (cell = trunc(64 v + 192)) narrows each
+# value to one cell; a cell holds at most one decision point, so the code is the cell's base
+# level plus one comparison with that point (NaN where the cell holds none: never >=).
+_CELLS_PER_UNIT = np.float32(64.0)
+_CELL_OFFSET = np.float32(192.0)
+
+
+def _cell_tables() -> tuple[np.ndarray, np.ndarray]:
+    n_cells = int(2 * _CELL_OFFSET) + 1
+    cell = np.arange(n_cells, dtype=np.float64)
+    # 64 v + 192 is rounded in f32, which can move a value one cell over near an edge:
+    # a decision point within this margin of a cell belongs to it too.
+    margin = 2.0**-12
+    left = (cell - float(_CELL_OFFSET)) / float(_CELLS_PER_UNIT) - margin
+    right = (cell + 1 - float(_CELL_OFFSET)) / float(_CELLS_PER_UNIT) + margin
+    points = THRESHOLDS.astype(np.float64)
+    inside = (points[None, :] >= left[:, None]) & (points[None, :] <= right[:, None])
+    centre = ((left + right) / 2).astype(np.float32)
+    base = np.searchsorted(THRESHOLDS, centre, side="right")
+    has_point = inside.any(axis=1)
+    which = inside.argmax(axis=1)
+    base = np.where(has_point, which, base).astype(np.uint8)
+    point = np.where(has_point, THRESHOLDS[which], np.float32(np.nan)).astype(np.float32)
+    base.setflags(write=False)
+    point.setflags(write=False)
+    return base, point
+
+
+_CELL_BASE, _CELL_POINT = _cell_tables()
+
+
 def _nearest_level(scaled: np.ndarray) -> np.ndarray:
     """Index of the nearest level, first index on a tie, with the spec's f32 distances.
 
-    ``|fl(v - level_k)|`` falls while ``level_k <= v`` and rises after, so the nearest level is
-    one of the two that bracket ``v``: a searchsorted finds them, one exact f32 comparison
-    picks (the lower one on a tie).
+    Parameters
+    ----------
+    scaled : f32 array, any shape (finite; NaN and +-inf give 0 and 15/0 respectively)
+
+    Returns
+    -------
+    u8 array of the same shape, codes 0..15.
     """
-    below = np.searchsorted(LEVELS, scaled, side="right").astype(np.intp)
-    below -= 1  # last level <= v, -1 under the lowest
-    np.clip(below, 0, 14, out=below)
-    lower = LEVELS[below]
-    upper = LEVELS[below + 1]
-    to_lower = np.abs(scaled - lower)
-    to_upper = np.abs(scaled - upper)
-    codes = below.astype(np.uint8)
-    codes += to_upper < to_lower
+    position = scaled * _CELLS_PER_UNIT
+    position += _CELL_OFFSET
+    cell = position.astype(np.intp)  # trunc; out-of-range cells are clipped by the takes
+    codes = np.take(_CELL_BASE, cell, mode="clip")
+    codes += scaled >= np.take(_CELL_POINT, cell, mode="clip")
     return codes
 
 
@@ -496,31 +561,72 @@ def _polar_decode_columns(codes: np.ndarray, radii: np.ndarray, scratch: np.ndar
     return _unrotate_columns(block, scratch)
 
 
+def _pack_stream(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Feature-major codes ``u8[m, rows]`` (m a multiple of 8) -> LSB-first bytes ``u8[rows, m*bits/8]``.
+
+    Eight codes of ``bits`` bits make ``bits`` whole bytes: they are summed into one u64 at
+    shifts 0, bits, 2*bits, ... whose low ``bits`` little-endian bytes are the stream.
+    """
+    m, rows = codes.shape
+    shifted = codes.reshape(m // 8, 8, rows).astype(np.uint64)
+    shifted <<= (np.arange(8, dtype=np.uint64) * np.uint64(bits))[None, :, None]
+    words = np.ascontiguousarray(np.add.reduce(shifted, axis=1).T)  # [rows, m/8]
+    return words.view(np.uint8).reshape(rows, m // 8, 8)[:, :, :bits].reshape(rows, m * bits // 8)
+
+
+def _unpack_stream(stream: np.ndarray, m: int, bits: int) -> np.ndarray:
+    """Inverse of :func:`_pack_stream`: bytes ``u8[rows, m*bits/8]`` -> codes ``u8[m, rows]``."""
+    rows = stream.shape[0]
+    padded = np.zeros((rows, m // 8, 8), dtype=np.uint8)
+    padded[:, :, :bits] = stream.reshape(rows, m // 8, bits)
+    words = np.ascontiguousarray(padded.view(np.uint64)[:, :, 0].T)  # [m/8, rows]
+    shifted = words[:, None, :] >> (np.arange(8, dtype=np.uint64) * np.uint64(bits))[None, :, None]
+    shifted &= np.uint64((1 << bits) - 1)
+    return shifted.astype(np.uint8).reshape(m, rows)
+
+
 def _polar_pack(codes: np.ndarray, n: int, bits: int, n_bytes: int) -> np.ndarray:
-    """Row-major angle codes ``u8[rows, n - 1]`` -> the LSB-first bit stream ``u8[rows, rb]``."""
+    """Feature-major angle codes ``u8[n - 1, rows]`` -> the LSB-first bit stream ``u8[rows, rb]``."""
     level1_bits, deeper_bits = _polar_bits(bits)
     pairs = n // 2
-    code_bits = np.unpackbits(codes[:, :, None], axis=-1, bitorder="little")
-    stream = np.zeros((codes.shape[0], n_bytes * 8), dtype=np.uint8)
+    rows = codes.shape[1]
+    if pairs % 8 == 0:
+        # n >= 16: level 1 fills whole bytes, and the deeper codes plus one zero code do too.
+        head = pairs * level1_bits // 8
+        packed = np.empty((rows, n_bytes), dtype=np.uint8)
+        packed[:, :head] = _pack_stream(codes[:pairs], level1_bits)
+        deeper = np.zeros((pairs, rows), dtype=np.uint8)
+        deeper[: pairs - 1] = codes[pairs:]
+        packed[:, head:] = _pack_stream(deeper, deeper_bits)
+        return packed
+    # n < 16: a few bits per row, one bit per byte is cheap enough.
+    code_bits = np.unpackbits(codes.T[:, :, None], axis=-1, bitorder="little")
+    stream = np.zeros((rows, n_bytes * 8), dtype=np.uint8)
     head = pairs * level1_bits
-    stream[:, :head] = code_bits[:, :pairs, :level1_bits].reshape(codes.shape[0], head)
+    stream[:, :head] = code_bits[:, :pairs, :level1_bits].reshape(rows, head)
     tail = (pairs - 1) * deeper_bits
-    stream[:, head : head + tail] = code_bits[:, pairs:, :deeper_bits].reshape(codes.shape[0], tail)
+    stream[:, head : head + tail] = code_bits[:, pairs:, :deeper_bits].reshape(rows, tail)
     return np.packbits(stream, axis=-1, bitorder="little")
 
 
 def _polar_unpack(packed: np.ndarray, n: int, bits: int) -> np.ndarray:
-    """The bit stream ``u8[rows, rb]`` -> row-major angle codes ``u8[rows, n - 1]``."""
+    """The bit stream ``u8[rows, rb]`` -> feature-major angle codes ``u8[n - 1, rows]``."""
     level1_bits, deeper_bits = _polar_bits(bits)
     pairs = n // 2
     rows = packed.shape[0]
+    if pairs % 8 == 0:
+        head = pairs * level1_bits // 8
+        codes = np.empty((n - 1, rows), dtype=np.uint8)
+        codes[:pairs] = _unpack_stream(packed[:, :head], pairs, level1_bits)
+        codes[pairs:] = _unpack_stream(packed[:, head:], pairs, deeper_bits)[: pairs - 1]
+        return codes
     stream = np.unpackbits(packed, axis=-1, bitorder="little")
     code_bits = np.zeros((rows, n - 1, 8), dtype=np.uint8)
     head = pairs * level1_bits
     code_bits[:, :pairs, :level1_bits] = stream[:, :head].reshape(rows, pairs, level1_bits)
     tail = (pairs - 1) * deeper_bits
     code_bits[:, pairs:, :deeper_bits] = stream[:, head : head + tail].reshape(rows, pairs - 1, deeper_bits)
-    return np.packbits(code_bits, axis=-1, bitorder="little")[:, :, 0]
+    return np.ascontiguousarray(np.packbits(code_bits, axis=-1, bitorder="little")[:, :, 0].T)
 
 
 # ---------------------------------------------------------------- row codecs
@@ -566,7 +672,7 @@ def quantize_rows(x: np.ndarray, codec: int, bits: int) -> tuple[np.ndarray, np.
                 if codec == CODEC_INT4:
                     chunk_codes = _int4_encode_columns(block, work, chunk_radii).T
                 else:
-                    chunk_codes = _polar_pack(_polar_encode_columns(block, work, bits).T, n, bits, n_bytes)
+                    chunk_codes = _polar_pack(_polar_encode_columns(block, work, bits), n, bits, n_bytes)
                 target = codes[start : start + step]
                 target[...] = chunk_codes
                 target[~live] = 0
@@ -634,7 +740,7 @@ def dequantize_rows(
                 packed = np.ascontiguousarray(flat_codes[start : start + step].T)
                 rows = _int4_decode_columns(packed, chunk_radii, work, block)
             else:
-                angle_codes = np.ascontiguousarray(_polar_unpack(flat_codes[start : start + step], n, bits).T)
+                angle_codes = _polar_unpack(flat_codes[start : start + step], n, bits)
                 rows = _polar_decode_columns(angle_codes, chunk_radii, work, block, bits)
             # A zero radius already yields zeros except where a code met NaN/inf; be exact.
             rows[:, ~live] = 0
