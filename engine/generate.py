@@ -1,0 +1,352 @@
+"""Generation: a model, one latent cache, prefix reuse, greedy/sampled decoding, streaming.
+
+The engine takes the **whole context** (every token of the conversation so far, the new turn
+included) and reuses the longest prefix its cache already holds: only the rest is prefilled. After
+a restart, restoring the journaled rows into the cache therefore makes the next turn prefill only
+its new tokens. ``prefilled_tokens`` and ``reused_tokens`` report that split for every call.
+
+The last sampled token is not run through the model (its row would only be needed by the next
+turn, which starts with it): after a call the cache holds the context plus all generated tokens but
+the last, and the next call's context, which contains them all, reuses every cached row.
+
+Examples
+--------
+>>> engine = Engine.from_preset("tiny", seed=0)
+>>> first = engine.generate([5, 6, 7, 8], max_new_tokens=4, stop_tokens=())
+>>> len(first.tokens), first.prefilled_tokens, first.reused_tokens
+(4, 4, 0)
+>>> again = engine.generate([5, 6, 7, 8, *first.tokens, 9], max_new_tokens=2, stop_tokens=())
+>>> again.reused_tokens, again.prefilled_tokens
+(7, 2)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from kvstore.engine.cache import LatentCache, StoredRows, make_cache
+from kvstore.engine.config import ModelConfig, preset
+from kvstore.engine.errors import GenerationError
+from kvstore.engine.model import MLAForCausalLM
+
+__all__ = ["Engine", "GenerationResult", "GenerationStream", "SamplingParams", "sample_next"]
+
+DEFAULT_PREFILL_CHUNK = 4096
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen.
+
+    ``temperature`` 0 (or None) is greedy (arg-max, the lowest id on a tie). Otherwise the logits
+    are divided by the temperature, cut to the ``top_k`` best (0: all) and to the smallest set whose
+    probability reaches ``top_p``, and sampled with a CPU generator seeded by ``seed`` — the same
+    seed gives the same tokens on any device.
+    """
+
+    temperature: float | None = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature is not None and (not np.isfinite(self.temperature) or self.temperature < 0):
+            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.temperature
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Choose one token id from logits f32[vocab] (on any device)."""
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    scores = logits.detach().float().cpu() / float(params.temperature)
+    if params.top_k and params.top_k < scores.shape[0]:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        # keep a token while the probability before it is still short of top_p (the first always)
+        keep = (torch.cumsum(sorted_probs, dim=0) - sorted_probs) < params.top_p
+        mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(0, order, keep)
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+@dataclass
+class GenerationResult:
+    """What one call produced.
+
+    Attributes
+    ----------
+    tokens : generated ids (a stop token that ended the call is included)
+    finish_reason : ``"stop"`` (a stop token) or ``"length"`` (max_new_tokens)
+    prefilled_tokens : context tokens run through the model in this call
+    reused_tokens : context tokens whose cached rows were reused
+    seed : the seed sampling used (None when greedy)
+    text : decoded text of ``tokens`` when the engine has a tokenizer
+    timings : seconds spent in ``prefill`` and ``decode``
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    seed: int | None = None
+    text: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class GenerationStream:
+    """An iterator of generated token ids; ``result`` holds the :class:`GenerationResult` once done."""
+
+    def __init__(self, steps: Iterator[int]):
+        self._steps = steps
+        self._started = False
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        if self._started:
+            raise GenerationError("a generation stream can be read only once")
+        self._started = True
+        self.result = yield from self._steps
+
+    def close(self) -> None:
+        """Stop early (the tokens produced so far stay in the cache)."""
+        self._steps.close()
+
+
+class Engine:
+    """A model and its latent cache: prefill with prefix reuse, then decode.
+
+    Parameters
+    ----------
+    model : MLAForCausalLM
+    cache : LatentCache, optional — default an empty ``tier`` cache on the model's device
+    tokenizer : optional transformers tokenizer (text in/out)
+    tier, bits : the cache tier when ``cache`` is not given
+    prefill_chunk : tokens per prefill forward (bounds activation memory for long prompts)
+    """
+
+    def __init__(
+        self,
+        model: MLAForCausalLM,
+        cache: LatentCache | None = None,
+        tokenizer=None,
+        *,
+        tier: str = "f32",
+        bits: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.cache = cache if cache is not None else make_cache(tier, self.config, model.device, bits=bits)
+        self.tokenizer = tokenizer
+        if prefill_chunk < 1:
+            raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+
+    # -- construction --------------------------------------------------------------------------------
+    @classmethod
+    def from_folder(
+        cls,
+        folder: str | os.PathLike,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        tier: str = "f32",
+        bits: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> "Engine":
+        """Load a Hugging Face model folder (and its tokenizer, when it has one)."""
+        from kvstore.engine.tokenizer import load_tokenizer
+        from kvstore.engine.weights import load_model
+
+        model = load_model(folder, device=device, dtype=dtype)
+        return cls(model, tokenizer=load_tokenizer(Path(folder)), tier=tier, bits=bits, prefill_chunk=prefill_chunk)
+
+    @classmethod
+    def from_preset(
+        cls,
+        name: str,
+        *,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        tier: str = "f32",
+        bits: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> "Engine":
+        """A random-weight model of a preset geometry (``tiny``, ``tiny-yarn``, ``v2-lite``)."""
+        from kvstore.engine.weights import random_model
+
+        model = random_model(preset(name), seed=seed, device=device, dtype=dtype)
+        return cls(model, tier=tier, bits=bits, prefill_chunk=prefill_chunk)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # -- cache ----------------------------------------------------------------------------------------
+    def restore(self, rows: StoredRows, *, allow_requantize: bool = False) -> None:
+        """Load journaled rows into the cache (all or nothing); see :meth:`LatentCache.restore`."""
+        self._check_tokens(rows.tokens)
+        self.cache.restore(rows, allow_requantize=allow_requantize)
+
+    def restore_file(self, path: str | os.PathLike, *, allow_requantize: bool = False) -> int:
+        """Load a ``.coli_kv`` file into the cache; returns the positions restored.
+
+        Raises
+        ------
+        GeometryMismatch
+            The file is for another model (h0..h5 differ), with the differing fields.
+        """
+        from kvstore.formats import coli_kv
+
+        records = coli_kv.load(path, expect=self.config.coli_geometry())
+        self._check_tokens(records.tokens)
+        self.cache.restore_records(records, allow_requantize=allow_requantize)
+        return self.cache.length
+
+    def export_rows(self, start: int = 0, stop: int | None = None) -> StoredRows:
+        """Cached rows as the journal stores them (the tier's own version, raw codes)."""
+        return self.cache.export_rows(start, stop)
+
+    # -- forward passes ----------------------------------------------------------------------------------
+    def _check_tokens(self, tokens: np.ndarray) -> None:
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise GenerationError(
+                f"token ids must be in [0, {self.config.vocab_size}), got {int(tokens.min())}..{int(tokens.max())}"
+            )
+
+    def _context(self, tokens) -> np.ndarray:
+        if isinstance(tokens, str):
+            if self.tokenizer is None:
+                raise GenerationError("this model folder has no tokenizer: pass token ids, not text")
+            tokens = self.tokenizer(tokens, add_special_tokens=True)["input_ids"]
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise GenerationError("the context is empty: give at least one token")
+        self._check_tokens(ids)
+        return ids
+
+    def _run(self, ids: np.ndarray, start: int, *, absorbed: bool, logits: str):
+        cache = self.cache
+        cache.prepare(start, ids.shape[0])
+        tensor = torch.from_numpy(ids).to(self.device)
+        out = self.model.forward_tokens(tensor, cache, start, absorbed=absorbed, logits=logits)
+        cache.commit(start, ids)
+        return out
+
+    def prefill(self, tokens) -> tuple[torch.Tensor, int, int]:
+        """Bring the cache to ``tokens`` (the whole context), reusing the cached common prefix.
+
+        At least the last token is always run, to get its logits.
+
+        Returns
+        -------
+        logits : f32[vocab] for the token after the context
+        prefilled : tokens run through the model
+        reused : tokens whose cached rows were kept
+        """
+        ids = self._context(tokens)
+        cached = self.cache.tokens
+        limit = min(cached.shape[0], ids.shape[0] - 1)
+        differs = np.nonzero(cached[:limit] != ids[:limit])[0]
+        reused = int(differs[0]) if differs.size else limit
+        self.cache.truncate(reused)
+        logits = None
+        for a in range(reused, ids.shape[0], self.prefill_chunk):
+            chunk = ids[a : a + self.prefill_chunk]
+            # a single token takes the decode form, as it would when generated
+            logits = self._run(chunk, a, absorbed=chunk.shape[0] == 1, logits="last")
+        return logits, ids.shape[0] - reused, reused
+
+    def score(self, tokens, *, start: int = 0, absorbed: bool = True) -> torch.Tensor:
+        """Teacher-forced logits f32[T, vocab] for ``tokens`` placed at ``start`` (cache rows < start reused).
+
+        Used for quality checks: with ``absorbed`` every position attends through the tier's decode
+        backend, as in generation.
+        """
+        ids = self._context(tokens)
+        self.cache.truncate(start)
+        return self._run(ids, start, absorbed=absorbed, logits="all")
+
+    # -- generation ---------------------------------------------------------------------------------------
+    def stream(
+        self,
+        tokens,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float | None = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_tokens: Sequence[int] | None = None,
+    ) -> GenerationStream:
+        """Generate token by token; iterate the stream for ids, read ``stream.result`` at the end.
+
+        Parameters
+        ----------
+        tokens : the whole context, as ids (or text when the engine has a tokenizer)
+        max_new_tokens : at most this many tokens are generated
+        temperature, top_p, top_k, seed : see :class:`SamplingParams`
+        stop_tokens : ids that end generation (included in the output); None means the model's
+            ``eos_token_id``, ``()`` none
+        """
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        params.validate()
+        if max_new_tokens < 0:
+            raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        ids = self._context(tokens)
+        stops = frozenset(int(t) for t in (self.config.eos_token_id if stop_tokens is None else stop_tokens))
+        return GenerationStream(self._steps(ids, params, max_new_tokens, stops))
+
+    def generate(self, tokens, **kwargs) -> GenerationResult:
+        """Like :meth:`stream`, collected: returns the :class:`GenerationResult`."""
+        stream = self.stream(tokens, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def _steps(self, ids: np.ndarray, params: SamplingParams, max_new: int, stops: frozenset[int]):
+        result = GenerationResult()
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+            generator = torch.Generator().manual_seed(seed)
+            result.seed = seed
+        began = time.perf_counter()
+        logits, result.prefilled_tokens, result.reused_tokens = self.prefill(ids)
+        result.timings["prefill"] = time.perf_counter() - began
+        began = time.perf_counter()
+        try:
+            for step in range(max_new):
+                token = sample_next(logits, params, generator)
+                result.tokens.append(token)
+                yield token
+                if token in stops:
+                    result.finish_reason = "stop"
+                    break
+                if step + 1 < max_new:
+                    position = self.cache.length
+                    logits = self._run(np.array([token], dtype=np.int64), position, absorbed=True, logits="last")
+        finally:
+            result.timings["decode"] = time.perf_counter() - began
+            if self.tokenizer is not None:
+                result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        return result

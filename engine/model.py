@@ -1,0 +1,436 @@
+"""The DeepSeek-V3 decoder in torch, numerically the one transformers defines.
+
+One sequence at a time: activations are ``[T, hidden]`` for the ``T`` new tokens at absolute
+positions ``start .. start+T-1``. Every layer writes its new latent rows into the cache and reads
+the rows it attends to back through the cache (so a quantized tier affects prefill and decode
+alike), in one of two forms:
+
+* **plain** (prefill): the cached latents are expanded by ``kv_b_proj`` into per-head keys and
+  values and attended with SDPA, in query chunks so long prompts fit in memory;
+* **absorbed** (decode): ``kv_b_proj`` is folded into the query and the output, so attention runs
+  directly over the cached rows ``Lc`` [N, kv_lora] and ``Rc`` [N, qk_rope] — the rows a
+  ``.coli_kv`` record stores — through the cache tier's decode backend.
+
+Parameter names follow transformers' checkpoint names (``model.layers.3.self_attn.kv_b_proj``),
+except that routed experts are stacked per layer (``mlp.experts.gate_proj`` [E, I, hidden]);
+:mod:`kvstore.engine.weights` maps between the two.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstore.engine.config import ModelConfig
+
+__all__ = ["MLAForCausalLM", "rope_inv_freq"]
+
+# The two latent norms are built with transformers' default eps, not the config's.
+_LATENT_NORM_EPS = 1e-6
+# Upper bound on one chunk of attention scores in the plain path (bytes of f32 scores).
+_SCORE_BUDGET_BYTES = 256 << 20
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in f32 and cast back before the weight."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies f32[qk_rope/2] and the cos/sin scale, as transformers computes them.
+
+    ``default`` is ``1 / theta^(2i/d)``; ``linear`` divides by the factor; ``yarn`` blends
+    interpolated and extrapolated frequencies with a linear ramp between the correction dims and
+    scales cos/sin by its attention factor (mscale ratio).
+    """
+    dim = cfg.qk_rope_head_dim
+    base = cfg.rope.theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    kind = cfg.rope.kind
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor = float(cfg.rope_factor())
+    if kind == "linear":
+        return (1.0 / pos_freqs) / factor, 1.0
+    rope = cfg.rope
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = float(_mscale(factor, rope.mscale) / _mscale(factor, rope.mscale_all_dim))
+        else:
+            attention_factor = _mscale(factor)
+    beta_fast = rope.beta_fast or 32
+    beta_slow = rope.beta_slow or 1
+    original = cfg.original_max_positions()
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the ramp would divide by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class Rotary(nn.Module):
+    """cos/sin tables f32[T, qk_rope] for absolute positions (``cat(freqs, freqs)`` layout)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleave = cfg.rope_interleave
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, R] or [T, H, R]; ``cos``/``sin`` are [T, R].
+
+        With ``rope_interleave`` the input pairs are ``(x0, x1), (x2, x3) ...`` and the output is
+        de-interleaved (evens then odds), exactly transformers' layout for the cached key.
+        """
+        if x.dim() == 3:
+            cos, sin = cos[:, None, :], sin[:, None, :]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if self.interleave:
+            half = cos.shape[-1] // 2
+            c, s = cos[..., :half], sin[..., :half]
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention of one layer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.num_attention_heads
+        self.nope = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.softmax_scale = cfg.softmax_scale()
+        qk = cfg.qk_head_dim
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=bias)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary):
+        """Queries and the new latent rows of ``x`` [T, hidden].
+
+        Returns
+        -------
+        q_nope : [T, H, qk_nope], q_rope : [T, H, qk_rope] (roped),
+        lc : [T, kv_lora] (normed latent), rc : [T, qk_rope] (roped shared key)
+        """
+        t = x.shape[0]
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
+        compressed = self.kv_a_proj_with_mqa(x)
+        lc = self.kv_a_layernorm(compressed[:, : self.kv_lora])
+        rc = rotary.rotate(compressed[:, self.kv_lora :], cos, sin)
+        return q_nope, rotary.rotate(q_rope, cos, sin), lc, rc
+
+    def _uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [H, qk_nope, kv_lora], W_UV [H, v_head, kv_lora]."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def forward(self, x, cos, sin, rotary, cache, start: int, absorbed: bool) -> torch.Tensor:
+        q_nope, q_rope, lc, rc = self.project(x, cos, sin, rotary)
+        cache.write(self.layer, start, lc, rc)
+        if absorbed:
+            out = self._absorbed(q_nope, q_rope, cache, start)
+        else:
+            out = self._plain(q_nope, q_rope, cache, start)
+        return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.v_dim))
+
+    def _absorbed(self, q_nope, q_rope, cache, start: int) -> torch.Tensor:
+        """Attention over the cached rows with kv_b_proj folded in; token t sees rows 0..start+t."""
+        t = q_nope.shape[0]
+        w_uk, w_uv = self._uk_uv()
+        # q_lat[t, h] = q_nope[t, h] @ W_UK[h]: the query in latent space
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        seq_len = torch.arange(start + 1, start + t + 1, dtype=torch.int32, device=q_nope.device)
+        seq_start = torch.zeros(t, dtype=torch.int32, device=q_nope.device)
+        ctx_lat = cache.attend(
+            self.layer,
+            q_lat.float().contiguous(),
+            q_rope.float().contiguous(),
+            seq_start,
+            seq_len,
+            self.softmax_scale,
+            n_rows=start + t,
+        )
+        # out[t, h] = ctx_lat[t, h] @ W_UV[h]^T
+        ctx_lat = ctx_lat.to(w_uv.dtype)
+        return torch.bmm(ctx_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _plain(self, q_nope, q_rope, cache, start: int) -> torch.Tensor:
+        """Prefill attention: expand the cached latents to per-head keys/values, causal SDPA."""
+        t = q_nope.shape[0]
+        n = start + t
+        lc, rc = cache.read(self.layer, n)
+        dtype = q_nope.dtype
+        kv = self.kv_b_proj(lc.to(dtype)).view(n, self.n_heads, self.nope + self.v_dim)
+        keys = torch.cat((kv[..., : self.nope], rc.to(dtype)[:, None, :].expand(n, self.n_heads, self.rope_dim)), -1)
+        values = kv[..., self.nope :]
+        queries = torch.cat((q_nope, q_rope), dim=-1)
+        # [H, N, D] layout for SDPA
+        keys, values, queries = keys.transpose(0, 1), values.transpose(0, 1), queries.transpose(0, 1)
+        out = torch.empty(self.n_heads, t, self.v_dim, dtype=dtype, device=q_nope.device)
+        chunk = max(1, min(t, _SCORE_BUDGET_BYTES // max(1, 4 * self.n_heads * n)))
+        key_pos = torch.arange(n, device=q_nope.device)
+        for q0 in range(0, t, chunk):
+            q1 = min(t, q0 + chunk)
+            visible = start + q1  # the last query of the chunk sees rows 0 .. start+q1-1
+            query_pos = torch.arange(start + q0, start + q1, device=q_nope.device)
+            mask = key_pos[None, :visible] <= query_pos[:, None]
+            out[:, q0:q1] = F.scaled_dot_product_attention(
+                queries[:, q0:q1],
+                keys[:, :visible],
+                values[:, :visible],
+                attn_mask=mask,
+                scale=self.softmax_scale,
+            )
+        return out.transpose(0, 1)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores, group-limited top-k on bias-corrected scores, weights from raw scores."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        # Kept in f32 whatever the model dtype, as transformers does.
+        self.weight = nn.Parameter(torch.zeros(self.n_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns expert indices int64[T, top_k] and their weights f32[T, top_k]."""
+        t = x.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = self.n_experts // self.n_group
+        group_scores = choice.view(t, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        expert_mask = group_mask[:, :, None].expand(t, self.n_group, per_group).reshape(t, self.n_experts)
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        top_idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, top_idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_idx, weights * self.routed_scaling_factor
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts of one layer, stacked: gate/up [E, I, hidden], down [E, hidden, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_proj = nn.Parameter(torch.empty(e, i, h))
+        self.up_proj = nn.Parameter(torch.empty(e, i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, k = top_idx.shape
+        n_experts = self.gate_proj.shape[0]
+        if x.device.type != "cpu" and t * k <= n_experts:
+            return self._gathered(x, top_idx, weights)
+        return self._segmented(x, top_idx, weights)
+
+    def _gathered(self, x, top_idx, weights):
+        """Few tokens: gather the chosen experts' weights and run one batched matmul (no host sync)."""
+        t, k = top_idx.shape
+        flat = top_idx.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T*k, 1, hidden]
+        gate = torch.bmm(xs, self.gate_proj[flat].transpose(1, 2))
+        up = torch.bmm(xs, self.up_proj[flat].transpose(1, 2))
+        y = torch.bmm(F.silu(gate) * up, self.down_proj[flat].transpose(1, 2))[:, 0]  # [T*k, hidden]
+        y = y * weights.reshape(-1, 1).to(y.dtype)
+        return y.view(t, k, -1).sum(dim=1)
+
+    def _segmented(self, x, top_idx, weights):
+        """Many tokens: sort the (token, expert) pairs by expert and run one matmul per expert hit."""
+        t, k = top_idx.shape
+        flat_expert = top_idx.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = torch.arange(t, device=x.device).repeat_interleave(k)[order]
+        weight_of = weights.reshape(-1)[order]
+        counts = torch.bincount(flat_expert, minlength=self.gate_proj.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        offset = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = token_of[offset : offset + count]
+            xe = x[rows]
+            h = F.silu(xe @ self.gate_proj[expert].T) * (xe @ self.up_proj[expert].T)
+            ye = (h @ self.down_proj[expert].T) * weight_of[offset : offset + count, None].to(x.dtype)
+            out.index_add_(0, rows, ye)
+            offset += count
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = RoutedExperts(cfg)
+        self.shared_experts = (
+            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts > 0
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_idx, weights = self.gate(x)
+        out = self.experts(x, top_idx, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, rotary, cache, start: int, absorbed: bool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rotary, cache, start, absorbed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """transformers' ``model.*``: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+
+
+class MLAForCausalLM(nn.Module):
+    """The whole model. Build with :mod:`kvstore.engine.weights` (load or random init)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward_tokens(
+        self,
+        token_ids: torch.Tensor,
+        cache,
+        start: int,
+        *,
+        absorbed: bool,
+        logits: str = "last",
+    ) -> torch.Tensor | None:
+        """Run ``T`` new tokens at positions ``start ..`` against ``cache`` (rows ``< start`` reused).
+
+        The cache receives every layer's rows for the new positions; committing them (moving the
+        cache length) is the caller's job, so a failed call leaves the committed rows untouched.
+
+        Parameters
+        ----------
+        token_ids : int64[T] on the model's device
+        cache : a :class:`kvstore.engine.cache.LatentCache` holding at least ``start`` rows
+        start : absolute position of the first new token
+        absorbed : True for the absorbed (decode) attention, False for the plain (prefill) form
+        logits : ``"last"`` -> f32[vocab] of the last token, ``"all"`` -> f32[T, vocab], ``"none"``
+
+        Returns
+        -------
+        f32 logits as asked, or None.
+        """
+        t = token_ids.shape[0]
+        positions = torch.arange(start, start + t, device=token_ids.device)
+        rotary = self.model.rotary
+        cos, sin = rotary(positions)
+        x = self.model.embed_tokens(token_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, rotary, cache, start, absorbed)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        out = self.lm_head(self.model.norm(x)).float()
+        return out[0] if logits == "last" else out
