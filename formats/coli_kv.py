@@ -468,7 +468,7 @@ def load(path: str | os.PathLike, *, expect: Geometry | None = None, tier: Tier 
     """
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
+        buf = np.empty(size, dtype=np.uint8)  # not bytearray(size): that zero-fills first
         view = memoryview(buf)
         got = 0
         while got < size:  # one read per 2 GiB (the kernel's cap per call)

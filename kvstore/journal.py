@@ -64,7 +64,7 @@ def _pwrite_all(fd: int, payload: bytes | memoryview, offset: int) -> None:
 def read_whole(fd: int) -> memoryview:
     """The file's current bytes, read with as few syscalls as the kernel allows (<= 2 GiB each)."""
     size = os.fstat(fd).st_size
-    buf = bytearray(size)
+    buf = np.empty(size, dtype=np.uint8)  # not bytearray(size): that zero-fills first
     view = memoryview(buf)
     got = 0
     while got < size:
@@ -306,17 +306,19 @@ class KVFile:
     def append(self, tokens, L, R, I=None) -> int:
         """Append rows (tokens int32[k], L f32[n_layers,k,kv_lora], R f32[n_layers,k,qk_rope],
         I f32[nic,k,index_hd]) durably; returns the new committed count."""
-        return self.append_records(self.encode(tokens, L, R, I))
+        return self.append_records(self.encode(tokens, L, R, I), validate=False)
 
-    def append_records(self, records: np.ndarray | bytes | memoryview) -> int:
+    def append_records(self, records: np.ndarray | bytes | memoryview, *, validate: bool = True) -> int:
         """Append already-encoded records of the active tier; returns the new committed count.
 
-        Raw bytes (e.g. uploaded by a client) are validated first: whole records, token ids in the
-        vocabulary, and no corrupt scale/radius or NaN code — nothing invalid is ever committed.
+        Records are validated first (whole records, token ids in the vocabulary, no corrupt
+        scale/radius or NaN code) so nothing invalid is ever committed; ``validate=False`` is for
+        records this process just encoded itself.
         """
         self._require_writer()
         dtype = coli_kv.record_dtype(self.geometry, self.tier)
-        records = self.validate_records(records, dtype)
+        if validate or not isinstance(records, np.ndarray) or records.dtype != dtype:
+            records = self.validate_records(records, dtype)
         if records.shape[0] == 0:
             return self._commit_point()
         try:
