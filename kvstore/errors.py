@@ -76,3 +76,48 @@ class IntegrityError(KVStoreError, ValueError):
 
 class MigrationError(KVStoreError, ValueError):
     """No registered migration path, or a migration that would overwrite its source."""
+
+
+# ---- session store and HTTP service ---------------------------------------------------------
+from kvstore.migrations.index import IndexSchemaError  # noqa: E402,F401  (defined beside the schema steps)
+
+
+class InvalidRequest(KVStoreError, ValueError):
+    """An argument is out of range or malformed (a record count past the end, a bad upload)."""
+
+    http_status = 400
+
+
+class SessionDamaged(IntegrityError):
+    """A session's journal or archive is missing or unreadable; the index keeps the reason."""
+
+
+class IndexFull(KVStoreError, OSError):
+    """The index's LMDB map is full: reopen the store with a larger ``map_size``."""
+
+    http_status = 507
+
+
+class BodyTooLarge(KVStoreError, ValueError):
+    """A request body is larger than the service accepts."""
+
+    http_status = 413
+
+
+class UnsupportedMediaType(KVStoreError, ValueError):
+    """A request body's Content-Type is not one the endpoint reads."""
+
+    http_status = 415
+
+
+class Unauthorized(KVStoreError, PermissionError):
+    """A request carried no API key, or one the service does not know."""
+
+    http_status = 401
+
+
+class JobNotFound(KVStoreError, KeyError):
+    http_status = 404
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.reason

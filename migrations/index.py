@@ -1,0 +1,261 @@
+"""The session index's schema (LMDB named databases and key layouts) and its numbered upgrade steps.
+
+The index stores small records only; rows live in the ``.coli_kv`` journals. The schema version is
+``meta[b"schema_version"]`` (ASCII decimal). Opening an index applies every step from its version
+to :data:`CURRENT_VERSION`, each in its own write transaction together with the version bump, so
+a crash mid-upgrade leaves the index at a whole version and the next open resumes there. An index
+newer than this code is refused (:class:`IndexSchemaError`), never rewritten.
+
+History (what each version holds):
+
+1. ``sessions-and-turns`` — ``meta``; ``sessions``: id -> JSON record (id, owner, model, geometry
+   [6 words], tier {version, codec, bits}, n_records, watermark, created, updated, last_used,
+   size_bytes, tags, state, parent, fork_point, problem); ``turns``: ``id \\0 end:u32be`` ->
+   ``start:u32be end:u32be complete:u8 blake2b-256 digest`` (one entry per append, covering the
+   records it wrote).
+2. ``owner-and-lru-indexes`` — ``by_owner``: ``owner \\0 id`` -> b""; ``lru``: ``last_used_ns:u64be
+   id`` -> b""; records gain ``last_used_ns``. Listing an owner's sessions and LRU eviction stop
+   scanning every record.
+3. ``prefix-blocks`` — ``prefix``: ``chain_hash[16] id`` -> ``blocks:u32be``; ``prefix_of``:
+   ``id \\0 block:u32be`` -> ``chain_hash[16]``; ``reservations``: disk space reserved by writers in
+   flight; records gain ``fingerprint`` (hex) and ``prefix_blocks``. The chain hash of block k
+   covers tokens ``[0, (k+1)*PREFIX_BLOCK_TOKENS)`` of a session, seeded by its owner and model
+   fingerprint, so a prefix lookup is a few key probes instead of a scan of every journal.
+
+>>> [step.name for step in plan(1)]
+['owner-and-lru-indexes', 'prefix-blocks']
+>>> plan(CURRENT_VERSION)
+[]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
+
+import numpy as np
+
+from kvstore.formats.errors import KVStoreError
+
+CURRENT_VERSION = 3
+SCHEMA_KEY = b"schema_version"
+USAGE_KEY = b"usage_bytes"  # sum of size_bytes over the sessions (journal + archive bytes)
+PREFIX_BLOCK_KEY = b"prefix_block_tokens"
+PREFIX_BLOCK_TOKENS = 64
+CHAIN_BYTES = 16
+DIGEST_BYTES = 32
+
+# Named databases, one per concern (meta is the version and counters).
+DB_META = b"meta"
+DB_SESSIONS = b"sessions"
+DB_TURNS = b"turns"
+DB_BY_OWNER = b"by_owner"
+DB_LRU = b"lru"
+DB_PREFIX = b"prefix"
+DB_PREFIX_OF = b"prefix_of"
+DB_RESERVATIONS = b"reservations"
+DATABASES_BY_VERSION = {
+    1: (DB_META, DB_SESSIONS, DB_TURNS),
+    2: (DB_META, DB_SESSIONS, DB_TURNS, DB_BY_OWNER, DB_LRU),
+    3: (DB_META, DB_SESSIONS, DB_TURNS, DB_BY_OWNER, DB_LRU, DB_PREFIX, DB_PREFIX_OF, DB_RESERVATIONS),
+}
+MAX_DBS = 16
+
+SEP = b"\0"  # ids and owners never hold NUL, so "a\0" sorts apart from "ab\0"
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_TURN = struct.Struct(">IIB")
+
+
+class IndexSchemaError(KVStoreError, RuntimeError):
+    """The index was written by a newer kvstore, or an upgrade step cannot run."""
+
+    http_status = 503
+
+
+# ------------------------------------------------------------------ key layouts (version 3)
+def session_key(session_id: str) -> bytes:
+    return session_id.encode()
+
+
+def scoped(session_id: str) -> bytes:
+    """The key prefix of a session's entries in ``turns`` and ``prefix_of``."""
+    return session_id.encode() + SEP
+
+
+def turn_key(session_id: str, end: int) -> bytes:
+    return scoped(session_id) + _U32.pack(end)
+
+
+def turn_value(start: int, end: int, complete: bool, digest: bytes) -> bytes:
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError("a turn digest is 32 bytes")
+    return _TURN.pack(start, end, 1 if complete else 0) + digest
+
+
+def parse_turn_value(value: bytes) -> tuple[int, int, bool, bytes]:
+    start, end, complete = _TURN.unpack_from(value)
+    return start, end, bool(complete), bytes(value[_TURN.size:])
+
+
+def owner_key(owner: str, session_id: str) -> bytes:
+    return owner.encode() + SEP + session_id.encode()
+
+
+def lru_key(last_used_ns: int, session_id: str) -> bytes:
+    return _U64.pack(last_used_ns) + session_id.encode()
+
+
+def lru_session(key: bytes) -> str:
+    return key[_U64.size:].decode()
+
+
+def prefix_key(chain: bytes, session_id: str) -> bytes:
+    return chain + session_id.encode()
+
+
+def prefix_of_key(session_id: str, block: int) -> bytes:
+    return scoped(session_id) + _U32.pack(block)
+
+
+def pack_u32(value: int) -> bytes:
+    return _U32.pack(value)
+
+
+def unpack_u32(value: bytes) -> int:
+    return _U32.unpack(value)[0]
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_record(value: bytes) -> dict[str, Any]:
+    return json.loads(value)
+
+
+# ------------------------------------------------------------------ fingerprints and prefix chains
+def fingerprint_key(model: dict[str, Any], geometry_words: Iterable[int], tier: dict[str, Any]) -> str:
+    """A stable hex key over everything a cache depends on: model identity, geometry and tier.
+
+    Two sessions can share rows only when their keys are equal; absent optional fields are
+    ``None`` on both sides.
+    """
+    canonical = json.dumps(
+        {"model": model, "geometry": [int(w) for w in geometry_words], "tier": tier},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def chain_seed(owner: str, fingerprint: str) -> bytes:
+    """The hash before block 0: prefixes of different owners or models never share a key."""
+    return hashlib.blake2b(owner.encode() + SEP + fingerprint.encode(), digest_size=CHAIN_BYTES).digest()
+
+
+def chain_hashes(previous: bytes, tokens: np.ndarray) -> list[bytes]:
+    """Chain hashes of the whole blocks of ``tokens`` (int32), continuing from ``previous``.
+
+    Block k's hash is ``blake2b(hash[k-1] || tokens of block k)``; a trailing partial block is
+    not hashed.
+    """
+    tokens = np.ascontiguousarray(tokens, dtype="<i4")
+    n_blocks = tokens.shape[0] // PREFIX_BLOCK_TOKENS
+    blocks = tokens[: n_blocks * PREFIX_BLOCK_TOKENS].reshape(n_blocks, PREFIX_BLOCK_TOKENS)
+    hashes = []
+    for block in blocks:  # a chain is sequential by nature: one hash per 64 tokens
+        previous = hashlib.blake2b(previous + block.tobytes(), digest_size=CHAIN_BYTES).digest()
+        hashes.append(previous)
+    return hashes
+
+
+# ------------------------------------------------------------------ upgrade steps
+class MigrationContext(Protocol):
+    """What a step needs from the store that runs it."""
+
+    txn: Any  # the write transaction the step runs in
+
+    def db(self, name: bytes) -> Any:
+        """The handle of a named database (created if missing)."""
+
+    def tokens_of(self, record: dict[str, Any], n_records: int) -> np.ndarray | None:
+        """The first ``n_records`` tokens of a session from its journal or archive (None if lost)."""
+
+
+@dataclass(frozen=True)
+class SchemaStep:
+    source: int
+    name: str
+    description: str
+    apply: Callable[[MigrationContext], None]
+
+    @property
+    def target(self) -> int:
+        return self.source + 1
+
+
+def _each_record(ctx: MigrationContext):
+    with ctx.txn.cursor(db=ctx.db(DB_SESSIONS)) as cursor:
+        items = [(bytes(key), decode_record(value)) for key, value in cursor]
+    return items
+
+
+def _add_owner_and_lru(ctx: MigrationContext) -> None:
+    sessions, by_owner, lru = ctx.db(DB_SESSIONS), ctx.db(DB_BY_OWNER), ctx.db(DB_LRU)
+    for key, record in _each_record(ctx):
+        record["last_used_ns"] = int(round(float(record["last_used"]) * 1e9))
+        ctx.txn.put(key, encode_record(record), db=sessions)
+        if record.get("state") != "deleting":
+            ctx.txn.put(owner_key(record["owner"], record["id"]), b"", db=by_owner)
+            ctx.txn.put(lru_key(record["last_used_ns"], record["id"]), b"", db=lru)
+
+
+def _add_prefix_blocks(ctx: MigrationContext) -> None:
+    sessions, prefix, prefix_of = ctx.db(DB_SESSIONS), ctx.db(DB_PREFIX), ctx.db(DB_PREFIX_OF)
+    ctx.db(DB_RESERVATIONS)
+    ctx.txn.put(PREFIX_BLOCK_KEY, str(PREFIX_BLOCK_TOKENS).encode(), db=ctx.db(DB_META))
+    for key, record in _each_record(ctx):
+        record["fingerprint"] = fingerprint_key(record["model"], record["geometry"], record["tier"])
+        record["prefix_blocks"] = 0
+        if record.get("state") in ("active", "parked") and record["watermark"] >= PREFIX_BLOCK_TOKENS:
+            tokens = ctx.tokens_of(record, record["watermark"])
+            if tokens is not None:
+                hashes = chain_hashes(chain_seed(record["owner"], record["fingerprint"]), tokens)
+                for block, chain in enumerate(hashes):
+                    ctx.txn.put(prefix_key(chain, record["id"]), pack_u32(block + 1), db=prefix)
+                    ctx.txn.put(prefix_of_key(record["id"], block), chain, db=prefix_of)
+                record["prefix_blocks"] = len(hashes)
+        ctx.txn.put(key, encode_record(record), db=sessions)
+
+
+STEPS: dict[int, SchemaStep] = {}
+
+
+def register(step: SchemaStep) -> SchemaStep:
+    STEPS[step.source] = step
+    return step
+
+
+register(SchemaStep(1, "owner-and-lru-indexes", "index sessions by owner and by last use", _add_owner_and_lru))
+register(SchemaStep(2, "prefix-blocks", "index block-aligned token prefix hashes; space reservations", _add_prefix_blocks))
+
+
+def plan(current: int) -> list[SchemaStep]:
+    """The steps that take an index at version ``current`` to :data:`CURRENT_VERSION`."""
+    if current > CURRENT_VERSION:
+        raise IndexSchemaError(
+            f"the index is at schema version {current}, newer than this kvstore understands "
+            f"({CURRENT_VERSION}); upgrade kvstore"
+        )
+    if current < 1:
+        raise IndexSchemaError(f"schema version {current} is not a version kvstore ever wrote")
+    steps = []
+    for version in range(current, CURRENT_VERSION):
+        if version not in STEPS:
+            raise IndexSchemaError(f"no upgrade step from index schema version {version}")
+        steps.append(STEPS[version])
+    return steps
