@@ -221,7 +221,7 @@ def _apply_rows(x: np.ndarray, columns_op) -> np.ndarray:
     step = _rows_per_chunk(n)
     scratch = np.empty(n * step, dtype=np.float32)
     for start in range(0, rows.shape[0], step):
-        block = np.ascontiguousarray(rows[start : start + step].T)
+        block = rows[start : start + step].T.copy()  # a copy: the butterflies run in place
         result = columns_op(block, scratch[: block.size].reshape(block.shape))
         out[start : start + step] = result.T
     return out.reshape(x.shape)
@@ -663,7 +663,7 @@ def quantize_rows(x: np.ndarray, codec: int, bits: int) -> tuple[np.ndarray, np.
         scratch = np.empty(n * step, dtype=np.float32)
         with np.errstate(all="ignore"):  # inert rows are computed, then zeroed
             for start in range(0, rows.shape[0], step):
-                block = np.ascontiguousarray(rows[start : start + step].T)
+                block = rows[start : start + step].T.copy()  # a copy: the butterflies run in place
                 chunk_radii = _radius_columns(block)
                 live = _live(chunk_radii)
                 if not live.any():
