@@ -59,7 +59,8 @@ def _quantize_chunk(blocks: np.ndarray, codes: np.ndarray, deltas: np.ndarray) -
     amax_bits = magnitude_bits.max(axis=1)
     nan_blocks = amax_bits > _INF_BITS
     if nan_blocks.any():
-        # A NaN does not raise amax (ggml's fmaxf skips it); a block of NaN alone has amax 0.
+        # A NaN does not raise amax (fmax semantics; ggml leaves NaN input undefined); a block of
+        # NaN alone has amax 0.
         held = magnitude_bits[nan_blocks]
         held[held > _INF_BITS] = 0
         amax_bits[nan_blocks] = held.max(axis=1)
