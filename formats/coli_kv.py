@@ -361,8 +361,10 @@ class KVRecords:
             raise CodecMismatch("a v1 file stores f32 rows, not codes: use dequantize()")
         if which not in ("L", "R"):
             raise ValueError("which must be 'L' or 'R'")
-        codes = np.ascontiguousarray(self._layer_field(which + "c").transpose(1, 0, 2))
-        scales = np.ascontiguousarray(self._layer_field(which + "s").T)
+        # Always copies (never a view of the loaded bytes): sanitizing below must not write
+        # through to the buffer, which may be read-only or shared.
+        codes = self._layer_field(which + "c").transpose(1, 0, 2).copy()
+        scales = self._layer_field(which + "s").T.copy()
         bad = self._bad_row_masks[0 if which == "L" else 1].T
         if self.tier.version == 2:
             codes[fp8.nan_codes(codes)] = 0
@@ -397,7 +399,13 @@ class KVRecords:
             if version == 2:
                 fp8.dequantize_rows(layer_codes, layer_scales, out=out[layer])
             else:
-                tq.dequantize_rows(layer_codes, layer_scales, width, self.tier.codec, self.tier.bits, out=out[layer])
+                with np.errstate(over="ignore", invalid="ignore"):
+                    tq.dequantize_rows(layer_codes, layer_scales, width, self.tier.codec, self.tier.bits, out=out[layer])
+                # A radius near the f32 limit (only a damaged file has one) can overflow on the
+                # way back; such a row reads as zeros, like a bad radius.
+                overflowed = ~np.isfinite(out[layer]).all(axis=-1)
+                if overflowed.any():
+                    out[layer][overflowed] = 0.0
         return out
 
     def dequantize(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

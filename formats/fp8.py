@@ -211,10 +211,19 @@ def dequantize_rows(
     return out
 
 
+#: The largest scale the encoder can write (amax <= 3.4e38): anything above it is corrupt, and
+#: 448 * scale would overflow f32 for part of that range.
+MAX_SCALE = AMAX_CEIL / MAX
+
+
 def bad_scales(scales: np.ndarray) -> np.ndarray:
-    """Mask of scales a loader must treat as corrupt: not (0 < s < 3.4e38); NaN is bad."""
+    """Mask of scales a loader must treat as corrupt.
+
+    FORMAT.md: not (0 < s < 3.4e38), NaN included. Stricter here: a scale above 3.4e38/448, which
+    no encoder writes, is corrupt too, so a damaged file never decodes to infinities.
+    """
     s = np.asarray(scales, dtype=np.float32)
-    return ~((s > 0) & (s < AMAX_CEIL))
+    return ~((s > 0) & (s <= MAX_SCALE))
 
 
 def nan_codes(codes: np.ndarray) -> np.ndarray:

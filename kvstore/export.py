@@ -32,7 +32,7 @@ import numpy as np
 
 from kvstore.errors import FormatError
 from kvstore.formats.coli_kv import KVRecords
-from kvstore.journal import AtomicFile
+from kvstore.journal import AtomicFile, write_errors
 
 SUFFIXES = (".npz", ".arrow", ".parquet")
 
@@ -98,6 +98,7 @@ def export(records: KVRecords, out: str | os.PathLike) -> Path:
             import pyarrow.parquet as pq
 
             pq.write_table(table, sink)
-    with AtomicFile(out) as handle:
-        handle.write(sink.getbuffer())
+    with write_errors(f"writing {out.name}", "no partial export was left"):
+        with AtomicFile(out) as handle:
+            handle.write(sink.getbuffer())
     return out

@@ -17,7 +17,7 @@ import numpy as np
 from kvstore.errors import MigrationError
 from kvstore.formats import coli_kv, fp8, tq
 from kvstore.formats.coli_kv import CODEC_NAMES, HEADER_BYTES, Header, KVRecords, Tier
-from kvstore.journal import AtomicFile, read_whole, write_atomic, writer_lock
+from kvstore.journal import AtomicFile, read_whole, write_atomic, write_errors, writer_lock
 from kvstore.migrations import formats as format_migrations
 
 Progress = Callable[[int, int], None]
@@ -124,8 +124,9 @@ def repair_file(path: str | os.PathLike, *, dry_run: bool = False, backup: bool 
             return report
         if backup:
             backup_path = path.with_name(path.name + ".bak")
-            with AtomicFile(backup_path) as out:
-                out.write(raw)
+            with write_errors(f"writing {backup_path.name}", f"{path.name} is unchanged"):
+                with AtomicFile(backup_path) as out:
+                    out.write(raw)
             report["backup"] = str(backup_path)
         write_atomic(path, h.with_nrec(records.n), [fixed])
     return report

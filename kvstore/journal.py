@@ -61,6 +61,20 @@ def _pwrite_all(fd: int, payload: bytes | memoryview, offset: int) -> None:
         offset += written
 
 
+@contextlib.contextmanager
+def write_errors(what: str, keeps: str):
+    """Turn an OSError from a write path into a typed JournalWriteError saying what survived.
+
+    ``FileExistsError`` passes through: refusing to clobber is an answer, not a failure.
+    """
+    try:
+        yield
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        raise JournalWriteError(f"{what} failed ({exc.strerror or exc}); {keeps}") from exc
+
+
 def read_whole(fd: int) -> memoryview:
     """The file's current bytes, read with as few syscalls as the kernel allows (<= 2 GiB each)."""
     size = os.fstat(fd).st_size
@@ -190,9 +204,10 @@ class KVFile:
         lock = _Lock(path, lock_timeout)
         try:
             header = Header(geometry, tier, 0)
-            with AtomicFile(path, replace=False) as out:
-                out.write(header.to_bytes())
-            fd = os.open(path, os.O_RDWR)
+            with write_errors(f"creating {path.name}", "no file was created"):
+                with AtomicFile(path, replace=False) as out:
+                    out.write(header.to_bytes())
+                fd = os.open(path, os.O_RDWR)
         except BaseException:
             lock.release()
             raise
@@ -332,8 +347,7 @@ class KVFile:
             offset = HEADER_BYTES + committed * dtype.itemsize
             _pwrite_all(self._fd, memoryview(records).cast("B"), offset)
             os.fsync(self._fd)  # data first: the counter must never point at unwritten rows
-            _pwrite_all(self._fd, struct.pack("<i", total), NREC_OFFSET)
-            os.fsync(self._fd)  # the commit point itself
+            self._publish(total, committed)
         except OSError as exc:
             self._committed = None
             raise JournalWriteError(f"append to {self.path.name} failed ({exc.strerror or exc}); committed records are intact") from exc
@@ -343,6 +357,20 @@ class KVFile:
         self._committed = total
         self._header = self._header.with_nrec(total)
         return total
+
+    def _publish(self, count: int, previous: int) -> None:
+        """Write h6 and fsync it. If that fails, put the previous count back (best effort): the
+        caller reports a failure, so readers must not keep seeing the new count."""
+        try:
+            _pwrite_all(self._fd, struct.pack("<i", count), NREC_OFFSET)
+            os.fsync(self._fd)  # the commit point itself
+        except OSError:
+            try:
+                _pwrite_all(self._fd, struct.pack("<i", previous), NREC_OFFSET)
+                os.fsync(self._fd)
+            except OSError:
+                pass  # the disk is failing; the next call re-reads whatever count it holds
+            raise
 
     def validate_records(self, records: np.ndarray | bytes | memoryview, dtype: np.dtype | None = None) -> np.ndarray:
         """Check records of the active tier before they are committed; returns them as an array."""
@@ -391,8 +419,7 @@ class KVFile:
             if self.upgrade_pending:
                 self._rewrite(keep=target)
                 return self._committed
-            _pwrite_all(self._fd, struct.pack("<i", target), NREC_OFFSET)
-            os.fsync(self._fd)  # the lower commit point is durable before bytes disappear
+            self._publish(target, committed)  # the lower commit point is durable before bytes disappear
             os.ftruncate(self._fd, HEADER_BYTES + target * self._header.rec_bytes)
             os.fsync(self._fd)
         except OSError as exc:
@@ -465,11 +492,12 @@ def write_atomic(path: str | os.PathLike, header: Header, chunks: Iterable[np.nd
     The header's nrec must equal the records written (checked) — a rewrite publishes nothing partial.
     """
     written = 0
-    with AtomicFile(path, replace=replace) as out:
-        out.write(header.to_bytes())
-        for chunk in chunks:
-            out.write(chunk)
-            written += chunk.shape[0]
-        if written != header.nrec:
-            raise FormatError(f"rewrite produced {written} records, header says {header.nrec}")
+    with write_errors(f"writing {Path(path).name}", "the previous file (if any) is intact"):
+        with AtomicFile(path, replace=replace) as out:
+            out.write(header.to_bytes())
+            for chunk in chunks:
+                out.write(chunk)
+                written += chunk.shape[0]
+            if written != header.nrec:
+                raise FormatError(f"rewrite produced {written} records, header says {header.nrec}")
     return written

@@ -1,0 +1,91 @@
+"""Hostile files: flipped bits, truncations and absurd header words.
+
+Only typed errors come out; nothing hangs; nothing is allocated beyond what the file's size
+justifies (a header may claim 2^31 records or 2^30-wide rows, the loader sizes nothing from that).
+"""
+
+import struct
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reliability.workload import GEOMETRY, expected_records
+from kvstore.errors import KVStoreError
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Header, Tier
+from kvstore.journal import KVFile
+
+TIERS = [Tier(1), Tier(2), Tier(3, 1, 4), Tier(3, 0, 2)]
+SEEDS = {t: Header(GEOMETRY, t, 5).to_bytes() + expected_records(5, 1, t)[:5].tobytes() for t in TIERS}
+
+
+def exercise(blob: bytes) -> None:
+    """Everything a reader does with a file; only KVStoreError may escape."""
+    try:
+        records = coli_kv.parse(blob)
+    except KVStoreError:
+        return
+    records.problems.messages()
+    L, R, index = records.dequantize()
+    assert L.shape == (records.geometry.n_layers, records.n, records.geometry.kv_lora)
+    assert np.isfinite(L).all() and np.isfinite(R).all() or records.tier.version == 1
+    if records.tier.version != 1:
+        records.quantized("L")
+
+
+@settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(TIERS), st.lists(st.integers(0, 10**6), max_size=12), st.integers(0, 10**6))
+def test_bit_flips_and_truncations(tier, flips, cut):
+    blob = bytearray(SEEDS[tier])
+    for position in flips:
+        bit = position % (len(blob) * 8)
+        blob[bit // 8] ^= 1 << (bit % 8)
+    exercise(bytes(blob[: cut % (len(blob) + 1)]))
+
+
+HEADER_WORDS = st.sampled_from([0, 1, 2, 3, 7, 64, 512, 2048, 2**20, 2**30, 2**31 - 1, -1, -(2**31)])
+
+
+@settings(max_examples=300, deadline=2000)
+@given(st.sampled_from(TIERS), st.lists(st.tuples(st.integers(0, 7), HEADER_WORDS), min_size=1, max_size=4))
+def test_absurd_header_words_allocate_nothing(tier, edits):
+    blob = bytearray(SEEDS[tier])
+    for word, value in edits:
+        struct.pack_into("<i", blob, 8 + 4 * word, value)
+    tracemalloc.start()
+    try:
+        exercise(bytes(blob))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Decoded rows are at most ~8x the stored bytes (4-bit codes -> f32) plus fixed overheads.
+    assert peak < 64 * len(blob) + (1 << 20), f"peak {peak} bytes for a {len(blob)}-byte file"
+
+
+def test_huge_claims_are_refused_or_clamped():
+    blob = bytearray(SEEDS[Tier(2)])
+    struct.pack_into("<i", blob, 32, 2**31 - 1)  # nrec
+    assert coli_kv.parse(bytes(blob)).n == 5
+    for word, value in [(1, 2**30), (0, 2**31 - 1), (2, 2**30), (3, 2**30)]:
+        bad = bytearray(SEEDS[Tier(2)])
+        struct.pack_into("<i", bad, 8 + 4 * word, value)
+        with pytest.raises(KVStoreError):
+            coli_kv.parse(bytes(bad))
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())
+def test_journal_open_on_hostile_headers(tmp_path, tier):
+    path = tmp_path / "h.coli_kv"
+    for word in range(8):
+        for value in (-1, 0, 2**31 - 1):
+            blob = bytearray(SEEDS[tier])
+            struct.pack_into("<i", blob, 8 + 4 * word, value)
+            path.write_bytes(bytes(blob))
+            try:
+                with KVFile.open(path, writable=True, lock_timeout=0.1) as journal:
+                    journal.load()
+            except KVStoreError:
+                pass
