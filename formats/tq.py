@@ -365,7 +365,7 @@ def _level_thresholds() -> np.ndarray:
 THRESHOLDS = _level_thresholds()
 THRESHOLDS.setflags(write=False)
 
-# A uniform grid of cells 1/64 wide over [-3, 3] (cell = trunc(64 v + 192)) narrows each
+# A uniform grid of cells 1/64 wide over [-3, 3] (cell = int(64 v + 192), clipped) narrows each
 # value to one cell; a cell holds at most one decision point, so the code is the cell's base
 # level plus one comparison with that point (NaN where the cell holds none: never >=).
 _CELLS_PER_UNIT = np.float32(64.0)
@@ -401,7 +401,10 @@ def _nearest_level(scaled: np.ndarray) -> np.ndarray:
 
     Parameters
     ----------
-    scaled : f32 array, any shape (finite; NaN and +-inf give 0 and 15/0 respectively)
+    scaled : f32 array, any shape
+        Finite values get the exact spec answer, NaN gets 0 (every comparison with a NaN
+        distance fails, so the first index stays). Infinities only come from rows that
+        overflowed f32; :func:`_int4_encode_columns` settles those.
 
     Returns
     -------
@@ -686,7 +689,8 @@ def dequantize_rows(
     """Inverse of :func:`quantize_rows`.
 
     Rows whose radius is not above 1e-35, is above 3.4e38 or is NaN decode as zeros, and so do
-    all rows of a width the codecs do not encode.
+    all rows of a width the codecs do not encode. A radius within a factor sqrt(n) of f32's
+    largest value can overflow in the butterflies, as the spec's f32 arithmetic does.
 
     Parameters
     ----------
