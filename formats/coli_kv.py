@@ -392,7 +392,9 @@ class KVRecords:
             layer_scales = np.ascontiguousarray(scales[:, layer])
             layer_codes = codes[:, layer]
             if bad[:, layer].any():
-                # A corrupt row is inert: zero codes and a neutral scale/radius.
+                # A corrupt row is inert: zero codes and a neutral scale/radius (on copies: the
+                # loaded bytes may be read-only or shared).
+                layer_scales = layer_scales.copy()
                 layer_codes = layer_codes.copy()
                 layer_codes[bad[:, layer]] = 0
                 layer_scales[bad[:, layer]] = 1.0 if version == 2 else 0.0

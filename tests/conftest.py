@@ -40,3 +40,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Hypothesis: the default run is deterministic (CI must not flip on a fresh random draw); the long
+# run (KVSTORE_LONG=1, `make test-long`) explores with fresh randomness and more examples.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+_hypothesis_settings.register_profile("long", max_examples=2000, print_blob=True)
+_hypothesis_settings.load_profile("long" if os.environ.get("KVSTORE_LONG") == "1" else "ci")
