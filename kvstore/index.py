@@ -142,19 +142,10 @@ class Index:
                 f"the session index is full ({self.env.info()['map_size']} bytes); reopen the store with a larger map_size"
             ) from None
 
-    def version(self) -> int | None:
+    def version(self) -> int:
+        """The schema version the index is at."""
         with self.read() as txn:
-            main = txn.get(schema.SCHEMA_KEY, db=self._meta_or_none(txn))
-        return int(main) if main is not None else None
-
-    def _meta_or_none(self, txn):
-        if DB_META in self._handles:
-            return self._handles[DB_META]
-        # Opening a named database that does not exist needs a write transaction; a read one
-        # finds it through the main database, where named databases are keys.
-        if txn.get(DB_META) is None:
-            return None
-        return self.env.open_db(DB_META, txn=txn, create=False)
+            return int(txn.get(schema.SCHEMA_KEY, db=self._db(DB_META)))
 
     def _upgrade(self, tokens_of, progress) -> None:
         with self.write() as txn:

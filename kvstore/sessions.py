@@ -674,22 +674,22 @@ class SessionStore:
 
     def _evict(self, keep: set[str], progress: Progress | None) -> list[Eviction]:
         evictions: list[Eviction] = []
-        tried: set[str] = set(keep)
+        tried = {"parked": set(keep), "deleted": set(keep)}  # a session parked here may be deleted later
         while True:
             with self.index.read() as txn:
                 used = self.index.usage(txn)
                 if used <= self.budget_bytes:
                     return evictions
                 order = [(sid, self.index.get(txn, sid)) for sid in self.index.least_recently_used(txn)]
-            victim = next(((sid, r) for sid, r in order if sid not in tried and r and r["state"] == "active"), None)
-            action = "parked"
-            if victim is None:
-                victim = next(((sid, r) for sid, r in order if sid not in tried and r and r["state"] == "parked"), None)
-                action = "deleted"
+            action, victim = "parked", None
+            for action, state in (("parked", "active"), ("deleted", "parked")):
+                victim = next(((sid, r) for sid, r in order if sid not in tried[action] and r and r["state"] == state), None)
+                if victim is not None:
+                    break
             if victim is None:
                 return evictions
             sid, record = victim
-            tried.add(sid)
+            tried[action].add(sid)
             before = record["size_bytes"]
             try:
                 with self._writing(sid, timeout=0):
@@ -838,7 +838,7 @@ class SessionStore:
                 payload = _as_bytes_view(rows)
                 digest = _turn_digest(payload)
                 with self._reservation(len(payload)) as reservation:
-                    total = journal.append_records(rows)
+                    total = journal.append_records(rows, validate=False)  # validated above
                     size = os.stat(journal.path).st_size
                     new_wm = total if complete_turn else record["watermark"]
                     hashes, first_block = self._new_prefix_blocks(record, journal, rows, new_wm)
