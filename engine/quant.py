@@ -378,7 +378,8 @@ def q8_quantize_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from zero), ``d`` stored as fp16 — the bytes of ``kvstore.formats.q8.quantize_blocks``.
 
     NaN elements do not raise amax and encode as 0; a block whose delta is not a finite fp16 is
-    stored inert (codes 0, delta 0).
+    stored inert (codes 0, delta 0), and so is a block whose delta rounds to fp16 zero (its
+    ``1/d`` would overflow; the stored delta decodes it to zeros whatever the codes).
 
     Parameters
     ----------
@@ -407,7 +408,8 @@ def q8_quantize_blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # roundf: half away from zero, exactly (the fraction v - trunc(v) is exact in f32)
     whole = torch.trunc(scaled)
     rounded = whole + torch.where(torch.abs(scaled - whole) >= 0.5, torch.sign(scaled), torch.zeros_like(scaled))
-    rounded = torch.where(nan, torch.zeros_like(rounded), torch.clamp(rounded, -127, 127))
+    inert = nan | (half == 0)[..., None]
+    rounded = torch.where(inert, torch.zeros_like(rounded), torch.clamp(rounded, -127, 127))
     return rounded.to(torch.int8).reshape(x.shape), half
 
 
