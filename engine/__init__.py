@@ -4,7 +4,11 @@ Parts: :mod:`~kvstore.engine.config` (``ModelConfig``, presets), :mod:`~kvstore.
 (the torch model: plain prefill, absorbed decode), :mod:`~kvstore.engine.weights` (load a
 Hugging Face folder, random init, write a folder), :mod:`~kvstore.engine.cache` (latent-cache
 tiers), :mod:`~kvstore.engine.attention` (decode backends per tier), :mod:`~kvstore.engine.quant`
-(device codecs), :mod:`~kvstore.engine.generate` (``Engine``: prefix reuse, sampling, streaming).
+(device codecs), :mod:`~kvstore.engine.generate` (``Engine``: prefix reuse, sampling, streaming),
+:mod:`~kvstore.engine.cli` (``kvstore new-model``, ``kvstore generate``).
+
+The names below are imported on first use, so ``import kvstore.engine.cli`` (which every
+``kvstore`` command does) does not pay for torch.
 
 Quick start::
 
@@ -14,36 +18,48 @@ Quick start::
     result = engine.generate("Hello", max_new_tokens=16)
 """
 
-from kvstore.engine.cache import TIERS, CacheGeometry, LatentCache, StoredRows, make_cache, tier_bytes_per_token
-from kvstore.engine.config import PRESETS, ModelConfig, RopeConfig, preset
-from kvstore.engine.errors import CacheError, GenerationError, ModelConfigError, TierUnsupported, WeightsError
-from kvstore.engine.generate import Engine, GenerationResult, GenerationStream, SamplingParams
-from kvstore.engine.model import MLAForCausalLM
-from kvstore.engine.weights import load_model, random_model, save_model, write_random_model
+from __future__ import annotations
 
-__all__ = [
-    "PRESETS",
-    "TIERS",
-    "CacheError",
-    "CacheGeometry",
-    "Engine",
-    "GenerationError",
-    "GenerationResult",
-    "GenerationStream",
-    "LatentCache",
-    "MLAForCausalLM",
-    "ModelConfig",
-    "ModelConfigError",
-    "RopeConfig",
-    "SamplingParams",
-    "StoredRows",
-    "TierUnsupported",
-    "WeightsError",
-    "load_model",
-    "make_cache",
-    "preset",
-    "random_model",
-    "save_model",
-    "tier_bytes_per_token",
-    "write_random_model",
-]
+import importlib
+
+_EXPORTS = {
+    "TIERS": "cache",
+    "CacheGeometry": "cache",
+    "LatentCache": "cache",
+    "StoredRows": "cache",
+    "make_cache": "cache",
+    "tier_bytes_per_token": "cache",
+    "PRESETS": "config",
+    "ModelConfig": "config",
+    "RopeConfig": "config",
+    "preset": "config",
+    "CacheError": "errors",
+    "GenerationError": "errors",
+    "ModelConfigError": "errors",
+    "TierUnsupported": "errors",
+    "WeightsError": "errors",
+    "Engine": "generate",
+    "GenerationResult": "generate",
+    "GenerationStream": "generate",
+    "SamplingParams": "generate",
+    "MLAForCausalLM": "model",
+    "load_model": "weights",
+    "random_model": "weights",
+    "save_model": "weights",
+    "write_random_model": "weights",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kvstore.engine.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -204,30 +204,40 @@ TORCH_BACKEND = DecodeBackend(
 )
 
 
-def _gpu_backend(device: torch.device) -> tuple[DecodeBackend | None, str]:
-    """The ``kvstore.gpu`` backend for ``device`` as a DecodeBackend, or None with the reason."""
-    if device.type != "cuda":
-        return None, "kvstore.gpu kernels are CUDA only"
+def _gpu_backend(device: torch.device, tier: str, kv_lora: int | None, qk_rope: int | None) -> tuple[DecodeBackend | None, str]:
+    """The ``kvstore.gpu`` backend for ``device`` as a DecodeBackend, or None with the reason.
+
+    ``kvstore.gpu.get_backend(device)`` picks the device's preferred backend; its ``why_not``
+    (when it has one) says whether it runs this tier and geometry.
+    """
+    if device.type not in ("cuda", "mps"):
+        return None, "kvstore.gpu is consulted for cuda and mps devices"
     try:
-        from kvstore import gpu  # lazily: importing it may compile kernels
+        from kvstore import gpu  # lazily: importing it may load compiled kernels
     except ImportError as exc:
         return None, f"kvstore.gpu unavailable ({exc})"
     get_backend = getattr(gpu, "get_backend", None)
-    if get_backend is None:
+    if not callable(get_backend):
         return None, "kvstore.gpu has no get_backend"
     try:
         backend = get_backend(device)
-    except Exception as exc:  # a missing driver/toolkit is a reason to fall back, not a failure
-        return None, f"kvstore.gpu.get_backend failed: {exc}"
-    if backend is None:
-        return None, "kvstore.gpu offers no backend for this device"
+    except Exception as exc:  # no driver, no cupy, no kernel for this device: fall back, with the reason
+        return None, f"kvstore.gpu.get_backend: {exc}"
+    name = str(getattr(backend, "name", "kvstore.gpu"))
+    why_not = getattr(backend, "why_not", None)
+    if callable(why_not):
+        try:
+            reasons = why_not(device, tier=tier, kv_lora=kv_lora, qk_rope=qk_rope, q_dtype=torch.float32)
+        except TypeError as exc:
+            return None, f"kvstore.gpu {name}: why_not has an unexpected signature ({exc})"
+        if reasons:
+            return None, f"kvstore.gpu {name}: " + "; ".join(map(str, reasons))
     functions = {
         kernel: getattr(backend, kernel)
         for kernel in set(KERNEL_OF_TIER.values())
         if callable(getattr(backend, kernel, None))
     }
-    name = str(getattr(backend, "name", "kvstore.gpu"))
-    return DecodeBackend(name=name, device_types=frozenset({"cuda"}), functions=functions), ""
+    return DecodeBackend(name=f"kvstore.gpu:{name}", device_types=frozenset({device.type}), functions=functions), ""
 
 
 @dataclass(frozen=True)
@@ -239,14 +249,22 @@ class DecodeChoice:
     rejected: tuple[str, ...] = ()
 
 
-def select_decode(tier: str, device: torch.device | str, prefer: str | None = None) -> DecodeChoice:
-    """Pick the decode function for ``tier`` on ``device``: kvstore.gpu first on CUDA, then torch.
+def select_decode(
+    tier: str,
+    device: torch.device | str,
+    prefer: str | None = None,
+    *,
+    kv_lora: int | None = None,
+    qk_rope: int | None = None,
+) -> DecodeChoice:
+    """Pick the decode function for ``tier`` on ``device``: kvstore.gpu first on cuda/mps, then torch.
 
     Parameters
     ----------
     tier : cache tier name (``f32``, ``bf16``, ``fp8``, ``tq-int4``, ``tq-polar``, ``int8``)
     device : torch device of the cache
     prefer : ``"torch"`` to skip the GPU kernels (parity tests, benchmarks against the fallback)
+    kv_lora, qk_rope : the row widths, for backends that only run some geometries
 
     Raises
     ------
@@ -257,10 +275,10 @@ def select_decode(tier: str, device: torch.device | str, prefer: str | None = No
     rejected: list[str] = []
     candidates: list[DecodeBackend] = []
     if prefer != "torch":
-        gpu_backend, reason = _gpu_backend(device)
+        gpu_backend, reason = _gpu_backend(device, tier, kv_lora, qk_rope)
         if gpu_backend is not None:
             candidates.append(gpu_backend)
-        elif device.type == "cuda":
+        elif device.type in ("cuda", "mps"):
             rejected.append(reason)
     candidates.append(TORCH_BACKEND)
     for backend in candidates:

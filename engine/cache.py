@@ -182,7 +182,9 @@ class LatentCache(ABC):
         self._tokens = np.zeros(capacity, dtype=np.int32)
         self._fields = self._allocate(capacity)
         self._capacity = capacity
-        self.decode_choice: DecodeChoice = select_decode(self.tier, self.device, prefer_backend)
+        self.decode_choice: DecodeChoice = select_decode(
+            self.tier, self.device, prefer_backend, kv_lora=self.geometry.kv_lora, qk_rope=self.geometry.qk_rope
+        )
 
     # -- what each tier defines --------------------------------------------------------------------
     @abstractmethod
@@ -211,6 +213,12 @@ class LatentCache(ABC):
 
     def _check_geometry(self) -> None:
         """Raise TierUnsupported if this tier cannot hold rows of this geometry."""
+
+    def journal_tier(self):
+        """The ``.coli_kv`` Tier that :meth:`export_rows` produces (what a journal of this cache holds)."""
+        from kvstore.formats.coli_kv import Tier
+
+        return Tier(1)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -516,6 +524,11 @@ class Fp8Cache(LatentCache):
     def _stored(self, fields, tokens):
         return StoredRows(tokens, 2, fields["lc_codes"], fields["rc_codes"], fields["lc_scales"], fields["rc_scales"])
 
+    def journal_tier(self):
+        from kvstore.formats.coli_kv import Tier
+
+        return Tier(2)
+
 
 class TQCache(LatentCache):
     """TurboQuant rows (v3): packed codes + one f32 radius per row; ``codec`` 1 int4, 0 polar."""
@@ -591,6 +604,11 @@ class TQCache(LatentCache):
         return StoredRows(
             tokens, 3, fields["lc_codes"], fields["rc_codes"], fields["lc_radii"], fields["rc_radii"], self.codec, self.bits
         )
+
+    def journal_tier(self):
+        from kvstore.formats.coli_kv import Tier
+
+        return Tier(3, self.codec, self.bits)
 
 
 class Int4Cache(TQCache):

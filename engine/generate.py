@@ -114,10 +114,16 @@ class GenerationResult:
 class GenerationStream:
     """An iterator of generated token ids; ``result`` holds the :class:`GenerationResult` once done."""
 
-    def __init__(self, steps: Iterator[int]):
+    def __init__(self, steps: Iterator[int], progress: GenerationResult):
         self._steps = steps
+        self._progress = progress
         self._started = False
         self.result: GenerationResult | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens produced so far."""
+        return list(self._progress.tokens)
 
     def __iter__(self) -> Iterator[int]:
         if self._started:
@@ -276,6 +282,16 @@ class Engine:
             logits = self._run(chunk, a, absorbed=chunk.shape[0] == 1, logits="last")
         return logits, ids.shape[0] - reused, reused
 
+    def extend(self, tokens) -> int:
+        """Run ``tokens`` after the cached ones without sampling (e.g. the last generated token of a
+        turn, so a journal holds the whole conversation); returns how many were run."""
+        ids = self._context(tokens)
+        start = self.cache.length
+        for a in range(0, ids.shape[0], self.prefill_chunk):
+            chunk = ids[a : a + self.prefill_chunk]
+            self._run(chunk, start + a, absorbed=chunk.shape[0] == 1, logits="none")
+        return int(ids.shape[0])
+
     def score(self, tokens, *, start: int = 0, absorbed: bool = True) -> torch.Tensor:
         """Teacher-forced logits f32[T, vocab] for ``tokens`` placed at ``start`` (cache rows < start reused).
 
@@ -314,7 +330,8 @@ class Engine:
             raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids = self._context(tokens)
         stops = frozenset(int(t) for t in (self.config.eos_token_id if stop_tokens is None else stop_tokens))
-        return GenerationStream(self._steps(ids, params, max_new_tokens, stops))
+        result = GenerationResult()
+        return GenerationStream(self._steps(ids, params, max_new_tokens, stops, result), result)
 
     def generate(self, tokens, **kwargs) -> GenerationResult:
         """Like :meth:`stream`, collected: returns the :class:`GenerationResult`."""
@@ -323,8 +340,7 @@ class Engine:
             pass
         return stream.result
 
-    def _steps(self, ids: np.ndarray, params: SamplingParams, max_new: int, stops: frozenset[int]):
-        result = GenerationResult()
+    def _steps(self, ids: np.ndarray, params: SamplingParams, max_new: int, stops: frozenset[int], result: GenerationResult):
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
