@@ -1,0 +1,253 @@
+"""CUDA backend: the kernels of ``kernels/mla_decode.cu`` through cupy ``RawModule``.
+
+One call is three launches on the caller's current torch stream (no host synchronization):
+
+1. ``mla_prep_query``: q -> f16 with a per-head power-of-two scale (rotated first for int4);
+2. ``mla_decode_split``: split-T flash decoding, one block per (head group, split, sequence);
+3. ``mla_merge``: the log-sum-exp merge of the splits (and the un-rotation for int4).
+
+Modules are compiled by NVRTC on first use, one per kernel instantiation, for the device's compute
+capability (``--gpu-architecture=sm_XY``), and cached in memory and in cupy's on-disk cache.
+Tensors cross as raw device pointers; outputs and workspaces are torch tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.gpu import inputs
+from kvstore.gpu.registry import AttentionBackend, spec_of
+from kvstore.gpu.torch_backend import decode_torch
+
+__all__ = ["CudaBackend", "KernelPlan", "kernel_source", "plan_launch"]
+
+KERNEL_FILE = Path(__file__).resolve().parent / "kernels" / "mla_decode.cu"
+#: Rows per tile of mla_decode_split (BN in the kernel source).
+TILE_ROWS = 64
+#: Lowest compute capability: cvt.rn.f16x2.e4m3x2 needs sm_89.
+MIN_CAPABILITY = (8, 9)
+_FORMAT = {"fp8": 0, "tq-int4": 1}
+#: Upper bound on splits per sequence (the merge keeps one weight per split in shared memory).
+MAX_SPLITS = 8192
+_LOCK = threading.Lock()
+
+
+def kernel_source() -> str:
+    """The CUDA source of the kernels."""
+    return KERNEL_FILE.read_text()
+
+
+def _cupy():
+    import cupy  # imported lazily: importing kvstore.gpu must not need it
+
+    return cupy
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(name_expressions: tuple[str, ...], capability: tuple[int, int], device_index: int) -> tuple:
+    """Compile (once) a module holding these template instantiations; their kernels, in order."""
+    cupy = _cupy()
+    options = (f"--gpu-architecture=sm_{capability[0]}{capability[1]}", "--std=c++17")
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=kernel_source(), options=options, name_expressions=name_expressions)
+        return tuple(module.get_function(name) for name in name_expressions)
+
+
+def _head_tiles(heads: int) -> tuple[int, int]:
+    """(m-tiles of 16 heads per block, head groups): 64 heads per block from 48 heads up."""
+    m_tiles = -(-heads // 16)
+    per_block = 4 if m_tiles >= 3 else m_tiles
+    return per_block, -(-m_tiles // per_block)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Launch geometry of one call (host-side, from shapes and known bounds only)."""
+
+    m_tiles: int  # MT: 16-head m-tiles per block
+    head_groups: int
+    padded_heads: int  # Hp = head_groups * 16 * MT
+    blocks_per_split: int  # BN-row tiles per split
+    n_splits: int
+    blocks_per_sm: int
+
+
+def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: int) -> KernelPlan:
+    """Choose the split of every sequence so that one wave of blocks fills the GPU.
+
+    Parameters
+    ----------
+    batch, heads : query batch and heads
+    max_rows : an upper bound on any sequence's rows (sets the grid's split count)
+    mean_rows : the typical sequence length (sets the split size)
+    n_sm : multiprocessors of the device
+
+    Returns
+    -------
+    KernelPlan
+    """
+    m_tiles, groups = _head_tiles(heads)
+    blocks_per_sm = 2 if m_tiles == 1 else 1
+    tiles_max = max(1, -(-max_rows // TILE_ROWS))
+    tiles_mean = max(1, math.ceil(mean_rows / TILE_ROWS))
+    splits_wanted = max(1, -(-(n_sm * blocks_per_sm) // (batch * groups)))
+    per_split = max(1, -(-tiles_mean // splits_wanted), -(-tiles_max // MAX_SPLITS))
+    return KernelPlan(m_tiles, groups, groups * 16 * m_tiles, per_split, -(-tiles_max // per_split), blocks_per_sm)
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+class CudaBackend(AttentionBackend):
+    """Tensor-core kernels (mma.sync f16) for the fp8 and rotated-int4 latent caches.
+
+    Calls whose geometry the kernels are not built for (see ``spec``) run the torch path instead;
+    :meth:`why_not` says why.
+    """
+
+    spec = spec_of("cuda")
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        props = torch.cuda.get_device_properties(self.device)
+        self.capability = (props.major, props.minor)
+        self.n_sm = props.multi_processor_count
+        self._smem: dict[str, int] = {}
+
+    @classmethod
+    def environment_reasons(cls, device: torch.device) -> list[str]:
+        if not torch.cuda.is_available():
+            return ["torch.cuda.is_available() is False"]
+        try:
+            _cupy()
+        except ImportError as exc:
+            return [f"cupy cannot be imported ({exc})"]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            return [f"no CUDA device {index} (have {torch.cuda.device_count()})"]
+        major, minor = torch.cuda.get_device_capability(index)
+        if (major, minor) < MIN_CAPABILITY:
+            return [f"compute capability {major}.{minor} < {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (e4m3 conversion)"]
+        return []
+
+    @functools.lru_cache(maxsize=64)
+    def _builds_for(self, tier: str, kv_lora: int, qk_rope: int) -> bool:
+        """Whether the kernels are instantiated for this geometry (else the torch path runs)."""
+        return not self.spec.mismatches(tier=tier, kv_lora=kv_lora, qk_rope=qk_rope)
+
+    # -- compilation ----------------------------------------------------------------------------
+
+    def _get(self, name_expression: str):
+        return _kernels((name_expression,), self.capability, self.device.index)[0]
+
+    def _split_kernel(self, m_tiles: int, kv_lora: int, qk_rope: int, fmt: int, gather: bool):
+        """The split kernel and its dynamic shared memory (asked of the compiled module once)."""
+        name = f"mla_decode_split<{m_tiles},{kv_lora},{qk_rope},{fmt},{'true' if gather else 'false'}>"
+        kernel, smem_query = _kernels((name, f"mla_split_smem<{m_tiles},{kv_lora},{qk_rope},{fmt}>"),
+                                      self.capability, self.device.index)
+        smem = self._smem.get(name)
+        if smem is None:
+            answer = torch.empty(1, dtype=torch.int32, device=self.device)
+            cupy = _cupy()
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream, self.device.index):
+                smem_query((1,), (1,), (_ptr(answer),))
+            smem = int(answer.item())
+            with _LOCK:
+                kernel.max_dynamic_shared_size_bytes = smem
+                self._smem[name] = smem
+        return kernel, smem
+
+    # -- the call -------------------------------------------------------------------------------
+
+    def _decode(self, tier, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
+                softmax_scale, out, indices, n_selected, validate):
+        problem = inputs.check_inputs(tier, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start,
+                                      seq_len, softmax_scale, out, indices, n_selected)
+        if not self._builds_for(tier, problem.kv_lora, problem.qk_rope) or not _aligned(
+                lc_codes, rc_codes, lc_scales, rc_scales):
+            return decode_torch(tier, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
+                                softmax_scale, out, indices, n_selected, validate=validate)
+        if validate:
+            inputs.check_ranges(problem, seq_start, seq_len, indices, n_selected)
+        result = inputs.prepare_out(out, problem)
+        device = problem.device
+        batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
+        if problem.selected is not None:
+            max_rows = problem.selected
+            mean_rows = float(n_selected.to(torch.float32).mean()) if n_selected.device.type == "cpu" else max_rows
+        elif seq_len.device.type == "cpu":
+            max_rows = max(int(seq_len.max()), 0)
+            mean_rows = float(seq_len.to(torch.float32).mean())
+        else:  # device-side lengths: bound by the row array rather than synchronize
+            max_rows = problem.n_rows
+            mean_rows = problem.n_rows / batch
+        plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm)
+        fmt = _FORMAT[tier]
+        q16 = torch.empty((batch, plan.padded_heads, k + r), dtype=torch.float16, device=device)
+        qmul = torch.empty((batch, plan.padded_heads, 2), dtype=torch.float32, device=device)
+        o_part = torch.empty((batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float32, device=device)
+        lse = torch.empty((batch, plan.padded_heads, plan.n_splits), dtype=torch.float32, device=device)
+        as_device = [t if t is None else t.to(device=device, dtype=torch.int32).contiguous()
+                     for t in (seq_start, seq_len, indices, n_selected)]
+        seq_start_d, seq_len_d, indices_d, n_selected_d = as_device
+        q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
+        lc_codes, rc_codes = lc_codes.contiguous(), rc_codes.contiguous()
+        lc_scales, rc_scales = lc_scales.contiguous(), rc_scales.contiguous()
+
+        prep = self._get(f"mla_prep_query<{k},{r},{'true' if fmt == 1 else 'false'}>")
+        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None)
+        merge = self._get(f"mla_merge<{k},{'true' if fmt == 1 else 'false'}>")
+        score_scale = np.float32(softmax_scale * math.log2(math.e))
+        cupy = _cupy()
+        stream = torch.cuda.current_stream(device)
+        with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+            prep((plan.padded_heads, batch), (128,),
+                 (_ptr(q_lat_c), _ptr(q_rope_c), np.int32(heads), np.int32(plan.padded_heads), score_scale,
+                  _ptr(q16), _ptr(qmul)))
+            split((plan.head_groups, plan.n_splits, batch), (256,),
+                  (_ptr(q16), _ptr(qmul), _ptr(lc_codes), _ptr(lc_scales), _ptr(rc_codes), _ptr(rc_scales),
+                   _ptr(seq_start_d), _ptr(seq_len_d), _ptr(indices_d), _ptr(n_selected_d),
+                   np.int32(problem.selected or 0), np.int64(problem.n_rows), np.int32(plan.padded_heads),
+                   np.int32(plan.n_splits), np.int32(plan.blocks_per_split), _ptr(o_part), _ptr(lse)),
+                  shared_mem=smem)
+            merge((heads, batch), (128,),
+                  (_ptr(o_part), _ptr(lse), np.int32(heads), np.int32(plan.padded_heads), np.int32(plan.n_splits),
+                   _ptr(result)),
+                  shared_mem=4 * plan.n_splits)
+        return result
+
+    # -- public kernels -------------------------------------------------------------------------
+
+    def mla_decode_fp8(self, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
+                       softmax_scale, out=None, *, validate=True):
+        return self._decode("fp8", q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
+                            softmax_scale, out, None, None, validate)
+
+    def mla_decode_int4(self, q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len,
+                        softmax_scale, out=None, *, validate=True):
+        return self._decode("tq-int4", q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len,
+                            softmax_scale, out, None, None, validate)
+
+    def mla_decode_fp8_selected(self, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start,
+                                seq_len, indices, n_selected, softmax_scale, out=None, *, validate=True):
+        return self._decode("fp8", q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
+                            softmax_scale, out, indices, n_selected, validate)
+
+    def mla_decode_int4_selected(self, q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start,
+                                 seq_len, indices, n_selected, softmax_scale, out=None, *, validate=True):
+        return self._decode("tq-int4", q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len,
+                            softmax_scale, out, indices, n_selected, validate)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """The kernels read 16-byte vectors: row arrays must start on 16-byte boundaries."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)

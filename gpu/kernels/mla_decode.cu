@@ -1,0 +1,717 @@
+// Absorbed MLA decode attention over quantized latent caches (fp8 e4m3 and rotated int4).
+//
+// Loaded by kvstore.gpu through cupy RawModule (NVRTC), so this file includes no headers: the
+// tensor-core, conversion and shared-memory ops are inline PTX and every type is a builtin.
+//
+// Per query token b and head h, over the rows n of its sequence (or of its selection):
+//   s[n]   = softmax_scale * (q_lat[h] . (lut[Lc[n]] * Ls[n]) + q_rope[h] . (lut[Rc[n]] * Rs[n]))
+//   out[h] = softmax(s) @ (lut[Lc] * Ls)
+// For the rotated int4 cache lut[c] is the Lloyd-Max level and the row scale radius/sqrtf(n); the
+// query is rotated once (mla_prep_query), rows are attended in the rotated domain and the context
+// is un-rotated once (mla_merge).
+//
+// Kernels:
+//   mla_prep_query   q f32 -> f16 (per-head power-of-two scale so f16 keeps full precision),
+//                    rotated first for int4; one block per (head, batch).
+//   mla_decode_split split-T (flash-decoding): block (head group, split, batch) streams BN-row
+//                    tiles of its share of the sequence, keeps an online softmax and writes a
+//                    partial context + log-sum-exp. mma.sync m16n8k16 f16 x f16 -> f32.
+//   mla_merge        log-sum-exp merge of the partials (+ un-rotation for int4).
+//
+// Numerics: codes decode exactly into f16 (e4m3 is a subset of f16; the 16 int4 levels round to
+// f16, relative error <= 2^-11); q and the softmax weights are rounded to f16 (q per head with a
+// power-of-two scale, weights in [0, 1]); every product accumulates in f32.
+
+#define THREADS 256
+#define WARPS 8
+#define BN 64
+#define FULL_MASK 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+// Softmax weights go to f16 as p * Ls / c_blk * P_SCALE (<= 2^15): small weights stay normal f16.
+#define P_SCALE 32768.0f
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+// ---------------------------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+// c[0..3] += A(16x16, row) * B(16x8, col); f16 operands, f32 accumulators.
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte permute with the sign-replicate mode of the selector's bit 3 (which __byte_perm masks off).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float x) {
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+
+// Two e4m3 bytes (low byte -> low half) to f16x2; exact (e4m3 values are f16 values).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two_codes) {
+    u32 r;
+    u16 v = (u16)two_codes;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+    return r;
+}
+
+__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// The NaN codes 0x7F/0xFF read as 0: clear every byte whose low 7 bits are all set.
+__device__ __forceinline__ u32 fp8_clear_nan(u32 w) {
+    u32 t = (w & 0x7F7F7F7Fu) + 0x01010101u;  // a byte's msb is set iff its low 7 bits were 0x7F
+    u32 m = prmt(t, 0u, 0xBA98u);           // replicate each byte's msb over the byte
+    return w & ~m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotation (FORMAT.md section 5)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 tq_hash(u32 x) {
+    x += 0x9E3779B9u;
+    x = (x ^ (x >> 16)) * 0x85EBCA6Bu;
+    x = (x ^ (x >> 13)) * 0xC2B2AE35u;
+    return x ^ (x >> 16);
+}
+
+__device__ __forceinline__ float tq_sign(u32 i) {
+    return (tq_hash(0x9E3779B9u ^ i) & 1u) ? -1.0f : 1.0f;
+}
+
+// In-place normalized FWHT of a shared array of n (power of two) floats; all threads call it.
+__device__ void fwht_shared(float* a, int n) {
+    for (int len = 1; len < n; len <<= 1) {
+        for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
+            int i = (p / len) * 2 * len + (p % len);
+            float x = a[i], y = a[i + len];
+            a[i] = x + y;
+            a[i + len] = x - y;
+        }
+        __syncthreads();
+    }
+    const float norm = 1.0f / sqrtf((float)n);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) a[i] *= norm;
+    __syncthreads();
+}
+
+// ---------------------------------------------------------------------------------------------
+// int4 codes -> f16 levels
+// ---------------------------------------------------------------------------------------------
+
+// The 8 level magnitudes (level[8 + j], j = 0..7) as f16, split into low and high bytes so that
+// one prmt looks up four 3-bit indices at once.
+struct LevelTable {
+    u32 lo_a, lo_b, hi_a, hi_b;
+};
+
+__device__ __forceinline__ LevelTable make_level_table() {
+    const float mag[8] = {0.128f, 0.388f, 0.657f, 0.942f, 1.256f, 1.618f, 2.069f, 2.733f};
+    u32 lo[2] = {0u, 0u}, hi[2] = {0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        u32 h = f32_to_f16(mag[j]);
+        lo[j >> 2] |= (h & 0xFFu) << (8 * (j & 3));
+        hi[j >> 2] |= (h >> 8) << (8 * (j & 3));
+    }
+    LevelTable t;
+    t.lo_a = lo[0];
+    t.lo_b = lo[1];
+    t.hi_a = hi[0];
+    t.hi_b = hi[1];
+    return t;
+}
+
+// Eight 4-bit codes (element 2k in the low nibble of byte k) to four f16x2 (element order kept).
+// level[c] = +mag[c - 8] for c >= 8 and -mag[7 - c] for c < 8.
+__device__ __forceinline__ void int4x8_to_f16(u32 w, const LevelTable& lt, u32* out) {
+    const u32 neg = ~w & 0x88888888u;            // bit 3 of every nibble whose code is < 8
+    const u32 flip = neg - (neg >> 3);           // 7 in those nibbles: c ^ 7 = 7 - c
+    const u32 j = (w ^ flip) & 0x77777777u;      // magnitude index per nibble
+    const u32 jh = j >> 16;
+    const u32 lo_a = prmt(lt.lo_a, lt.lo_b, j);   // low bytes of elements 0..3
+    u32 hi_a = prmt(lt.hi_a, lt.hi_b, j);
+    const u32 lo_b = prmt(lt.lo_a, lt.lo_b, jh);  // elements 4..7
+    u32 hi_b = prmt(lt.hi_a, lt.hi_b, jh);
+    // Sign of element k to bit 7 of byte k: even elements' flags sit at bit 3 of a byte, odd at 7.
+    const u32 neg4 = neg << 4;
+    hi_a |= prmt(neg4, neg, 0x5140u) & 0x80808080u;
+    hi_b |= prmt(neg4, neg, 0x7362u) & 0x80808080u;
+    out[0] = prmt(lo_a, hi_a, 0x5140u);
+    out[1] = prmt(lo_a, hi_a, 0x7362u);
+    out[2] = prmt(lo_b, hi_b, 0x5140u);
+    out[3] = prmt(lo_b, hi_b, 0x7362u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// mla_prep_query: one block of 128 threads per (head, batch)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float block_max_128(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    __syncthreads();
+    return v;
+}
+
+// Power-of-two factor putting max|x| just under 2^14, where f16 keeps 11 significant bits.
+__device__ __forceinline__ float f16_range_factor(float max_abs) {
+    if (!(max_abs > 0.0f) || !(max_abs < 3.0e38f)) return 1.0f;
+    int e;
+    frexpf(max_abs, &e);  // max_abs < 2^e
+    return ldexpf(1.0f, 14 - e);
+}
+
+template <int K, int R, bool ROTATE>
+__global__ void __launch_bounds__(128) mla_prep_query(const float* __restrict__ q_lat,
+                                                      const float* __restrict__ q_rope, int H, int Hp,
+                                                      float score_scale, u16* __restrict__ q16,
+                                                      float* __restrict__ qmul) {
+    __shared__ float ql[K];
+    __shared__ float qr[R];
+    __shared__ float red[4];
+    const int h = blockIdx.x, b = blockIdx.y;
+    u16* dst = q16 + ((long long)b * Hp + h) * (K + R);
+    float* mul = qmul + ((long long)b * Hp + h) * 2;
+    if (h >= H) {  // padding head of the last head group: zero, never written out
+        for (int i = threadIdx.x; i < K + R; i += blockDim.x) dst[i] = 0;
+        if (threadIdx.x < 2) mul[threadIdx.x] = 0.0f;
+        return;
+    }
+    const float* src_l = q_lat + ((long long)b * H + h) * K;
+    const float* src_r = q_rope + ((long long)b * H + h) * R;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) ql[i] = ROTATE ? src_l[i] * tq_sign(i) : src_l[i];
+    for (int i = threadIdx.x; i < R; i += blockDim.x) qr[i] = ROTATE ? src_r[i] * tq_sign(i) : src_r[i];
+    __syncthreads();
+    if (ROTATE) {
+        fwht_shared(ql, K);
+        fwht_shared(qr, R);
+    }
+    float ml = 0.0f, mr = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) ml = fmaxf(ml, fabsf(ql[i]));
+    for (int i = threadIdx.x; i < R; i += blockDim.x) mr = fmaxf(mr, fabsf(qr[i]));
+    ml = block_max_128(ml, red);
+    mr = block_max_128(mr, red);
+    const float fl = f16_range_factor(ml), fr = f16_range_factor(mr);
+    for (int i = threadIdx.x; i < K; i += blockDim.x) dst[i] = f32_to_f16(ql[i] * fl);
+    for (int i = threadIdx.x; i < R; i += blockDim.x) dst[K + i] = f32_to_f16(qr[i] * fr);
+    if (threadIdx.x == 0) {
+        mul[0] = score_scale / fl;
+        mul[1] = score_scale / fr;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// mla_decode_split
+// ---------------------------------------------------------------------------------------------
+
+template <int MT, int K, int R, int FMT>
+struct Cfg {
+    static constexpr int HG = 16 * MT;              // heads per block
+    static constexpr int D = K + R;                 // score width
+    static constexpr int QS = D + 8;                // f16 per Q / tile row in smem (16 B pad)
+    static constexpr int PS = BN + 8;               // f16 per P row
+    static constexpr int SS = BN + 4;               // f32 per partial-score row
+    static constexpr int KB = FMT == 0 ? K : K / 2; // code bytes of a latent row
+    static constexpr int RB = FMT == 0 ? R : R / 2; // code bytes of a rope row
+    static constexpr int KCH = KB / 16;             // 16-byte chunks of a latent row
+    static constexpr int CPR = (KB + RB) / 16;      // 16-byte chunks of a cache row
+    static constexpr int DPC = FMT == 0 ? 16 : 32;  // elements per chunk
+    static constexpr int NCH = BN * CPR;
+    static constexpr int CPT = (NCH + THREADS - 1) / THREADS;
+    // Q.K^T: warp tile (MWQ m-tiles) x (NTQ n-tiles) over one half of the score width.
+    static constexpr int MWQ = MT < 2 ? MT : 2;
+    static constexpr int MGQ = MT / MWQ;
+    static constexpr int NGQ = WARPS / (2 * MGQ);
+    static constexpr int NTQ = (BN / 8) / NGQ;
+    static constexpr int KS0 = D / 32;              // k-steps of the first half (latent only)
+    // P.V: warp tile (MWP m-tiles) x (DW output dims).
+    static constexpr int MWP = MT < 2 ? MT : 2;
+    static constexpr int MGP = MT / MWP;
+    static constexpr int DW = K / (WARPS / MGP);
+    static constexpr int NTP = DW / 8;
+    // softmax: TPH threads per head, RPT rows each
+    static constexpr int TPH = THREADS / HG;
+    static constexpr int RPT = BN / TPH;
+    // Prefetch the next tile before Q.K^T when the registers allow, else before P.V.
+    static constexpr bool EARLY = MT <= 2;
+    // shared memory layout, bytes
+    static constexpr int OFF_Q = 0;
+    static constexpr int OFF_T = OFF_Q + HG * QS * 2;
+    static constexpr int OFF_S = OFF_T + BN * QS * 2;
+    static constexpr int OFF_P = OFF_S + 2 * HG * SS * 4;
+    static constexpr int OFF_LS = OFF_P + HG * PS * 2;
+    static constexpr int OFF_RS = OFF_LS + BN * 4;
+    static constexpr int OFF_VALID = OFF_RS + BN * 4;
+    static constexpr int OFF_QM = OFF_VALID + BN * 4;
+    static constexpr int OFF_ALPHA = OFF_QM + HG * 8;
+    static constexpr int OFF_ML = OFF_ALPHA + HG * 4;
+    static constexpr int OFF_CMAX = OFF_ML + HG * 8;
+    static constexpr int SMEM = OFF_CMAX + (BN / 32) * 4;
+
+    static_assert(K % 64 == 0 && R % 32 == 0, "kv_lora must be a multiple of 64, qk_rope of 32");
+    static_assert(KS0 * 32 == D && KS0 <= K / 16, "score width must split into two k-halves");
+    static_assert(NTQ % 2 == 0 && NTP % 2 == 0, "ldmatrix.x4 loads n-tiles in pairs");
+    static_assert(THREADS % HG == 0 && BN % TPH == 0, "softmax thread mapping");
+};
+
+// The dynamic shared memory mla_decode_split<MT, K, R, FMT, *> needs (read once by the host).
+template <int MT, int K, int R, int FMT>
+__global__ void mla_split_smem(int* out) {
+    out[0] = Cfg<MT, K, R, FMT>::SMEM;
+}
+
+// Rows the block reads: position pos of the sequence (or entry pos of the selection list).
+template <bool GATHER>
+__device__ __forceinline__ long long resolve_row(int pos, int T, long long start, int slen,
+                                                 const int* sel_b, long long n_rows) {
+    if (pos >= T) return -1;
+    long long row;
+    if (GATHER) {
+        const int idx = __ldg(sel_b + pos);
+        if (idx < 0 || idx >= slen) return -1;  // outside the sequence: never read
+        row = start + idx;
+    } else {
+        row = start + pos;
+    }
+    return (row >= 0 && row < n_rows) ? row : -1;
+}
+
+template <int MT, int K, int R, int FMT, bool GATHER>
+__global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
+    mla_decode_split(const u16* __restrict__ q16, const float* __restrict__ qmul,
+                     const u8* __restrict__ lc, const float* __restrict__ lscale,
+                     const u8* __restrict__ rc, const float* __restrict__ rscale,
+                     const int* __restrict__ seq_start, const int* __restrict__ seq_len,
+                     const int* __restrict__ sel, const int* __restrict__ n_sel, int sel_stride,
+                     long long n_rows, int Hp, int n_splits, int blocks_per_split,
+                     float* __restrict__ o_part, float* __restrict__ lse_part) {
+    using C = Cfg<MT, K, R, FMT>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    u16* Qs = (u16*)(smem + C::OFF_Q);
+    u16* tile = (u16*)(smem + C::OFF_T);
+    float* Sbuf = (float*)(smem + C::OFF_S);
+    u16* Ps = (u16*)(smem + C::OFF_P);
+    float* ls_s = (float*)(smem + C::OFF_LS);
+    float* rs_s = (float*)(smem + C::OFF_RS);
+    int* valid_s = (int*)(smem + C::OFF_VALID);
+    float* qm_s = (float*)(smem + C::OFF_QM);
+    float* alpha_s = (float*)(smem + C::OFF_ALPHA);
+    float* ml_s = (float*)(smem + C::OFF_ML);
+    float* cmax_s = (float*)(smem + C::OFF_CMAX);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int h0 = hg * C::HG;
+    const long long start = seq_start[b];
+    const int slen = seq_len[b];
+    int T = slen;
+    if (GATHER) T = min(n_sel[b], sel_stride);
+    T = max(T, 0);
+    const int* sel_b = GATHER ? sel + (long long)b * sel_stride : sel;
+    const int n_blocks = (T + BN - 1) / BN;
+    const int blk0 = split * blocks_per_split;
+    const int blk1 = min(blk0 + blocks_per_split, n_blocks);
+    float* lse_out = lse_part + ((long long)b * Hp + h0) * n_splits + split;
+    if (blk0 >= blk1) {  // nothing to attend in this split: the merge gives it weight 0
+        if (tid < C::HG) lse_out[(long long)tid * n_splits] = NEG_INF;
+        return;
+    }
+
+    // Query tile of this head group, and its per-head score multipliers.
+    {
+        const u16* qsrc = q16 + ((long long)b * Hp + h0) * C::D;
+        for (int i = tid; i < C::HG * (C::D / 8); i += THREADS) {
+            const int h = i / (C::D / 8), c = i % (C::D / 8);
+            *(uint4*)(Qs + h * C::QS + c * 8) = *(const uint4*)(qsrc + (long long)h * C::D + c * 8);
+        }
+        if (tid < 2 * C::HG) qm_s[tid] = qmul[((long long)b * Hp + h0) * 2 + tid];
+    }
+    LevelTable lt;
+    if (FMT == 1) lt = make_level_table();
+
+    // ---- staging: global codes -> registers -> f16 tile -------------------------------------
+    uint4 st_codes[C::CPT];
+    float st_ls = 0.0f, st_rs = 0.0f;
+    int st_valid = 0;
+
+    auto stage_load = [&](int blk) {
+#pragma unroll
+        for (int i = 0; i < C::CPT; ++i) {
+            const int c = tid + i * THREADS;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (c < C::NCH) {
+                const int row = c / C::CPR, col = c % C::CPR;
+                const long long g = resolve_row<GATHER>(blk * BN + row, T, start, slen, sel_b, n_rows);
+                if (g >= 0) {
+                    const u8* src = col < C::KCH ? lc + g * C::KB + col * 16
+                                                 : rc + g * C::RB + (col - C::KCH) * 16;
+                    v = ldg_stream16(src);
+                }
+            }
+            st_codes[i] = v;
+        }
+        if (tid < BN) {
+            const long long g = resolve_row<GATHER>(blk * BN + tid, T, start, slen, sel_b, n_rows);
+            st_valid = g >= 0;
+            st_ls = st_valid ? __ldg(lscale + g) : 0.0f;
+            st_rs = st_valid ? __ldg(rscale + g) : 0.0f;
+        }
+    };
+
+    auto stage_store = [&]() {
+#pragma unroll
+        for (int i = 0; i < C::CPT; ++i) {
+            const int c = tid + i * THREADS;
+            if (c < C::NCH) {
+                const int row = c / C::CPR, col = c % C::CPR;
+                const int dim0 = col < C::KCH ? col * C::DPC : K + (col - C::KCH) * C::DPC;
+                uint4* dst = (uint4*)(tile + row * C::QS + dim0);
+                const u32 w[4] = {st_codes[i].x, st_codes[i].y, st_codes[i].z, st_codes[i].w};
+                if (FMT == 0) {
+                    u32 h[8];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const u32 x = fp8_clear_nan(w[k]);
+                        h[2 * k] = e4m3x2_to_f16x2(x & 0xFFFFu);
+                        h[2 * k + 1] = e4m3x2_to_f16x2(x >> 16);
+                    }
+                    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+                    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        u32 h[4];
+                        int4x8_to_f16(w[k], lt, h);
+                        dst[k] = make_uint4(h[0], h[1], h[2], h[3]);
+                    }
+                }
+            }
+        }
+        if (tid < BN) {
+            // Row scales as the f16 tile needs them: fp8 codes decode to the e4m3 value itself;
+            // int4 levels are in units of radius / sqrtf(n).
+            float ls = st_ls, rs = st_rs;
+            if (FMT == 1) {
+                ls = st_ls / sqrtf((float)K);
+                rs = st_rs / sqrtf((float)R);
+            }
+            ls_s[tid] = st_valid ? ls : 0.0f;
+            rs_s[tid] = st_valid ? rs : 0.0f;
+            valid_s[tid] = st_valid;
+            float a = st_valid ? fabsf(ls) : 0.0f;
+            for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, o));
+            if (lane == 0) cmax_s[tid >> 5] = a;
+        }
+    };
+
+    // ---- per-warp roles ----------------------------------------------------------------------
+    const int g = lane >> 2, t4 = lane & 3;
+    // ldmatrix lane -> (row, col) of the 8x8 matrices: A operands and transposed B operands use
+    // (rows 0-7 | rows 8-15) x (cols 0-7 | cols 8-15) in matrix order 0,1,2,3 = (r0,c0),(r8,c0),(r0,c8),(r8,c8)
+    const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+    // non-transposed B operand (rows = cache rows): matrices (r0,c0),(r0,c8),(r8,c0),(r8,c8)
+    const int b_row = (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
+
+    const int qk_half = warp & 1;
+    const int qk_ng = (warp >> 1) % C::NGQ;
+    const int qk_mg = (warp >> 1) / C::NGQ;
+    const int pv_mg = warp / (WARPS / C::MGP);
+    const int pv_dq = warp % (WARPS / C::MGP);
+
+    const u32 q_base = smem_addr(Qs), t_base = smem_addr(tile), p_base = smem_addr(Ps);
+
+    // softmax role: TPH consecutive threads per head
+    const int sm_h = tid / C::TPH, sm_p = tid % C::TPH;
+    float m_run = NEG_INF, l_run = 0.0f, c_prev = 1.0f;
+
+    float o_acc[C::MWP][C::NTP][4];
+#pragma unroll
+    for (int m = 0; m < C::MWP; ++m)
+#pragma unroll
+        for (int n = 0; n < C::NTP; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
+
+    stage_load(blk0);
+    stage_store();
+    __syncthreads();
+
+    for (int blk = blk0; blk < blk1; ++blk) {
+        const bool more = blk + 1 < blk1;
+        if (C::EARLY && more) stage_load(blk + 1);
+
+        // ---- S = Q K^T (scaled, log2 units), split over two halves of the score width -------
+        {
+            float acc[C::MWQ][C::NTQ][4];
+            const int row0 = qk_ng * C::NTQ * 8;
+            float* S = Sbuf + qk_half * C::HG * C::SS;
+            // half 0: latent k-steps [0, KS0); half 1: rope, then latent [KS0, K/16)
+#pragma unroll 1
+            for (int pass = 0; pass < 2; ++pass) {
+                const bool rope = qk_half == 1 && pass == 0;
+                if (qk_half == 0 && pass == 1) break;
+                const int ks_begin = rope ? K / 16 : (qk_half == 0 ? 0 : C::KS0);
+                const int ks_end = rope ? C::D / 16 : (qk_half == 0 ? C::KS0 : K / 16);
+#pragma unroll
+                for (int m = 0; m < C::MWQ; ++m)
+#pragma unroll
+                    for (int n = 0; n < C::NTQ; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+#pragma unroll 2
+                for (int ks = ks_begin; ks < ks_end; ++ks) {
+                    u32 af[C::MWQ][4];
+#pragma unroll
+                    for (int m = 0; m < C::MWQ; ++m) {
+                        const int hrow = (qk_mg * C::MWQ + m) * 16 + a_row;
+                        ldsm_x4(q_base + (hrow * C::QS + ks * 16 + a_col) * 2, af[m][0], af[m][1], af[m][2],
+                                af[m][3]);
+                    }
+#pragma unroll
+                    for (int np = 0; np < C::NTQ / 2; ++np) {
+                        u32 b0, b1, b2, b3;
+                        const int trow = row0 + np * 16 + b_row;
+                        ldsm_x4(t_base + (trow * C::QS + ks * 16 + b_col) * 2, b0, b1, b2, b3);
+#pragma unroll
+                        for (int m = 0; m < C::MWQ; ++m) {
+                            mma_16816(acc[m][2 * np], af[m], b0, b1);
+                            mma_16816(acc[m][2 * np + 1], af[m], b2, b3);
+                        }
+                    }
+                }
+                // scale by row scale x per-head multiplier; the rope pass writes, the latent adds
+                const float* rowscale = rope ? rs_s : ls_s;
+                const int which = rope ? 1 : 0;
+                const bool add = qk_half == 1 && !rope;
+#pragma unroll
+                for (int m = 0; m < C::MWQ; ++m) {
+                    const int ha = (qk_mg * C::MWQ + m) * 16 + g, hb = ha + 8;
+                    const float mula = qm_s[ha * 2 + which], mulb = qm_s[hb * 2 + which];
+#pragma unroll
+                    for (int n = 0; n < C::NTQ; ++n) {
+                        const int r = row0 + n * 8 + 2 * t4;
+                        const float s0 = rowscale[r], s1 = rowscale[r + 1];
+                        float2* pa = (float2*)(S + ha * C::SS + r);
+                        float2* pb = (float2*)(S + hb * C::SS + r);
+                        float2 va = make_float2(acc[m][n][0] * s0 * mula, acc[m][n][1] * s1 * mula);
+                        float2 vb = make_float2(acc[m][n][2] * s0 * mulb, acc[m][n][3] * s1 * mulb);
+                        if (add) {
+                            const float2 oa = *pa, ob = *pb;
+                            va.x += oa.x; va.y += oa.y;
+                            vb.x += ob.x; vb.y += ob.y;
+                        }
+                        *pa = va;
+                        *pb = vb;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+
+        // ---- online softmax: P' = p * Ls / c_blk * P_SCALE in f16; alpha rescales the context --
+        {
+            float c_blk = cmax_s[0];
+#pragma unroll
+            for (int i = 1; i < BN / 32; ++i) c_blk = fmaxf(c_blk, cmax_s[i]);
+            if (!(c_blk > 0.0f)) c_blk = 1.0f;
+            const float inv_c = 1.0f / c_blk;
+            const float p_mul = P_SCALE / c_blk;
+            const float* S0 = Sbuf + sm_h * C::SS;
+            const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS;
+            float sv[C::RPT];
+            float mx = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < C::RPT; ++i) {
+                const int r = sm_p + i * C::TPH;
+                const float s = valid_s[r] ? S0[r] + S1[r] : NEG_INF;
+                sv[i] = s;
+                mx = fmaxf(mx, s);
+            }
+#pragma unroll
+            for (int o = C::TPH / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+            const float m_new = fmaxf(m_run, mx);
+            const float ref = m_new == NEG_INF ? 0.0f : m_new;
+            const float alpha = exp2f(m_run - ref);
+            float lsum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < C::RPT; ++i) {
+                const int r = sm_p + i * C::TPH;
+                const float p = exp2f(sv[i] - ref);
+                lsum += p;
+                Ps[sm_h * C::PS + r] = f32_to_f16(p * ls_s[r] * p_mul);
+            }
+            l_run = l_run * alpha + lsum;
+            m_run = m_new;
+            if (sm_p == 0) alpha_s[sm_h] = alpha * (c_prev * inv_c);
+            c_prev = c_blk;
+        }
+        __syncthreads();
+        if (!C::EARLY && more) stage_load(blk + 1);
+
+        // ---- O = alpha * O + P' V -------------------------------------------------------------
+        {
+#pragma unroll
+            for (int m = 0; m < C::MWP; ++m) {
+                const int ha = (pv_mg * C::MWP + m) * 16 + g;
+                const float aa = alpha_s[ha], ab = alpha_s[ha + 8];
+#pragma unroll
+                for (int n = 0; n < C::NTP; ++n) {
+                    o_acc[m][n][0] *= aa;
+                    o_acc[m][n][1] *= aa;
+                    o_acc[m][n][2] *= ab;
+                    o_acc[m][n][3] *= ab;
+                }
+            }
+            const int d0 = pv_dq * C::DW;
+#pragma unroll
+            for (int ks = 0; ks < BN / 16; ++ks) {
+                u32 pf[C::MWP][4];
+#pragma unroll
+                for (int m = 0; m < C::MWP; ++m) {
+                    const int hrow = (pv_mg * C::MWP + m) * 16 + a_row;
+                    ldsm_x4(p_base + (hrow * C::PS + ks * 16 + a_col) * 2, pf[m][0], pf[m][1], pf[m][2], pf[m][3]);
+                }
+#pragma unroll
+                for (int np = 0; np < C::NTP / 2; ++np) {
+                    u32 v0, v1, v2, v3;
+                    ldsm_x4_trans(t_base + ((ks * 16 + a_row) * C::QS + d0 + np * 16 + a_col) * 2, v0, v1, v2, v3);
+#pragma unroll
+                    for (int m = 0; m < C::MWP; ++m) {
+                        mma_16816(o_acc[m][2 * np], pf[m], v0, v1);
+                        mma_16816(o_acc[m][2 * np + 1], pf[m], v2, v3);
+                    }
+                }
+            }
+        }
+        if (more) {
+            __syncthreads();
+            stage_store();
+            __syncthreads();
+        }
+    }
+
+    // ---- epilogue: normalized partial context and its log-sum-exp (log2 units) ---------------
+#pragma unroll
+    for (int o = C::TPH / 2; o > 0; o >>= 1) l_run += __shfl_xor_sync(FULL_MASK, l_run, o);
+    if (sm_p == 0) {
+        ml_s[sm_h * 2] = m_run;
+        ml_s[sm_h * 2 + 1] = l_run;
+        lse_out[(long long)sm_h * n_splits] = l_run > 0.0f ? m_run + log2f(l_run) : NEG_INF;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < C::MWP; ++m) {
+        const int ha = (pv_mg * C::MWP + m) * 16 + g, hb = ha + 8;
+        const float la = ml_s[ha * 2 + 1], lb = ml_s[hb * 2 + 1];
+        const float fa = la > 0.0f ? c_prev / (P_SCALE * la) : 0.0f;
+        const float fb = lb > 0.0f ? c_prev / (P_SCALE * lb) : 0.0f;
+        float* oa = o_part + (((long long)b * Hp + h0 + ha) * n_splits + split) * K;
+        float* ob = o_part + (((long long)b * Hp + h0 + hb) * n_splits + split) * K;
+#pragma unroll
+        for (int n = 0; n < C::NTP; ++n) {
+            const int d = pv_dq * C::DW + n * 8 + 2 * t4;
+            *(float2*)(oa + d) = make_float2(o_acc[m][n][0] * fa, o_acc[m][n][1] * fa);
+            *(float2*)(ob + d) = make_float2(o_acc[m][n][2] * fb, o_acc[m][n][3] * fb);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// mla_merge: one block of 128 threads per (head, batch)
+// ---------------------------------------------------------------------------------------------
+
+template <int K, bool UNROTATE>
+__global__ void __launch_bounds__(128) mla_merge(const float* __restrict__ o_part,
+                                                 const float* __restrict__ lse_part, int H, int Hp,
+                                                 int n_splits, float* __restrict__ out) {
+    extern __shared__ float weights[];  // [n_splits]
+    __shared__ float ctx[K];
+    __shared__ float red[4];
+    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+    const float* lse = lse_part + ((long long)b * Hp + h) * n_splits;
+    float mx = NEG_INF;
+    for (int s = tid; s < n_splits; s += 128) mx = fmaxf(mx, lse[s]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+    if ((tid & 31) == 0) red[tid >> 5] = mx;
+    __syncthreads();
+    mx = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    __syncthreads();
+    float tot = 0.0f;
+    for (int s = tid; s < n_splits; s += 128) {
+        const float w = mx == NEG_INF ? 0.0f : exp2f(lse[s] - mx);
+        weights[s] = w;
+        tot += w;
+    }
+    for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, o);
+    if ((tid & 31) == 0) red[tid >> 5] = tot;
+    __syncthreads();
+    tot = red[0] + red[1] + red[2] + red[3];
+    const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+    const float* op = o_part + ((long long)b * Hp + h) * n_splits * K;
+    float acc[K / 128];
+#pragma unroll
+    for (int j = 0; j < K / 128; ++j) acc[j] = 0.0f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float w = weights[s];
+        if (w == 0.0f) continue;  // empty split: its partial was never written
+#pragma unroll
+        for (int j = 0; j < K / 128; ++j) acc[j] += w * op[(long long)s * K + tid + 128 * j];
+    }
+    float* dst = out + ((long long)b * H + h) * K;
+    if (!UNROTATE) {
+#pragma unroll
+        for (int j = 0; j < K / 128; ++j) dst[tid + 128 * j] = acc[j] * inv;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < K / 128; ++j) ctx[tid + 128 * j] = acc[j] * inv;
+    __syncthreads();
+    fwht_shared(ctx, K);
+#pragma unroll
+    for (int j = 0; j < K / 128; ++j) {
+        const int d = tid + 128 * j;
+        dst[d] = ctx[d] * tq_sign((u32)d);
+    }
+}
