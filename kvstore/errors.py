@@ -121,3 +121,20 @@ class JobNotFound(KVStoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.reason
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A configuration file or variable (API keys, sizes) cannot be used as written."""
+
+
+# ---- transformers interop (kvstore.engine.hf) -------------------------------------------------
+class CacheLayoutUnsupported(KVStoreError, ValueError):
+    """The transformers model (or version) does not cache the MLA latent rows kvstore stores."""
+
+    http_status = 422
+
+
+class ConversationMismatch(KVStoreError, ValueError):
+    """The tokens or cache given do not continue the conversation the session holds."""
+
+    http_status = 409

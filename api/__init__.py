@@ -1,0 +1,19 @@
+"""kvstore's HTTP service (FastAPI, served by uvicorn): sessions, rows in binary forms, jobs.
+
+``create_app(store_or_settings)`` builds the application; ``kvstore serve`` runs it. The layout
+follows FastAPI's "Bigger Applications": ``main.py`` (factory), ``dependencies.py`` (store handle,
+auth, bodies), ``routers/*.py`` (one ``APIRouter`` each), ``schemas.py`` (pydantic models).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {"create_app": "kvstore.api.main", "Settings": "kvstore.api.settings"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore.api' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,76 @@
+"""Request-scoped dependencies: the store handle, the caller's owner (auth), bounded bodies."""
+
+from __future__ import annotations
+
+from fastapi import Depends, Request
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+
+from kvstore.errors import BodyTooLarge, InvalidRequest, Unauthorized, UnsupportedMediaType
+from kvstore.sessions import SessionStore, validate_session_id
+
+from kvstore.api.jobs import JobRunner
+from kvstore.api.keys import KeyTable
+from kvstore.api.settings import Settings
+
+_bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <API key>")
+_api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="the API key, as an alternative to Bearer")
+
+
+def get_store(request: Request) -> SessionStore:
+    return request.app.state.store
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_jobs(request: Request) -> JobRunner:
+    return request.app.state.jobs
+
+
+def require_owner(
+    request: Request,
+    bearer: HTTPAuthorizationCredentials | None = Depends(_bearer),
+    api_key: str | None = Depends(_api_key),
+) -> str:
+    """The owner the presented API key maps to (401 without a known key)."""
+    key = bearer.credentials if bearer is not None else api_key
+    if not key:
+        raise Unauthorized("missing API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
+    table: KeyTable = request.app.state.keys
+    owner = table.owner_for(key)
+    if owner is None:
+        raise Unauthorized("unknown API key")
+    return owner
+
+
+def session_id_param(session_id: str) -> str:
+    """The ``{session_id}`` path parameter, validated (400 for anything that is not an id)."""
+    return validate_session_id(session_id)
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def require_media_type(request: Request, *allowed: str) -> str:
+    kind = media_type(request)
+    if kind not in allowed:
+        raise UnsupportedMediaType(f"Content-Type {kind or '(none)'!r} is not accepted here; send one of {list(allowed)}")
+    return kind
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The whole request body, refused with 413 as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidRequest("Content-Length is not a number")
+        if int(declared) > limit:
+            raise BodyTooLarge(f"the body is {int(declared)} bytes; this service accepts at most {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(f"the body passed {limit} bytes, the most this service accepts")
+    return body

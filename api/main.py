@@ -1,0 +1,178 @@
+"""The application factory: ``create_app(store_or_settings)``.
+
+Every error is JSON ``{"error": <type>, "reason": <text>}`` with the error's HTTP status; bodies
+over the configured limit are refused (413) before they are read; every route but ``/health``
+and the docs needs an API key (see ``kvstore.api.keys``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kvstore
+from kvstore.errors import BodyTooLarge, KVStoreError
+from kvstore.sessions import SessionStore
+
+from kvstore.api.jobs import JobRunner
+from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
+from kvstore.api.routers import files, health, jobs, lookup, sessions
+from kvstore.api.settings import Settings
+
+log = logging.getLogger("kvstore.api")
+
+_HTTP_NAMES = {404: "NotFound", 405: "MethodNotAllowed", 400: "InvalidRequest", 413: "BodyTooLarge", 401: "Unauthorized"}
+
+
+def _error(status: int, error: str, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": error, "reason": reason}, status_code=status, headers=headers)
+
+
+async def _kvstore_error(request: Request, exc: KVStoreError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
+    return _error(exc.http_status, type(exc).__name__, exc.reason, headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    parts = []
+    for problem in exc.errors()[:5]:
+        where = ".".join(str(p) for p in problem.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {problem.get('msg', 'invalid')}")
+    return _error(422, "InvalidRequest", "; ".join(parts) or "the request is not valid")
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    cause = exc.__cause__
+    if isinstance(cause, KVStoreError):  # raised while FastAPI read a JSON body (BodyTooLarge)
+        return await _kvstore_error(request, cause)
+    return _error(exc.status_code, _HTTP_NAMES.get(exc.status_code, "HTTPError"), str(exc.detail), getattr(exc, "headers", None))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return _error(500, "InternalError", f"{type(exc).__name__}: the service failed; see its log")
+
+
+class BodyLimit:
+    """Refuse bodies over ``max_bytes``: by Content-Length before reading, else while streaming."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                if not value.isdigit():
+                    return await _error(400, "InvalidRequest", "Content-Length is not a number")(scope, receive, send)
+                if int(value) > self.max_bytes:
+                    reason = f"the body is {int(value)} bytes; this service accepts at most {self.max_bytes}"
+                    return await _error(413, "BodyTooLarge", reason, {"Connection": "close"})(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(f"the body passed {self.max_bytes} bytes, the most this service accepts")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | None = None) -> FastAPI:
+    """Build the service.
+
+    Parameters
+    ----------
+    store_or_settings : an open :class:`SessionStore` (the caller keeps closing it), or
+        :class:`Settings` / a data folder path (the app opens the store at startup and closes it
+        at shutdown). ``keys.json`` is created in the data folder if missing; its fresh key is
+        printed once to stderr.
+    """
+    if isinstance(store_or_settings, SessionStore):
+        given_store: SessionStore | None = store_or_settings
+        settings = Settings(data_dir=store_or_settings.data_dir)
+    else:
+        given_store = None
+        if isinstance(store_or_settings, Settings):
+            settings = store_or_settings
+        else:
+            settings = Settings(data_dir=Path(store_or_settings) if store_or_settings is not None else Path("./data"))
+    created_key = ensure_keys_file(settings.data_dir)
+    if created_key is not None:
+        print(
+            f"kvstore: created {settings.data_dir / KEYS_FILE} with an API key for owner 'default' "
+            f"(shown once, keep it): {created_key}",
+            file=sys.stderr,
+            flush=True,
+        )
+    keys = KeyTable(settings.data_dir, settings.api_keys_env)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        store = given_store or SessionStore(
+            settings.data_dir,
+            budget_bytes=settings.budget_bytes,
+            hard_limit_bytes=settings.hard_limit_bytes,
+            map_size=settings.map_size,
+            lock_timeout=settings.lock_timeout,
+        )
+        for line in store.reconcile_actions:
+            log.warning("reconcile: %s", line)
+        runner = JobRunner(settings.job_workers)
+        app.state.store, app.state.jobs = store, runner
+        try:
+            yield
+        finally:
+            runner.shutdown()
+            if given_store is None:
+                store.close()
+
+    app = FastAPI(
+        title="kvstore",
+        version=kvstore.__version__,
+        description="Resumable LLM conversations: MLA latent KV rows journaled as .coli_kv, indexed, served.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.keys = keys
+    app.add_exception_handler(KVStoreError, _kvstore_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    for module in (health, sessions, files, lookup, jobs):
+        app.include_router(module.router)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The generated schema, with validation errors described as the ErrorBody they really are."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        error_ref = {"$ref": "#/components/schemas/ErrorBody"}
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                response = operation.get("responses", {}).get("422")
+                if response is not None:
+                    response["content"] = {"application/json": {"schema": error_ref}}
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,1 @@
+"""One APIRouter per module: health, sessions, files, lookup, jobs."""

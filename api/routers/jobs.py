@@ -1,0 +1,25 @@
+"""``/jobs``: progress and results of long work (park, unpark, migrate)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from kvstore.api.dependencies import get_jobs, require_owner
+from kvstore.api.jobs import JobRunner
+from kvstore.api.schemas import ErrorBody, JobOut
+
+router = APIRouter(
+    prefix="/jobs",
+    tags=["jobs"],
+    responses={401: {"model": ErrorBody}, 404: {"model": ErrorBody}},
+)
+
+
+@router.get("", response_model=list[JobOut], summary="The caller's jobs")
+def list_jobs(owner: str = Depends(require_owner), jobs: JobRunner = Depends(get_jobs)) -> list[dict]:
+    return [job.to_dict() for job in jobs.list(owner)]
+
+
+@router.get("/{job_id}", response_model=JobOut, summary="One job: state, done/total, result or error")
+def get_job(job_id: str, owner: str = Depends(require_owner), jobs: JobRunner = Depends(get_jobs)) -> dict:
+    return jobs.get(job_id, owner).to_dict()

@@ -1,0 +1,330 @@
+"""``/sessions``: create, list, append rows, resume, truncate, fork, park/unpark, verify, delete.
+
+Rows travel in binary only:
+
+- ``application/octet-stream``: raw ``.coli_kv`` record bytes of the session's tier (no header),
+  exactly as they sit in the journal (``record_bytes`` per token, see the session's JSON).
+- ``application/vnd.apache.arrow.stream``: Arrow IPC, one row per token (``kvstore.api.arrow``).
+- ``application/x-coli-kv`` (resume only): a whole ``.coli_kv`` file of the served records.
+
+Resume responses carry ``X-KV-Reused-Tokens`` (records served: what the engine need not prefill),
+``X-KV-Records``, ``X-KV-Record-Bytes``, ``X-KV-Geometry``, ``X-KV-Tier``, ``X-KV-Verified`` and,
+when a verify found damage, ``X-KV-Damaged-From``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from kvstore.api import arrow
+from kvstore.api.dependencies import (
+    get_jobs,
+    get_settings,
+    get_store,
+    read_body,
+    require_media_type,
+    require_owner,
+    session_id_param,
+)
+from kvstore.api.jobs import JobRunner
+from kvstore.api.schemas import (
+    ARROW_MEDIA_TYPE,
+    COLI_KV_MEDIA_TYPE,
+    RAW_MEDIA_TYPE,
+    AppendOut,
+    CreateSession,
+    ErrorBody,
+    ForkIn,
+    JobOut,
+    SessionList,
+    SessionOut,
+    TagsIn,
+    TruncateIn,
+    VerifyOut,
+)
+from kvstore.api.settings import Settings
+from kvstore.errors import InvalidRequest
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Geometry, Tier
+from kvstore.sessions import Fingerprint, ModelInfo, SessionReader, SessionStore
+
+ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 415, 422, 507)}
+ARROW_BATCH_RECORDS = 256
+
+router = APIRouter(prefix="/sessions", tags=["sessions"], responses=ERRORS)
+
+_BINARY_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            RAW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+            ARROW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+_BINARY_RESPONSE = {
+    200: {
+        "description": "the served records (see the module docs for the headers)",
+        "content": {
+            RAW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+            ARROW_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+            COLI_KV_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+def _out(info) -> dict[str, Any]:
+    return info.to_dict()
+
+
+@router.post("", status_code=201, response_model=SessionOut, summary="Create a session")
+def create_session(body: CreateSession, owner: str = Depends(require_owner), store: SessionStore = Depends(get_store)) -> dict:
+    info = store.create(
+        owner,
+        body.geometry.to_geometry(),
+        body.tier.to_tier(),
+        body.model.to_model(),
+        session_id=body.id,
+        tags=body.tags,
+    )
+    return _out(info)
+
+
+@router.get("", response_model=SessionList, summary="List the caller's sessions")
+def list_sessions(
+    model: str | None = Query(default=None, max_length=256, description="model name"),
+    tag: list[str] = Query(default=[], description="sessions holding every tag given"),
+    state: Literal["active", "parked", "damaged"] | None = None,
+    owner: str = Depends(require_owner),
+    store: SessionStore = Depends(get_store),
+) -> dict:
+    return {"sessions": [_out(i) for i in store.list(owner=owner, model_name=model, tags=tag, state=state)]}
+
+
+@router.get("/{session_id}", response_model=SessionOut, summary="One session")
+def get_session(session_id: str = Depends(session_id_param), owner: str = Depends(require_owner), store: SessionStore = Depends(get_store)) -> dict:
+    return _out(store.get(session_id, owner=owner))
+
+
+@router.patch("/{session_id}", response_model=SessionOut, summary="Replace a session's tags")
+def set_tags(
+    body: TagsIn,
+    session_id: str = Depends(session_id_param),
+    owner: str = Depends(require_owner),
+    store: SessionStore = Depends(get_store),
+) -> dict:
+    return _out(store.set_tags(session_id, body.tags, owner=owner))
+
+
+@router.delete("/{session_id}", status_code=204, response_class=Response, summary="Delete a session and its files")
+def delete_session(session_id: str = Depends(session_id_param), owner: str = Depends(require_owner), store: SessionStore = Depends(get_store)) -> Response:
+    store.delete(session_id, owner=owner)
+    return Response(status_code=204)
+
+
+@router.post(
+    "/{session_id}/append",
+    response_model=AppendOut,
+    summary="Append rows (raw record bytes or Arrow)",
+    openapi_extra=_BINARY_BODY,
+)
+async def append_rows(
+    request: Request,
+    session_id: str = Depends(session_id_param),
+    complete_turn: bool = Query(default=True, description="the rows end a turn: resume will serve them"),
+    owner: str = Depends(require_owner),
+    store: SessionStore = Depends(get_store),
+    settings: Settings = Depends(get_settings),
+) -> dict:
+    """Raw bytes are validated (whole records, tokens in the vocabulary, no corrupt scale or NaN
+    code) before anything is written; Arrow rows are encoded into the session's tier. The call
+    returns after the rows and the index are both durable."""
+    kind = require_media_type(request, RAW_MEDIA_TYPE, ARROW_MEDIA_TYPE)
+    info = await run_in_threadpool(store.get, session_id, owner=owner)  # 404 before reading a big body
+    body = await read_body(request, settings.max_body_bytes)
+    if kind == RAW_MEDIA_TYPE:
+        result = await run_in_threadpool(store.append_records, session_id, body, complete_turn=complete_turn, owner=owner)
+    else:
+        tokens, L, R, I = await run_in_threadpool(arrow.rows_from_stream, body, info.geometry)
+        result = await run_in_threadpool(store.append, session_id, tokens, L, R, I, complete_turn=complete_turn, owner=owner)
+    return {"session": _out(result.info), "appended": result.appended, "turn": list(result.turn) if result.turn else None}
+
+
+def _expected(info, params: dict[str, str | None], tier: str | None, geometry: str | None) -> Fingerprint | None:
+    """The fingerprint the client states: the session's own, with the fields the client gave."""
+    given = {name: value for name, value in params.items() if value is not None}
+    if not given and tier is None and geometry is None:
+        return None
+    model = dataclasses.replace(info.model, **given)
+    expected_tier = info.tier
+    if tier is not None:
+        name, _, rest = tier.partition(":")
+        codec, _, bits = rest.partition(":")
+        if bits and not bits.isdigit():
+            raise InvalidRequest("tier is v1, v2 or v3:<polar|int4>:<bits>")
+        expected_tier = Tier.parse(name, codec or None, int(bits) if bits else None)
+    expected_geometry = info.geometry
+    if geometry is not None:
+        words = geometry.split(",")
+        if len(words) != 6 or not all(w.strip().isdigit() and len(w.strip()) <= 10 for w in words):
+            raise InvalidRequest("geometry is six comma-separated non-negative integers (n_layers,kv_lora,qk_rope,index_hd,nic,vocab)")
+        expected_geometry = Geometry(*(int(w) for w in words))
+    return Fingerprint(ModelInfo.from_dict(model.to_dict()), expected_geometry, expected_tier)
+
+
+def _tier_name(tier: Tier) -> str:
+    if tier.version != 3:
+        return f"v{tier.version}"
+    return f"v3:{coli_kv.CODEC_NAMES[tier.codec]}:{tier.bits}"
+
+
+async def _drain(reader: SessionReader, chunks):
+    """Yield ``chunks`` (a blocking iterator) from a worker thread; the reader closes when done or cut off."""
+    iterator = iter(chunks)
+    sentinel = object()
+    try:
+        while True:
+            chunk = await run_in_threadpool(next, iterator, sentinel)
+            if chunk is sentinel:
+                return
+            yield chunk
+    finally:
+        reader.close()
+
+
+@router.get(
+    "/{session_id}/resume",
+    summary="Download the rows to restore, trimmed to the watermark",
+    response_class=Response,
+    responses=_BINARY_RESPONSE,
+)
+async def resume(
+    request: Request,
+    session_id: str = Depends(session_id_param),
+    format: Literal["raw", "arrow", "coli_kv"] | None = Query(default=None, description="default: from Accept, else raw"),
+    verify: bool = Query(default=False, description="re-hash the turns first; damage is a miss, never served"),
+    model_name: str | None = Query(default=None, max_length=256),
+    model_revision: str | None = Query(default=None, max_length=256),
+    weights_hash: str | None = Query(default=None, max_length=256),
+    tokenizer_hash: str | None = Query(default=None, max_length=256),
+    chat_template_hash: str | None = Query(default=None, max_length=256),
+    attention_variant: str | None = Query(default=None, max_length=256),
+    tier: str | None = Query(default=None, max_length=32, description="expected tier: v1, v2, v3:int4:4, v3:polar:3"),
+    geometry: str | None = Query(default=None, max_length=80, description="expected n_layers,kv_lora,qk_rope,index_hd,nic,vocab"),
+    override: str | None = Query(default=None, max_length=512, description="comma-separated fields not to compare, e.g. model.weights_hash"),
+    owner: str = Depends(require_owner),
+    store: SessionStore = Depends(get_store),
+    settings: Settings = Depends(get_settings),
+) -> Response:
+    """Fingerprint fields given as query parameters are compared with the session's; a difference
+    is refused (409) naming the field, unless listed in ``override``."""
+    if format is None:
+        accept = request.headers.get("accept", "")
+        format = "arrow" if ARROW_MEDIA_TYPE in accept else "coli_kv" if COLI_KV_MEDIA_TYPE in accept else "raw"
+    info = await run_in_threadpool(store.get, session_id, owner=owner)
+    expect = _expected(
+        info,
+        {
+            "name": model_name,
+            "revision": model_revision,
+            "weights_hash": weights_hash,
+            "tokenizer_hash": tokenizer_hash,
+            "chat_template_hash": chat_template_hash,
+            "attention_variant": attention_variant,
+        },
+        tier,
+        geometry,
+    )
+    skip = [field.strip() for field in (override or "").split(",") if field.strip()]
+    reader = await run_in_threadpool(
+        lambda: store.reader(session_id, owner=owner, verify=verify, expect=expect, override=skip)
+    )
+    try:
+        headers = {
+            "X-KV-Reused-Tokens": str(reader.reused_tokens),
+            "X-KV-Records": str(reader.n_records),
+            "X-KV-Record-Bytes": str(reader.record_bytes),
+            "X-KV-Geometry": ",".join(str(w) for w in reader.info.geometry.words()),
+            "X-KV-Tier": _tier_name(reader.info.tier),
+            "X-KV-Verified": "true" if reader.verified else "false",
+        }
+        if reader.damaged_from is not None:
+            headers["X-KV-Damaged-From"] = str(reader.damaged_from)
+        chunk_bytes = settings.stream_chunk_bytes
+        if format == "raw":
+            headers["Content-Length"] = str(reader.body_bytes)
+            body = _drain(reader, reader.iter_bytes(chunk_bytes))
+            media = RAW_MEDIA_TYPE
+        elif format == "coli_kv":
+            headers["Content-Length"] = str(coli_kv.HEADER_BYTES + reader.body_bytes)
+            headers["Content-Disposition"] = f'attachment; filename="{session_id}.coli_kv"'
+            body = _drain(reader, _with_header(reader, chunk_bytes))
+            media = COLI_KV_MEDIA_TYPE
+        else:
+            batches = reader.iter_batches(ARROW_BATCH_RECORDS)
+            body = _drain(reader, arrow.stream_messages(reader.info.geometry, reader.info.tier, batches))
+            media = ARROW_MEDIA_TYPE
+    except BaseException:
+        reader.close()
+        raise
+    return StreamingResponse(body, media_type=media, headers=headers)
+
+
+def _with_header(reader: SessionReader, chunk_bytes: int):
+    yield reader.header_bytes()
+    yield from reader.iter_bytes(chunk_bytes)
+
+
+@router.post("/{session_id}/truncate", response_model=SessionOut, summary="Keep the first n records")
+def truncate(
+    body: TruncateIn,
+    session_id: str = Depends(session_id_param),
+    owner: str = Depends(require_owner),
+    store: SessionStore = Depends(get_store),
+) -> dict:
+    return _out(store.truncate(session_id, body.n_records, owner=owner))
+
+
+@router.post("/{session_id}/fork", status_code=201, response_model=SessionOut, summary="A new session sharing a prefix")
+def fork(
+    body: ForkIn,
+    session_id: str = Depends(session_id_param),
+    owner: str = Depends(require_owner),
+    store: SessionStore = Depends(get_store),
+) -> dict:
+    return _out(store.fork(session_id, at=body.at, new_id=body.id, owner=owner, tags=body.tags))
+
+
+@router.get("/{session_id}/verify", response_model=VerifyOut, summary="Re-hash every turn; report the first bad one")
+def verify_session(session_id: str = Depends(session_id_param), owner: str = Depends(require_owner), store: SessionStore = Depends(get_store)) -> dict:
+    return store.verify(session_id, owner=owner).to_dict()
+
+
+@router.post("/{session_id}/park", status_code=202, response_model=JobOut, summary="Compress into the archive (a job)")
+def park(
+    session_id: str = Depends(session_id_param),
+    owner: str = Depends(require_owner),
+    store: SessionStore = Depends(get_store),
+    jobs: JobRunner = Depends(get_jobs),
+) -> dict:
+    store.get(session_id, owner=owner)  # 404 now, not as a failed job
+    job = jobs.submit(owner, "park", session_id, lambda progress: _out(store.park(session_id, owner=owner, progress=progress)))
+    return job.to_dict()
+
+
+@router.post("/{session_id}/unpark", status_code=202, response_model=JobOut, summary="Restore from the archive (a job)")
+def unpark(
+    session_id: str = Depends(session_id_param),
+    owner: str = Depends(require_owner),
+    store: SessionStore = Depends(get_store),
+    jobs: JobRunner = Depends(get_jobs),
+) -> dict:
+    store.get(session_id, owner=owner)
+    job = jobs.submit(owner, "unpark", session_id, lambda progress: _out(store.unpark(session_id, owner=owner, progress=progress)))
+    return job.to_dict()

@@ -1,0 +1,60 @@
+"""Service settings: where the data lives, limits, and the API keys given by environment."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.errors import ConfigError
+from kvstore.index import DEFAULT_MAP_SIZE
+
+DEFAULT_MAX_BODY_BYTES = 256 << 20  # a 256-token turn of a 78-layer fp8 model is ~12 MiB
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """``"512M"``, ``"10G"``, ``"1048576"`` -> bytes (binary units); None stays None.
+
+    >>> parse_size("1.5K"), parse_size("2GiB"), parse_size(7)
+    (1536, 2147483648, 7)
+    """
+    if text is None or isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    if match is None:
+        raise ConfigError(f"{text!r} is not a size: use a number of bytes with an optional K, M, G or T suffix")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[(unit or "")[:1].lower()])
+
+
+@dataclass
+class Settings:
+    """Everything the service is configured with.
+
+    Attributes
+    ----------
+    data_dir : the store's folder (``keys.json`` lives there too)
+    budget_bytes, hard_limit_bytes : the store's disk budget and hard limit (see SessionStore)
+    max_body_bytes : request bodies larger than this are refused with 413 before being read
+    api_keys_env : ``key:owner,key:owner`` (the ``KVSTORE_API_KEYS`` variable by default)
+    job_workers : threads running long jobs (park, unpark, migrate)
+    stream_chunk_bytes : bytes per chunk when streaming rows out
+    """
+
+    data_dir: Path = Path("./data")
+    budget_bytes: int | None = None
+    hard_limit_bytes: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    map_size: int = DEFAULT_MAP_SIZE
+    lock_timeout: float = 10.0
+    api_keys_env: str | None = field(default_factory=lambda: os.environ.get("KVSTORE_API_KEYS"))
+    job_workers: int = 2
+    stream_chunk_bytes: int = 8 << 20
+
+    def __post_init__(self):
+        self.data_dir = Path(self.data_dir)
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ConfigError("max_body_bytes must be a positive number of bytes")
