@@ -514,12 +514,10 @@ class Fp8Cache(LatentCache):
         if rows.version != 2:
             return None
         _check_stored(rows, self.geometry.kv_lora, self.geometry.qk_rope)
-        return {
-            "lc_codes": _to_device(rows.lc, self.device),
-            "lc_scales": _to_device(rows.lc_scales, self.device, torch.float32),
-            "rc_codes": _to_device(rows.rc, self.device),
-            "rc_scales": _to_device(rows.rc_scales, self.device, torch.float32),
-        }
+        # loaded files are sanitized already; rows handed over directly get the same treatment
+        lc_codes, lc_scales = quant.fp8_sanitize(_to_device(rows.lc, self.device), _to_device(rows.lc_scales, self.device, torch.float32))
+        rc_codes, rc_scales = quant.fp8_sanitize(_to_device(rows.rc, self.device), _to_device(rows.rc_scales, self.device, torch.float32))
+        return {"lc_codes": lc_codes, "lc_scales": lc_scales, "rc_codes": rc_codes, "rc_scales": rc_scales}
 
     def _stored(self, fields, tokens):
         return StoredRows(tokens, 2, fields["lc_codes"], fields["rc_codes"], fields["lc_scales"], fields["rc_scales"])

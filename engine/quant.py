@@ -98,9 +98,25 @@ def fp8_quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``lut[code] * scale`` in f32: codes u8[..., n], scales f32[...] -> f32[..., n]."""
+    """``lut[code] * scale`` in f32: codes u8[..., n], scales f32[...] -> f32[..., n].
+
+    Codes must be sanitized (no NaN code 0x7F/0xFF, which the encoder never writes and loading
+    clears): on cpu/cuda the bytes are widened by torch's e4m3fn conversion, which equals the LUT
+    everywhere else and reads 1 byte per value instead of an 8-byte gather index.
+    """
+    if codes.device.type in ("cpu", "cuda"):
+        return codes.view(torch.float8_e4m3fn).float() * scales[..., None]
     lut = fp8_lut(codes.device)
     return lut[codes.long()] * scales[..., None]
+
+
+def fp8_sanitize(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FORMAT.md section 4 on stored rows: NaN codes read as 0; a row whose scale is not in
+    (0, 3.4e38) is inert (codes 0, scale 1)."""
+    codes = torch.where((codes & 0x7F) == 0x7F, torch.zeros_like(codes), codes)
+    bad = ~((scales > 0) & (scales < FP8_AMAX_CEIL))
+    codes = torch.where(bad[..., None], torch.zeros_like(codes), codes)
+    return codes, torch.where(bad, torch.ones_like(scales), scales)
 
 
 # -- TQ: randomized Hadamard rotation (section 5) --------------------------------------------------

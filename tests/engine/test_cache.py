@@ -210,3 +210,25 @@ def test_v2_lite_geometry_is_held_by_every_tier():
     assert (geometry.n_layers, geometry.kv_lora, geometry.qk_rope) == (27, 512, 64)
     for tier in TIERS:
         assert make_cache(tier, geometry).bytes_per_token == tier_bytes_per_token(tier, geometry)
+
+
+def test_fp8_restore_sanitizes_rows_handed_over_directly():
+    from kvstore.engine import StoredRows
+
+    rng = np.random.default_rng(8)
+    codes = rng.integers(0, 256, (1, 6, 64)).astype(np.uint8)
+    codes[0, 0, :4] = [0x7F, 0xFF, 0x01, 0x81]
+    scales = np.array([[1.0, np.nan, -2.0, np.inf, 0.5, 3.0]], np.float32)
+    rc = np.zeros((1, 6, 32), np.uint8)
+    rows = StoredRows(np.arange(6, dtype=np.int32), 2, codes, rc, scales, np.ones((1, 6), np.float32))
+    cache = make_cache("fp8", CacheGeometry(1, 64, 32))
+    cache.restore(rows)
+    _, lc, _ = cache.export_f32()
+    clean = codes.copy()
+    clean[fp8.nan_codes(clean)] = 0
+    clean_scales = scales.copy()
+    bad = fp8.bad_scales(scales)
+    clean[bad] = 0
+    clean_scales[bad] = 1.0
+    np.testing.assert_array_equal(lc, fp8.dequantize_rows(clean, clean_scales))
+    assert np.isfinite(lc).all()

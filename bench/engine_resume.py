@@ -1,0 +1,180 @@
+"""Resume vs re-prefill, decode speed per cache tier, KV bytes per token — the engine's headline.
+
+A conversation of N tokens is continued with one new token, two ways:
+
+* **re-prefill**: a cold engine runs all N+1 tokens (what an engine without a stored cache does);
+* **resume**: the N stored rows are loaded from a ``.coli_kv`` file into the tier's cache
+  (``coli_kv.load`` + ``restore``, no dequantize/requantize when the file is the tier's version)
+  and only the new token is run.
+
+Both end with the logits of the next token; the ratio of their times is the headline. The stored
+rows of each tier are the f32 run's rows quantized into that tier (same bytes, same restore
+work as rows produced under the tier). Restore throughput is compared with a host memcpy of the
+same number of bytes measured in the same run (the physical peer).
+
+Decode tokens/s per tier (after a resume at the first length) is reported with its ratio to the
+f32 tier, and KV bytes per token per tier with the ratio to f32.
+
+Usage::
+
+    python bench/engine_resume.py                                   # CPU, tiny model, 1k/8k/32k
+    python bench/engine_resume.py --device cuda --preset v2-lite    # H200: DeepSeek-V2-Lite geometry
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.engine import TIERS, Engine, make_cache, preset, random_model, tier_bytes_per_token
+
+DEFAULT_TIERS = ("f32", "bf16", "fp8", "int8", "tq-int4", "tq-polar")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _timed(device: torch.device, fn):
+    _sync(device)
+    began = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - began, out
+
+
+def _memcpy_gbps(n_bytes: int) -> float:
+    """Host memcpy throughput for a buffer of ``n_bytes`` (best of 3)."""
+    source = np.ones(max(n_bytes, 1 << 20), dtype=np.uint8)
+    target = np.empty_like(source)
+    best = float("inf")
+    for _ in range(3):
+        began = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - began)
+    return source.nbytes / best / 1e9
+
+
+def _fmt_seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:8.1f} ms" if seconds < 1 else f"{seconds:8.2f} s "
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", default="tiny", choices=("tiny", "tiny-yarn", "v2-lite"))
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights (default f32 on cpu, bf16 elsewhere)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--tiers", nargs="+", default=list(DEFAULT_TIERS), choices=list(TIERS))
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=4096)
+    parser.add_argument("--layers", type=int, help="override the preset's layer count (smoke runs)")
+    parser.add_argument("--experts", type=int, help="override the preset's routed experts (smoke runs)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
+    parser.add_argument("--workdir", help="where the .coli_kv files go (default: a temporary folder)")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    cfg = preset(args.preset)
+    if args.layers:
+        cfg = cfg.replace(num_hidden_layers=args.layers)
+    if args.experts:
+        cfg = cfg.replace(n_routed_experts=args.experts, num_experts_per_tok=min(cfg.num_experts_per_tok, args.experts))
+    model = random_model(cfg, seed=0, device=device, dtype=dtype)
+    geometry = cfg.coli_geometry()
+    backend = make_cache("fp8", cfg, device).decode_choice.backend
+    print(
+        f"engine_resume: {args.preset} ({cfg.n_layers} layers, hidden {cfg.hidden_size}, kv_lora {cfg.kv_lora_rank}, "
+        f"qk_rope {cfg.qk_rope_head_dim}, {cfg.n_routed_experts} experts), weights {dtype} on {device}, "
+        f"torch threads {torch.get_num_threads()}, fp8 decode backend: {backend}"
+    )
+    rng = np.random.default_rng(0)
+    # warm-up: lazy initializations (BLAS handles, kernels) are not the engine's cost
+    Engine(model, tier="f32").generate(rng.integers(2, cfg.vocab_size, 64), max_new_tokens=2, stop_tokens=())
+
+    workdir_context = tempfile.TemporaryDirectory() if args.workdir is None else None
+    workdir = Path(args.workdir or workdir_context.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    resume_rows = []
+    decode_rows = {}
+    try:
+        for length in args.lengths:
+            context = rng.integers(2, cfg.vocab_size, length + 1)
+            cold = Engine(model, tier="f32", prefill_chunk=args.prefill_chunk)
+            cold_seconds, (cold_logits, _, _) = _timed(device, lambda: cold.prefill(context))
+            stored_f32 = cold.export_rows(0, length)
+            del cold
+            row = {"length": length, "prefill": cold_seconds, "tiers": {}}
+            for tier in args.tiers:
+                # the tier's stored rows: the f32 rows quantized into the tier, written as a journal
+                staging = make_cache(tier, cfg, "cpu")
+                staging.restore(stored_f32)
+                stored = staging.export_rows()
+                path = workdir / f"{length}.{tier}.coli_kv"
+                path.write_bytes(stored.encode_file(geometry))
+                del staging
+                engine = Engine(model, tier=tier, prefill_chunk=args.prefill_chunk)
+                restore_seconds, _ = _timed(device, lambda: engine.restore_file(path))
+                step_seconds, (logits, prefilled, reused) = _timed(device, lambda: engine.prefill(context))
+                if (prefilled, reused) != (1, length):
+                    raise RuntimeError(f"resume prefilled {prefilled} and reused {reused}, expected 1 and {length}")
+                same_next = int(torch.argmax(logits)) == int(torch.argmax(cold_logits))
+                row["tiers"][tier] = (restore_seconds, step_seconds, path.stat().st_size, same_next)
+                if length == args.lengths[0]:
+                    result = engine.generate(
+                        np.concatenate([context, [int(torch.argmax(logits))]]),
+                        max_new_tokens=args.decode_tokens,
+                        stop_tokens=(),
+                    )
+                    steps = max(1, len(result.tokens) - 1)
+                    decode_rows[tier] = steps / result.timings["decode"]
+                del engine
+                path.unlink()
+            resume_rows.append(row)
+    finally:
+        if workdir_context is not None:
+            workdir_context.cleanup()
+
+    memcpy = _memcpy_gbps(max(size for r in resume_rows for _, _, size, _ in r["tiers"].values()))
+    print(
+        "\nResume = load the .coli_kv + restore into the tier's cache (restore) + run the 1 new token (step),"
+        f"\nvs re-prefill of all tokens; restore GB/s = file bytes / restore time (host memcpy: {memcpy:.1f} GB/s)"
+    )
+    print(
+        f"{'tokens':>7s} {'re-prefill':>11s} {'tier':>9s} {'restore':>11s} {'step':>11s} {'speed-up':>9s} "
+        f"{'file MB':>8s} {'GB/s':>6s} {'/memcpy':>7s} {'next tok':>8s}"
+    )
+    for row in resume_rows:
+        for i, (tier, (restore_seconds, step_seconds, size, same_next)) in enumerate(row["tiers"].items()):
+            head = f"{row['length']:7d} {_fmt_seconds(row['prefill']):>11s}" if i == 0 else f"{'':7s} {'':11s}"
+            gbps = size / restore_seconds / 1e9
+            speedup = row["prefill"] / (restore_seconds + step_seconds)
+            print(
+                f"{head} {tier:>9s} {_fmt_seconds(restore_seconds):>11s} {_fmt_seconds(step_seconds):>11s} {speedup:8.0f}x "
+                f"{size / 1e6:8.1f} {gbps:6.2f} {gbps / memcpy:7.0%} {'same' if same_next else 'differs':>8s}"
+            )
+    f32_rate = decode_rows.get("f32")
+    print(f"\nDecode after a resume at {args.lengths[0]} tokens ({args.decode_tokens} tokens, greedy)")
+    print(f"{'tier':>9s} {'tokens/s':>9s} {'vs f32':>7s} {'KV B/token':>11s} {'vs f32':>7s}")
+    f32_bytes = tier_bytes_per_token("f32", cfg)
+    for tier in args.tiers:
+        rate = decode_rows[tier]
+        kv = tier_bytes_per_token(tier, cfg)
+        ratio = f"{rate / f32_rate:6.2f}x" if f32_rate else "    -"
+        print(f"{tier:>9s} {rate:9.1f} {ratio:>7s} {kv:11d} {f32_bytes / kv:6.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
