@@ -257,20 +257,20 @@ def check_cache_layout(model) -> CacheLayout:
     version = transformers.__version__
     geometry = geometry_of(model.config)
     cfg = _text_config(model.config)
-    modules = dict(model.named_modules())
-    norms = sorted(name for name in modules if name.endswith("self_attn.kv_a_layernorm"))
-    projections = sorted(name for name in modules if name.endswith("self_attn.kv_a_proj_with_mqa"))
-    if len(norms) != geometry.n_layers or len(projections) != geometry.n_layers:
+    attentions = {
+        getattr(module, "layer_idx", None): module
+        for module in model.modules()
+        if hasattr(module, "kv_a_layernorm") and hasattr(module, "kv_a_proj_with_mqa")
+    }
+    if len(attentions) != geometry.n_layers or 0 not in attentions:
         raise CacheLayoutUnsupported(
-            f"{type(model).__name__} has {len(norms)} kv_a_layernorm modules for {geometry.n_layers} layers: "
-            f"not a DeepSeek-V3-style MLA model"
+            f"{type(model).__name__} has {len(attentions)} latent-attention modules (kv_a_layernorm) for "
+            f"{geometry.n_layers} cache layers: not a DeepSeek-V3-style MLA model"
         )
-    first = min(norms, key=lambda name: _layer_number(name))
-    first_projection = min(projections, key=lambda name: _layer_number(name))
     captured: dict[str, torch.Tensor] = {}
     hooks = [
-        modules[first].register_forward_hook(lambda _m, _i, out: captured.__setitem__("latent", out.detach())),
-        modules[first_projection].register_forward_hook(lambda _m, _i, out: captured.__setitem__("compressed", out.detach())),
+        attentions[0].kv_a_layernorm.register_forward_hook(lambda _m, _i, out: captured.__setitem__("latent", out.detach())),
+        attentions[0].kv_a_proj_with_mqa.register_forward_hook(lambda _m, _i, out: captured.__setitem__("compressed", out.detach())),
     ]
     argument = _forward_argument(model)
     cache = new_cache(model)
@@ -309,13 +309,6 @@ def check_cache_layout(model) -> CacheLayout:
     layout = CacheLayout(geometry, argument, version)
     _layouts[model] = layout
     return layout
-
-
-def _layer_number(module_name: str) -> int:
-    for part in module_name.split("."):
-        if part.isdigit():
-            return int(part)
-    return -1
 
 
 def cache_kwargs(model, cache) -> dict[str, Any]:
@@ -645,7 +638,7 @@ def _refuse_mismatch(info: "SessionInfo", expected: "Fingerprint", override: Ite
     if blocking:
         raise FingerprintMismatch(
             f"session {info.id!r} was written by another model or cache tier: " + "; ".join(blocking)
-            + " (pass override=... only if you know the caches are interchangeable)"
+            + " (override a field only if you know the caches are interchangeable)"
         )
 
 
