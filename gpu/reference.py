@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from kvstore.gpu.rotation import unrotate
+from kvstore.gpu.rotation import sign_vector
 
 __all__ = ["e4m3_table_f64", "int4_levels_f64", "reference_decode"]
 
@@ -40,6 +40,14 @@ def int4_levels_f64() -> np.ndarray:
     return _LEVELS.astype(np.float64)
 
 
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """f64[n, n]: the Sylvester Hadamard matrix over sqrt(n), which the spec's butterflies apply."""
+    h = torch.ones((1, 1), dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64), h)
+    return (h / math.sqrt(n)).to(device)
+
+
 def _decode_rows(tier: str, codes: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
     """f64[n, width]: the stored rows the codes stand for."""
     if tier == "fp8":
@@ -49,7 +57,8 @@ def _decode_rows(tier: str, codes: torch.Tensor, scales: torch.Tensor, width: in
     wide = codes.to(torch.int64)
     nibbles = torch.stack((wide & 15, wide >> 4), dim=-1).reshape(codes.shape[0], width)
     rotated = table[nibbles] * (scales.to(torch.float64) / math.sqrt(width))[:, None]
-    return unrotate(rotated)
+    # unrotate(y) = FWHT(y) * sign, with the transform written as a matrix product
+    return (rotated @ _hadamard(width, codes.device)) * sign_vector(width, torch.float64, codes.device)
 
 
 def reference_decode(

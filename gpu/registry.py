@@ -42,6 +42,7 @@ __all__ = [
     "register_backend",
     "registered",
     "spec_of",
+    "unregister_backend",
 ]
 
 #: Cache tiers the decode kernels read (the engine's tier names).
@@ -173,6 +174,14 @@ def register_backend(spec: BackendSpec, path: str) -> None:
     with _LOCK:
         _REGISTRY[spec.name] = _Entry(spec, path)
         for key in [k for k in _INSTANCES if k[0] == spec.name]:
+            del _INSTANCES[key]
+
+
+def unregister_backend(name: str) -> None:
+    """Remove backend ``name`` (and its cached instances) from the registry."""
+    with _LOCK:
+        _REGISTRY.pop(name, None)
+        for key in [k for k in _INSTANCES if k[0] == name]:
             del _INSTANCES[key]
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DecodeCase", "make_case", "poisoned_out", "relative_error"]
+__all__ = ["DecodeCase", "decode", "make_case", "poisoned_out", "ragged_lengths", "relative_error", "reference"]
 
 # Rows generated per step (bounds the f32 temporaries on large caches).
 _GEN_ROWS = 1 << 19
@@ -145,6 +145,31 @@ def make_case(
         case.indices = indices
         case.n_selected = torch.tensor(counts, dtype=torch.int32, device=device)
     return case
+
+
+def ragged_lengths(longest: int, batch: int, seed: int) -> list[int]:
+    """``batch`` sequence lengths: the first ``longest``, one empty, one of a single row, the rest random."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [longest] + torch.randint(0, longest + 1, (batch - 1,), generator=gen).tolist()
+    if batch >= 3:
+        lengths[1], lengths[2] = 0, min(1, longest)
+    return lengths[:batch]
+
+
+def decode(case: DecodeCase, out: torch.Tensor | None = None, backend=None, **kwargs) -> torch.Tensor:
+    """Run the kernel matching the case (tier, dense or selected) on ``backend`` (default: the device's)."""
+    from kvstore import gpu
+
+    name = {"fp8": "mla_decode_fp8", "tq-int4": "mla_decode_int4"}[case.tier] + ("_selected" if case.selected else "")
+    function = getattr(backend, name) if backend is not None else getattr(gpu, name)
+    return function(*case.args(), out, **kwargs)
+
+
+def reference(case: DecodeCase) -> torch.Tensor:
+    """The float64 reference output of the case."""
+    from kvstore.gpu.reference import reference_decode
+
+    return reference_decode(case.tier, *case.args()[:8], case.softmax_scale, case.indices, case.n_selected)
 
 
 def poisoned_out(case: DecodeCase) -> torch.Tensor:

@@ -700,18 +700,18 @@ __global__ void __launch_bounds__(128) mla_merge(const float* __restrict__ o_par
         for (int j = 0; j < K / 128; ++j) acc[j] += w * op[(long long)s * K + tid + 128 * j];
     }
     float* dst = out + ((long long)b * H + h) * K;
-    if (!UNROTATE) {
+    if constexpr (!UNROTATE) {
 #pragma unroll
         for (int j = 0; j < K / 128; ++j) dst[tid + 128 * j] = acc[j] * inv;
-        return;
-    }
+    } else {
 #pragma unroll
-    for (int j = 0; j < K / 128; ++j) ctx[tid + 128 * j] = acc[j] * inv;
-    __syncthreads();
-    fwht_shared(ctx, K);
+        for (int j = 0; j < K / 128; ++j) ctx[tid + 128 * j] = acc[j] * inv;
+        __syncthreads();
+        fwht_shared(ctx, K);
 #pragma unroll
-    for (int j = 0; j < K / 128; ++j) {
-        const int d = tid + 128 * j;
-        dst[d] = ctx[d] * tq_sign((u32)d);
+        for (int j = 0; j < K / 128; ++j) {
+            const int d = tid + 128 * j;
+            dst[d] = ctx[d] * tq_sign((u32)d);
+        }
     }
 }

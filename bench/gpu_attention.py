@@ -1,0 +1,207 @@
+"""Decode attention over quantized latent caches on one CUDA GPU: check, time, compare, in one run.
+
+For every variant (fp8 / rotated int4, dense / selected rows) and size it builds a random cache,
+checks the CUDA kernels against the float64 reference, times them (CUDA graph replays of one call
+per input set, the sets rotated so the cache is read from HBM, not L2), times the pure-torch path
+(dequantize + matmul, the fallback without cupy) on the same data, and prints:
+
+    device, variant, B, H, T, MB read, kernel us, GB/s, % of the device-to-device copy bandwidth
+    measured in the same run, floor us (max of bytes / copy bandwidth and FLOPs / measured f16
+    matmul rate), torch us, torch / kernel, rel err.
+
+Bytes read = the attended cache rows once (codes + scales). Usage::
+
+    python bench/gpu_attention.py [--smoke] [--out DIR]
+
+``--smoke`` only checks every variant at small sizes (no timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvstore.gpu import testing
+from kvstore.gpu.registry import get_backend
+from kvstore.gpu.torch_backend import TorchBackend
+
+KERNEL_BOUND = 4e-3
+TIERS = ("fp8", "tq-int4")
+
+
+def _events_ms(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Per-repetition milliseconds of ``fn()`` measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return times
+
+
+def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_(0, 256)
+    dst = torch.empty_like(src)
+    ms = statistics.median(_events_ms(lambda: dst.copy_(src), reps=20))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n_bytes / (ms * 1e-3)
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """f16 matrix-product rate (FLOP/s) through torch on random data: the tensor-core ceiling."""
+    a = torch.randn((n, n), device="cuda", dtype=torch.float16)
+    b = torch.randn((n, n), device="cuda", dtype=torch.float16)
+    ms = statistics.median(_events_ms(lambda: a @ b, reps=10))
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def _cases(tier: str, lengths: list[int], heads: int, selected: int | None, n_sets: int, seed: int):
+    return [testing.make_case(tier, lengths, heads, device="cuda", seed=seed + i, selected=selected)
+            for i in range(n_sets)]
+
+
+def time_kernel(backend, cases) -> float:
+    """Median microseconds per call: one CUDA graph holding one call per case, replayed."""
+    outs = [testing.poisoned_out(c) for c in cases]
+    for c, o in zip(cases, outs):  # compile, query shared memory, warm the allocator
+        testing.decode(c, o, backend=backend, validate=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c, o in zip(cases, outs):
+            testing.decode(c, o, backend=backend, validate=False)
+    ms = statistics.median(_events_ms(graph.replay, reps=15))
+    return ms * 1e3 / len(cases)
+
+
+def time_torch(case) -> float:
+    """Median microseconds per call of the pure-torch path (it synchronizes: timed end to end)."""
+    backend = TorchBackend(torch.device("cuda"))
+    out = testing.poisoned_out(case)
+    reps = 5
+    testing.decode(case, out, backend=backend, validate=False)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        testing.decode(case, out, backend=backend, validate=False)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, l2_bytes, seed, with_torch=True):
+    probe = testing.make_case(tier, lengths, heads, device="cuda", seed=seed, selected=selected)
+    rows = probe.rows_attended()
+    n_bytes = rows * probe.row_bytes()
+    # Enough input sets that one graph replay streams several L2's worth of cache rows.
+    cache_bytes = probe.lc_codes.numel() + probe.rc_codes.numel() + 8 * probe.lc_codes.shape[0]
+    n_sets = max(1, min(16, math.ceil(3 * l2_bytes / max(cache_bytes, 1))))
+    cases = [probe] + _cases(tier, lengths, heads, selected, n_sets - 1, seed + 1)
+    out = testing.decode(probe, testing.poisoned_out(probe), backend=backend)
+    err = testing.relative_error(out, testing.reference(probe))
+    kernel_us = time_kernel(backend, cases)
+    kv_lora, qk_rope = probe.q_lat.shape[2], probe.q_rope.shape[2]
+    flops = 2.0 * heads * rows * (kv_lora + qk_rope + kv_lora)
+    floor_us = max(n_bytes / copy_bw, flops / mm_rate) * 1e6
+    torch_us = time_torch(probe) if with_torch else float("nan")
+    del cases
+    torch.cuda.empty_cache()
+    return {
+        "variant": f"{tier}{'-sel' if selected else ''}",
+        "B": len(lengths),
+        "H": heads,
+        "T": max(lengths) if not selected else f"{max(lengths)}/{selected}",
+        "rows": rows,
+        "MB": n_bytes / 1e6,
+        "kernel_us": kernel_us,
+        "GBps": n_bytes / (kernel_us * 1e-6) / 1e9,
+        "pct_copy": 100.0 * n_bytes / (kernel_us * 1e-6) / copy_bw,
+        "floor_us": floor_us,
+        "torch_us": torch_us,
+        "torch_ratio": torch_us / kernel_us,
+        "rel_err": err,
+        "sets": n_sets,
+    }
+
+
+def smoke(backend, seed: int) -> bool:
+    ok = True
+    for tier in TIERS:
+        for selected in (None, 512):
+            for heads in (16, 64, 128):
+                lengths = testing.ragged_lengths(4097, 4, seed + heads)
+                case = testing.make_case(tier, lengths, heads, device="cuda", seed=seed + heads, selected=selected)
+                out = testing.decode(case, testing.poisoned_out(case), backend=backend)
+                err = testing.relative_error(out, testing.reference(case))
+                good = err < KERNEL_BOUND
+                ok &= good
+                print(f"smoke {tier:8s} sel={selected!s:5s} H={heads:3d} lengths={lengths} rel_err={err:.2e} "
+                      f"{'ok' if good else 'FAIL'}", flush=True)
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="check every variant at small sizes, no timing")
+    parser.add_argument("--out", type=Path, default=None, help="folder for results.json and table.md")
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure", file=sys.stderr)
+        return 2
+    backend = get_backend("cuda")
+    props = torch.cuda.get_device_properties(0)
+    device = f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB"
+    print(f"device: {device}; backend: {backend.name}; seed {args.seed}", flush=True)
+    if args.smoke:
+        return 0 if smoke(backend, args.seed) else 1
+
+    copy_bw = copy_bandwidth()
+    mm_rate = matmul_rate()
+    print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write); f16 matmul: {mm_rate / 1e12:.0f} TFLOP/s",
+          flush=True)
+    plan = []
+    for tier in TIERS:
+        for heads in (16, 64, 128):
+            for longest in (4097, 32768, 131072, 1 << 20):
+                plan.append((tier, [longest], heads, None))
+        for heads in (16, 64, 128):
+            plan.append((tier, [131072], heads, 2048))
+        plan.append((tier, testing.ragged_lengths(131072, 8, args.seed), 64, None))
+    results = []
+    header = (f"{'variant':9s} {'B':>2s} {'H':>4s} {'T':>12s} {'MB':>8s} {'kernel us':>10s} {'GB/s':>7s} "
+              f"{'%copy':>6s} {'floor us':>9s} {'torch us':>10s} {'torch/k':>8s} {'rel err':>8s}")
+    print(header, flush=True)
+    for i, (tier, lengths, heads, selected) in enumerate(plan):
+        r = bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, props.L2_cache_size, args.seed + 97 * i)
+        results.append(r)
+        print(f"{r['variant']:9s} {r['B']:2d} {r['H']:4d} {str(r['T']):>12s} {r['MB']:8.1f} {r['kernel_us']:10.1f} "
+              f"{r['GBps']:7.0f} {r['pct_copy']:6.1f} {r['floor_us']:9.1f} {r['torch_us']:10.0f} "
+              f"{r['torch_ratio']:8.1f} {r['rel_err']:8.1e}", flush=True)
+    bad = [r for r in results if not r["rel_err"] < KERNEL_BOUND]
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = {"device": device, "copy_Bps": copy_bw, "matmul_flops": mm_rate, "seed": args.seed}
+        (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"checked {len(results)} configurations: {len(bad)} over the {KERNEL_BOUND:g} bound", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Backend registry and input checks: the interface the engine relies on, checked on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kvstore import gpu
+from kvstore.gpu import registry, testing
+from kvstore.gpu.errors import AttentionInputError, BackendUnavailable
+from kvstore.gpu.registry import BackendSpec
+from kvstore.gpu.torch_backend import TorchBackend
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+
+
+def test_builtin_backends_in_preference_order():
+    assert list(registry.registered())[:3] == ["cuda", "mps", "torch"]
+    spec = registry.spec_of("cuda")
+    assert spec.device_types == frozenset({"cuda"})
+    assert set(spec.tiers) == {"fp8", "tq-int4"}
+    assert spec.kv_lora == (128, 256, 512) and spec.qk_rope == (32, 64)
+
+
+def test_spec_mismatches_are_listed_as_reasons():
+    why = registry.reasons("cuda", "cpu", tier="tq-polar", kv_lora=576, qk_rope=64)
+    assert "runs on ['cuda'], not cpu" in why
+    assert "tier 'tq-polar' is not one of ['fp8', 'tq-int4']" in why
+    assert "kv_lora=576 is not one of [128, 256, 512]" in why
+    assert not any("qk_rope" in r for r in why)
+
+
+def test_cuda_backend_reasons_match_the_environment():
+    why = registry.reasons("cuda", "cuda:0", tier="fp8", kv_lora=512, qk_rope=64)
+    if not HAS_CUPY:
+        assert "Python module 'cupy' is not installed" in why
+    elif not HAS_CUDA:
+        assert "torch.cuda.is_available() is False" in why
+    else:
+        major, minor = torch.cuda.get_device_capability(0)
+        assert (why == []) == ((major, minor) >= (8, 9)), why
+
+
+def test_mps_backend_says_why_it_is_off():
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        pytest.skip("an Apple GPU is present: nothing to explain")
+    why = registry.reasons("mps", "mps")
+    assert why and all("MPS" in r or "mps" in r for r in why)
+    assert registry.reasons("mps", "cpu") == ["runs on ['mps'], not cpu"]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the refusal on a machine without CUDA")
+def test_get_backend_without_cuda_raises_with_every_reason():
+    with pytest.raises(BackendUnavailable) as info:
+        registry.get_backend("cuda")
+    assert set(info.value.reasons) >= {"cuda", "torch"}
+    assert "no attention backend runs on cuda" in info.value.reason
+
+
+def test_get_backend_caches_one_instance_per_device():
+    first = registry.get_backend("cpu")
+    assert first is registry.get_backend(torch.device("cpu"))
+    assert isinstance(first, TorchBackend) and first.name == "torch"
+
+
+def test_registered_backend_with_higher_priority_wins_and_can_be_removed():
+    registry.register_backend(
+        BackendSpec(name="cpu-first", device_types=frozenset({"cpu"}), priority=0),
+        "kvstore.gpu.torch_backend:TorchBackend",
+    )
+    try:
+        assert list(registry.registered())[0] == "cpu-first"
+        assert registry.reasons("cpu-first", "cpu") == []
+    finally:
+        registry.unregister_backend("cpu-first")
+    assert "cpu-first" not in registry.registered()
+    with pytest.raises(ValueError, match="module:Class"):
+        registry.register_backend(BackendSpec(name="bad", device_types=frozenset({"cpu"})), "no_colon")
+
+
+def _case(**kwargs):
+    return testing.make_case("fp8", [20, 9], 16, kv_lora=128, qk_rope=32, seed=7, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda c: setattr(c, "q_lat", c.q_lat.half()), "q_lat must be float32"),
+        (lambda c: setattr(c, "q_rope", c.q_rope[:, :8]), "q_rope .* does not match q_lat"),
+        (lambda c: setattr(c, "lc_codes", c.lc_codes.to(torch.int16)), "lc_codes must be uint8"),
+        (lambda c: setattr(c, "lc_codes", c.lc_codes[:, :64]), r"lc_codes must be u8\[N, 128\] for fp8"),
+        (lambda c: setattr(c, "rc_scales", c.rc_scales[:-1]), "rc_scales has .* rows"),
+        (lambda c: setattr(c, "seq_len", c.seq_len.long()), "seq_len must be int32"),
+        (lambda c: setattr(c, "seq_start", c.seq_start[:1]), r"seq_start must be i32\[2\]"),
+        (lambda c: setattr(c, "softmax_scale", float("nan")), "softmax_scale must be a finite float"),
+        (lambda c: setattr(c, "tier", "fp4"), "tier must be 'fp8' or 'tq-int4'"),
+    ],
+)
+def test_bad_inputs_raise_typed_errors(mutate, message):
+    case = _case()
+    mutate(case)
+    backend = TorchBackend(torch.device("cpu"))
+    with pytest.raises(AttentionInputError, match=message) as info:
+        if case.tier not in ("fp8", "tq-int4"):
+            from kvstore.gpu.torch_backend import decode_torch
+
+            decode_torch(case.tier, *case.args())
+        else:
+            testing.decode(case, backend=backend)
+    assert info.value.reason and isinstance(info.value, ValueError)
+
+
+def test_int4_needs_power_of_two_widths():
+    case = testing.make_case("tq-int4", [5], 16, kv_lora=128, qk_rope=32, seed=3)
+    case.q_lat = torch.zeros(1, 16, 96)
+    with pytest.raises(AttentionInputError, match="power-of-two kv_lora"):
+        testing.decode(case)
+
+
+def test_out_of_range_sequences_and_indices_are_refused():
+    case = _case()
+    case.seq_len[1] = case.lc_codes.shape[0]
+    with pytest.raises(AttentionInputError, match="runs past"):
+        testing.decode(case)
+    case = _case(selected=8)
+    case.indices[0, 0] = int(case.seq_len[0])  # one past the sequence
+    with pytest.raises(AttentionInputError, match="outside its sequence"):
+        testing.decode(case)
+    case = _case(selected=8)
+    case.n_selected[0] = 9
+    with pytest.raises(AttentionInputError, match="n_selected must lie in 0..8"):
+        testing.decode(case)
+
+
+def test_out_must_match():
+    case = _case()
+    with pytest.raises(AttentionInputError, match="out must be a contiguous f32"):
+        testing.decode(case, torch.empty(2, 16, 64))
+
+
+def test_public_functions_dispatch_on_the_query_device():
+    case = _case(selected=4)
+    out = gpu.mla_decode_fp8_selected(*case.args())
+    assert out.shape == (2, 16, 128) and torch.isfinite(out).all()

@@ -1,0 +1,73 @@
+"""Restoring quantized rows from host arrays into a device cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.gpu import upload
+from kvstore.gpu.errors import AttentionInputError
+
+
+def _host_rows(n: int, seed: int, tier: str = "fp8"):
+    rng = np.random.default_rng(seed)
+    k, r = (512, 64) if tier == "fp8" else (256, 32)
+    return (rng.integers(0, 256, (n, k), dtype=np.uint8), rng.random(n, dtype=np.float32) + 0.5,
+            rng.integers(0, 256, (n, r), dtype=np.uint8), rng.random(n, dtype=np.float32) + 0.5)
+
+
+def _same(rows: upload.QuantizedRows, host) -> bool:
+    n = rows.n_rows
+    return all(np.array_equal(t[:n].cpu().numpy(), h) for t, h in zip(rows[:4], host))
+
+
+def test_restore_on_cpu_copies_rows_and_reserves_capacity():
+    host = _host_rows(37, 1)
+    rows = upload.restore_quantized_rows("fp8", *host, "cpu", capacity=50)
+    assert rows.n_rows == 37 and rows.lc_codes.shape == (50, 512) and rows.rc_scales.shape == (50,)
+    assert _same(rows, host)
+
+
+def test_restore_reads_memory_mapped_arrays(tmp_path):
+    host = _host_rows(20, 2, "tq-int4")
+    path = tmp_path / "codes.u8"
+    host[0].tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=host[0].shape)
+    rows = upload.restore_quantized_rows("tq-int4", mapped, *host[1:], "cpu")
+    assert _same(rows, host)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda h: (h[0].astype(np.int16),) + h[1:], "lc_codes must be a uint8"),
+        (lambda h: h[:3] + (h[3][:-1],), "rc_scales has 36 rows"),
+        (lambda h: (h[0][0],) + h[1:], r"lc_codes must be a uint8\[N, width\]"),
+    ],
+)
+def test_restore_refuses_bad_arrays(mutate, message):
+    with pytest.raises(AttentionInputError, match=message):
+        upload.restore_quantized_rows("fp8", *mutate(_host_rows(37, 3)), "cpu")
+
+
+def test_restore_refuses_small_capacity_and_unknown_tier():
+    host = _host_rows(10, 4)
+    with pytest.raises(AttentionInputError, match="capacity 5 is below the 10 rows"):
+        upload.restore_quantized_rows("fp8", *host, "cpu", capacity=5)
+    with pytest.raises(AttentionInputError, match="tier must be"):
+        upload.restore_quantized_rows("int8", *host, "cpu")
+
+
+@pytest.mark.gpu
+def test_restore_through_the_pinned_ring_on_cuda():
+    host = _host_rows(3001, 5)
+    # A 64 KiB ring forces many chunks per array, so buffers are reused while copies are in flight.
+    uploader = upload.PinnedUploader("cuda", chunk_bytes=1 << 16, n_buffers=2)
+    rows = upload.restore_quantized_rows("fp8", *host, "cuda", capacity=4000, uploader=uploader)
+    assert rows.lc_codes.device.type == "cuda" and rows.lc_codes.shape == (4000, 512)
+    assert all(t.is_pinned() for t in uploader._buffers)
+    assert _same(rows, host)
+    again = _host_rows(3001, 6)
+    rows2 = upload.restore_quantized_rows("fp8", *again, "cuda", uploader=uploader)  # the ring is reused
+    assert _same(rows2, again) and _same(rows, host)
