@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import kvstore
 from kvstore.errors import BodyTooLarge, KVStoreError
@@ -55,6 +56,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     if isinstance(cause, KVStoreError):  # raised while FastAPI read a JSON body (BodyTooLarge)
         return await _kvstore_error(request, cause)
     return _error(exc.status_code, _HTTP_NAMES.get(exc.status_code, "HTTPError"), str(exc.detail), getattr(exc, "headers", None))
+
+
+async def _disconnected(request: Request, exc: ClientDisconnect) -> JSONResponse:
+    # The client left mid-body: nothing was written, and nobody is there to read a reply.
+    return _error(400, "ClientDisconnect", "the client closed the connection before sending the whole body")
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -153,6 +159,7 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
     app.add_exception_handler(KVStoreError, _kvstore_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _disconnected)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     for module in (health, sessions, files, lookup, jobs):
