@@ -100,6 +100,9 @@ TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:=@/-]{0,63}$")
 MAX_TAGS = 32
 STATES = ("active", "parked", "damaged")
 COPY_CHUNK_BYTES = 8 << 20
+# The header allows widths no model has; a record this large (GLM v1 is ~180 KB) is refused
+# before numpy is asked for a record type it cannot build.
+MAX_RECORD_BYTES = 64 << 20
 DIR_MODE = 0o700
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\d+$")
 
@@ -135,6 +138,13 @@ def _validate_tags(tags: Iterable[str] | None) -> list[str]:
         if not isinstance(tag, str) or not TAG_PATTERN.fullmatch(tag):
             raise InvalidRequest(f"invalid tag {tag!r}: 1-64 of letters, digits and _ . : = @ / -")
     return tags
+
+
+def _check_record_size(geometry: Geometry, tier: Tier) -> None:
+    coli_kv.check_geometry(geometry, tier)
+    size = coli_kv.record_bytes(geometry, tier)
+    if size > MAX_RECORD_BYTES:
+        raise InvalidRequest(f"a record of this geometry and tier is {size} bytes; kvstore stores records of at most {MAX_RECORD_BYTES}")
 
 
 def _tier_record(tier: Tier) -> dict[str, Any]:
@@ -723,7 +733,7 @@ class SessionStore:
         model = ModelInfo.from_dict(model)
         tags = _validate_tags(tags)
         session_id = validate_session_id(session_id) if session_id is not None else uuid.uuid4().hex
-        coli_kv.check_geometry(geometry, tier)
+        _check_record_size(geometry, tier)
         with self._writing(session_id):
             path = self.journal_path(session_id)
             with self.index.read() as txn:
@@ -1579,7 +1589,7 @@ class SessionStore:
             source_tier, geometry = _tier_of(record), _geometry_of(record)
             if tier == source_tier:
                 return SessionInfo.from_record(record)
-            coli_kv.check_geometry(geometry, tier)
+            _check_record_size(geometry, tier)
             format_migrations.plan(source_tier, tier)
             with self._open_journal(record, writable=True) as journal:
                 record = self._match_journal(record, journal)
