@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ TILE_ROWS = 64
 MIN_CAPABILITY = (8, 9)
 _FORMAT = {"fp8": 0, "tq-int4": 1}
 #: Upper bound on splits per sequence (the merge keeps one weight per split in shared memory).
-MAX_SPLITS = 8192
+MAX_SPLITS = 4096
 _LOCK = threading.Lock()
 
 
@@ -102,6 +103,25 @@ def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: i
     return KernelPlan(m_tiles, groups, groups * 16 * m_tiles, per_split, -(-tiles_max // per_split), blocks_per_sm)
 
 
+_STREAMS: dict[tuple[int, int], object] = {}
+
+
+def _cupy_stream(stream: torch.cuda.Stream, device_index: int):
+    """The cupy view of a torch stream (cached): kernels launch in the caller's stream order."""
+    key = (device_index, stream.cuda_stream)
+    found = _STREAMS.get(key)
+    if found is None:
+        cupy = _cupy()
+        try:  # the stream protocol (cupy >= 14 with a torch that exports __cuda_stream__)
+            found = cupy.cuda.Stream.from_external(stream)
+        except (AttributeError, TypeError, ValueError):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                found = cupy.cuda.ExternalStream(stream.cuda_stream, device_index)
+        _STREAMS[key] = found
+    return found
+
+
 def _ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
@@ -157,8 +177,8 @@ class CudaBackend(AttentionBackend):
         if smem is None:
             answer = torch.empty(1, dtype=torch.int32, device=self.device)
             cupy = _cupy()
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream, self.device.index):
+            stream = _cupy_stream(torch.cuda.current_stream(self.device), self.device.index)
+            with cupy.cuda.Device(self.device.index), stream:
                 smem_query((1,), (1,), (_ptr(answer),))
             smem = int(answer.item())
             with _LOCK:
@@ -208,8 +228,8 @@ class CudaBackend(AttentionBackend):
         merge = self._get(f"mla_merge<{k},{'true' if fmt == 1 else 'false'}>")
         score_scale = np.float32(softmax_scale * math.log2(math.e))
         cupy = _cupy()
-        stream = torch.cuda.current_stream(device)
-        with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+        stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
+        with cupy.cuda.Device(device.index), stream:
             prep((plan.padded_heads, batch), (128,),
                  (_ptr(q_lat_c), _ptr(q_rope_c), np.int32(heads), np.int32(plan.padded_heads), score_scale,
                   _ptr(q16), _ptr(qmul)))
@@ -219,7 +239,7 @@ class CudaBackend(AttentionBackend):
                    np.int32(problem.selected or 0), np.int64(problem.n_rows), np.int32(plan.padded_heads),
                    np.int32(plan.n_splits), np.int32(plan.blocks_per_split), _ptr(o_part), _ptr(lse)),
                   shared_mem=smem)
-            merge((heads, batch), (128,),
+            merge((heads, batch), (256,),
                   (_ptr(o_part), _ptr(lse), np.int32(heads), np.int32(plan.padded_heads), np.int32(plan.n_splits),
                    _ptr(result)),
                   shared_mem=4 * plan.n_splits)

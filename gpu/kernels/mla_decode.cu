@@ -16,7 +16,8 @@
 //   mla_decode_split split-T (flash-decoding): block (head group, split, batch) streams BN-row
 //                    tiles of its share of the sequence, keeps an online softmax and writes a
 //                    partial context + log-sum-exp. mma.sync m16n8k16 f16 x f16 -> f32.
-//   mla_merge        log-sum-exp merge of the partials (+ un-rotation for int4).
+//   mla_merge        log-sum-exp merge of the partials (+ un-rotation for int4), one block per
+//                    (head, batch), its warps striding over the splits.
 //
 // Numerics: codes decode exactly into f16 (e4m3 is a subset of f16; the 16 int4 levels round to
 // f16, relative error <= 2^-11); q and the softmax weights are rounded to f16 (q per head with a
@@ -60,8 +61,7 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r
 
 // c[0..3] += A(16x16, row) * B(16x8, col); f16 operands, f32 accumulators.
 __device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -90,7 +90,7 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two_codes) {
 
 __device__ __forceinline__ uint4 ldg_stream16(const void* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
@@ -659,59 +659,85 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// mla_merge: one block of 128 threads per (head, batch)
+// mla_merge: one block of 256 threads per (head, batch); warps take every 8th split
 // ---------------------------------------------------------------------------------------------
 
 template <int K, bool UNROTATE>
-__global__ void __launch_bounds__(128) mla_merge(const float* __restrict__ o_part,
+__global__ void __launch_bounds__(256) mla_merge(const float* __restrict__ o_part,
                                                  const float* __restrict__ lse_part, int H, int Hp,
                                                  int n_splits, float* __restrict__ out) {
     extern __shared__ float weights[];  // [n_splits]
+    __shared__ float4 part[8][K / 4];   // per-warp sums
     __shared__ float ctx[K];
-    __shared__ float red[4];
-    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
+    __shared__ float red[8];
+    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* lse = lse_part + ((long long)b * Hp + h) * n_splits;
     float mx = NEG_INF;
-    for (int s = tid; s < n_splits; s += 128) mx = fmaxf(mx, lse[s]);
+    for (int s = tid; s < n_splits; s += 256) mx = fmaxf(mx, lse[s]);
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-    if ((tid & 31) == 0) red[tid >> 5] = mx;
+    if (lane == 0) red[warp] = mx;
     __syncthreads();
-    mx = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    mx = red[0];
+#pragma unroll
+    for (int i = 1; i < 8; ++i) mx = fmaxf(mx, red[i]);
     __syncthreads();
     float tot = 0.0f;
-    for (int s = tid; s < n_splits; s += 128) {
+    for (int s = tid; s < n_splits; s += 256) {
         const float w = mx == NEG_INF ? 0.0f : exp2f(lse[s] - mx);
         weights[s] = w;
         tot += w;
     }
     for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, o);
-    if ((tid & 31) == 0) red[tid >> 5] = tot;
+    if (lane == 0) red[warp] = tot;
     __syncthreads();
-    tot = red[0] + red[1] + red[2] + red[3];
+    tot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) tot += red[i];
     const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
-    const float* op = o_part + ((long long)b * Hp + h) * n_splits * K;
-    float acc[K / 128];
+
+    // An empty split (weight 0) never wrote its partial: the select drops whatever is there.
+    const float4* op = (const float4*)(o_part + ((long long)b * Hp + h) * n_splits * K);
+    float4 acc[K / 128];
 #pragma unroll
-    for (int j = 0; j < K / 128; ++j) acc[j] = 0.0f;
-    for (int s = 0; s < n_splits; ++s) {
+    for (int j = 0; j < K / 128; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 2
+    for (int s = warp; s < n_splits; s += 8) {
         const float w = weights[s];
-        if (w == 0.0f) continue;  // empty split: its partial was never written
-#pragma unroll
-        for (int j = 0; j < K / 128; ++j) acc[j] += w * op[(long long)s * K + tid + 128 * j];
-    }
-    float* dst = out + ((long long)b * H + h) * K;
-    if constexpr (!UNROTATE) {
-#pragma unroll
-        for (int j = 0; j < K / 128; ++j) dst[tid + 128 * j] = acc[j] * inv;
-    } else {
-#pragma unroll
-        for (int j = 0; j < K / 128; ++j) ctx[tid + 128 * j] = acc[j] * inv;
-        __syncthreads();
-        fwht_shared(ctx, K);
+        const bool live = w > 0.0f;
 #pragma unroll
         for (int j = 0; j < K / 128; ++j) {
-            const int d = tid + 128 * j;
-            dst[d] = ctx[d] * tq_sign((u32)d);
+            const float4 v = op[(long long)s * (K / 4) + lane + 32 * j];
+            acc[j].x += live ? w * v.x : 0.0f;
+            acc[j].y += live ? w * v.y : 0.0f;
+            acc[j].z += live ? w * v.z : 0.0f;
+            acc[j].w += live ? w * v.w : 0.0f;
         }
+    }
+#pragma unroll
+    for (int j = 0; j < K / 128; ++j) part[warp][lane + 32 * j] = acc[j];
+    __syncthreads();
+    for (int i = tid; i < K / 4; i += 256) {
+        float4 sum = part[0][i];
+#pragma unroll
+        for (int w = 1; w < 8; ++w) {
+            sum.x += part[w][i].x;
+            sum.y += part[w][i].y;
+            sum.z += part[w][i].z;
+            sum.w += part[w][i].w;
+        }
+        sum = make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
+        if constexpr (UNROTATE) {
+            ctx[4 * i] = sum.x;
+            ctx[4 * i + 1] = sum.y;
+            ctx[4 * i + 2] = sum.z;
+            ctx[4 * i + 3] = sum.w;
+        } else {
+            ((float4*)(out + ((long long)b * H + h) * K))[i] = sum;
+        }
+    }
+    if constexpr (UNROTATE) {
+        __syncthreads();
+        fwht_shared(ctx, K);
+        for (int d = tid; d < K; d += 256) out[((long long)b * H + h) * K + d] = ctx[d] * tq_sign((u32)d);
     }
 }
