@@ -80,6 +80,7 @@ from kvstore.errors import (
     CacheLayoutUnsupported,
     ConversationMismatch,
     FingerprintMismatch,
+    FormatError,
     InvalidRequest,
     SessionExists,
     SessionNotFound,
@@ -144,10 +145,13 @@ def parse_tier(tier: Tier | str | None, default: str = "v1") -> Tier:
     if isinstance(tier, Tier):
         return tier
     name = default if tier is None else str(tier).strip().lower()
-    if name == "polar" or name.startswith("polar-") or name.startswith("tq-polar"):
-        bits = name.rsplit("-", 1)[1] if name.count("-") and name.rsplit("-", 1)[1].isdigit() else "4"
-        return Tier.parse("v3", "polar", int(bits))
-    return Tier.parse(TIER_ALIASES.get(name, name))
+    try:
+        if name in ("polar", "tq-polar") or name.startswith(("polar-", "tq-polar-")):
+            suffix = name.rsplit("-", 1)[-1]
+            return Tier.parse("v3", "polar", int(suffix) if suffix.isdigit() else 4)
+        return Tier.parse(TIER_ALIASES.get(name, name))
+    except FormatError as exc:
+        raise InvalidRequest(f"unknown tier {tier!r} ({exc.reason}): use v1/f32, v2/fp8, v3/int4, polar or polar-N (N = 2..6 bits)") from None
 
 
 def _text_config(config):

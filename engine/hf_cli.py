@@ -107,7 +107,7 @@ def cmd_hf_chat(args) -> int:
     if args.max_new_tokens < 1:
         raise InvalidRequest("--max-new-tokens must be at least 1")
     model, tokenizer = _load(args)
-    hf.check_cache_layout(model)  # refuse an unsupported model before touching the store
+    vocab = hf.check_cache_layout(model).geometry.vocab  # refuse an unsupported model before touching the store
     with SessionStore(args.data) as store:
         try:
             restored = hf.restore(store, args.session, model, owner=args.owner, verify=args.verify, tier=args.tier, override=args.override)
@@ -124,6 +124,8 @@ def cmd_hf_chat(args) -> int:
                 ids = tokenizer(text, add_special_tokens=history.size == 0)["input_ids"]
             if not ids:
                 continue
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise InvalidRequest(f"token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
             context = torch.from_numpy(np.concatenate([history, np.asarray(ids, dtype=np.int64)]))[None].to(model.device)
             prefilled = context.shape[1] - hf.cache_length(cache)
             with torch.no_grad():
