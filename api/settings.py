@@ -52,7 +52,7 @@ class Settings:
     lock_timeout: float = 10.0
     api_keys_env: str | None = field(default_factory=lambda: os.environ.get("KVSTORE_API_KEYS"))
     job_workers: int = 2
-    stream_chunk_bytes: int = 1 << 20
+    stream_chunk_bytes: int = 4 << 20
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
