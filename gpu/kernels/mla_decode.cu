@@ -255,11 +255,13 @@ struct Cfg {
     static constexpr int SS = BN + 4;               // f32 per partial-score row
     static constexpr int KB = FMT == 0 ? K : K / 2; // code bytes of a latent row
     static constexpr int RB = FMT == 0 ? R : R / 2; // code bytes of a rope row
-    static constexpr int KCH = KB / 16;             // 16-byte chunks of a latent row
-    static constexpr int CPR = (KB + RB) / 16;      // 16-byte chunks of a cache row
-    static constexpr int DPC = FMT == 0 ? 16 : 32;  // elements per chunk
-    static constexpr int NCH = BN * CPR;
-    static constexpr int CPT = (NCH + THREADS - 1) / THREADS;
+    static constexpr int DPC = FMT == 0 ? 16 : 32;  // elements per 16-byte chunk of codes
+    // Staging: a thread loads latent chunk column LCOL of rows LROW0 + i * LSTRIDE (i < NL), and
+    // (if tid < BN * RCH) one rope chunk; a warp reads whole rows, the addresses step by constants.
+    static constexpr int LCH = KB / 16;             // latent chunks per row
+    static constexpr int RCH = RB / 16;             // rope chunks per row
+    static constexpr int LSTRIDE = THREADS / LCH;   // rows between a thread's latent chunks
+    static constexpr int NL = BN / LSTRIDE;         // latent chunks per thread
     // Q.K^T: warp tile (MWQ m-tiles) x (NTQ n-tiles) over one half of the score width.
     static constexpr int MWQ = MT < 2 ? MT : 2;
     static constexpr int MGQ = MT / MWQ;
@@ -294,6 +296,7 @@ struct Cfg {
     static_assert(KS0 * 32 == D && KS0 <= K / 16, "score width must split into two k-halves");
     static_assert(NTQ % 2 == 0 && NTP % 2 == 0, "ldmatrix.x4 loads n-tiles in pairs");
     static_assert(THREADS % HG == 0 && BN % TPH == 0, "softmax thread mapping");
+    static_assert(THREADS % LCH == 0 && BN % LSTRIDE == 0 && BN * RCH <= THREADS, "staging thread mapping");
 };
 
 // The dynamic shared memory mla_decode_split<MT, K, R, FMT, *> needs (read once by the host).
@@ -348,6 +351,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     const int slen = seq_len[b];
     int T = slen;
     if (GATHER) T = min(n_sel[b], sel_stride);
+    if (start < 0) T = 0;  // (validate=False with a bad start): attend nothing rather than read outside
     T = max(T, 0);
     const int* sel_b = GATHER ? sel + (long long)b * sel_stride : sel;
     const int n_blocks = (T + BN - 1) / BN;
@@ -372,63 +376,84 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     if (FMT == 1) lt = make_level_table();
 
     // ---- staging: global codes -> registers -> f16 tile -------------------------------------
-    uint4 st_codes[C::CPT];
+    const int lcol = tid % C::LCH, lrow0 = tid / C::LCH;
+    const bool has_rope = tid < BN * C::RCH;
+    const int rcol = tid % C::RCH, rrow = tid / C::RCH;
+    uint4 st_lat[C::NL], st_rope = make_uint4(0u, 0u, 0u, 0u);
     float st_ls = 0.0f, st_rs = 0.0f;
     int st_valid = 0;
 
     auto stage_load = [&](int blk) {
+        const int pos0 = blk * BN;
+        if (!GATHER) {
+            // rows pos0 .. pos0 + valid - 1 of the sequence exist (and lie inside the row arrays)
+            const long long base = start + pos0;
+            const int valid = (int)min((long long)min(T - pos0, BN), n_rows - base);
+            const u8* lat = lc + (base + lrow0) * C::KB + lcol * 16;
 #pragma unroll
-        for (int i = 0; i < C::CPT; ++i) {
-            const int c = tid + i * THREADS;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (c < C::NCH) {
-                const int row = c / C::CPR, col = c % C::CPR;
-                const long long g = resolve_row<GATHER>(blk * BN + row, T, start, slen, sel_b, n_rows);
-                if (g >= 0) {
-                    const u8* src = col < C::KCH ? lc + g * C::KB + col * 16
-                                                 : rc + g * C::RB + (col - C::KCH) * 16;
-                    v = ldg_stream16(src);
-                }
+            for (int i = 0; i < C::NL; ++i) {
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (lrow0 + i * C::LSTRIDE < valid) v = ldg_stream16(lat + (long long)i * C::LSTRIDE * C::KB);
+                st_lat[i] = v;
             }
-            st_codes[i] = v;
+            if (has_rope) {
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (rrow < valid) v = ldg_stream16(rc + (base + rrow) * C::RB + rcol * 16);
+                st_rope = v;
+            }
+            if (tid < BN) {
+                st_valid = tid < valid;
+                st_ls = st_valid ? __ldg(lscale + base + tid) : 0.0f;
+                st_rs = st_valid ? __ldg(rscale + base + tid) : 0.0f;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < C::NL; ++i) {
+                const long long g = resolve_row<GATHER>(pos0 + lrow0 + i * C::LSTRIDE, T, start, slen, sel_b, n_rows);
+                st_lat[i] = g >= 0 ? ldg_stream16(lc + g * C::KB + lcol * 16) : make_uint4(0u, 0u, 0u, 0u);
+            }
+            if (has_rope) {
+                const long long g = resolve_row<GATHER>(pos0 + rrow, T, start, slen, sel_b, n_rows);
+                st_rope = g >= 0 ? ldg_stream16(rc + g * C::RB + rcol * 16) : make_uint4(0u, 0u, 0u, 0u);
+            }
+            if (tid < BN) {
+                const long long g = resolve_row<GATHER>(pos0 + tid, T, start, slen, sel_b, n_rows);
+                st_valid = g >= 0;
+                st_ls = st_valid ? __ldg(lscale + g) : 0.0f;
+                st_rs = st_valid ? __ldg(rscale + g) : 0.0f;
+            }
         }
-        if (tid < BN) {
-            const long long g = resolve_row<GATHER>(blk * BN + tid, T, start, slen, sel_b, n_rows);
-            st_valid = g >= 0;
-            st_ls = st_valid ? __ldg(lscale + g) : 0.0f;
-            st_rs = st_valid ? __ldg(rscale + g) : 0.0f;
+    };
+
+    // 16 code bytes -> f16 at dst (16 elements for fp8, 32 for int4)
+    auto convert_chunk = [&](const uint4& codes, u16* dst_h) {
+        uint4* dst = (uint4*)dst_h;
+        const u32 w[4] = {codes.x, codes.y, codes.z, codes.w};
+        if (FMT == 0) {
+            u32 h[8];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const u32 x = fp8_clear_nan(w[k]);
+                h[2 * k] = e4m3x2_to_f16x2(x & 0xFFFFu);
+                h[2 * k + 1] = e4m3x2_to_f16x2(x >> 16);
+            }
+            dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+            dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                u32 h[4];
+                int4x8_to_f16(w[k], lt, h);
+                dst[k] = make_uint4(h[0], h[1], h[2], h[3]);
+            }
         }
     };
 
     auto stage_store = [&]() {
+        u16* lat_dst = tile + lrow0 * C::QS + lcol * C::DPC;
 #pragma unroll
-        for (int i = 0; i < C::CPT; ++i) {
-            const int c = tid + i * THREADS;
-            if (c < C::NCH) {
-                const int row = c / C::CPR, col = c % C::CPR;
-                const int dim0 = col < C::KCH ? col * C::DPC : K + (col - C::KCH) * C::DPC;
-                uint4* dst = (uint4*)(tile + row * C::QS + dim0);
-                const u32 w[4] = {st_codes[i].x, st_codes[i].y, st_codes[i].z, st_codes[i].w};
-                if (FMT == 0) {
-                    u32 h[8];
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        const u32 x = fp8_clear_nan(w[k]);
-                        h[2 * k] = e4m3x2_to_f16x2(x & 0xFFFFu);
-                        h[2 * k + 1] = e4m3x2_to_f16x2(x >> 16);
-                    }
-                    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-                    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
-                } else {
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        u32 h[4];
-                        int4x8_to_f16(w[k], lt, h);
-                        dst[k] = make_uint4(h[0], h[1], h[2], h[3]);
-                    }
-                }
-            }
-        }
+        for (int i = 0; i < C::NL; ++i) convert_chunk(st_lat[i], lat_dst + i * C::LSTRIDE * C::QS);
+        if (has_rope) convert_chunk(st_rope, tile + rrow * C::QS + K + rcol * C::DPC);
         if (tid < BN) {
             // Row scales as the f16 tile needs them: fp8 codes decode to the e4m3 value itself;
             // int4 levels are in units of radius / sqrtf(n).
@@ -464,7 +489,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 
     // softmax role: TPH consecutive threads per head
     const int sm_h = tid / C::TPH, sm_p = tid % C::TPH;
-    float m_run = NEG_INF, l_run = 0.0f, c_prev = 1.0f;
+    float m_run = NEG_INF, l_run = 0.0f, c_run = 0.0f;
 
     float o_acc[C::MWP][C::NTP][4];
 #pragma unroll
@@ -550,14 +575,18 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         }
         __syncthreads();
 
-        // ---- online softmax: P' = p * Ls / c_blk * P_SCALE in f16; alpha rescales the context --
+        // ---- online softmax: P' = p * Ls / c * P_SCALE in f16, c the running max row scale ----
+        // c only grows and m only grows, so most tiles leave the context's scale alone and the
+        // rescale below is skipped (the barrier reports whether any head needs it).
+        bool rescale;
         {
             float c_blk = cmax_s[0];
 #pragma unroll
             for (int i = 1; i < BN / 32; ++i) c_blk = fmaxf(c_blk, cmax_s[i]);
-            if (!(c_blk > 0.0f)) c_blk = 1.0f;
-            const float inv_c = 1.0f / c_blk;
-            const float p_mul = P_SCALE / c_blk;
+            const float c_new = fmaxf(c_run, c_blk);
+            const float c_eff = c_new > 0.0f ? c_new : 1.0f;  // all scales zero so far: P' is 0 anyway
+            const float p_mul = P_SCALE / c_eff;
+            const float c_ratio = c_run > 0.0f ? c_run / c_eff : 1.0f;
             const float* S0 = Sbuf + sm_h * C::SS;
             const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS;
             float sv[C::RPT];
@@ -584,14 +613,16 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
             }
             l_run = l_run * alpha + lsum;
             m_run = m_new;
-            if (sm_p == 0) alpha_s[sm_h] = alpha * (c_prev * inv_c);
-            c_prev = c_blk;
+            const float factor = alpha * c_ratio;
+            if (sm_p == 0) alpha_s[sm_h] = factor;
+            c_run = c_new;
+            rescale = __syncthreads_or(factor != 1.0f) != 0;
         }
-        __syncthreads();
         if (!C::EARLY && more) stage_load(blk + 1);
 
         // ---- O = alpha * O + P' V -------------------------------------------------------------
         {
+            if (rescale) {
 #pragma unroll
             for (int m = 0; m < C::MWP; ++m) {
                 const int ha = (pv_mg * C::MWP + m) * 16 + g;
@@ -603,6 +634,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                     o_acc[m][n][2] *= ab;
                     o_acc[m][n][3] *= ab;
                 }
+            }
             }
             const int d0 = pv_dq * C::DW;
 #pragma unroll
@@ -645,8 +677,9 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     for (int m = 0; m < C::MWP; ++m) {
         const int ha = (pv_mg * C::MWP + m) * 16 + g, hb = ha + 8;
         const float la = ml_s[ha * 2 + 1], lb = ml_s[hb * 2 + 1];
-        const float fa = la > 0.0f ? c_prev / (P_SCALE * la) : 0.0f;
-        const float fb = lb > 0.0f ? c_prev / (P_SCALE * lb) : 0.0f;
+        const float c_eff = c_run > 0.0f ? c_run : 1.0f;
+        const float fa = la > 0.0f ? c_eff / (P_SCALE * la) : 0.0f;
+        const float fb = lb > 0.0f ? c_eff / (P_SCALE * lb) : 0.0f;
         float* oa = o_part + (((long long)b * Hp + h0 + ha) * n_splits + split) * K;
         float* ob = o_part + (((long long)b * Hp + h0 + hb) * n_splits + split) * K;
 #pragma unroll
