@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -24,6 +25,7 @@ KEYS_FILE = "keys.json"
 DEFAULT_OWNER = "default"
 _OWNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
 MIN_KEY_CHARS = 16
+log = logging.getLogger("kvstore.api")
 
 
 def key_digest(key: str) -> str:
@@ -112,11 +114,18 @@ class KeyTable:
             self._stamp, self._file = None, {}
             return
         stamp = (st.st_mtime_ns, st.st_size)
-        if stamp != self._stamp:
-            if not os.path.isfile(self.path) or os.path.islink(self.path):
-                raise PathRefused(f"{self.path} must be a regular file")
+        if stamp == self._stamp:
+            return
+        if not os.path.isfile(self.path) or os.path.islink(self.path):
+            raise PathRefused(f"{self.path} must be a regular file")
+        try:
             self._file = _parse_file(self.path)
-            self._stamp = stamp
+        except ConfigError as exc:
+            if self._stamp is None:
+                raise  # at startup a broken file is an error to fix, not something to serve with
+            # A half-edited file must not lock every owner out: keep the keys read last time.
+            log.warning("keeping the previous API keys: %s", exc.reason)
+        self._stamp = stamp
 
     def owner_for(self, key: str) -> str | None:
         digest = key_digest(key)

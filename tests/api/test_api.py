@@ -341,3 +341,27 @@ def test_first_start_creates_keys_json_and_prints_the_key_once(make_server, tmp_
         assert created.status_code == 201 and created.json()["owner"] == "default"
     with again.client("kvs_" + "x" * 43) as forged:
         assert_error(forged.get("/sessions"), 401, "Unauthorized")
+
+
+def test_a_client_that_leaves_mid_download_releases_the_session(alice):
+    create(alice)
+    rows = Rows(12)
+    payload = rows.encode(Tier(2), rows.make(150_000))  # ~17 MB: far more than the socket buffers hold
+    assert append_raw(alice, "chat", payload).status_code == 200
+    with alice.stream("GET", "/sessions/chat/resume") as response:
+        first = next(response.iter_raw())
+        assert first == payload[: len(first)]
+    # truncate needs the reader gone (it shrinks the journal); a leaked reader would make it 409
+    truncated = alice.post("/sessions/chat/truncate", json={"n_records": 10})
+    assert truncated.status_code == 200 and truncated.json()["n_records"] == 10
+
+
+def test_keys_json_edits_apply_without_a_restart(server, keys):
+    path = server.data / "keys.json"
+    document = json.loads(path.read_text())
+    document["keys"].append({"owner": "carol", "key": "carol-key-0123456789abcdef"})
+    path.write_text(json.dumps(document))
+    with server.client("carol-key-0123456789abcdef") as carol:
+        assert carol.get("/sessions").status_code == 200
+        path.write_text("{ half written")  # a broken edit keeps the keys read last time
+        assert carol.get("/sessions").status_code == 200

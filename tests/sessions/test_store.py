@@ -459,3 +459,63 @@ def test_codec_mismatch_is_not_a_silent_reload(store, rows):
         from kvstore.journal import KVFile
 
         KVFile.open(store.journal_path("chat"), tier=Tier(3, 1, 4))
+
+
+# ------------------------------------------------------------------ concurrency on one session
+def test_concurrent_writers_on_one_session_never_interleave(store):
+    import threading
+
+    new_session(store)
+    turns = {i: Rows(50 + i).make(5 + i) for i in range(8)}
+    encoded = {i: Rows(50 + i).encode(Tier(2), turns[i]) for i in turns}
+    failures = []
+
+    def writer(i):
+        try:
+            store.append("chat", *turns[i])
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in turns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    body = journal_body(store, "chat")
+    assert len(body) == sum(len(b) for b in encoded.values())
+    # the journal is the eight turns back to back, each whole, in some order
+    offset, seen = 0, set()
+    while offset < len(body):
+        match = next(i for i, b in encoded.items() if i not in seen and body[offset:offset + len(b)] == b)
+        seen.add(match)
+        offset += len(encoded[match])
+    assert seen == set(turns) and store.verify("chat").turns_checked == 8
+
+
+def test_readers_during_appends_see_whole_turns(store):
+    import threading
+
+    new_session(store)
+    rows = Rows(60)
+    chunks = [rows.make(3 + i % 4) for i in range(30)]
+    expected = rows.encode(Tier(2), *chunks)
+    boundaries = {0}
+    total = 0
+    for chunk in chunks:
+        total += len(rows.encode(Tier(2), chunk))
+        boundaries.add(total)
+    done = threading.Event()
+    seen = []
+
+    def reader():
+        while not done.is_set():
+            seen.append(store.resume("chat").records.record_bytes())
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for chunk in chunks:
+        store.append("chat", *chunk)
+    done.set()
+    thread.join()
+    assert seen and all(len(s) in boundaries and expected.startswith(s) for s in seen)
