@@ -497,8 +497,8 @@ class Fp8Cache(LatentCache):
         }
 
     def _encode(self, lc, rc):
-        lc_codes, lc_scales = quant.fp8_quantize_rows(lc)
-        rc_codes, rc_scales = quant.fp8_quantize_rows(rc)
+        lc_codes, lc_scales = quant.encode_fp8(lc)
+        rc_codes, rc_scales = quant.encode_fp8(rc)
         return {"lc_codes": lc_codes, "lc_scales": lc_scales, "rc_codes": rc_codes, "rc_scales": rc_scales}
 
     def _decode(self, fields):
@@ -563,8 +563,8 @@ class TQCache(LatentCache):
 
     def _quantize(self, rows):
         if self.codec == quant.CODEC_INT4:
-            return quant.int4_quantize_rows(rows)
-        return quant.polar_quantize_rows(rows, self.bits)
+            return quant.encode_int4(rows)
+        return quant.encode_polar(rows, self.bits)
 
     def _dequantize(self, codes, radii, width):
         if self.codec == quant.CODEC_INT4:
@@ -640,8 +640,8 @@ class Q8Cache(LatentCache):
         }
 
     def _encode(self, lc, rc):
-        lc_codes, lc_deltas = quant.q8_quantize_blocks(lc)
-        rc_codes, rc_deltas = quant.q8_quantize_blocks(rc)
+        lc_codes, lc_deltas = quant.encode_q8(lc)
+        rc_codes, rc_deltas = quant.encode_q8(rc)
         return {"lc_codes": lc_codes, "lc_deltas": lc_deltas, "rc_codes": rc_codes, "rc_deltas": rc_deltas}
 
     def _decode(self, fields):

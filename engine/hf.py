@@ -24,8 +24,9 @@ Public API
 :func:`model_info`
     The model part of the session fingerprint: name, revision, weights hash (once per folder, cached
     on disk), tokenizer and chat-template hashes.
-:func:`cache_rows`, :func:`build_cache`, :func:`cache_kwargs`
-    The lower level: rows out of a cache, a cache out of rows, the name transformers takes it by.
+:func:`cache_rows`, :func:`build_cache`, :func:`cache_from_records`, :func:`cache_kwargs`
+    The lower level: rows out of a cache, a cache out of rows or out of a ``.coli_kv`` body (any
+    tier, e.g. a file the C engine wrote), the keyword transformers takes the cache by.
 
 Fingerprint. A session records the six geometry words, the cache tier, and the model: ``name``
 (the hub id, or the folder's name), ``revision`` (the hub commit, ``local`` for a folder,
@@ -81,6 +82,7 @@ from kvstore.errors import (
     ConversationMismatch,
     FingerprintMismatch,
     FormatError,
+    GeometryMismatch,
     InvalidRequest,
     SessionExists,
     SessionNotFound,
@@ -99,6 +101,7 @@ __all__ = [
     "Saved",
     "build_cache",
     "cache_kwargs",
+    "cache_from_records",
     "cache_length",
     "cache_rows",
     "check_cache_layout",
@@ -427,6 +430,37 @@ class _DecodedRows:
             rows = quant.polar_dequantize_rows(codes_t, scales_t, width, self.tier.bits)
         # a radius near the f32 limit (only a damaged file has one) overflows: such a row reads as zeros
         return rows.masked_fill(~torch.isfinite(rows).all(dim=-1, keepdim=True), 0.0)
+
+
+def cache_from_records(model, records: KVRecords, *, device=None, dtype=None):
+    """A ``DynamicCache`` holding every record of a ``.coli_kv`` body (any tier), built whole.
+
+    For rows that did not come through a session: a file loaded with ``kvstore.formats.coli_kv.load``
+    or ``KVFile.load`` — e.g. written by the C engine. Quantized rows are decoded on ``device``. The
+    file's geometry must be the model's (:class:`~kvstore.errors.GeometryMismatch` otherwise).
+
+    Parameters
+    ----------
+    records : KVRecords with ``n`` records
+    device, dtype : where the cache lives (default: the model's)
+
+    Returns
+    -------
+    ``DynamicCache`` with rows ``[1, 1, n, kv_lora]`` / ``[1, 1, n, qk_rope]``
+    """
+    geometry = check_cache_layout(model).geometry
+    if records.geometry != geometry:
+        raise GeometryMismatch("the records are for another model: " + "; ".join(records.geometry.mismatches(geometry)))
+    device, dtype = _target(model, device, dtype)
+    return _build(model, _DecodedRows(records), geometry, device, dtype)
+
+
+def _build(model, rows: "_DecodedRows", geometry: Geometry, device: torch.device, dtype: torch.dtype):
+    cache = new_cache(model)  # local until every layer is in: a failure on the way returns nothing
+    for layer in range(geometry.n_layers if rows.n else 0):
+        L, R = rows.layer(layer, device)
+        cache.update(L.to(dtype)[None, None], R.to(dtype)[None, None], layer)
+    return cache
 
 
 # ---------------------------------------------------------------------------- fingerprint
@@ -1031,11 +1065,7 @@ def restore(
     """
     device, dtype = _target(model, device, dtype)
     read = _read_session(store, session_id, model, owner=owner, upto=upto, verify=verify, tier=tier, override=override, model_info_=model_info)
-    geometry = check_cache_layout(model).geometry
-    cache = new_cache(model)  # local until every layer is in: a failure below returns nothing
-    for layer in range(geometry.n_layers if read.rows.n else 0):
-        L, R = read.rows.layer(layer, device)
-        cache.update(L.to(dtype)[None, None], R.to(dtype)[None, None], layer)
+    cache = _build(model, read.rows, check_cache_layout(model).geometry, device, dtype)
     logger.info("hf restore %s: reused %d tokens (%s)", session_id, read.rows.n, read.info.tier.describe())
     return Restored(read.tokens, cache, read.rows.n, session_id, read.info, read.info.tier, read.verified, read.damaged_from)
 

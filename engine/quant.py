@@ -7,6 +7,10 @@ bit-exact by construction (integer bit tricks, and only IEEE-exact f32 ops: +, -
 tensors, sqrt); PolarQuant goes through ``atan2``/``hypot``/``cos``/``sin``, whose last-ulp
 behaviour is the device's, so its codes agree on all but rare bin-boundary elements.
 
+The cache encodes through :func:`encode_fp8`, :func:`encode_int4`, :func:`encode_polar` and
+:func:`encode_q8`: on the host they call the ``kvstore.formats`` reference codecs themselves
+(vectorized in cache-sized chunks, and exact by definition); on any other device the torch twins.
+
 Two pitfalls this module avoids on purpose: ``scalar / tensor`` in torch is ``reciprocal * scalar``
 (two roundings), and CUDA divides by a host scalar as a multiply by its reciprocal; every division
 here is between two tensors on the device.
@@ -434,3 +438,50 @@ def q8_dequantize_blocks(codes: torch.Tensor, deltas: torch.Tensor) -> torch.Ten
     n = codes.shape[-1]
     blocks = codes.reshape(*codes.shape[:-1], n // Q8_BLOCK, Q8_BLOCK).float()
     return (blocks * deltas.float()[..., None]).reshape(codes.shape)
+
+
+# -- the tier encoders: the reference codecs on the host, the torch twins on a device ---------------
+
+
+def _host(rows: torch.Tensor) -> np.ndarray:
+    return rows.detach().to(torch.float32).numpy()
+
+
+def encode_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 rows (codes u8[..., n], scales f32[...]) on the rows' device."""
+    if rows.device.type == "cpu":
+        codes, scales = fp8_format.quantize_rows(_host(rows))
+        return torch.from_numpy(codes), torch.from_numpy(scales)
+    return fp8_quantize_rows(rows)
+
+
+def encode_int4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated-int4 rows (codes u8[..., n/2], radii f32[...]) on the rows' device."""
+    if rows.device.type == "cpu":
+        from kvstore.formats import tq
+
+        codes, radii = tq.quantize_rows(_host(rows), CODEC_INT4, 4)
+        return torch.from_numpy(codes), torch.from_numpy(radii)
+    return int4_quantize_rows(rows)
+
+
+def encode_polar(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PolarQuant rows (codes u8[..., rb], radii f32[...]) on the rows' device."""
+    if rows.device.type == "cpu":
+        from kvstore.formats import tq
+
+        codes, radii = tq.quantize_rows(_host(rows), CODEC_POLAR, bits)
+        return torch.from_numpy(codes), torch.from_numpy(radii)
+    return polar_quantize_rows(rows, bits)
+
+
+def encode_q8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows (codes int8[..., n], deltas f16[..., n/32]) on the rows' device."""
+    if rows.device.type == "cpu":
+        from kvstore.formats import q8
+
+        if rows.shape[-1] % Q8_BLOCK:
+            raise TierUnsupported(f"Q8_0 needs a row width that is a multiple of {Q8_BLOCK}, got {rows.shape[-1]}")
+        codes, deltas = q8.quantize_blocks(_host(rows))
+        return torch.from_numpy(codes), torch.from_numpy(deltas)
+    return q8_quantize_blocks(rows)

@@ -133,3 +133,21 @@ def test_bad_arguments_are_refused(model, call, message):
     with pytest.raises(GenerationError, match=message):
         call(engine)
     assert engine.cache.length == 0
+
+
+@pytest.mark.parametrize("tier", ["f32", "bf16", "fp8", "int8", "tq-int4", "tq-polar"])
+def test_bf16_weights_run_every_tier(tier):
+    """The GPU configuration (bf16 weights, f32 attention math) on CPU: close to the f32 model
+    with the same cache tier."""
+    cfg = preset("tiny")
+    f32_model = random_model(cfg, seed=9)
+    bf16_model = random_model(cfg, seed=9, dtype="bfloat16")
+    assert bf16_model.model.layers[2].mlp.experts.up_proj.dtype == torch.bfloat16
+    prompt = _prompt(seed=3)
+    reference, _, _ = Engine(f32_model, tier=tier).prefill(prompt)
+    engine = Engine(bf16_model, tier=tier)
+    logits, _, _ = engine.prefill(prompt)
+    assert logits.dtype == torch.float32
+    assert float((logits - reference).abs().max() / reference.abs().max()) < 0.1
+    result = engine.generate(prompt + [4], max_new_tokens=4, stop_tokens=())
+    assert len(result.tokens) == 4 and result.reused_tokens == len(prompt)

@@ -1,0 +1,89 @@
+"""The engine on CUDA (skipped without a CUDA device): device codecs, kernels, whole model.
+
+* rows quantized on the GPU are the bytes ``kvstore.formats`` writes from the same f32 rows;
+* the decode attention the cache selects (the ``kvstore.gpu`` kernels when they run this tier and
+  geometry) agrees with the engine's torch implementation;
+* the tiny model on CUDA gives the CPU model's logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.engine import CacheGeometry, Engine, make_cache, preset, random_model
+from kvstore.engine import quant
+from kvstore.formats import fp8, tq
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def _rows(n: int, width: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, width)) * np.exp(rng.uniform(-8, 8, (n, 1)))).astype(np.float32)
+    x[0] = 0
+    x[1, 0] = np.nan
+    x[2] = 1e-39
+    x[3, 1] = np.inf
+    return x
+
+
+def test_fp8_encoder_on_cuda_is_byte_identical(vectors):
+    pairs = np.fromfile(vectors / "fp8_enc.bin", dtype=np.dtype([("x", "<f4"), ("code", "u1")]))
+    got = quant.fp8_encode(torch.from_numpy(np.ascontiguousarray(pairs["x"])).to(CUDA)).cpu().numpy()
+    np.testing.assert_array_equal(got, pairs["code"])
+    x = _rows(4096, 512, 1)
+    codes, scales = fp8.quantize_rows(x)
+    got_codes, got_scales = quant.fp8_quantize_rows(torch.from_numpy(x).to(CUDA))
+    np.testing.assert_array_equal(got_codes.cpu().numpy(), codes)
+    assert got_scales.cpu().numpy().tobytes() == scales.tobytes()
+
+
+def test_int4_encoder_on_cuda_matches_formats_tq():
+    """Bit-exact but for the f64 radius sum, whose order on the GPU may differ from the host's in
+    the last f64 bit: that moves the f32 radius on ~1e-9 of rows, so a handful per million."""
+    x = _rows(8192, 512, 2)
+    codes, radii = tq.quantize_rows(x, tq.CODEC_INT4, 4)
+    got_codes, got_radii = quant.int4_quantize_rows(torch.from_numpy(x).to(CUDA))
+    same = (got_codes.cpu().numpy() == codes).all(axis=-1) & (got_radii.cpu().numpy() == radii)
+    assert same.mean() >= 0.9999
+
+
+@pytest.mark.parametrize("tier", ["fp8", "tq-int4", "tq-polar", "int8", "bf16"])
+def test_selected_decode_backend_agrees_with_the_torch_path(tier):
+    geometry = CacheGeometry.of(preset("v2-lite"))
+    selected = make_cache(tier, geometry, CUDA)
+    reference = make_cache(tier, geometry, CUDA, prefer_backend="torch")
+    n = 3000
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    lc = torch.randn(n, geometry.kv_lora, device=CUDA, generator=gen)
+    rc = torch.randn(n, geometry.qk_rope, device=CUDA, generator=gen)
+    for cache in (selected, reference):
+        cache.prepare(0, n)
+        cache.write(0, 0, lc, rc)
+        cache.commit(0, np.zeros(n, np.int32))
+    q_lat = torch.randn(4, 16, geometry.kv_lora, device=CUDA, generator=gen) * 0.05
+    q_rope = torch.randn(4, 16, geometry.qk_rope, device=CUDA, generator=gen) * 0.05
+    seq_start = torch.tensor([0, 100, 0, 2999], dtype=torch.int32, device=CUDA)
+    seq_len = torch.tensor([n, 900, 1, 1], dtype=torch.int32, device=CUDA)
+    got = selected.attend(0, q_lat, q_rope, seq_start, seq_len, 0.1, n_rows=n)
+    want = reference.attend(0, q_lat, q_rope, seq_start, seq_len, 0.1, n_rows=n)
+    print(f"\n{tier}: backend {selected.decode_choice.backend}; passed over: {selected.decode_choice.rejected}")
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_tiny_model_on_cuda_matches_cpu():
+    cfg = preset("tiny-yarn")
+    cpu_model = random_model(cfg, seed=3)
+    cuda_model = random_model(cfg, seed=3).to(CUDA)  # the same weights, moved
+    prompt = np.random.default_rng(0).integers(2, cfg.vocab_size, 200)
+    for tier in ("f32", "fp8"):
+        cpu_logits, _, _ = Engine(cpu_model, tier=tier).prefill(prompt)
+        cuda_engine = Engine(cuda_model, tier=tier)
+        cuda_logits, _, _ = cuda_engine.prefill(prompt)
+        rel = float((cuda_logits.cpu() - cpu_logits).abs().max() / cpu_logits.abs().max())
+        assert rel < 1e-3, (tier, rel)
+        result = cuda_engine.generate(np.concatenate([prompt, [5]]), max_new_tokens=8, stop_tokens=())
+        assert len(result.tokens) == 8 and result.reused_tokens == 200
