@@ -501,3 +501,17 @@ def write_atomic(path: str | os.PathLike, header: Header, chunks: Iterable[np.nd
             if written != header.nrec:
                 raise FormatError(f"rewrite produced {written} records, header says {header.nrec}")
     return written
+
+
+def move_durably(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    """Rename ``source`` to ``destination`` (never clobbering) and make it survive a power loss.
+
+    Used by the session store to set aside files it cannot account for (``lost+found``): the
+    link, the unlink and both directories are fsynced, so a crash leaves the file under one of
+    its two names, never none.
+    """
+    source, destination = Path(source), Path(destination)
+    os.link(source, destination)  # fails if the destination exists
+    fsync_dir(destination.parent)
+    os.unlink(source)
+    fsync_dir(source.parent)

@@ -74,7 +74,7 @@ from kvstore.errors import (
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords, Tier
 from kvstore.index import DEFAULT_MAP_SIZE, Index, Turn
-from kvstore.journal import KVFile, fsync_dir, write_atomic
+from kvstore.journal import KVFile, fsync_dir, move_durably, write_atomic
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations import index as schema
 from kvstore.store_locks import FileLock
@@ -1814,9 +1814,7 @@ class SessionStore:
             fsync_dir(folder)
             return f"removed {folder.name}/{name}: an empty journal never indexed (a creation that did not finish)"
         target = self.lost_found / f"{name}.{time.time_ns()}"
-        os.replace(path, target)
-        fsync_dir(folder)
-        fsync_dir(self.lost_found)
+        move_durably(path, target)
         return f"moved {folder.name}/{name} to lost+found/{target.name}: it has no index entry"
 
     def _recount_usage(self) -> list[str]:
