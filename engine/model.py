@@ -23,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from kvstore.engine.config import ModelConfig
 
@@ -30,8 +31,10 @@ __all__ = ["MLAForCausalLM", "rope_inv_freq"]
 
 # The two latent norms are built with transformers' default eps, not the config's.
 _LATENT_NORM_EPS = 1e-6
-# Upper bound on one chunk of attention scores in the plain path (bytes of f32 scores).
+# Upper bound on one chunk of attention scores in the plain path (bytes of f32 scores), for
+# backends that materialize them (CPU); CUDA's fused kernels do not, and get a larger budget.
 _SCORE_BUDGET_BYTES = 256 << 20
+_FUSED_BUDGET_FACTOR = 16
 
 
 class RMSNorm(nn.Module):
@@ -221,18 +224,17 @@ class MLAttention(nn.Module):
         # [H, N, D] layout for SDPA
         keys, values, queries = keys.transpose(0, 1), values.transpose(0, 1), queries.transpose(0, 1)
         out = torch.empty(self.n_heads, t, self.v_dim, dtype=dtype, device=q_nope.device)
-        chunk = max(1, min(t, _SCORE_BUDGET_BYTES // max(1, 4 * self.n_heads * n)))
-        key_pos = torch.arange(n, device=q_nope.device)
+        budget = _SCORE_BUDGET_BYTES * (_FUSED_BUDGET_FACTOR if q_nope.device.type == "cuda" else 1)
+        chunk = max(1, min(t, budget // max(1, 4 * self.n_heads * n)))
         for q0 in range(0, t, chunk):
             q1 = min(t, q0 + chunk)
             visible = start + q1  # the last query of the chunk sees rows 0 .. start+q1-1
-            query_pos = torch.arange(start + q0, start + q1, device=q_nope.device)
-            mask = key_pos[None, :visible] <= query_pos[:, None]
+            # the chunk's queries are the last rows of the visible keys: lower-right causal
             out[:, q0:q1] = F.scaled_dot_product_attention(
                 queries[:, q0:q1],
                 keys[:, :visible],
                 values[:, :visible],
-                attn_mask=mask,
+                attn_mask=causal_lower_right(q1 - q0, visible),
                 scale=self.softmax_scale,
             )
         return out.transpose(0, 1)
