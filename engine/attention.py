@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from kvstore.engine import quant
-from kvstore.engine.errors import TierUnsupported
+from kvstore.engine.errors import CacheError, TierUnsupported
 
 __all__ = [
     "DecodeBackend",
@@ -54,7 +54,7 @@ def _check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty_like(like, dtype=torch.float32)
     if out.shape != like.shape or out.dtype != torch.float32 or out.device != like.device:
-        raise TierUnsupported(f"out must be f32{tuple(like.shape)} on {like.device}, got {out.dtype}{tuple(out.shape)}")
+        raise CacheError(f"out must be f32{tuple(like.shape)} on {like.device}, got {out.dtype}{tuple(out.shape)}")
     return out
 
 

@@ -173,6 +173,8 @@ class ModelConfig:
             if f.name in ("rope", "eos_token_id"):
                 continue
             values[f.name] = raw.get(f.name, getattr(defaults, f.name))
+        for name in ("norm_topk_prob", "tie_word_embeddings", "rope_interleave", "attention_bias"):
+            values[name] = bool(values[name])  # transformers reads these as truthy/falsy
         eos = raw.get("eos_token_id", defaults.eos_token_id)
         values["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         values["rope"] = _parse_rope(raw)
@@ -243,8 +245,10 @@ class ModelConfig:
             raise ModelConfigError(f"q_lora_rank must be a positive integer or null, got {self.q_lora_rank!r}")
         if self.hidden_act != "silu":
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
-        if not 0 <= self.first_k_dense_replace:
-            raise ModelConfigError(f"first_k_dense_replace must be >= 0, got {self.first_k_dense_replace}")
+        for name in ("first_k_dense_replace", "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ModelConfigError(f"{name} must be a non-negative integer, got {value!r}")
         if self.first_k_dense_replace < self.num_hidden_layers and self.n_routed_experts > 0:
             self._validate_moe()
         if not self.rms_norm_eps > 0:

@@ -175,13 +175,15 @@ def load_model(folder: str | os.PathLike, device: torch.device | str = "cpu", dt
     model.load_state_dict(state, strict=True, assign=True)
     used = set(expected)
     model.unused_weights = sorted(
-        name for name in ckpt.file_of if name not in used and not _is_expert_source(name)
+        name for name in ckpt.file_of if name not in used and not _is_expert_source(name, cfg.n_layers)
     )
     return _finish(model, device)
 
 
-def _is_expert_source(name: str) -> bool:
-    return ".mlp.experts." in name and _LAYER_INDEX.match(name) is not None
+def _is_expert_source(name: str, n_layers: int) -> bool:
+    """A per-expert or fused routed-expert tensor of a layer the model has (read into a stack)."""
+    layer = _LAYER_INDEX.match(name)
+    return ".mlp.experts." in name and layer is not None and int(layer.group(1)) < n_layers
 
 
 # -- random initialization -------------------------------------------------------------------------------

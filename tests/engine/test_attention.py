@@ -8,7 +8,7 @@ import torch
 
 from kvstore.engine import attention, quant
 from kvstore.engine.attention import DecodeBackend, select_decode
-from kvstore.engine.errors import TierUnsupported
+from kvstore.engine.errors import CacheError, TierUnsupported
 
 H, K, R = 3, 64, 32
 N = 50
@@ -93,7 +93,7 @@ def test_streaming_over_many_chunks_matches_one_pass(monkeypatch):
 def test_out_is_checked():
     q_lat, q_rope = _queries()
     lc, rc = _rows()
-    with pytest.raises(TierUnsupported, match="out must be"):
+    with pytest.raises(CacheError, match="out must be"):
         attention.mla_decode_dense(q_lat, q_rope, lc, rc, SEQ_START, SEQ_LEN, SCALE, out=torch.empty(4, H, K + 1))
 
 

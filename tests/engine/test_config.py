@@ -117,6 +117,8 @@ def test_round_trip_through_config_json(tmp_path):
         ({"kv_lora_rank": 0}, "positive"),
         ({"eos_token_id": 5000}, "outside the vocabulary"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope type"),
+        ({"topk_group": None}, "non-negative integer"),
+        ({"first_k_dense_replace": -1}, "non-negative integer"),
     ],
 )
 def test_configs_the_engine_cannot_run_are_refused_with_a_reason(change, message):

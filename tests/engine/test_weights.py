@@ -80,9 +80,14 @@ def test_extra_layers_are_reported_not_loaded(tmp_path):
     model = random_model(preset("tiny"), seed=1)
     save_model(model, tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
-    tensors["model.layers.4.eh_proj.weight"] = torch.zeros(4, 4)  # a multi-token-prediction module
+    # a multi-token-prediction module: a layer past num_hidden_layers, experts included
+    tensors["model.layers.4.eh_proj.weight"] = torch.zeros(4, 4)
+    tensors["model.layers.4.mlp.experts.0.up_proj.weight"] = torch.zeros(4, 4)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    assert load_model(tmp_path).unused_weights == ["model.layers.4.eh_proj.weight"]
+    assert load_model(tmp_path).unused_weights == [
+        "model.layers.4.eh_proj.weight",
+        "model.layers.4.mlp.experts.0.up_proj.weight",
+    ]
 
 
 def test_missing_and_misshapen_tensors_are_refused(tmp_path):
