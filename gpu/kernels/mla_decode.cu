@@ -88,12 +88,12 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two_codes) {
     return r;
 }
 
-__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
+__device__ __forceinline__ void ldg_chunk(const u8* p, uint2& v) {
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+}
+
+__device__ __forceinline__ void ldg_chunk(const u8* p, u32& v) {
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
 }
 
 // The NaN codes 0x7F/0xFF read as 0: clear every byte whose low 7 bits are all set.
@@ -182,6 +182,19 @@ __device__ __forceinline__ void int4x8_to_f16(u32 w, const LevelTable& lt, u32* 
     out[3] = prmt(lo_b, hi_b, 0x7362u);
 }
 
+// 8 codes -> 8 f16 (one 16-byte store)
+__device__ __forceinline__ uint4 to_f16x8(const uint2& codes, const LevelTable&) {
+    const u32 a = fp8_clear_nan(codes.x), b = fp8_clear_nan(codes.y);
+    return make_uint4(e4m3x2_to_f16x2(a & 0xFFFFu), e4m3x2_to_f16x2(a >> 16), e4m3x2_to_f16x2(b & 0xFFFFu),
+                      e4m3x2_to_f16x2(b >> 16));
+}
+
+__device__ __forceinline__ uint4 to_f16x8(u32 codes, const LevelTable& lt) {
+    u32 h[4];
+    int4x8_to_f16(codes, lt, h);
+    return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // mla_prep_query: one block of 128 threads per (head, batch)
 // ---------------------------------------------------------------------------------------------
@@ -246,6 +259,16 @@ __global__ void __launch_bounds__(128) mla_prep_query(const float* __restrict__ 
 // mla_decode_split
 // ---------------------------------------------------------------------------------------------
 
+// Code bytes one thread moves per chunk: 8 fp8 codes (uint2) or 8 int4 codes (u32).
+template <int FMT>
+struct Chunk {
+    typedef uint2 type;
+};
+template <>
+struct Chunk<1> {
+    typedef u32 type;
+};
+
 template <int MT, int K, int R, int FMT>
 struct Cfg {
     static constexpr int HG = 16 * MT;              // heads per block
@@ -255,13 +278,21 @@ struct Cfg {
     static constexpr int SS = BN + 4;               // f32 per partial-score row
     static constexpr int KB = FMT == 0 ? K : K / 2; // code bytes of a latent row
     static constexpr int RB = FMT == 0 ? R : R / 2; // code bytes of a rope row
-    static constexpr int DPC = FMT == 0 ? 16 : 32;  // elements per 16-byte chunk of codes
-    // Staging: a thread loads latent chunk column LCOL of rows LROW0 + i * LSTRIDE (i < NL), and
-    // (if tid < BN * RCH) one rope chunk; a warp reads whole rows, the addresses step by constants.
-    static constexpr int LCH = KB / 16;             // latent chunks per row
-    static constexpr int RCH = RB / 16;             // rope chunks per row
-    static constexpr int LSTRIDE = THREADS / LCH;   // rows between a thread's latent chunks
-    static constexpr int NL = BN / LSTRIDE;         // latent chunks per thread
+    // Staging moves chunks of 8 codes (fp8: 8 bytes, int4: 4 bytes), each becoming one 16-byte
+    // f16 store, so a warp's stores are contiguous. A thread loads latent chunk column LCOL of rows
+    // LROW0 + i * LSTRIDE (i < NL) and rope chunk column RCOL of rows RROW0 + j * RSTRIDE (j < NR);
+    // a warp reads contiguous runs of a row and the addresses step by constants.
+    static constexpr int CB = FMT == 0 ? 8 : 4;     // code bytes per chunk
+    static constexpr int LCH = KB / CB;             // latent chunks per row
+    static constexpr int RCH = RB / CB;             // rope chunks per row
+    static constexpr int LSTRIDE = THREADS / LCH;
+    static constexpr int NL = BN / LSTRIDE;
+    static constexpr int RSTRIDE = THREADS / RCH;
+    static constexpr int NR = BN * RCH >= THREADS ? BN / RSTRIDE : 1;
+    static constexpr bool ROPE_ALL = BN * RCH >= THREADS;  // else only tid < BN * RCH holds one
+    // Q.K^T: software-pipeline the fragments (next k-step loaded before this one's mma) where the
+    // registers allow; with 4 m-tiles a warp has enough independent mma per k-step anyway.
+    static constexpr bool PIPE_QK = MT <= 2;
     // Q.K^T: warp tile (MWQ m-tiles) x (NTQ n-tiles) over one half of the score width.
     static constexpr int MWQ = MT < 2 ? MT : 2;
     static constexpr int MGQ = MT / MWQ;
@@ -296,7 +327,7 @@ struct Cfg {
     static_assert(KS0 * 32 == D && KS0 <= K / 16, "score width must split into two k-halves");
     static_assert(NTQ % 2 == 0 && NTP % 2 == 0, "ldmatrix.x4 loads n-tiles in pairs");
     static_assert(THREADS % HG == 0 && BN % TPH == 0, "softmax thread mapping");
-    static_assert(THREADS % LCH == 0 && BN % LSTRIDE == 0 && BN * RCH <= THREADS, "staging thread mapping");
+    static_assert(THREADS % LCH == 0 && BN % LSTRIDE == 0 && THREADS % RCH == 0, "staging thread mapping");
 };
 
 // The dynamic shared memory mla_decode_split<MT, K, R, FMT, *> needs (read once by the host).
@@ -372,14 +403,15 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         }
         if (tid < 2 * C::HG) qm_s[tid] = qmul[((long long)b * Hp + h0) * 2 + tid];
     }
-    LevelTable lt;
+    LevelTable lt = {0u, 0u, 0u, 0u};
     if (FMT == 1) lt = make_level_table();
 
     // ---- staging: global codes -> registers -> f16 tile -------------------------------------
+    typedef typename Chunk<FMT>::type chunk_t;
     const int lcol = tid % C::LCH, lrow0 = tid / C::LCH;
-    const bool has_rope = tid < BN * C::RCH;
-    const int rcol = tid % C::RCH, rrow = tid / C::RCH;
-    uint4 st_lat[C::NL], st_rope = make_uint4(0u, 0u, 0u, 0u);
+    const int rcol = tid % C::RCH, rrow0 = tid / C::RCH;
+    const bool has_rope = C::ROPE_ALL || tid < BN * C::RCH;
+    chunk_t st_lat[C::NL], st_rope[C::NR];
     float st_ls = 0.0f, st_rs = 0.0f;
     int st_valid = 0;
 
@@ -389,17 +421,19 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
             // rows pos0 .. pos0 + valid - 1 of the sequence exist (and lie inside the row arrays)
             const long long base = start + pos0;
             const int valid = (int)min((long long)min(T - pos0, BN), n_rows - base);
-            const u8* lat = lc + (base + lrow0) * C::KB + lcol * 16;
+            const u8* lat = lc + (base + lrow0) * C::KB + lcol * C::CB;
 #pragma unroll
             for (int i = 0; i < C::NL; ++i) {
-                uint4 v = make_uint4(0u, 0u, 0u, 0u);
-                if (lrow0 + i * C::LSTRIDE < valid) v = ldg_stream16(lat + (long long)i * C::LSTRIDE * C::KB);
+                chunk_t v{};
+                if (lrow0 + i * C::LSTRIDE < valid) ldg_chunk(lat + (long long)i * C::LSTRIDE * C::KB, v);
                 st_lat[i] = v;
             }
-            if (has_rope) {
-                uint4 v = make_uint4(0u, 0u, 0u, 0u);
-                if (rrow < valid) v = ldg_stream16(rc + (base + rrow) * C::RB + rcol * 16);
-                st_rope = v;
+            const u8* rope = rc + (base + rrow0) * C::RB + rcol * C::CB;
+#pragma unroll
+            for (int j = 0; j < C::NR; ++j) {
+                chunk_t v{};
+                if (has_rope && rrow0 + j * C::RSTRIDE < valid) ldg_chunk(rope + (long long)j * C::RSTRIDE * C::RB, v);
+                st_rope[j] = v;
             }
             if (tid < BN) {
                 st_valid = tid < valid;
@@ -410,11 +444,18 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 #pragma unroll
             for (int i = 0; i < C::NL; ++i) {
                 const long long g = resolve_row<GATHER>(pos0 + lrow0 + i * C::LSTRIDE, T, start, slen, sel_b, n_rows);
-                st_lat[i] = g >= 0 ? ldg_stream16(lc + g * C::KB + lcol * 16) : make_uint4(0u, 0u, 0u, 0u);
+                chunk_t v{};
+                if (g >= 0) ldg_chunk(lc + g * C::KB + lcol * C::CB, v);
+                st_lat[i] = v;
             }
-            if (has_rope) {
-                const long long g = resolve_row<GATHER>(pos0 + rrow, T, start, slen, sel_b, n_rows);
-                st_rope = g >= 0 ? ldg_stream16(rc + g * C::RB + rcol * 16) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int j = 0; j < C::NR; ++j) {
+                const long long g = has_rope ? resolve_row<GATHER>(pos0 + rrow0 + j * C::RSTRIDE, T, start, slen,
+                                                                   sel_b, n_rows)
+                                             : -1;
+                chunk_t v{};
+                if (g >= 0) ldg_chunk(rc + g * C::RB + rcol * C::CB, v);
+                st_rope[j] = v;
             }
             if (tid < BN) {
                 const long long g = resolve_row<GATHER>(pos0 + tid, T, start, slen, sel_b, n_rows);
@@ -425,35 +466,14 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         }
     };
 
-    // 16 code bytes -> f16 at dst (16 elements for fp8, 32 for int4)
-    auto convert_chunk = [&](const uint4& codes, u16* dst_h) {
-        uint4* dst = (uint4*)dst_h;
-        const u32 w[4] = {codes.x, codes.y, codes.z, codes.w};
-        if (FMT == 0) {
-            u32 h[8];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const u32 x = fp8_clear_nan(w[k]);
-                h[2 * k] = e4m3x2_to_f16x2(x & 0xFFFFu);
-                h[2 * k + 1] = e4m3x2_to_f16x2(x >> 16);
-            }
-            dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-            dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                u32 h[4];
-                int4x8_to_f16(w[k], lt, h);
-                dst[k] = make_uint4(h[0], h[1], h[2], h[3]);
-            }
-        }
-    };
-
     auto stage_store = [&]() {
-        u16* lat_dst = tile + lrow0 * C::QS + lcol * C::DPC;
+        u16* lat_dst = tile + lrow0 * C::QS + lcol * 8;
 #pragma unroll
-        for (int i = 0; i < C::NL; ++i) convert_chunk(st_lat[i], lat_dst + i * C::LSTRIDE * C::QS);
-        if (has_rope) convert_chunk(st_rope, tile + rrow * C::QS + K + rcol * C::DPC);
+        for (int i = 0; i < C::NL; ++i) *(uint4*)(lat_dst + i * C::LSTRIDE * C::QS) = to_f16x8(st_lat[i], lt);
+        u16* rope_dst = tile + rrow0 * C::QS + K + rcol * 8;
+#pragma unroll
+        for (int j = 0; j < C::NR; ++j)
+            if (has_rope) *(uint4*)(rope_dst + j * C::RSTRIDE * C::QS) = to_f16x8(st_rope[j], lt);
         if (tid < BN) {
             // Row scales as the f16 tile needs them: fp8 codes decode to the e4m3 value itself;
             // int4 levels are in units of radius / sqrtf(n).
@@ -511,6 +531,27 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         {
             float acc[C::MWQ][C::NTQ][4];
             const int row0 = qk_ng * C::NTQ * 8;
+            auto qk_load = [&](int ks, u32 (&af)[C::MWQ][4], u32 (&bf)[C::NTQ / 2][4]) {
+#pragma unroll
+                for (int m = 0; m < C::MWQ; ++m) {
+                    const int hrow = (qk_mg * C::MWQ + m) * 16 + a_row;
+                    ldsm_x4(q_base + (hrow * C::QS + ks * 16 + a_col) * 2, af[m][0], af[m][1], af[m][2], af[m][3]);
+                }
+#pragma unroll
+                for (int np = 0; np < C::NTQ / 2; ++np) {
+                    const int trow = row0 + np * 16 + b_row;
+                    ldsm_x4(t_base + (trow * C::QS + ks * 16 + b_col) * 2, bf[np][0], bf[np][1], bf[np][2], bf[np][3]);
+                }
+            };
+            auto qk_mma = [&](float (&c)[C::MWQ][C::NTQ][4], const u32 (&af)[C::MWQ][4], const u32 (&bf)[C::NTQ / 2][4]) {
+#pragma unroll
+                for (int np = 0; np < C::NTQ / 2; ++np)
+#pragma unroll
+                    for (int m = 0; m < C::MWQ; ++m) {
+                        mma_16816(c[m][2 * np], af[m], bf[np][0], bf[np][1]);
+                        mma_16816(c[m][2 * np + 1], af[m], bf[np][2], bf[np][3]);
+                    }
+            };
             float* S = Sbuf + qk_half * C::HG * C::SS;
             // half 0: latent k-steps [0, KS0); half 1: rope, then latent [KS0, K/16)
 #pragma unroll 1
@@ -525,25 +566,22 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                     for (int n = 0; n < C::NTQ; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
-#pragma unroll 2
-                for (int ks = ks_begin; ks < ks_end; ++ks) {
-                    u32 af[C::MWQ][4];
-#pragma unroll
-                    for (int m = 0; m < C::MWQ; ++m) {
-                        const int hrow = (qk_mg * C::MWQ + m) * 16 + a_row;
-                        ldsm_x4(q_base + (hrow * C::QS + ks * 16 + a_col) * 2, af[m][0], af[m][1], af[m][2],
-                                af[m][3]);
+                if (C::PIPE_QK) {
+                    u32 af0[C::MWQ][4], bf0[C::NTQ / 2][4], af1[C::MWQ][4], bf1[C::NTQ / 2][4];
+                    qk_load(ks_begin, af0, bf0);
+                    for (int ks = ks_begin; ks < ks_end; ks += 2) {
+                        if (ks + 1 < ks_end) qk_load(ks + 1, af1, bf1);
+                        qk_mma(acc, af0, bf0);
+                        if (ks + 1 >= ks_end) break;
+                        if (ks + 2 < ks_end) qk_load(ks + 2, af0, bf0);
+                        qk_mma(acc, af1, bf1);
                     }
-#pragma unroll
-                    for (int np = 0; np < C::NTQ / 2; ++np) {
-                        u32 b0, b1, b2, b3;
-                        const int trow = row0 + np * 16 + b_row;
-                        ldsm_x4(t_base + (trow * C::QS + ks * 16 + b_col) * 2, b0, b1, b2, b3);
-#pragma unroll
-                        for (int m = 0; m < C::MWQ; ++m) {
-                            mma_16816(acc[m][2 * np], af[m], b0, b1);
-                            mma_16816(acc[m][2 * np + 1], af[m], b2, b3);
-                        }
+                } else {
+#pragma unroll 2
+                    for (int ks = ks_begin; ks < ks_end; ++ks) {
+                        u32 af[C::MWQ][4], bf[C::NTQ / 2][4];
+                        qk_load(ks, af, bf);
+                        qk_mma(acc, af, bf);
                     }
                 }
                 // scale by row scale x per-head multiplier; the rope pass writes, the latent adds
