@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvstore.engine import hf
-from kvstore.errors import ConversationMismatch, FingerprintMismatch, InvalidRequest
+from kvstore.errors import ConversationMismatch, FingerprintMismatch, GeometryMismatch, InvalidRequest
+from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Tier
 
 OWNER = "alice"
@@ -104,3 +105,28 @@ def test_save_refuses_bad_input(tiny_model, store):
         hf.save(store, "bad", model, batched, torch.arange(2, 7), owner=OWNER)
     with pytest.raises(InvalidRequest, match="unknown version"):
         hf.save(store, "bad", model, cache, out[0], owner=OWNER, tier="v9")
+
+
+@pytest.mark.parametrize(("version", "codec", "bits"), [(1, None, None), (2, None, None), (3, 1, 4), (3, 0, 4)])
+def test_a_coli_kv_file_loads_into_a_transformers_cache(tiny_model, tmp_path, version, codec, bits):
+    """Rows decoded on the device equal the formats module's decoder (PolarQuant: to libm ulps)."""
+    model = tiny_model
+    cache = hf.new_cache(model)
+    out = _generate(model, torch.arange(2, 30)[None], cache)
+    L, R = hf.cache_rows(model, cache)
+    path = tmp_path / "rows.coli_kv"
+    coli_kv.write(path, out[0, : L.shape[1]].numpy().astype(np.int32), L, R, vocab=512, version=version, codec=codec, bits=bits)
+    built = hf.cache_from_records(model, coli_kv.load(path))
+    L_built, R_built = hf.cache_rows(model, built)
+    reference_L, reference_R, _ = coli_kv.load(path).dequantize()  # the formats module's own decoder
+    if codec == 0:
+        np.testing.assert_allclose(L_built, reference_L, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(R_built, reference_R, rtol=0, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(L_built, reference_L)
+        np.testing.assert_array_equal(R_built, reference_R)
+    assert (version == 1) == np.array_equal(L_built, L)
+    other = tmp_path / "other.coli_kv"
+    coli_kv.write(other, np.zeros(3, np.int32), np.zeros((4, 3, 64), np.float32), np.zeros((4, 3, 32), np.float32), vocab=600, version=1)
+    with pytest.raises(GeometryMismatch, match="vocab: file 600, expected 512"):
+        hf.cache_from_records(model, coli_kv.load(other))
