@@ -62,7 +62,6 @@ A conversation saved after each turn and resumed in another process (``store`` i
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import inspect
 import json
