@@ -27,6 +27,8 @@ backend of this module.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -233,11 +235,21 @@ def _gpu_backend(device: torch.device, tier: str, kv_lora: int | None, qk_rope: 
         if reasons:
             return None, f"kvstore.gpu {name}: " + "; ".join(map(str, reasons))
     functions = {
-        kernel: getattr(backend, kernel)
+        kernel: _trusted(getattr(backend, kernel))
         for kernel in set(KERNEL_OF_TIER.values())
         if callable(getattr(backend, kernel, None))
     }
     return DecodeBackend(name=f"kvstore.gpu:{name}", device_types=frozenset({device.type}), functions=functions), ""
+
+
+def _trusted(kernel: Callable) -> Callable:
+    """Bind ``validate=False`` where a kernel takes it: the cache builds its operands itself
+    (sequence ranges within the rows it passes), and validation would cost a host sync per call."""
+    try:
+        takes_validate = "validate" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        takes_validate = False
+    return functools.partial(kernel, validate=False) if takes_validate else kernel
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,25 @@ def test_cache_attend_goes_through_the_selected_backend():
     assert rc_codes.shape == (N, R) and rc_scales.dtype == torch.float32
     rows = quant.fp8_dequantize_rows(lc_codes, lc_scales), quant.fp8_dequantize_rows(rc_codes, rc_scales)
     torch.testing.assert_close(got, _reference(q_lat[:1], q_rope[:1], *rows, starts, lens, SCALE), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tier,kernel", [("fp8", "mla_decode_fp8"), ("tq-int4", "mla_decode_int4")])
+def test_kvstore_gpu_kernels_take_the_cache_operands(tier, kernel):
+    """The real kvstore.gpu backend of this device, called through the engine's hook (with
+    validate=False bound), agrees with the engine's own implementation on the same cache."""
+    from kvstore import gpu
+    from kvstore.engine import CacheGeometry, make_cache
+
+    backend = gpu.get_backend(torch.device("cpu"))
+    ours = make_cache(tier, CacheGeometry(1, K, R))
+    theirs = make_cache(tier, CacheGeometry(1, K, R))
+    theirs.decode_choice = attention.DecodeChoice(attention._trusted(getattr(backend, kernel)), backend.name)
+    lc, rc = _rows(8)
+    for cache in (ours, theirs):
+        cache.prepare(0, N)
+        cache.write(0, 0, lc, rc)
+        cache.commit(0, np.arange(N))
+    q_lat, q_rope = _queries(9)
+    got = theirs.attend(0, q_lat, q_rope, SEQ_START, SEQ_LEN, SCALE, n_rows=N)
+    want = ours.attend(0, q_lat, q_rope, SEQ_START, SEQ_LEN, SCALE, n_rows=N)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
