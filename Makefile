@@ -23,7 +23,7 @@ test: $(STAMP)
 
 # The long reliability runs (hundreds of crash trials per operation); see RELIABILITY.md.
 test-long: $(STAMP)
-	KVSTORE_LONG=1 $(VENV)/bin/pytest -q -m "slow or not slow" tests/reliability
+	KVSTORE_LONG=1 $(VENV)/bin/pytest -q
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

@@ -34,6 +34,11 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = torch.cuda.is_available()
     except Exception:  # torch missing or broken: no GPU tests either way
         has_cuda = False
+    if os.environ.get("KVSTORE_LONG") != "1":
+        long_only = pytest.mark.skip(reason="long run only (KVSTORE_LONG=1, make test-long)")
+        for item in items:
+            if item.get_closest_marker("slow") is not None:
+                item.add_marker(long_only)
     if has_cuda:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
