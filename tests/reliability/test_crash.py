@@ -44,7 +44,12 @@ def run_and_kill(args, rng, max_acks=6):
         time.sleep(float(rng.uniform(0, 0.004)))
         proc.send_signal(signal.SIGKILL)
     finally:
-        rest, err = proc.communicate(timeout=60)
+        # Read on through the same buffered stream: communicate() reads the pipe underneath and
+        # would drop the lines readline() already buffered (acknowledgements lost mid-list).
+        rest, err = proc.stdout.read(), proc.stderr.read()
+        proc.wait(timeout=60)
+        proc.stdout.close()
+        proc.stderr.close()
     assert proc.returncode in (-signal.SIGKILL, 0), err
     acks += [line.split()[1:] for line in rest.splitlines() if line.startswith("ACK")]
     return acks

@@ -1,0 +1,83 @@
+"""Checks shared by the store's reliability suites: what a store holds, read from its files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstore import archive
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import HEADER_BYTES
+from kvstore.sessions import SessionStore
+from reliability.store_workload import Session
+
+
+def listing(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()} if folder.exists() else set()
+
+
+def snapshot(store: SessionStore) -> dict[str, Session]:
+    """Every visible session as its files hold it, after checking the index agrees with them."""
+    out = {}
+    journals = {n for n in listing(store.journals) if n.endswith(".coli_kv")}
+    archives = {n for n in listing(store.archives) if n.endswith(".coli_kv.zst")}
+    for info in store.list():
+        sid = info.id
+        assert info.state in ("active", "parked"), (sid, info.state, info.problem)
+        assert 0 <= info.watermark <= info.n_records, (sid, info.watermark, info.n_records)
+        has_journal, has_archive = f"{sid}.coli_kv" in journals, f"{sid}.coli_kv.zst" in archives
+        if info.state == "active":
+            assert has_journal and not has_archive, (sid, has_journal, has_archive)
+            image = store.journal_path(sid).read_bytes()
+            assert info.size_bytes == len(image)
+        else:
+            assert has_archive and not has_journal, (sid, has_journal, has_archive)
+            image = b"".join(archive.stream_archive(store.archive_path(sid)))
+            assert info.size_bytes == store.archive_path(sid).stat().st_size
+        header = coli_kv.parse_header(image)
+        assert header.nrec == info.n_records and header.tier == info.tier, (sid, header.nrec, info.n_records)
+        assert len(image) == HEADER_BYTES + info.n_records * info.record_bytes, (sid, "a torn or unacknowledged tail")
+        out[sid] = Session(info.tier, image[HEADER_BYTES:], info.watermark, info.state)
+    indexed = set(out)
+    assert {n[: -len(".coli_kv")] for n in journals} <= indexed, "a journal without an index entry"
+    assert {n[: -len(".coli_kv.zst")] for n in archives} <= indexed, "an archive without an index entry"
+    leftovers = [n for n in listing(store.journals) | listing(store.archives) if ".tmp-" in n]
+    assert leftovers == [], leftovers
+    usage = store.usage()
+    assert usage["reserved_bytes"] == 0
+    assert usage["used_bytes"] == sum(info.size_bytes for info in store.list())
+    return out
+
+
+def describe(sessions: dict[str, Session]) -> dict:
+    return {sid: (s.state, s.tier.describe(), s.n_records, s.watermark) for sid, s in sorted(sessions.items())}
+
+
+def visible(store: SessionStore) -> dict[str, Session]:
+    """Every visible session as the index and its files show it now, before any reconcile.
+
+    An active session's bytes are its journal's first ``n_records`` (the journal may still hold
+    records the index rolled back: they are never served); a parked one's, its archive's.
+    """
+    out = {}
+    for info in store.list():
+        assert 0 <= info.watermark <= info.n_records, (info.id, info.watermark, info.n_records)
+        if info.state == "active":
+            image = store.journal_path(info.id).read_bytes()
+            assert coli_kv.parse_header(image).nrec >= info.n_records, (info.id, "the index counts records the journal lost")
+        elif info.state == "parked":
+            image = b"".join(archive.stream_archive(store.archive_path(info.id)))
+        else:
+            raise AssertionError(f"{info.id} is {info.state}: {info.problem}")
+        body = image[HEADER_BYTES : HEADER_BYTES + info.n_records * info.record_bytes]
+        assert len(body) == info.n_records * info.record_bytes, (info.id, "the file ends before the indexed records")
+        out[info.id] = Session(info.tier, body, info.watermark, info.state)
+    return out
+
+
+def check_served(store: SessionStore, sessions: dict[str, Session]) -> None:
+    """Every turn re-hashes, and resume serves exactly the rows up to the watermark."""
+    for sid, session in sessions.items():
+        assert store.verify(sid).ok, sid
+        if session.state == "active":
+            served = store.resume(sid).records.record_bytes()
+            assert served == session.body[: session.watermark * session.record_bytes], sid
