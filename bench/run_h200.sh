@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Everything measured on an NVIDIA H200 in one call (the device machine has torch + cupy +
+# transformers but not lmdb/fastapi/zstandard, and the project is not installed there):
+#   1. the gpu-marked tests (kernels vs float64, engine on CUDA vs CPU token for token);
+#   2. the kernel table (bench/gpu_attention.py);
+#   3. engine resume vs re-prefill on a random-weight DeepSeek-V2-Lite-geometry model;
+#   4. transformers restore + first token vs re-running the prompt, same geometry.
+# Usage: OUT=/some/dir bench/run_h200.sh [engine-tiers...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/kvstore-h200}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+
+step() { echo; echo "== $1 ($(date +%T))"; }
+
+step "gpu tests"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/engine 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+
+step "kernel table"
+python3 bench/gpu_attention.py --out "$OUT/kernels" 2>&1 | tee "$OUT/kernels.log" | tail -n 60
+
+step "engine resume vs re-prefill (v2-lite, bf16)"
+python3 bench/engine_resume.py --device cuda --preset v2-lite --workdir /tmp/kv-engine \
+    --tiers ${ENGINE_TIERS:-f32 fp8 tq-int4} 2>&1 | tee "$OUT/engine.log" | tail -n 40
+rm -rf /tmp/kv-engine
+
+step "transformers restore vs re-run (v2-lite, bf16)"
+python3 bench/hf_resume.py --device cuda --preset v2-lite --tiers v1,v2,int4 2>&1 | tee "$OUT/hf.log" | tail -n 30
+step "done"
