@@ -66,6 +66,7 @@ from kvstore.errors import (
     InvalidRequest,
     InvalidSessionId,
     JournalLocked,
+    JournalWriteError,
     PathRefused,
     SessionDamaged,
     SessionExists,
@@ -74,7 +75,7 @@ from kvstore.errors import (
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords, Tier
 from kvstore.index import DEFAULT_MAP_SIZE, Index, Turn
-from kvstore.journal import KVFile, fsync_dir, move_durably, write_atomic
+from kvstore.journal import KVFile, fsync_dir, move_durably, write_atomic, write_errors
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations import index as schema
 from kvstore.store_locks import FileLock
@@ -438,6 +439,14 @@ def _complete_end(turns: list[Turn], keep: int, record: dict) -> int:
     return min(record["watermark"], max((t.end for t in turns if t.end <= keep and t.complete), default=0))
 
 
+def _unlink_quietly(path: Path) -> None:
+    """Remove a file whose removal is housekeeping only (a failure leaves a harmless leftover)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -736,6 +745,7 @@ class SessionStore:
         _check_record_size(geometry, tier)
         with self._writing(session_id):
             path = self.journal_path(session_id)
+            self._finish_interrupted_delete(session_id)
             with self.index.read() as txn:
                 if self.index.get(txn, session_id) is not None:
                     raise SessionExists(f"session {session_id!r} already exists")
@@ -1231,6 +1241,7 @@ class SessionStore:
         if new_id == session_id:
             raise SessionExists(f"session {new_id!r} already exists")
         with self._writing(new_id):
+            self._finish_interrupted_delete(new_id)
             with self.index.read() as txn:
                 if self.index.get(txn, new_id) is not None:
                     raise SessionExists(f"session {new_id!r} already exists")
@@ -1254,7 +1265,16 @@ class SessionStore:
                 size = HEADER_BYTES + at * coli_kv.record_bytes(geometry, tier)
                 with self._reservation(size) as reservation:
                     chunks = (np.frombuffer(c, np.uint8) for c in self._record_chunks(source, 0, at))
-                    write_atomic(path, Header(geometry, tier, at), _CountingChunks(chunks, coli_kv.record_bytes(geometry, tier)), replace=False)
+                    try:
+                        write_atomic(path, Header(geometry, tier, at), _CountingChunks(chunks, coli_kv.record_bytes(geometry, tier)), replace=False)
+                    except FileExistsError:
+                        raise
+                    except BaseException:
+                        # write_atomic can fail after publishing the copy (its directory fsync): the
+                        # copy is ours and indexed nowhere, so take it back before reporting, or the
+                        # same fork again would find an unindexed journal in its way.
+                        _unlink_quietly(path)
+                        raise
                     now_ns = time.time_ns()
                     record = {
                         **source,
@@ -1382,18 +1402,23 @@ class SessionStore:
         with self._open_journal(record, writable=True) as journal:  # also keeps outside writers off
             record = self._match_journal(record, journal)
             length = HEADER_BYTES + record["n_records"] * coli_kv.record_bytes(journal.geometry, journal.tier)
-            archive_path.unlink(missing_ok=True)  # a leftover of a park that crashed before its commit
             fd = os.open(journal_path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
-                size = archive.compress_journal(fd, length, archive_path, progress=progress)
+                with write_errors(f"parking session {session_id!r}", "the session is still active and its journal intact"):
+                    archive_path.unlink(missing_ok=True)  # a leftover of a park that crashed before its commit
+                    size = archive.compress_journal(fd, length, archive_path, progress=progress)
             finally:
                 os.close(fd)
             try:
                 with self._reading(session_id, exclusive=True, timeout=read_timeout):
                     with self.index.write() as txn:
                         record = self._update(txn, session_id, state="parked", size_bytes=size, updated=time.time())
-                    journal_path.unlink()
-                    fsync_dir(self.journals)
+                    with write_errors(
+                        f"session {session_id!r} was parked, but removing its journal",
+                        "its archive holds every record; the journal left behind is removed on the next unpark or store open",
+                    ):
+                        journal_path.unlink()
+                        fsync_dir(self.journals)
             except BaseException:
                 with self.index.read() as txn:
                     still_active = (self.index.get(txn, session_id) or {}).get("state") == "active"
@@ -1427,9 +1452,10 @@ class SessionStore:
         expected = HEADER_BYTES + record["n_records"] * coli_kv.record_bytes(geometry, tier)
         if size != expected:
             raise IntegrityError(f"the archive of {session_id!r} holds {size} bytes, the index expects {expected}")
-        journal_path.unlink(missing_ok=True)  # a leftover of an unpark that crashed before its commit
         with self._reservation(size) as reservation:
-            archive.restore_journal(archive_path, journal_path, progress=progress)
+            with write_errors(f"unparking session {session_id!r}", "the session is still parked and its archive intact"):
+                journal_path.unlink(missing_ok=True)  # a leftover of an unpark that crashed before its commit
+                archive.restore_journal(archive_path, journal_path, progress=progress)
             try:
                 header, _ = coli_kv.read_header(journal_path)
                 if header.geometry != geometry or header.tier != tier or header.nrec != record["n_records"]:
@@ -1440,8 +1466,12 @@ class SessionStore:
             except BaseException:
                 journal_path.unlink(missing_ok=True)
                 raise
-        archive_path.unlink()
-        fsync_dir(self.archives)
+        with write_errors(
+            f"session {session_id!r} was unparked, but removing its archive",
+            "its journal holds every record; the archive left behind is removed on the next park or store open",
+        ):
+            archive_path.unlink()
+            fsync_dir(self.archives)
         return record
 
     # ------------------------------------------------------------------ delete / tags
@@ -1453,17 +1483,33 @@ class SessionStore:
 
     def _delete_locked(self, session_id: str, owner: str | None, *, read_timeout: float | None = None) -> None:
         with self._reading(session_id, exclusive=True, timeout=read_timeout):
-            record = self._record(session_id, owner)
-            with self.index.write() as txn:
-                self._update(txn, session_id, state="deleting")  # invisible from here on
-            self._remove_files(session_id)
+            with self.index.read() as txn:
+                record = self.index.get(txn, session_id)
+            # A session a failed delete already hid ("deleting") is finished by deleting it again.
+            if record is None or (owner is not None and record["owner"] != owner):
+                raise SessionNotFound(f"no session {session_id!r}")
+            if record["state"] != "deleting":
+                with self.index.write() as txn:
+                    self._update(txn, session_id, state="deleting")  # invisible from here on
+            with write_errors(
+                f"deleting session {session_id!r}",
+                "the session is hidden; deleting it again (or reopening the store) removes what is left",
+            ):
+                self._remove_files(session_id)
             with self.index.write() as txn:
                 current = self.index.get(txn, session_id)
                 if current is not None:
                     self.index.remove(txn, current)
-            del record
         for suffix in (".read", ".write"):
-            (self.locks / f"{session_id}{suffix}").unlink(missing_ok=True)
+            _unlink_quietly(self.locks / f"{session_id}{suffix}")  # a lock file left behind is harmless
+
+    def _finish_interrupted_delete(self, session_id: str) -> None:
+        """Finish a delete that hid ``session_id`` but could not remove its files (write lock held),
+        so the id can be used again without reopening the store."""
+        with self.index.read() as txn:
+            record = self.index.get(txn, session_id)
+        if record is not None and record["state"] == "deleting":
+            self._delete_locked(session_id, None)
 
     def _remove_files(self, session_id: str) -> None:
         for path in (self.journal_path(session_id), self.archive_path(session_id)):
@@ -1614,7 +1660,16 @@ class SessionStore:
                 chunks = hasher.wrap(format_migrations.convert_chunks(records, tier, progress=step))
                 size = HEADER_BYTES + total * new_rec_bytes
                 with self._reservation(size) as reservation, self._reading(session_id, exclusive=True):
-                    write_atomic(journal.path, Header(geometry, tier, total), chunks, replace=True)
+                    unsynced = None
+                    try:
+                        write_atomic(journal.path, Header(geometry, tier, total), chunks, replace=True)
+                    except JournalWriteError as exc:
+                        if coli_kv.read_header(journal.path)[0].tier != tier:
+                            raise  # the old journal is in place: nothing changed
+                        # The rename happened and a later step (the directory fsync) failed: the
+                        # journal is in the new tier now, so the index must follow it before the
+                        # failure is reported (else the next call finds a journal it cannot open).
+                        unsynced = exc
                     new_turns = hasher.turns()
                     model = ModelInfo.from_dict(record["model"])
                     key = Fingerprint(model, geometry, tier).key()
@@ -1635,6 +1690,11 @@ class SessionStore:
                             updated=time.time(),
                         )
                         self._settle(txn, reservation)
+                    if unsynced is not None:
+                        raise JournalWriteError(
+                            f"session {session_id!r} was migrated to {tier.describe()}, but syncing the journal's folder failed "
+                            f"({unsynced.__cause__}); a power loss now may bring the old journal back (the store follows whichever it finds)"
+                        ) from unsynced
         self._after_write(session_id)
         return SessionInfo.from_record(record)
 
