@@ -64,10 +64,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import json
 import logging
 import os
-import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,12 +77,19 @@ import torch
 from kvstore.errors import (
     CacheLayoutUnsupported,
     ConversationMismatch,
-    FingerprintMismatch,
     FormatError,
     GeometryMismatch,
     InvalidRequest,
     SessionExists,
     SessionNotFound,
+)
+from kvstore.engine.fingerprint import (  # noqa: F401  (weights_hash and friends are part of this module's API)
+    ATTENTION_VARIANT,
+    _folder_hashes,
+    refuse_mismatch,
+    tokenizer_hashes,
+    weight_files,
+    weights_hash,
 )
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, KVRecords, Tier
@@ -119,22 +124,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The rows are what transformers' attention caches (its rope, its norm), recorded as such so that a
-# session is only resumed by an engine that computes the same rows.
-ATTENTION_VARIANT = "transformers-latent"
 TIER_ALIASES = {"f32": "v1", "fp8": "v2", "tq": "v3", "int4": "v3", "tq-int4": "v3"}
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "added_tokens.json",
-    "special_tokens_map.json",
-    "tokenizer_config.json",
-)
-HASH_CHUNK_BYTES = 8 << 20
 # Models that also cache a sparse-attention indexer key (DeepSeek-V3.2 style): their records
 # would need the indexer rows too, which transformers keeps outside the latent layers.
 _INDEXER_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
@@ -463,89 +453,8 @@ def _build(model, rows: "_DecodedRows", geometry: Geometry, device: torch.device
 
 
 # ---------------------------------------------------------------------------- fingerprint
-def _cache_dir() -> Path:
-    root = os.environ.get("KVSTORE_CACHE_DIR")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvstore"
-
-
-_folder_hashes: dict[tuple, str] = {}
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    for pattern in WEIGHT_PATTERNS:
-        files = sorted(path for path in folder.glob(pattern) if path.is_file())
-        if files:
-            return files
-    return []
-
-
-def weights_hash(folder: str | os.PathLike) -> str:
-    """``blake2b:<hex>`` over a model folder's weight files (names, sizes and bytes, in name order).
-
-    Computed once per folder: the result is kept in memory and in
-    ``$KVSTORE_CACHE_DIR`` (default ``~/.cache/kvstore``) ``/weights/``, keyed by the folder and
-    each file's name, size, mtime and inode, so a changed file is hashed again.
-
-    Raises
-    ------
-    InvalidRequest
-        The folder holds no ``*.safetensors`` (or ``pytorch_model*.bin``) files.
-    """
-    folder = Path(folder).resolve()
-    files = _weight_files(folder)
-    if not files:
-        raise InvalidRequest(f"{folder} holds no *.safetensors or pytorch_model*.bin files to fingerprint")
-    stamp = []
-    for path in files:
-        st = path.stat()
-        stamp.append([path.name, st.st_size, st.st_mtime_ns, st.st_ino])
-    key = (str(folder), json.dumps(stamp))
-    if key in _folder_hashes:
-        return _folder_hashes[key]
-    record_path = _cache_dir() / "weights" / (hashlib.blake2b(str(folder).encode(), digest_size=16).hexdigest() + ".json")
-    try:
-        record = json.loads(record_path.read_text())
-        if record.get("folder") == str(folder) and record.get("files") == stamp:
-            _folder_hashes[key] = record["hash"]
-            return record["hash"]
-    except (OSError, ValueError, KeyError, AttributeError):
-        pass  # no usable record: hash the files
-    hasher = hashlib.blake2b(digest_size=32)
-    buffer = bytearray(HASH_CHUNK_BYTES)
-    view = memoryview(buffer)
-    for path, (name, size, _, _) in zip(files, stamp):
-        hasher.update(f"{name}\0{size}\0".encode())
-        with open(path, "rb", buffering=0) as f:
-            while True:
-                got = f.readinto(buffer)
-                if not got:
-                    break
-                hasher.update(view[:got])
-    value = "blake2b:" + hasher.hexdigest()
-    _folder_hashes[key] = value
-    _write_private(record_path, json.dumps({"folder": str(folder), "files": stamp, "hash": value}))
-    return value
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Best-effort atomic write of a cache record (owner-only); a read-only home just skips it."""
-    try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(temp, path)
-        except BaseException:
-            os.unlink(temp)
-            raise
-    except OSError:
-        logger.debug("could not keep the weights hash in %s", path)
-
-
+# weights_hash, tokenizer_hashes, refuse_mismatch and ATTENTION_VARIANT live in
+# kvstore.engine.fingerprint (shared with the bundled engine's sessions).
 _tensor_hashes: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
@@ -562,43 +471,6 @@ def _tensors_hash(model) -> str:
     value = "tensors:blake2b:" + hasher.hexdigest()
     _tensor_hashes[model] = value
     return value
-
-
-def tokenizer_hashes(folder: str | os.PathLike) -> tuple[str | None, str | None]:
-    """``(tokenizer_hash, chat_template_hash)`` of a folder's tokenizer files (None when absent).
-
-    The chat template is hashed on its own (from ``tokenizer_config.json``, ``chat_template.jinja``
-    or ``chat_template.json``) and left out of the tokenizer hash, so each change is named.
-    """
-    folder = Path(folder)
-    hasher = hashlib.blake2b(digest_size=32)
-    templates: dict[str, Any] = {}
-    found = False
-    for name in TOKENIZER_FILES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        found = True
-        payload = path.read_bytes()
-        if name == "tokenizer_config.json":
-            try:
-                config = json.loads(payload)
-            except ValueError:
-                config = None
-            if isinstance(config, dict):
-                if config.get("chat_template") is not None:
-                    templates["tokenizer_config.json"] = config.pop("chat_template")
-                payload = json.dumps(config, sort_keys=True).encode()
-        hasher.update(f"{name}\0{len(payload)}\0".encode())
-        hasher.update(payload)
-    for name in ("chat_template.jinja", "chat_template.json"):
-        path = folder / name
-        if path.is_file():
-            templates[name] = path.read_text()
-    template_hash = None
-    if templates:
-        template_hash = "blake2b:" + hashlib.blake2b(json.dumps(templates, sort_keys=True).encode(), digest_size=32).hexdigest()
-    return ("blake2b:" + hasher.hexdigest()) if found else None, template_hash
 
 
 def _model_folder(model) -> tuple[Path | None, str, str]:
@@ -638,7 +510,7 @@ def model_info(model, *, tokenizer_folder: str | os.PathLike | None = None) -> "
     if key in memo:
         return memo[key]
     folder, name, revision = _model_folder(model)
-    weights = weights_hash(folder) if folder is not None and _weight_files(folder) else _tensors_hash(model)
+    weights = weights_hash(folder) if folder is not None and weight_files(folder) else _tensors_hash(model)
     tokenizer_hash = template_hash = None
     tokenizer_source = tokenizer_folder if tokenizer_folder is not None else folder
     if tokenizer_source is not None:
@@ -661,22 +533,6 @@ def _expected(model, tier: Tier, given: "ModelInfo | dict | None") -> "Fingerpri
     layout = check_cache_layout(model)
     info = ModelInfo.from_dict(given) if given is not None else model_info(model)
     return Fingerprint(info, layout.geometry, tier)
-
-
-_OVERRIDABLE_PREFIX = "model."
-
-
-def _refuse_mismatch(info: "SessionInfo", expected: "Fingerprint", override: Iterable[str]) -> None:
-    skip = set(override)
-    unknown = sorted(name for name in skip if name != "tier" and not name.startswith(_OVERRIDABLE_PREFIX))
-    if unknown:
-        raise InvalidRequest(f"cannot override {unknown}: only model.* fields and tier can be overridden")
-    blocking = [m for m in info.fingerprint.mismatches(expected) if m.split(":")[0] not in skip]
-    if blocking:
-        raise FingerprintMismatch(
-            f"session {info.id!r} was written by another model or cache tier: " + "; ".join(blocking)
-            + " (override a field only if you know the caches are interchangeable)"
-        )
 
 
 # ---------------------------------------------------------------------------- tokens
@@ -733,7 +589,7 @@ def _session_for_save(store, session_id, *, owner, model, tier, model_info_, tag
         except SessionExists:  # created meanwhile by another writer: check it like any other
             info = store.get(session_id, owner=owner)
     expected = _expected(model, parse_tier(tier) if tier is not None else info.tier, model_info_)
-    _refuse_mismatch(info, expected, override)
+    refuse_mismatch(info, expected, override)
     return info
 
 
@@ -1016,7 +872,7 @@ def _read_session(store, session_id, model, *, owner, upto, verify, tier, overri
         raise InvalidRequest(f"upto must be a non-negative number of tokens, got {upto!r}")
     info = store.get(session_id, owner=owner)
     expected = _expected(model, parse_tier(tier) if tier is not None else info.tier, model_info_)
-    _refuse_mismatch(info, expected, override)
+    refuse_mismatch(info, expected, override)
     # The reader re-checks under its lock (the session may have been migrated meanwhile).
     with store.reader(session_id, owner=owner, verify=verify, expect=expected, override=override) as reader:
         n = reader.n_records if upto is None else min(int(upto), reader.n_records)
