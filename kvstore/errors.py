@@ -138,3 +138,16 @@ class ConversationMismatch(KVStoreError, ValueError):
     """The tokens or cache given do not continue the conversation the session holds."""
 
     http_status = 409
+
+
+# ---- the engine joined to the session store (kvstore.engine.session, the generate endpoint) ----
+class EngineNotLoaded(KVStoreError, RuntimeError):
+    """The service runs without a model: generation needs ``kvstore serve --model DIR``."""
+
+    http_status = 503
+
+
+class RestoreFailed(KVStoreError, RuntimeError):
+    """Restoring a session into the engine's cache failed (e.g. device memory); nothing changed."""
+
+    http_status = 503
