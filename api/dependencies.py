@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
-from kvstore.errors import BodyTooLarge, InvalidRequest, Unauthorized, UnsupportedMediaType
+from kvstore.errors import BodyTooLarge, EngineNotLoaded, InvalidRequest, Unauthorized, UnsupportedMediaType
 from kvstore.sessions import SessionStore, validate_session_id
 
 from kvstore.api.jobs import JobRunner
@@ -26,6 +26,21 @@ def get_settings(request: Request) -> Settings:
 
 def get_jobs(request: Request) -> JobRunner:
     return request.app.state.jobs
+
+
+def get_engine(request: Request):
+    """The loaded :class:`kvstore.engine.session.SessionEngine` (503 when the service has no model)."""
+    engine = getattr(request.app.state, "engine", None)
+    if engine is None:
+        raise EngineNotLoaded(
+            "this server has no model loaded, so it cannot generate: start it with "
+            "`kvstore serve --model DIR [--tier fp8]` (the session endpoints work without one)"
+        )
+    return engine
+
+
+def get_metrics(request: Request):
+    return request.app.state.metrics
 
 
 def require_owner(

@@ -203,3 +203,63 @@ class HealthOut(BaseModel):
     status: Literal["ok"]
     version: str
     schema_version: int
+
+
+# ---- generation (kvstore serve --model) ------------------------------------------------------
+class GenerateIn(Strict):
+    """One turn: the new tokens (ids, or text when the model folder has a tokenizer), not the history."""
+
+    tokens: list[int] | None = Field(default=None, description="the new turn's token ids")
+    text: str | None = Field(default=None, max_length=1 << 20, description="the new turn as text (needs a tokenizer)")
+    max_new_tokens: int = Field(default=64, ge=0, le=1 << 20)
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: list[int] | None = Field(default=None, description="stop token ids (default: the model's eos; [] for none)")
+    stream: bool = Field(default=False, description="server-sent events (also with Accept: text/event-stream)")
+    verify: bool = Field(default=False, description="re-hash the session's turns before restoring; a bad turn is a miss")
+    override: list[str] = Field(default_factory=list, max_length=8, description="fingerprint fields not to compare, e.g. model.weights_hash")
+    create: bool = Field(default=False, description="create the session (with the engine's fingerprint) if it does not exist")
+    tags: list[str] = Field(default_factory=list, max_length=32, description="tags of a session this call creates")
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids_in_int32(cls, tokens: list[int] | None) -> list[int] | None:
+        if tokens and (min(tokens) < 0 or max(tokens) > INT32_MAX):
+            raise ValueError("token ids are non-negative 32-bit integers")
+        return tokens
+
+
+class GenerateOut(BaseModel):
+    session_id: str
+    created: bool
+    tokens: list[int]
+    text: str | None
+    finish_reason: Literal["stop", "length", "cancelled"]
+    prompt_tokens: int = Field(description="tokens of the new turn")
+    prefilled_tokens: int = Field(description="context tokens run through the model by this call (the new turn)")
+    reused_tokens: int = Field(description="context tokens whose stored rows were reused, not prefilled")
+    source: Literal["live", "journal", "new"] = Field(description="where the reused rows came from")
+    restored_tokens: int
+    damaged_from: int | None = Field(description="first record of a bad turn verify found (that tail was not served)")
+    dropped_records: int = Field(description="stored records past the served ones, cut before appending")
+    upgraded: str | None = Field(description="the session's file was upgraded to the engine's tier (v1 -> v2/v3)")
+    appended: int
+    seed: int | None
+    timings: dict[str, float]
+    session: SessionOut
+
+
+class EngineOut(BaseModel):
+    folder: str | None
+    model: dict[str, Any]
+    geometry: dict[str, int]
+    cache_tier: str
+    journal_tier: str
+    bytes_per_token: int
+    device: str
+    dtype: str
+    tokenizer: bool
+    fingerprint: str
+    live_session: str | None

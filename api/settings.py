@@ -42,6 +42,10 @@ class Settings:
     api_keys_env : ``key:owner,key:owner`` (the ``KVSTORE_API_KEYS`` variable by default)
     job_workers : threads running long jobs (park, unpark, migrate)
     stream_chunk_bytes : bytes per chunk when streaming rows out
+    model_dir : a model folder to load the bundled engine from (None: no ``/generate``)
+    tier, bits : the engine's cache tier (``f32``, ``bf16``, ``fp8``, ``tq-int4``, ``tq-polar``,
+        ``int8``) and PolarQuant bits
+    device, dtype : where the engine runs (``cpu``, ``cuda``, ``mps``) and its weights dtype
     """
 
     data_dir: Path = Path("./data")
@@ -53,8 +57,15 @@ class Settings:
     api_keys_env: str | None = field(default_factory=lambda: os.environ.get("KVSTORE_API_KEYS"))
     job_workers: int = 2
     stream_chunk_bytes: int = 4 << 20
+    model_dir: Path | None = None
+    tier: str = "f32"
+    bits: int | None = None
+    device: str = "cpu"
+    dtype: str | None = None
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
+        if self.model_dir is not None:
+            self.model_dir = Path(self.model_dir)
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ConfigError("max_body_bytes must be a positive number of bytes")
