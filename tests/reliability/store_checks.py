@@ -8,7 +8,8 @@ from kvstore import archive
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES
 from kvstore.sessions import SessionStore
-from reliability.store_workload import Session
+from reliability.store_workload import TIER_NAMES, Session
+from reliability.workload import GEOMETRY, turn_rows
 
 
 def listing(folder: Path) -> set[str]:
@@ -81,3 +82,33 @@ def check_served(store: SessionStore, sessions: dict[str, Session]) -> None:
         if session.state == "active":
             served = store.resume(sid).records.record_bytes()
             assert served == session.body[: session.watermark * session.record_bytes], sid
+
+
+def turn_bytes(seed: int, turn: int) -> bytes:
+    """The v2 records of turn ``turn`` of writer ``seed``."""
+    return coli_kv.encode_records(GEOMETRY, TIER_NAMES["v2"], *turn_rows(seed, turn)).tobytes()
+
+
+def acks_of(lines: list[list[str]]) -> list[tuple[int, int, int, int]]:
+    """``(seed, turn, start, end)`` of each acknowledged append a role printed."""
+    return [(int(f[1]), int(f[2]), int(f[3]), int(f[4])) for f in lines if f[0] == "ACK"]
+
+
+def check_appends(body: bytes, record_bytes: int, writers: list[list[tuple[int, int, int, int]]]) -> int:
+    """Every acknowledged turn ``(seed, turn, start, end)`` is whole at its range, in its writer's
+    order, and the ranges tile ``body`` exactly once. Returns how many appends were acknowledged."""
+    ranges = []
+    for acks in writers:
+        assert [a[1] for a in acks] == list(range(len(acks))), "a writer's turns are out of order or missing"
+        starts = [a[2] for a in acks]
+        assert starts == sorted(starts), "a writer's turns were stored out of its order"
+        for seed, turn, start, end in acks:
+            assert body[start * record_bytes : end * record_bytes] == turn_bytes(seed, turn), (seed, turn, start, end)
+            ranges.append((start, end))
+    ranges.sort()
+    position = 0
+    for start, end in ranges:
+        assert start == position, f"records {position}..{start} belong to no acknowledged turn (or overlap)"
+        position = end
+    assert position * record_bytes == len(body), "records past the last acknowledged turn"
+    return len(ranges)
