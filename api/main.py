@@ -1,8 +1,10 @@
 """The application factory: ``create_app(store_or_settings)``.
 
 Every error is JSON ``{"error": <type>, "reason": <text>}`` with the error's HTTP status; bodies
-over the configured limit are refused (413) before they are read; every route but ``/health``
-and the docs needs an API key (see ``kvstore.api.keys``).
+over the configured limit are refused (413) before they are read; every route but ``/health``,
+``/metrics`` (process totals only) and the docs needs an API key (see ``kvstore.api.keys``).
+With ``Settings.model_dir`` the bundled engine is loaded at startup and ``POST
+/sessions/{id}/generate`` runs turns on it (``kvstore.api.routers.generate``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from kvstore.sessions import SessionStore
 
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
-from kvstore.api.routers import files, health, jobs, lookup, sessions
+from kvstore.api.routers import files, generate, health, jobs, lookup, metrics, sessions
+from kvstore.api.routers.metrics import Metrics
 from kvstore.api.settings import Settings
 
 log = logging.getLogger("kvstore.api")
@@ -141,6 +144,15 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
             log.warning("reconcile: %s", line)
         runner = JobRunner(settings.job_workers)
         app.state.store, app.state.jobs = store, runner
+        app.state.engine = None
+        if settings.model_dir is not None:
+            try:
+                app.state.engine = _load_engine(settings, store)
+            except BaseException:
+                runner.shutdown()
+                if given_store is None:
+                    store.close()
+                raise
         try:
             yield
         finally:
@@ -156,16 +168,34 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
     )
     app.state.settings = settings
     app.state.keys = keys
+    app.state.metrics = Metrics()
+    app.state.engine = None
     app.add_exception_handler(KVStoreError, _kvstore_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _disconnected)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    for module in (health, sessions, files, lookup, jobs):
+    for module in (health, sessions, files, lookup, jobs, generate, metrics):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)
     return app
+
+
+def _load_engine(settings: Settings, store: SessionStore):
+    """The bundled engine on ``settings.model_dir`` (weights hash computed once per folder, cached)."""
+    from kvstore.engine.session import SessionEngine
+
+    engine = SessionEngine.from_folder(
+        settings.model_dir, store, tier=settings.tier, bits=settings.bits, device=settings.device, dtype=settings.dtype
+    )
+    described = engine.describe()
+    log.info(
+        "engine: %s (%s) on %s, %s cache (journals %s), weights %s",
+        described["folder"], described["dtype"], described["device"], described["cache_tier"],
+        described["journal_tier"], engine.model.weights_hash,
+    )
+    return engine
 
 
 def _openapi(app: FastAPI) -> dict:

@@ -262,4 +262,3 @@ class EngineOut(BaseModel):
     dtype: str
     tokenizer: bool
     fingerprint: str
-    live_session: str | None

@@ -427,7 +427,7 @@ class SessionEngine:
                 info = self.store.get(session_id, owner=owner)
             except SessionNotFound:
                 if not create:
-                    raise SessionNotFound(f"no session {session_id!r} (ask to create it to start a conversation with this model)") from None
+                    raise SessionNotFound(f"no session {session_id!r} (create it to start a conversation with this model: create=true)") from None
                 info = self.create_session(owner or DEFAULT_OWNER, session_id, tags=tags)
                 created = True
             full_skip = self._check(info, skip)
@@ -489,6 +489,11 @@ class Turn:
     @property
     def source(self) -> str:
         return self.report.source
+
+    @property
+    def tokenizer(self):
+        """The model folder's tokenizer (None: ids only)."""
+        return self._chat.engine.tokenizer
 
     def cancel(self) -> None:
         """Stop after the current token (safe from another thread)."""

@@ -115,6 +115,18 @@ def _progress(label: str):
 
 
 # ---------------------------------------------------------------------------- serve
+def _log_to_stderr(level: str) -> None:
+    """kvstore's own log lines (reconcile actions, the engine, each generate turn's reuse) on stderr."""
+    import logging
+
+    logger = logging.getLogger("kvstore")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -122,12 +134,23 @@ def cmd_serve(args) -> int:
     from kvstore.api.main import create_app
     from kvstore.api.settings import DEFAULT_MAX_BODY_BYTES, Settings
 
+    engine_flags = [flag for flag, value in (("--tier", args.tier), ("--bits", args.bits), ("--device", args.device), ("--dtype", args.dtype)) if value is not None]
+    if args.model is None and engine_flags:
+        raise InvalidRequest(f"{', '.join(engine_flags)} configure the engine: give the model folder with --model DIR")
+    if args.model is not None and not Path(args.model, "config.json").is_file():
+        raise InvalidRequest(f"{args.model} is not a model folder (no config.json); create one with `kvstore new-model {args.model}`")
     settings = Settings(
         data_dir=Path(args.data),
         budget_bytes=_size(args.budget),
         hard_limit_bytes=_size(args.hard_limit),
         max_body_bytes=_size(args.max_body) or DEFAULT_MAX_BODY_BYTES,
+        model_dir=Path(args.model) if args.model is not None else None,
+        tier=args.tier or "f32",
+        bits=args.bits,
+        device=args.device or "cpu",
+        dtype=args.dtype,
     )
+    _log_to_stderr(args.log_level)
     created = ensure_keys_file(settings.data_dir)
     if created is not None:
         print(f"Created {settings.data_dir / KEYS_FILE} with an API key for owner 'default' (shown once, keep it):")
@@ -362,6 +385,11 @@ def add_commands(subparsers) -> None:
     serve.add_argument("--hard-limit", help="hard disk limit, e.g. 60G (writes past it are refused)")
     serve.add_argument("--max-body", help="largest request body (default 256M)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--model", help="model folder to generate with (POST /sessions/{id}/generate); without it that endpoint answers 503")
+    serve.add_argument("--tier", choices=["f32", "bf16", "fp8", "tq-int4", "tq-polar", "int8"], help="the engine's cache tier (default f32)")
+    serve.add_argument("--bits", type=int, help="PolarQuant bits for --tier tq-polar (2..6, default 4)")
+    serve.add_argument("--device", help="torch device of the engine: cpu (default), cuda, cuda:1, mps")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="the engine's weights dtype (default float32)")
     serve.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # an already bound socket
     serve.set_defaults(func=cmd_serve)
 
