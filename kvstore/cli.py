@@ -17,7 +17,7 @@ from kvstore.errors import KVStoreError
 
 # Modules that add subcommands through `add_commands(subparsers)`; imported lazily so a file
 # tool does not pay for the web stack or torch.
-COMMAND_MODULES = ("kvstore.cli_sessions", "kvstore.engine.cli", "kvstore.engine.hf_cli")
+COMMAND_MODULES = ("kvstore.cli_sessions", "kvstore.engine.cli", "kvstore.engine.session_cli", "kvstore.engine.hf_cli")
 
 
 class _Parser(argparse.ArgumentParser):
