@@ -1,0 +1,161 @@
+"""``kvstore chat`` and ``kvstore verify``: conversations on stored sessions without a server.
+
+``kvstore chat MODEL_DIR --session ID --prompt TEXT`` runs one turn of the conversation ``ID``
+kept in the data folder's session store (created, with the model's fingerprint, when missing):
+the session is restored into the engine's cache, only the new tokens are prefilled, the answer is
+streamed to stdout, and the turn is appended. stderr ends with the split, e.g.
+``[chat-1: 16 tokens (length); prefilled 7, reused 21 (journal); 44 records, v2 (fp8 e4m3)]``;
+``--json`` prints the whole result as one JSON object instead.
+
+``kvstore verify ID`` re-hashes a session's journal against the turn hashes kept in the index and
+names the first bad turn (exit 1), the same check as ``kvstore sessions verify`` and
+``GET /sessions/{id}/verify``.
+
+``add_commands(subparsers)`` registers both (``kvstore.cli.COMMAND_MODULES``); ``main(argv)`` runs
+them standalone (``python -m kvstore.engine.session_cli``). Nothing heavy is imported until a
+command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+TIER_CHOICES = ("f32", "bf16", "fp8", "tq-int4", "tq-polar", "int8")
+DEFAULT_DATA = "./data"
+
+
+def add_commands(sub) -> None:
+    """Register ``chat`` and ``verify`` on the ``kvstore`` parser's subparsers."""
+    p = sub.add_parser("chat", help="one turn of a stored conversation on a model folder (no server needed)")
+    p.add_argument("model", help="model folder (config.json + safetensors, optionally a tokenizer)")
+    p.add_argument("--session", required=True, help="session id (created with the model's fingerprint if missing)")
+    p.add_argument("--data", default=DEFAULT_DATA, help="the store's data folder (default ./data)")
+    p.add_argument("--owner", help="act as this owner (default: any owner; new sessions get 'default')")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--prompt", help="the new turn as text (the folder must carry a tokenizer); default: read stdin")
+    given.add_argument("--ids", help="the new turn as token ids, comma or space separated")
+    p.add_argument("--tier", choices=TIER_CHOICES, default="f32", help="latent-cache tier (default f32)")
+    p.add_argument("--bits", type=int, help="PolarQuant bits for --tier tq-polar (2..6, default 4)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, mps)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="weights dtype (default float32)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", type=int, nargs="*", help="stop token ids (default: the model's eos; give none to disable)")
+    p.add_argument("--verify", action="store_true", help="re-hash the session's turns before restoring; a bad turn is a miss")
+    p.add_argument("--override", action="append", default=[], metavar="FIELD",
+                   help="a fingerprint field not to compare (model.weights_hash, model.name, tier, ...); repeatable")
+    p.add_argument("--no-create", action="store_true", help="refuse a session that does not exist instead of creating it")
+    p.add_argument("--hard-limit", help="refuse writes past this store size, e.g. 10G")
+    p.add_argument("--budget", help="soft disk budget, e.g. 8G (least recently used sessions are parked, then deleted)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("verify", help="re-hash a session's journal; report the first bad turn (exit 1)")
+    p.add_argument("id", help="session id")
+    p.add_argument("--data", default=DEFAULT_DATA, help="the store's data folder (default ./data)")
+    p.add_argument("--owner", help="act as this owner (default: any owner)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_verify)
+
+
+def _new_turn(args):
+    from kvstore.engine.errors import GenerationError
+
+    if args.ids is not None:
+        try:
+            return [int(part) for part in args.ids.replace(",", " ").split()]
+        except ValueError:
+            raise GenerationError(f"--ids must be integers separated by commas or spaces, got {args.ids!r}") from None
+    if args.prompt is not None:
+        return args.prompt
+    text = sys.stdin.read()
+    if not text:
+        raise GenerationError("no prompt: give --prompt TEXT, --ids IDS, or the text on stdin")
+    return text
+
+
+def cmd_chat(args) -> int:
+    from pathlib import Path
+
+    from kvstore.api.settings import parse_size
+    from kvstore.engine.session import SessionEngine, TextDeltas
+    from kvstore.errors import InvalidRequest
+    from kvstore.sessions import SessionStore
+
+    if not Path(args.model, "config.json").is_file():
+        raise InvalidRequest(f"{args.model} is not a model folder (no config.json); create one with `kvstore new-model {args.model}`")
+    prompt = _new_turn(args)
+    with SessionStore(Path(args.data), hard_limit_bytes=parse_size(args.hard_limit), budget_bytes=parse_size(args.budget)) as store:
+        chat = SessionEngine.from_folder(args.model, store, tier=args.tier, bits=args.bits, device=args.device, dtype=args.dtype)
+        turn = chat.begin(
+            args.session,
+            prompt,
+            owner=args.owner,
+            create=not args.no_create,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop_tokens=args.stop,
+            verify=args.verify,
+            override=args.override,
+        )
+        with turn:
+            if turn.created and not args.json:
+                print(f"[created session {args.session} for {chat.model.name} ({chat.tier.describe()})]", file=sys.stderr)
+            pieces = TextDeltas(turn.tokenizer)
+            for token in turn:
+                if args.json:
+                    continue
+                sys.stdout.write(pieces.delta(turn.tokens) if turn.tokenizer is not None else f"{token} ")
+                sys.stdout.flush()
+        result = turn.result
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    sys.stdout.write("\n")
+    session = result.session
+    notes = []
+    if result.damaged_from is not None:
+        notes.append(f"damage from record {result.damaged_from} was not served")
+    if result.dropped_records:
+        notes.append(f"dropped {result.dropped_records} unserved records")
+    if result.upgraded:
+        notes.append(f"upgraded {result.upgraded}")
+    print(
+        f"[{result.session_id}: {len(result.tokens)} tokens ({result.finish_reason}); prefilled {result.prefilled_tokens}, "
+        f"reused {result.reused_tokens} ({result.source}); {session.n_records} records, {session.tier.describe()}"
+        + ("; " + "; ".join(notes) if notes else "") + "]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from kvstore.cli_sessions import cmd_verify as verify_session
+
+    return verify_session(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvstore.engine.session_cli``: ``chat`` and ``verify`` alone (exit 2 with the reason on bad input)."""
+    from kvstore.errors import KVStoreError
+
+    parser = argparse.ArgumentParser(prog="kvstore")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KVStoreError as exc:
+        print(f"kvstore: error: {exc.reason}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
