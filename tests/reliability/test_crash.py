@@ -56,7 +56,7 @@ def run_and_kill(args, rng, max_acks=6):
 
 
 @pytest.mark.parametrize("tier_name", ["v2", "int4", "v1"])
-def test_append_survives_sigkill(tmp_path, trials, tier_name):
+def test_append_survives_sigkill(tmp_path, trials, figures, tier_name):
     tier = TIERS[tier_name]
     rng = np.random.default_rng(1000 + len(tier_name))
     for trial in range(trials(8)):
@@ -71,6 +71,8 @@ def test_append_survives_sigkill(tmp_path, trials, tier_name):
         acked = int(acked_turns[-1][1]) if acked_turns else 0
         in_flight = turn_records(seed, len(acked_turns), tier).shape[0]
         assert records.n in (acked, acked + in_flight), (records.n, acked, in_flight)
+        figures.add("journal_crash", f"append_{tier_name}", trials=1, acked_calls=len(acked_turns),
+                    in_flight_committed=int(records.n == acked + in_flight), lost=0)
         want = expected_records(seed, len(acked_turns) + 1, tier)[: records.n]
         assert records.records.tobytes() == want.tobytes()
         # The lock died with the child: a new writer appends right after the committed prefix.
@@ -80,7 +82,7 @@ def test_append_survives_sigkill(tmp_path, trials, tier_name):
 
 
 @pytest.mark.parametrize("tier_name", ["v2", "int4"])
-def test_lazy_upgrade_survives_sigkill(tmp_path, trials, tier_name):
+def test_lazy_upgrade_survives_sigkill(tmp_path, trials, figures, tier_name):
     tier = TIERS[tier_name]
     rng = np.random.default_rng(2000)
     for trial in range(trials(8)):
@@ -92,6 +94,8 @@ def test_lazy_upgrade_survives_sigkill(tmp_path, trials, tier_name):
         acks = run_and_kill(["upgrade", path, seed, tier_name], rng, max_acks=3)
         records = coli_kv.load(path)
         acked_turns = [a for a in acks if a[0] != "open"]
+        figures.add("journal_crash", f"lazy_upgrade_{tier_name}", trials=1, acked_calls=len(acked_turns),
+                    killed_before_rewrite=int(records.tier == Tier(1)), lost=0)
         if records.tier == Tier(1):
             assert not acked_turns and path.read_bytes() == original
             continue
@@ -104,7 +108,7 @@ def test_lazy_upgrade_survives_sigkill(tmp_path, trials, tier_name):
         assert records.records.tobytes() == want[: records.n].tobytes()
 
 
-def test_migrate_survives_sigkill(tmp_path, trials):
+def test_migrate_survives_sigkill(tmp_path, trials, figures):
     rng = np.random.default_rng(3000)
     seed = 30_000
     src = tmp_path / "src.coli_kv"
@@ -119,6 +123,7 @@ def test_migrate_survives_sigkill(tmp_path, trials):
         acks = run_and_kill(["migrate", src, out_dir, "v2"], rng, max_acks=4)
         assert src.read_bytes() == original
         done = [int(a[0]) for a in acks if a[0] != "open"]
+        figures.add("journal_crash", "migrate", trials=1, acked_calls=len(done), lost=0)
         for i in range(len(done) + 1):
             out = out_dir / f"out-{i}.coli_kv"
             if i < len(done):
@@ -137,7 +142,7 @@ def damaged_file() -> bytes:
     return bytes(blob)
 
 
-def test_repair_survives_sigkill(tmp_path, trials):
+def test_repair_survives_sigkill(tmp_path, trials, figures):
     rng = np.random.default_rng(4000)
     damaged = damaged_file()
     reference = tmp_path / "reference.coli_kv"
@@ -154,6 +159,7 @@ def test_repair_survives_sigkill(tmp_path, trials):
             (directory / f"r-{i}.coli_kv").write_bytes(damaged)
         acks = run_and_kill(["repair", directory], rng, max_acks=4)
         done = len([a for a in acks if a[0] != "open"])
+        figures.add("journal_crash", "repair", trials=1, acked_calls=done, lost=0)
         for i in range(copies):
             path = directory / f"r-{i}.coli_kv"
             backup = directory / f"r-{i}.coli_kv.bak"

@@ -64,12 +64,15 @@ def count_calls(monkeypatch, action):
         return faults.calls
 
 
-def sweep(monkeypatch, setup, action, check):
-    """Run ``action`` once per call site with that call failing; ``check(raised)`` after each."""
+def sweep(monkeypatch, setup, action, check, record=None):
+    """Run ``action`` once per call site with that call failing; ``check(raised)`` after each.
+
+    ``record(faults=..., typed=...)`` receives the counts (the measured figures)."""
     setup()
     total = count_calls(monkeypatch, action)
     assert total > 0
     hits = set()
+    typed = 0
     for k in range(1, total + 1):
         for code in (errno.ENOSPC, errno.EIO):
             setup()
@@ -84,11 +87,14 @@ def sweep(monkeypatch, setup, action, check):
                     pytest.fail(f"call {k} ({faults.hit}) raised an untyped {exc!r}")
                 hits.add(faults.hit)
             check(raised)
+            typed += raised is not None
+    if record is not None:
+        record(faults_injected=2 * total, typed_errors=typed, data_lost=0)
     return total, hits
 
 
 @pytest.mark.parametrize("tier", [Tier(1), Tier(2), Tier(3, 1, 4)], ids=lambda t: t.describe())
-def test_append_faults(tmp_path, monkeypatch, tier):
+def test_append_faults(tmp_path, monkeypatch, figures, tier):
     path = tmp_path / "j.coli_kv"
     before = expected_records(1, 2, tier)
     after = expected_records(1, 3, tier)
@@ -117,11 +123,11 @@ def test_append_faults(tmp_path, monkeypatch, tier):
         journal.close()
         assert coli_kv.load(path).records.tobytes() == expected_records(1, 4, tier).tobytes()
 
-    total, hits = sweep(monkeypatch, setup, action, check)
+    total, hits = sweep(monkeypatch, setup, action, check, lambda **c: figures.add("journal_faults", f"append_{tier.describe()}", **c))
     assert {"pwrite", "fsync"} <= hits
 
 
-def test_truncate_faults(tmp_path, monkeypatch):
+def test_truncate_faults(tmp_path, monkeypatch, figures):
     path = tmp_path / "j.coli_kv"
     tier = Tier(2)
     full = expected_records(1, 3, tier)
@@ -145,11 +151,11 @@ def test_truncate_faults(tmp_path, monkeypatch):
         want = np.concatenate([full[:keep], expected_records(1, 1, tier, first_turn=9)])
         assert coli_kv.load(path).records.tobytes() == want.tobytes()
 
-    sweep(monkeypatch, setup, lambda: state["journal"].truncate(keep), check)
+    sweep(monkeypatch, setup, lambda: state["journal"].truncate(keep), check, lambda **c: figures.add("journal_faults", "truncate", **c))
 
 
 @pytest.mark.parametrize("tier", [Tier(2), Tier(3, 0, 4)], ids=lambda t: t.describe())
-def test_lazy_upgrade_faults(tmp_path, monkeypatch, tier):
+def test_lazy_upgrade_faults(tmp_path, monkeypatch, figures, tier):
     path = tmp_path / "j.coli_kv"
     v1 = expected_records(1, 2, Tier(1))
     original = Header(GEOMETRY, Tier(1), v1.shape[0]).to_bytes() + v1.tobytes()
@@ -176,10 +182,11 @@ def test_lazy_upgrade_faults(tmp_path, monkeypatch, tier):
         leftovers = [p.name for p in path.parent.iterdir() if ".tmp-" in p.name]
         assert leftovers == [], leftovers
 
-    sweep(monkeypatch, setup, lambda: state["journal"].append(*turn_rows(1, 2)), check)
+    sweep(monkeypatch, setup, lambda: state["journal"].append(*turn_rows(1, 2)), check,
+          lambda **c: figures.add("journal_faults", f"lazy_upgrade_{tier.describe()}", **c))
 
 
-def test_create_faults(tmp_path, monkeypatch):
+def test_create_faults(tmp_path, monkeypatch, figures):
     path = tmp_path / "new.coli_kv"
 
     def setup():
@@ -194,10 +201,11 @@ def test_create_faults(tmp_path, monkeypatch):
         if not path.exists():
             KVFile.create(path, GEOMETRY, Tier(2)).close()
 
-    sweep(monkeypatch, setup, lambda: KVFile.create(path, GEOMETRY, Tier(2)).close(), check)
+    sweep(monkeypatch, setup, lambda: KVFile.create(path, GEOMETRY, Tier(2)).close(), check,
+          lambda **c: figures.add("journal_faults", "create", **c))
 
 
-def test_migrate_repair_export_faults(tmp_path, monkeypatch):
+def test_migrate_repair_export_faults(tmp_path, monkeypatch, figures):
     src = tmp_path / "src.coli_kv"
     rows = expected_records(3, 3, Tier(1))
     src.write_bytes(Header(GEOMETRY, Tier(1), rows.shape[0]).to_bytes() + rows.tobytes())
@@ -213,7 +221,8 @@ def test_migrate_repair_export_faults(tmp_path, monkeypatch):
     def setup_migrate():
         dst.unlink(missing_ok=True)
 
-    sweep(monkeypatch, setup_migrate, lambda: migrate_file(src, dst, Tier(2)), check_migrate)
+    sweep(monkeypatch, setup_migrate, lambda: migrate_file(src, dst, Tier(2)), check_migrate,
+          lambda **c: figures.add("journal_faults", "migrate_file", **c))
 
     damaged = bytearray(original)
     damaged += b"\x01" * 17  # a torn tail
@@ -228,7 +237,8 @@ def test_migrate_repair_export_faults(tmp_path, monkeypatch):
         assert target.read_bytes() in (bytes(damaged), original)
         assert not backup.exists() or backup.read_bytes() == bytes(damaged)
 
-    sweep(monkeypatch, setup_repair, lambda: repair_file(target), check_repair)
+    sweep(monkeypatch, setup_repair, lambda: repair_file(target), check_repair,
+          lambda **c: figures.add("journal_faults", "repair_file", **c))
 
     out = tmp_path / "x.npz"
 
@@ -237,4 +247,5 @@ def test_migrate_repair_export_faults(tmp_path, monkeypatch):
             with np.load(out) as z:
                 assert z["L"].shape == (GEOMETRY.n_layers, rows.shape[0], GEOMETRY.kv_lora)
 
-    sweep(monkeypatch, lambda: out.unlink(missing_ok=True), lambda: export(coli_kv.load(src), out), check_export)
+    sweep(monkeypatch, lambda: out.unlink(missing_ok=True), lambda: export(coli_kv.load(src), out), check_export,
+          lambda **c: figures.add("journal_faults", "export", **c))

@@ -38,7 +38,8 @@ def exercise(blob: bytes) -> None:
 
 @settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(TIERS), st.lists(st.integers(0, 10**6), max_size=12), st.integers(0, 10**6))
-def test_bit_flips_and_truncations(tier, flips, cut):
+def test_bit_flips_and_truncations(figures, tier, flips, cut):
+    figures.add("hostile_files", "bit_flips_and_truncations", inputs=1)
     blob = bytearray(SEEDS[tier])
     for position in flips:
         bit = position % (len(blob) * 8)
@@ -51,7 +52,8 @@ HEADER_WORDS = st.sampled_from([0, 1, 2, 3, 7, 64, 512, 2048, 2**20, 2**30, 2**3
 
 @settings(max_examples=300, deadline=2000)
 @given(st.sampled_from(TIERS), st.lists(st.tuples(st.integers(0, 7), HEADER_WORDS), min_size=1, max_size=4))
-def test_absurd_header_words_allocate_nothing(tier, edits):
+def test_absurd_header_words_allocate_nothing(figures, tier, edits):
+    figures.add("hostile_files", "absurd_header_words", inputs=1)
     blob = bytearray(SEEDS[tier])
     for word, value in edits:
         struct.pack_into("<i", blob, 8 + 4 * word, value)
@@ -77,13 +79,14 @@ def test_huge_claims_are_refused_or_clamped():
 
 
 @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())
-def test_journal_open_on_hostile_headers(tmp_path, tier):
+def test_journal_open_on_hostile_headers(tmp_path, figures, tier):
     path = tmp_path / "h.coli_kv"
     for word in range(8):
         for value in (-1, 0, 2**31 - 1):
             blob = bytearray(SEEDS[tier])
             struct.pack_into("<i", blob, 8 + 4 * word, value)
             path.write_bytes(bytes(blob))
+            figures.add("hostile_files", "journal_open_hostile_headers", inputs=1)
             try:
                 with KVFile.open(path, writable=True, lock_timeout=0.1) as journal:
                     journal.load()

@@ -40,7 +40,7 @@ def loaded_prefix(blob: bytes, allowed: bytes, rec_bytes: int) -> int:
 
 
 @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())
-def test_unsynced_data_is_never_loaded(tier):
+def test_unsynced_data_is_never_loaded(figures, tier):
     committed, appended, base = states(tier)
     rec = committed.dtype.itemsize
     data = appended.tobytes()
@@ -49,10 +49,11 @@ def test_unsynced_data_is_never_loaded(tier):
         for tail in (data[:cut], data[:cut] + bytes(len(data) - cut)):
             got = loaded_prefix(base + tail, committed.tobytes(), rec)
             assert got == n  # the old counter still rules: exactly the acknowledged records
+            figures.add("power_loss", "unsynced_tail_cut_or_zeroed", states=1, garbage_loaded=0)
 
 
 @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())
-def test_torn_counter_over_synced_data(tier):
+def test_torn_counter_over_synced_data(figures, tier):
     committed, appended, base = states(tier)
     n, k = committed.shape[0], appended.shape[0]
     full = base + appended.tobytes()
@@ -65,6 +66,7 @@ def test_torn_counter_over_synced_data(tier):
             blob = bytearray(full)
             blob[32:36] = counter
             got = loaded_prefix(bytes(blob), allowed, committed.dtype.itemsize)
+            figures.add("power_loss", "torn_counter", states=1, garbage_loaded=0)
             if struct.unpack("<i", counter)[0] < 0:
                 assert got == -1  # a negative count is refused with a typed BadHeader
             else:
@@ -72,13 +74,14 @@ def test_torn_counter_over_synced_data(tier):
 
 
 @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())
-def test_every_truncation_of_a_file(tier):
+def test_every_truncation_of_a_file(figures, tier):
     committed, appended, base = states(tier)
     full = Header(GEOMETRY, tier, committed.shape[0] + appended.shape[0]).to_bytes() + committed.tobytes() + appended.tobytes()
     allowed = full[40:]
     rec = committed.dtype.itemsize
     for size in range(len(full) + 1):
         got = loaded_prefix(full[:size], allowed, rec)
+        figures.add("power_loss", "every_truncation", states=1, garbage_loaded=0)
         if size < 40:
             assert got == -1  # TruncatedHeader: a typed error
         else:

@@ -175,7 +175,7 @@ def test_store_survives_sigkill(tmp_path, trials, figures, workload):
     model = prepare(data, workload, seed)
     killer = Killer(rng)
     step = 0
-    for _ in range(trials(4)):
+    for _ in range(trials(6)):
         lines = killer.run(workload, workload, data, seed, step)
         acked_model, in_flight, acked = replay(model, lines)
         candidates = [acked_model] + ([acked_model.apply(in_flight[0], in_flight[1:])] if in_flight else [])
