@@ -11,9 +11,11 @@ per input set, the sets rotated so the cache is read from HBM, not L2), times th
 
 Bytes read = the attended cache rows once (codes + scales). Usage::
 
-    python bench/gpu_attention.py [--smoke] [--out DIR]
+    python bench/gpu_attention.py [--smoke] [--out DIR] [--compare v1,v2,v2:mt2] [--no-torch]
 
-``--smoke`` only checks every variant at small sizes (no timing).
+``--smoke`` only checks every variant at small sizes (no timing). ``--compare`` times several
+kernel generations / head-group sizes of the CUDA backend side by side on the same data (each
+checked against float64) instead of the full table.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kvstore.gpu import testing
+from kvstore.gpu.cuda_backend import CudaBackend
 from kvstore.gpu.registry import get_backend
 from kvstore.gpu.torch_backend import TorchBackend
 
@@ -70,8 +73,9 @@ def matmul_rate(n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
-def _cases(tier: str, lengths: list[int], heads: int, selected: int | None, n_sets: int, seed: int):
-    return [testing.make_case(tier, lengths, heads, device="cuda", seed=seed + i, selected=selected)
+def _cases(tier: str, lengths: list[int], heads: int, selected: int | None, n_sets: int, seed: int,
+           nan_rate: float = 0.0):
+    return [testing.make_case(tier, lengths, heads, device="cuda", seed=seed + i, selected=selected, nan_rate=nan_rate)
             for i in range(n_sets)]
 
 
@@ -105,14 +109,15 @@ def time_torch(case) -> float:
     return statistics.median(times) * 1e6
 
 
-def bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, l2_bytes, seed, with_torch=True):
-    probe = testing.make_case(tier, lengths, heads, device="cuda", seed=seed, selected=selected)
+def bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, l2_bytes, seed, with_torch=True,
+              nan_rate=0.0):
+    probe = testing.make_case(tier, lengths, heads, device="cuda", seed=seed, selected=selected, nan_rate=nan_rate)
     rows = probe.rows_attended()
     n_bytes = rows * probe.row_bytes()
     # Enough input sets that one graph replay streams several L2's worth of cache rows.
     cache_bytes = probe.lc_codes.numel() + probe.rc_codes.numel() + 8 * probe.lc_codes.shape[0]
     n_sets = max(1, min(16, math.ceil(3 * l2_bytes / max(cache_bytes, 1))))
-    cases = [probe] + _cases(tier, lengths, heads, selected, n_sets - 1, seed + 1)
+    cases = [probe] + _cases(tier, lengths, heads, selected, n_sets - 1, seed + 1, nan_rate)
     out = testing.decode(probe, testing.poisoned_out(probe), backend=backend)
     err = testing.relative_error(out, testing.reference(probe))
     kernel_us = time_kernel(backend, cases)
@@ -123,7 +128,7 @@ def bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, l2_byte
     del cases
     torch.cuda.empty_cache()
     return {
-        "variant": f"{tier}{'-sel' if selected else ''}",
+        "variant": f"{tier}{'-sel' if selected else ''}{'-nan' if nan_rate else ''}",
         "B": len(lengths),
         "H": heads,
         "T": max(lengths) if not selected else f"{max(lengths)}/{selected}",
@@ -156,11 +161,68 @@ def smoke(backend, seed: int) -> bool:
     return ok
 
 
+def make_backend(spec: str):
+    """``v1``, ``v2`` or ``v2:mtN`` (at most N 16-head m-tiles per block)."""
+    variant, _, mt = spec.partition(":")
+    return CudaBackend(torch.device("cuda"), variant=variant, max_mt=int(mt[2:]) if mt else 4)
+
+
+def compare(specs: list[str], copy_bw: float, l2_bytes: int, seed: int, out_dir: Path | None) -> bool:
+    """Time every kernel variant on the same inputs; print one row per problem."""
+    backends = {spec: make_backend(spec) for spec in specs}
+    plan = []
+    for tier in TIERS:
+        for heads in (16, 64, 128):
+            for longest in (4097, 32768, 131072, 1 << 20):
+                plan.append((tier, [longest], heads, None))
+        plan.append((tier, [131072], 64, 2048))
+        plan.append((tier, testing.ragged_lengths(131072, 8, seed), 64, None))
+    plan = [p + (0.0,) for p in plan] + [("fp8", [131072], 16, None, 1e-3), ("fp8", [131072], 64, None, 1e-3)]
+    head = f"{'variant':9s} {'B':>2s} {'H':>4s} {'T':>12s} {'MB':>7s} " + " ".join(
+        f"{spec + ' us':>11s} {'%copy':>6s} {'err':>7s}" for spec in specs)
+    print(head, flush=True)
+    ok, rows = True, []
+    for i, (tier, lengths, heads, selected, nan_rate) in enumerate(plan):
+        probe = testing.make_case(tier, lengths, heads, device="cuda", seed=seed + 31 * i, selected=selected,
+                                  nan_rate=nan_rate)
+        n_bytes = probe.rows_attended() * probe.row_bytes()
+        cache_bytes = probe.lc_codes.numel() + probe.rc_codes.numel() + 8 * probe.lc_codes.shape[0]
+        n_sets = max(1, min(16, math.ceil(3 * l2_bytes / max(cache_bytes, 1))))
+        cases = [probe] + _cases(tier, lengths, heads, selected, n_sets - 1, seed + 31 * i + 1, nan_rate)
+        ref = testing.reference(probe)
+        row = {"variant": f"{tier}{'-sel' if selected else ''}{'-nan' if nan_rate else ''}", "B": len(lengths),
+               "H": heads,
+               "T": max(lengths) if not selected else f"{max(lengths)}/{selected}", "MB": n_bytes / 1e6}
+        cells = []
+        for spec, backend in backends.items():
+            try:
+                err = testing.relative_error(testing.decode(probe, testing.poisoned_out(probe), backend=backend), ref)
+                us = time_kernel(backend, cases)
+            except Exception as exc:  # a broken variant must not hide the others
+                print(f"  {spec}: {type(exc).__name__}: {exc}", flush=True)
+                err, us = math.inf, math.nan
+            ok &= err < KERNEL_BOUND
+            pct = 100.0 * n_bytes / (us * 1e-6) / copy_bw
+            row[spec] = {"us": us, "pct_copy": pct, "rel_err": err}
+            cells.append(f"{us:11.1f} {pct:6.1f} {err:7.1e}")
+        rows.append(row)
+        print(f"{row['variant']:9s} {row['B']:2d} {heads:4d} {str(row['T']):>12s} {row['MB']:7.1f} " + " ".join(cells),
+              flush=True)
+        del cases, probe
+        torch.cuda.empty_cache()
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "compare.json").write_text(json.dumps({"copy_Bps": copy_bw, "rows": rows}, indent=1))
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="check every variant at small sizes, no timing")
     parser.add_argument("--out", type=Path, default=None, help="folder for results.json and table.md")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    parser.add_argument("--compare", default=None, help="comma-separated kernel variants to time side by side")
+    parser.add_argument("--no-torch", action="store_true", help="skip timing the pure-torch path")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
@@ -173,6 +235,9 @@ def main() -> int:
         return 0 if smoke(backend, args.seed) else 1
 
     copy_bw = copy_bandwidth()
+    if args.compare:
+        print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+        return 0 if compare(args.compare.split(","), copy_bw, props.L2_cache_size, args.seed, args.out) else 1
     mm_rate = matmul_rate()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write); f16 matmul: {mm_rate / 1e12:.0f} TFLOP/s",
           flush=True)
@@ -184,12 +249,15 @@ def main() -> int:
         for heads in (16, 64, 128):
             plan.append((tier, [131072], heads, 2048))
         plan.append((tier, testing.ragged_lengths(131072, 8, args.seed), 64, None))
+    # fp8 rows as the format's encoder writes them hold no NaN codes; these rows time tiles that do
+    plan = [p + (0.0,) for p in plan] + [("fp8", [131072], h, None, 1e-3) for h in (16, 64)]
     results = []
     header = (f"{'variant':9s} {'B':>2s} {'H':>4s} {'T':>12s} {'MB':>8s} {'kernel us':>10s} {'GB/s':>7s} "
               f"{'%copy':>6s} {'floor us':>9s} {'torch us':>10s} {'torch/k':>8s} {'rel err':>8s}")
     print(header, flush=True)
-    for i, (tier, lengths, heads, selected) in enumerate(plan):
-        r = bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, props.L2_cache_size, args.seed + 97 * i)
+    for i, (tier, lengths, heads, selected, nan_rate) in enumerate(plan):
+        r = bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, props.L2_cache_size, args.seed + 97 * i,
+                      with_torch=not args.no_torch, nan_rate=nan_rate)
         results.append(r)
         print(f"{r['variant']:9s} {r['B']:2d} {r['H']:4d} {str(r['T']):>12s} {r['MB']:8.1f} {r['kernel_us']:10.1f} "
               f"{r['GBps']:7.0f} {r['pct_copy']:6.1f} {r['floor_us']:9.1f} {r['torch_us']:10.0f} "
@@ -199,6 +267,14 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"device": device, "copy_Bps": copy_bw, "matmul_flops": mm_rate, "seed": args.seed}
         (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        lines = ["| variant | B | H | T (/S) | MB read | kernel µs | GB/s | % copy BW | floor µs | torch µs | "
+                 "torch / kernel | rel err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in results:
+            t = r["T"] if r["B"] == 1 else f"{r['T']} ragged"
+            lines.append(f"| {r['variant']} | {r['B']} | {r['H']} | {t} | {r['MB']:.1f} | {r['kernel_us']:.1f} | "
+                         f"{r['GBps']:.0f} | {r['pct_copy']:.1f} | {r['floor_us']:.1f} | {r['torch_us']:.0f} | "
+                         f"{r['torch_ratio']:.1f} | {r['rel_err']:.1e} |")
+        (args.out / "table.md").write_text("\n".join(lines) + "\n")
     print(f"checked {len(results)} configurations: {len(bad)} over the {KERNEL_BOUND:g} bound", flush=True)
     return 1 if bad else 0
 

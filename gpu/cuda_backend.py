@@ -1,10 +1,17 @@
 """CUDA backend: the kernels of ``kernels/mla_decode.cu`` through cupy ``RawModule``.
 
-One call is three launches on the caller's current torch stream (no host synchronization):
+For kv_lora 512 (the ``v2`` kernels) one call is two launches on the caller's current torch stream
+(no host synchronization):
 
-1. ``mla_prep_query``: q -> f16 with a per-head power-of-two scale (rotated first for int4);
-2. ``mla_decode_split``: split-T flash decoding, one block per (head group, split, sequence);
-3. ``mla_merge``: the log-sum-exp merge of the splits (and the un-rotation for int4).
+1. ``mla_decode_v2``: split-T flash decoding, one block per (head group, split, sequence); each
+   block prepares its own f16 query tile (rotated for int4), streams raw code rows through a
+   two-stage cp.async ring and converts codes to f16 as the mma fragments are loaded; for int4 it
+   un-rotates its partial context;
+2. ``mla_merge_v2``: the log-sum-exp merge, one block per (head, 128-dim chunk, sequence).
+
+Other widths (and ``variant="v1"``) run the first kernels: ``mla_prep_query`` (q -> f16),
+``mla_decode_split`` (codes converted once per tile into an f16 shared-memory tile) and
+``mla_merge`` (merge + un-rotation, one block per head).
 
 Modules are compiled by NVRTC on first use, one per kernel instantiation, for the device's compute
 capability (``--gpu-architecture=sm_XY``), and cached in memory and in cupy's on-disk cache.
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -37,6 +45,11 @@ MIN_CAPABILITY = (8, 9)
 _FORMAT = {"fp8": 0, "tq-int4": 1}
 #: Upper bound on splits per sequence (the merge keeps one weight per split in shared memory).
 MAX_SPLITS = 4096
+#: Kernel generation used where it is built (kv_lora 512): "v2" (default) or "v1"; the
+#: environment variable KVSTORE_GPU_KERNEL overrides it (benchmarks compare both).
+DEFAULT_VARIANT = os.environ.get("KVSTORE_GPU_KERNEL", "v2")
+#: Most 16-head m-tiles per block of the v2 kernel (1, 2 or 4); KVSTORE_GPU_MAX_MT overrides.
+DEFAULT_MAX_MT = int(os.environ.get("KVSTORE_GPU_MAX_MT", "4"))
 _LOCK = threading.Lock()
 
 
@@ -61,10 +74,13 @@ def _kernels(name_expressions: tuple[str, ...], capability: tuple[int, int], dev
         return tuple(module.get_function(name) for name in name_expressions)
 
 
-def _head_tiles(heads: int) -> tuple[int, int]:
-    """(m-tiles of 16 heads per block, head groups): 64 heads per block from 48 heads up."""
+def _head_tiles(heads: int, max_mt: int = 4) -> tuple[int, int]:
+    """(m-tiles of 16 heads per block, head groups): 64 heads per block from 48 heads up
+    (at most ``max_mt`` m-tiles, a power of two)."""
     m_tiles = -(-heads // 16)
     per_block = 4 if m_tiles >= 3 else m_tiles
+    while per_block > max(1, max_mt):
+        per_block //= 2
     return per_block, -(-m_tiles // per_block)
 
 
@@ -80,7 +96,7 @@ class KernelPlan:
     blocks_per_sm: int
 
 
-def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: int) -> KernelPlan:
+def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: int, max_mt: int = 4) -> KernelPlan:
     """Choose the split of every sequence so that one wave of blocks fills the GPU.
 
     Parameters
@@ -89,12 +105,13 @@ def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: i
     max_rows : an upper bound on any sequence's rows (sets the grid's split count)
     mean_rows : the typical sequence length (sets the split size)
     n_sm : multiprocessors of the device
+    max_mt : most 16-head m-tiles per block (1, 2 or 4)
 
     Returns
     -------
     KernelPlan
     """
-    m_tiles, groups = _head_tiles(heads)
+    m_tiles, groups = _head_tiles(heads, max_mt)
     blocks_per_sm = 2 if m_tiles == 1 else 1
     tiles_max = max(1, -(-max_rows // TILE_ROWS))
     tiles_mean = max(1, math.ceil(mean_rows / TILE_ROWS))
@@ -131,16 +148,28 @@ class CudaBackend(AttentionBackend):
 
     Calls whose geometry the kernels are not built for (see ``spec``) run the torch path instead;
     :meth:`why_not` says why.
+
+    Parameters
+    ----------
+    device : the CUDA device
+    variant : ``"v2"`` (default; kv_lora 512, else v1 runs) or ``"v1"``
+    max_mt : most 16-head m-tiles per block of the v2 kernel (1, 2 or 4; default 4)
     """
 
     spec = spec_of("cuda")
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, variant: str | None = None, max_mt: int | None = None):
         super().__init__(device)
         props = torch.cuda.get_device_properties(self.device)
         self.capability = (props.major, props.minor)
         self.n_sm = props.multi_processor_count
         self._smem: dict[str, int] = {}
+        #: "v2" (two launches, fragments converted from code bytes) or "v1" (three launches)
+        self.variant = variant or DEFAULT_VARIANT
+        if self.variant not in ("v1", "v2"):
+            raise ValueError(f"variant must be 'v1' or 'v2', not {self.variant!r}")
+        #: most 16-head m-tiles per block (v2)
+        self.max_mt = max_mt or DEFAULT_MAX_MT
 
     @classmethod
     def environment_reasons(cls, device: torch.device) -> list[str]:
@@ -168,10 +197,11 @@ class CudaBackend(AttentionBackend):
     def _get(self, name_expression: str):
         return _kernels((name_expression,), self.capability, self.device.index)[0]
 
-    def _split_kernel(self, m_tiles: int, kv_lora: int, qk_rope: int, fmt: int, gather: bool):
+    def _split_kernel(self, m_tiles: int, kv_lora: int, qk_rope: int, fmt: int, gather: bool, v2: bool = False):
         """The split kernel and its dynamic shared memory (asked of the compiled module once)."""
-        name = f"mla_decode_split<{m_tiles},{kv_lora},{qk_rope},{fmt},{'true' if gather else 'false'}>"
-        kernel, smem_query = _kernels((name, f"mla_split_smem<{m_tiles},{kv_lora},{qk_rope},{fmt}>"),
+        stem, smem_stem = ("mla_decode_v2", "mla_split_smem_v2") if v2 else ("mla_decode_split", "mla_split_smem")
+        name = f"{stem}<{m_tiles},{kv_lora},{qk_rope},{fmt},{'true' if gather else 'false'}>"
+        kernel, smem_query = _kernels((name, f"{smem_stem}<{m_tiles},{kv_lora},{qk_rope},{fmt}>"),
                                       self.capability, self.device.index)
         smem = self._smem.get(name)
         if smem is None:
@@ -210,19 +240,24 @@ class CudaBackend(AttentionBackend):
         else:  # device-side lengths: bound by the row array rather than synchronize
             max_rows = problem.n_rows
             mean_rows = problem.n_rows / batch
-        plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm)
+        q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
+        v2 = self.variant == "v2" and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
+        plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4)
         fmt = _FORMAT[tier]
-        q16 = torch.empty((batch, plan.padded_heads, k + r), dtype=torch.float16, device=device)
-        qmul = torch.empty((batch, plan.padded_heads, 2), dtype=torch.float32, device=device)
         o_part = torch.empty((batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float32, device=device)
         lse = torch.empty((batch, plan.padded_heads, plan.n_splits), dtype=torch.float32, device=device)
         as_device = [t if t is None else t.to(device=device, dtype=torch.int32).contiguous()
                      for t in (seq_start, seq_len, indices, n_selected)]
         seq_start_d, seq_len_d, indices_d, n_selected_d = as_device
-        q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
         lc_codes, rc_codes = lc_codes.contiguous(), rc_codes.contiguous()
         lc_scales, rc_scales = lc_scales.contiguous(), rc_scales.contiguous()
 
+        if v2:
+            return self._launch_v2(plan, problem, fmt, softmax_scale, q_lat_c, q_rope_c, lc_codes, lc_scales,
+                                   rc_codes, rc_scales, seq_start_d, seq_len_d, indices_d, n_selected_d, o_part, lse,
+                                   result)
+        q16 = torch.empty((batch, plan.padded_heads, k + r), dtype=torch.float16, device=device)
+        qmul = torch.empty((batch, plan.padded_heads, 2), dtype=torch.float32, device=device)
         prep = self._get(f"mla_prep_query<{k},{r},{'true' if fmt == 1 else 'false'}>")
         split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None)
         merge = self._get(f"mla_merge<{k},{'true' if fmt == 1 else 'false'}>")
@@ -240,6 +275,29 @@ class CudaBackend(AttentionBackend):
                    np.int32(plan.n_splits), np.int32(plan.blocks_per_split), _ptr(o_part), _ptr(lse)),
                   shared_mem=smem)
             merge((heads, batch), (256,),
+                  (_ptr(o_part), _ptr(lse), np.int32(heads), np.int32(plan.padded_heads), np.int32(plan.n_splits),
+                   _ptr(result)),
+                  shared_mem=4 * plan.n_splits)
+        return result
+
+    def _launch_v2(self, plan, problem, fmt, softmax_scale, q_lat, q_rope, lc_codes, lc_scales, rc_codes,
+                   rc_scales, seq_start, seq_len, indices, n_selected, o_part, lse, result):
+        device = problem.device
+        batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
+        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True)
+        merge = self._get(f"mla_merge_v2<{k}>")
+        score_scale = np.float32(softmax_scale * math.log2(math.e))
+        cupy = _cupy()
+        stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
+        with cupy.cuda.Device(device.index), stream:
+            split((plan.head_groups, plan.n_splits, batch), (256,),
+                  (_ptr(q_lat), _ptr(q_rope), np.int32(heads), score_scale, _ptr(lc_codes), _ptr(lc_scales),
+                   _ptr(rc_codes), _ptr(rc_scales), _ptr(seq_start), _ptr(seq_len), _ptr(indices),
+                   _ptr(n_selected), np.int32(problem.selected or 0), np.int64(problem.n_rows),
+                   np.int32(plan.padded_heads), np.int32(plan.n_splits), np.int32(plan.blocks_per_split),
+                   _ptr(o_part), _ptr(lse)),
+                  shared_mem=smem)
+            merge((heads, k // 128, batch), (256,),
                   (_ptr(o_part), _ptr(lse), np.int32(heads), np.int32(plan.padded_heads), np.int32(plan.n_splits),
                    _ptr(result)),
                   shared_mem=4 * plan.n_splits)

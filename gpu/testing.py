@@ -2,7 +2,8 @@
 
 fp8 rows are Gaussian rows of random per-row magnitude quantized the way the v2 format does
 (``amax / 448`` scale, e4m3 round-to-nearest-even), with a few NaN codes (0x7F/0xFF) planted so
-every check also covers the rule that they read as 0. int4 rows are random codes with random
+every check also covers the rule that they read as 0 (``nan_rate``; the format's encoder never
+writes them, so the benchmark times NaN-free rows as well as planted ones). int4 rows are random codes with random
 radii (a few rows inert, radius 0). Sequences of a ragged batch sit at random offsets of one row
 array, with unused rows between them, so ``seq_start`` is exercised too.
 """
@@ -60,7 +61,8 @@ class DecodeCase:
         return self.lc_codes.shape[1] + self.rc_codes.shape[1] + 8
 
 
-def _fp8_rows(n: int, width: int, gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_rows(n: int, width: int, gen: torch.Generator, device: torch.device,
+              nan_rate: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty((n, width), dtype=torch.uint8, device=device)
     scales = torch.empty(n, dtype=torch.float32, device=device)
     for lo in range(0, n, _GEN_ROWS):
@@ -70,13 +72,14 @@ def _fp8_rows(n: int, width: int, gen: torch.Generator, device: torch.device) ->
         amax = rows.abs().amax(dim=1)
         codes[lo:hi] = (rows * (448.0 / amax)[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
         scales[lo:hi] = amax / 448.0
-    nan_at = torch.rand((n, width), generator=gen, device=device) < 1e-3
+    nan_at = torch.rand((n, width), generator=gen, device=device) < nan_rate
     nan_code = torch.where(torch.rand((n, width), generator=gen, device=device) < 0.5, 0x7F, 0xFF).to(torch.uint8)
     codes[nan_at] = nan_code[nan_at]
     return codes, scales
 
 
-def _int4_rows(n: int, width: int, gen: torch.Generator, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _int4_rows(n: int, width: int, gen: torch.Generator, device: torch.device,
+               nan_rate: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.randint(0, 256, (n, width // 2), generator=gen, device=device, dtype=torch.int32).to(torch.uint8)
     radii = math.sqrt(width) * (0.5 + 1.5 * torch.rand(n, generator=gen, device=device))
     radii[torch.rand(n, generator=gen, device=device) < 1e-3] = 0.0  # inert rows
@@ -93,6 +96,7 @@ def make_case(
     device: torch.device | str = "cpu",
     seed: int = 0,
     selected: int | None = None,
+    nan_rate: float = 1e-3,
 ) -> DecodeCase:
     """Build a random problem.
 
@@ -106,6 +110,7 @@ def make_case(
     seed : generator seed (callers pass a fresh one per check)
     selected : S, the index columns of the selected-rows variant; ``None`` for dense attention.
         Each sequence selects ``min(S, length)`` distinct rows, the last sequence fewer (ragged).
+    nan_rate : fraction of fp8 codes replaced by a NaN code (0x7F / 0xFF), which must read as 0
 
     Returns
     -------
@@ -123,8 +128,8 @@ def make_case(
         cursor += length
     n_rows = cursor + 13  # unused rows after the last sequence too
     make_rows = _fp8_rows if tier == "fp8" else _int4_rows
-    lc_codes, lc_scales = make_rows(n_rows, kv_lora, gen, device)
-    rc_codes, rc_scales = make_rows(n_rows, qk_rope, gen, device)
+    lc_codes, lc_scales = make_rows(n_rows, kv_lora, gen, device, nan_rate)
+    rc_codes, rc_scales = make_rows(n_rows, qk_rope, gen, device, nan_rate)
     q_lat = torch.randn((batch, heads, kv_lora), generator=gen, device=device)
     q_rope = torch.randn((batch, heads, qk_rope), generator=gen, device=device)
     case = DecodeCase(

@@ -812,3 +812,718 @@ __global__ void __launch_bounds__(256) mla_merge(const float* __restrict__ o_par
         for (int d = tid; d < K; d += 256) out[((long long)b * H + h) * K + d] = ctx[d] * tq_sign((u32)d);
     }
 }
+
+// =============================================================================================
+// v2 kernels (kv_lora 512): two launches, no f16 staging tile.
+//
+//   mla_decode_v2  prepares its own query tile (rotated for int4), streams the raw code rows
+//                  into a two-stage shared-memory ring with cp.async (tile i+1 lands while tile
+//                  i is computed), and converts codes to f16 as the mma fragments are loaded:
+//                  Q.K^T reads B fragments with ldmatrix straight from the code bytes (the query
+//                  columns are stored in the matching permuted order), P.V reads them with
+//                  ldmatrix.trans (output dims come out permuted and are written back in order).
+//                  fp8 NaN codes are not cleared on the fast path: a NaN score flags the tile, the
+//                  block clears the tile's NaN codes and recomputes its scores (rare path).
+//                  For int4 the partial context is un-rotated here, so the merge is the same for
+//                  both formats.
+//   mla_merge_v2   log-sum-exp merge, one block per (head, 128-dim chunk, sequence).
+// =============================================================================================
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x2(u32 addr, u32& r0, u32& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r0), "=r"(r1)
+                 : "r"(addr)
+                 : "memory");
+}
+
+// Low two e4m3 bytes of w -> f16x2 (the high bytes are ignored).
+__device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {
+    u32 r;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(r) : "r"(w));
+    return r;
+}
+
+__device__ __forceinline__ u32 e4m3_hi_to_f16x2(u32 w) {
+    u32 r;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.rn.f16x2.e4m3x2 %0, hi; }" : "=r"(r) : "r"(w));
+    return r;
+}
+
+// Warp-wide normalized FWHT of 32 * NV values: lane l holds v[j], element index given by the
+// caller's layout; the transform is separable over index bits, so in-lane butterflies run over the
+// register-index bits and cross-lane ones over the lane bits.
+template <int NV>
+__device__ __forceinline__ void fwht_warp(float (&v)[NV], int lane, float norm) {
+#pragma unroll
+    for (int len = 1; len < NV; len <<= 1)
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+            if (!(j & len)) {
+                const float x = v[j], y = v[j + len];
+                v[j] = x + y;
+                v[j + len] = x - y;
+            }
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+        const bool upper = lane & m;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const float o = __shfl_xor_sync(FULL_MASK, v[j], m);
+            v[j] = upper ? o - v[j] : v[j] + o;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j) v[j] *= norm;
+}
+
+template <int MT, int K, int R, int FMT>
+struct Cfg2 {
+    static constexpr int HG = 16 * MT;
+    static constexpr int D = K + R;
+    static constexpr int QS = D + 8;                  // f16 per Q row (16 B pad)
+    static constexpr int KB = FMT == 0 ? K : K / 2;   // code bytes per latent row
+    static constexpr int RB = FMT == 0 ? R : R / 2;   // code bytes per rope row
+    static constexpr int TS = KB + RB + 16;           // smem bytes per tile row (conflict-free ldmatrix)
+    static constexpr int KSB = FMT == 0 ? 1 : 2;      // k-steps per 16-byte block of a row
+    static constexpr int LB = KB / 16;                // latent blocks per row
+    static constexpr int RBK = RB / 16;               // rope blocks per row
+    static constexpr int LB0 = (LB + RBK) / 2;        // latent blocks of the first Q.K^T half
+    static constexpr int LSTR = THREADS / LB;         // staging: rows per pass (latent)
+    static constexpr int NL = BN / LSTR;
+    static constexpr int RSTR = THREADS / RBK;        // rows per pass (rope)
+    static constexpr int NR = (BN + RSTR - 1) / RSTR;
+    static constexpr int PS = BN + 8;
+    static constexpr int SS = BN + 4;
+    static constexpr int TPH = THREADS / HG;
+    static constexpr int RPT = BN / TPH;
+    static constexpr int DW = K / WARPS;              // output dims per warp in P.V
+    static constexpr int NTP = DW / 8;
+    static constexpr int CS = K + 4;                  // f32 per context row in the epilogue
+    static constexpr int OFF_Q = 0;
+    static constexpr int OFF_T = OFF_Q + HG * QS * 2;
+    static constexpr int OFF_S = OFF_T + 2 * BN * TS;
+    static constexpr int OFF_P = OFF_S + 2 * HG * SS * 4;
+    static constexpr int OFF_LS = OFF_P + HG * PS * 2;
+    static constexpr int OFF_RS = OFF_LS + 2 * BN * 4;
+    static constexpr int OFF_VALID = OFF_RS + 2 * BN * 4;
+    static constexpr int OFF_QM = OFF_VALID + 2 * BN * 4;
+    static constexpr int OFF_ALPHA = OFF_QM + HG * 8;
+    static constexpr int OFF_ML = OFF_ALPHA + HG * 4;
+    static constexpr int MAIN = OFF_ML + HG * 8;
+    static constexpr int CTX = HG * CS * 4;           // epilogue context (overlays the above)
+    static constexpr int SMEM = MAIN > CTX ? MAIN : CTX;
+
+    static_assert(K == 512, "v2 is built for kv_lora 512");
+    static_assert(R == 32 || R == 64, "qk_rope 32 or 64");
+    static_assert(THREADS % LB == 0 && BN % LSTR == 0, "latent staging map");
+    static_assert(DW == 64 && NTP == 8, "P.V warp tile");
+    static_assert(THREADS % HG == 0 && BN % TPH == 0, "softmax thread mapping");
+    static_assert(OFF_T % 16 == 0 && TS % 16 == 0, "cp.async / ldmatrix alignment");
+};
+
+template <int MT, int K, int R, int FMT>
+__global__ void mla_split_smem_v2(int* out) {
+    out[0] = Cfg2<MT, K, R, FMT>::SMEM;
+}
+
+// Logical position (the mma k order of the query tile) of feature f of the concatenated
+// [latent | rope] query, matching how a thread's ldmatrix word of code bytes feeds b0/b1:
+// fp8: the 4 bytes 4t..4t+3 of a 16-byte block are k = 2t, 2t+1, 2t+8, 2t+9 of one k-step;
+// int4: the 8 nibbles 8t..8t+7 of a 16-byte block are those k of two k-steps (4 nibbles each).
+template <int FMT>
+__device__ __forceinline__ int qk_position(int f) {
+    if (FMT == 0) {
+        const int blk = f >> 4, r = f & 15;
+        return blk * 16 + ((r >> 1) & 1) * 8 + (r >> 2) * 2 + (r & 1);
+    } else {
+        const int blk = f >> 5, r = f & 31;
+        return blk * 32 + ((r >> 2) & 1) * 16 + ((r >> 1) & 1) * 8 + (r >> 3) * 2 + (r & 1);
+    }
+}
+
+// Q.K^T over NB consecutive 16-byte blocks of the code tile from block `blk_first` (v2): B
+// fragments by ldmatrix of code bytes (matrices (rows n0..+7 | n0+8..+15) x (block | block + 1)),
+// converted in registers; A fragments (query, qk_position order) by ldmatrix. acc[m][n-tile][4].
+template <int NB, int MT, int FMT, int TS, int QS>
+__device__ __forceinline__ void qk_blocks_v2(int blk_first, u32 b_addr, u32 q_base, int a_row, int a_col,
+                                             const LevelTable& lt, float (&acc)[MT][2][4]) {
+    constexpr int KSB = FMT == 0 ? 1 : 2;
+#pragma unroll
+    for (int i = 0; i < NB; i += 2) {
+        u32 w[4];
+        const u32 addr = b_addr + (blk_first + i) * 16;
+        if (i + 1 < NB) ldsm_x4(addr, w[0], w[1], w[2], w[3]);
+        else ldsm_x2(addr, w[0], w[1]);
+#pragma unroll
+        for (int jb = 0; jb < 2; ++jb) {
+            if (i + jb >= NB) break;
+            const u32 wa = w[2 * jb], wb = w[2 * jb + 1];  // n-tile 0, n-tile 1
+            u32 bb[2][KSB][2];
+            if (FMT == 0) {
+                bb[0][0][0] = e4m3_lo_to_f16x2(wa);
+                bb[0][0][1] = e4m3_hi_to_f16x2(wa);
+                bb[1][0][0] = e4m3_lo_to_f16x2(wb);
+                bb[1][0][1] = e4m3_hi_to_f16x2(wb);
+            } else {
+                u32 h[4];
+                int4x8_to_f16(wa, lt, h);
+                bb[0][0][0] = h[0];
+                bb[0][0][1] = h[1];
+                bb[0][KSB - 1][0] = h[2];
+                bb[0][KSB - 1][1] = h[3];
+                int4x8_to_f16(wb, lt, h);
+                bb[1][0][0] = h[0];
+                bb[1][0][1] = h[1];
+                bb[1][KSB - 1][0] = h[2];
+                bb[1][KSB - 1][1] = h[3];
+            }
+#pragma unroll
+            for (int s = 0; s < KSB; ++s) {
+                const int ks = (blk_first + i + jb) * KSB + s;
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    u32 af[4];
+                    ldsm_x4(q_base + ((m * 16 + a_row) * QS + ks * 16 + a_col) * 2, af[0], af[1], af[2], af[3]);
+                    mma_16816(acc[m][0], af, bb[0][s][0], bb[0][s][1]);
+                    mma_16816(acc[m][1], af, bb[1][s][0], bb[1][s][1]);
+                }
+            }
+        }
+    }
+}
+
+template <int MT, int K, int R, int FMT, bool GATHER>
+__global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
+    mla_decode_v2(const float* __restrict__ q_lat, const float* __restrict__ q_rope, int H, float score_scale,
+                  const u8* __restrict__ lc, const float* __restrict__ lscale,
+                  const u8* __restrict__ rc, const float* __restrict__ rscale,
+                  const int* __restrict__ seq_start, const int* __restrict__ seq_len,
+                  const int* __restrict__ sel, const int* __restrict__ n_sel, int sel_stride,
+                  long long n_rows, int Hp, int n_splits, int blocks_per_split,
+                  float* __restrict__ o_part, float* __restrict__ lse_part) {
+    using C = Cfg2<MT, K, R, FMT>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    u16* Qs = (u16*)(smem + C::OFF_Q);
+    float* Sbuf = (float*)(smem + C::OFF_S);
+    u16* Ps = (u16*)(smem + C::OFF_P);
+    float* ls_s = (float*)(smem + C::OFF_LS);
+    float* rs_s = (float*)(smem + C::OFF_RS);
+    int* valid_s = (int*)(smem + C::OFF_VALID);
+    float* qm_s = (float*)(smem + C::OFF_QM);
+    float* alpha_s = (float*)(smem + C::OFF_ALPHA);
+    float* ml_s = (float*)(smem + C::OFF_ML);
+    float* ctx = (float*)smem;  // epilogue only
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int h0 = hg * C::HG;
+    const long long start = seq_start[b];
+    const int slen = seq_len[b];
+    int T = slen;
+    if (GATHER) T = min(n_sel[b], sel_stride);
+    if (start < 0) T = 0;
+    T = max(T, 0);
+    const int* sel_b = GATHER ? sel + (long long)b * sel_stride : sel;
+    const int n_blocks = (T + BN - 1) / BN;
+    const int blk0 = split * blocks_per_split;
+    const int blk1 = min(blk0 + blocks_per_split, n_blocks);
+    float* lse_out = lse_part + ((long long)b * Hp + h0) * n_splits + split;
+    if (blk0 >= blk1) {
+        if (tid < C::HG) lse_out[(long long)tid * n_splits] = NEG_INF;
+        return;
+    }
+
+    const u32 t_base = smem_addr(smem + C::OFF_T);
+    const u32 ls_base = smem_addr(ls_s), rs_base = smem_addr(rs_s);
+
+    // ---- staging: cp.async of raw code rows into ring slot `buf`; rows outside the sequence
+    // (or the row arrays) are zero-filled, so their codes are finite and their scales 0 ---------
+    const int lcol = tid % C::LB, lrow0 = tid / C::LB;
+    const int rcol = tid % C::RBK, rrow0 = tid / C::RBK;
+    auto issue = [&](int blk, int buf) {
+        const int pos0 = blk * BN;
+        const u32 tb = t_base + buf * (BN * C::TS);
+        if (!GATHER) {
+            const long long base = start + pos0;
+            const int valid = (int)min((long long)min(T - pos0, BN), n_rows - base);
+#pragma unroll
+            for (int i = 0; i < C::NL; ++i) {
+                const int r = lrow0 + i * C::LSTR;
+                const bool ok = r < valid;
+                const u8* src = ok ? lc + (base + r) * C::KB + lcol * 16 : lc;
+                cp_async16(tb + r * C::TS + lcol * 16, src, ok ? 16u : 0u);
+            }
+#pragma unroll
+            for (int j = 0; j < C::NR; ++j) {
+                const int r = rrow0 + j * C::RSTR;
+                if (r < BN) {
+                    const bool ok = r < valid;
+                    const u8* src = ok ? rc + (base + r) * C::RB + rcol * 16 : rc;
+                    cp_async16(tb + r * C::TS + C::KB + rcol * 16, src, ok ? 16u : 0u);
+                }
+            }
+            if (tid < BN) {
+                const bool ok = tid < valid;
+                cp_async4(ls_base + (buf * BN + tid) * 4, ok ? lscale + base + tid : lscale, ok ? 4u : 0u);
+                cp_async4(rs_base + (buf * BN + tid) * 4, ok ? rscale + base + tid : rscale, ok ? 4u : 0u);
+                valid_s[buf * BN + tid] = ok;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < C::NL; ++i) {
+                const int r = lrow0 + i * C::LSTR;
+                const long long g = resolve_row<GATHER>(pos0 + r, T, start, slen, sel_b, n_rows);
+                const u8* src = g >= 0 ? lc + g * C::KB + lcol * 16 : lc;
+                cp_async16(tb + r * C::TS + lcol * 16, src, g >= 0 ? 16u : 0u);
+            }
+#pragma unroll
+            for (int j = 0; j < C::NR; ++j) {
+                const int r = rrow0 + j * C::RSTR;
+                if (r < BN) {
+                    const long long g = resolve_row<GATHER>(pos0 + r, T, start, slen, sel_b, n_rows);
+                    const u8* src = g >= 0 ? rc + g * C::RB + rcol * 16 : rc;
+                    cp_async16(tb + r * C::TS + C::KB + rcol * 16, src, g >= 0 ? 16u : 0u);
+                }
+            }
+            if (tid < BN) {
+                const long long g = resolve_row<GATHER>(pos0 + tid, T, start, slen, sel_b, n_rows);
+                cp_async4(ls_base + (buf * BN + tid) * 4, g >= 0 ? lscale + g : lscale, g >= 0 ? 4u : 0u);
+                cp_async4(rs_base + (buf * BN + tid) * 4, g >= 0 ? rscale + g : rscale, g >= 0 ? 4u : 0u);
+                valid_s[buf * BN + tid] = g >= 0;
+            }
+        }
+        cp_async_commit();
+    };
+
+    issue(blk0, 0);
+
+    // ---- query tile: f16 with a per-head power-of-two scale, columns in qk_position order ----
+    // (int4: signs then the normalized FWHT first). One warp per head; lane l holds latent
+    // elements 128 j + 4 l + e (float4 loads) and rope elements NRV l + e.
+    {
+        constexpr int NRV = R / 32;
+        for (int hl = warp; hl < C::HG; hl += WARPS) {
+            const int h = h0 + hl;
+            u16* dst = Qs + hl * C::QS;
+            if (h >= H) {
+                for (int i = lane; i < C::D; i += 32) dst[i] = 0;
+                if (lane < 2) qm_s[hl * 2 + lane] = 0.0f;
+                continue;
+            }
+            const float* src_l = q_lat + ((long long)b * H + h) * K;
+            const float* src_r = q_rope + ((long long)b * H + h) * R;
+            float v[16], w[NRV];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float4 x = *(const float4*)(src_l + 128 * j + 4 * lane);
+                v[4 * j] = x.x;
+                v[4 * j + 1] = x.y;
+                v[4 * j + 2] = x.z;
+                v[4 * j + 3] = x.w;
+            }
+#pragma unroll
+            for (int e = 0; e < NRV; ++e) w[e] = src_r[NRV * lane + e];
+            if (FMT == 1) {
+#pragma unroll
+                for (int j = 0; j < 16; ++j) v[j] *= tq_sign((u32)(128 * (j >> 2) + 4 * lane + (j & 3)));
+#pragma unroll
+                for (int e = 0; e < NRV; ++e) w[e] *= tq_sign((u32)(NRV * lane + e));
+                // register-index bits (0,1,2,3) are element bits (0,1,7,8); lane bits are 2..6
+                fwht_warp<16>(v, lane, 1.0f / sqrtf((float)K));
+                fwht_warp<NRV>(w, lane, 1.0f / sqrtf((float)R));
+            }
+            float ml = 0.0f, mr = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) ml = fmaxf(ml, fabsf(v[j]));
+#pragma unroll
+            for (int e = 0; e < NRV; ++e) mr = fmaxf(mr, fabsf(w[e]));
+            for (int o = 16; o > 0; o >>= 1) {
+                ml = fmaxf(ml, __shfl_xor_sync(FULL_MASK, ml, o));
+                mr = fmaxf(mr, __shfl_xor_sync(FULL_MASK, mr, o));
+            }
+            const float fl = f16_range_factor(ml), fr = f16_range_factor(mr);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const int f = 128 * (j >> 2) + 4 * lane + (j & 3);
+                dst[qk_position<FMT>(f)] = f32_to_f16(v[j] * fl);
+            }
+#pragma unroll
+            for (int e = 0; e < NRV; ++e) dst[qk_position<FMT>(K + NRV * lane + e)] = f32_to_f16(w[e] * fr);
+            if (lane == 0) {
+                qm_s[hl * 2] = score_scale / fl * (FMT == 1 ? rsqrtf((float)K) : 1.0f);
+                qm_s[hl * 2 + 1] = score_scale / fr * (FMT == 1 ? rsqrtf((float)R) : 1.0f);
+            }
+        }
+    }
+    LevelTable lt = {0u, 0u, 0u, 0u};
+    if (FMT == 1) lt = make_level_table();
+
+    // ---- warp roles ----------------------------------------------------------------------------
+    const int g = lane >> 2, t4 = lane & 3;
+    const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+    const int qk_half = warp & 1, n0 = (warp >> 1) * 16;
+    // Q.K^T B operand (non-transposed ldmatrix of code bytes): matrices (rows n0..+7 | n0+8..+15)
+    // x (block | block + 1)
+    const int bq_row = n0 + (lane & 7) + ((lane >> 3) & 1) * 8, bq_blk = lane >> 4;
+    // P.V B operand (transposed ldmatrix): matrices (rows 0-7 | 8-15) x (16-byte column 0 | 1)
+    const int bv_row = (lane & 7) + ((lane >> 3) & 1) * 8, bv_col = (lane >> 4) * 16;
+    const int d0 = warp * C::DW;
+    const u32 q_base = smem_addr(Qs), p_base = smem_addr(Ps);
+
+    const int sm_h = tid / C::TPH, sm_p = tid % C::TPH;
+    float m_run = NEG_INF, l_run = 0.0f, c_run = 0.0f;
+
+    float o_acc[MT][C::NTP][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int n = 0; n < C::NTP; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
+
+    // scores of this warp's rows: scaled, written (first pass) or added (second) to S half
+    auto qk_store = [&](const float (&acc)[MT][2][4], int buf, bool rope, bool add) -> bool {
+        float* S = Sbuf + qk_half * C::HG * C::SS;
+        const float* rowscale = (rope ? rs_s : ls_s) + buf * BN;
+        const int which = rope ? 1 : 0;
+        bool bad = false;
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            const int ha = m * 16 + g, hb = ha + 8;
+            const float mula = qm_s[ha * 2 + which], mulb = qm_s[hb * 2 + which];
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const int r = n0 + n * 8 + 2 * t4;
+                const float s0 = rowscale[r], s1 = rowscale[r + 1];
+                bad |= (acc[m][n][0] != acc[m][n][0]) | (acc[m][n][1] != acc[m][n][1]) |
+                       (acc[m][n][2] != acc[m][n][2]) | (acc[m][n][3] != acc[m][n][3]);
+                float2* pa = (float2*)(S + ha * C::SS + r);
+                float2* pb = (float2*)(S + hb * C::SS + r);
+                float2 va = make_float2(acc[m][n][0] * s0 * mula, acc[m][n][1] * s1 * mula);
+                float2 vb = make_float2(acc[m][n][2] * s0 * mulb, acc[m][n][3] * s1 * mulb);
+                if (add) {
+                    const float2 oa = *pa, ob = *pb;
+                    va.x += oa.x; va.y += oa.y;
+                    vb.x += ob.x; vb.y += ob.y;
+                }
+                *pa = va;
+                *pb = vb;
+            }
+        }
+        return bad;
+    };
+
+    auto qk = [&](int buf) -> bool {
+        const u32 tb = t_base + buf * (BN * C::TS);
+        float acc[MT][2][4];
+        auto zero = [&]() {
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+        };
+        const u32 b_addr = tb + bq_row * C::TS + bq_blk * 16;
+        bool bad;
+        zero();
+        if (qk_half == 0) {
+            qk_blocks_v2<C::LB0, MT, FMT, C::TS, C::QS>(0, b_addr, q_base, a_row, a_col, lt, acc);
+            bad = qk_store(acc, buf, false, false);
+        } else {
+            qk_blocks_v2<C::RBK, MT, FMT, C::TS, C::QS>(C::LB, b_addr, q_base, a_row, a_col, lt, acc);
+            bad = qk_store(acc, buf, true, false);
+            zero();
+            qk_blocks_v2<C::LB - C::LB0, MT, FMT, C::TS, C::QS>(C::LB0, b_addr, q_base, a_row, a_col, lt, acc);
+            bad |= qk_store(acc, buf, false, true);
+        }
+        return bad;
+    };
+
+    // rare path: clear the tile's fp8 NaN codes (0x7F / 0xFF read as 0) in place
+    auto clear_nan = [&](int buf) {
+        unsigned char* tb = smem + C::OFF_T + buf * (BN * C::TS);
+        constexpr int CPR = (C::KB + C::RB) / 16;
+        for (int c = tid; c < BN * CPR; c += THREADS) {
+            uint4* p = (uint4*)(tb + (c / CPR) * C::TS + (c % CPR) * 16);
+            uint4 v = *p;
+            v.x = fp8_clear_nan(v.x);
+            v.y = fp8_clear_nan(v.y);
+            v.z = fp8_clear_nan(v.z);
+            v.w = fp8_clear_nan(v.w);
+            *p = v;
+        }
+    };
+
+    for (int blk = blk0; blk < blk1; ++blk) {
+        const int buf = (blk - blk0) & 1;
+        cp_async_wait_all();
+        __syncthreads();  // tile `blk` visible; every warp is done with the previous tile
+        if (blk + 1 < blk1) issue(blk + 1, buf ^ 1);
+
+        // ---- S = Q K^T -----------------------------------------------------------------------
+#pragma unroll 1
+        for (int attempt = 0;; ++attempt) {
+            const bool bad = qk(buf);
+            if (FMT == 1) {
+                __syncthreads();
+                break;
+            }
+            if (!__syncthreads_or(bad && attempt == 0)) break;
+            clear_nan(buf);
+            __syncthreads();
+        }
+
+        // ---- online softmax (as v1); c = running max |row scale| -----------------------------
+        bool rescale;
+        {
+            const float* lsb = ls_s + buf * BN;
+            const int* vb = valid_s + buf * BN;
+            float c_blk = 0.0f;
+#pragma unroll
+            for (int i = 0; i < C::RPT; ++i) c_blk = fmaxf(c_blk, fabsf(lsb[sm_p + i * C::TPH]));
+#pragma unroll
+            for (int o = C::TPH / 2; o > 0; o >>= 1) c_blk = fmaxf(c_blk, __shfl_xor_sync(FULL_MASK, c_blk, o));
+            const float c_new = fmaxf(c_run, c_blk);
+            const float c_eff = c_new > 0.0f ? c_new : 1.0f;
+            const float p_mul = P_SCALE / c_eff;
+            const float c_ratio = c_run > 0.0f ? c_run / c_eff : 1.0f;
+            const float* S0 = Sbuf + sm_h * C::SS;
+            const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS;
+            float sv[C::RPT];
+            float mx = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < C::RPT; ++i) {
+                const int r = sm_p + i * C::TPH;
+                const float s = vb[r] ? S0[r] + S1[r] : NEG_INF;
+                sv[i] = s;
+                mx = fmaxf(mx, s);
+            }
+#pragma unroll
+            for (int o = C::TPH / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+            const float m_new = fmaxf(m_run, mx);
+            const float ref = m_new == NEG_INF ? 0.0f : m_new;
+            const float alpha = exp2f(m_run - ref);
+            float lsum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < C::RPT; ++i) {
+                const int r = sm_p + i * C::TPH;
+                const float p = exp2f(sv[i] - ref);
+                lsum += p;
+                Ps[sm_h * C::PS + r] = f32_to_f16(p * lsb[r] * p_mul);
+            }
+            l_run = l_run * alpha + lsum;
+            m_run = m_new;
+            const float factor = alpha * c_ratio;
+            if (sm_p == 0) alpha_s[sm_h] = factor;
+            c_run = c_new;
+            rescale = __syncthreads_or(factor != 1.0f) != 0;
+        }
+
+        // ---- O = alpha O + P' V (B fragments converted from code bytes) ----------------------
+        {
+            if (rescale) {
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const float aa = alpha_s[m * 16 + g], ab = alpha_s[m * 16 + g + 8];
+#pragma unroll
+                    for (int n = 0; n < C::NTP; ++n) {
+                        o_acc[m][n][0] *= aa;
+                        o_acc[m][n][1] *= aa;
+                        o_acc[m][n][2] *= ab;
+                        o_acc[m][n][3] *= ab;
+                    }
+                }
+            }
+            const u32 tb = t_base + buf * (BN * C::TS);
+#pragma unroll
+            for (int ks = 0; ks < BN / 16; ++ks) {
+                u32 pf[MT][4];
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+                    ldsm_x4(p_base + ((m * 16 + a_row) * C::PS + ks * 16 + a_col) * 2, pf[m][0], pf[m][1], pf[m][2],
+                            pf[m][3]);
+                u32 bf[C::NTP][2];
+                if (FMT == 0) {
+                    // per 32 dims: matrices (rows 0-7, dims 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31);
+                    // n-tile 4 jb + 2 sub (+1) holds dims d0 + 32 jb + 16 sub + 2 n (+1)
+#pragma unroll
+                    for (int jb = 0; jb < C::DW / 32; ++jb) {
+                        u32 v[4];
+                        ldsm_x4_trans(tb + (ks * 16 + bv_row) * C::TS + d0 + 32 * jb + bv_col, v[0], v[1], v[2], v[3]);
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) {
+                            const int sub = q >> 1, half = q & 1;
+                            bf[4 * jb + 2 * sub][half] = e4m3_lo_to_f16x2(prmt(v[q], 0u, 0x4420u));
+                            bf[4 * jb + 2 * sub + 1][half] = e4m3_lo_to_f16x2(prmt(v[q], 0u, 0x4431u));
+                        }
+                    }
+                } else {
+                    // 64 dims = 32 bytes: matrices (rows 0-7, dims 0-31), (8-15, 0-31), (0-7, 32-63), (8-15, 32-63);
+                    // n-tile 4 jb + j holds dims d0 + 32 jb + 4 n + j
+                    u32 v[4];
+                    ldsm_x4_trans(tb + (ks * 16 + bv_row) * C::TS + d0 / 2 + bv_col, v[0], v[1], v[2], v[3]);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const int jb = q >> 1, half = q & 1;
+                        u32 h[4];
+                        int4x8_to_f16(v[q], lt, h);
+                        bf[4 * jb + 0][half] = prmt(h[0], h[2], 0x5410u);
+                        bf[4 * jb + 1][half] = prmt(h[0], h[2], 0x7632u);
+                        bf[4 * jb + 2][half] = prmt(h[1], h[3], 0x5410u);
+                        bf[4 * jb + 3][half] = prmt(h[1], h[3], 0x7632u);
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < C::NTP; ++n)
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) mma_16816(o_acc[m][n], pf[m], bf[n][0], bf[n][1]);
+            }
+        }
+    }
+
+    // ---- epilogue: normalized partial context (un-rotated for int4) and its log-sum-exp -----
+#pragma unroll
+    for (int o = C::TPH / 2; o > 0; o >>= 1) l_run += __shfl_xor_sync(FULL_MASK, l_run, o);
+    if (sm_p == 0) {
+        ml_s[sm_h * 2] = m_run;
+        ml_s[sm_h * 2 + 1] = l_run;
+    }
+    __syncthreads();  // ml_s visible; every warp is done with the tiles (ctx overlays them)
+    float fac[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        const float c_eff = c_run > 0.0f ? c_run : 1.0f;
+        const float vs = FMT == 1 ? rsqrtf((float)K) : 1.0f;
+        const float la = ml_s[(m * 16 + g) * 2 + 1], lb = ml_s[(m * 16 + g + 8) * 2 + 1];
+        fac[m][0] = la > 0.0f ? c_eff / (P_SCALE * la) * vs : 0.0f;
+        fac[m][1] = lb > 0.0f ? c_eff / (P_SCALE * lb) * vs : 0.0f;
+    }
+    const float lse_val = l_run > 0.0f ? m_run + log2f(l_run) : NEG_INF;
+    __syncthreads();  // ml_s read before ctx overwrites it
+    if (sm_p == 0) lse_out[(long long)sm_h * n_splits] = lse_val;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        float* ca = ctx + (m * 16 + g) * C::CS;
+        float* cb = ca + 8 * C::CS;
+        const float fa = fac[m][0], fb = fac[m][1];
+        if (FMT == 0) {
+#pragma unroll
+            for (int n2 = 0; n2 < C::NTP / 2; ++n2) {
+                const int d = d0 + 16 * n2 + 4 * t4;
+                const float* x = o_acc[m][2 * n2];
+                const float* y = o_acc[m][2 * n2 + 1];
+                *(float4*)(ca + d) = make_float4(x[0] * fa, y[0] * fa, x[1] * fa, y[1] * fa);
+                *(float4*)(cb + d) = make_float4(x[2] * fb, y[2] * fb, x[3] * fb, y[3] * fb);
+            }
+        } else {
+#pragma unroll
+            for (int jb = 0; jb < C::NTP / 4; ++jb) {
+                const int d = d0 + 32 * jb + 8 * t4;
+                const float* n0v = o_acc[m][4 * jb];
+                const float* n1v = o_acc[m][4 * jb + 1];
+                const float* n2v = o_acc[m][4 * jb + 2];
+                const float* n3v = o_acc[m][4 * jb + 3];
+                *(float4*)(ca + d) = make_float4(n0v[0] * fa, n1v[0] * fa, n2v[0] * fa, n3v[0] * fa);
+                *(float4*)(ca + d + 4) = make_float4(n0v[1] * fa, n1v[1] * fa, n2v[1] * fa, n3v[1] * fa);
+                *(float4*)(cb + d) = make_float4(n0v[2] * fb, n1v[2] * fb, n2v[2] * fb, n3v[2] * fb);
+                *(float4*)(cb + d + 4) = make_float4(n0v[3] * fb, n1v[3] * fb, n2v[3] * fb, n3v[3] * fb);
+            }
+        }
+    }
+    __syncthreads();
+    for (int hl = warp; hl < C::HG; hl += WARPS) {
+        float v[16];
+        const float* row = ctx + hl * C::CS;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float4 x = *(const float4*)(row + 128 * j + 4 * lane);
+            v[4 * j] = x.x;
+            v[4 * j + 1] = x.y;
+            v[4 * j + 2] = x.z;
+            v[4 * j + 3] = x.w;
+        }
+        if (FMT == 1) {
+            fwht_warp<16>(v, lane, 1.0f / sqrtf((float)K));
+#pragma unroll
+            for (int j = 0; j < 16; ++j) v[j] *= tq_sign((u32)(128 * (j >> 2) + 4 * lane + (j & 3)));
+        }
+        float* dst = o_part + (((long long)b * Hp + h0 + hl) * n_splits + split) * K;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            *(float4*)(dst + 128 * j + 4 * lane) = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
+    }
+}
+
+// One block per (head, 128-dim chunk, sequence); warps take every 8th split.
+template <int K>
+__global__ void __launch_bounds__(256) mla_merge_v2(const float* __restrict__ o_part,
+                                                    const float* __restrict__ lse_part, int H, int Hp,
+                                                    int n_splits, float* __restrict__ out) {
+    extern __shared__ float weights[];  // [n_splits]
+    __shared__ float4 part[8][32];
+    __shared__ float red[8];
+    const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* lse = lse_part + ((long long)b * Hp + h) * n_splits;
+    float mx = NEG_INF;
+    for (int s = tid; s < n_splits; s += 256) mx = fmaxf(mx, lse[s]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = red[0];
+#pragma unroll
+    for (int i = 1; i < 8; ++i) mx = fmaxf(mx, red[i]);
+    __syncthreads();
+    float tot = 0.0f;
+    for (int s = tid; s < n_splits; s += 256) {
+        const float w = mx == NEG_INF ? 0.0f : exp2f(lse[s] - mx);
+        weights[s] = w;
+        tot += w;
+    }
+    for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, o);
+    if (lane == 0) red[warp] = tot;
+    __syncthreads();
+    tot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) tot += red[i];
+    const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+
+    const float4* op = (const float4*)(o_part + ((long long)b * Hp + h) * n_splits * K + chunk * 128) + lane;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+    for (int s = warp; s < n_splits; s += 8) {
+        const float w = weights[s];
+        const bool live = w > 0.0f;  // an empty split never wrote its partial
+        const float4 v = op[(long long)s * (K / 4)];
+        acc.x += live ? w * v.x : 0.0f;
+        acc.y += live ? w * v.y : 0.0f;
+        acc.z += live ? w * v.z : 0.0f;
+        acc.w += live ? w * v.w : 0.0f;
+    }
+    part[warp][lane] = acc;
+    __syncthreads();
+    if (tid < 32) {
+        float4 sum = part[0][tid];
+#pragma unroll
+        for (int w = 1; w < 8; ++w) {
+            sum.x += part[w][tid].x;
+            sum.y += part[w][tid].y;
+            sum.z += part[w][tid].z;
+            sum.w += part[w][tid].w;
+        }
+        ((float4*)(out + ((long long)b * H + h) * K + chunk * 128))[tid] =
+            make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
+    }
+}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvstore.gpu import testing
+from kvstore.gpu.cuda_backend import CudaBackend
 from kvstore.gpu.registry import get_backend
 
 pytestmark = pytest.mark.gpu
@@ -99,3 +100,45 @@ def test_kernels_run_on_the_callers_stream(cuda_backend):
     torch.cuda.current_stream().wait_stream(side)
     err = testing.relative_error(out, testing.reference(case))
     assert err < KERNEL_BOUND, f"rel err {err:.3e} (seed {seed})"
+
+
+@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
+@pytest.mark.parametrize("selected", [False, True], ids=["dense", "selected"])
+@pytest.mark.parametrize("heads,longest", [(16, 4097), (64, 131072), (128, 7)])
+def test_v1_kernels_still_match(tier, selected, heads, longest):
+    """The first-generation kernels (still used for kv_lora 128/256) at kv_lora 512 too."""
+    backend = CudaBackend(torch.device("cuda"), variant="v1")
+    seed = RUN_SEED + 17 * heads + longest
+    case = testing.make_case(tier, testing.ragged_lengths(longest, 8, seed), heads, device="cuda", seed=seed,
+                             selected=min(longest, SELECTED) if selected else None)
+    _check(case, backend, seed)
+
+
+@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
+@pytest.mark.parametrize("max_mt", [1, 2])
+@pytest.mark.parametrize("heads,longest,qk_rope", [(64, 70000, 64), (128, 4097, 64), (48, 9000, 32), (20, 3000, 64)])
+def test_v2_head_group_sizes(tier, max_mt, heads, longest, qk_rope):
+    """v2 with 16 or 32 heads per block (more head groups), also with padded groups and qk_rope 32."""
+    backend = CudaBackend(torch.device("cuda"), variant="v2", max_mt=max_mt)
+    seed = RUN_SEED + 23 * heads + max_mt
+    case = testing.make_case(tier, testing.ragged_lengths(longest, 4, seed), heads, qk_rope=qk_rope,
+                             device="cuda", seed=seed)
+    _check(case, backend, seed)
+
+
+@pytest.mark.parametrize("nan_rate", [0.0, 0.05])
+def test_fp8_with_and_without_nan_codes(cuda_backend, nan_rate):
+    """v2 takes its fast path on NaN-free tiles and clears NaN codes where a tile holds some."""
+    seed = RUN_SEED + 31
+    case = testing.make_case("fp8", [20000, 333], 16, device="cuda", seed=seed, nan_rate=nan_rate)
+    _check(case, cuda_backend, seed)
+
+
+def test_whole_rows_of_nan_codes(cuda_backend):
+    """Rows made only of NaN codes decode as zero rows (score 0, zero value)."""
+    seed = RUN_SEED + 37
+    case = testing.make_case("fp8", [3000], 16, device="cuda", seed=seed, nan_rate=0.0)
+    start = int(case.seq_start[0])
+    case.lc_codes[start + 64: start + 200] = 0xFF
+    case.rc_codes[start + 100: start + 300] = 0x7F
+    _check(case, cuda_backend, seed)

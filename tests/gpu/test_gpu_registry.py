@@ -146,3 +146,18 @@ def test_public_functions_dispatch_on_the_query_device():
     case = _case(selected=4)
     out = gpu.mla_decode_fp8_selected(*case.args())
     assert out.shape == (2, 16, 128) and torch.isfinite(out).all()
+
+
+def test_cuda_launch_plan_head_groups_and_splits():
+    """The split planner (host-side): head groups per block size, and one wave of blocks."""
+    from kvstore.gpu.cuda_backend import plan_launch
+
+    plan = plan_launch(1, 16, 1 << 20, 1 << 20, 132)
+    assert (plan.m_tiles, plan.head_groups, plan.padded_heads, plan.blocks_per_sm) == (1, 1, 16, 2)
+    assert plan.n_splits * plan.blocks_per_split * 64 >= 1 << 20 and plan.n_splits <= 264
+    assert (plan_launch(1, 64, 4097, 4097, 132).m_tiles, plan_launch(1, 64, 4097, 4097, 132).head_groups) == (4, 1)
+    narrow = plan_launch(1, 64, 4097, 4097, 132, max_mt=2)
+    assert (narrow.m_tiles, narrow.head_groups, narrow.padded_heads) == (2, 2, 64)
+    padded = plan_launch(2, 48, 9000, 5000, 132, max_mt=1)
+    assert (padded.m_tiles, padded.head_groups, padded.padded_heads) == (1, 3, 48)
+    assert plan_launch(1, 20, 100, 100, 132).padded_heads == 32
