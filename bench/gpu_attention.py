@@ -223,6 +223,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     parser.add_argument("--compare", default=None, help="comma-separated kernel variants to time side by side")
     parser.add_argument("--no-torch", action="store_true", help="skip timing the pure-torch path")
+    parser.add_argument("--one", default=None, metavar="TIER,H,T[,SPEC]",
+                        help="only run one call (twice) of one problem, e.g. under a profiler")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
@@ -233,6 +235,14 @@ def main() -> int:
     print(f"device: {device}; backend: {backend.name}; seed {args.seed}", flush=True)
     if args.smoke:
         return 0 if smoke(backend, args.seed) else 1
+    if args.one:
+        tier, heads, longest, *spec = args.one.split(",")
+        one = make_backend(spec[0]) if spec else backend
+        case = testing.make_case(tier, [int(longest)], int(heads), device="cuda", seed=args.seed, nan_rate=0.0)
+        for _ in range(2):
+            testing.decode(case, testing.poisoned_out(case), backend=one, validate=False)
+        torch.cuda.synchronize()
+        return 0
 
     copy_bw = copy_bandwidth()
     if args.compare:

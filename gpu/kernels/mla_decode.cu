@@ -888,6 +888,13 @@ __device__ __forceinline__ void fwht_warp(float (&v)[NV], int lane, float norm) 
     for (int j = 0; j < NV; ++j) v[j] *= norm;
 }
 
+// 2^x (ex2.approx.ftz: ~2 ulp, results below 2^-126 flush to 0; 2^-inf = 0)
+__device__ __forceinline__ float ex2_fast(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 template <int MT, int K, int R, int FMT>
 struct Cfg2 {
     static constexpr int HG = 16 * MT;
@@ -929,6 +936,7 @@ struct Cfg2 {
     static_assert(R == 32 || R == 64, "qk_rope 32 or 64");
     static_assert(THREADS % LB == 0 && BN % LSTR == 0, "latent staging map");
     static_assert(DW == 64 && NTP == 8, "P.V warp tile");
+    static_assert(RPT % 4 == 0, "softmax rows per thread in float4 steps");
     static_assert(THREADS % HG == 0 && BN % TPH == 0, "softmax thread mapping");
     static_assert(OFF_T % 16 == 0 && TS % 16 == 0, "cp.async / ldmatrix alignment");
 };
@@ -958,7 +966,8 @@ __device__ __forceinline__ int qk_position(int f) {
 // converted in registers; A fragments (query, qk_position order) by ldmatrix. acc[m][n-tile][4].
 template <int NB, int MT, int FMT, int TS, int QS>
 __device__ __forceinline__ void qk_blocks_v2(int blk_first, u32 b_addr, u32 q_base, int a_row, int a_col,
-                                             const LevelTable& lt, float (&acc)[MT][2][4]) {
+                                             const LevelTable& lt, float (&acc0)[MT][2][4],
+                                             float (&acc1)[MT][2][4]) {
     constexpr int KSB = FMT == 0 ? 1 : 2;
 #pragma unroll
     for (int i = 0; i < NB; i += 2) {
@@ -969,6 +978,7 @@ __device__ __forceinline__ void qk_blocks_v2(int blk_first, u32 b_addr, u32 q_ba
 #pragma unroll
         for (int jb = 0; jb < 2; ++jb) {
             if (i + jb >= NB) break;
+            float (&acc)[MT][2][4] = jb ? acc1 : acc0;  // odd blocks may use a second chain
             const u32 wa = w[2 * jb], wb = w[2 * jb + 1];  // n-tile 0, n-tile 1
             u32 bb[2][KSB][2];
             if (FMT == 0) {
@@ -1058,6 +1068,24 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         if (!GATHER) {
             const long long base = start + pos0;
             const int valid = (int)min((long long)min(T - pos0, BN), n_rows - base);
+            if (valid == BN) {  // whole tile inside the sequence: constant offsets, no predicates
+                const u8* lat = lc + (base + lrow0) * C::KB + lcol * 16;
+                const u32 dl = tb + lrow0 * C::TS + lcol * 16;
+#pragma unroll
+                for (int i = 0; i < C::NL; ++i) cp_async16(dl + i * C::LSTR * C::TS, lat + i * C::LSTR * C::KB, 16u);
+                const u8* rope = rc + (base + rrow0) * C::RB + rcol * 16;
+                const u32 dr = tb + rrow0 * C::TS + C::KB + rcol * 16;
+#pragma unroll
+                for (int j = 0; j < C::NR; ++j)
+                    if (rrow0 + j * C::RSTR < BN) cp_async16(dr + j * C::RSTR * C::TS, rope + j * C::RSTR * C::RB, 16u);
+                if (tid < BN) {
+                    cp_async4(ls_base + (buf * BN + tid) * 4, lscale + base + tid, 4u);
+                    cp_async4(rs_base + (buf * BN + tid) * 4, rscale + base + tid, 4u);
+                    valid_s[buf * BN + tid] = 1;
+                }
+                cp_async_commit();
+                return;
+            }
 #pragma unroll
             for (int i = 0; i < C::NL; ++i) {
                 const int r = lrow0 + i * C::LSTR;
@@ -1226,27 +1254,46 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     };
 
     auto qk = [&](int buf) -> bool {
+        // one warp with 16 heads has only two mma chains per pass: split them over even / odd blocks
+        constexpr bool SPLIT = MT == 1;
         const u32 tb = t_base + buf * (BN * C::TS);
-        float acc[MT][2][4];
+        float acc[MT][2][4], acc2[MT][2][4];
         auto zero = [&]() {
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+                    for (int e = 0; e < 4; ++e) {
+                        acc[m][n][e] = 0.0f;
+                        if (SPLIT) acc2[m][n][e] = 0.0f;
+                    }
+        };
+        auto join = [&]() {
+            if (SPLIT)
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int n = 0; n < 2; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[m][n][e] += acc2[m][n][e];
         };
         const u32 b_addr = tb + bq_row * C::TS + bq_blk * 16;
         bool bad;
         zero();
         if (qk_half == 0) {
-            qk_blocks_v2<C::LB0, MT, FMT, C::TS, C::QS>(0, b_addr, q_base, a_row, a_col, lt, acc);
+            qk_blocks_v2<C::LB0, MT, FMT, C::TS, C::QS>(0, b_addr, q_base, a_row, a_col, lt, acc, SPLIT ? acc2 : acc);
+            join();
             bad = qk_store(acc, buf, false, false);
         } else {
-            qk_blocks_v2<C::RBK, MT, FMT, C::TS, C::QS>(C::LB, b_addr, q_base, a_row, a_col, lt, acc);
+            qk_blocks_v2<C::RBK, MT, FMT, C::TS, C::QS>(C::LB, b_addr, q_base, a_row, a_col, lt, acc,
+                                                        SPLIT ? acc2 : acc);
+            join();
             bad = qk_store(acc, buf, true, false);
             zero();
-            qk_blocks_v2<C::LB - C::LB0, MT, FMT, C::TS, C::QS>(C::LB0, b_addr, q_base, a_row, a_col, lt, acc);
+            qk_blocks_v2<C::LB - C::LB0, MT, FMT, C::TS, C::QS>(C::LB0, b_addr, q_base, a_row, a_col, lt, acc,
+                                                                SPLIT ? acc2 : acc);
+            join();
             bad |= qk_store(acc, buf, false, true);
         }
         return bad;
@@ -1286,43 +1333,59 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
             __syncthreads();
         }
 
-        // ---- online softmax (as v1); c = running max |row scale| -----------------------------
+        // ---- online softmax (as v1); c = running max |row scale|; thread sm_p of a head owns
+        // rows sm_p * RPT .. + RPT - 1 (vector loads / stores) ---------------------------------
         bool rescale;
         {
-            const float* lsb = ls_s + buf * BN;
-            const int* vb = valid_s + buf * BN;
-            float c_blk = 0.0f;
+            const int r0 = sm_p * C::RPT;
+            const float* lsb = ls_s + buf * BN + r0;
+            const int* vb = valid_s + buf * BN + r0;
+            const float* S0 = Sbuf + sm_h * C::SS + r0;
+            const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS + r0;
+            float sv[C::RPT], lv[C::RPT];
+            float c_blk = 0.0f, mx = NEG_INF;
 #pragma unroll
-            for (int i = 0; i < C::RPT; ++i) c_blk = fmaxf(c_blk, fabsf(lsb[sm_p + i * C::TPH]));
-#pragma unroll
-            for (int o = C::TPH / 2; o > 0; o >>= 1) c_blk = fmaxf(c_blk, __shfl_xor_sync(FULL_MASK, c_blk, o));
-            const float c_new = fmaxf(c_run, c_blk);
-            const float c_eff = c_new > 0.0f ? c_new : 1.0f;
-            const float p_mul = P_SCALE / c_eff;
-            const float c_ratio = c_run > 0.0f ? c_run / c_eff : 1.0f;
-            const float* S0 = Sbuf + sm_h * C::SS;
-            const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS;
-            float sv[C::RPT];
-            float mx = NEG_INF;
-#pragma unroll
-            for (int i = 0; i < C::RPT; ++i) {
-                const int r = sm_p + i * C::TPH;
-                const float s = vb[r] ? S0[r] + S1[r] : NEG_INF;
-                sv[i] = s;
-                mx = fmaxf(mx, s);
+            for (int i = 0; i < C::RPT; i += 4) {
+                const float4 a = *(const float4*)(S0 + i), c = *(const float4*)(S1 + i);
+                const float4 l = *(const float4*)(lsb + i);
+                const int4 v = *(const int4*)(vb + i);
+                sv[i] = v.x ? a.x + c.x : NEG_INF;
+                sv[i + 1] = v.y ? a.y + c.y : NEG_INF;
+                sv[i + 2] = v.z ? a.z + c.z : NEG_INF;
+                sv[i + 3] = v.w ? a.w + c.w : NEG_INF;
+                lv[i] = l.x;
+                lv[i + 1] = l.y;
+                lv[i + 2] = l.z;
+                lv[i + 3] = l.w;
             }
 #pragma unroll
-            for (int o = C::TPH / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+            for (int i = 0; i < C::RPT; ++i) {
+                c_blk = fmaxf(c_blk, fabsf(lv[i]));
+                mx = fmaxf(mx, sv[i]);
+            }
+#pragma unroll
+            for (int o = C::TPH / 2; o > 0; o >>= 1) {
+                c_blk = fmaxf(c_blk, __shfl_xor_sync(FULL_MASK, c_blk, o));
+                mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+            }
+            const float c_new = fmaxf(c_run, c_blk);
+            const float c_eff = c_new > 0.0f ? c_new : 1.0f;
+            const float p_mul = __fdividef(P_SCALE, c_eff);
+            const float c_ratio = c_run > 0.0f ? __fdividef(c_run, c_eff) : 1.0f;
             const float m_new = fmaxf(m_run, mx);
             const float ref = m_new == NEG_INF ? 0.0f : m_new;
-            const float alpha = exp2f(m_run - ref);
+            const float alpha = ex2_fast(m_run - ref);
             float lsum = 0.0f;
 #pragma unroll
-            for (int i = 0; i < C::RPT; ++i) {
-                const int r = sm_p + i * C::TPH;
-                const float p = exp2f(sv[i] - ref);
-                lsum += p;
-                Ps[sm_h * C::PS + r] = f32_to_f16(p * lsb[r] * p_mul);
+            for (int i = 0; i < C::RPT; i += 4) {
+                u32 h[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = ex2_fast(sv[i + e] - ref);
+                    lsum += p;
+                    h[e] = f32_to_f16(p * lv[i + e] * p_mul);
+                }
+                *(uint2*)(Ps + sm_h * C::PS + r0 + i) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
             }
             l_run = l_run * alpha + lsum;
             m_run = m_new;
@@ -1366,8 +1429,9 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 #pragma unroll
                         for (int q = 0; q < 4; ++q) {
                             const int sub = q >> 1, half = q & 1;
-                            bf[4 * jb + 2 * sub][half] = e4m3_lo_to_f16x2(prmt(v[q], 0u, 0x4420u));
-                            bf[4 * jb + 2 * sub + 1][half] = e4m3_lo_to_f16x2(prmt(v[q], 0u, 0x4431u));
+                            const u32 pr = prmt(v[q], 0u, 0x3120u);  // (r, 2n) (r+1, 2n) | (r, 2n+1) (r+1, 2n+1)
+                            bf[4 * jb + 2 * sub][half] = e4m3_lo_to_f16x2(pr);
+                            bf[4 * jb + 2 * sub + 1][half] = e4m3_hi_to_f16x2(pr);
                         }
                     }
                 } else {
