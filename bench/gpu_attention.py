@@ -167,17 +167,19 @@ def make_backend(spec: str):
     return CudaBackend(torch.device("cuda"), variant=variant, max_mt=int(mt[2:]) if mt else 4)
 
 
-def compare(specs: list[str], copy_bw: float, l2_bytes: int, seed: int, out_dir: Path | None) -> bool:
+def compare(specs: list[str], copy_bw: float, l2_bytes: int, seed: int, out_dir: Path | None,
+            head_counts=(16, 64, 128)) -> bool:
     """Time every kernel variant on the same inputs; print one row per problem."""
     backends = {spec: make_backend(spec) for spec in specs}
     plan = []
     for tier in TIERS:
-        for heads in (16, 64, 128):
+        for heads in head_counts:
             for longest in (4097, 32768, 131072, 1 << 20):
                 plan.append((tier, [longest], heads, None))
-        plan.append((tier, [131072], 64, 2048))
-        plan.append((tier, testing.ragged_lengths(131072, 8, seed), 64, None))
-    plan = [p + (0.0,) for p in plan] + [("fp8", [131072], 16, None, 1e-3), ("fp8", [131072], 64, None, 1e-3)]
+        h = head_counts[-1]
+        plan.append((tier, [131072], h, 2048))
+        plan.append((tier, testing.ragged_lengths(131072, 8, seed), h, None))
+    plan = [p + (0.0,) for p in plan] + [("fp8", [131072], h, None, 1e-3) for h in head_counts[:2]]
     head = f"{'variant':9s} {'B':>2s} {'H':>4s} {'T':>12s} {'MB':>7s} " + " ".join(
         f"{spec + ' us':>11s} {'%copy':>6s} {'err':>7s}" for spec in specs)
     print(head, flush=True)
@@ -223,6 +225,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     parser.add_argument("--compare", default=None, help="comma-separated kernel variants to time side by side")
     parser.add_argument("--no-torch", action="store_true", help="skip timing the pure-torch path")
+    parser.add_argument("--heads", default="16,64,128", help="head counts of the --compare problems")
     parser.add_argument("--one", default=None, metavar="TIER,H,T[,SPEC]",
                         help="only run one call (twice) of one problem, e.g. under a profiler")
     args = parser.parse_args()
@@ -247,7 +250,8 @@ def main() -> int:
     copy_bw = copy_bandwidth()
     if args.compare:
         print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
-        return 0 if compare(args.compare.split(","), copy_bw, props.L2_cache_size, args.seed, args.out) else 1
+        heads = tuple(int(h) for h in args.heads.split(","))
+        return 0 if compare(args.compare.split(","), copy_bw, props.L2_cache_size, args.seed, args.out, heads) else 1
     mm_rate = matmul_rate()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write); f16 matmul: {mm_rate / 1e12:.0f} TFLOP/s",
           flush=True)

@@ -152,7 +152,8 @@ class CudaBackend(AttentionBackend):
     Parameters
     ----------
     device : the CUDA device
-    variant : ``"v2"`` (default; kv_lora 512, else v1 runs) or ``"v1"``
+    variant : ``"v2"`` (kv_lora 512, else v1 runs), ``"v3"`` (v2 with the row-owning softmax for
+        16-head blocks) or ``"v1"``; default :data:`DEFAULT_VARIANT`
     max_mt : most 16-head m-tiles per block of the v2 kernel (1, 2 or 4; default 4)
     """
 
@@ -164,10 +165,11 @@ class CudaBackend(AttentionBackend):
         self.capability = (props.major, props.minor)
         self.n_sm = props.multi_processor_count
         self._smem: dict[str, int] = {}
-        #: "v2" (two launches, fragments converted from code bytes) or "v1" (three launches)
+        #: "v2" (two launches, fragments converted from code bytes), "v3" (v2 with the row-owning
+        #: register softmax for 16-head blocks) or "v1" (three launches)
         self.variant = variant or DEFAULT_VARIANT
-        if self.variant not in ("v1", "v2"):
-            raise ValueError(f"variant must be 'v1' or 'v2', not {self.variant!r}")
+        if self.variant not in ("v1", "v2", "v3"):
+            raise ValueError(f"variant must be 'v1', 'v2' or 'v3', not {self.variant!r}")
         #: most 16-head m-tiles per block (v2)
         self.max_mt = max_mt or DEFAULT_MAX_MT
 
@@ -197,10 +199,12 @@ class CudaBackend(AttentionBackend):
     def _get(self, name_expression: str):
         return _kernels((name_expression,), self.capability, self.device.index)[0]
 
-    def _split_kernel(self, m_tiles: int, kv_lora: int, qk_rope: int, fmt: int, gather: bool, v2: bool = False):
+    def _split_kernel(self, m_tiles: int, kv_lora: int, qk_rope: int, fmt: int, gather: bool, v2: bool = False,
+                      fused: bool = False):
         """The split kernel and its dynamic shared memory (asked of the compiled module once)."""
         stem, smem_stem = ("mla_decode_v2", "mla_split_smem_v2") if v2 else ("mla_decode_split", "mla_split_smem")
-        name = f"{stem}<{m_tiles},{kv_lora},{qk_rope},{fmt},{'true' if gather else 'false'}>"
+        flags = f"{'true' if gather else 'false'}" + (f",{'true' if fused else 'false'}" if v2 else "")
+        name = f"{stem}<{m_tiles},{kv_lora},{qk_rope},{fmt},{flags}>"
         kernel, smem_query = _kernels((name, f"{smem_stem}<{m_tiles},{kv_lora},{qk_rope},{fmt}>"),
                                       self.capability, self.device.index)
         smem = self._smem.get(name)
@@ -241,7 +245,7 @@ class CudaBackend(AttentionBackend):
             max_rows = problem.n_rows
             mean_rows = problem.n_rows / batch
         q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
-        v2 = self.variant == "v2" and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
+        v2 = self.variant in ("v2", "v3") and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
         plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4)
         fmt = _FORMAT[tier]
         o_part = torch.empty((batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float32, device=device)
@@ -284,7 +288,8 @@ class CudaBackend(AttentionBackend):
                    rc_scales, seq_start, seq_len, indices, n_selected, o_part, lse, result):
         device = problem.device
         batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
-        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True)
+        fused = self.variant == "v3" and plan.m_tiles == 1
+        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True, fused=fused)
         merge = self._get(f"mla_merge_v2<{k}>")
         score_scale = np.float32(softmax_scale * math.log2(math.e))
         cupy = _cupy()

@@ -848,6 +848,10 @@ __device__ __forceinline__ void ldsm_x2(u32 addr, u32& r0, u32& r1) {
                  : "memory");
 }
 
+__device__ __forceinline__ void ldsm_x1(u32 addr, u32& r0) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r0) : "r"(addr) : "memory");
+}
+
 // Low two e4m3 bytes of w -> f16x2 (the high bytes are ignored).
 __device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {
     u32 r;
@@ -937,6 +941,7 @@ struct Cfg2 {
     static_assert(THREADS % LB == 0 && BN % LSTR == 0, "latent staging map");
     static_assert(DW == 64 && NTP == 8, "P.V warp tile");
     static_assert(RPT % 4 == 0, "softmax rows per thread in float4 steps");
+    static_assert(2 * HG * SS >= 2 * HG * WARPS + WARPS, "row-owning softmax scratch fits the score buffer");
     static_assert(THREADS % HG == 0 && BN % TPH == 0, "softmax thread mapping");
     static_assert(OFF_T % 16 == 0 && TS % 16 == 0, "cp.async / ldmatrix alignment");
 };
@@ -1014,7 +1019,51 @@ __device__ __forceinline__ void qk_blocks_v2(int blk_first, u32 b_addr, u32 q_ba
     }
 }
 
-template <int MT, int K, int R, int FMT, bool GATHER>
+// Row-owning Q.K^T (16-head blocks): the warp's 8 tile rows (one n-tile) over NB blocks from
+// `blk_first`; ldmatrix matrices are consecutive blocks of those rows (x4, then x2, then x1);
+// even blocks accumulate into acc0, odd ones into acc1 (two independent mma chains).
+template <int NB, int FMT, int QS>
+__device__ __forceinline__ void qk_rows_v2(int blk_first, u32 b_addr, u32 q_base, int a_row, int a_col,
+                                           const LevelTable& lt, float (&acc0)[4], float (&acc1)[4]) {
+    constexpr int KSB = FMT == 0 ? 1 : 2;
+#pragma unroll
+    for (int i = 0; i < NB;) {
+        const int n = NB - i >= 4 ? 4 : (NB - i >= 2 ? 2 : 1);
+        u32 w[4];
+        const u32 addr = b_addr + (blk_first + i) * 16;
+        if (n == 4) ldsm_x4(addr, w[0], w[1], w[2], w[3]);
+        else if (n == 2) ldsm_x2(addr, w[0], w[1]);
+        else ldsm_x1(addr, w[0]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (j >= n) break;
+            float (&acc)[4] = ((i + j) & 1) ? acc1 : acc0;
+            u32 bb[KSB][2];
+            if (FMT == 0) {
+                bb[0][0] = e4m3_lo_to_f16x2(w[j]);
+                bb[0][1] = e4m3_hi_to_f16x2(w[j]);
+            } else {
+                u32 h[4];
+                int4x8_to_f16(w[j], lt, h);
+                bb[0][0] = h[0];
+                bb[0][1] = h[1];
+                bb[KSB - 1][0] = h[2];
+                bb[KSB - 1][1] = h[3];
+            }
+#pragma unroll
+            for (int s = 0; s < KSB; ++s) {
+                const int ks = (blk_first + i + j) * KSB + s;
+                u32 af[4];
+                ldsm_x4(q_base + (a_row * QS + ks * 16 + a_col) * 2, af[0], af[1], af[2], af[3]);
+                mma_16816(acc, af, bb[s][0], bb[s][1]);
+            }
+        }
+        i += n;
+    }
+}
+
+// FUSED (MT == 1 only): row-owning scores and softmax in registers (see fused_tile below).
+template <int MT, int K, int R, int FMT, bool GATHER, bool FUSED>
 __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     mla_decode_v2(const float* __restrict__ q_lat, const float* __restrict__ q_rope, int H, float score_scale,
                   const u8* __restrict__ lc, const float* __restrict__ lscale,
@@ -1024,9 +1073,14 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                   long long n_rows, int Hp, int n_splits, int blocks_per_split,
                   float* __restrict__ o_part, float* __restrict__ lse_part) {
     using C = Cfg2<MT, K, R, FMT>;
+    static_assert(!FUSED || MT == 1, "the row-owning softmax is built for 16-head blocks");
     extern __shared__ __align__(16) unsigned char smem[];
     u16* Qs = (u16*)(smem + C::OFF_Q);
     float* Sbuf = (float*)(smem + C::OFF_S);
+    // FUSED: per-warp partial maxima [head][warp], |row scale| maxima [warp], sums [head][warp]
+    float* red_m = Sbuf;
+    float* red_c = Sbuf + C::HG * WARPS;
+    float* red_l = red_c + WARPS;
     u16* Ps = (u16*)(smem + C::OFF_P);
     float* ls_s = (float*)(smem + C::OFF_LS);
     float* rs_s = (float*)(smem + C::OFF_RS);
@@ -1314,170 +1368,294 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         }
     };
 
+    // O += P' V for tile `buf` (B fragments converted from code bytes)
+    auto pv = [&](int buf) {
+        const u32 tb = t_base + buf * (BN * C::TS);
+#pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks) {
+            u32 pf[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+                ldsm_x4(p_base + ((m * 16 + a_row) * C::PS + ks * 16 + a_col) * 2, pf[m][0], pf[m][1], pf[m][2],
+                        pf[m][3]);
+            u32 bf[C::NTP][2];
+            if (FMT == 0) {
+                // per 32 dims: matrices (rows 0-7, dims 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31);
+                // n-tile 4 jb + 2 sub (+1) holds dims d0 + 32 jb + 16 sub + 2 n (+1)
+#pragma unroll
+                for (int jb = 0; jb < C::DW / 32; ++jb) {
+                    u32 v[4];
+                    ldsm_x4_trans(tb + (ks * 16 + bv_row) * C::TS + d0 + 32 * jb + bv_col, v[0], v[1], v[2], v[3]);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const int sub = q >> 1, half = q & 1;
+                        const u32 pr = prmt(v[q], 0u, 0x3120u);  // (r, 2n) (r+1, 2n) | (r, 2n+1) (r+1, 2n+1)
+                        bf[4 * jb + 2 * sub][half] = e4m3_lo_to_f16x2(pr);
+                        bf[4 * jb + 2 * sub + 1][half] = e4m3_hi_to_f16x2(pr);
+                    }
+                }
+            } else {
+                // 64 dims = 32 bytes: matrices (rows 0-7, dims 0-31), (8-15, 0-31), (0-7, 32-63), (8-15, 32-63);
+                // n-tile 4 jb + j holds dims d0 + 32 jb + 4 n + j
+                u32 v[4];
+                ldsm_x4_trans(tb + (ks * 16 + bv_row) * C::TS + d0 / 2 + bv_col, v[0], v[1], v[2], v[3]);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int jb = q >> 1, half = q & 1;
+                    u32 h[4];
+                    int4x8_to_f16(v[q], lt, h);
+                    bf[4 * jb + 0][half] = prmt(h[0], h[2], 0x5410u);
+                    bf[4 * jb + 1][half] = prmt(h[0], h[2], 0x7632u);
+                    bf[4 * jb + 2][half] = prmt(h[1], h[3], 0x5410u);
+                    bf[4 * jb + 3][half] = prmt(h[1], h[3], 0x7632u);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < C::NTP; ++n)
+#pragma unroll
+                for (int m = 0; m < MT; ++m) mma_16816(o_acc[m][n], pf[m], bf[n][0], bf[n][1]);
+        }
+    };
+
+    // FUSED (16-head blocks): warp w owns tile rows 8w .. 8w + 7 over the whole score width, so
+    // its scores stay in registers; the block exchanges only per-warp maxima (one barrier) and
+    // keeps per-thread running max / sum for the heads g and g + 8 its P.V fragments hold.
+    float fm[2] = {NEG_INF, NEG_INF}, fl[2] = {0.0f, 0.0f};
+    auto fused_tile = [&](int buf) {
+        const u32 tb = t_base + buf * (BN * C::TS);
+        const int nf0 = warp * 8;
+        const u32 b_addr = tb + (nf0 + (lane & 7)) * C::TS + (lane >> 3) * 16;
+        const int r0 = nf0 + 2 * t4;
+        const float2 ls2 = *(const float2*)(ls_s + buf * BN + r0);
+        const float2 rs2 = *(const float2*)(rs_s + buf * BN + r0);
+        const int2 v2 = *(const int2*)(valid_s + buf * BN + r0);
+        const float qlg = qm_s[g * 2], qrg = qm_s[g * 2 + 1], qlh = qm_s[(g + 8) * 2], qrh = qm_s[(g + 8) * 2 + 1];
+        float sc[4];
+#pragma unroll 1
+        for (int attempt = 0;; ++attempt) {
+            float a0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, a1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float ar[4] = {0.0f, 0.0f, 0.0f, 0.0f}, ar1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            qk_rows_v2<C::LB, FMT, C::QS>(0, b_addr, q_base, a_row, a_col, lt, a0, a1);
+            qk_rows_v2<C::RBK, FMT, C::QS>(C::LB, b_addr, q_base, a_row, a_col, lt, ar, ar1);
+            bool bad = false;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                a0[e] += a1[e];
+                ar[e] += ar1[e];
+                bad |= (a0[e] != a0[e]) | (ar[e] != ar[e]);
+            }
+            sc[0] = v2.x ? a0[0] * ls2.x * qlg + ar[0] * rs2.x * qrg : NEG_INF;
+            sc[1] = v2.y ? a0[1] * ls2.y * qlg + ar[1] * rs2.y * qrg : NEG_INF;
+            sc[2] = v2.x ? a0[2] * ls2.x * qlh + ar[2] * rs2.x * qrh : NEG_INF;
+            sc[3] = v2.y ? a0[3] * ls2.y * qlh + ar[3] * rs2.y * qrh : NEG_INF;
+            float mg = fmaxf(sc[0], sc[1]), mh = fmaxf(sc[2], sc[3]);
+            float cl = fmaxf(fabsf(ls2.x), fabsf(ls2.y));
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) {
+                mg = fmaxf(mg, __shfl_xor_sync(FULL_MASK, mg, o));
+                mh = fmaxf(mh, __shfl_xor_sync(FULL_MASK, mh, o));
+            }
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) cl = fmaxf(cl, __shfl_xor_sync(FULL_MASK, cl, o));
+            if (t4 == 0) {
+                red_m[g * WARPS + warp] = mg;
+                red_m[(g + 8) * WARPS + warp] = mh;
+            }
+            if (lane == 0) red_c[warp] = cl;
+            if (!__syncthreads_or(FMT == 0 && bad && attempt == 0)) break;
+            clear_nan(buf);  // rare: the tile holds fp8 NaN codes
+            __syncthreads();
+        }
+        const float4* rm = (const float4*)red_m;
+        const float4 xg = rm[g * 2], yg = rm[g * 2 + 1], xh = rm[(g + 8) * 2], yh = rm[(g + 8) * 2 + 1];
+        const float4 c0 = ((const float4*)red_c)[0], c1 = ((const float4*)red_c)[1];
+        const float tg = fmaxf(fmaxf(fmaxf(xg.x, xg.y), fmaxf(xg.z, xg.w)), fmaxf(fmaxf(yg.x, yg.y), fmaxf(yg.z, yg.w)));
+        const float th = fmaxf(fmaxf(fmaxf(xh.x, xh.y), fmaxf(xh.z, xh.w)), fmaxf(fmaxf(yh.x, yh.y), fmaxf(yh.z, yh.w)));
+        const float c_blk =
+            fmaxf(fmaxf(fmaxf(c0.x, c0.y), fmaxf(c0.z, c0.w)), fmaxf(fmaxf(c1.x, c1.y), fmaxf(c1.z, c1.w)));
+        const float c_new = fmaxf(c_run, c_blk);
+        const float c_eff = c_new > 0.0f ? c_new : 1.0f;
+        const float p_mul = __fdividef(P_SCALE, c_eff);
+        const float c_ratio = c_run > 0.0f ? __fdividef(c_run, c_eff) : 1.0f;
+        const float mng = fmaxf(fm[0], tg), mnh = fmaxf(fm[1], th);
+        const float refg = mng == NEG_INF ? 0.0f : mng, refh = mnh == NEG_INF ? 0.0f : mnh;
+        const float alg = ex2_fast(fm[0] - refg), alh = ex2_fast(fm[1] - refh);
+        const float p0 = ex2_fast(sc[0] - refg), p1 = ex2_fast(sc[1] - refg);
+        const float p2 = ex2_fast(sc[2] - refh), p3 = ex2_fast(sc[3] - refh);
+        fl[0] = fl[0] * alg + (p0 + p1);
+        fl[1] = fl[1] * alh + (p2 + p3);
+        fm[0] = mng;
+        fm[1] = mnh;
+        *(u32*)(Ps + g * C::PS + r0) = f32_to_f16(p0 * ls2.x * p_mul) | ((u32)f32_to_f16(p1 * ls2.y * p_mul) << 16);
+        *(u32*)(Ps + (g + 8) * C::PS + r0) =
+            f32_to_f16(p2 * ls2.x * p_mul) | ((u32)f32_to_f16(p3 * ls2.y * p_mul) << 16);
+        c_run = c_new;
+        const float fa = alg * c_ratio, fb = alh * c_ratio;
+        if (__any_sync(FULL_MASK, fa != 1.0f || fb != 1.0f)) {
+#pragma unroll
+            for (int n = 0; n < C::NTP; ++n) {
+                o_acc[0][n][0] *= fa;
+                o_acc[0][n][1] *= fa;
+                o_acc[0][n][2] *= fb;
+                o_acc[0][n][3] *= fb;
+            }
+        }
+        __syncthreads();  // P' visible
+        pv(buf);
+    };
+
     for (int blk = blk0; blk < blk1; ++blk) {
         const int buf = (blk - blk0) & 1;
         cp_async_wait_all();
+
         __syncthreads();  // tile `blk` visible; every warp is done with the previous tile
         if (blk + 1 < blk1) issue(blk + 1, buf ^ 1);
 
-        // ---- S = Q K^T -----------------------------------------------------------------------
+        if constexpr (FUSED) {
+            fused_tile(buf);
+        } else {
+            // ---- S = Q K^T -----------------------------------------------------------------------
 #pragma unroll 1
-        for (int attempt = 0;; ++attempt) {
-            const bool bad = qk(buf);
-            if (FMT == 1) {
+            for (int attempt = 0;; ++attempt) {
+                const bool bad = qk(buf);
+                if (FMT == 1) {
+                    __syncthreads();
+                    break;
+                }
+                if (!__syncthreads_or(bad && attempt == 0)) break;
+                clear_nan(buf);
                 __syncthreads();
-                break;
             }
-            if (!__syncthreads_or(bad && attempt == 0)) break;
-            clear_nan(buf);
-            __syncthreads();
-        }
 
-        // ---- online softmax (as v1); c = running max |row scale|; thread sm_p of a head owns
-        // rows sm_p * RPT .. + RPT - 1 (vector loads / stores) ---------------------------------
-        bool rescale;
-        {
-            const int r0 = sm_p * C::RPT;
-            const float* lsb = ls_s + buf * BN + r0;
-            const int* vb = valid_s + buf * BN + r0;
-            const float* S0 = Sbuf + sm_h * C::SS + r0;
-            const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS + r0;
-            float sv[C::RPT], lv[C::RPT];
-            float c_blk = 0.0f, mx = NEG_INF;
+            // ---- online softmax (as v1); c = running max |row scale|; thread sm_p of a head owns
+            // rows sm_p * RPT .. + RPT - 1 (vector loads / stores) ---------------------------------
+            bool rescale;
+            {
+                const int r0 = sm_p * C::RPT;
+                const float* lsb = ls_s + buf * BN + r0;
+                const int* vb = valid_s + buf * BN + r0;
+                const float* S0 = Sbuf + sm_h * C::SS + r0;
+                const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS + r0;
+                float sv[C::RPT], lv[C::RPT];
+                float c_blk = 0.0f, mx = NEG_INF;
 #pragma unroll
-            for (int i = 0; i < C::RPT; i += 4) {
-                const float4 a = *(const float4*)(S0 + i), c = *(const float4*)(S1 + i);
-                const float4 l = *(const float4*)(lsb + i);
-                const int4 v = *(const int4*)(vb + i);
-                sv[i] = v.x ? a.x + c.x : NEG_INF;
-                sv[i + 1] = v.y ? a.y + c.y : NEG_INF;
-                sv[i + 2] = v.z ? a.z + c.z : NEG_INF;
-                sv[i + 3] = v.w ? a.w + c.w : NEG_INF;
-                lv[i] = l.x;
-                lv[i + 1] = l.y;
-                lv[i + 2] = l.z;
-                lv[i + 3] = l.w;
-            }
-#pragma unroll
-            for (int i = 0; i < C::RPT; ++i) {
-                c_blk = fmaxf(c_blk, fabsf(lv[i]));
-                mx = fmaxf(mx, sv[i]);
-            }
-#pragma unroll
-            for (int o = C::TPH / 2; o > 0; o >>= 1) {
-                c_blk = fmaxf(c_blk, __shfl_xor_sync(FULL_MASK, c_blk, o));
-                mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-            }
-            const float c_new = fmaxf(c_run, c_blk);
-            const float c_eff = c_new > 0.0f ? c_new : 1.0f;
-            const float p_mul = __fdividef(P_SCALE, c_eff);
-            const float c_ratio = c_run > 0.0f ? __fdividef(c_run, c_eff) : 1.0f;
-            const float m_new = fmaxf(m_run, mx);
-            const float ref = m_new == NEG_INF ? 0.0f : m_new;
-            const float alpha = ex2_fast(m_run - ref);
-            float lsum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < C::RPT; i += 4) {
-                u32 h[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = ex2_fast(sv[i + e] - ref);
-                    lsum += p;
-                    h[e] = f32_to_f16(p * lv[i + e] * p_mul);
+                for (int i = 0; i < C::RPT; i += 4) {
+                    const float4 a = *(const float4*)(S0 + i), c = *(const float4*)(S1 + i);
+                    const float4 l = *(const float4*)(lsb + i);
+                    const int4 v = *(const int4*)(vb + i);
+                    sv[i] = v.x ? a.x + c.x : NEG_INF;
+                    sv[i + 1] = v.y ? a.y + c.y : NEG_INF;
+                    sv[i + 2] = v.z ? a.z + c.z : NEG_INF;
+                    sv[i + 3] = v.w ? a.w + c.w : NEG_INF;
+                    lv[i] = l.x;
+                    lv[i + 1] = l.y;
+                    lv[i + 2] = l.z;
+                    lv[i + 3] = l.w;
                 }
-                *(uint2*)(Ps + sm_h * C::PS + r0 + i) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
-            }
-            l_run = l_run * alpha + lsum;
-            m_run = m_new;
-            const float factor = alpha * c_ratio;
-            if (sm_p == 0) alpha_s[sm_h] = factor;
-            c_run = c_new;
-            rescale = __syncthreads_or(factor != 1.0f) != 0;
-        }
-
-        // ---- O = alpha O + P' V (B fragments converted from code bytes) ----------------------
-        {
-            if (rescale) {
 #pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    const float aa = alpha_s[m * 16 + g], ab = alpha_s[m * 16 + g + 8];
+                for (int i = 0; i < C::RPT; ++i) {
+                    c_blk = fmaxf(c_blk, fabsf(lv[i]));
+                    mx = fmaxf(mx, sv[i]);
+                }
 #pragma unroll
-                    for (int n = 0; n < C::NTP; ++n) {
-                        o_acc[m][n][0] *= aa;
-                        o_acc[m][n][1] *= aa;
-                        o_acc[m][n][2] *= ab;
-                        o_acc[m][n][3] *= ab;
+                for (int o = C::TPH / 2; o > 0; o >>= 1) {
+                    c_blk = fmaxf(c_blk, __shfl_xor_sync(FULL_MASK, c_blk, o));
+                    mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+                }
+                const float c_new = fmaxf(c_run, c_blk);
+                const float c_eff = c_new > 0.0f ? c_new : 1.0f;
+                const float p_mul = __fdividef(P_SCALE, c_eff);
+                const float c_ratio = c_run > 0.0f ? __fdividef(c_run, c_eff) : 1.0f;
+                const float m_new = fmaxf(m_run, mx);
+                const float ref = m_new == NEG_INF ? 0.0f : m_new;
+                const float alpha = ex2_fast(m_run - ref);
+                float lsum = 0.0f;
+#pragma unroll
+                for (int i = 0; i < C::RPT; i += 4) {
+                    u32 h[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = ex2_fast(sv[i + e] - ref);
+                        lsum += p;
+                        h[e] = f32_to_f16(p * lv[i + e] * p_mul);
                     }
+                    *(uint2*)(Ps + sm_h * C::PS + r0 + i) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
                 }
+                l_run = l_run * alpha + lsum;
+                m_run = m_new;
+                const float factor = alpha * c_ratio;
+                if (sm_p == 0) alpha_s[sm_h] = factor;
+                c_run = c_new;
+                rescale = __syncthreads_or(factor != 1.0f) != 0;
             }
-            const u32 tb = t_base + buf * (BN * C::TS);
+
+            // ---- O = alpha O + P' V (B fragments converted from code bytes) ----------------------
+            {
+                if (rescale) {
 #pragma unroll
-            for (int ks = 0; ks < BN / 16; ++ks) {
-                u32 pf[MT][4];
+                    for (int m = 0; m < MT; ++m) {
+                        const float aa = alpha_s[m * 16 + g], ab = alpha_s[m * 16 + g + 8];
 #pragma unroll
-                for (int m = 0; m < MT; ++m)
-                    ldsm_x4(p_base + ((m * 16 + a_row) * C::PS + ks * 16 + a_col) * 2, pf[m][0], pf[m][1], pf[m][2],
-                            pf[m][3]);
-                u32 bf[C::NTP][2];
-                if (FMT == 0) {
-                    // per 32 dims: matrices (rows 0-7, dims 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31);
-                    // n-tile 4 jb + 2 sub (+1) holds dims d0 + 32 jb + 16 sub + 2 n (+1)
-#pragma unroll
-                    for (int jb = 0; jb < C::DW / 32; ++jb) {
-                        u32 v[4];
-                        ldsm_x4_trans(tb + (ks * 16 + bv_row) * C::TS + d0 + 32 * jb + bv_col, v[0], v[1], v[2], v[3]);
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) {
-                            const int sub = q >> 1, half = q & 1;
-                            const u32 pr = prmt(v[q], 0u, 0x3120u);  // (r, 2n) (r+1, 2n) | (r, 2n+1) (r+1, 2n+1)
-                            bf[4 * jb + 2 * sub][half] = e4m3_lo_to_f16x2(pr);
-                            bf[4 * jb + 2 * sub + 1][half] = e4m3_hi_to_f16x2(pr);
+                        for (int n = 0; n < C::NTP; ++n) {
+                            o_acc[m][n][0] *= aa;
+                            o_acc[m][n][1] *= aa;
+                            o_acc[m][n][2] *= ab;
+                            o_acc[m][n][3] *= ab;
                         }
                     }
-                } else {
-                    // 64 dims = 32 bytes: matrices (rows 0-7, dims 0-31), (8-15, 0-31), (0-7, 32-63), (8-15, 32-63);
-                    // n-tile 4 jb + j holds dims d0 + 32 jb + 4 n + j
-                    u32 v[4];
-                    ldsm_x4_trans(tb + (ks * 16 + bv_row) * C::TS + d0 / 2 + bv_col, v[0], v[1], v[2], v[3]);
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const int jb = q >> 1, half = q & 1;
-                        u32 h[4];
-                        int4x8_to_f16(v[q], lt, h);
-                        bf[4 * jb + 0][half] = prmt(h[0], h[2], 0x5410u);
-                        bf[4 * jb + 1][half] = prmt(h[0], h[2], 0x7632u);
-                        bf[4 * jb + 2][half] = prmt(h[1], h[3], 0x5410u);
-                        bf[4 * jb + 3][half] = prmt(h[1], h[3], 0x7632u);
-                    }
                 }
-#pragma unroll
-                for (int n = 0; n < C::NTP; ++n)
-#pragma unroll
-                    for (int m = 0; m < MT; ++m) mma_16816(o_acc[m][n], pf[m], bf[n][0], bf[n][1]);
+                pv(buf);
             }
         }
     }
 
     // ---- epilogue: normalized partial context (un-rotated for int4) and its log-sum-exp -----
-#pragma unroll
-    for (int o = C::TPH / 2; o > 0; o >>= 1) l_run += __shfl_xor_sync(FULL_MASK, l_run, o);
-    if (sm_p == 0) {
-        ml_s[sm_h * 2] = m_run;
-        ml_s[sm_h * 2 + 1] = l_run;
-    }
-    __syncthreads();  // ml_s visible; every warp is done with the tiles (ctx overlays them)
     float fac[MT][2];
+    const float c_fin = c_run > 0.0f ? c_run : 1.0f;
+    const float vs = FMT == 1 ? rsqrtf((float)K) : 1.0f;
+    if constexpr (FUSED) {
+        float lg = fl[0], lh = fl[1];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        const float c_eff = c_run > 0.0f ? c_run : 1.0f;
-        const float vs = FMT == 1 ? rsqrtf((float)K) : 1.0f;
-        const float la = ml_s[(m * 16 + g) * 2 + 1], lb = ml_s[(m * 16 + g + 8) * 2 + 1];
-        fac[m][0] = la > 0.0f ? c_eff / (P_SCALE * la) * vs : 0.0f;
-        fac[m][1] = lb > 0.0f ? c_eff / (P_SCALE * lb) * vs : 0.0f;
+        for (int o = 1; o < 4; o <<= 1) {
+            lg += __shfl_xor_sync(FULL_MASK, lg, o);
+            lh += __shfl_xor_sync(FULL_MASK, lh, o);
+        }
+        if (t4 == 0) {
+            red_l[g * WARPS + warp] = lg;
+            red_l[(g + 8) * WARPS + warp] = lh;
+        }
+        __syncthreads();  // every warp is done with the tiles (ctx overlays them) and red_l is complete
+        float la = 0.0f, lb = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            la += red_l[g * WARPS + w];
+            lb += red_l[(g + 8) * WARPS + w];
+        }
+        fac[0][0] = la > 0.0f ? c_fin / (P_SCALE * la) * vs : 0.0f;
+        fac[0][1] = lb > 0.0f ? c_fin / (P_SCALE * lb) * vs : 0.0f;
+        if (warp == 0 && t4 == 0) {
+            lse_out[(long long)g * n_splits] = la > 0.0f ? fm[0] + log2f(la) : NEG_INF;
+            lse_out[(long long)(g + 8) * n_splits] = lb > 0.0f ? fm[1] + log2f(lb) : NEG_INF;
+        }
+        __syncthreads();  // red_l read before ctx could overwrite it
+    } else {
+#pragma unroll
+        for (int o = C::TPH / 2; o > 0; o >>= 1) l_run += __shfl_xor_sync(FULL_MASK, l_run, o);
+        if (sm_p == 0) {
+            ml_s[sm_h * 2] = m_run;
+            ml_s[sm_h * 2 + 1] = l_run;
+        }
+        __syncthreads();  // ml_s visible; every warp is done with the tiles (ctx overlays them)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            const float la = ml_s[(m * 16 + g) * 2 + 1], lb = ml_s[(m * 16 + g + 8) * 2 + 1];
+            fac[m][0] = la > 0.0f ? c_fin / (P_SCALE * la) * vs : 0.0f;
+            fac[m][1] = lb > 0.0f ? c_fin / (P_SCALE * lb) * vs : 0.0f;
+        }
+        const float lse_val = l_run > 0.0f ? m_run + log2f(l_run) : NEG_INF;
+        __syncthreads();  // ml_s read before ctx overwrites it
+        if (sm_p == 0) lse_out[(long long)sm_h * n_splits] = lse_val;
     }
-    const float lse_val = l_run > 0.0f ? m_run + log2f(l_run) : NEG_INF;
-    __syncthreads();  // ml_s read before ctx overwrites it
-    if (sm_p == 0) lse_out[(long long)sm_h * n_splits] = lse_val;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
         float* ca = ctx + (m * 16 + g) * C::CS;
