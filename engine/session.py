@@ -182,19 +182,35 @@ class TurnResult:
 
 
 class TextDeltas:
-    """Text of a growing token list, piece by piece (multi-byte characters come out whole)."""
+    """Text of a growing token list, piece by piece, never repeating what was shown.
+
+    A byte-level tokenizer can split one character over several tokens: trailing replacement
+    characters (an incomplete UTF-8 sequence) are held back until the next token completes them,
+    or until :meth:`rest` at the end.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.shown = ""
+        self.shown = 0  # characters handed out so far
+
+    def _text(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def delta(self, tokens: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
-        if not text.startswith(self.shown):  # a merge changed earlier characters: show the new tail
-            self.shown = ""
-        piece, self.shown = text[len(self.shown):], text
+        """The new complete characters of ``tokens``' text since the last call."""
+        text = self._text(tokens)
+        stable = len(text)
+        while stable > self.shown and text[stable - 1] == "\ufffd":
+            stable -= 1
+        piece = text[self.shown:stable]
+        self.shown = max(self.shown, stable)
+        return piece
+
+    def rest(self, tokens: Sequence[int]) -> str:
+        """Whatever is left of the text (held-back characters included), at the end."""
+        text = self._text(tokens)
+        piece = text[self.shown:]
+        self.shown = max(self.shown, len(text))
         return piece
 
 

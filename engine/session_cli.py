@@ -116,6 +116,8 @@ def cmd_chat(args) -> int:
                 sys.stdout.write(pieces.delta(turn.tokens) if turn.tokenizer is not None else f"{token} ")
                 sys.stdout.flush()
         result = turn.result
+        if not args.json and turn.tokenizer is not None:
+            sys.stdout.write(pieces.rest(turn.tokens))
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0

@@ -12,8 +12,9 @@ Every answer reports the split: ``reused_tokens`` (stored rows reused) and ``pre
 ``X-KV-Source`` headers, in the log (``kvstore.engine.session``) and in ``GET /metrics``.
 
 Streaming (``"stream": true`` or ``Accept: text/event-stream``): server-sent events ``token``
-(``{"token": id, "text": piece}``), then one ``done`` with the whole JSON result, or one ``error``
-(``{"error", "reason"}``). Errors found before the first token (unknown session, fingerprint,
+(``{"token": id, "text": piece}``; characters split over tokens are held back until complete), a
+``text`` event with any characters still held back at the end, then one ``done`` with the whole
+JSON result — or one ``error`` (``{"error", "reason"}``). Errors found before the first token (unknown session, fingerprint,
 restore) are plain JSON error responses, not streams. A client that leaves mid-stream stops the
 turn after the current token; what was generated is appended (``finish_reason: cancelled``).
 """
@@ -125,9 +126,12 @@ def _produce(turn, events: queue.Queue, metrics: Metrics) -> None:
     try:
         with turn:
             pieces = TextDeltas(turn.tokenizer)
+            texts = turn.tokenizer is not None
             for token in turn:
-                piece = pieces.delta(turn.tokens)
-                events.put(("token", {"token": token, "text": piece if pieces.tokenizer is not None else None}))
+                events.put(("token", {"token": token, "text": pieces.delta(turn.tokens) if texts else None}))
+            tail = pieces.rest(turn.tokens) if texts else ""
+            if tail:
+                events.put(("text", {"text": tail}))
         metrics.record_turn(turn.result)
         events.put(("done", turn.result.to_dict()))
     except KVStoreError as exc:

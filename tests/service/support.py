@@ -21,11 +21,13 @@ ENV_KEYS = f"{KEY}:alice,{OTHER_KEY}:bob"
 class Server:
     """``kvstore serve`` on a socket bound here (a free port, no race), stopped cleanly.
 
-    ``extra`` are more ``serve`` arguments (``--model DIR --tier fp8``...); ``env`` more variables.
+    ``extra`` are more ``serve`` arguments (``--model DIR --tier fp8``...); ``env`` more variables;
+    ``cwd`` the folder relative paths are taken from.
     """
 
-    def __init__(self, data: Path, *extra: str, env: dict[str, str] | None = None, log_level: str = "info"):
+    def __init__(self, data: Path, *extra: str, env: dict[str, str] | None = None, log_level: str = "info", cwd: Path | None = None):
         self.data = data
+        self.cwd = cwd
         self.extra = extra
         self.env = env or {}
         self.log_level = log_level
@@ -44,7 +46,7 @@ class Server:
         command = [sys.executable, "-m", "kvstore.cli_sessions", "serve", "--data", str(self.data),
                    "--fd", str(listener.fileno()), "--log-level", self.log_level, *self.extra]
         self.process = subprocess.Popen(
-            command, pass_fds=[listener.fileno()], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command, pass_fds=[listener.fileno()], env=env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         listener.close()
         deadline = time.monotonic() + 120
