@@ -17,7 +17,10 @@ COLI_KV_MEDIA_TYPE = "application/x-coli-kv"
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON value must already have the field's type. In pydantic's lax mode
+    # {"n_records": false} was read as 0 (a malformed truncate emptied the session) and "3" or 3.0
+    # as 3; now they are refused with 422 like any other wrong type.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ErrorBody(BaseModel):
@@ -59,6 +62,13 @@ class TierIn(Strict):
     version: Literal[1, 2, 3] = 2
     codec: Literal["polar", "int4"] | None = None
     bits: int | None = Field(default=None, ge=2, le=6)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _not_a_bool(cls, version: Any) -> Any:
+        if isinstance(version, bool):  # True == 1: a literal check alone would take it as v1
+            raise ValueError("version is 1, 2 or 3 (a number, not a boolean)")
+        return version
 
     def to_tier(self) -> Tier:
         return Tier.parse(f"v{self.version}", self.codec, self.bits)

@@ -28,7 +28,7 @@ import schemathesis.checks as st_checks
 from hypothesis import HealthCheck, given, settings
 
 from kvstore.formats import coli_kv
-from reliability.service import ALICE_KEY, BOB_KEY, Service
+from reliability.service import ALICE_KEY, Service
 from reliability.store_checks import turn_bytes
 from reliability.store_workload import MODEL, TIER_NAMES
 from reliability.workload import GEOMETRY
@@ -386,3 +386,27 @@ def test_oversized_malformed_and_abandoned_bodies(service, figures):
         assert response.status_code == 200
         assert alice.get("/sessions/bodies/resume").content == rows + turn_bytes(9, 9)
     figures.add("api_abuse", "bodies_queries_abandoned_uploads", inputs=tried, server_errors=0, changed=0)
+
+
+def test_wrongly_typed_json_is_refused_not_coerced(service, figures):
+    """Regression: lax parsing read {"n_records": false} as 0, so a malformed truncate emptied the
+    session (found by the long schemathesis run). A value must already have its field's type."""
+    rows = make_session(service, "typed")
+    before = state_of(service, "typed")
+    wrong = [
+        ("/sessions/typed/truncate", {"n_records": False}),
+        ("/sessions/typed/truncate", {"n_records": "0"}),
+        ("/sessions/typed/truncate", {"n_records": 0.0}),
+        ("/sessions/typed/fork", {"at": True, "id": "typed-fork"}),
+        ("/sessions/typed/fork", {"at": "1", "id": "typed-fork"}),
+        ("/sessions", {"id": "typed-2", "model": MODEL, "geometry": {**GEOMETRY_JSON, "n_layers": "2"}}),
+        ("/sessions", {"id": "typed-2", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": {"version": True}}),
+        ("/lookup", {"model": MODEL, "geometry": GEOMETRY_JSON, "tokens": [True, False]}),
+        ("/sessions/typed/file/migrate", {"to": "v3", "codec": "int4", "bits": 4.0}),
+    ]
+    with service.client() as alice:
+        for path, body in wrong:
+            assert_error(alice.post(path, json=body), 422)
+        assert alice.get("/sessions/typed-fork").status_code == 404 and alice.get("/sessions/typed-2").status_code == 404
+    assert state_of(service, "typed") == before and before[-1] == rows
+    figures.add("api_abuse", "wrongly_typed_json", inputs=len(wrong), coerced=0)

@@ -29,7 +29,7 @@ from kvstore.sessions import SessionStore
 from reliability.store_checks import check_served, snapshot, visible
 from reliability.store_workload import StoreModel, perform
 from reliability.test_faults import Faults
-from reliability.workload import GEOMETRY, turn_rows
+from reliability.workload import turn_rows
 
 SEED = 77
 # step numbers of the rows each call appends (rows are regenerated from (SEED, step))
