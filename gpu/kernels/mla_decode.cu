@@ -10,7 +10,7 @@
 // query is rotated once (mla_prep_query), rows are attended in the rotated domain and the context
 // is un-rotated once (mla_merge).
 //
-// Kernels:
+// Kernels (the v2 pair at the end of the file is the default for kv_lora 512; see there):
 //   mla_prep_query   q f32 -> f16 (per-head power-of-two scale so f16 keeps full precision),
 //                    rotated first for int4; one block per (head, batch).
 //   mla_decode_split split-T (flash-decoding): block (head group, split, batch) streams BN-row
