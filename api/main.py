@@ -9,6 +9,7 @@ With ``Settings.model_dir`` the bundled engine is loaded at startup and ``POST
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -170,6 +171,7 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
     app.state.keys = keys
     app.state.metrics = Metrics()
     app.state.engine = None
+    app.state.generate_gate = asyncio.Lock()  # generate calls queue here for the one engine
     app.add_exception_handler(KVStoreError, _kvstore_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -21,6 +21,7 @@ turn after the current token; what was generated is appended (``finish_reason: c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
@@ -93,20 +94,41 @@ async def generate(
     prompt = _prompt(body)
     options = _options(body, owner)
     streaming = body.stream or EVENT_STREAM in request.headers.get("accept", "")
+    # Turns wait for the one engine here, in the event loop, not in worker threads the other
+    # endpoints need (the engine's own lock is then never contended).
+    gate: asyncio.Lock = request.app.state.generate_gate
+    await gate.acquire()
     if not streaming:
         try:
             result = await run_in_threadpool(lambda: engine.run(session_id, prompt, **options))
         except KVStoreError as exc:
             metrics.record_failure(type(exc).__name__)
             raise
+        finally:
+            gate.release()
         metrics.record_turn(result)
         return JSONResponse(result.to_dict(), headers=_split_headers(result.reused_tokens, result.prefilled_tokens, result.source))
 
     events: queue.Queue = queue.Queue()
+    loop = asyncio.get_running_loop()
+    once = threading.Lock()
 
-    def start():
-        turn = engine.begin(session_id, prompt, **options)
-        threading.Thread(target=_produce, args=(turn, events, metrics), name=f"generate-{session_id}", daemon=True).start()
+    def release() -> None:  # exactly once: when the turn ends, or when it could not begin
+        if once.acquire(blocking=False):
+            loop.call_soon_threadsafe(gate.release)
+
+    def start():  # runs to its end even if this request is cancelled meanwhile
+        try:
+            turn = engine.begin(session_id, prompt, **options)
+        except BaseException:
+            release()
+            raise
+        try:
+            threading.Thread(target=_produce, args=(turn, events, metrics, release), name=f"generate-{session_id}", daemon=True).start()
+        except BaseException:
+            turn.close()
+            release()
+            raise
         return turn
 
     try:
@@ -119,8 +141,9 @@ async def generate(
     return StreamingResponse(_events(turn, events), media_type=EVENT_STREAM, headers=headers)
 
 
-def _produce(turn, events: queue.Queue, metrics: Metrics) -> None:
-    """Run the turn to its end in this thread (it owns the engine's lock), queueing the events."""
+def _produce(turn, events: queue.Queue, metrics: Metrics, release) -> None:
+    """Run the turn to its end in this thread (it owns the engine), queueing the events; ``release``
+    lets the next turn in when it is done."""
     from kvstore.engine.session import TextDeltas
 
     try:
@@ -142,6 +165,7 @@ def _produce(turn, events: queue.Queue, metrics: Metrics) -> None:
         metrics.record_failure("InternalError")
         events.put(("error", {"error": "InternalError", "reason": f"{type(exc).__name__}: the turn failed; see the service log"}))
     finally:
+        release()
         events.put(None)
 
 
