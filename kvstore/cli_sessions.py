@@ -136,7 +136,7 @@ def cmd_serve(args) -> int:
 
     engine_flags = [flag for flag, value in (("--tier", args.tier), ("--bits", args.bits), ("--device", args.device), ("--dtype", args.dtype)) if value is not None]
     if args.model is None and engine_flags:
-        raise InvalidRequest(f"{', '.join(engine_flags)} configure the engine: give the model folder with --model DIR")
+        raise InvalidRequest(f"{', '.join(engine_flags)} only apply to the engine: give its model folder with --model DIR")
     if args.model is not None and not Path(args.model, "config.json").is_file():
         raise InvalidRequest(f"{args.model} is not a model folder (no config.json); create one with `kvstore new-model {args.model}`")
     settings = Settings(
