@@ -5,7 +5,9 @@ Parts: :mod:`~kvstore.engine.config` (``ModelConfig``, presets), :mod:`~kvstore.
 Hugging Face folder, random init, write a folder), :mod:`~kvstore.engine.cache` (latent-cache
 tiers), :mod:`~kvstore.engine.attention` (decode backends per tier), :mod:`~kvstore.engine.quant`
 (device codecs), :mod:`~kvstore.engine.generate` (``Engine``: prefix reuse, sampling, streaming),
-:mod:`~kvstore.engine.cli` (``kvstore new-model``, ``kvstore generate``).
+:mod:`~kvstore.engine.session` (``SessionEngine``: conversation turns on stored sessions),
+:mod:`~kvstore.engine.hf` (transformers interop), :mod:`~kvstore.engine.cli` (``kvstore new-model``,
+``kvstore generate``).
 
 The names below are imported on first use, so ``import kvstore.engine.cli`` (which every
 ``kvstore`` command does) does not pay for torch.
@@ -42,6 +44,8 @@ _EXPORTS = {
     "GenerationResult": "generate",
     "GenerationStream": "generate",
     "SamplingParams": "generate",
+    "SessionEngine": "session",
+    "TurnResult": "session",
     "MLAForCausalLM": "model",
     "load_model": "weights",
     "random_model": "weights",
