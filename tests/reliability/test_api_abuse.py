@@ -121,6 +121,14 @@ def no_server_error(ctx, response, case):
             raise AssertionError(f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:500]}")
 
 
+def wait_job(client, job: dict) -> dict:
+    """Poll a job until it ends; it must end done."""
+    while job["state"] in ("queued", "running"):
+        job = client.get(f"/jobs/{job['id']}").json()
+    assert job["state"] == "done", job
+    return job
+
+
 def store_files(data: Path) -> set[str]:
     """Every file of the store outside the index and the lock folder."""
     return {str(p.relative_to(data)) for p in data.rglob("*") if p.is_file() and p.parts[len(data.parts)] not in ("index", "locks")}
@@ -236,8 +244,8 @@ def test_every_route_refuses_missing_forged_and_malformed_keys(service, openapi,
 def test_another_owners_session_is_missing_on_every_route(service, openapi, figures):
     make_session(service, "alices")
     with service.client() as alice:
-        job = alice.post("/sessions/alices/park").json()["id"]
-        alice.post("/sessions/alices/unpark")
+        job = wait_job(alice, alice.post("/sessions/alices/park").json())["id"]
+        wait_job(alice, alice.post("/sessions/alices/unpark").json())
     before = state_of(service, "alices")
     session_routes = [(p, m) for p, m in routes(openapi) if p.startswith("/sessions/{session_id}")]
     covered = {(p[len("/sessions/{session_id}"):], m) for p, m in session_routes}
