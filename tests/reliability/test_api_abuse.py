@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,7 @@ def no_server_error(ctx, response, case):
 def wait_job(client, job: dict) -> dict:
     """Poll a job until it ends; it must end done."""
     while job["state"] in ("queued", "running"):
+        time.sleep(0.01)
         job = client.get(f"/jobs/{job['id']}").json()
     assert job["state"] == "done", job
     return job
