@@ -52,7 +52,7 @@ def render(document: dict, wall: float | None = None) -> str:
     lost = 0
     for suite, operations in document["suites"].items():
         columns = sorted({key for counts in operations.values() for key in counts})
-        lines += ["", f"**{suite}** ({document['wall_s'].get('test_' + suite, 0):.0f} s)", "",
+        lines += ["", f"**{suite}**", "",
                   "| operation | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
         for operation, counts in operations.items():
             lines.append(f"| {operation} | " + " | ".join(str(counts.get(c, "")) for c in columns) + " |")

@@ -44,6 +44,10 @@ CODEC_IDS = {name: codec for codec, name in CODEC_NAMES.items()}
 # sizing anything (STYLE rule 2). nrec is bounded by the file size instead.
 MAX_WIDTH = 1 << 20
 MAX_LAYERS = 1 << 12
+# Each word may be in range while their product is not: numpy cannot describe a record type of
+# 2 GiB or more (found by the long hostile-file fuzz: n_layers 512 x kv_lora 2^20 of f32 raised an
+# untyped ValueError), so such a header is refused as BadHeader too.
+MAX_RECORD_BYTES = (1 << 31) - 1
 HEADER_DTYPE = np.dtype([("magic", "S8"), ("words", "<i4", (8,))])
 
 
@@ -198,6 +202,8 @@ def check_geometry(geometry: Geometry, tier: Tier) -> None:
         for name in ("kv_lora", "qk_rope"):
             if getattr(g, name) < 2:
                 raise BadHeader(f"v3 rows need a width of at least 2, {name} is {getattr(g, name)}")
+    if record_bytes(g, tier) > MAX_RECORD_BYTES:
+        raise BadHeader(f"a record of this geometry is {record_bytes(g, tier)} bytes; the format's records are under 2 GiB")
 
 
 def record_dtype(geometry: Geometry, tier: Tier) -> np.dtype:

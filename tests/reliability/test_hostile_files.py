@@ -4,6 +4,7 @@ Only typed errors come out; nothing hangs; nothing is allocated beyond what the 
 justifies (a header may claim 2^31 records or 2^30-wide rows, the loader sizes nothing from that).
 """
 
+import os
 import struct
 import tracemalloc
 
@@ -19,6 +20,8 @@ from kvstore.formats.coli_kv import Header, Tier
 from kvstore.journal import KVFile
 
 TIERS = [Tier(1), Tier(2), Tier(3, 1, 4), Tier(3, 0, 2)]
+#: Fuzzed files per test: 300 in CI, 5000 in the long run (KVSTORE_LONG=1).
+EXAMPLES = 5000 if os.environ.get("KVSTORE_LONG") == "1" else 300
 SEEDS = {t: Header(GEOMETRY, t, 5).to_bytes() + expected_records(5, 1, t)[:5].tobytes() for t in TIERS}
 
 
@@ -36,7 +39,7 @@ def exercise(blob: bytes) -> None:
         records.quantized("L")
 
 
-@settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(TIERS), st.lists(st.integers(0, 10**6), max_size=12), st.integers(0, 10**6))
 def test_bit_flips_and_truncations(figures, tier, flips, cut):
     figures.add("hostile_files", "bit_flips_and_truncations", inputs=1)
@@ -50,7 +53,7 @@ def test_bit_flips_and_truncations(figures, tier, flips, cut):
 HEADER_WORDS = st.sampled_from([0, 1, 2, 3, 7, 64, 512, 2048, 2**20, 2**30, 2**31 - 1, -1, -(2**31)])
 
 
-@settings(max_examples=300, deadline=2000)
+@settings(max_examples=EXAMPLES, deadline=2000)
 @given(st.sampled_from(TIERS), st.lists(st.tuples(st.integers(0, 7), HEADER_WORDS), min_size=1, max_size=4))
 def test_absurd_header_words_allocate_nothing(figures, tier, edits):
     figures.add("hostile_files", "absurd_header_words", inputs=1)
@@ -76,6 +79,20 @@ def test_huge_claims_are_refused_or_clamped():
         struct.pack_into("<i", bad, 8 + 4 * word, value)
         with pytest.raises(KVStoreError):
             coli_kv.parse(bytes(bad))
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())
+def test_words_in_range_whose_record_is_too_large(tier):
+    """Regression (long fuzz): every word in range, their product a record of 2 GiB or more —
+    numpy cannot build such a record type; it raised an untyped ValueError."""
+    for n_layers, kv_lora, index_hd, nic in ((512, 2**20, 8, 1), (4096, 2**20, 2**20, 4096)):
+        blob = bytearray(SEEDS[tier])
+        struct.pack_into("<4i", blob, 8, n_layers, kv_lora, 16, index_hd)
+        struct.pack_into("<i", blob, 24, nic)
+        if coli_kv.record_bytes(coli_kv.Geometry(n_layers, kv_lora, 16, index_hd, nic, 1000), tier) < 2**31:
+            continue  # fits (a 4-bit tier packs the first shape small enough)
+        with pytest.raises(KVStoreError, match="2 GiB"):
+            coli_kv.parse(bytes(blob))
 
 
 @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())
