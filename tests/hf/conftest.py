@@ -8,7 +8,6 @@ logits. The folder also carries a byte-level tokenizer with a chat template.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,59 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.engine.config import preset
-
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))  # the worker module beside the tests
-
-
-def tiny_config(**changes):
-    """transformers ``DeepseekV3Config`` of the engine's ``tiny`` preset (MoE layers 1..3)."""
-    from transformers import DeepseekV3Config
-
-    fields = preset("tiny").to_hf_dict()
-    for key in ("architectures", "model_type", "dtype"):
-        fields.pop(key)
-    fields.update(changes)
-    return DeepseekV3Config(**fields)
-
-
-def build_model(seed: int = 0, **changes):
-    """A tiny DeepseekV3ForCausalLM with deterministic random weights (eval mode, f32)."""
-    from transformers import DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(tiny_config(**changes)).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.05)
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + torch.randn(param.shape, generator=generator) * 0.1)
-    return model
-
-
-def write_folder(folder: Path, seed: int = 0, *, tokenizer: bool = True, **changes) -> Path:
-    """``save_pretrained`` a tiny model (and a byte tokenizer with a chat template) into ``folder``."""
-    from kvstore.engine.tokenizer import write_byte_tokenizer
-
-    build_model(seed, **changes).save_pretrained(folder)
-    if tokenizer:
-        write_byte_tokenizer(folder, preset("tiny"))
-        config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text())
-        config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-        config_path.write_text(json.dumps(config, indent=2))
-    return folder
-
-
-def load(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_models and the worker module beside the tests
+from hf_models import load, write_folder  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from conftest import load
+from hf_models import load
 from kvstore.cli import main
 from kvstore.engine import hf
 from kvstore.engine.tokenizer import load_tokenizer

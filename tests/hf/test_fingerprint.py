@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import build_model, load, tiny_config, write_folder
+from hf_models import build_model, load, tiny_config, write_folder
 from kvstore.engine import hf
 from kvstore.errors import CacheLayoutUnsupported, FingerprintMismatch, InvalidRequest
 

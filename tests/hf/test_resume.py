@@ -30,7 +30,7 @@ import sys
 import pytest
 import torch
 
-from conftest import HERE
+from hf_models import HERE
 from kvstore.engine import hf
 from kvstore.sessions import SessionStore
 
@@ -46,7 +46,7 @@ OWNER = "alice"
 @pytest.fixture(scope="module")
 def resumed(tiny_folder, tmp_path_factory):
     """Parent references and the new process's report, per conversation and tier."""
-    from conftest import load
+    from hf_models import load
 
     torch.set_num_threads(1)
     model = load(tiny_folder)
