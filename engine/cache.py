@@ -19,6 +19,9 @@ int8     Q8_0: int8 codes + one f16 delta per 32 values    v1 (dequant)   L * (K
 Use: :func:`make_cache`; then per forward ``prepare(start, t)`` -> the model ``write``\\ s rows ->
 ``commit(start, tokens)``. ``restore`` swaps in rows from the journal all-or-nothing: stored
 rows of the tier's own version go in as they are (no dequantize/requantize round trip).
+``restore_records`` / ``restore_body`` do the same from ``.coli_kv`` records on the device
+(``engine/restore.py``: one read, one upload, the split into fields there); ``restore`` of
+host-side ``StoredRows`` is the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -127,10 +130,15 @@ class StoredRows:
             return fp8.dequantize_rows(self.lc, self.lc_scales), fp8.dequantize_rows(self.rc, self.rc_scales)
         from kvstore.formats import tq
 
-        return (
-            tq.dequantize_rows(self.lc, self.lc_scales, kv_lora, self.codec, self.bits),
-            tq.dequantize_rows(self.rc, self.rc_scales, qk_rope, self.codec, self.bits),
-        )
+        out = []
+        for codes, radii, width in ((self.lc, self.lc_scales, kv_lora), (self.rc, self.rc_scales, qk_rope)):
+            with np.errstate(over="ignore", invalid="ignore"):
+                rows = tq.dequantize_rows(codes, radii, width, self.codec, self.bits)
+            # A radius near the f32 limit (only a damaged file has one) overflows on the way back:
+            # such a row reads as zeros, as KVRecords.dequantize reads it.
+            rows[~np.isfinite(rows).all(axis=-1)] = 0.0
+            out.append(rows)
+        return out[0], out[1]
 
     def record_array(self, geometry) -> np.ndarray:
         """The rows as ``.coli_kv`` records (structured array; ``.tobytes()`` is a file body).
@@ -210,6 +218,11 @@ class LatentCache(ABC):
     @abstractmethod
     def _stored(self, fields: dict[str, np.ndarray], tokens: np.ndarray) -> StoredRows:
         """Host copies of fields [n_layers, n, ...] -> the tier's journal rows."""
+
+    def _native_fields(self, tier) -> dict[str, str] | None:
+        """Field -> ``.coli_kv`` record field (``Lc``/``Ls``/``Rc``/``Rs``) when records of ``tier``
+        are this tier's own representation (the device restore copies them as they are), else None."""
+        return None
 
     def _check_geometry(self) -> None:
         """Raise TierUnsupported if this tier cannot hold rows of this geometry."""
@@ -332,10 +345,11 @@ class LatentCache(ABC):
     def clear(self) -> None:
         self._length = 0
 
-    def _allocate(self, capacity: int) -> dict[str, torch.Tensor]:
+    def _allocate(self, capacity: int, *, zeros: bool = True) -> dict[str, torch.Tensor]:
         n_layers = self.geometry.n_layers
+        make = torch.zeros if zeros else torch.empty
         return {
-            name: torch.zeros((n_layers, capacity, *shape), dtype=dtype, device=self.device)
+            name: make((n_layers, capacity, *shape), dtype=dtype, device=self.device)
             for name, (shape, dtype) in self._field_specs().items()
         }
 
@@ -404,11 +418,71 @@ class LatentCache(ABC):
         # Everything is built: swap it in.
         self._fields, self._tokens, self._capacity, self._length = full, tokens, capacity, n
 
-    def restore_records(self, records, *, expect=None, allow_requantize: bool = False) -> None:
-        """Restore from a loaded ``.coli_kv`` file (``KVRecords``); ``expect`` is the model's Geometry."""
+    def restore_records(self, records, *, expect=None, allow_requantize: bool = False, headroom: int = _MIN_CAPACITY) -> None:
+        """Restore from a loaded ``.coli_kv`` file (``KVRecords``); ``expect`` is the model's Geometry.
+
+        Goes through the device restore (:meth:`restore_body`): the records are uploaded as stored
+        and split into the tier's fields on the device. Same result, byte for byte, as
+        ``restore(StoredRows.from_records(records))``, the host path kept as the reference.
+        """
+        from kvstore.engine import restore as device_restore
+
         if expect is not None and records.geometry != expect:
             raise GeometryMismatch("the file is for another model: " + "; ".join(records.geometry.mismatches(expect)))
-        self.restore(StoredRows.from_records(records), allow_requantize=allow_requantize)
+        self.restore_body(device_restore.MemoryBody(records), allow_requantize=allow_requantize, headroom=headroom)
+
+    def restore_body(
+        self, body, *, allow_requantize: bool = False, headroom: int = _MIN_CAPACITY, check_tokens=None, chunk_bytes: int | None = None
+    ) -> None:
+        """Replace the cache's content with the records of ``body``, all or nothing, on the device.
+
+        Parameters
+        ----------
+        body : ``kvstore.engine.restore.FileBody`` (read straight into pinned memory) or
+            ``MemoryBody`` (loaded records)
+        allow_requantize : as in :meth:`restore`
+        check_tokens : called with the tokens (int32[n]) before the new state replaces the old one;
+            whatever it raises leaves the cache unchanged
+        chunk_bytes : records per upload, in bytes (default ``restore.CHUNK_BYTES``)
+
+        The records go once to the device and are split there into new capacity buffers (one
+        allocation; rows past ``n`` zeroed), sanitized as the host loader does; conversions (v1 into
+        a quantized tier, v2/v3 into f32/bf16) run per chunk on the device. Only when every row is
+        in do the new buffers replace the old ones.
+
+        Raises
+        ------
+        GeometryMismatch, CodecMismatch, and whatever reading or ``check_tokens`` raises.
+        """
+        from kvstore.engine import restore as device_restore
+
+        g, stored = self.geometry, body.geometry
+        if (stored.n_layers, stored.kv_lora, stored.qk_rope) != (g.n_layers, g.kv_lora, g.qk_rope):
+            raise GeometryMismatch(
+                f"stored rows are {stored.n_layers} layers of {stored.kv_lora}/{stored.qk_rope}, the cache holds "
+                f"{g.n_layers} layers of {g.kv_lora}/{g.qk_rope}"
+            )
+        native = self._native_fields(body.tier)
+        if native is not None:
+            placement = device_restore.Placement(stored, body.tier, native=native)
+        else:
+            if body.tier.version != 1 and not self._lossless_target() and not allow_requantize:
+                raise CodecMismatch(
+                    f"rows stored as {body.tier.describe()} would be quantized again for the {self.tier} "
+                    "tier (lossy): pass allow_requantize=True or migrate the file"
+                )
+            placement = device_restore.Placement(stored, body.tier, encode=self._encode)
+        capacity = body.n + max(0, headroom)
+        full = self._allocate(capacity, zeros=False)  # every row below n is written, the rest zeroed
+        n, stored_tokens = device_restore.fill(body, full, placement, self.device, chunk_bytes=chunk_bytes)
+        for value in full.values():
+            value[:, n:].zero_()
+        if check_tokens is not None:
+            check_tokens(stored_tokens)
+        tokens = np.zeros(capacity, dtype=np.int32)
+        tokens[:n] = stored_tokens
+        # Everything is built: swap it in.
+        self._fields, self._tokens, self._capacity, self._length = full, tokens, capacity, n
 
     def copy(self) -> "LatentCache":
         """An independent cache with the same rows (e.g. to fork a conversation)."""
@@ -468,6 +542,10 @@ class F32Cache(LatentCache):
     def _stored(self, fields, tokens):
         return StoredRows(tokens, 1, fields["lc"].astype(np.float32), fields["rc"].astype(np.float32))
 
+    def _native_fields(self, tier):
+        # v1 rows are f32; a bf16 cache takes them through a converting copy on the device
+        return {"lc": "Lc", "rc": "Rc"} if tier.version == 1 else None
+
     def _lossless_target(self):
         return True
 
@@ -521,6 +599,11 @@ class Fp8Cache(LatentCache):
 
     def _stored(self, fields, tokens):
         return StoredRows(tokens, 2, fields["lc_codes"], fields["rc_codes"], fields["lc_scales"], fields["rc_scales"])
+
+    def _native_fields(self, tier):
+        if tier.version != 2:
+            return None
+        return {"lc_codes": "Lc", "lc_scales": "Ls", "rc_codes": "Rc", "rc_scales": "Rs"}
 
     def journal_tier(self):
         from kvstore.formats.coli_kv import Tier
@@ -602,6 +685,11 @@ class TQCache(LatentCache):
         return StoredRows(
             tokens, 3, fields["lc_codes"], fields["rc_codes"], fields["lc_radii"], fields["rc_radii"], self.codec, self.bits
         )
+
+    def _native_fields(self, tier):
+        if tier.version != 3 or tier.codec != self.codec or tier.bits != self.bits:
+            return None
+        return {"lc_codes": "Lc", "lc_radii": "Ls", "rc_codes": "Rc", "rc_radii": "Rs"}
 
     def journal_tier(self):
         from kvstore.formats.coli_kv import Tier

@@ -33,7 +33,7 @@ import torch
 
 from kvstore.engine.cache import LatentCache, StoredRows, make_cache
 from kvstore.engine.config import ModelConfig, preset
-from kvstore.engine.errors import GenerationError
+from kvstore.engine.errors import GenerationError, GeometryMismatch
 from kvstore.engine.model import MLAForCausalLM
 
 __all__ = ["Engine", "GenerationResult", "GenerationStream", "SamplingParams", "sample_next"]
@@ -221,11 +221,29 @@ class Engine:
         GeometryMismatch
             The file is for another model (h0..h5 differ), with the differing fields.
         """
-        from kvstore.formats import coli_kv
+        from kvstore.engine.restore import FileBody
 
-        records = coli_kv.load(path, expect=self.config.coli_geometry())
-        self._check_tokens(records.tokens)
-        self.cache.restore_records(records, allow_requantize=allow_requantize)
+        # The body is read straight into pinned memory and split on the device (engine/restore.py);
+        # the token check runs before the new rows replace the cache's.
+        with FileBody(path, expect=self.config.coli_geometry()) as body:
+            self.cache.restore_body(body, allow_requantize=allow_requantize, check_tokens=self._check_tokens)
+        return self.cache.length
+
+    def restore_records(self, records, *, allow_requantize: bool = False) -> int:
+        """Load records already read (``KVRecords``, e.g. from a session reader) into the cache on
+        its device (all or nothing); returns the positions restored.
+
+        Raises
+        ------
+        GeometryMismatch, CodecMismatch, GenerationError (token ids outside the vocabulary)
+        """
+        from kvstore.engine.restore import MemoryBody
+
+        expect = self.config.coli_geometry()
+        if records.geometry != expect:
+            raise GeometryMismatch("the records are for another model: " + "; ".join(records.geometry.mismatches(expect)))
+        body = MemoryBody(records)
+        self.cache.restore_body(body, allow_requantize=allow_requantize, check_tokens=self._check_tokens)
         return self.cache.length
 
     def export_rows(self, start: int = 0, stop: int | None = None) -> StoredRows:

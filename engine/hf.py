@@ -24,9 +24,12 @@ Public API
 :func:`model_info`
     The model part of the session fingerprint: name, revision, weights hash (once per folder, cached
     on disk), tokenizer and chat-template hashes.
-:func:`cache_rows`, :func:`build_cache`, :func:`cache_from_records`, :func:`cache_kwargs`
-    The lower level: rows out of a cache, a cache out of rows or out of a ``.coli_kv`` body (any
-    tier, e.g. a file the C engine wrote), the keyword transformers takes the cache by.
+:func:`cache_rows`, :func:`build_cache`, :func:`cache_from_records`, :func:`cache_from_file`, :func:`cache_kwargs`
+    The lower level: rows out of a cache, a cache out of rows or out of a ``.coli_kv`` body or file
+    (any tier, e.g. a file the C engine wrote), the keyword transformers takes the cache by.
+
+Restores go through ``kvstore.engine.restore``: the records are uploaded as stored (a file is read
+straight into pinned memory) and split and decoded on the cache's device.
 
 Fingerprint. A session records the six geometry words, the cache tier, and the model: ``name``
 (the hub id, or the folder's name), ``revision`` (the hub commit, ``local`` for a folder,
@@ -91,6 +94,7 @@ from kvstore.engine.fingerprint import (  # noqa: F401  (weights_hash and friend
     weight_files,
     weights_hash,
 )
+from kvstore.engine import restore as device_restore
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, KVRecords, Tier
 
@@ -105,6 +109,7 @@ __all__ = [
     "Saved",
     "build_cache",
     "cache_kwargs",
+    "cache_from_file",
     "cache_from_records",
     "cache_length",
     "cache_rows",
@@ -377,56 +382,21 @@ def _target(model, device, dtype) -> tuple[torch.device, torch.dtype]:
     return torch.device(device) if device is not None else model.device, dtype if dtype is not None else model.dtype
 
 
-class _DecodedRows:
-    """A session's stored records, decoded one layer at a time on the target device.
-
-    Quantized tiers go to the device as codes (1 byte/element for fp8, half that for int4) and are
-    decoded there with the engine's device codecs, the twins of ``kvstore.formats``.
-    """
-
-    def __init__(self, records: KVRecords):
-        self.n = records.n
-        self.tier = records.tier
-        self.geometry = records.geometry
-        if self.n == 0:
-            return
-        if self.tier.version == 1:
-            layers = records.records["layers"]
-            self._rows = {"L": layers["Lc"], "R": layers["Rc"]}  # [n, n_layers, w] views
-        else:
-            self._codes = {which: records.quantized(which) for which in ("L", "R")}  # sanitized copies
-
-    def layer(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(L f32[n, kv_lora], R f32[n, qk_rope])`` of one layer, on ``device``."""
-        widths = {"L": self.geometry.kv_lora, "R": self.geometry.qk_rope}
-        return tuple(self._decode(which, layer, widths[which], device) for which in ("L", "R"))
-
-    def _decode(self, which: str, layer: int, width: int, device: torch.device) -> torch.Tensor:
-        from kvstore.engine import quant
-
-        if self.tier.version == 1:
-            return torch.from_numpy(np.array(self._rows[which][:, layer], dtype=np.float32, order="C")).to(device)
-        codes, scales = self._codes[which]
-        codes_t = torch.from_numpy(codes[layer]).to(device)
-        scales_t = torch.from_numpy(scales[layer]).to(device)
-        if self.tier.version == 2:
-            return quant.fp8_dequantize_rows(codes_t, scales_t)
-        if not quant.tq_width_ok(width):  # such rows are written inert (FORMAT.md section 5)
-            return torch.zeros((self.n, width), dtype=torch.float32, device=device)
-        if self.tier.codec == quant.CODEC_INT4:
-            rows = quant.int4_dequantize_rows(codes_t, scales_t)
-        else:
-            rows = quant.polar_dequantize_rows(codes_t, scales_t, width, self.tier.bits)
-        # a radius near the f32 limit (only a damaged file has one) overflows: such a row reads as zeros
-        return rows.masked_fill(~torch.isfinite(rows).all(dim=-1, keepdim=True), 0.0)
+def _placement(geometry: Geometry, tier: Tier) -> device_restore.Placement:
+    """Records -> latent rows of the cache's dtype, on the device: v1 rows by a (converting) copy
+    of the stored f32 field, v2/v3 rows sanitized and decoded (engine/restore.py)."""
+    if tier.version == 1:
+        return device_restore.Placement(geometry, tier, native={"lc": "Lc", "rc": "Rc"})
+    return device_restore.Placement(geometry, tier, encode=lambda lc, rc: {"lc": lc, "rc": rc})
 
 
 def cache_from_records(model, records: KVRecords, *, device=None, dtype=None):
     """A ``DynamicCache`` holding every record of a ``.coli_kv`` body (any tier), built whole.
 
     For rows that did not come through a session: a file loaded with ``kvstore.formats.coli_kv.load``
-    or ``KVFile.load`` — e.g. written by the C engine. Quantized rows are decoded on ``device``. The
-    file's geometry must be the model's (:class:`~kvstore.errors.GeometryMismatch` otherwise).
+    or ``KVFile.load`` — e.g. written by the C engine. The records are uploaded as stored and
+    decoded on ``device``. The file's geometry must be the model's
+    (:class:`~kvstore.errors.GeometryMismatch` otherwise).
 
     Parameters
     ----------
@@ -441,15 +411,48 @@ def cache_from_records(model, records: KVRecords, *, device=None, dtype=None):
     if records.geometry != geometry:
         raise GeometryMismatch("the records are for another model: " + "; ".join(records.geometry.mismatches(geometry)))
     device, dtype = _target(model, device, dtype)
-    return _build(model, _DecodedRows(records), geometry, device, dtype)
+    return _build(model, device_restore.MemoryBody(records), geometry, device, dtype)[0]
 
 
-def _build(model, rows: "_DecodedRows", geometry: Geometry, device: torch.device, dtype: torch.dtype):
+def cache_from_file(model, path: str | os.PathLike, *, upto: int | None = None, device=None, dtype=None) -> "Restored":
+    """Restore a bare ``.coli_kv`` file (any tier) into a ``DynamicCache``: the body is read
+    straight into pinned memory, uploaded once and decoded on ``device``.
+
+    Parameters
+    ----------
+    upto : restore at most this many records (default: every committed, complete record)
+    device, dtype : where the cache lives (default: the model's)
+
+    Returns
+    -------
+    Restored — unpacks as ``(tokens int32[n], DynamicCache)``; ``tier`` is the file's.
+
+    Raises
+    ------
+    GeometryMismatch (the file is for another model), TruncatedHeader, BadMagic, BadHeader, OSError
+    """
+    geometry = check_cache_layout(model).geometry
+    device, dtype = _target(model, device, dtype)
+    with device_restore.FileBody(path, expect=geometry) as body:
+        if upto is not None:
+            body.limit(upto)
+        cache, tokens = _build(model, body, geometry, device, dtype)
+        return Restored(tokens, cache, int(tokens.shape[0]), tier=body.tier)
+
+
+def _build(model, body, geometry: Geometry, device: torch.device, dtype: torch.dtype):
+    """(DynamicCache, tokens int32[n]) of ``body``'s records; nothing escapes on a failure."""
     cache = new_cache(model)  # local until every layer is in: a failure on the way returns nothing
-    for layer in range(geometry.n_layers if rows.n else 0):
-        L, R = rows.layer(layer, device)
-        cache.update(L.to(dtype)[None, None], R.to(dtype)[None, None], layer)
-    return cache
+    if body.n == 0:
+        return cache, np.zeros(0, dtype=np.int32)
+    # All layers in one buffer per row kind, filled chunk by chunk on the device; each layer is
+    # then handed to the cache (DynamicCache.update concatenates, a device-side copy).
+    keys = torch.empty((geometry.n_layers, 1, 1, body.n, geometry.kv_lora), dtype=dtype, device=device)
+    values = torch.empty((geometry.n_layers, 1, 1, body.n, geometry.qk_rope), dtype=dtype, device=device)
+    n, tokens = device_restore.fill(body, {"lc": keys[:, 0, 0], "rc": values[:, 0, 0]}, _placement(body.geometry, body.tier), device)
+    for layer in range(geometry.n_layers if n else 0):
+        cache.update(keys[layer, :, :, :n], values[layer, :, :, :n], layer)
+    return cache, tokens
 
 
 # ---------------------------------------------------------------------------- fingerprint
@@ -860,11 +863,15 @@ class BatchRestored:
 class _Read:
     """One session's served records, read (and the fingerprint checked) before anything is built."""
 
-    rows: _DecodedRows
+    records: KVRecords
     tokens: np.ndarray
     info: "SessionInfo"
     verified: bool
     damaged_from: int | None
+
+    @property
+    def n(self) -> int:
+        return self.records.n
 
 
 def _read_session(store, session_id, model, *, owner, upto, verify, tier, override, model_info_) -> _Read:
@@ -880,7 +887,7 @@ def _read_session(store, session_id, model, *, owner, upto, verify, tier, overri
             records = next(reader.iter_batches(n))
         else:
             records = KVRecords(coli_kv.Header(reader.info.geometry, reader.info.tier, 0), np.empty(0, coli_kv.record_dtype(reader.info.geometry, reader.info.tier)), coli_kv.HEADER_BYTES)
-        return _Read(_DecodedRows(records), records.tokens.copy(), reader.info, reader.verified, reader.damaged_from)
+        return _Read(records, records.tokens.copy(), reader.info, reader.verified, reader.damaged_from)
 
 
 def restore(
@@ -920,9 +927,9 @@ def restore(
     """
     device, dtype = _target(model, device, dtype)
     read = _read_session(store, session_id, model, owner=owner, upto=upto, verify=verify, tier=tier, override=override, model_info_=model_info)
-    cache = _build(model, read.rows, check_cache_layout(model).geometry, device, dtype)
-    logger.info("hf restore %s: reused %d tokens (%s)", session_id, read.rows.n, read.info.tier.describe())
-    return Restored(read.tokens, cache, read.rows.n, session_id, read.info, read.info.tier, read.verified, read.damaged_from)
+    cache, _ = _build(model, device_restore.MemoryBody(read.records), check_cache_layout(model).geometry, device, dtype)
+    logger.info("hf restore %s: reused %d tokens (%s)", session_id, read.n, read.info.tier.describe())
+    return Restored(read.tokens, cache, read.n, session_id, read.info, read.info.tier, read.verified, read.damaged_from)
 
 
 def restore_batch(
@@ -957,21 +964,23 @@ def restore_batch(
         _read_session(store, sid, model, owner=owner, upto=cap, verify=verify, tier=tier, override=override, model_info_=model_info)
         for sid, cap in zip(session_ids, caps)
     ]
-    lengths = [read.rows.n for read in reads]
+    lengths = [read.n for read in reads]
     batch, width = len(reads), max(lengths)
     mask = torch.zeros((batch, width), dtype=torch.int64)
     for b, n in enumerate(lengths):
         mask[b, width - n :] = 1
     cache = new_cache(model)
-    for layer in range(geometry.n_layers if width else 0):
-        keys = torch.zeros((batch, 1, width, geometry.kv_lora), device=device, dtype=dtype)
-        values = torch.zeros((batch, 1, width, geometry.qk_rope), device=device, dtype=dtype)
+    if width:
+        # Every session's records go straight into its left-padded slot of one buffer per row kind
+        # (zeros elsewhere), decoded on the device; each layer is then handed to the cache.
+        keys = torch.zeros((geometry.n_layers, batch, 1, width, geometry.kv_lora), device=device, dtype=dtype)
+        values = torch.zeros((geometry.n_layers, batch, 1, width, geometry.qk_rope), device=device, dtype=dtype)
         for b, read in enumerate(reads):
-            if read.rows.n:
-                L, R = read.rows.layer(layer, device)
-                keys[b, 0, width - read.rows.n :] = L.to(dtype)
-                values[b, 0, width - read.rows.n :] = R.to(dtype)
-        cache.update(keys, values, layer)
+            if read.n:
+                slot = {"lc": keys[:, b, 0, width - read.n :], "rc": values[:, b, 0, width - read.n :]}
+                device_restore.fill(device_restore.MemoryBody(read.records), slot, _placement(geometry, read.records.tier), device)
+        for layer in range(geometry.n_layers):
+            cache.update(keys[layer], values[layer], layer)
     logger.info("hf restore_batch %s: reused %s tokens", list(session_ids), lengths)
     return BatchRestored(
         tokens=[read.tokens for read in reads],

@@ -1,0 +1,460 @@
+"""Device restore: ``.coli_kv`` records into a cache's buffers with one read and one upload.
+
+The host path (``StoredRows.from_records`` + ``LatentCache.restore``) re-lays the token-major
+records out layer-major on the host, copies codes to sanitize them, uploads pageable memory and
+copies once more into the capacity buffers: four passes over the rows on the host. Here the
+records stay as they are stored until they reach the device:
+
+1. the body is read in record-aligned chunks straight into a ring of host buffers, pinned on CUDA
+   (several chunks read at once by threads, since one ``pread`` from the page cache runs at one
+   core's copy speed); records already in memory are copied into the ring instead, or on the CPU
+   used where they lie;
+2. each chunk is uploaded once (``non_blocking``, from pinned memory) on the current stream while
+   the next chunks are being read;
+3. on the device every field of every layer is a strided view of the chunk — ``[rows, n_layers,
+   field bytes]`` at the field's offset in the record dtype — copied by one torch op per field into
+   the target's buffers (``[n_layers, capacity, ...]``), as 4-byte words where the layout is aligned;
+4. v2/v3 rows are sanitized in place there, exactly as ``KVRecords.quantized`` does on the host
+   (FORMAT.md section 4): a v2 scale not in (0, 3.4e38/448] makes the row inert (codes 0, scale 1)
+   and NaN codes read 0; a v3 radius not in [0, 3.4e38) becomes 0 with codes 0.
+
+Rows of another representation are converted per chunk on the device: v1 rows into a quantized
+tier through the engine's device codecs (``engine/quant.py``, which on the CPU are the reference
+codecs themselves), v2/v3 rows into a float target by dequantization (on the CPU with the
+``kvstore.formats`` codecs, so the result is the host path's to the byte).
+
+The caller owns all-or-nothing: :func:`fill` writes only into the buffers it is given, which the
+cache (``LatentCache.restore_body``) or the transformers interop allocates fresh and swaps in
+after everything is in.
+
+Why not ``kvstore.gpu.upload``: ``PinnedUploader`` copies a host *array* through its ring on one
+thread and ``restore_quantized_rows`` takes one layer's layer-major codes — the very re-layout this
+module avoids. Here the pinned ring is filled by reads of the file itself, by several threads, and
+each chunk is split on the device as it lands.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvstore.engine import quant
+from kvstore.engine.errors import GeometryMismatch
+from kvstore.formats import coli_kv
+from kvstore.formats import fp8 as fp8_format
+from kvstore.formats import tq as tq_format
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords, Tier
+
+__all__ = ["CHUNK_BYTES", "FileBody", "MemoryBody", "Placement", "RecordLayout", "fill", "read_threads"]
+
+# Big enough that the per-chunk device ops (a few per field) are noise next to the copy, small
+# enough that several chunks in flight cost little pinned memory.
+CHUNK_BYTES = 16 << 20
+
+# Sanitize bounds, taken from the host loader's own definitions so the two cannot drift.
+_FP8_MAX_SCALE = float(fp8_format.MAX_SCALE)
+_RADIUS_CEIL = float(tq_format.RADIUS_CEIL)
+_RADIUS_FLOOR = float(tq_format.RADIUS_FLOOR)
+
+
+def read_threads() -> int:
+    """Chunks read at once: page-cache reads scale with cores up to about four."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------------------- the record layout
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Byte offsets of a record's fields (from ``coli_kv.record_dtype``, the format's own layout).
+
+    ``fields`` maps ``Lc``/``Ls``/``Rc``/``Rs`` to (offset inside one layer, bytes); ``stored``
+    to the element dtype the file holds them in.
+    """
+
+    rec_bytes: int
+    layers_offset: int
+    layer_bytes: int
+    n_layers: int
+    fields: dict[str, tuple[int, int]]
+    stored: dict[str, torch.dtype]
+
+    @classmethod
+    def of(cls, geometry: Geometry, tier: Tier) -> "RecordLayout":
+        dtype = coli_kv.record_dtype(geometry, tier)
+        layers_dtype, layers_offset = dtype.fields["layers"][:2]
+        one = layers_dtype.base
+        fields, stored = {}, {}
+        for name, (sub, offset) in one.fields.items():
+            fields[name] = (offset, sub.itemsize)
+            stored[name] = torch.float32 if sub.base == np.dtype("<f4") else torch.uint8
+        return cls(dtype.itemsize, layers_offset, one.itemsize, geometry.n_layers, fields, stored)
+
+    def field(self, raw: torch.Tensor, name: str) -> torch.Tensor:
+        """Field ``name`` of every layer of ``raw`` (u8[rows, rec_bytes]) as a u8[n_layers, rows, bytes] view."""
+        offset, size = self.fields[name]
+        layers = raw[:, self.layers_offset : self.layers_offset + self.n_layers * self.layer_bytes]
+        return layers.unflatten(1, (self.n_layers, self.layer_bytes))[:, :, offset : offset + size].transpose(0, 1)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` (u8) seen as int32 words when every offset and stride is a multiple of 4, else None.
+
+    A word copy moves a quarter of the elements a byte copy does; v1 records and most v2/v3
+    geometries (kv_lora 512, qk_rope 64) are aligned, odd widths fall back to bytes.
+    """
+    if t.dim() == 0 or t.shape[-1] % 4 or t.stride(-1) != 1 or t.storage_offset() % 4:
+        return None
+    if any(stride % 4 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1):
+        return None
+    return t.view(torch.int32)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A target slice ([n_layers, rows] scalars or [n_layers, rows, w]) as u8[n_layers, rows, bytes]."""
+    if t.dtype == torch.uint8:
+        return t
+    return t.unsqueeze(-1).view(torch.uint8) if t.dim() == 2 else t.view(torch.uint8)
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst_words, src_words = _words(dst), _words(src)
+    if dst_words is not None and src_words is not None:
+        dst_words.copy_(src_words)
+    else:
+        dst.copy_(src)
+
+
+def _f32(src: torch.Tensor) -> torch.Tensor:
+    """A u8[..., 4k] field as f32[..., k] (a view when aligned; else one copy to aligned memory)."""
+    words = _words(src)
+    if words is None:
+        words = src.contiguous().view(torch.int32)
+    return words.view(torch.float32)
+
+
+# ---------------------------------------------------------------------------- sanitize and decode
+
+
+def sanitize_fp8(codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """In place, ``KVRecords.quantized`` for v2: NaN codes (0x7F/0xFF) read 0; a scale not in
+    (0, 3.4e38/448] (``fp8.bad_scales``, NaN included) makes the row inert: codes 0, scale 1."""
+    codes.masked_fill_((codes & 0x7F) == 0x7F, 0)
+    bad = ~((scales > 0) & (scales <= _FP8_MAX_SCALE))
+    codes.masked_fill_(bad.unsqueeze(-1), 0)
+    scales.masked_fill_(bad, 1.0)
+
+
+def sanitize_tq(codes: torch.Tensor, radii: torch.Tensor) -> None:
+    """In place, ``KVRecords.quantized`` for v3 (``tq.sanitize_radii``): a radius not in
+    [0, 3.4e38) becomes 0 and its row's codes 0."""
+    bad = ~((radii >= 0) & (radii < _RADIUS_CEIL))
+    codes.masked_fill_(bad.unsqueeze(-1), 0)
+    radii.masked_fill_(bad, 0.0)
+
+
+def dequantize(tier: Tier, codes: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
+    """Sanitized v2/v3 rows (codes u8[..., w], scales/radii f32[...]) -> f32[..., width] on their device.
+
+    On the CPU through the ``kvstore.formats`` codecs (the host path's decoder, so CPU results are
+    its bytes); elsewhere through the device twins in ``engine/quant.py``. Either way a v3 row that
+    overflows on the way back (a radius near f32's limit, only in a damaged file) reads as zeros,
+    as ``KVRecords.dequantize`` does.
+    """
+    if codes.device.type == "cpu":
+        c, s = codes.numpy(), scales.numpy()
+        if tier.version == 2:
+            return torch.from_numpy(fp8_format.dequantize_rows(c, s))
+        with np.errstate(over="ignore", invalid="ignore"):
+            rows = tq_format.dequantize_rows(c, s, width, tier.codec, tier.bits)
+        rows[~np.isfinite(rows).all(axis=-1)] = 0.0
+        return torch.from_numpy(rows)
+    if tier.version == 2:
+        return quant.fp8_dequantize_rows(codes, scales)
+    if not quant.tq_width_ok(width):  # such rows are written inert (FORMAT.md section 5)
+        return torch.zeros((*codes.shape[:-1], width), dtype=torch.float32, device=codes.device)
+    if tier.codec == quant.CODEC_INT4:
+        rows = quant.int4_dequantize_rows(codes, scales)
+    else:
+        rows = quant.polar_dequantize_rows(codes, scales, width, tier.bits)
+    # The format decoder reads rows of radius <= 1e-35 as zeros; the twins would give subnormals.
+    dead = ~torch.isfinite(rows).all(dim=-1) | ~(scales > _RADIUS_FLOOR)
+    return rows.masked_fill(dead.unsqueeze(-1), 0.0)
+
+
+# ---------------------------------------------------------------------------- placement
+
+
+class Placement:
+    """How a chunk of records becomes rows of a target's fields.
+
+    Parameters
+    ----------
+    geometry, tier : what the records are
+    native : target field -> record field (``Lc``/``Ls``/``Rc``/``Rs``) when the target stores the
+        records' own representation (copied as bytes, then sanitized in place); None to convert
+    encode : for conversions, ``encode(L f32[n_layers, rows, kv_lora], R f32[...]) -> {field: rows}``
+    """
+
+    def __init__(self, geometry: Geometry, tier: Tier, *, native: dict[str, str] | None = None, encode: Callable | None = None):
+        if (native is None) == (encode is None):
+            raise ValueError("a placement either copies native fields or encodes decoded rows")
+        self.geometry = geometry
+        self.tier = tier
+        self.layout = RecordLayout.of(geometry, tier)
+        self.native = native
+        self.encode = encode
+
+    def apply(self, raw: torch.Tensor, fields: dict[str, torch.Tensor], start: int) -> None:
+        """Place the records of ``raw`` (u8[rows, rec_bytes] on the target's device) at rows
+        ``start .. start+rows-1`` of every target field ([n_layers, capacity, ...])."""
+        rows = raw.shape[0]
+        if self.native is None:
+            lc, rc = self.decode(raw)
+            for name, value in self.encode(lc, rc).items():
+                fields[name][:, start : start + rows] = value
+            return
+        placed = {}
+        for target, source in self.native.items():
+            dst = fields[target][:, start : start + rows]
+            src = self.layout.field(raw, source)
+            if dst.dtype == self.layout.stored[source]:
+                _copy_bytes(_bytes_of(dst), src)
+            else:  # v1 f32 rows into a narrower float target: converted by the copy itself
+                dst.copy_(_f32(src))
+            placed[source] = dst
+        if self.tier.version != 1:
+            clean = sanitize_fp8 if self.tier.version == 2 else sanitize_tq
+            clean(placed["Lc"], placed["Ls"])
+            clean(placed["Rc"], placed["Rs"])
+
+    def decode(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's rows as f32 (L [n_layers, rows, kv_lora], R [n_layers, rows, qk_rope]), sanitized."""
+        g = self.geometry
+        if self.tier.version == 1:
+            return _f32(self.layout.field(raw, "Lc")).contiguous(), _f32(self.layout.field(raw, "Rc")).contiguous()
+        clean = sanitize_fp8 if self.tier.version == 2 else sanitize_tq
+        out = []
+        for codes_name, scales_name, width in (("Lc", "Ls", g.kv_lora), ("Rc", "Rs", g.qk_rope)):
+            # Copies (clone, never a view of the body, which may be read-only): sanitized below.
+            codes = self.layout.field(raw, codes_name).clone(memory_format=torch.contiguous_format)
+            scales = _f32(self.layout.field(raw, scales_name)).squeeze(-1).clone(memory_format=torch.contiguous_format)
+            clean(codes, scales)
+            out.append(dequantize(self.tier, codes, scales, width))
+        return out[0], out[1]
+
+
+# ---------------------------------------------------------------------------- sources of records
+
+
+class MemoryBody:
+    """Records already in host memory (a loaded ``KVRecords``)."""
+
+    def __init__(self, records: KVRecords):
+        self.header: Header = records.header
+        self.n = records.n
+        self.layout = RecordLayout.of(records.geometry, records.tier)
+        body = records.records
+        if not body.flags.c_contiguous:
+            body = np.ascontiguousarray(body)
+        self._raw = body.view(np.uint8).reshape(self.n, self.layout.rec_bytes)
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.header.geometry
+
+    @property
+    def tier(self) -> Tier:
+        return self.header.tier
+
+    def limit(self, n: int) -> None:
+        """Serve at most the first ``n`` records."""
+        self.n = min(self.n, max(0, int(n)))
+
+    def read_into(self, out: np.ndarray, start: int, count: int) -> int:
+        rec = self.layout.rec_bytes
+        np.copyto(out[: count * rec], self._raw[start : start + count].reshape(-1))
+        return count
+
+    def host_rows(self) -> np.ndarray:
+        return self._raw[: self.n]
+
+    def close(self) -> None:
+        pass
+
+
+class FileBody:
+    """The records of a ``.coli_kv`` file, read on demand (header checked on open).
+
+    ``n = min(nrec, complete records present)``, as ``coli_kv.load``; a file that shrinks while it
+    is read stops at the last complete record read, never an error and never garbage.
+
+    Raises
+    ------
+    TruncatedHeader, BadMagic, BadHeader, GeometryMismatch (with ``expect``), OSError
+    """
+
+    def __init__(self, path: str | os.PathLike, *, expect: Geometry | None = None):
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            size = os.fstat(self._fd).st_size
+            self.header: Header = coli_kv.parse_header(os.pread(self._fd, HEADER_BYTES, 0))
+            if expect is not None and self.header.geometry != expect:
+                raise GeometryMismatch("file is for another model: " + "; ".join(self.header.geometry.mismatches(expect)))
+            self.layout = RecordLayout.of(self.header.geometry, self.header.tier)
+            self.n = min(self.header.nrec, max(0, size - HEADER_BYTES) // self.layout.rec_bytes)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    geometry = property(lambda self: self.header.geometry)
+    tier = property(lambda self: self.header.tier)
+    limit = MemoryBody.limit
+
+    def read_into(self, out: np.ndarray, start: int, count: int) -> int:
+        """Read records ``start .. start+count-1`` into ``out`` (u8); returns the complete ones read."""
+        rec = self.layout.rec_bytes
+        view = memoryview(out)[: count * rec]
+        got = 0
+        while got < len(view):  # a read returns at most 2 GiB; 0 means the file ended early
+            n = os.preadv(self._fd, [view[got:]], HEADER_BYTES + start * rec + got)
+            if n == 0:
+                break
+            got += n
+        return got // rec
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "FileBody":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _tokens_of(host: np.ndarray) -> np.ndarray:
+    """int32[rows] from the first 4 bytes of each record of u8[rows, rec_bytes]."""
+    return np.ascontiguousarray(host[:, :4]).view("<i4").reshape(-1).astype(np.int32, copy=False)
+
+
+def _from_numpy(array: np.ndarray) -> torch.Tensor:
+    # Loaded bodies may be read-only (bytes from a reader); they are only read here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+# ---------------------------------------------------------------------------- the pipeline
+
+
+def fill(
+    body,
+    fields: dict[str, torch.Tensor],
+    placement: Placement,
+    device: torch.device | str,
+    *,
+    chunk_bytes: int | None = None,
+    threads: int | None = None,
+) -> tuple[int, np.ndarray]:
+    """Stream ``body``'s records into rows ``0 .. n-1`` of ``fields`` on ``device``.
+
+    Parameters
+    ----------
+    body : :class:`FileBody` or :class:`MemoryBody`
+    fields : target tensors [n_layers, >= body.n, ...] on ``device`` (written, never read)
+    placement : what each chunk becomes (:class:`Placement`)
+    chunk_bytes : bytes of records per chunk (default :data:`CHUNK_BYTES`; rounded down to whole
+        records, at least one)
+    threads : chunks read at once (default :func:`read_threads`)
+
+    Returns
+    -------
+    (rows filled, tokens int32[rows]) — fewer rows than ``body.n`` only when the file ended early.
+    """
+    device = torch.device(device)
+    rec = body.layout.rec_bytes
+    if body.n == 0:
+        return 0, np.zeros(0, dtype=np.int32)
+    per_chunk = max(1, int(chunk_bytes or CHUNK_BYTES) // rec)
+    if device.type == "cpu" and isinstance(body, MemoryBody):
+        # Records already in host memory are split where they lie: no ring, no copy.
+        host = body.host_rows()
+        whole = _from_numpy(host)
+        for a in range(0, host.shape[0], per_chunk):
+            placement.apply(whole[a : a + per_chunk], fields, a)
+        return host.shape[0], _tokens_of(host)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
+    return _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
+
+
+def _pipeline(body, fields, placement: Placement, device: torch.device, per_chunk: int, threads: int) -> tuple[int, np.ndarray]:
+    """Chunks through a ring of host buffers: ``threads`` reads in flight while earlier chunks are
+    uploaded (CUDA: from pinned memory, asynchronously) and split.
+
+    On CUDA a slot is refilled only once the copy engine is done with it (an event per slot, waited
+    on by the reading thread); elsewhere a chunk is consumed before its slot is handed out again.
+    """
+    n, rec = body.n, body.layout.rec_bytes
+    cuda = device.type == "cuda"
+    starts = list(range(0, n, per_chunk))
+    slots = min(len(starts), 2 * threads)
+    slot_bytes = per_chunk * rec
+    if cuda:
+        ring = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        views = [buffer.numpy() for buffer in ring]
+        uploaded = [torch.cuda.Event() for _ in range(slots)]  # the slot's last upload has finished
+        stage = torch.empty(slot_bytes, dtype=torch.uint8, device=torch.cuda.current_device())
+    else:
+        views = [np.empty(slot_bytes, dtype=np.uint8) for _ in range(slots)]
+        ring = [torch.from_numpy(view) for view in views]
+    in_use = [False] * slots
+    tokens = np.empty(n, dtype=np.int32)
+
+    def read(i: int) -> int:
+        slot = i % slots
+        if cuda and in_use[slot]:
+            uploaded[slot].synchronize()  # releases the GIL
+        return body.read_into(views[slot], starts[i], min(per_chunk, n - starts[i]))
+
+    filled = 0
+    pool = ThreadPoolExecutor(max_workers=min(threads, slots), thread_name_prefix="kv-restore")
+    try:
+        pending = {i: pool.submit(read, i) for i in range(slots)}
+        for i, a in enumerate(starts):
+            got = pending.pop(i).result()
+            slot = i % slots
+            if got:
+                size = got * rec
+                tokens[a : a + got] = _tokens_of(views[slot][:size].reshape(got, rec))
+                if cuda:
+                    raw = stage[:size]
+                    raw.copy_(ring[slot][:size], non_blocking=True)
+                    uploaded[slot].record()
+                    in_use[slot] = True
+                elif device.type == "cpu":
+                    raw = ring[slot][:size]
+                else:  # a blocking copy: the slot is free once it returns
+                    raw = ring[slot][:size].to(device)
+                placement.apply(raw.view(got, rec), fields, a)
+            filled = a + got
+            if got < min(per_chunk, n - a):
+                break  # the file ended early: keep the complete records before it
+            if i + slots < len(starts):
+                pending[i + slots] = pool.submit(read, i + slots)
+    finally:
+        # Reads still in flight write into the ring: wait for them before it goes.
+        pool.shutdown(wait=True, cancel_futures=True)
+    return filled, tokens[:filled]

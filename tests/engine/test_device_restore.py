@@ -1,0 +1,323 @@
+"""The device restore (engine/restore.py) against the host path it replaces.
+
+The host path — ``StoredRows.from_records`` (layer-major copies, sanitized codes) then
+``LatentCache.restore`` — is the reference. The device path uploads the records as stored and splits
+them into the cache's fields with torch ops; run here with ``device="cpu"`` so CI exercises the same
+code: the record views, the word/byte copies, the in-place sanitizing, the per-chunk conversions,
+the ring of read buffers with reads on threads. Every tier pairing must give the host path's cache
+byte for byte — capacity buffers, tokens, length — on damaged files too (NaN codes, bad scales and
+radii, non-finite f32 rows, torn tails, overclaimed and uncommitted counts), and a restore that
+fails part way must leave the cache as it was.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.engine import Engine, hf, make_cache, quant
+from kvstore.engine.cache import StoredRows
+from kvstore.engine.errors import CodecMismatch, GenerationError
+from kvstore.engine.restore import FileBody, MemoryBody, RecordLayout
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, Tier
+
+GEOMETRY = Geometry(3, 64, 32, 0, 0, 100)
+N = 41
+# Small chunks: many of them, so the ring of read buffers is reused several times over.
+CHUNK = 3 * 1000
+
+FILES = {  # name -> (version, codec, bits)
+    "v1": (1, None, None),
+    "v2": (2, None, None),
+    "v3-int4": (3, 1, 4),
+    "v3-polar4": (3, 0, 4),
+    "v3-polar3": (3, 0, 3),  # 3-bit rows: the radii sit at unaligned offsets (byte copies)
+}
+TIERS = {  # cache -> (tier, bits)
+    "f32": ("f32", None),
+    "bf16": ("bf16", None),
+    "fp8": ("fp8", None),
+    "tq-int4": ("tq-int4", None),
+    "tq-polar4": ("tq-polar", 4),
+    "tq-polar3": ("tq-polar", 3),
+    "int8": ("int8", None),
+}
+
+
+def _records(geometry: Geometry, tier: Tier, seed: int) -> np.ndarray:
+    """N records of random rows, with every kind of damage the loader must neutralize."""
+    rng = np.random.default_rng(seed)
+    L = (rng.standard_normal((geometry.n_layers, N, geometry.kv_lora)) * 3).astype(np.float32)
+    R = (rng.standard_normal((geometry.n_layers, N, geometry.qk_rope)) * 3).astype(np.float32)
+    L[:, 1] = 0.0  # an all-zero row: stored inert in every quantized version
+    if tier.version == 1:
+        L[0, 3, 5], R[1, 4, 2], L[-1, 5, 0] = np.nan, np.inf, -np.inf
+    tokens = rng.integers(0, geometry.vocab, N).astype(np.int32)
+    records = coli_kv.encode_records(geometry, tier, tokens, L, R)
+    layers = records["layers"]
+    if tier.version == 2:
+        layers["Lc"][6, 0, :3] = 0x7F  # NaN codes read as 0
+        layers["Rc"][7, 1, 1] = 0xFF
+        layers["Ls"][8, 0] = 0.0  # bad scales: the row is inert (codes 0, scale 1)
+        layers["Ls"][9, 1] = -2.0
+        layers["Rs"][10, -1] = np.nan
+        layers["Rs"][11, 0] = np.inf
+        layers["Ls"][12, -1] = 1e37  # above 3.4e38/448: no encoder writes it
+    elif tier.version == 3:
+        layers["Ls"][8, 0] = -1.0  # bad radii: 0, codes 0
+        layers["Rs"][9, 1] = np.nan
+        layers["Ls"][10, -1] = np.inf
+        layers["Rs"][11, 0] = np.float32(3.4e38)
+        layers["Ls"][12, 1] = np.float32(3.0e38)  # valid, but overflows on decode: reads as zeros
+        layers["Lc"][12, 1] = 0xFF
+    return records
+
+
+def _write(path, geometry: Geometry, tier: Tier, records: np.ndarray, *, nrec: int, tail: int = 0) -> None:
+    body = records.tobytes()
+    with open(path, "wb") as f:
+        f.write(Header(geometry, tier, nrec).to_bytes() + body + body[:tail])
+
+
+def _damaged_file(tmp_path, name: str, geometry: Geometry = GEOMETRY, *, committed: bool = False):
+    """A file of N records with an overclaimed nrec and a torn tail (or, ``committed``, with
+    records past a short nrec)."""
+    version, codec, bits = FILES[name]
+    tier = Tier(version, codec, bits)
+    records = _records(geometry, tier, seed=list(FILES).index(name))
+    path = tmp_path / f"{name}{'.committed' if committed else ''}.coli_kv"
+    if committed:
+        _write(path, geometry, tier, records, nrec=N - 4)
+    else:
+        _write(path, geometry, tier, records, nrec=N + 3, tail=records.dtype.itemsize // 2)
+    return path
+
+
+def _state(cache) -> tuple:
+    """Everything a restore sets: every byte of the capacity buffers, the tokens, the sizes."""
+    fields = {name: t.detach().cpu().contiguous().view(torch.uint8).clone() for name, t in cache._fields.items()}
+    return fields, cache._tokens.copy(), cache.capacity, cache.length
+
+
+def _assert_same(a: tuple, b: tuple) -> None:
+    assert a[2:] == b[2:]
+    np.testing.assert_array_equal(a[1], b[1])
+    assert a[0].keys() == b[0].keys()
+    for name in a[0]:
+        assert torch.equal(a[0][name], b[0][name]), name
+
+
+def _cache(tier_name: str, geometry: Geometry = GEOMETRY):
+    tier, bits = TIERS[tier_name]
+    return make_cache(tier, geometry, "cpu", bits=bits)
+
+
+def _host(tier_name: str, path, geometry: Geometry = GEOMETRY):
+    cache = _cache(tier_name, geometry)
+    cache.restore(StoredRows.from_records(coli_kv.load(path)), allow_requantize=True)
+    return cache
+
+
+@pytest.mark.parametrize("tier_name", list(TIERS))
+@pytest.mark.parametrize("file_name", list(FILES))
+def test_device_restore_gives_the_host_path_bytes_for_every_tier_pairing(tmp_path, file_name, tier_name):
+    for committed in (False, True):
+        path = _damaged_file(tmp_path, file_name, committed=committed)
+        want = _state(_host(tier_name, path))
+        assert want[3] == (N - 4 if committed else N)
+
+        from_records = _cache(tier_name)
+        from_records.restore_records(coli_kv.load(path), allow_requantize=True)
+        _assert_same(_state(from_records), want)
+
+        from_file = _cache(tier_name)
+        with FileBody(path) as body:
+            from_file.restore_body(body, allow_requantize=True, chunk_bytes=CHUNK)
+        _assert_same(_state(from_file), want)
+
+
+@pytest.mark.parametrize("tier_name", ["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("file_name", ["v1", "v2"])
+def test_unaligned_record_layouts_restore_byte_for_byte(tmp_path, file_name, tier_name):
+    """kv_lora 36 / qk_rope 6: the v2 scales and the second layer's rows sit at offsets that are no
+    multiple of 4, so the split copies bytes instead of words."""
+    odd = Geometry(2, 36, 6, 0, 0, 50)
+    version = FILES[file_name][0]
+    layout = RecordLayout.of(odd, Tier(version))
+    if version == 2:
+        assert (layout.layers_offset + layout.fields["Rs"][0]) % 4 and layout.layer_bytes % 4
+    path = _damaged_file(tmp_path, file_name, odd)
+    want = _state(_host(tier_name, path, odd))
+    got = _cache(tier_name, odd)
+    with FileBody(path) as body:
+        got.restore_body(body, chunk_bytes=CHUNK)
+    _assert_same(_state(got), want)
+
+
+def test_records_handed_over_in_memory_are_never_written(tmp_path):
+    """Sanitizing happens in the new buffers: the caller's (possibly read-only) body is untouched."""
+    path = _damaged_file(tmp_path, "v2")
+    records = coli_kv.load(path)
+    before = records.record_bytes()
+    for tier_name in ("fp8", "f32"):
+        _cache(tier_name).restore_records(records)
+    assert records.record_bytes() == before
+    readonly = coli_kv.parse(path.read_bytes())  # a bytes body: read-only
+    cache = _cache("fp8")
+    cache.restore_records(readonly)
+    _assert_same(_state(cache), _state(_host("fp8", path)))
+
+
+def _filled(tier_name: str):
+    """A cache holding rows of its own (the state a failed restore must keep)."""
+    cache = _cache(tier_name)
+    rng = np.random.default_rng(7)
+    rows = StoredRows(rng.integers(0, 100, 9).astype(np.int32), 1, *(rng.standard_normal((3, 9, w)).astype(np.float32) for w in (64, 32)))
+    cache.restore(rows)
+    return cache
+
+
+def test_quantized_rows_of_another_kind_are_refused_unless_requantize_is_allowed(tmp_path):
+    path = _damaged_file(tmp_path, "v2")
+    cache = _filled("tq-int4")
+    before = _state(cache)
+    with pytest.raises(CodecMismatch, match="quantized again"):
+        cache.restore_records(coli_kv.load(path))
+    with FileBody(path) as body, pytest.raises(CodecMismatch, match="quantized again"):
+        cache.restore_body(body)
+    _assert_same(_state(cache), before)
+
+
+def test_a_file_cut_while_it_is_read_keeps_the_complete_records(tmp_path):
+    """The body is sized at open; a file that shrinks before its chunks are read stops at the last
+    complete record (as ``coli_kv.load`` of the shorter file), never an error or a torn row."""
+    path = _damaged_file(tmp_path, "v2")
+    rec = RecordLayout.of(GEOMETRY, Tier(2)).rec_bytes
+    cache = _cache("fp8")
+    with FileBody(path) as body:
+        assert body.n == N
+        os.truncate(path, HEADER_BYTES + 29 * rec + rec // 3)  # inside record 29, a later chunk
+        cache.restore_body(body, chunk_bytes=CHUNK)
+    assert cache.length == 29
+    # The capacity was sized for the 41 records seen at open; past the 29 rows read it is zeros.
+    got, want = _state(cache), _state(_host("fp8", path))
+    assert got[3] == want[3] and got[2] > want[2]
+    np.testing.assert_array_equal(got[1][: want[2]], want[1])
+    assert not got[1][want[2] :].any()
+    for name, rows in want[0].items():
+        per_row = rows.shape[1] // want[2]
+        assert torch.equal(got[0][name][:, : rows.shape[1]], rows)
+        assert not got[0][name][:, want[2] * per_row :].any()
+
+
+def test_a_failure_in_a_later_chunk_leaves_the_cache_unchanged(tmp_path, monkeypatch):
+    """v1 rows are quantized chunk by chunk into new buffers: a failure in the third chunk's encode,
+    or a read error in a later chunk, raises with the live rows exactly as they were."""
+    path = _damaged_file(tmp_path, "v1")
+    cache = _filled("fp8")
+    before = _state(cache)
+    real_encode = quant.encode_fp8
+    calls = []
+
+    def encode_failing_on_the_third_chunk(rows):
+        calls.append(rows.shape)
+        if len(calls) > 4:  # L and R rows per chunk: the fifth call is the third chunk's L rows
+            raise RuntimeError("fp8 encode failed (injected)")
+        return real_encode(rows)
+
+    monkeypatch.setattr(quant, "encode_fp8", encode_failing_on_the_third_chunk)
+    with FileBody(path) as body, pytest.raises(RuntimeError, match="injected"):
+        cache.restore_body(body, chunk_bytes=CHUNK)
+    _assert_same(_state(cache), before)
+    monkeypatch.undo()
+
+    real_read = FileBody.read_into
+    reads = []
+
+    def read_failing_later(self, out, start, count):
+        reads.append(start)
+        if len(reads) == 5:
+            raise OSError(5, "Input/output error (injected)")
+        return real_read(self, out, start, count)
+
+    monkeypatch.setattr(FileBody, "read_into", read_failing_later)
+    with FileBody(path) as body, pytest.raises(OSError, match="injected"):
+        cache.restore_body(body, chunk_bytes=CHUNK)
+    _assert_same(_state(cache), before)
+    monkeypatch.undo()
+    with FileBody(path) as body:  # and the same restore then succeeds
+        cache.restore_body(body, chunk_bytes=CHUNK)
+    _assert_same(_state(cache), _state(_host("fp8", path)))
+
+
+def test_engine_restore_file_checks_tokens_before_the_rows_replace_the_cache(tmp_path):
+    """A token id outside the vocabulary in the last record is found after every row is uploaded:
+    the engine's cache keeps its rows and a later good file restores normally."""
+    engine = Engine.from_preset("tiny", seed=0)
+    engine.generate([5, 6, 7, 8], max_new_tokens=3, stop_tokens=())
+    before = _state(engine.cache)
+    rows = engine.export_rows()
+    geometry = engine.config.coli_geometry()
+    records = rows.record_array(geometry)
+    records["token"][-1] = geometry.vocab + 5
+    bad = tmp_path / "bad.coli_kv"
+    bad.write_bytes(Header(geometry, Tier(1), records.shape[0]).to_bytes() + records.tobytes())
+    with pytest.raises(GenerationError, match="token ids must be in"):
+        engine.restore_file(bad)
+    _assert_same(_state(engine.cache), before)
+    good = tmp_path / "good.coli_kv"
+    good.write_bytes(rows.encode_file(geometry))
+    fresh = Engine(engine.model, tier="f32")
+    assert fresh.restore_file(good) == rows.n
+    np.testing.assert_array_equal(fresh.cache.tokens, rows.tokens)
+    _, L, R = fresh.cache.export_f32()
+    np.testing.assert_array_equal(L, rows.lc)
+    np.testing.assert_array_equal(R, rows.rc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("file_name", list(FILES))
+def test_transformers_restore_on_the_device_decodes_as_the_format_codecs(hf_models, tmp_path, file_name, dtype):
+    """``hf.cache_from_records`` / ``hf.cache_from_file`` build the DynamicCache the host decoder's
+    rows (``KVRecords.dequantize``, sanitized) give through ``hf.build_cache``, bit for bit."""
+    model = hf_models["tiny"][0]
+    geometry = hf.check_cache_layout(model).geometry
+    path = _damaged_file(tmp_path, file_name, geometry)
+    records = coli_kv.load(path)
+    L, R, _ = records.dequantize()
+    want = hf.build_cache(model, L[:, None], R[:, None], dtype=dtype)
+    from_records = hf.cache_from_records(model, records, dtype=dtype)
+    restored = hf.cache_from_file(model, path, dtype=dtype)
+    assert restored.reused_tokens == records.n and restored.tier == records.tier
+    np.testing.assert_array_equal(restored.tokens, records.tokens)
+    for built in (from_records, restored.cache):
+        assert hf.cache_length(built) == records.n
+        for got_layer, want_layer in zip(built.layers, want.layers):
+            assert got_layer.keys.dtype == dtype
+            assert torch.equal(_bits(got_layer.keys), _bits(want_layer.keys))  # bits: v1 rows hold NaNs
+            assert torch.equal(_bits(got_layer.values), _bits(want_layer.values))
+    prefix = hf.cache_from_file(model, path, upto=5, dtype=dtype)
+    assert hf.cache_length(prefix.cache) == 5
+    assert torch.equal(_bits(prefix.cache.layers[0].keys), _bits(want.layers[0].keys[:, :, :5]))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_memory_body_limit_and_layout_views_agree_with_numpy(tmp_path):
+    """The torch field views read the bytes numpy's record dtype assigns to each field."""
+    path = _damaged_file(tmp_path, "v3-polar3")
+    records = coli_kv.load(path)
+    body = MemoryBody(records)
+    raw = torch.from_numpy(np.array(body.host_rows()))
+    for name in ("Lc", "Ls", "Rc", "Rs"):
+        got = body.layout.field(raw, name).numpy()
+        want = records.records["layers"][name].transpose(1, 0, *range(2, records.records["layers"][name].ndim))
+        np.testing.assert_array_equal(got, np.ascontiguousarray(want).view(np.uint8).reshape(got.shape))
+    body.limit(7)
+    assert body.n == 7 and body.host_rows().shape[0] == 7
