@@ -4,7 +4,8 @@ A conversation of N tokens is continued with one new token, two ways:
 
 * **re-prefill**: a cold engine runs all N+1 tokens (what an engine without a stored cache does);
 * **resume**: the N stored rows are loaded from a ``.coli_kv`` file into the tier's cache
-  (``coli_kv.load`` + ``restore``, no dequantize/requantize when the file is the tier's version)
+  (``Engine.restore_file``: the body read into pinned memory, uploaded once and split into the
+  tier's fields on the device, no dequantize/requantize when the file is the tier's version)
   and only the new token is run.
 
 Both end with the logits of the next token; the ratio of their times is the headline. The stored
@@ -14,6 +15,10 @@ same number of bytes measured in the same run (the physical peer).
 
 Decode tokens/s per tier (after a resume at the first length) is reported with its ratio to the
 f32 tier, and KV bytes per token per tier with the ratio to f32.
+
+``--host-path`` also times the host restore the device path replaced (``coli_kv.load`` +
+``StoredRows.from_records`` + ``restore``) on the same files, in a table of its own, and checks that
+both paths leave the same rows in the cache.
 
 Usage::
 
@@ -31,7 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.engine import TIERS, Engine, make_cache, preset, random_model, tier_bytes_per_token
+from kvstore.engine import TIERS, Engine, StoredRows, make_cache, preset, random_model, tier_bytes_per_token
+from kvstore.formats import coli_kv
 
 DEFAULT_TIERS = ("f32", "bf16", "fp8", "int8", "tq-int4", "tq-polar")
 
@@ -80,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, help="override the preset's routed experts (smoke runs)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
     parser.add_argument("--workdir", help="where the .coli_kv files go (default: a temporary folder)")
+    parser.add_argument("--host-path", action="store_true", help="also time the host restore path (before/after table)")
     args = parser.parse_args(argv)
 
     if args.threads:
@@ -108,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     resume_rows = []
     decode_rows = {}
+    host_rows = []
     try:
         for length in args.lengths:
             context = rng.integers(2, cfg.vocab_size, length + 1)
@@ -131,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"resume prefilled {prefilled} and reused {reused}, expected 1 and {length}")
                 same_next = int(torch.argmax(logits)) == int(torch.argmax(cold_logits))
                 row["tiers"][tier] = (restore_seconds, step_seconds, path.stat().st_size, same_next)
+                if args.host_path:
+                    host = Engine(model, tier=tier, prefill_chunk=args.prefill_chunk)
+                    host_seconds, _ = _timed(device, lambda: host.restore(StoredRows.from_records(coli_kv.load(path))))
+                    same_rows = host.export_rows().record_array(geometry).tobytes() == engine.export_rows(0, length).record_array(geometry).tobytes()
+                    host_rows.append((length, tier, host_seconds, restore_seconds, path.stat().st_size, same_rows))
+                    del host
                 if length == args.lengths[0]:
                     result = engine.generate(
                         np.concatenate([context, [int(torch.argmax(logits))]]),
@@ -163,6 +177,15 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{head} {tier:>9s} {_fmt_seconds(restore_seconds):>11s} {_fmt_seconds(step_seconds):>11s} {speedup:8.0f}x "
                 f"{size / 1e6:8.1f} {gbps:6.2f} {gbps / memcpy:7.0%} {'same' if same_next else 'differs':>8s}"
+            )
+    if host_rows:
+        print("\nRestore, host path (load + StoredRows.from_records + restore) vs device path (restore_file)")
+        print(f"{'tokens':>7s} {'tier':>9s} {'host':>11s} {'GB/s':>6s} {'device':>11s} {'GB/s':>6s} {'faster':>7s} {'rows':>8s}")
+        for length, tier, host_seconds, device_seconds, size, same_rows in host_rows:
+            print(
+                f"{length:7d} {tier:>9s} {_fmt_seconds(host_seconds):>11s} {size / host_seconds / 1e9:6.2f} "
+                f"{_fmt_seconds(device_seconds):>11s} {size / device_seconds / 1e9:6.2f} {host_seconds / device_seconds:6.1f}x "
+                f"{'same' if same_rows else 'DIFFER':>8s}"
             )
     f32_rate = decode_rows.get("f32")
     print(f"\nDecode after a resume at {args.lengths[0]} tokens ({args.decode_tokens} tokens, greedy)")

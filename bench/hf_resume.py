@@ -7,14 +7,18 @@ arrives and the next token is wanted. Two ways to get it:
 - **re-run**: prefill all ``T + new`` tokens through transformers (in chunks of ``--chunk`` tokens,
   as a server bounds its memory; ``--chunk 0`` = one pass) and take the arg-max of the last logits;
 - **restore**: read the T stored rows (kvstore session, or a bare ``.coli_kv`` journal through
-  ``KVFile`` when lmdb is not installed), decode them on the device into a ``DynamicCache``, run the
-  ``new`` tokens, take the arg-max.
+  ``hf.cache_from_file`` when lmdb is not installed), upload them as stored and decode them on the
+  device into a ``DynamicCache``, run the ``new`` tokens, take the arg-max.
 
 Printed per length and tier: the re-run time, the restore time (read + decode + copy + cache
 build), the first forward after it, the ratio re-run / (restore + first), the stored size and
 whether both ways pick the same next token (they must in v1 up to chunking numerics; quantized
 tiers may differ). Ratios are measured in this one run, after a warm-up pass; the restore is
 repeated ``--repeat`` times and the re-run ``--rerun-repeat`` times (medians).
+
+``--host-path`` also times the restore this replaced (load the records, re-lay them out per layer
+on the host — sanitized code copies for v2/v3 —, upload each layer, decode there) on the same rows,
+in a table of its own, and checks that both caches hold the same rows.
 
 Examples::
 
@@ -64,6 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--store", choices=("auto", "sessions", "kvfile"), default="auto", help="sessions needs lmdb")
     p.add_argument("--threads", type=int, help="torch CPU threads (default 1 on cpu: the tiny model is per-op bound, and spinning threads on a shared box distort both sides)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-path", action="store_true", help="also time the host restore path (before/after table)")
     return p.parse_args(argv)
 
 
@@ -155,14 +160,57 @@ class KVFileBackend:
         return os.stat(self.folder / f"{key}.coli_kv").st_size
 
     def restore(self, key, model, upto, device, dtype):
+        return hf.cache_from_file(model, self.folder / f"{key}.coli_kv", upto=upto, device=device, dtype=dtype).cache
+
+    def records(self, key, upto):
         from kvstore.journal import KVFile
 
         with KVFile.open(self.folder / f"{key}.coli_kv") as journal:
-            records = journal.load().slice(0, upto)
-        return hf.cache_from_records(model, records, device=device, dtype=dtype)
+            return journal.load().slice(0, upto)
 
     def close(self):
         pass
+
+
+def host_path_cache(model, records, device, dtype):
+    """The restore before kvstore.engine.restore: per layer, a host copy out of the records (codes
+    sanitized on the host for v2/v3), a pageable upload, a decode on the device, ``cache.update``."""
+    from kvstore.engine import quant
+
+    geometry = records.geometry
+    cache = hf.new_cache(model)
+    if records.n == 0:
+        return cache
+    if records.tier.version == 1:
+        layers = records.records["layers"]
+        rows = {"L": layers["Lc"], "R": layers["Rc"]}
+    else:
+        codes = {which: records.quantized(which) for which in ("L", "R")}
+    for layer in range(geometry.n_layers):
+        out = []
+        for which, width in (("L", geometry.kv_lora), ("R", geometry.qk_rope)):
+            if records.tier.version == 1:
+                out.append(torch.from_numpy(np.array(rows[which][:, layer], dtype=np.float32, order="C")).to(device))
+                continue
+            layer_codes = torch.from_numpy(codes[which][0][layer]).to(device)
+            layer_scales = torch.from_numpy(codes[which][1][layer]).to(device)
+            if records.tier.version == 2:
+                out.append(quant.fp8_dequantize_rows(layer_codes, layer_scales))
+            elif records.tier.codec == quant.CODEC_INT4:
+                out.append(quant.int4_dequantize_rows(layer_codes, layer_scales))
+            else:
+                out.append(quant.polar_dequantize_rows(layer_codes, layer_scales, width, records.tier.bits))
+        cache.update(out[0].to(dtype)[None, None], out[1].to(dtype)[None, None], layer)
+    return cache
+
+
+def same_rows(a, b) -> bool:
+    """Both caches hold the same rows (NaN-safe: by bits; decoded rows within 1e-6 for v3 polar/int4)."""
+    for x, y in zip(a.layers, b.layers):
+        for p, q in ((x.keys, y.keys), (x.values, y.values)):
+            if p.shape != q.shape or not torch.allclose(p.float(), q.float(), rtol=1e-6, atol=1e-6, equal_nan=True):
+                return False
+    return True
 
 
 def pick_backend(kind: str, folder: Path):
@@ -189,6 +237,7 @@ def main(argv=None) -> int:
     geometry = hf.check_cache_layout(model).geometry
     generator = torch.Generator().manual_seed(args.seed + 1)
     described = {tier: hf.parse_tier(tier).describe() for tier in tiers}
+    host_rows = []
     with tempfile.TemporaryDirectory(prefix="hf-resume-") as tmp:
         backend = pick_backend(args.store, Path(tmp))
         print(
@@ -228,6 +277,14 @@ def main(argv=None) -> int:
                         tokens.append(token)
                         del restored
                     restore_s, first_s = statistics.median(restore_times), statistics.median(first_times)
+                    if args.host_path and hasattr(backend, "records"):
+                        host_times = []
+                        for _ in range(args.repeat):
+                            host_cache, host_s = timed(lambda: host_path_cache(model, backend.records(key, length), device, dtype), device)
+                            host_times.append(host_s)
+                        device_cache = backend.restore(key, model, length, device, dtype)
+                        host_rows.append((length, described[tier], statistics.median(host_times), restore_s, stored, same_rows(host_cache, device_cache)))
+                        del host_cache, device_cache
                     print(
                         f"{length:>6} {described[tier]:<20} {rerun_s:>9.2f} {restore_s * 1e3:>11.1f} {first_s * 1e3:>9.1f} "
                         f"{rerun_s / (restore_s + first_s):>7.0f}x {stored / 2**20:>10.1f} {'yes' if tokens[0] == reference else 'no':>5}",
@@ -238,6 +295,14 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         backend.close()
+    if host_rows:
+        print("\nRestore, host path (per-layer host copies + pageable uploads) vs device path")
+        print(f"{'T':>6} {'tier':<20} {'host ms':>9} {'GB/s':>6} {'device ms':>10} {'GB/s':>6} {'faster':>7} {'rows':>6}")
+        for length, tier, host_s, device_s, stored, same in host_rows:
+            print(
+                f"{length:>6} {tier:<20} {host_s * 1e3:>9.1f} {stored / host_s / 1e9:>6.2f} {device_s * 1e3:>10.1f} "
+                f"{stored / device_s / 1e9:>6.2f} {host_s / device_s:>6.1f}x {'same' if same else 'DIFFER':>6}"
+            )
     return 0
 
 

@@ -13,7 +13,8 @@ records stay as they are stored until they reach the device:
    the next chunks are being read;
 3. on the device every field of every layer is a strided view of the chunk — ``[rows, n_layers,
    field bytes]`` at the field's offset in the record dtype — copied by one torch op per field into
-   the target's buffers (``[n_layers, capacity, ...]``), as 4-byte words where the layout is aligned;
+   the target's buffers (``[n_layers, capacity, ...]``, seen transposed), as 4-byte words where the
+   layout is aligned;
 4. v2/v3 rows are sanitized in place there, exactly as ``KVRecords.quantized`` does on the host
    (FORMAT.md section 4): a v2 scale not in (0, 3.4e38/448] makes the row inert (codes 0, scale 1)
    and NaN codes read 0; a v3 radius not in [0, 3.4e38) becomes 0 with codes 0.
@@ -98,10 +99,11 @@ class RecordLayout:
         return cls(dtype.itemsize, layers_offset, one.itemsize, geometry.n_layers, fields, stored)
 
     def field(self, raw: torch.Tensor, name: str) -> torch.Tensor:
-        """Field ``name`` of every layer of ``raw`` (u8[rows, rec_bytes]) as a u8[n_layers, rows, bytes] view."""
+        """Field ``name`` of every layer of ``raw`` (u8[rows, rec_bytes]) as a u8[rows, n_layers, bytes]
+        view, in record order (transpose it for the layer-major [n_layers, rows, bytes])."""
         offset, size = self.fields[name]
         layers = raw[:, self.layers_offset : self.layers_offset + self.n_layers * self.layer_bytes]
-        return layers.unflatten(1, (self.n_layers, self.layer_bytes))[:, :, offset : offset + size].transpose(0, 1)
+        return layers.unflatten(1, (self.n_layers, self.layer_bytes))[:, :, offset : offset + size]
 
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
@@ -118,7 +120,7 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A target slice ([n_layers, rows] scalars or [n_layers, rows, w]) as u8[n_layers, rows, bytes]."""
+    """A target slice ([rows, n_layers] scalars or [rows, n_layers, w]) as u8[rows, n_layers, bytes]."""
     if t.dtype == torch.uint8:
         return t
     return t.unsqueeze(-1).view(torch.uint8) if t.dim() == 2 else t.view(torch.uint8)
@@ -143,21 +145,33 @@ def _f32(src: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- sanitize and decode
 
 
+def _fill_where(t: torch.Tensor, mask: torch.Tensor, value: float) -> None:
+    """``t[mask] = value`` in place. On the CPU skipped when nothing matches — the common case, as
+    no encoder writes what sanitizing clears, and CPU ``masked_fill_`` is slow; on a device always,
+    since asking would stall the pipeline on a device-to-host sync per chunk."""
+    if t.device.type != "cpu" or bool(mask.any()):
+        t.masked_fill_(mask, value)
+
+
 def sanitize_fp8(codes: torch.Tensor, scales: torch.Tensor) -> None:
     """In place, ``KVRecords.quantized`` for v2: NaN codes (0x7F/0xFF) read 0; a scale not in
-    (0, 3.4e38/448] (``fp8.bad_scales``, NaN included) makes the row inert: codes 0, scale 1."""
-    codes.masked_fill_((codes & 0x7F) == 0x7F, 0)
+    (0, 3.4e38/448] (``fp8.bad_scales``, NaN included) makes the row inert: codes 0, scale 1.
+
+    ``codes`` u8[..., w] and ``scales`` f32[...] (any leading layout, the same for both)."""
+    nan = codes & 0x7F
+    nan.eq_(0x7F)  # in place: 0/1 bytes, read as a bool mask without another tensor
+    _fill_where(codes, nan.view(torch.bool), 0)
     bad = ~((scales > 0) & (scales <= _FP8_MAX_SCALE))
-    codes.masked_fill_(bad.unsqueeze(-1), 0)
-    scales.masked_fill_(bad, 1.0)
+    _fill_where(codes, bad.unsqueeze(-1), 0)
+    _fill_where(scales, bad, 1.0)
 
 
 def sanitize_tq(codes: torch.Tensor, radii: torch.Tensor) -> None:
     """In place, ``KVRecords.quantized`` for v3 (``tq.sanitize_radii``): a radius not in
     [0, 3.4e38) becomes 0 and its row's codes 0."""
     bad = ~((radii >= 0) & (radii < _RADIUS_CEIL))
-    codes.masked_fill_(bad.unsqueeze(-1), 0)
-    radii.masked_fill_(bad, 0.0)
+    _fill_where(codes, bad.unsqueeze(-1), 0)
+    _fill_where(radii, bad, 0.0)
 
 
 def dequantize(tier: Tier, codes: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
@@ -223,7 +237,9 @@ class Placement:
             return
         placed = {}
         for target, source in self.native.items():
-            dst = fields[target][:, start : start + rows]
+            # Both sides in record order ([rows, n_layers, ...]): torch's CPU copy walks the
+            # source's rows sequentially then, several times faster than layer-major order.
+            dst = fields[target][:, start : start + rows].transpose(0, 1)
             src = self.layout.field(raw, source)
             if dst.dtype == self.layout.stored[source]:
                 _copy_bytes(_bytes_of(dst), src)
@@ -238,14 +254,18 @@ class Placement:
     def decode(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's rows as f32 (L [n_layers, rows, kv_lora], R [n_layers, rows, qk_rope]), sanitized."""
         g = self.geometry
+
+        def layer_major(name: str) -> torch.Tensor:
+            return self.layout.field(raw, name).transpose(0, 1)
+
         if self.tier.version == 1:
-            return _f32(self.layout.field(raw, "Lc")).contiguous(), _f32(self.layout.field(raw, "Rc")).contiguous()
+            return _f32(layer_major("Lc")).contiguous(), _f32(layer_major("Rc")).contiguous()
         clean = sanitize_fp8 if self.tier.version == 2 else sanitize_tq
         out = []
         for codes_name, scales_name, width in (("Lc", "Ls", g.kv_lora), ("Rc", "Rs", g.qk_rope)):
             # Copies (clone, never a view of the body, which may be read-only): sanitized below.
-            codes = self.layout.field(raw, codes_name).clone(memory_format=torch.contiguous_format)
-            scales = _f32(self.layout.field(raw, scales_name)).squeeze(-1).clone(memory_format=torch.contiguous_format)
+            codes = layer_major(codes_name).clone(memory_format=torch.contiguous_format)
+            scales = _f32(layer_major(scales_name)).squeeze(-1).clone(memory_format=torch.contiguous_format)
             clean(codes, scales)
             out.append(dequantize(self.tier, codes, scales, width))
         return out[0], out[1]
@@ -411,7 +431,7 @@ def _pipeline(body, fields, placement: Placement, device: torch.device, per_chun
     cuda = device.type == "cuda"
     starts = list(range(0, n, per_chunk))
     slots = min(len(starts), 2 * threads)
-    slot_bytes = per_chunk * rec
+    slot_bytes = min(per_chunk, n) * rec
     if cuda:
         ring = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
         views = [buffer.numpy() for buffer in ring]
@@ -429,12 +449,20 @@ def _pipeline(body, fields, placement: Placement, device: torch.device, per_chun
             uploaded[slot].synchronize()  # releases the GIL
         return body.read_into(views[slot], starts[i], min(per_chunk, n - starts[i]))
 
+    # One chunk (or one thread) is read where it is needed: a pool would only add its start-up.
+    pool = ThreadPoolExecutor(max_workers=min(threads, slots), thread_name_prefix="kv-restore") if slots > 1 and threads > 1 else None
+
+    def submit(i: int):
+        return pool.submit(read, i) if pool is not None else i
+
+    def wait(handle) -> int:
+        return handle.result() if pool is not None else read(handle)
+
     filled = 0
-    pool = ThreadPoolExecutor(max_workers=min(threads, slots), thread_name_prefix="kv-restore")
     try:
-        pending = {i: pool.submit(read, i) for i in range(slots)}
+        pending = {i: submit(i) for i in range(slots)}
         for i, a in enumerate(starts):
-            got = pending.pop(i).result()
+            got = wait(pending.pop(i))
             slot = i % slots
             if got:
                 size = got * rec
@@ -453,8 +481,8 @@ def _pipeline(body, fields, placement: Placement, device: torch.device, per_chun
             if got < min(per_chunk, n - a):
                 break  # the file ended early: keep the complete records before it
             if i + slots < len(starts):
-                pending[i + slots] = pool.submit(read, i + slots)
+                pending[i + slots] = submit(i + slots)
     finally:
-        # Reads still in flight write into the ring: wait for them before it goes.
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:  # reads still in flight write into the ring: wait for them before it goes
+            pool.shutdown(wait=True, cancel_futures=True)
     return filled, tokens[:filled]

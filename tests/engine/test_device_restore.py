@@ -316,8 +316,69 @@ def test_memory_body_limit_and_layout_views_agree_with_numpy(tmp_path):
     body = MemoryBody(records)
     raw = torch.from_numpy(np.array(body.host_rows()))
     for name in ("Lc", "Ls", "Rc", "Rs"):
-        got = body.layout.field(raw, name).numpy()
-        want = records.records["layers"][name].transpose(1, 0, *range(2, records.records["layers"][name].ndim))
-        np.testing.assert_array_equal(got, np.ascontiguousarray(want).view(np.uint8).reshape(got.shape))
+        got = body.layout.field(raw, name).numpy()  # [rows, n_layers, bytes]
+        want = np.ascontiguousarray(records.records["layers"][name])
+        np.testing.assert_array_equal(got, want.view(np.uint8).reshape(got.shape))
     body.limit(7)
     assert body.n == 7 and body.host_rows().shape[0] == 7
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal, except that NaNs need only sit in the same places: the f32 -> bf16 conversion of a
+    NaN keeps a payload that depends on where it ran."""
+    if a.dtype.is_floating_point:
+        nan = torch.isnan(a)
+        if not torch.equal(nan, torch.isnan(b)):
+            return False
+        a, b = a.masked_fill(nan, 0), b.masked_fill(nan, 0)
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier_name", ["f32", "bf16", "fp8", "tq-int4", "tq-polar4", "int8"])
+@pytest.mark.parametrize("file_name", ["v1", "v2", "v3-int4", "v3-polar4"])
+def test_cuda_restore_gives_the_host_path_rows(tmp_path, file_name, tier_name):
+    """On CUDA: the pinned ring, the asynchronous uploads, the per-slot events, the device split.
+    Against the host path on the same device (which decodes v2/v3 with the format codecs on the
+    host and encodes with the device twins): equal bits, save PolarQuant rows decoded for another
+    tier, where the twins' cos/sin may differ in the last place."""
+    path = _damaged_file(tmp_path, file_name)
+    tier, bits = TIERS[tier_name]
+    host = make_cache(tier, GEOMETRY, "cuda", bits=bits)
+    host.restore(StoredRows.from_records(coli_kv.load(path)), allow_requantize=True)
+    for restore in ("records", "file"):
+        cache = make_cache(tier, GEOMETRY, "cuda", bits=bits)
+        if restore == "records":
+            cache.restore_records(coli_kv.load(path), allow_requantize=True)
+        else:
+            with FileBody(path) as body:
+                cache.restore_body(body, allow_requantize=True, chunk_bytes=CHUNK)
+        assert (cache.length, cache.capacity) == (host.length, host.capacity)
+        np.testing.assert_array_equal(cache._tokens, host._tokens)
+        if file_name == "v3-polar4" and tier_name != "tq-polar4":
+            _, got_l, got_r = cache.export_f32()
+            _, want_l, want_r = host.export_f32()
+            np.testing.assert_allclose(got_l, want_l, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(got_r, want_r, rtol=1e-4, atol=1e-5)
+            continue
+        for name, field in host._fields.items():
+            assert _same_values(cache._fields[name], field), (restore, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("file_name", ["v1", "v2", "v3-int4"])
+def test_cuda_transformers_restore_matches_the_format_decoder(hf_models, tmp_path, file_name):
+    import copy
+
+    model = copy.deepcopy(hf_models["tiny"][0]).to("cuda")
+    geometry = hf.check_cache_layout(model).geometry
+    path = _damaged_file(tmp_path, file_name, geometry)
+    records = coli_kv.load(path)
+    L, R, _ = records.dequantize()
+    want = hf.build_cache(model, L[:, None], R[:, None], dtype=torch.bfloat16)
+    restored = hf.cache_from_file(model, path, dtype=torch.bfloat16)
+    np.testing.assert_array_equal(restored.tokens, records.tokens)
+    for got_layer, want_layer in zip(restored.cache.layers, want.layers):
+        assert got_layer.keys.device.type == "cuda"
+        assert _same_values(got_layer.keys, want_layer.keys)
+        assert _same_values(got_layer.values, want_layer.values)
