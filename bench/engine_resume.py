@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         f"torch threads {torch.get_num_threads()}, fp8 decode backend: {backend}"
     )
     rng = np.random.default_rng(0)
-    # warm-up: lazy initializations (BLAS handles, kernels) are not the engine's cost
-    Engine(model, tier="f32").generate(rng.integers(2, cfg.vocab_size, 64), max_new_tokens=2, stop_tokens=())
+    # warm-up: lazy initializations (BLAS handles, each tier's decode kernels, compiled on first
+    # use) are not the engine's cost
+    for tier in dict.fromkeys(["f32", *args.tiers]):
+        Engine(model, tier=tier).generate(rng.integers(2, cfg.vocab_size, 64), max_new_tokens=2, stop_tokens=())
 
     workdir_context = tempfile.TemporaryDirectory() if args.workdir is None else None
     workdir = Path(args.workdir or workdir_context.name)
