@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from kvstore.engine.cache import StoredRows
 from kvstore.engine.errors import CacheError, GenerationError
 from kvstore.engine.fingerprint import check_override, folder_model_info, refuse_mismatch
 from kvstore.engine.generate import DEFAULT_PREFILL_CHUNK, Engine, SamplingParams
@@ -360,8 +359,9 @@ class SessionEngine:
                 served, damaged_from = reader.n_records, reader.damaged_from
                 key = self._state_key(reader.info)
                 records = reader.load()
-            rows = StoredRows.from_records(records)
-            self.engine.restore(rows, allow_requantize=allow_requantize)
+            # The device restore path: records split and sanitized on the engine's device, straight
+            # into new capacity buffers, swapped in only once complete.
+            self.engine.restore_records(records, allow_requantize=allow_requantize)
         except KVStoreError:
             raise
         except Exception as exc:  # device memory, an upload or decode failure: typed, with the reason

@@ -19,7 +19,7 @@ import torch
 
 from kvstore.engine import cache as cache_module
 from kvstore.engine import quant
-from kvstore.engine import session as session_module
+from kvstore.engine import restore as restore_module
 from kvstore.errors import IntegrityError, RestoreFailed, SessionDamaged
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Header, Tier
@@ -51,14 +51,14 @@ def _unlink(store, monkeypatch):
 
 
 def _decode(store, monkeypatch):
-    def broken(records):
+    def broken(self, raw, fields, start):
         raise ValueError("records could not be decoded (injected)")
 
-    monkeypatch.setattr(session_module.StoredRows, "from_records", staticmethod(broken))
+    monkeypatch.setattr(restore_module.Placement, "apply", broken)
 
 
 def _upload(store, monkeypatch):
-    monkeypatch.setattr(cache_module, "_to_device", _oom)
+    monkeypatch.setattr(restore_module, "fill", _oom)
 
 
 def _allocate(store, monkeypatch):
@@ -134,7 +134,7 @@ def test_a_failed_quantization_of_v1_rows_leaves_the_fp8_cache_and_the_v1_file(s
 
 def test_a_failed_restore_is_reported_with_its_reason_through_the_typed_error(chat, store, monkeypatch):
     _two_sessions(chat)
-    monkeypatch.setattr(cache_module, "_to_device", _oom)
+    monkeypatch.setattr(restore_module, "fill", _oom)
     with pytest.raises(RestoreFailed) as failed:
         chat.run("b", [20], **TURN)
     reason = failed.value.reason
