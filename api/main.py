@@ -16,7 +16,7 @@ import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import kvstore
-from kvstore.errors import BodyTooLarge, KVStoreError
+from kvstore.errors import BodyTooLarge, InvalidRequest, KVStoreError
 from kvstore.sessions import SessionStore
 
 from kvstore.api.jobs import JobRunner
@@ -70,6 +70,27 @@ async def _disconnected(request: Request, exc: ClientDisconnect) -> JSONResponse
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return _error(500, "InternalError", f"{type(exc).__name__}: the service failed; see its log")
+
+
+def _takes_many(schema: dict) -> bool:
+    return schema.get("type") == "array" or any(_takes_many(part) for part in schema.get("anyOf", ()))
+
+
+async def _single_valued_query(request: Request) -> None:
+    """Refuse a query parameter the operation takes once but the request repeats (400).
+
+    Starlette would silently keep the last value, so ``?model=a&model=b`` filtered by ``b`` alone.
+    Which parameters take a list is read from the service's own OpenAPI schema.
+    """
+    names = [name for name, _ in request.query_params.multi_items()]
+    if len(names) == len(set(names)):
+        return
+    route = request.scope.get("route")
+    operation = request.app.openapi().get("paths", {}).get(getattr(route, "path", None), {}).get(request.method.lower(), {})
+    for parameter in operation.get("parameters", ()):
+        name = parameter.get("name")
+        if parameter.get("in") == "query" and names.count(name) > 1 and not _takes_many(parameter.get("schema", {})):
+            raise InvalidRequest(f"query parameter {name!r} is given {names.count(name)} times; it takes one value")
 
 
 class BodyLimit:
@@ -166,6 +187,7 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
         version=kvstore.__version__,
         description="Resumable LLM conversations: MLA latent KV rows journaled as .coli_kv, indexed, served.",
         lifespan=lifespan,
+        dependencies=[Depends(_single_valued_query)],
     )
     app.state.settings = settings
     app.state.keys = keys

@@ -420,3 +420,25 @@ def test_wrongly_typed_json_is_refused_not_coerced(service, figures):
         assert alice.get("/sessions/typed-fork").status_code == 404 and alice.get("/sessions/typed-2").status_code == 404
     assert state_of(service, "typed") == before and before[-1] == rows
     figures.add("api_abuse", "wrongly_typed_json", inputs=len(wrong), coerced=0)
+
+
+def test_a_repeated_single_valued_query_parameter_is_refused(service, figures):
+    """Regression (long schemathesis run): ``?model=a&model=b`` was answered for ``b`` alone — the
+    other values were dropped without a word. A parameter that takes one value, repeated, is 400;
+    one that takes a list (``tag``) still takes several."""
+    make_session(service, "repeat")
+    repeated = [
+        ("/sessions", [("model", "a"), ("model", "b")]),
+        ("/sessions", [("state", "active"), ("state", "parked")]),
+        ("/sessions/repeat/resume", [("format", "raw"), ("format", "arrow")]),
+        ("/sessions/repeat/resume", [("verify", "true"), ("verify", "false")]),
+    ]
+    with service.client() as alice:
+        for path, params in repeated:
+            body = assert_error(alice.get(path, params=params), 400)
+            assert "given 2 times" in body["reason"], body
+        both = alice.get("/sessions", params=[("tag", "t"), ("tag", "u")])
+        assert both.status_code == 200 and both.json() == {"sessions": []}
+        one = alice.get("/sessions", params=[("tag", "t"), ("model", MODEL["name"])])
+        assert "repeat" in {s["id"] for s in one.json()["sessions"]}
+    figures.add("api_abuse", "repeated_query_parameters", inputs=len(repeated) + 2, accepted=0)
