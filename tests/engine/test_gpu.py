@@ -3,10 +3,13 @@
 * rows quantized on the GPU are the bytes ``kvstore.formats`` writes from the same f32 rows;
 * the decode attention the cache selects (the ``kvstore.gpu`` kernels when they run this tier and
   geometry) agrees with the engine's torch implementation;
-* the tiny model on CUDA gives the CPU model's logits.
+* the tiny model on CUDA gives the CPU model's logits;
+* with the kernels' latent width the CUDA engine picks the CPU engine's tokens (fp8, tq-int4).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -87,3 +90,30 @@ def test_tiny_model_on_cuda_matches_cpu():
         assert rel < 1e-3, (tier, rel)
         result = cuda_engine.generate(np.concatenate([prompt, [5]]), max_new_tokens=8, stop_tokens=())
         assert len(result.tokens) == 8 and result.reused_tokens == 200
+
+
+@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
+def test_cuda_kernels_decode_the_cpu_engine_tokens(tier):
+    """The oracle-sized model with the kernels' latent width (kv_lora 512, qk_rope 64): on CUDA the
+    decode attention runs in the ``kvstore.gpu`` kernels, and teacher-forced through the CPU engine's
+    greedy continuation it picks the CPU's token at every position (a different pick is allowed only
+    where the CPU's own top two logits are a near-tie)."""
+    cfg = dataclasses.replace(preset("tiny"), kv_lora_rank=512, qk_rope_head_dim=64)
+    cpu = Engine(random_model(cfg, seed=5), tier=tier)
+    gpu = Engine(random_model(cfg, seed=5).to(CUDA), tier=tier)
+    assert gpu.cache.decode_choice.backend == "kvstore.gpu:cuda", gpu.cache.decode_choice.rejected
+    prompt = np.random.default_rng(1).integers(2, cfg.vocab_size, 64)
+    answer = np.asarray(cpu.generate(prompt, max_new_tokens=32, stop_tokens=()).tokens)
+    picks = {}
+    for name, engine in (("cpu", cpu), ("cuda", gpu)):
+        first, _, _ = engine.prefill(prompt)
+        rest = engine.score(answer[:-1], start=prompt.shape[0], absorbed=True)
+        picks[name] = torch.cat([first[None].cpu(), rest.cpu()]).float()
+    cpu_logits = picks["cpu"]
+    agree = picks["cuda"].argmax(-1) == torch.from_numpy(answer)
+    assert (cpu_logits.argmax(-1).numpy() == answer).all()  # the CPU's teacher-forced picks are its greedy run
+    top2 = cpu_logits.topk(2, dim=-1).values
+    near_tie = (top2[:, 0] - top2[:, 1]) < 1e-3 * cpu_logits.abs().amax(-1)
+    print(f"\n{tier}: CUDA kernels pick the CPU engine's token at {int(agree.sum())}/32 positions")
+    assert bool((agree | near_tie).all()), f"disagreements away from near-ties at {torch.nonzero(~agree).ravel().tolist()}"
+    assert int(agree.sum()) >= 31
