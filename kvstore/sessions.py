@@ -1037,11 +1037,15 @@ class SessionStore:
         """
         record = self._record(session_id, owner)
         with self._reading(session_id):
-            record = self._record(session_id, owner)
+            # One snapshot for the count and the turns: an append (which needs no read lock)
+            # commits both together, and a turn read past the count looked like damage.
+            with self.index.read() as txn:
+                record = self.index.get(txn, session_id)
+                turns = self.index.turns(txn, session_id)
+            if not self._visible(record, owner):
+                raise SessionNotFound(f"no session {session_id!r}")
             if record["state"] == "damaged":
                 raise SessionDamaged(f"session {session_id!r} is damaged: {record.get('problem')}")
-            with self.index.read() as txn:
-                turns = self.index.turns(txn, session_id)
             checked, bad = self._check_turns(record, turns, record["n_records"])
         covered = turns[-1].end if turns else 0
         first_bad = None
@@ -1456,22 +1460,28 @@ class SessionStore:
             with write_errors(f"unparking session {session_id!r}", "the session is still parked and its archive intact"):
                 journal_path.unlink(missing_ok=True)  # a leftover of an unpark that crashed before its commit
                 archive.restore_journal(archive_path, journal_path, progress=progress)
+            committed = False
             try:
                 header, _ = coli_kv.read_header(journal_path)
                 if header.geometry != geometry or header.tier != tier or header.nrec != record["n_records"]:
                     raise IntegrityError(f"the archive of {session_id!r} does not hold the journal its index entry describes")
-                with self.index.write() as txn:
-                    record = self._update(txn, session_id, state="active", size_bytes=size, updated=time.time())
-                    self._settle(txn, reservation)
+                # Readers of a parked session (verify, lookup) stream its archive under the read
+                # lock: switch to the journal and remove the archive only when none is reading.
+                with self._reading(session_id, exclusive=True):
+                    with self.index.write() as txn:
+                        record = self._update(txn, session_id, state="active", size_bytes=size, updated=time.time())
+                        self._settle(txn, reservation)
+                    committed = True
+                    with write_errors(
+                        f"session {session_id!r} was unparked, but removing its archive",
+                        "its journal holds every record; the archive left behind is removed on the next park or store open",
+                    ):
+                        archive_path.unlink()
+                        fsync_dir(self.archives)
             except BaseException:
-                journal_path.unlink(missing_ok=True)
+                if not committed:
+                    journal_path.unlink(missing_ok=True)
                 raise
-        with write_errors(
-            f"session {session_id!r} was unparked, but removing its archive",
-            "its journal holds every record; the archive left behind is removed on the next park or store open",
-        ):
-            archive_path.unlink()
-            fsync_dir(self.archives)
         return record
 
     # ------------------------------------------------------------------ delete / tags

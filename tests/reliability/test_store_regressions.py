@@ -6,20 +6,24 @@
 - a fork whose folder fsync failed left its published copy unindexed, so the same fork again
   was refused until the store was reopened;
 - a migrate whose folder fsync failed after the rename left the index on the old tier: the
-  next call marked the session damaged, for good.
+  next call marked the session damaged, for good;
+- verify read a session's count and its turns in two transactions (an append in between looked
+  like damage), and unpark removed the archive under a reader of it.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 
-from kvstore.errors import JournalWriteError, SessionNotFound
+from kvstore.errors import JournalLocked, JournalWriteError, SessionNotFound
 from kvstore.sessions import SessionStore
 from reliability.store_checks import check_served, snapshot, visible
 from reliability.store_workload import TIER_NAMES, StoreModel, perform
+from reliability.workload import turn_rows
 
 SEED = 88
 
@@ -128,3 +132,75 @@ def test_park_and_unpark_failures_are_typed(store_and_model, monkeypatch, kind):
     model = perform(store, model, "append", ["s", "4", "1"])
     assert snapshot(store) == model.sessions
     check_served(store, model.sessions)
+
+
+def _in_a_thread(call):
+    """Run ``call`` in another thread (as another request would) and return what it returned or raised."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return outcome[0]
+
+
+def test_verify_during_an_append_reads_one_snapshot(tmp_path, monkeypatch):
+    """Regression (long concurrency run): verify read the count, then the turns in another
+    transaction; an append committing in between made a sound session look damaged
+    ({'start': 2013, 'end': 1989})."""
+    data = tmp_path / "data"
+    model = StoreModel(SEED)
+    with SessionStore(data) as store, SessionStore(data) as other:
+        model = perform(store, model, "create", ["s", "v2"])
+        for step in (1, 2):
+            model = perform(store, model, "append", ["s", str(step), "1"])
+        real_read = store.index.read
+        reads, appended = [], []
+
+        def read_then_an_append():
+            txn = real_read()
+            reads.append(txn)
+            if len(reads) == 2:  # verify's read under its lock has begun: another request appends now
+                appended.append(_in_a_thread(lambda: other.append("s", *turn_rows(SEED, 3))))
+            return txn
+
+        monkeypatch.setattr(store.index, "read", read_then_an_append)
+        report = store.verify("s")
+        monkeypatch.undo()
+        assert not isinstance(appended[0], BaseException), appended
+        assert report.ok and report.n_records == model.sessions["s"].n_records, report
+        assert store.verify("s").ok and store.get("s").n_records > report.n_records
+
+
+def test_unpark_waits_for_a_reader_of_the_archive(tmp_path, monkeypatch):
+    """Regression: unpark removed the archive without the read lock, so a verify (or lookup) of the
+    parked session that had just read its record opened a file that was gone (a raw
+    FileNotFoundError, HTTP 500)."""
+    data = tmp_path / "data"
+    model = StoreModel(SEED)
+    with SessionStore(data) as store, SessionStore(data, lock_timeout=0) as other:
+        model = perform(store, model, "create", ["s", "v2"])
+        model = perform(store, model, "append", ["s", "1", "1"])
+        model = perform(store, model, "park", ["s"])
+        real_turns = store.index.turns
+        unparked = []
+
+        def turns_while_unparked(txn, session_id):
+            if not unparked:  # another request unparks while verify is about to read the archive
+                unparked.append(_in_a_thread(lambda: other.unpark("s")))
+            return real_turns(txn, session_id)
+
+        monkeypatch.setattr(store.index, "turns", turns_while_unparked)
+        report = store.verify("s")
+        monkeypatch.undo()
+        assert report.ok
+        assert isinstance(unparked[0], JournalLocked), unparked  # it waits for the reader (here: no wait, a clear busy)
+        assert store.get("s").state == "parked"
+        model = perform(other, model, "unpark", ["s"])
+        assert snapshot(store) == model.sessions
