@@ -3,6 +3,7 @@
     .venv/bin/python bench/reliability_report.py            # the CI counts (about a minute)
     .venv/bin/python bench/reliability_report.py --long     # KVSTORE_LONG=1: 200+ trials per operation
     .venv/bin/python bench/reliability_report.py --from FILE.json   # render a run already made
+    .venv/bin/python bench/reliability_report.py --compare CI.json LONG.json   # one table, both runs
 
 The suites count what they do (``tests/reliability/conftest.py`` writes ``reliability.json``):
 this script runs pytest with ``KVSTORE_RELIABILITY_JSON`` pointing at a file, then renders it —
@@ -67,11 +68,70 @@ def render(document: dict, wall: float | None = None) -> str:
     return "\n".join(lines)
 
 
+def _main_count(counts: dict) -> tuple[str, int]:
+    for key in ("trials", "faults_injected", "inputs", "states", "appends"):
+        if key in counts:
+            return TOTAL_KEYS[key].split(" (")[0], counts[key]
+    return "", 0
+
+
+DETAIL_KEYS = {
+    "kills_mid_call": "kills mid-call",
+    "in_flight_committed": "in flight kept",
+    "in_flight_rolled_back": "in flight undone",
+    "acked_calls": "acknowledged calls",
+    "set_aside_lost_found": "set aside in lost+found",
+    "killed_before_rewrite": "killed before the rewrite",
+    "typed_errors": "typed errors",
+    "committed_then_reported": "took effect, error reported",
+    "busy_answers": "busy answers",
+    "reads": "reads",
+    "verifies": "verifies racing them",
+    "downloads": "downloads",
+    "requests": "requests",
+    "churn_rounds": "park/unpark/fork/delete rounds",
+    "operations_modes": "operation × mode runs",
+}
+
+
+def compare(ci: dict, long: dict) -> str:
+    """One table: each suite's operations with the CI and the long counts side by side."""
+    lines = ["| suite | operation | counted | CI | long | what else the long run saw | lost |", "|---|---|---|---:|---:|---|---:|"]
+    for suite in sorted(set(ci["suites"]) | set(long["suites"])):
+        operations = sorted(set(ci["suites"].get(suite, {})) | set(long["suites"].get(suite, {})))
+        for operation in operations:
+            short = ci["suites"].get(suite, {}).get(operation, {})
+            full = long["suites"].get(suite, {}).get(operation, {})
+            what, long_count = _main_count(full)
+            what_ci, ci_count = _main_count(short)
+            what = what or what_ci
+            detail = ", ".join(f"{label} {full[key]}" for key, label in DETAIL_KEYS.items() if key in full)
+            lost = sum(short.get(k, 0) for k in LOSS_KEYS) + sum(full.get(k, 0) for k in LOSS_KEYS)
+            lines.append(f"| {suite} | {operation} | {what} | {ci_count} | {long_count} | {detail} | {lost} |")
+    for name, document in (("CI", ci), ("long", long)):
+        totals: dict[str, int] = {}
+        for operations in document["suites"].values():
+            for counts in operations.values():
+                for key, value in counts.items():
+                    totals[key] = totals.get(key, 0) + value
+        lost = sum(totals.get(k, 0) for k in LOSS_KEYS)
+        wall = sum(document["wall_s"].values())
+        lines += ["", f"{name} run: " + ", ".join(f"{label} {totals[key]}" for key, label in TOTAL_KEYS.items() if key in totals)
+                  + f"; lost, inconsistent or 5xx: {lost}; {wall / 60:.1f} min of test time ("
+                  + ", ".join(f"{m.removeprefix('test_')} {v:.0f} s" for m, v in document["wall_s"].items()) + ")"]
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", action="store_true", help="run with KVSTORE_LONG=1")
     parser.add_argument("--from", dest="source", help="render this reliability.json instead of running")
+    parser.add_argument("--compare", nargs=2, metavar=("CI.json", "LONG.json"), help="one table of a CI run and a long run")
     args = parser.parse_args()
+    if args.compare:
+        ci, long = (json.loads(Path(p).read_text()) for p in args.compare)
+        print(compare(ci, long))
+        return 0
     if args.source:
         print(render(json.loads(Path(args.source).read_text())))
         return 0

@@ -13,7 +13,7 @@ each resume a reader made, ``DONE`` at the end.
 - ``append``: COUNT turns of rows ``workload.turn_rows(SEED, i)``, each a complete turn; a busy
   answer is retried.
 - ``churn``: COUNT rounds of park, unpark, fork (into ``<SEED>-<i>``, deleted again) and verify.
-- ``read``: COUNT resumes of the session.
+- ``read``: COUNT resumes of the session, each followed by a verify (which must find it sound).
 """
 
 from __future__ import annotations
@@ -86,6 +86,14 @@ def read_role(store: SessionStore, seed: int, count: int, say: Callable[..., Non
             continue
         body = resumed.records.record_bytes()
         say("SEEN", resumed.reused_tokens, digest(body))
+        try:
+            report = store.verify(SESSION)  # while the other roles append, park and unpark
+        except JournalLocked as exc:
+            busy(say, exc)
+            continue
+        if not report.ok:
+            raise AssertionError(f"verify during the race found {report.first_bad} in {report.n_records} records")
+        say("VERIFIED", report.n_records)
 
 
 ROLES = {"append": append_role, "churn": churn_role, "read": read_role}

@@ -5,7 +5,8 @@
   order; a writer that does not wait (``lock_timeout=0``) gets a clear ``JournalLocked`` (409).
 - An appender racing a writer that parks, unparks, forks and deletes: every turn is there, in
   order, and the session verifies.
-- Readers during appends only ever see a whole-turn prefix of what was written (bytes checked).
+- Readers during appends only ever see a whole-turn prefix of what was written (bytes checked),
+  and a verify racing them always finds the session sound.
 """
 
 from __future__ import annotations
@@ -123,5 +124,6 @@ def test_appends_racing_park_fork_delete_and_readers(tmp_path, trials, figures, 
         assert store.verify(SESSION).ok
     figures.add(
         "store_concurrency", f"append_vs_park_fork_delete_read_{mode}",
-        appends=turns, churn_rounds=rounds, reads=len(seen), busy_answers=count_lines(outputs, "BUSY"), inconsistent_reads=0,
+        appends=turns, churn_rounds=rounds, reads=len(seen), verifies=count_lines(outputs, "VERIFIED"),
+        busy_answers=count_lines(outputs, "BUSY"), inconsistent_reads=0,
     )
