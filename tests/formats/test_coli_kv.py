@@ -153,7 +153,7 @@ def test_sanitize_on_load_v2():
     g, blob = _small_file(n=3)
     records = coli_kv.parse(bytes(blob))
     dtype = records.records.dtype
-    rec = g_rec = dtype.itemsize
+    rec = dtype.itemsize
     layer_off = dtype.fields["layers"][1]
     ldt = dtype.fields["layers"][0].base
     # record 1, layer 0: NaN scale -> inert row; record 2, layer 1: two NaN codes in Rc.

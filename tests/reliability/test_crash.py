@@ -5,10 +5,7 @@ acknowledged call is there, and nothing unwritten appears. Short runs in CI; ``K
 runs 200 trials per operation.
 """
 
-import os
-import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time

@@ -8,7 +8,6 @@ and the next successful append must complete the tail.
 
 import errno
 import os
-import shutil
 
 import numpy as np
 import pytest

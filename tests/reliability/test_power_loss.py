@@ -8,7 +8,6 @@ error and never return unacknowledged or garbage rows.
 
 import struct
 
-import numpy as np
 import pytest
 
 from reliability.workload import GEOMETRY, expected_records
