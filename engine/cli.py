@@ -10,7 +10,6 @@ This module imports nothing heavy at import time: every ``kvstore`` command buil
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -154,17 +153,10 @@ def cmd_generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvstore.engine.cli``: the engine commands alone."""
-    from kvstore.errors import KVStoreError
+    """``python -m kvstore.engine.cli new-model|generate ...``: the same as the ``kvstore`` command (one parser, one error policy)."""
+    from kvstore.cli import main as kvstore_main
 
-    parser = argparse.ArgumentParser(prog="kvstore-engine")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except KVStoreError as exc:
-        print(f"kvstore: error: {exc.reason}", file=sys.stderr)
-        return 2
+    return kvstore_main(argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ command runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -146,17 +145,10 @@ def cmd_verify(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvstore.engine.session_cli``: ``chat`` and ``verify`` alone (exit 2 with the reason on bad input)."""
-    from kvstore.errors import KVStoreError
+    """``python -m kvstore.engine.session_cli chat|verify ...``: the same as the ``kvstore`` command (one parser, one error policy)."""
+    from kvstore.cli import main as kvstore_main
 
-    parser = argparse.ArgumentParser(prog="kvstore")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except KVStoreError as exc:
-        print(f"kvstore: error: {exc.reason}", file=sys.stderr)
-        return 2
+    return kvstore_main(argv)
 
 
 if __name__ == "__main__":

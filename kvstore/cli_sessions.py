@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
 
@@ -479,15 +479,10 @@ def add_commands(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``serve``/``sessions`` standalone: exit 2 with the reason on a KVStoreError."""
-    parser = argparse.ArgumentParser(prog="kvstore")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except KVStoreError as exc:
-        print(f"error: {exc.reason}", file=sys.stderr)
-        return 2
+    """``python -m kvstore.cli_sessions serve|sessions ...``: the same as the ``kvstore`` command (one parser, one error policy)."""
+    from kvstore.cli import main as kvstore_main
+
+    return kvstore_main(argv)
 
 
 if __name__ == "__main__":
