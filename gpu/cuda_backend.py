@@ -45,11 +45,18 @@ MIN_CAPABILITY = (8, 9)
 _FORMAT = {"fp8": 0, "tq-int4": 1}
 #: Upper bound on splits per sequence (the merge keeps one weight per split in shared memory).
 MAX_SPLITS = 4096
-#: Kernel generation used where it is built (kv_lora 512): "v2" (default) or "v1"; the
-#: environment variable KVSTORE_GPU_KERNEL overrides it (benchmarks compare both).
+#: Kernel generation used where it is built (kv_lora 512): "v2" (default), "v3", "v4" or "v1"; the
+#: environment variable KVSTORE_GPU_KERNEL overrides it (benchmarks compare them).
 DEFAULT_VARIANT = os.environ.get("KVSTORE_GPU_KERNEL", "v2")
 #: Most 16-head m-tiles per block of the v2 kernel (1, 2 or 4); KVSTORE_GPU_MAX_MT overrides.
 DEFAULT_MAX_MT = int(os.environ.get("KVSTORE_GPU_MAX_MT", "4"))
+#: From LONG_SPLITS_FROM tiles per SM up, a split holds at least LONG_SPLIT_TILES tiles: fewer
+#: partial contexts to write and merge (H200, 32k rows, 16 heads: fp8 21.0 -> 19.6 us, int4
+#: 25.8 -> 22.8 us); shorter sequences keep one tile per split (4k rows: 10.2 us, 15.8 with 4).
+LONG_SPLITS_FROM = 3
+LONG_SPLIT_TILES = 4
+#: The v2 kernel's template MODE per variant, for 16-head blocks (larger blocks run MODE 0).
+_MODES = {"v2": 0, "v3": 1, "v4": 2}
 _LOCK = threading.Lock()
 
 
@@ -96,7 +103,8 @@ class KernelPlan:
     blocks_per_sm: int
 
 
-def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: int, max_mt: int = 4) -> KernelPlan:
+def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: int, max_mt: int = 4,
+                min_tiles: int = 1) -> KernelPlan:
     """Choose the split of every sequence so that one wave of blocks fills the GPU.
 
     Parameters
@@ -106,6 +114,7 @@ def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: i
     mean_rows : the typical sequence length (sets the split size)
     n_sm : multiprocessors of the device
     max_mt : most 16-head m-tiles per block (1, 2 or 4)
+    min_tiles : fewest tiles per split (fewer, longer splits write fewer partial contexts)
 
     Returns
     -------
@@ -116,7 +125,9 @@ def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: i
     tiles_max = max(1, -(-max_rows // TILE_ROWS))
     tiles_mean = max(1, math.ceil(mean_rows / TILE_ROWS))
     splits_wanted = max(1, -(-(n_sm * blocks_per_sm) // (batch * groups)))
-    per_split = max(1, -(-tiles_mean // splits_wanted), -(-tiles_max // MAX_SPLITS))
+    per_split = max(1, min_tiles, -(-tiles_mean // splits_wanted), -(-tiles_max // MAX_SPLITS))
+    if tiles_mean >= LONG_SPLITS_FROM * n_sm:  # e.g. 32k rows: 128 splits of 4 tiles, not 256 of 2
+        per_split = max(per_split, LONG_SPLIT_TILES)
     return KernelPlan(m_tiles, groups, groups * 16 * m_tiles, per_split, -(-tiles_max // per_split), blocks_per_sm)
 
 
@@ -153,25 +164,30 @@ class CudaBackend(AttentionBackend):
     ----------
     device : the CUDA device
     variant : ``"v2"`` (kv_lora 512, else v1 runs), ``"v3"`` (v2 with the row-owning softmax for
-        16-head blocks) or ``"v1"``; default :data:`DEFAULT_VARIANT`
+        16-head blocks), ``"v4"`` (v2 with the query fragments in registers for 16-head blocks) or
+        ``"v1"``; default :data:`DEFAULT_VARIANT` (v3 and v4 measured slower; docs/GPU.md)
     max_mt : most 16-head m-tiles per block of the v2 kernel (1, 2 or 4; default 4)
+    min_tiles : fewest 64-row tiles per split (default 1: as many splits as fill one wave)
     """
 
     spec = spec_of("cuda")
 
-    def __init__(self, device: torch.device, variant: str | None = None, max_mt: int | None = None):
+    def __init__(self, device: torch.device, variant: str | None = None, max_mt: int | None = None,
+                 min_tiles: int = 1):
         super().__init__(device)
         props = torch.cuda.get_device_properties(self.device)
         self.capability = (props.major, props.minor)
         self.n_sm = props.multi_processor_count
         self._smem: dict[str, int] = {}
-        #: "v2" (two launches, fragments converted from code bytes), "v3" (v2 with the row-owning
-        #: register softmax for 16-head blocks) or "v1" (three launches)
+        #: "v2" (two launches, fragments converted from code bytes), "v3" / "v4" (v2 with the
+        #: row-owning register softmax / register-held query for 16-head blocks) or "v1" (three launches)
         self.variant = variant or DEFAULT_VARIANT
-        if self.variant not in ("v1", "v2", "v3"):
-            raise ValueError(f"variant must be 'v1', 'v2' or 'v3', not {self.variant!r}")
+        if self.variant not in ("v1", "v2", "v3", "v4"):
+            raise ValueError(f"variant must be 'v1', 'v2', 'v3' or 'v4', not {self.variant!r}")
         #: most 16-head m-tiles per block (v2)
         self.max_mt = max_mt or DEFAULT_MAX_MT
+        #: fewest tiles per split (see :func:`plan_launch`)
+        self.min_tiles = max(1, int(min_tiles))
 
     @classmethod
     def environment_reasons(cls, device: torch.device) -> list[str]:
@@ -200,10 +216,11 @@ class CudaBackend(AttentionBackend):
         return _kernels((name_expression,), self.capability, self.device.index)[0]
 
     def _split_kernel(self, m_tiles: int, kv_lora: int, qk_rope: int, fmt: int, gather: bool, v2: bool = False,
-                      fused: bool = False):
-        """The split kernel and its dynamic shared memory (asked of the compiled module once)."""
+                      mode: int = 0):
+        """The split kernel and its dynamic shared memory (asked of the compiled module once).
+        ``mode`` (v2 kernels): 0 = v2, 1 = v3 row-owning softmax, 2 = v4 query fragments in registers."""
         stem, smem_stem = ("mla_decode_v2", "mla_split_smem_v2") if v2 else ("mla_decode_split", "mla_split_smem")
-        flags = f"{'true' if gather else 'false'}" + (f",{'true' if fused else 'false'}" if v2 else "")
+        flags = f"{'true' if gather else 'false'}" + (f",{mode}" if v2 else "")
         name = f"{stem}<{m_tiles},{kv_lora},{qk_rope},{fmt},{flags}>"
         kernel, smem_query = _kernels((name, f"{smem_stem}<{m_tiles},{kv_lora},{qk_rope},{fmt}>"),
                                       self.capability, self.device.index)
@@ -245,8 +262,8 @@ class CudaBackend(AttentionBackend):
             max_rows = problem.n_rows
             mean_rows = problem.n_rows / batch
         q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
-        v2 = self.variant in ("v2", "v3") and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
-        plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4)
+        v2 = self.variant in ("v2", "v3", "v4") and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
+        plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4, self.min_tiles)
         fmt = _FORMAT[tier]
         o_part = torch.empty((batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float32, device=device)
         lse = torch.empty((batch, plan.padded_heads, plan.n_splits), dtype=torch.float32, device=device)
@@ -288,8 +305,8 @@ class CudaBackend(AttentionBackend):
                    rc_scales, seq_start, seq_len, indices, n_selected, o_part, lse, result):
         device = problem.device
         batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
-        fused = self.variant == "v3" and plan.m_tiles == 1
-        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True, fused=fused)
+        mode = _MODES.get(self.variant, 0) if plan.m_tiles == 1 else 0
+        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True, mode=mode)
         merge = self._get(f"mla_merge_v2<{k}>")
         score_scale = np.float32(softmax_scale * math.log2(math.e))
         cupy = _cupy()

@@ -1062,8 +1062,83 @@ __device__ __forceinline__ void qk_rows_v2(int blk_first, u32 b_addr, u32 q_base
     }
 }
 
-// FUSED (MT == 1 only): row-owning scores and softmax in registers (see fused_tile below).
-template <int MT, int K, int R, int FMT, bool GATHER, bool FUSED>
+
+// ---- v4 (MODE 2, 16-head blocks): query fragments held in registers ----------------------------
+// Warp w owns the k-range "quarter" w & 3 of the row's 16-byte code blocks ([latent | rope], the
+// rope blocks all in quarter 3) for tile rows 32 (w >> 2) .. + 31. Its query A fragments are loaded
+// once per split and stay in registers, so Q.K^T reads only code bytes from shared memory (v2 read
+// the query tile again for every tile: two thirds of its ldmatrix traffic), and each A fragment
+// feeds four independent mma chains (the 4 n-tiles). The four quarter partial scores go to four
+// buffers that the softmax adds.
+template <int LB, int RBK>
+struct Quarters {
+    static constexpr int NB = LB + RBK;
+    static constexpr int BASE = NB / 4, EXTRA = NB % 4;
+    __host__ __device__ static constexpr int first(int q) { return q * BASE + (q < EXTRA ? q : EXTRA); }
+    __host__ __device__ static constexpr int count(int q) { return BASE + (q < EXTRA ? 1 : 0); }
+    static constexpr int MAXC = BASE + (EXTRA ? 1 : 0);
+    static_assert(first(3) <= LB, "the rope blocks lie in the last quarter");
+};
+
+// The query A fragments of blocks [FIRST, FIRST + COUNT) into qf (k-step order).
+template <int FIRST, int COUNT, int FMT, int QS, int NQ>
+__device__ __forceinline__ void load_q_quarter(u32 q_base, int a_row, int a_col, u32 (&qf)[NQ][4]) {
+    constexpr int KSB = FMT == 0 ? 1 : 2;
+#pragma unroll
+    for (int j = 0; j < COUNT * KSB; ++j) {
+        const int ks = FIRST * KSB + j;
+        ldsm_x4(q_base + (a_row * QS + ks * 16 + a_col) * 2, qf[j][0], qf[j][1], qf[j][2], qf[j][3]);
+    }
+}
+
+// acc[n-tile] += Q . K^T over blocks [B0, B1) for the warp's 32 rows (b_addr: its lane's row of the
+// first 16, at byte (lane >> 4) * 16); query fragments qf[(blk - FIRST) * KSB + s].
+template <int B0, int B1, int FIRST, int FMT, int TS, int NQ>
+__device__ __forceinline__ void qk_quarter(u32 b_addr, const u32 (&qf)[NQ][4], const LevelTable& lt,
+                                           float (&acc)[4][4]) {
+    constexpr int KSB = FMT == 0 ? 1 : 2;
+#pragma unroll
+    for (int blk = B0; blk < B1; blk += 2) {
+        const bool pair = blk + 1 < B1;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // rows +0..15, +16..31
+            u32 w[4];
+            const u32 addr = b_addr + half * 16 * TS + blk * 16;
+            if (pair) ldsm_x4(addr, w[0], w[1], w[2], w[3]);
+            else ldsm_x2(addr, w[0], w[1]);
+#pragma unroll
+            for (int jb = 0; jb < 2; ++jb) {
+                if (jb == 1 && !pair) break;
+                u32 bb[2][KSB][2];
+#pragma unroll
+                for (int n = 0; n < 2; ++n) {
+                    const u32 word = w[2 * jb + n];
+                    if (FMT == 0) {
+                        bb[n][0][0] = e4m3_lo_to_f16x2(word);
+                        bb[n][0][1] = e4m3_hi_to_f16x2(word);
+                    } else {
+                        u32 h[4];
+                        int4x8_to_f16(word, lt, h);
+                        bb[n][0][0] = h[0];
+                        bb[n][0][1] = h[1];
+                        bb[n][KSB - 1][0] = h[2];
+                        bb[n][KSB - 1][1] = h[3];
+                    }
+                }
+#pragma unroll
+                for (int s = 0; s < KSB; ++s) {
+                    const int qi = (blk + jb - FIRST) * KSB + s;
+                    mma_16816(acc[2 * half], qf[qi], bb[0][s][0], bb[0][s][1]);
+                    mma_16816(acc[2 * half + 1], qf[qi], bb[1][s][0], bb[1][s][1]);
+                }
+            }
+        }
+    }
+}
+
+// MODE 0: v2; MODE 1 (v3, MT == 1 only): row-owning scores and softmax in registers (see
+// fused_tile below); MODE 2 (v4, MT == 1 only): query fragments in registers (see Quarters).
+template <int MT, int K, int R, int FMT, bool GATHER, int MODE>
 __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     mla_decode_v2(const float* __restrict__ q_lat, const float* __restrict__ q_rope, int H, float score_scale,
                   const u8* __restrict__ lc, const float* __restrict__ lscale,
@@ -1073,7 +1148,8 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                   long long n_rows, int Hp, int n_splits, int blocks_per_split,
                   float* __restrict__ o_part, float* __restrict__ lse_part) {
     using C = Cfg2<MT, K, R, FMT>;
-    static_assert(!FUSED || MT == 1, "the row-owning softmax is built for 16-head blocks");
+    constexpr bool FUSED = MODE == 1, QREG = MODE == 2;
+    static_assert(MODE == 0 || MT == 1, "v3 and v4 are built for 16-head blocks");
     extern __shared__ __align__(16) unsigned char smem[];
     u16* Qs = (u16*)(smem + C::OFF_Q);
     float* Sbuf = (float*)(smem + C::OFF_S);
@@ -1275,6 +1351,26 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
 
+    // v4: this warp's quarter, rows and query fragments (loaded once; the query tile's shared
+    // memory then holds quarter partial scores 2 and 3)
+    using QU = Quarters<C::LB, C::RBK>;
+    constexpr int NQF = QREG ? QU::MAXC * C::KSB : 1;
+    u32 qf[NQF][4];
+    const int quarter = warp & 3, q_rows = (warp >> 2) * 32;
+    float* const s_quarter = quarter < 2 ? Sbuf + quarter * C::HG * C::SS
+                                         : (float*)(smem + C::OFF_Q) + (quarter - 2) * C::HG * C::SS;
+    if constexpr (QREG) {
+        static_assert(2 * C::HG * C::SS * 4 <= C::HG * C::QS * 2, "partials 2 and 3 fit the query tile");
+        __syncthreads();  // query tile written
+        switch (quarter) {
+            case 0: load_q_quarter<QU::first(0), QU::count(0), FMT, C::QS>(q_base, a_row, a_col, qf); break;
+            case 1: load_q_quarter<QU::first(1), QU::count(1), FMT, C::QS>(q_base, a_row, a_col, qf); break;
+            case 2: load_q_quarter<QU::first(2), QU::count(2), FMT, C::QS>(q_base, a_row, a_col, qf); break;
+            default: load_q_quarter<QU::first(3), QU::count(3), FMT, C::QS>(q_base, a_row, a_col, qf); break;
+        }
+        // the loop's first barrier orders these reads before any partial overwrites the tile
+    }
+
     // scores of this warp's rows: scaled, written (first pass) or added (second) to S half
     auto qk_store = [&](const float (&acc)[MT][2][4], int buf, bool rope, bool add) -> bool {
         float* S = Sbuf + qk_half * C::HG * C::SS;
@@ -1349,6 +1445,69 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                                                                 SPLIT ? acc2 : acc);
             join();
             bad |= qk_store(acc, buf, false, true);
+        }
+        return bad;
+    };
+
+    // v4 Q.K^T: this warp's quarter partial scores of its 32 rows, scaled, into s_quarter
+    // (quarter 3 writes its latent part, then adds its rope part)
+    auto qk4_store = [&](const float (&acc)[4][4], int buf, bool rope, bool add) -> bool {
+        const float* rowscale = (rope ? rs_s : ls_s) + buf * BN;
+        const int which = rope ? 1 : 0;
+        const float mula = qm_s[g * 2 + which], mulb = qm_s[(g + 8) * 2 + which];
+        bool bad = false;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int r = q_rows + n * 8 + 2 * t4;
+            const float s0 = rowscale[r], s1 = rowscale[r + 1];
+            bad |= (acc[n][0] != acc[n][0]) | (acc[n][1] != acc[n][1]) | (acc[n][2] != acc[n][2]) |
+                   (acc[n][3] != acc[n][3]);
+            float2* pa = (float2*)(s_quarter + g * C::SS + r);
+            float2* pb = (float2*)(s_quarter + (g + 8) * C::SS + r);
+            float2 va = make_float2(acc[n][0] * s0 * mula, acc[n][1] * s1 * mula);
+            float2 vb = make_float2(acc[n][2] * s0 * mulb, acc[n][3] * s1 * mulb);
+            if (add) {
+                const float2 oa = *pa, ob = *pb;
+                va.x += oa.x; va.y += oa.y;
+                vb.x += ob.x; vb.y += ob.y;
+            }
+            *pa = va;
+            *pb = vb;
+        }
+        return bad;
+    };
+    auto qk4 = [&](int buf) -> bool {
+        const u32 b_addr = t_base + buf * (BN * C::TS) +
+                           (q_rows + (lane & 7) + ((lane >> 3) & 1) * 8) * C::TS + (lane >> 4) * 16;
+        float acc[4][4];
+        auto zero = [&]() {
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+        };
+        zero();
+        bool bad;
+        switch (quarter) {
+            case 0:
+                qk_quarter<QU::first(0), QU::first(0) + QU::count(0), QU::first(0), FMT, C::TS>(b_addr, qf, lt, acc);
+                bad = qk4_store(acc, buf, false, false);
+                break;
+            case 1:
+                qk_quarter<QU::first(1), QU::first(1) + QU::count(1), QU::first(1), FMT, C::TS>(b_addr, qf, lt, acc);
+                bad = qk4_store(acc, buf, false, false);
+                break;
+            case 2:
+                qk_quarter<QU::first(2), QU::first(2) + QU::count(2), QU::first(2), FMT, C::TS>(b_addr, qf, lt, acc);
+                bad = qk4_store(acc, buf, false, false);
+                break;
+            default:
+                qk_quarter<QU::first(3), C::LB, QU::first(3), FMT, C::TS>(b_addr, qf, lt, acc);
+                bad = qk4_store(acc, buf, false, false);
+                zero();
+                qk_quarter<C::LB, QU::NB, QU::first(3), FMT, C::TS>(b_addr, qf, lt, acc);
+                bad |= qk4_store(acc, buf, true, true);
+                break;
         }
         return bad;
     };
@@ -1517,7 +1676,9 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
             // ---- S = Q K^T -----------------------------------------------------------------------
 #pragma unroll 1
             for (int attempt = 0;; ++attempt) {
-                const bool bad = qk(buf);
+                bool bad;
+                if constexpr (QREG) bad = qk4(buf);
+                else bad = qk(buf);
                 if (FMT == 1) {
                     __syncthreads();
                     break;
@@ -1536,11 +1697,18 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                 const int* vb = valid_s + buf * BN + r0;
                 const float* S0 = Sbuf + sm_h * C::SS + r0;
                 const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS + r0;
+                const float* S2 = (const float*)(smem + C::OFF_Q) + sm_h * C::SS + r0;  // v4 quarters 2, 3
+                const float* S3 = S2 + C::HG * C::SS;
                 float sv[C::RPT], lv[C::RPT];
                 float c_blk = 0.0f, mx = NEG_INF;
 #pragma unroll
                 for (int i = 0; i < C::RPT; i += 4) {
-                    const float4 a = *(const float4*)(S0 + i), c = *(const float4*)(S1 + i);
+                    float4 a = *(const float4*)(S0 + i), c = *(const float4*)(S1 + i);
+                    if constexpr (QREG) {
+                        const float4 e = *(const float4*)(S2 + i), f = *(const float4*)(S3 + i);
+                        a.x += e.x; a.y += e.y; a.z += e.z; a.w += e.w;
+                        c.x += f.x; c.y += f.y; c.z += f.z; c.w += f.w;
+                    }
                     const float4 l = *(const float4*)(lsb + i);
                     const int4 v = *(const int4*)(vb + i);
                     sv[i] = v.x ? a.x + c.x : NEG_INF;

@@ -126,6 +126,31 @@ def test_v2_head_group_sizes(tier, max_mt, heads, longest, qk_rope):
     _check(case, backend, seed)
 
 
+@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
+@pytest.mark.parametrize("variant", ["v3", "v4"])
+@pytest.mark.parametrize("lengths,qk_rope,nan_rate", [([1 << 20], 64, 0.0), ([70000, 1, 4097, 333], 64, 0.02),
+                                                      ([9000, 65], 32, 0.0)])
+def test_selectable_16_head_variants(tier, variant, lengths, qk_rope, nan_rate):
+    """The selectable 16-head kernels (v3 row-owning softmax, v4 query fragments in registers), also
+    with qk_rope 32, ragged sequences and fp8 NaN codes, and v4's selected-rows path."""
+    backend = CudaBackend(torch.device("cuda"), variant=variant)
+    seed = RUN_SEED + 41 * len(lengths) + qk_rope
+    case = testing.make_case(tier, lengths, 16, qk_rope=qk_rope, device="cuda", seed=seed,
+                             nan_rate=nan_rate if tier == "fp8" else 0.0)
+    _check(case, backend, seed)
+    sel = testing.make_case(tier, lengths, 16, qk_rope=qk_rope, device="cuda", seed=seed + 1, selected=2048)
+    _check(sel, backend, seed + 1)
+
+
+@pytest.mark.parametrize("min_tiles", [4, 64])
+def test_longer_splits(min_tiles):
+    """Fewer, longer splits (the planner's min_tiles) give the same context."""
+    backend = CudaBackend(torch.device("cuda"), min_tiles=min_tiles)
+    seed = RUN_SEED + 43 + min_tiles
+    case = testing.make_case("fp8", testing.ragged_lengths(40000, 4, seed), 16, device="cuda", seed=seed)
+    _check(case, backend, seed)
+
+
 @pytest.mark.parametrize("nan_rate", [0.0, 0.05])
 def test_fp8_with_and_without_nan_codes(cuda_backend, nan_rate):
     """v2 takes its fast path on NaN-free tiles and clears NaN codes where a tile holds some."""

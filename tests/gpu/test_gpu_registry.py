@@ -161,3 +161,8 @@ def test_cuda_launch_plan_head_groups_and_splits():
     padded = plan_launch(2, 48, 9000, 5000, 132, max_mt=1)
     assert (padded.m_tiles, padded.head_groups, padded.padded_heads) == (1, 3, 48)
     assert plan_launch(1, 20, 100, 100, 132).padded_heads == 32
+    # 32k rows = 512 tiles: 128 splits of 4 (fewer partials to merge), not 256 of 2; 4097 rows: 65 of 1
+    assert (plan_launch(1, 16, 32768, 32768, 132).blocks_per_split, plan_launch(1, 16, 32768, 32768, 132).n_splits) \
+        == (4, 128)
+    assert plan_launch(1, 16, 4097, 4097, 132).n_splits == 65
+    assert plan_launch(1, 16, 4097, 4097, 132, min_tiles=4).blocks_per_split == 4
