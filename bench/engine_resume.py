@@ -76,7 +76,7 @@ def _fmt_seconds(seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--preset", default="tiny", choices=("tiny", "tiny-yarn", "v2-lite"))
+    parser.add_argument("--preset", default="tiny", choices=("tiny", "tiny-yarn", "tiny-512", "v2-lite"))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights (default f32 on cpu, bf16 elsewhere)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--tiers", nargs="+", default=list(DEFAULT_TIERS), choices=list(TIERS))

@@ -14,7 +14,7 @@ import json
 import sys
 
 TIER_CHOICES = ("f32", "bf16", "fp8", "tq-int4", "tq-polar", "int8")
-PRESET_CHOICES = ("tiny", "tiny-yarn", "v2-lite")
+PRESET_CHOICES = ("tiny", "tiny-yarn", "tiny-512", "v2-lite")
 
 
 def add_commands(sub) -> None:

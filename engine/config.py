@@ -372,6 +372,9 @@ PRESETS: dict[str, ModelConfig] = {
             mscale_all_dim=1.0,
         ),
     ),
+    # The tiny model with DeepSeek's latent widths (kv_lora 512, qk_rope 64): the oracle model at
+    # the widths the CUDA kernels are built for.
+    "tiny-512": dataclasses.replace(_TINY, kv_lora_rank=512, qk_rope_head_dim=64),
     # DeepSeek-V2-Lite's geometry on the V3 architecture (sigmoid, bias-corrected routing), for
     # GPU benchmarks with random weights.
     "v2-lite": ModelConfig(
@@ -414,7 +417,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str) -> ModelConfig:
-    """A named geometry: ``tiny``, ``tiny-yarn`` or ``v2-lite``."""
+    """A named geometry: ``tiny``, ``tiny-yarn``, ``tiny-512`` or ``v2-lite``."""
     try:
         return PRESETS[name]
     except KeyError:

@@ -7,8 +7,9 @@ import torch
 
 from kvstore.engine.config import preset
 
-# One geometry without q LoRA and with plain rope, one with q LoRA and yarn rope (mscale).
-ORACLE_PRESETS = ("tiny", "tiny-yarn")
+# One geometry without q LoRA and with plain rope, one with q LoRA and yarn rope (mscale), and the
+# first at DeepSeek's latent widths (kv_lora 512, qk_rope 64: the CUDA kernels' widths).
+ORACLE_PRESETS = ("tiny", "tiny-yarn", "tiny-512")
 
 
 def hf_config(name: str):

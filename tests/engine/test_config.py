@@ -134,3 +134,11 @@ def test_missing_and_broken_config_files(tmp_path):
         ModelConfig.from_file(tmp_path)
     with pytest.raises(ModelConfigError, match="unknown preset"):
         preset("huge")
+
+
+def test_every_preset_is_offered_by_new_model():
+    """``kvstore new-model --preset`` offers every named geometry (its list avoids importing torch)."""
+    from kvstore.engine.cli import PRESET_CHOICES
+    from kvstore.engine.config import PRESETS
+
+    assert tuple(PRESET_CHOICES) == tuple(PRESETS)

@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -94,11 +92,11 @@ def test_tiny_model_on_cuda_matches_cpu():
 
 @pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
 def test_cuda_kernels_decode_the_cpu_engine_tokens(tier):
-    """The oracle-sized model with the kernels' latent width (kv_lora 512, qk_rope 64): on CUDA the
-    decode attention runs in the ``kvstore.gpu`` kernels, and teacher-forced through the CPU engine's
-    greedy continuation it picks the CPU's token at every position (a different pick is allowed only
-    where the CPU's own top two logits are a near-tie)."""
-    cfg = dataclasses.replace(preset("tiny"), kv_lora_rank=512, qk_rope_head_dim=64)
+    """The oracle model at the kernels' latent widths (``tiny-512``, checked against transformers in
+    test_oracle): on CUDA the decode attention runs in the ``kvstore.gpu`` kernels, and teacher-forced
+    through the CPU engine's greedy continuation it picks the CPU's token at every position (a
+    different pick is allowed only where the CPU's own top two logits are a near-tie)."""
+    cfg = preset("tiny-512")
     cpu = Engine(random_model(cfg, seed=5), tier=tier)
     gpu = Engine(random_model(cfg, seed=5).to(CUDA), tier=tier)
     assert gpu.cache.decode_choice.backend == "kvstore.gpu:cuda", gpu.cache.decode_choice.rejected

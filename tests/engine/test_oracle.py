@@ -1,9 +1,10 @@
 """Oracle: our model against the real transformers DeepseekV3ForCausalLM on tiny random configs.
 
 The transformers model is built with its own random init (norms and routing biases perturbed),
-saved with ``save_pretrained`` and loaded by our loader. Both presets have MoE layers with
+saved with ``save_pretrained`` and loaded by our loader. The presets have MoE layers with
 group-limited routing; ``tiny`` has a direct q projection and plain rope, ``tiny-yarn`` q LoRA and
-yarn rope with mscale.
+yarn rope with mscale, ``tiny-512`` is ``tiny`` at DeepSeek's latent widths (kv_lora 512, qk_rope
+64), the model on which the CUDA kernels are checked against the CPU engine (tests/engine/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from kvstore.engine import Engine, load_model, make_cache, write_random_model
 
-PRESETS = ("tiny", "tiny-yarn")
+PRESETS = ("tiny", "tiny-yarn", "tiny-512")
 PROMPT_LEN = 64
 LOGIT_RTOL = 1e-4
 
