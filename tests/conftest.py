@@ -1,4 +1,4 @@
-"""Shared fixtures: the golden vectors and GPU skipping."""
+"""Shared fixtures: the golden vectors, a private weights-hash cache, GPU skipping."""
 
 from __future__ import annotations
 
@@ -25,6 +25,20 @@ def vectors_dir() -> Path:
 @pytest.fixture(scope="session")
 def vectors() -> Path:
     return vectors_dir()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hash_cache(tmp_path_factory):
+    """Weights hashes are cached under KVSTORE_CACHE_DIR: keep the suite's (and its servers') out
+    of the home folder."""
+    folder = tmp_path_factory.mktemp("kvstore-cache")
+    previous = os.environ.get("KVSTORE_CACHE_DIR")
+    os.environ["KVSTORE_CACHE_DIR"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("KVSTORE_CACHE_DIR", None)
+    else:
+        os.environ["KVSTORE_CACHE_DIR"] = previous
 
 
 def pytest_collection_modifyitems(config, items):

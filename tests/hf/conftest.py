@@ -8,28 +8,14 @@ logits. The folder also carries a byte-level tokenizer with a chat template.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_models and the worker module beside the tests
 from hf_models import load, write_folder  # noqa: E402
-
-
-@pytest.fixture(scope="session", autouse=True)
-def private_hash_cache(tmp_path_factory):
-    """Weights hashes are cached under KVSTORE_CACHE_DIR: keep the suite's out of the home folder."""
-    folder = tmp_path_factory.mktemp("kvstore-cache")
-    previous = os.environ.get("KVSTORE_CACHE_DIR")
-    os.environ["KVSTORE_CACHE_DIR"] = str(folder)
-    yield folder
-    if previous is None:
-        os.environ.pop("KVSTORE_CACHE_DIR", None)
-    else:
-        os.environ["KVSTORE_CACHE_DIR"] = previous
+from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse)
 
 
 @pytest.fixture(scope="session")
@@ -40,15 +26,6 @@ def tiny_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_folder):
     return load(tiny_folder)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models are dominated by per-op overhead: one intra-op thread is faster and steadier."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture

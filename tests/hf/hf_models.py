@@ -15,36 +15,19 @@ from pathlib import Path
 import torch
 
 from kvstore.engine.config import preset
+from tiny_hf import build_hf_model, hf_config
 
 HERE = Path(__file__).resolve().parent
 
 
 def tiny_config(**changes):
     """transformers ``DeepseekV3Config`` of the engine's ``tiny`` preset (MoE layers 1..3)."""
-    from transformers import DeepseekV3Config
-
-    fields = preset("tiny").to_hf_dict()
-    for key in ("architectures", "model_type", "dtype"):
-        fields.pop(key)
-    fields.update(changes)
-    return DeepseekV3Config(**fields)
+    return hf_config("tiny", **changes)
 
 
 def build_model(seed: int = 0, **changes):
     """A tiny DeepseekV3ForCausalLM with deterministic random weights (eval mode, f32)."""
-    from transformers import DeepseekV3ForCausalLM
-
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(tiny_config(**changes)).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.05)
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + torch.randn(param.shape, generator=generator) * 0.1)
-    return model
+    return build_hf_model("tiny", seed, **changes)
 
 
 def write_folder(folder: Path, seed: int = 0, *, tokenizer: bool = True, **changes) -> Path:

@@ -89,10 +89,10 @@ def test_a_model_without_a_folder_is_fingerprinted_by_its_parameters():
     assert hf.model_info(other).weights_hash != info.weights_hash
 
 
-def test_the_weights_hash_is_computed_once_per_folder_and_cached_on_disk(tmp_path, private_hash_cache):
+def test_the_weights_hash_is_computed_once_per_folder_and_cached_on_disk(tmp_path, hash_cache):
     folder = write_folder(tmp_path / "m", seed=2, tokenizer=False)
     real = hf.weights_hash(folder)
-    records = list((private_hash_cache / "weights").glob("*.json"))
+    records = list((hash_cache / "weights").glob("*.json"))
     record = next(r for r in records if json.loads(r.read_text())["folder"] == str(folder.resolve()))
     # a later process reads the record instead of hashing the files again
     kept = json.loads(record.read_text())

@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from kvstore.engine.weights import write_random_model
 from service.support import Server
-
-
-@pytest.fixture(scope="session")
-def hash_cache(tmp_path_factory):
-    """Weights hashes are cached under KVSTORE_CACHE_DIR: keep the suite's (and its servers') out of ~."""
-    folder = tmp_path_factory.mktemp("kvstore-cache")
-    previous = os.environ.get("KVSTORE_CACHE_DIR")
-    os.environ["KVSTORE_CACHE_DIR"] = str(folder)
-    yield folder
-    if previous is None:
-        os.environ.pop("KVSTORE_CACHE_DIR", None)
-    else:
-        os.environ["KVSTORE_CACHE_DIR"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -8,39 +8,16 @@ fingerprint field only are siblings named ``tiny`` under different parents, so t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvstore.engine.session import SessionEngine
 from kvstore.engine.tokenizer import load_tokenizer
 from kvstore.engine.weights import load_model, write_random_model
 from kvstore.sessions import SessionStore
 from trust.support import session_engine
-
-
-@pytest.fixture(scope="session", autouse=True)
-def private_hash_cache(tmp_path_factory):
-    """Weights hashes are cached under KVSTORE_CACHE_DIR: keep the suite's out of the home folder."""
-    folder = tmp_path_factory.mktemp("kvstore-cache")
-    previous = os.environ.get("KVSTORE_CACHE_DIR")
-    os.environ["KVSTORE_CACHE_DIR"] = str(folder)
-    yield folder
-    if previous is None:
-        os.environ.pop("KVSTORE_CACHE_DIR", None)
-    else:
-        os.environ["KVSTORE_CACHE_DIR"] = previous
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models are dominated by per-op overhead: one intra-op thread is faster and steadier."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from torch_threads import one_torch_thread  # noqa: F401  (autouse)
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,7 @@ def test_session_ids_cannot_name_a_path(chat, bad):
         chat.run(bad, [5], create=True, **TURN)
 
 
-def test_every_file_kvstore_writes_is_owner_only(store, tiny_folder, tiny, private_hash_cache):
+def test_every_file_kvstore_writes_is_owner_only(store, tiny_folder, tiny, hash_cache):
     f32 = session_engine(store, tiny_folder, tiny, "f32")
     f32.run("a", [5, 6, 7], create=True, **TURN)
     f32.run("b", [8, 9], create=True, **TURN)
@@ -93,6 +93,6 @@ def test_every_file_kvstore_writes_is_owner_only(store, tiny_folder, tiny, priva
             assert mode == 0o600, f"{root}/{name} is {oct(mode)}"
             seen += 1
     assert seen >= 8  # journals, their lock sidecars, the archive, the index, the session locks
-    weights = private_hash_cache / "weights"
+    weights = hash_cache / "weights"
     assert os.stat(weights).st_mode & 0o777 == 0o700
     assert all(record.stat().st_mode & 0o777 == 0o600 for record in weights.iterdir())
