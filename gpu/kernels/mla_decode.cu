@@ -733,16 +733,11 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 // mla_merge: one block of 256 threads per (head, batch); warps take every 8th split
 // ---------------------------------------------------------------------------------------------
 
-template <int K, bool UNROTATE>
-__global__ void __launch_bounds__(256) mla_merge(const float* __restrict__ o_part,
-                                                 const float* __restrict__ lse_part, int H, int Hp,
-                                                 int n_splits, float* __restrict__ out) {
-    extern __shared__ float weights[];  // [n_splits]
-    __shared__ float4 part[8][K / 4];   // per-warp sums
-    __shared__ float ctx[K];
-    __shared__ float red[8];
-    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* lse = lse_part + ((long long)b * Hp + h) * n_splits;
+// Log-sum-exp merge weights of one (head, sequence)'s n_splits partials: weights[s] = 2^(lse[s] -
+// max) into shared memory (visible to the block on return); returns 1 / their sum, 0 when every
+// split is empty. Called by all 256 threads of a merge block; red is 8 floats of shared scratch.
+__device__ __forceinline__ float lse_merge_weights(const float* lse, int n_splits, float* weights, float* red) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     float mx = NEG_INF;
     for (int s = tid; s < n_splits; s += 256) mx = fmaxf(mx, lse[s]);
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
@@ -764,7 +759,20 @@ __global__ void __launch_bounds__(256) mla_merge(const float* __restrict__ o_par
     tot = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) tot += red[i];
-    const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+    return tot > 0.0f ? 1.0f / tot : 0.0f;
+}
+
+template <int K, bool UNROTATE>
+__global__ void __launch_bounds__(256) mla_merge(const float* __restrict__ o_part,
+                                                 const float* __restrict__ lse_part, int H, int Hp,
+                                                 int n_splits, float* __restrict__ out) {
+    extern __shared__ float weights[];  // [n_splits]
+    __shared__ float4 part[8][K / 4];   // per-warp sums
+    __shared__ float ctx[K];
+    __shared__ float red[8];
+    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float* lse = lse_part + ((long long)b * Hp + h) * n_splits;
+    const float inv = lse_merge_weights(lse, n_splits, weights, red);
 
     // An empty split (weight 0) never wrote its partial: the select drops whatever is there.
     const float4* op = (const float4*)(o_part + ((long long)b * Hp + h) * n_splits * K);
@@ -1371,19 +1379,21 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         // the loop's first barrier orders these reads before any partial overwrites the tile
     }
 
-    // scores of this warp's rows: scaled, written (first pass) or added (second) to S half
-    auto qk_store = [&](const float (&acc)[MT][2][4], int buf, bool rope, bool add) -> bool {
-        float* S = Sbuf + qk_half * C::HG * C::SS;
+    // Scores of a warp's n-tiles (rows row0 + 8 n + 2 t4, +1; heads 16 m + g, +8) from its mma
+    // accumulators acc[m][n][4]: scaled by the row and query scales, written (first pass) or added
+    // (second) to the partial-score buffer S; true where an accumulator is NaN (fp8 NaN codes).
+    auto store_scores = [&](const auto& acc, float* S, int row0, int buf, bool rope, bool add) -> bool {
+        constexpr int M = sizeof(acc) / sizeof(acc[0]), NT = sizeof(acc[0]) / sizeof(acc[0][0]);
         const float* rowscale = (rope ? rs_s : ls_s) + buf * BN;
         const int which = rope ? 1 : 0;
         bool bad = false;
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
+        for (int m = 0; m < M; ++m) {
             const int ha = m * 16 + g, hb = ha + 8;
             const float mula = qm_s[ha * 2 + which], mulb = qm_s[hb * 2 + which];
 #pragma unroll
-            for (int n = 0; n < 2; ++n) {
-                const int r = n0 + n * 8 + 2 * t4;
+            for (int n = 0; n < NT; ++n) {
+                const int r = row0 + n * 8 + 2 * t4;
                 const float s0 = rowscale[r], s1 = rowscale[r + 1];
                 bad |= (acc[m][n][0] != acc[m][n][0]) | (acc[m][n][1] != acc[m][n][1]) |
                        (acc[m][n][2] != acc[m][n][2]) | (acc[m][n][3] != acc[m][n][3]);
@@ -1401,6 +1411,10 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
             }
         }
         return bad;
+    };
+    // v2: this warp's half of the score width, rows n0 .. n0 + 15
+    auto qk_store = [&](const float (&acc)[MT][2][4], int buf, bool rope, bool add) -> bool {
+        return store_scores(acc, Sbuf + qk_half * C::HG * C::SS, n0, buf, rope, add);
     };
 
     auto qk = [&](int buf) -> bool {
@@ -1451,61 +1465,39 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 
     // v4 Q.K^T: this warp's quarter partial scores of its 32 rows, scaled, into s_quarter
     // (quarter 3 writes its latent part, then adds its rope part)
-    auto qk4_store = [&](const float (&acc)[4][4], int buf, bool rope, bool add) -> bool {
-        const float* rowscale = (rope ? rs_s : ls_s) + buf * BN;
-        const int which = rope ? 1 : 0;
-        const float mula = qm_s[g * 2 + which], mulb = qm_s[(g + 8) * 2 + which];
-        bool bad = false;
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const int r = q_rows + n * 8 + 2 * t4;
-            const float s0 = rowscale[r], s1 = rowscale[r + 1];
-            bad |= (acc[n][0] != acc[n][0]) | (acc[n][1] != acc[n][1]) | (acc[n][2] != acc[n][2]) |
-                   (acc[n][3] != acc[n][3]);
-            float2* pa = (float2*)(s_quarter + g * C::SS + r);
-            float2* pb = (float2*)(s_quarter + (g + 8) * C::SS + r);
-            float2 va = make_float2(acc[n][0] * s0 * mula, acc[n][1] * s1 * mula);
-            float2 vb = make_float2(acc[n][2] * s0 * mulb, acc[n][3] * s1 * mulb);
-            if (add) {
-                const float2 oa = *pa, ob = *pb;
-                va.x += oa.x; va.y += oa.y;
-                vb.x += ob.x; vb.y += ob.y;
-            }
-            *pa = va;
-            *pb = vb;
-        }
-        return bad;
+    auto qk4_store = [&](const float (&acc)[1][4][4], int buf, bool rope, bool add) -> bool {
+        return store_scores(acc, s_quarter, q_rows, buf, rope, add);
     };
     auto qk4 = [&](int buf) -> bool {
         const u32 b_addr = t_base + buf * (BN * C::TS) +
                            (q_rows + (lane & 7) + ((lane >> 3) & 1) * 8) * C::TS + (lane >> 4) * 16;
-        float acc[4][4];
+        float acc[1][4][4];
         auto zero = [&]() {
 #pragma unroll
             for (int n = 0; n < 4; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+                for (int e = 0; e < 4; ++e) acc[0][n][e] = 0.0f;
         };
         zero();
         bool bad;
         switch (quarter) {
             case 0:
-                qk_quarter<QU::first(0), QU::first(0) + QU::count(0), QU::first(0), FMT, C::TS>(b_addr, qf, lt, acc);
+                qk_quarter<QU::first(0), QU::first(0) + QU::count(0), QU::first(0), FMT, C::TS>(b_addr, qf, lt, acc[0]);
                 bad = qk4_store(acc, buf, false, false);
                 break;
             case 1:
-                qk_quarter<QU::first(1), QU::first(1) + QU::count(1), QU::first(1), FMT, C::TS>(b_addr, qf, lt, acc);
+                qk_quarter<QU::first(1), QU::first(1) + QU::count(1), QU::first(1), FMT, C::TS>(b_addr, qf, lt, acc[0]);
                 bad = qk4_store(acc, buf, false, false);
                 break;
             case 2:
-                qk_quarter<QU::first(2), QU::first(2) + QU::count(2), QU::first(2), FMT, C::TS>(b_addr, qf, lt, acc);
+                qk_quarter<QU::first(2), QU::first(2) + QU::count(2), QU::first(2), FMT, C::TS>(b_addr, qf, lt, acc[0]);
                 bad = qk4_store(acc, buf, false, false);
                 break;
             default:
-                qk_quarter<QU::first(3), C::LB, QU::first(3), FMT, C::TS>(b_addr, qf, lt, acc);
+                qk_quarter<QU::first(3), C::LB, QU::first(3), FMT, C::TS>(b_addr, qf, lt, acc[0]);
                 bad = qk4_store(acc, buf, false, false);
                 zero();
-                qk_quarter<C::LB, QU::NB, QU::first(3), FMT, C::TS>(b_addr, qf, lt, acc);
+                qk_quarter<C::LB, QU::NB, QU::first(3), FMT, C::TS>(b_addr, qf, lt, acc[0]);
                 bad |= qk4_store(acc, buf, true, true);
                 break;
         }
@@ -1887,28 +1879,7 @@ __global__ void __launch_bounds__(256) mla_merge_v2(const float* __restrict__ o_
     __shared__ float red[8];
     const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* lse = lse_part + ((long long)b * Hp + h) * n_splits;
-    float mx = NEG_INF;
-    for (int s = tid; s < n_splits; s += 256) mx = fmaxf(mx, lse[s]);
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-    if (lane == 0) red[warp] = mx;
-    __syncthreads();
-    mx = red[0];
-#pragma unroll
-    for (int i = 1; i < 8; ++i) mx = fmaxf(mx, red[i]);
-    __syncthreads();
-    float tot = 0.0f;
-    for (int s = tid; s < n_splits; s += 256) {
-        const float w = mx == NEG_INF ? 0.0f : exp2f(lse[s] - mx);
-        weights[s] = w;
-        tot += w;
-    }
-    for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, o);
-    if (lane == 0) red[warp] = tot;
-    __syncthreads();
-    tot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) tot += red[i];
-    const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+    const float inv = lse_merge_weights(lse, n_splits, weights, red);
 
     const float4* op = (const float4*)(o_part + ((long long)b * Hp + h) * n_splits * K + chunk * 128) + lane;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
