@@ -33,18 +33,24 @@ def add_commands(sub) -> None:
     given.add_argument("--prompt", help="text (the folder must carry a tokenizer)")
     given.add_argument("--ids", help="token ids, comma or space separated")
     p.add_argument("--journal", help=".coli_kv file holding the conversation so far (created if missing)")
+    add_decode_options(p, dtypes=("float32", "bfloat16"))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.set_defaults(func=cmd_generate)
+
+
+def add_decode_options(p, dtypes: tuple[str, ...]) -> None:
+    """The engine and sampling options of the commands that generate (``generate``, ``chat``):
+    cache tier and bits, device, weights dtype (one of ``dtypes``), token budget, sampling, stops."""
     p.add_argument("--tier", choices=TIER_CHOICES, default="f32", help="latent-cache tier (default: f32)")
     p.add_argument("--bits", type=int, help="PolarQuant bits for --tier tq-polar (2..6, default 4)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, mps)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights dtype (default float32)")
+    p.add_argument("--dtype", choices=dtypes, help="weights dtype (default float32)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--stop", type=int, nargs="*", help="stop token ids (default: the model's eos; none to disable)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    p.set_defaults(func=cmd_generate)
+    p.add_argument("--stop", type=int, nargs="*", help="stop token ids (default: the model's eos; give none to disable)")
 
 
 def cmd_new_model(args) -> int:

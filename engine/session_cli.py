@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import sys
 
-TIER_CHOICES = ("f32", "bf16", "fp8", "tq-int4", "tq-polar", "int8")
+from kvstore.engine.cli import add_decode_options
+
 DEFAULT_DATA = "./data"
 
 
@@ -35,16 +36,7 @@ def add_commands(sub) -> None:
     given = p.add_mutually_exclusive_group()
     given.add_argument("--prompt", help="the new turn as text (the folder must carry a tokenizer); default: read stdin")
     given.add_argument("--ids", help="the new turn as token ids, comma or space separated")
-    p.add_argument("--tier", choices=TIER_CHOICES, default="f32", help="latent-cache tier (default f32)")
-    p.add_argument("--bits", type=int, help="PolarQuant bits for --tier tq-polar (2..6, default 4)")
-    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, mps)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="weights dtype (default float32)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", type=int, nargs="*", help="stop token ids (default: the model's eos; give none to disable)")
+    add_decode_options(p, dtypes=("float32", "bfloat16", "float16"))
     p.add_argument("--verify", action="store_true", help="re-hash the session's turns before restoring; a bad turn is a miss")
     p.add_argument("--override", action="append", default=[], metavar="FIELD",
                    help="a fingerprint field not to compare (model.weights_hash, model.name, tier, ...); repeatable")
