@@ -7,7 +7,8 @@ For kv_lora 512 (the ``v2`` kernels) one call is two launches on the caller's cu
    block prepares its own f16 query tile (rotated for int4), streams raw code rows through a
    two-stage cp.async ring and converts codes to f16 as the mma fragments are loaded; for int4 it
    un-rotates its partial context;
-2. ``mla_merge_v2``: the log-sum-exp merge, one block per (head, 128-dim chunk, sequence).
+2. ``mla_merge_v2``: the log-sum-exp merge of the f16 partial contexts, one block per (head, 32-dim
+   chunk, sequence).
 
 Other widths (and ``variant="v1"``) run the first kernels: ``mla_prep_query`` (q -> f16),
 ``mla_decode_split`` (codes converted once per tile into an f16 shared-memory tile) and
@@ -57,6 +58,8 @@ LONG_SPLITS_FROM = 3
 LONG_SPLIT_TILES = 4
 #: The v2 kernel's template MODE per variant, for 16-head blocks (larger blocks run MODE 0).
 _MODES = {"v2": 0, "v3": 1, "v4": 2}
+#: Output dims per block of mla_merge_v2.
+MERGE_DIMS = 32
 _LOCK = threading.Lock()
 
 
@@ -265,7 +268,10 @@ class CudaBackend(AttentionBackend):
         v2 = self.variant in ("v2", "v3", "v4") and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
         plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4, self.min_tiles)
         fmt = _FORMAT[tier]
-        o_part = torch.empty((batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float32, device=device)
+        # v2 keeps partial contexts in f16 with a power-of-two scale each (half the bytes written
+        # and merged); v1 in f32
+        o_part = torch.empty((batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float16 if v2 else torch.float32,
+                             device=device)
         lse = torch.empty((batch, plan.padded_heads, plan.n_splits), dtype=torch.float32, device=device)
         as_device = [t if t is None else t.to(device=device, dtype=torch.int32).contiguous()
                      for t in (seq_start, seq_len, indices, n_selected)]
@@ -309,6 +315,7 @@ class CudaBackend(AttentionBackend):
         split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True, mode=mode)
         merge = self._get(f"mla_merge_v2<{k}>")
         score_scale = np.float32(softmax_scale * math.log2(math.e))
+        o_scale = torch.empty_like(lse)  # each f16 partial's power-of-two scale
         cupy = _cupy()
         stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
         with cupy.cuda.Device(device.index), stream:
@@ -317,11 +324,11 @@ class CudaBackend(AttentionBackend):
                    _ptr(rc_codes), _ptr(rc_scales), _ptr(seq_start), _ptr(seq_len), _ptr(indices),
                    _ptr(n_selected), np.int32(problem.selected or 0), np.int64(problem.n_rows),
                    np.int32(plan.padded_heads), np.int32(plan.n_splits), np.int32(plan.blocks_per_split),
-                   _ptr(o_part), _ptr(lse)),
+                   _ptr(o_part), _ptr(o_scale), _ptr(lse)),
                   shared_mem=smem)
-            merge((heads, k // 128, batch), (256,),
-                  (_ptr(o_part), _ptr(lse), np.int32(heads), np.int32(plan.padded_heads), np.int32(plan.n_splits),
-                   _ptr(result)),
+            merge((heads, k // MERGE_DIMS, batch), (256,),
+                  (_ptr(o_part), _ptr(o_scale), _ptr(lse), np.int32(heads), np.int32(plan.padded_heads),
+                   np.int32(plan.n_splits), _ptr(result)),
                   shared_mem=4 * plan.n_splits)
         return result
 

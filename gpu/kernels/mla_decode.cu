@@ -900,6 +900,15 @@ __device__ __forceinline__ void fwht_warp(float (&v)[NV], int lane, float norm) 
     for (int j = 0; j < NV; ++j) v[j] *= norm;
 }
 
+// f16x2 (low half first) to two floats (exact)
+__device__ __forceinline__ float2 f16x2_to_f32x2(u32 w) {
+    float2 r;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi; }"
+        : "=f"(r.x), "=f"(r.y)
+        : "r"(w));
+    return r;
+}
+
 // 2^x (ex2.approx.ftz: ~2 ulp, results below 2^-126 flush to 0; 2^-inf = 0)
 __device__ __forceinline__ float ex2_fast(float x) {
     float r;
@@ -1154,7 +1163,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                   const int* __restrict__ seq_start, const int* __restrict__ seq_len,
                   const int* __restrict__ sel, const int* __restrict__ n_sel, int sel_stride,
                   long long n_rows, int Hp, int n_splits, int blocks_per_split,
-                  float* __restrict__ o_part, float* __restrict__ lse_part) {
+                  u16* __restrict__ o_part, float* __restrict__ o_scale, float* __restrict__ lse_part) {
     using C = Cfg2<MT, K, R, FMT>;
     constexpr bool FUSED = MODE == 1, QREG = MODE == 2;
     static_assert(MODE == 0 || MT == 1, "v3 and v4 are built for 16-head blocks");
@@ -1862,40 +1871,65 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 #pragma unroll
             for (int j = 0; j < 16; ++j) v[j] *= tq_sign((u32)(128 * (j >> 2) + 4 * lane + (j & 3)));
         }
-        float* dst = o_part + (((long long)b * Hp + h0 + hl) * n_splits + split) * K;
+        // f16 with a power-of-two scale per (split, head): the largest |value| lands in [2^14, 2^15),
+        // so nothing overflows and every element keeps f16's 11 bits relative to that maximum
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[j]));
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+        const int e = amax > 0.0f ? ((__float_as_int(amax) >> 23) & 0xFF) - 127 : 0;  // amax in [2^e, 2^(e+1))
+        const int up = min(max(14 - e, -126), 126);
+        const float mul = __int_as_float((127 + up) << 23);
+        const long long slot = ((long long)b * Hp + h0 + hl) * n_splits + split;
+        u16* dst = o_part + slot * K;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            *(float4*)(dst + 128 * j + 4 * lane) = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
+            *(uint2*)(dst + 128 * j + 4 * lane) =
+                make_uint2(f32_to_f16(v[4 * j] * mul) | ((u32)f32_to_f16(v[4 * j + 1] * mul) << 16),
+                           f32_to_f16(v[4 * j + 2] * mul) | ((u32)f32_to_f16(v[4 * j + 3] * mul) << 16));
+        if (lane == 0) o_scale[slot] = __int_as_float((127 - up) << 23);  // 2^-up
     }
 }
 
-// One block per (head, 128-dim chunk, sequence); warps take every 8th split.
+// One block per (head, 32-dim chunk, sequence) (H = 16 is 256 blocks); the f16 partials (times
+// their scale) are read 4 dims per lane, 4 splits per warp pass, so each warp has several 256-byte
+// loads in flight; warps take every 8th pass.
 template <int K>
-__global__ void __launch_bounds__(256) mla_merge_v2(const float* __restrict__ o_part,
+__global__ void __launch_bounds__(256) mla_merge_v2(const u16* __restrict__ o_part, const float* __restrict__ o_scale,
                                                     const float* __restrict__ lse_part, int H, int Hp,
                                                     int n_splits, float* __restrict__ out) {
     extern __shared__ float weights[];  // [n_splits]
-    __shared__ float4 part[8][32];
+    __shared__ float4 part[8][8];
     __shared__ float red[8];
     const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const float* lse = lse_part + ((long long)b * Hp + h) * n_splits;
-    const float inv = lse_merge_weights(lse, n_splits, weights, red);
-
-    const float4* op = (const float4*)(o_part + ((long long)b * Hp + h) * n_splits * K + chunk * 128) + lane;
+    const long long hb = (long long)b * Hp + h;
+    const float inv = lse_merge_weights(lse_part + hb * n_splits, n_splits, weights, red);
+    const float* scale = o_scale + hb * n_splits;
+    const int sub = lane >> 3, li = lane & 7;
+    const uint2* op = (const uint2*)(o_part + hb * n_splits * K + chunk * 32) + li;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-    for (int s = warp; s < n_splits; s += 8) {
+#pragma unroll 4
+    for (int s = warp * 4 + sub; s < n_splits; s += 32) {
         const float w = weights[s];
-        const bool live = w > 0.0f;  // an empty split never wrote its partial
-        const float4 v = op[(long long)s * (K / 4)];
-        acc.x += live ? w * v.x : 0.0f;
-        acc.y += live ? w * v.y : 0.0f;
-        acc.z += live ? w * v.z : 0.0f;
-        acc.w += live ? w * v.w : 0.0f;
+        const bool live = w > 0.0f;  // an empty split wrote neither its partial nor its scale
+        const uint2 v = op[(long long)s * (K / 4)];
+        const float ws = live ? w * scale[s] : 0.0f;
+        const float2 lo = f16x2_to_f32x2(v.x), hi = f16x2_to_f32x2(v.y);
+        acc.x += live ? ws * lo.x : 0.0f;
+        acc.y += live ? ws * lo.y : 0.0f;
+        acc.z += live ? ws * hi.x : 0.0f;
+        acc.w += live ? ws * hi.y : 0.0f;
     }
-    part[warp][lane] = acc;
+#pragma unroll
+    for (int o = 8; o < 32; o <<= 1) {
+        acc.x += __shfl_xor_sync(FULL_MASK, acc.x, o);
+        acc.y += __shfl_xor_sync(FULL_MASK, acc.y, o);
+        acc.z += __shfl_xor_sync(FULL_MASK, acc.z, o);
+        acc.w += __shfl_xor_sync(FULL_MASK, acc.w, o);
+    }
+    if (sub == 0) part[warp][li] = acc;
     __syncthreads();
-    if (tid < 32) {
+    if (tid < 8) {
         float4 sum = part[0][tid];
 #pragma unroll
         for (int w = 1; w < 8; ++w) {
@@ -1904,7 +1938,7 @@ __global__ void __launch_bounds__(256) mla_merge_v2(const float* __restrict__ o_
             sum.z += part[w][tid].z;
             sum.w += part[w][tid].w;
         }
-        ((float4*)(out + ((long long)b * H + h) * K + chunk * 128))[tid] =
+        ((float4*)(out + ((long long)b * H + h) * K + chunk * 32))[tid] =
             make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
     }
 }

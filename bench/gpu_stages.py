@@ -1,0 +1,156 @@
+"""Where the v2 decode kernel's time goes: time it with stages left out, on the same data.
+
+Each *ablation* is the kernel source with one stage removed by a text edit (the edited kernels
+compute wrong results and are only timed); the differences between their times and the full
+kernel's place the time of each stage inside one launch, which a profiler's stall samples only
+hint at. ``--candidates`` also times (and checks against float64) source variants that are meant
+to be kept. Usage::
+
+    python bench/gpu_stages.py [--tiers fp8,tq-int4] [--heads 16] [--rows 131072,1048576]
+
+Prints, per problem: µs and % of the copy bandwidth of every ablation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+from kvstore.gpu import cuda_backend, testing
+from kvstore.gpu.cuda_backend import CudaBackend
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from gpu_attention import _cases, copy_bandwidth, time_kernel  # noqa: E402
+
+#: name -> [(old text, new text), ...]; every old text must occur in the source exactly once.
+#: Names combine with "+" (edits applied in order).
+_LOOP = "        if (blk + 1 < blk1) issue(blk + 1, buf ^ 1);\n"
+_PV_CVT = """                        const u32 pr = prmt(v[q], 0u, 0x3120u);  // (r, 2n) (r+1, 2n) | (r, 2n+1) (r+1, 2n+1)
+                        bf[4 * jb + 2 * sub][half] = e4m3_lo_to_f16x2(pr);
+                        bf[4 * jb + 2 * sub + 1][half] = e4m3_hi_to_f16x2(pr);"""
+_PV_ALU = """                        const u32 lo = prmt(v[q], 0u, 0x2404u), hi = prmt(v[q], 0u, 0x3414u);
+                        bf[4 * jb + 2 * sub][half] = (lo & 0x80008000u) | ((lo >> 1) & 0x3F803F80u);
+                        bf[4 * jb + 2 * sub + 1][half] = (hi & 0x80008000u) | ((hi >> 1) & 0x3F803F80u);"""
+
+
+def _prefetch(distance: int) -> list[tuple[str, str]]:
+    """One thread asks the copy engine to bring tile blk + distance into L2 (three bulk
+    prefetches: latent codes, rope codes, both scale runs rounded out to 16 bytes)."""
+    body = f"""
+        if (!GATHER && tid == 0 && PB < blk1) {{
+            const long long pbase = start + (long long)PB * BN;
+            const int pvalid = (int)min((long long)min(T - PB * BN, BN), n_rows - pbase);
+            if (pvalid > 0) {{
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(lc + pbase * C::KB), "r"(pvalid * C::KB) : "memory");
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(rc + pbase * C::RB), "r"(pvalid * C::RB) : "memory");
+            }}
+        }}
+"""
+    first = "    for (int PB = blk0 + 2; PB < blk0 + %d; ++PB) {%s    }\n" % (distance, body)
+    step = "    {const int PB = blk + %d;%s}\n" % (distance, body)
+    return [("    issue(blk0, 0);\n", "    issue(blk0, 0);\n" + first), (_LOOP, _LOOP + step)]
+
+
+ABLATIONS: dict[str, list[tuple[str, str]]] = {
+    "full": [],
+    # the fp8 NaN check (one predicate reduction per tile; the tiles here hold no NaN codes)
+    "no-nan-check": [("if (!__syncthreads_or(bad && attempt == 0)) break;", "__syncthreads(); break;")],
+    # code bytes fed to the mma as f16 bits (no e4m3 / int4 conversion anywhere)
+    "no-convert": [
+        ("if (!__syncthreads_or(bad && attempt == 0)) break;", "__syncthreads(); break;"),
+        ("__device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {\n    u32 r;",
+         "__device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {\n    return w;\n    u32 r;"),
+        ("__device__ __forceinline__ u32 e4m3_hi_to_f16x2(u32 w) {\n    u32 r;",
+         "__device__ __forceinline__ u32 e4m3_hi_to_f16x2(u32 w) {\n    return w;\n    u32 r;"),
+        ("__device__ __forceinline__ void int4x8_to_f16(u32 w, const LevelTable& lt, u32* out) {",
+         "__device__ __forceinline__ void int4x8_to_f16(u32 w, const LevelTable& lt, u32* out) {\n"
+         "    out[0] = w; out[1] = w ^ 1u; out[2] = w ^ 2u; out[3] = w ^ 3u; return;"),
+    ],
+    "no-pv": [("                pv(buf);\n            }\n        }\n    }", "            }\n        }\n    }")],
+    "no-qk": [("                else bad = qk(buf);", "                else bad = false;")],
+    # the tile loop only waits for its copies and issues the next ones
+    "loads-only": [(_LOOP, _LOOP + "        continue;\n")],
+    # no tiles at all: query prep, epilogue and merge only
+    "empty": [("    issue(blk0, 0);\n", ""),
+              ("    for (int blk = blk0; blk < blk1; ++blk) {\n        const int buf = (blk - blk0) & 1;",
+               "    for (int blk = blk0; blk < blk0; ++blk) {\n        const int buf = (blk - blk0) & 1;")],
+    # the merge launches but returns at once
+    "merge-idle": [("    const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;",
+                    "    if (n_splits > 0) return;\n"
+                    "    const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;")],
+    # partial contexts are not written
+    "no-store": [("        float amax = 0.0f;\n",
+                  "        if (__all_sync(FULL_MASK, v[0] != 1234.5f)) continue;\n        float amax = 0.0f;\n")],
+    # candidates (checked against float64):
+    # fp8 P.V fragments converted with integer ops (the e4m3 bits shifted into f16's, which is the
+    # value times 2^-8, exact) instead of the conversion unit; the epilogue multiplies by 2^8. Q.K^T
+    # keeps cvt so NaN codes still show as NaN scores (the tile is cleared before P.V reads it).
+    "pv-alu": [(_PV_CVT, _PV_ALU),
+               ("const float vs = FMT == 1 ? rsqrtf((float)K) : 1.0f;",
+                "const float vs = FMT == 1 ? rsqrtf((float)K) : 256.0f;")],
+    "prefetch2": _prefetch(2),
+    "prefetch3": _prefetch(3),
+    "prefetch4": _prefetch(4),
+}
+
+
+def patched(name: str) -> str:
+    source = cuda_backend.KERNEL_FILE.read_text()
+    for old, new in (edit for part in name.split("+") for edit in ABLATIONS[part]):
+        count = source.count(old)
+        if count != 1:
+            raise SystemExit(f"ablation text found {count} times (the kernel changed?): {old[:60]!r}")
+        source = source.replace(old, new)
+    return source
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiers", default="fp8,tq-int4")
+    parser.add_argument("--heads", default="16")
+    parser.add_argument("--rows", default="131072,1048576")
+    parser.add_argument("--only", default=None, help="comma-separated ablation names")
+    parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    copy_bw = copy_bandwidth()
+    print(f"device: {props.name}; copy {copy_bw / 1e12:.2f} TB/s; seed {args.seed}", flush=True)
+    names = args.only.split(",") if args.only else list(ABLATIONS)
+    original = cuda_backend.kernel_source
+    problems = [(tier, int(h), int(t)) for tier in args.tiers.split(",") for h in args.heads.split(",")
+                for t in args.rows.split(",")]
+    print(f"{'problem':24s} " + " ".join(f"{n:>18s}" for n in names), flush=True)
+    for i, (tier, heads, rows) in enumerate(problems):
+        probe = testing.make_case(tier, [rows], heads, device="cuda", seed=args.seed + i, nan_rate=0.0)
+        n_bytes = probe.rows_attended() * probe.row_bytes()
+        cache_bytes = probe.lc_codes.numel() + probe.rc_codes.numel() + 8 * probe.lc_codes.shape[0]
+        n_sets = max(1, min(16, math.ceil(3 * props.L2_cache_size / cache_bytes)))
+        cases = [probe] + _cases(tier, [rows], heads, None, n_sets - 1, args.seed + 100 + i, 0.0)
+        ref = testing.reference(probe)
+        cells = []
+        for name in names:
+            source = patched(name)
+            cuda_backend.kernel_source = lambda source=source: source
+            cuda_backend._kernels.cache_clear()
+            backend = CudaBackend(torch.device("cuda"), variant="v2")
+            err = testing.relative_error(testing.decode(probe, testing.poisoned_out(probe), backend=backend), ref)
+            us = time_kernel(backend, cases)
+            pct = 100.0 * n_bytes / (us * 1e-6) / copy_bw
+            cells.append(f"{us:8.1f} {pct:4.0f}% {err:5.0e}"[:18].rjust(18))
+        print(f"{tier:8s} H{heads:<4d} T{rows:<9d} " + " ".join(cells), flush=True)
+        del cases, probe
+        torch.cuda.empty_cache()
+    cuda_backend.kernel_source = original
+    cuda_backend._kernels.cache_clear()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
