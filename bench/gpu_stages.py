@@ -57,11 +57,11 @@ def _prefetch(distance: int) -> list[tuple[str, str]]:
 
 ABLATIONS: dict[str, list[tuple[str, str]]] = {
     "full": [],
-    # the fp8 NaN check (one predicate reduction per tile; the tiles here hold no NaN codes)
-    "no-nan-check": [("if (!__syncthreads_or(bad && attempt == 0)) break;", "__syncthreads(); break;")],
+    # the fp8 NaN-score test after the softmax (the tiles here hold no NaN codes)
+    "no-nan-check": [("if (FMT == 1 || attempt > 0 || *nan_s != blk + 1) break;", "break;")],
     # code bytes fed to the mma as f16 bits (no e4m3 / int4 conversion anywhere)
     "no-convert": [
-        ("if (!__syncthreads_or(bad && attempt == 0)) break;", "__syncthreads(); break;"),
+        ("if (FMT == 1 || attempt > 0 || *nan_s != blk + 1) break;", "break;"),
         ("__device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {\n    u32 r;",
          "__device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {\n    return w;\n    u32 r;"),
         ("__device__ __forceinline__ u32 e4m3_hi_to_f16x2(u32 w) {\n    u32 r;",
@@ -71,7 +71,7 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
          "    out[0] = w; out[1] = w ^ 1u; out[2] = w ^ 2u; out[3] = w ^ 3u; return;"),
     ],
     "no-pv": [("                pv(buf);\n            }\n        }\n    }", "            }\n        }\n    }")],
-    "no-qk": [("                else bad = qk(buf);", "                else bad = false;")],
+    "no-qk": [("                else qk(buf);\n", "\n")],
     # the tile loop only waits for its copies and issues the next ones
     "loads-only": [(_LOOP, _LOOP + "        continue;\n")],
     # no tiles at all: query prep, epilogue and merge only
@@ -99,6 +99,10 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
 
 
 def patched(name: str) -> str:
+    """The kernel source with the named edits; ``@PATH`` is the source in that file instead (an
+    earlier version of the kernels, timed beside this one: the Python side must match)."""
+    if name.startswith("@"):
+        return open(name[1:]).read()
     source = cuda_backend.KERNEL_FILE.read_text()
     for old, new in (edit for part in name.split("+") for edit in ABLATIONS[part]):
         count = source.count(old)
@@ -113,7 +117,8 @@ def main() -> int:
     parser.add_argument("--tiers", default="fp8,tq-int4")
     parser.add_argument("--heads", default="16")
     parser.add_argument("--rows", default="131072,1048576")
-    parser.add_argument("--only", default=None, help="comma-separated ablation names")
+    parser.add_argument("--only", default=None, help="comma-separated ablation names (or @FILE sources)")
+    parser.add_argument("--nan-rate", type=float, default=0.0, help="share of fp8 code bytes planted as NaN")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -128,11 +133,11 @@ def main() -> int:
                 for t in args.rows.split(",")]
     print(f"{'problem':24s} " + " ".join(f"{n:>18s}" for n in names), flush=True)
     for i, (tier, heads, rows) in enumerate(problems):
-        probe = testing.make_case(tier, [rows], heads, device="cuda", seed=args.seed + i, nan_rate=0.0)
+        probe = testing.make_case(tier, [rows], heads, device="cuda", seed=args.seed + i, nan_rate=args.nan_rate)
         n_bytes = probe.rows_attended() * probe.row_bytes()
         cache_bytes = probe.lc_codes.numel() + probe.rc_codes.numel() + 8 * probe.lc_codes.shape[0]
         n_sets = max(1, min(16, math.ceil(3 * props.L2_cache_size / cache_bytes)))
-        cases = [probe] + _cases(tier, [rows], heads, None, n_sets - 1, args.seed + 100 + i, 0.0)
+        cases = [probe] + _cases(tier, [rows], heads, None, n_sets - 1, args.seed + 100 + i, args.nan_rate)
         ref = testing.reference(probe)
         cells = []
         for name in names:

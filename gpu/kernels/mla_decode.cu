@@ -949,7 +949,8 @@ struct Cfg2 {
     static constexpr int OFF_QM = OFF_VALID + 2 * BN * 4;
     static constexpr int OFF_ALPHA = OFF_QM + HG * 8;
     static constexpr int OFF_ML = OFF_ALPHA + HG * 4;
-    static constexpr int MAIN = OFF_ML + HG * 8;
+    static constexpr int OFF_NAN = OFF_ML + HG * 8;   // 1 + the last tile whose scores held NaN
+    static constexpr int MAIN = OFF_NAN + 16;
     static constexpr int CTX = HG * CS * 4;           // epilogue context (overlays the above)
     static constexpr int SMEM = MAIN > CTX ? MAIN : CTX;
 
@@ -1181,6 +1182,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     float* qm_s = (float*)(smem + C::OFF_QM);
     float* alpha_s = (float*)(smem + C::OFF_ALPHA);
     float* ml_s = (float*)(smem + C::OFF_ML);
+    int* nan_s = (int*)(smem + C::OFF_NAN);
     float* ctx = (float*)smem;  // epilogue only
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1283,6 +1285,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     };
 
     issue(blk0, 0);
+    if (tid == 0) *nan_s = 0;  // visible from the tile loop's first barrier on
 
     // ---- query tile: f16 with a per-head power-of-two scale, columns in qk_position order ----
     // (int4: signs then the normalized FWHT first). One warp per head; lane l holds latent
@@ -1674,88 +1677,96 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         if constexpr (FUSED) {
             fused_tile(buf);
         } else {
-            // ---- S = Q K^T -----------------------------------------------------------------------
+            // fp8 NaN codes (0x7F / 0xFF read as 0) are not cleared on the fast path: a NaN score
+            // shows in the softmax, which flags the tile; after the softmax's barrier the block undoes
+            // the softmax step, clears the tile's NaN codes and scores it again (rare path).
+            bool rescale;
 #pragma unroll 1
             for (int attempt = 0;; ++attempt) {
-                bool bad;
-                if constexpr (QREG) bad = qk4(buf);
-                else bad = qk(buf);
-                if (FMT == 1) {
-                    __syncthreads();
-                    break;
-                }
-                if (!__syncthreads_or(bad && attempt == 0)) break;
-                clear_nan(buf);
-                __syncthreads();
-            }
+                // ---- S = Q K^T -----------------------------------------------------------------------
+                if constexpr (QREG) qk4(buf);
+                else qk(buf);
+                __syncthreads();  // scores written
 
-            // ---- online softmax (as v1); c = running max |row scale|; thread sm_p of a head owns
-            // rows sm_p * RPT .. + RPT - 1 (vector loads / stores) ---------------------------------
-            bool rescale;
-            {
-                const int r0 = sm_p * C::RPT;
-                const float* lsb = ls_s + buf * BN + r0;
-                const int* vb = valid_s + buf * BN + r0;
-                const float* S0 = Sbuf + sm_h * C::SS + r0;
-                const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS + r0;
-                const float* S2 = (const float*)(smem + C::OFF_Q) + sm_h * C::SS + r0;  // v4 quarters 2, 3
-                const float* S3 = S2 + C::HG * C::SS;
-                float sv[C::RPT], lv[C::RPT];
-                float c_blk = 0.0f, mx = NEG_INF;
+                // ---- online softmax (as v1); c = running max |row scale|; thread sm_p of a head owns
+                // rows sm_p * RPT .. + RPT - 1 (vector loads / stores) ---------------------------------
+                const float m_prev = m_run, l_prev = l_run, c_prev = c_run;
+                {
+                    const int r0 = sm_p * C::RPT;
+                    const float* lsb = ls_s + buf * BN + r0;
+                    const int* vb = valid_s + buf * BN + r0;
+                    const float* S0 = Sbuf + sm_h * C::SS + r0;
+                    const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS + r0;
+                    const float* S2 = (const float*)(smem + C::OFF_Q) + sm_h * C::SS + r0;  // v4 quarters 2, 3
+                    const float* S3 = S2 + C::HG * C::SS;
+                    float sv[C::RPT], lv[C::RPT];
+                    bool nan_seen = false;
+                    float c_blk = 0.0f, mx = NEG_INF;
 #pragma unroll
-                for (int i = 0; i < C::RPT; i += 4) {
-                    float4 a = *(const float4*)(S0 + i), c = *(const float4*)(S1 + i);
-                    if constexpr (QREG) {
-                        const float4 e = *(const float4*)(S2 + i), f = *(const float4*)(S3 + i);
-                        a.x += e.x; a.y += e.y; a.z += e.z; a.w += e.w;
-                        c.x += f.x; c.y += f.y; c.z += f.z; c.w += f.w;
+                    for (int i = 0; i < C::RPT; i += 4) {
+                        float4 a = *(const float4*)(S0 + i), c = *(const float4*)(S1 + i);
+                        if constexpr (QREG) {
+                            const float4 e = *(const float4*)(S2 + i), f = *(const float4*)(S3 + i);
+                            a.x += e.x; a.y += e.y; a.z += e.z; a.w += e.w;
+                            c.x += f.x; c.y += f.y; c.z += f.z; c.w += f.w;
+                        }
+                        const float4 l = *(const float4*)(lsb + i);
+                        const int4 v = *(const int4*)(vb + i);
+                        sv[i] = v.x ? a.x + c.x : NEG_INF;
+                        sv[i + 1] = v.y ? a.y + c.y : NEG_INF;
+                        sv[i + 2] = v.z ? a.z + c.z : NEG_INF;
+                        sv[i + 3] = v.w ? a.w + c.w : NEG_INF;
+                        if (FMT == 0)
+                            nan_seen |= (sv[i] != sv[i]) | (sv[i + 1] != sv[i + 1]) | (sv[i + 2] != sv[i + 2]) |
+                                        (sv[i + 3] != sv[i + 3]);
+                        lv[i] = l.x;
+                        lv[i + 1] = l.y;
+                        lv[i + 2] = l.z;
+                        lv[i + 3] = l.w;
                     }
-                    const float4 l = *(const float4*)(lsb + i);
-                    const int4 v = *(const int4*)(vb + i);
-                    sv[i] = v.x ? a.x + c.x : NEG_INF;
-                    sv[i + 1] = v.y ? a.y + c.y : NEG_INF;
-                    sv[i + 2] = v.z ? a.z + c.z : NEG_INF;
-                    sv[i + 3] = v.w ? a.w + c.w : NEG_INF;
-                    lv[i] = l.x;
-                    lv[i + 1] = l.y;
-                    lv[i + 2] = l.z;
-                    lv[i + 3] = l.w;
-                }
 #pragma unroll
-                for (int i = 0; i < C::RPT; ++i) {
-                    c_blk = fmaxf(c_blk, fabsf(lv[i]));
-                    mx = fmaxf(mx, sv[i]);
-                }
-#pragma unroll
-                for (int o = C::TPH / 2; o > 0; o >>= 1) {
-                    c_blk = fmaxf(c_blk, __shfl_xor_sync(FULL_MASK, c_blk, o));
-                    mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-                }
-                const float c_new = fmaxf(c_run, c_blk);
-                const float c_eff = c_new > 0.0f ? c_new : 1.0f;
-                const float p_mul = __fdividef(P_SCALE, c_eff);
-                const float c_ratio = c_run > 0.0f ? __fdividef(c_run, c_eff) : 1.0f;
-                const float m_new = fmaxf(m_run, mx);
-                const float ref = m_new == NEG_INF ? 0.0f : m_new;
-                const float alpha = ex2_fast(m_run - ref);
-                float lsum = 0.0f;
-#pragma unroll
-                for (int i = 0; i < C::RPT; i += 4) {
-                    u32 h[4];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float p = ex2_fast(sv[i + e] - ref);
-                        lsum += p;
-                        h[e] = f32_to_f16(p * lv[i + e] * p_mul);
+                    for (int i = 0; i < C::RPT; ++i) {
+                        c_blk = fmaxf(c_blk, fabsf(lv[i]));
+                        mx = fmaxf(mx, sv[i]);
                     }
-                    *(uint2*)(Ps + sm_h * C::PS + r0 + i) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+#pragma unroll
+                    for (int o = C::TPH / 2; o > 0; o >>= 1) {
+                        c_blk = fmaxf(c_blk, __shfl_xor_sync(FULL_MASK, c_blk, o));
+                        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+                    }
+                    const float c_new = fmaxf(c_run, c_blk);
+                    const float c_eff = c_new > 0.0f ? c_new : 1.0f;
+                    const float p_mul = __fdividef(P_SCALE, c_eff);
+                    const float c_ratio = c_run > 0.0f ? __fdividef(c_run, c_eff) : 1.0f;
+                    const float m_new = fmaxf(m_run, mx);
+                    const float ref = m_new == NEG_INF ? 0.0f : m_new;
+                    const float alpha = ex2_fast(m_run - ref);
+                    float lsum = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < C::RPT; i += 4) {
+                        u32 h[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float p = ex2_fast(sv[i + e] - ref);
+                            lsum += p;
+                            h[e] = f32_to_f16(p * lv[i + e] * p_mul);
+                        }
+                        *(uint2*)(Ps + sm_h * C::PS + r0 + i) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+                    }
+                    l_run = l_run * alpha + lsum;
+                    m_run = m_new;
+                    const float factor = alpha * c_ratio;
+                    if (sm_p == 0) alpha_s[sm_h] = factor;
+                    c_run = c_new;
+                    if (nan_seen) *nan_s = blk + 1;  // names the tile: a stale flag never matches
+                    rescale = __syncthreads_or(factor != 1.0f) != 0;
                 }
-                l_run = l_run * alpha + lsum;
-                m_run = m_new;
-                const float factor = alpha * c_ratio;
-                if (sm_p == 0) alpha_s[sm_h] = factor;
-                c_run = c_new;
-                rescale = __syncthreads_or(factor != 1.0f) != 0;
+                if (FMT == 1 || attempt > 0 || *nan_s != blk + 1) break;
+                m_run = m_prev;  // rare path: undo this step, clear the tile's NaN codes, score it again
+                l_run = l_prev;
+                c_run = c_prev;
+                clear_nan(buf);  // (every thread is past the softmax: the scores and weights are free)
+                __syncthreads();
             }
 
             // ---- O = alpha O + P' V (B fragments converted from code bytes) ----------------------
