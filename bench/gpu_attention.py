@@ -12,7 +12,7 @@ per input set, the sets rotated so the cache is read from HBM, not L2), times th
 
 Bytes read = the attended cache rows once (codes + scales). Usage::
 
-    python bench/gpu_attention.py [--smoke] [--out DIR] [--compare v2,v4,v2:mt2,v2:tiles4] [--no-torch]
+    python bench/gpu_attention.py [--smoke] [--out DIR] [--compare v1,v2,v2:mt2,v2:tiles4] [--no-torch]
 
 ``--smoke`` only checks every variant at small sizes (no timing). ``--compare`` times several
 kernel generations / head-group sizes of the CUDA backend side by side on the same data (each
@@ -239,7 +239,7 @@ def smoke(backend, seed: int) -> bool:
 
 
 def make_backend(spec: str):
-    """``VARIANT[:mtN][:tilesM]``: a kernel generation (``v1`` .. ``v4``), at most N 16-head m-tiles
+    """``VARIANT[:mtN][:tilesM]``: a kernel generation (``v1`` or ``v2``), at most N 16-head m-tiles
     per block, at least M tiles per split."""
     variant, *options = spec.split(":")
     knobs = {"mt": 4, "tiles": 1}

@@ -70,8 +70,10 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
          "__device__ __forceinline__ void int4x8_to_f16(u32 w, const LevelTable& lt, u32* out) {\n"
          "    out[0] = w; out[1] = w ^ 1u; out[2] = w ^ 2u; out[3] = w ^ 3u; return;"),
     ],
-    "no-pv": [("                pv(buf);\n            }\n        }\n    }", "            }\n        }\n    }")],
-    "no-qk": [("                else qk(buf);\n", "\n")],
+    "no-pv": [("            pv(buf);\n        }\n    }\n", "        }\n    }\n")],
+    # (stale scores may be NaN: the NaN-score test goes too, or the rare path would run)
+    "no-qk": [("if (FMT == 1 || attempt > 0 || *nan_s != blk + 1) break;", "break;"),
+              ("            qk(buf);\n", "\n")],
     # the tile loop only waits for its copies and issues the next ones
     "loads-only": [(_LOOP, _LOOP + "        continue;\n")],
     # no tiles at all: query prep, epilogue and merge only
@@ -92,6 +94,9 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
     "pv-alu": [(_PV_CVT, _PV_ALU),
                ("const float vs = FMT == 1 ? rsqrtf((float)K) : 1.0f;",
                 "const float vs = FMT == 1 ? rsqrtf((float)K) : 256.0f;")],
+    # odd splits start later, so the two blocks of an SM run their phases out of step
+    "offset500": [("    issue(blk0, 0);\n", "    if (split & 1) __nanosleep(500);\n    issue(blk0, 0);\n")],
+    "offset1500": [("    issue(blk0, 0);\n", "    if (split & 1) __nanosleep(1500);\n    issue(blk0, 0);\n")],
     "prefetch2": _prefetch(2),
     "prefetch3": _prefetch(3),
     "prefetch4": _prefetch(4),

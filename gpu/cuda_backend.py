@@ -46,8 +46,8 @@ MIN_CAPABILITY = (8, 9)
 _FORMAT = {"fp8": 0, "tq-int4": 1}
 #: Upper bound on splits per sequence (the merge keeps one weight per split in shared memory).
 MAX_SPLITS = 4096
-#: Kernel generation used where it is built (kv_lora 512): "v2" (default), "v3", "v4" or "v1"; the
-#: environment variable KVSTORE_GPU_KERNEL overrides it (benchmarks compare them).
+#: Kernel generation used where it is built (kv_lora 512): "v2" (default) or "v1"; the environment
+#: variable KVSTORE_GPU_KERNEL overrides it (benchmarks compare them).
 DEFAULT_VARIANT = os.environ.get("KVSTORE_GPU_KERNEL", "v2")
 #: Most 16-head m-tiles per block of the v2 kernel (1, 2 or 4); KVSTORE_GPU_MAX_MT overrides.
 DEFAULT_MAX_MT = int(os.environ.get("KVSTORE_GPU_MAX_MT", "4"))
@@ -56,8 +56,6 @@ DEFAULT_MAX_MT = int(os.environ.get("KVSTORE_GPU_MAX_MT", "4"))
 #: 25.8 -> 22.8 us); shorter sequences keep one tile per split (4k rows: 10.2 us, 15.8 with 4).
 LONG_SPLITS_FROM = 3
 LONG_SPLIT_TILES = 4
-#: The v2 kernel's template MODE per variant, for 16-head blocks (larger blocks run MODE 0).
-_MODES = {"v2": 0, "v3": 1, "v4": 2}
 #: Output dims per block of mla_merge_v2.
 MERGE_DIMS = 32
 _LOCK = threading.Lock()
@@ -166,9 +164,7 @@ class CudaBackend(AttentionBackend):
     Parameters
     ----------
     device : the CUDA device
-    variant : ``"v2"`` (kv_lora 512, else v1 runs), ``"v3"`` (v2 with the row-owning softmax for
-        16-head blocks), ``"v4"`` (v2 with the query fragments in registers for 16-head blocks) or
-        ``"v1"``; default :data:`DEFAULT_VARIANT` (v3 and v4 measured slower; docs/GPU.md)
+    variant : ``"v2"`` (kv_lora 512, else v1 runs) or ``"v1"``; default :data:`DEFAULT_VARIANT`
     max_mt : most 16-head m-tiles per block of the v2 kernel (1, 2 or 4; default 4)
     min_tiles : fewest 64-row tiles per split (default 1: as many splits as fill one wave)
     """
@@ -182,11 +178,10 @@ class CudaBackend(AttentionBackend):
         self.capability = (props.major, props.minor)
         self.n_sm = props.multi_processor_count
         self._smem: dict[str, int] = {}
-        #: "v2" (two launches, fragments converted from code bytes), "v3" / "v4" (v2 with the
-        #: row-owning register softmax / register-held query for 16-head blocks) or "v1" (three launches)
+        #: "v2" (two launches, fragments converted from code bytes) or "v1" (three launches)
         self.variant = variant or DEFAULT_VARIANT
-        if self.variant not in ("v1", "v2", "v3", "v4"):
-            raise ValueError(f"variant must be 'v1', 'v2', 'v3' or 'v4', not {self.variant!r}")
+        if self.variant not in ("v1", "v2"):
+            raise ValueError(f"variant must be 'v1' or 'v2', not {self.variant!r}")
         #: most 16-head m-tiles per block (v2)
         self.max_mt = max_mt or DEFAULT_MAX_MT
         #: fewest tiles per split (see :func:`plan_launch`)
@@ -218,13 +213,10 @@ class CudaBackend(AttentionBackend):
     def _get(self, name_expression: str):
         return _kernels((name_expression,), self.capability, self.device.index)[0]
 
-    def _split_kernel(self, m_tiles: int, kv_lora: int, qk_rope: int, fmt: int, gather: bool, v2: bool = False,
-                      mode: int = 0):
-        """The split kernel and its dynamic shared memory (asked of the compiled module once).
-        ``mode`` (v2 kernels): 0 = v2, 1 = v3 row-owning softmax, 2 = v4 query fragments in registers."""
+    def _split_kernel(self, m_tiles: int, kv_lora: int, qk_rope: int, fmt: int, gather: bool, v2: bool = False):
+        """The split kernel and its dynamic shared memory (asked of the compiled module once)."""
         stem, smem_stem = ("mla_decode_v2", "mla_split_smem_v2") if v2 else ("mla_decode_split", "mla_split_smem")
-        flags = f"{'true' if gather else 'false'}" + (f",{mode}" if v2 else "")
-        name = f"{stem}<{m_tiles},{kv_lora},{qk_rope},{fmt},{flags}>"
+        name = f"{stem}<{m_tiles},{kv_lora},{qk_rope},{fmt},{'true' if gather else 'false'}>"
         kernel, smem_query = _kernels((name, f"{smem_stem}<{m_tiles},{kv_lora},{qk_rope},{fmt}>"),
                                       self.capability, self.device.index)
         smem = self._smem.get(name)
@@ -265,7 +257,7 @@ class CudaBackend(AttentionBackend):
             max_rows = problem.n_rows
             mean_rows = problem.n_rows / batch
         q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
-        v2 = self.variant in ("v2", "v3", "v4") and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
+        v2 = self.variant == "v2" and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
         plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4, self.min_tiles)
         fmt = _FORMAT[tier]
         # v2 keeps partial contexts in f16 with a power-of-two scale each (half the bytes written
@@ -311,8 +303,7 @@ class CudaBackend(AttentionBackend):
                    rc_scales, seq_start, seq_len, indices, n_selected, o_part, lse, result):
         device = problem.device
         batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
-        mode = _MODES.get(self.variant, 0) if plan.m_tiles == 1 else 0
-        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True, mode=mode)
+        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True)
         merge = self._get(f"mla_merge_v2<{k}>")
         score_scale = np.float32(softmax_scale * math.log2(math.e))
         o_scale = torch.empty_like(lse)  # each f16 partial's power-of-two scale

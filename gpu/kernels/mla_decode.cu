@@ -923,7 +923,6 @@ struct Cfg2 {
     static constexpr int QS = D + 8;                  // f16 per Q row (16 B pad)
     static constexpr int KB = FMT == 0 ? K : K / 2;   // code bytes per latent row
     static constexpr int RB = FMT == 0 ? R : R / 2;   // code bytes per rope row
-    static constexpr int TS = KB + RB + 16;           // smem bytes per tile row (conflict-free ldmatrix)
     static constexpr int KSB = FMT == 0 ? 1 : 2;      // k-steps per 16-byte block of a row
     static constexpr int LB = KB / 16;                // latent blocks per row
     static constexpr int RBK = RB / 16;               // rope blocks per row
@@ -932,8 +931,15 @@ struct Cfg2 {
     static constexpr int NL = BN / LSTR;
     static constexpr int RSTR = THREADS / RBK;        // rows per pass (rope)
     static constexpr int NR = (BN + RSTR - 1) / RSTR;
+    // Ring stage: BN latent rows of KB bytes, then BN rope rows of RB bytes, no padding; 16-byte
+    // chunk c of latent row r sits at c ^ (r & 7), of rope row r at c ^ ((r >> RSH) & (RBK - 1)):
+    // 8 consecutive rows of one chunk (an ldmatrix matrix) fall in 8 different bank groups, and the
+    // 8 threads copying one 128-byte line of a row write one aligned 128-byte line.
+    static constexpr int RSH = RBK == 4 ? 1 : (RBK == 2 ? 2 : 3);  // log2(rows per 128 bytes of rope)
+    static constexpr int TLAT = BN * KB;
+    static constexpr int TILE = TLAT + BN * RB;
     static constexpr int PS = BN + 8;
-    static constexpr int SS = BN + 4;
+    static constexpr int SS = BN + 8;                 // 8 (mod 32) banks per head row: float2 stores of 8 heads conflict-free
     static constexpr int TPH = THREADS / HG;
     static constexpr int RPT = BN / TPH;
     static constexpr int DW = K / WARPS;              // output dims per warp in P.V
@@ -941,7 +947,7 @@ struct Cfg2 {
     static constexpr int CS = K + 4;                  // f32 per context row in the epilogue
     static constexpr int OFF_Q = 0;
     static constexpr int OFF_T = OFF_Q + HG * QS * 2;
-    static constexpr int OFF_S = OFF_T + 2 * BN * TS;
+    static constexpr int OFF_S = OFF_T + 2 * TILE;
     static constexpr int OFF_P = OFF_S + 2 * HG * SS * 4;
     static constexpr int OFF_LS = OFF_P + HG * PS * 2;
     static constexpr int OFF_RS = OFF_LS + 2 * BN * 4;
@@ -959,9 +965,9 @@ struct Cfg2 {
     static_assert(THREADS % LB == 0 && BN % LSTR == 0, "latent staging map");
     static_assert(DW == 64 && NTP == 8, "P.V warp tile");
     static_assert(RPT % 4 == 0, "softmax rows per thread in float4 steps");
-    static_assert(2 * HG * SS >= 2 * HG * WARPS + WARPS, "row-owning softmax scratch fits the score buffer");
     static_assert(THREADS % HG == 0 && BN % TPH == 0, "softmax thread mapping");
-    static_assert(OFF_T % 16 == 0 && TS % 16 == 0, "cp.async / ldmatrix alignment");
+    static_assert(OFF_T % 128 == 0 && TILE % 128 == 0 && KB % 128 == 0, "swizzled rows start on 128-byte lines");
+    static_assert(LSTR % 8 == 0 && ((RSTR >> RSH) % RBK) == 0, "copy passes keep each row's swizzle");
 };
 
 template <int MT, int K, int R, int FMT>
@@ -984,23 +990,28 @@ __device__ __forceinline__ int qk_position(int f) {
     }
 }
 
-// Q.K^T over NB consecutive 16-byte blocks of the code tile from block `blk_first` (v2): B
-// fragments by ldmatrix of code bytes (matrices (rows n0..+7 | n0+8..+15) x (block | block + 1)),
-// converted in registers; A fragments (query, qk_position order) by ldmatrix. acc[m][n-tile][4].
-template <int NB, int MT, int FMT, int TS, int QS>
-__device__ __forceinline__ void qk_blocks_v2(int blk_first, u32 b_addr, u32 q_base, int a_row, int a_col,
-                                             const LevelTable& lt, float (&acc0)[MT][2][4],
+// Q.K^T over NB consecutive 16-byte blocks of the code tile from block `blk_first` (the query's
+// k position), chunk `c_first` of their region (latent or rope rows) (v2): B fragments by
+// ldmatrix of code bytes (matrices (rows n0..+7 | n0+8..+15) x (chunk | chunk + 1)), converted in
+// registers; A fragments (query, qk_position order) by ldmatrix. cb[k] is this lane's address of
+// swizzled chunk 2k (+ its matrix's chunk offset) in the region's 8-chunk line; an odd chunk is
+// loaded alone (x2, lanes 0-15 whose offset is 0: the XOR's low bit flips). acc[m][n-tile][4].
+template <int NB, int MT, int FMT, int QS>
+__device__ __forceinline__ void qk_blocks_v2(int blk_first, int c_first, const u32 (&cb)[4], u32 q_base, int a_row,
+                                             int a_col, const LevelTable& lt, float (&acc0)[MT][2][4],
                                              float (&acc1)[MT][2][4]) {
     constexpr int KSB = FMT == 0 ? 1 : 2;
 #pragma unroll
-    for (int i = 0; i < NB; i += 2) {
+    for (int i = 0; i < NB;) {
+        const int c = c_first + i;
+        const int nb = ((c & 1) || i + 1 == NB) ? 1 : 2;
+        const u32 line = cb[(c & 7) >> 1] + ((c & ~7) << 4);
         u32 w[4];
-        const u32 addr = b_addr + (blk_first + i) * 16;
-        if (i + 1 < NB) ldsm_x4(addr, w[0], w[1], w[2], w[3]);
-        else ldsm_x2(addr, w[0], w[1]);
+        if (nb == 2) ldsm_x4(line, w[0], w[1], w[2], w[3]);
+        else ldsm_x2((c & 1) ? line ^ 16u : line, w[0], w[1]);
 #pragma unroll
         for (int jb = 0; jb < 2; ++jb) {
-            if (i + jb >= NB) break;
+            if (jb >= nb) break;
             float (&acc)[MT][2][4] = jb ? acc1 : acc0;  // odd blocks may use a second chain
             const u32 wa = w[2 * jb], wb = w[2 * jb + 1];  // n-tile 0, n-tile 1
             u32 bb[2][KSB][2];
@@ -1034,129 +1045,11 @@ __device__ __forceinline__ void qk_blocks_v2(int blk_first, u32 b_addr, u32 q_ba
                 }
             }
         }
+        i += nb;
     }
 }
 
-// Row-owning Q.K^T (16-head blocks): the warp's 8 tile rows (one n-tile) over NB blocks from
-// `blk_first`; ldmatrix matrices are consecutive blocks of those rows (x4, then x2, then x1);
-// even blocks accumulate into acc0, odd ones into acc1 (two independent mma chains).
-template <int NB, int FMT, int QS>
-__device__ __forceinline__ void qk_rows_v2(int blk_first, u32 b_addr, u32 q_base, int a_row, int a_col,
-                                           const LevelTable& lt, float (&acc0)[4], float (&acc1)[4]) {
-    constexpr int KSB = FMT == 0 ? 1 : 2;
-#pragma unroll
-    for (int i = 0; i < NB;) {
-        const int n = NB - i >= 4 ? 4 : (NB - i >= 2 ? 2 : 1);
-        u32 w[4];
-        const u32 addr = b_addr + (blk_first + i) * 16;
-        if (n == 4) ldsm_x4(addr, w[0], w[1], w[2], w[3]);
-        else if (n == 2) ldsm_x2(addr, w[0], w[1]);
-        else ldsm_x1(addr, w[0]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (j >= n) break;
-            float (&acc)[4] = ((i + j) & 1) ? acc1 : acc0;
-            u32 bb[KSB][2];
-            if (FMT == 0) {
-                bb[0][0] = e4m3_lo_to_f16x2(w[j]);
-                bb[0][1] = e4m3_hi_to_f16x2(w[j]);
-            } else {
-                u32 h[4];
-                int4x8_to_f16(w[j], lt, h);
-                bb[0][0] = h[0];
-                bb[0][1] = h[1];
-                bb[KSB - 1][0] = h[2];
-                bb[KSB - 1][1] = h[3];
-            }
-#pragma unroll
-            for (int s = 0; s < KSB; ++s) {
-                const int ks = (blk_first + i + j) * KSB + s;
-                u32 af[4];
-                ldsm_x4(q_base + (a_row * QS + ks * 16 + a_col) * 2, af[0], af[1], af[2], af[3]);
-                mma_16816(acc, af, bb[s][0], bb[s][1]);
-            }
-        }
-        i += n;
-    }
-}
-
-
-// ---- v4 (MODE 2, 16-head blocks): query fragments held in registers ----------------------------
-// Warp w owns the k-range "quarter" w & 3 of the row's 16-byte code blocks ([latent | rope], the
-// rope blocks all in quarter 3) for tile rows 32 (w >> 2) .. + 31. Its query A fragments are loaded
-// once per split and stay in registers, so Q.K^T reads only code bytes from shared memory (v2 read
-// the query tile again for every tile: two thirds of its ldmatrix traffic), and each A fragment
-// feeds four independent mma chains (the 4 n-tiles). The four quarter partial scores go to four
-// buffers that the softmax adds.
-template <int LB, int RBK>
-struct Quarters {
-    static constexpr int NB = LB + RBK;
-    static constexpr int BASE = NB / 4, EXTRA = NB % 4;
-    __host__ __device__ static constexpr int first(int q) { return q * BASE + (q < EXTRA ? q : EXTRA); }
-    __host__ __device__ static constexpr int count(int q) { return BASE + (q < EXTRA ? 1 : 0); }
-    static constexpr int MAXC = BASE + (EXTRA ? 1 : 0);
-    static_assert(first(3) <= LB, "the rope blocks lie in the last quarter");
-};
-
-// The query A fragments of blocks [FIRST, FIRST + COUNT) into qf (k-step order).
-template <int FIRST, int COUNT, int FMT, int QS, int NQ>
-__device__ __forceinline__ void load_q_quarter(u32 q_base, int a_row, int a_col, u32 (&qf)[NQ][4]) {
-    constexpr int KSB = FMT == 0 ? 1 : 2;
-#pragma unroll
-    for (int j = 0; j < COUNT * KSB; ++j) {
-        const int ks = FIRST * KSB + j;
-        ldsm_x4(q_base + (a_row * QS + ks * 16 + a_col) * 2, qf[j][0], qf[j][1], qf[j][2], qf[j][3]);
-    }
-}
-
-// acc[n-tile] += Q . K^T over blocks [B0, B1) for the warp's 32 rows (b_addr: its lane's row of the
-// first 16, at byte (lane >> 4) * 16); query fragments qf[(blk - FIRST) * KSB + s].
-template <int B0, int B1, int FIRST, int FMT, int TS, int NQ>
-__device__ __forceinline__ void qk_quarter(u32 b_addr, const u32 (&qf)[NQ][4], const LevelTable& lt,
-                                           float (&acc)[4][4]) {
-    constexpr int KSB = FMT == 0 ? 1 : 2;
-#pragma unroll
-    for (int blk = B0; blk < B1; blk += 2) {
-        const bool pair = blk + 1 < B1;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // rows +0..15, +16..31
-            u32 w[4];
-            const u32 addr = b_addr + half * 16 * TS + blk * 16;
-            if (pair) ldsm_x4(addr, w[0], w[1], w[2], w[3]);
-            else ldsm_x2(addr, w[0], w[1]);
-#pragma unroll
-            for (int jb = 0; jb < 2; ++jb) {
-                if (jb == 1 && !pair) break;
-                u32 bb[2][KSB][2];
-#pragma unroll
-                for (int n = 0; n < 2; ++n) {
-                    const u32 word = w[2 * jb + n];
-                    if (FMT == 0) {
-                        bb[n][0][0] = e4m3_lo_to_f16x2(word);
-                        bb[n][0][1] = e4m3_hi_to_f16x2(word);
-                    } else {
-                        u32 h[4];
-                        int4x8_to_f16(word, lt, h);
-                        bb[n][0][0] = h[0];
-                        bb[n][0][1] = h[1];
-                        bb[n][KSB - 1][0] = h[2];
-                        bb[n][KSB - 1][1] = h[3];
-                    }
-                }
-#pragma unroll
-                for (int s = 0; s < KSB; ++s) {
-                    const int qi = (blk + jb - FIRST) * KSB + s;
-                    mma_16816(acc[2 * half], qf[qi], bb[0][s][0], bb[0][s][1]);
-                    mma_16816(acc[2 * half + 1], qf[qi], bb[1][s][0], bb[1][s][1]);
-                }
-            }
-        }
-    }
-}
-
-// MODE 0: v2; MODE 1 (v3, MT == 1 only): row-owning scores and softmax in registers (see
-// fused_tile below); MODE 2 (v4, MT == 1 only): query fragments in registers (see Quarters).
-template <int MT, int K, int R, int FMT, bool GATHER, int MODE>
+template <int MT, int K, int R, int FMT, bool GATHER>
 __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     mla_decode_v2(const float* __restrict__ q_lat, const float* __restrict__ q_rope, int H, float score_scale,
                   const u8* __restrict__ lc, const float* __restrict__ lscale,
@@ -1166,15 +1059,9 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                   long long n_rows, int Hp, int n_splits, int blocks_per_split,
                   u16* __restrict__ o_part, float* __restrict__ o_scale, float* __restrict__ lse_part) {
     using C = Cfg2<MT, K, R, FMT>;
-    constexpr bool FUSED = MODE == 1, QREG = MODE == 2;
-    static_assert(MODE == 0 || MT == 1, "v3 and v4 are built for 16-head blocks");
-    extern __shared__ __align__(16) unsigned char smem[];
+    extern __shared__ __align__(128) unsigned char smem[];
     u16* Qs = (u16*)(smem + C::OFF_Q);
     float* Sbuf = (float*)(smem + C::OFF_S);
-    // FUSED: per-warp partial maxima [head][warp], |row scale| maxima [warp], sums [head][warp]
-    float* red_m = Sbuf;
-    float* red_c = Sbuf + C::HG * WARPS;
-    float* red_l = red_c + WARPS;
     u16* Ps = (u16*)(smem + C::OFF_P);
     float* ls_s = (float*)(smem + C::OFF_LS);
     float* rs_s = (float*)(smem + C::OFF_RS);
@@ -1207,26 +1094,32 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     const u32 t_base = smem_addr(smem + C::OFF_T);
     const u32 ls_base = smem_addr(ls_s), rs_base = smem_addr(rs_s);
 
+    // byte offsets in a ring stage of chunk c of latent / rope row r (the swizzle of Cfg2)
+    auto lat_at = [](int r, int c) -> u32 { return r * C::KB + ((c ^ (r & 7)) << 4); };
+    auto rope_at = [](int r, int c) -> u32 {
+        return C::TLAT + r * C::RB + ((c ^ ((r >> C::RSH) & (C::RBK - 1))) << 4);
+    };
+
     // ---- staging: cp.async of raw code rows into ring slot `buf`; rows outside the sequence
     // (or the row arrays) are zero-filled, so their codes are finite and their scales 0 ---------
     const int lcol = tid % C::LB, lrow0 = tid / C::LB;
     const int rcol = tid % C::RBK, rrow0 = tid / C::RBK;
     auto issue = [&](int blk, int buf) {
         const int pos0 = blk * BN;
-        const u32 tb = t_base + buf * (BN * C::TS);
+        const u32 tb = t_base + buf * C::TILE;
         if (!GATHER) {
             const long long base = start + pos0;
             const int valid = (int)min((long long)min(T - pos0, BN), n_rows - base);
             if (valid == BN) {  // whole tile inside the sequence: constant offsets, no predicates
                 const u8* lat = lc + (base + lrow0) * C::KB + lcol * 16;
-                const u32 dl = tb + lrow0 * C::TS + lcol * 16;
+                const u32 dl = tb + lat_at(lrow0, lcol);
 #pragma unroll
-                for (int i = 0; i < C::NL; ++i) cp_async16(dl + i * C::LSTR * C::TS, lat + i * C::LSTR * C::KB, 16u);
+                for (int i = 0; i < C::NL; ++i) cp_async16(dl + i * C::LSTR * C::KB, lat + i * C::LSTR * C::KB, 16u);
                 const u8* rope = rc + (base + rrow0) * C::RB + rcol * 16;
-                const u32 dr = tb + rrow0 * C::TS + C::KB + rcol * 16;
+                const u32 dr = tb + rope_at(rrow0, rcol);
 #pragma unroll
                 for (int j = 0; j < C::NR; ++j)
-                    if (rrow0 + j * C::RSTR < BN) cp_async16(dr + j * C::RSTR * C::TS, rope + j * C::RSTR * C::RB, 16u);
+                    if (rrow0 + j * C::RSTR < BN) cp_async16(dr + j * C::RSTR * C::RB, rope + j * C::RSTR * C::RB, 16u);
                 if (tid < BN) {
                     cp_async4(ls_base + (buf * BN + tid) * 4, lscale + base + tid, 4u);
                     cp_async4(rs_base + (buf * BN + tid) * 4, rscale + base + tid, 4u);
@@ -1240,7 +1133,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                 const int r = lrow0 + i * C::LSTR;
                 const bool ok = r < valid;
                 const u8* src = ok ? lc + (base + r) * C::KB + lcol * 16 : lc;
-                cp_async16(tb + r * C::TS + lcol * 16, src, ok ? 16u : 0u);
+                cp_async16(tb + lat_at(r, lcol), src, ok ? 16u : 0u);
             }
 #pragma unroll
             for (int j = 0; j < C::NR; ++j) {
@@ -1248,7 +1141,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                 if (r < BN) {
                     const bool ok = r < valid;
                     const u8* src = ok ? rc + (base + r) * C::RB + rcol * 16 : rc;
-                    cp_async16(tb + r * C::TS + C::KB + rcol * 16, src, ok ? 16u : 0u);
+                    cp_async16(tb + rope_at(r, rcol), src, ok ? 16u : 0u);
                 }
             }
             if (tid < BN) {
@@ -1263,7 +1156,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                 const int r = lrow0 + i * C::LSTR;
                 const long long g = resolve_row<GATHER>(pos0 + r, T, start, slen, sel_b, n_rows);
                 const u8* src = g >= 0 ? lc + g * C::KB + lcol * 16 : lc;
-                cp_async16(tb + r * C::TS + lcol * 16, src, g >= 0 ? 16u : 0u);
+                cp_async16(tb + lat_at(r, lcol), src, g >= 0 ? 16u : 0u);
             }
 #pragma unroll
             for (int j = 0; j < C::NR; ++j) {
@@ -1271,7 +1164,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                 if (r < BN) {
                     const long long g = resolve_row<GATHER>(pos0 + r, T, start, slen, sel_b, n_rows);
                     const u8* src = g >= 0 ? rc + g * C::RB + rcol * 16 : rc;
-                    cp_async16(tb + r * C::TS + C::KB + rcol * 16, src, g >= 0 ? 16u : 0u);
+                    cp_async16(tb + rope_at(r, rcol), src, g >= 0 ? 16u : 0u);
                 }
             }
             if (tid < BN) {
@@ -1371,26 +1264,6 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
 
-    // v4: this warp's quarter, rows and query fragments (loaded once; the query tile's shared
-    // memory then holds quarter partial scores 2 and 3)
-    using QU = Quarters<C::LB, C::RBK>;
-    constexpr int NQF = QREG ? QU::MAXC * C::KSB : 1;
-    u32 qf[NQF][4];
-    const int quarter = warp & 3, q_rows = (warp >> 2) * 32;
-    float* const s_quarter = quarter < 2 ? Sbuf + quarter * C::HG * C::SS
-                                         : (float*)(smem + C::OFF_Q) + (quarter - 2) * C::HG * C::SS;
-    if constexpr (QREG) {
-        static_assert(2 * C::HG * C::SS * 4 <= C::HG * C::QS * 2, "partials 2 and 3 fit the query tile");
-        __syncthreads();  // query tile written
-        switch (quarter) {
-            case 0: load_q_quarter<QU::first(0), QU::count(0), FMT, C::QS>(q_base, a_row, a_col, qf); break;
-            case 1: load_q_quarter<QU::first(1), QU::count(1), FMT, C::QS>(q_base, a_row, a_col, qf); break;
-            case 2: load_q_quarter<QU::first(2), QU::count(2), FMT, C::QS>(q_base, a_row, a_col, qf); break;
-            default: load_q_quarter<QU::first(3), QU::count(3), FMT, C::QS>(q_base, a_row, a_col, qf); break;
-        }
-        // the loop's first barrier orders these reads before any partial overwrites the tile
-    }
-
     // Scores of a warp's n-tiles (rows row0 + 8 n + 2 t4, +1; heads 16 m + g, +8) from its mma
     // accumulators acc[m][n][4]: scaled by the row and query scales, written (first pass) or added
     // (second) to the partial-score buffer S; true where an accumulator is NaN (fp8 NaN codes).
@@ -1432,7 +1305,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     auto qk = [&](int buf) -> bool {
         // one warp with 16 heads has only two mma chains per pass: split them over even / odd blocks
         constexpr bool SPLIT = MT == 1;
-        const u32 tb = t_base + buf * (BN * C::TS);
+        const u32 tb = t_base + buf * C::TILE;
         float acc[MT][2][4], acc2[MT][2][4];
         auto zero = [&]() {
 #pragma unroll
@@ -1454,74 +1327,37 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) acc[m][n][e] += acc2[m][n][e];
         };
-        const u32 b_addr = tb + bq_row * C::TS + bq_blk * 16;
+        // this lane's ldmatrix address of swizzled chunk 2k (+ its matrix's chunk) of its row
+        u32 lat_cb[4], rope_cb[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            lat_cb[k] = tb + lat_at(bq_row, 2 * k + bq_blk);
+            rope_cb[k] = tb + rope_at(bq_row, (2 * k + bq_blk) & (C::RBK - 1));
+        }
         bool bad;
         zero();
         if (qk_half == 0) {
-            qk_blocks_v2<C::LB0, MT, FMT, C::TS, C::QS>(0, b_addr, q_base, a_row, a_col, lt, acc, SPLIT ? acc2 : acc);
+            qk_blocks_v2<C::LB0, MT, FMT, C::QS>(0, 0, lat_cb, q_base, a_row, a_col, lt, acc, SPLIT ? acc2 : acc);
             join();
             bad = qk_store(acc, buf, false, false);
         } else {
-            qk_blocks_v2<C::RBK, MT, FMT, C::TS, C::QS>(C::LB, b_addr, q_base, a_row, a_col, lt, acc,
-                                                        SPLIT ? acc2 : acc);
+            qk_blocks_v2<C::RBK, MT, FMT, C::QS>(C::LB, 0, rope_cb, q_base, a_row, a_col, lt, acc, SPLIT ? acc2 : acc);
             join();
             bad = qk_store(acc, buf, true, false);
             zero();
-            qk_blocks_v2<C::LB - C::LB0, MT, FMT, C::TS, C::QS>(C::LB0, b_addr, q_base, a_row, a_col, lt, acc,
-                                                                SPLIT ? acc2 : acc);
+            qk_blocks_v2<C::LB - C::LB0, MT, FMT, C::QS>(C::LB0, C::LB0, lat_cb, q_base, a_row, a_col, lt, acc,
+                                                         SPLIT ? acc2 : acc);
             join();
             bad |= qk_store(acc, buf, false, true);
         }
         return bad;
     };
 
-    // v4 Q.K^T: this warp's quarter partial scores of its 32 rows, scaled, into s_quarter
-    // (quarter 3 writes its latent part, then adds its rope part)
-    auto qk4_store = [&](const float (&acc)[1][4][4], int buf, bool rope, bool add) -> bool {
-        return store_scores(acc, s_quarter, q_rows, buf, rope, add);
-    };
-    auto qk4 = [&](int buf) -> bool {
-        const u32 b_addr = t_base + buf * (BN * C::TS) +
-                           (q_rows + (lane & 7) + ((lane >> 3) & 1) * 8) * C::TS + (lane >> 4) * 16;
-        float acc[1][4][4];
-        auto zero = [&]() {
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[0][n][e] = 0.0f;
-        };
-        zero();
-        bool bad;
-        switch (quarter) {
-            case 0:
-                qk_quarter<QU::first(0), QU::first(0) + QU::count(0), QU::first(0), FMT, C::TS>(b_addr, qf, lt, acc[0]);
-                bad = qk4_store(acc, buf, false, false);
-                break;
-            case 1:
-                qk_quarter<QU::first(1), QU::first(1) + QU::count(1), QU::first(1), FMT, C::TS>(b_addr, qf, lt, acc[0]);
-                bad = qk4_store(acc, buf, false, false);
-                break;
-            case 2:
-                qk_quarter<QU::first(2), QU::first(2) + QU::count(2), QU::first(2), FMT, C::TS>(b_addr, qf, lt, acc[0]);
-                bad = qk4_store(acc, buf, false, false);
-                break;
-            default:
-                qk_quarter<QU::first(3), C::LB, QU::first(3), FMT, C::TS>(b_addr, qf, lt, acc[0]);
-                bad = qk4_store(acc, buf, false, false);
-                zero();
-                qk_quarter<C::LB, QU::NB, QU::first(3), FMT, C::TS>(b_addr, qf, lt, acc[0]);
-                bad |= qk4_store(acc, buf, true, true);
-                break;
-        }
-        return bad;
-    };
-
     // rare path: clear the tile's fp8 NaN codes (0x7F / 0xFF read as 0) in place
     auto clear_nan = [&](int buf) {
-        unsigned char* tb = smem + C::OFF_T + buf * (BN * C::TS);
-        constexpr int CPR = (C::KB + C::RB) / 16;
-        for (int c = tid; c < BN * CPR; c += THREADS) {
-            uint4* p = (uint4*)(tb + (c / CPR) * C::TS + (c % CPR) * 16);
+        unsigned char* tb = smem + C::OFF_T + buf * C::TILE;
+        for (int c = tid; c < C::TILE / 16; c += THREADS) {
+            uint4* p = (uint4*)(tb + c * 16);
             uint4 v = *p;
             v.x = fp8_clear_nan(v.x);
             v.y = fp8_clear_nan(v.y);
@@ -1533,7 +1369,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 
     // O += P' V for tile `buf` (B fragments converted from code bytes)
     auto pv = [&](int buf) {
-        const u32 tb = t_base + buf * (BN * C::TS);
+        const u32 tb = t_base + buf * C::TILE;
 #pragma unroll
         for (int ks = 0; ks < BN / 16; ++ks) {
             u32 pf[MT][4];
@@ -1548,7 +1384,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 #pragma unroll
                 for (int jb = 0; jb < C::DW / 32; ++jb) {
                     u32 v[4];
-                    ldsm_x4_trans(tb + (ks * 16 + bv_row) * C::TS + d0 + 32 * jb + bv_col, v[0], v[1], v[2], v[3]);
+                    ldsm_x4_trans(tb + lat_at(ks * 16 + bv_row, (d0 + 32 * jb + bv_col) >> 4), v[0], v[1], v[2], v[3]);
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
                         const int sub = q >> 1, half = q & 1;
@@ -1561,7 +1397,7 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                 // 64 dims = 32 bytes: matrices (rows 0-7, dims 0-31), (8-15, 0-31), (0-7, 32-63), (8-15, 32-63);
                 // n-tile 4 jb + j holds dims d0 + 32 jb + 4 n + j
                 u32 v[4];
-                ldsm_x4_trans(tb + (ks * 16 + bv_row) * C::TS + d0 / 2 + bv_col, v[0], v[1], v[2], v[3]);
+                ldsm_x4_trans(tb + lat_at(ks * 16 + bv_row, (d0 / 2 + bv_col) >> 4), v[0], v[1], v[2], v[3]);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     const int jb = q >> 1, half = q & 1;
@@ -1580,93 +1416,6 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         }
     };
 
-    // FUSED (16-head blocks): warp w owns tile rows 8w .. 8w + 7 over the whole score width, so
-    // its scores stay in registers; the block exchanges only per-warp maxima (one barrier) and
-    // keeps per-thread running max / sum for the heads g and g + 8 its P.V fragments hold.
-    float fm[2] = {NEG_INF, NEG_INF}, fl[2] = {0.0f, 0.0f};
-    auto fused_tile = [&](int buf) {
-        const u32 tb = t_base + buf * (BN * C::TS);
-        const int nf0 = warp * 8;
-        const u32 b_addr = tb + (nf0 + (lane & 7)) * C::TS + (lane >> 3) * 16;
-        const int r0 = nf0 + 2 * t4;
-        const float2 ls2 = *(const float2*)(ls_s + buf * BN + r0);
-        const float2 rs2 = *(const float2*)(rs_s + buf * BN + r0);
-        const int2 v2 = *(const int2*)(valid_s + buf * BN + r0);
-        const float qlg = qm_s[g * 2], qrg = qm_s[g * 2 + 1], qlh = qm_s[(g + 8) * 2], qrh = qm_s[(g + 8) * 2 + 1];
-        float sc[4];
-#pragma unroll 1
-        for (int attempt = 0;; ++attempt) {
-            float a0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, a1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            float ar[4] = {0.0f, 0.0f, 0.0f, 0.0f}, ar1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            qk_rows_v2<C::LB, FMT, C::QS>(0, b_addr, q_base, a_row, a_col, lt, a0, a1);
-            qk_rows_v2<C::RBK, FMT, C::QS>(C::LB, b_addr, q_base, a_row, a_col, lt, ar, ar1);
-            bool bad = false;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                a0[e] += a1[e];
-                ar[e] += ar1[e];
-                bad |= (a0[e] != a0[e]) | (ar[e] != ar[e]);
-            }
-            sc[0] = v2.x ? a0[0] * ls2.x * qlg + ar[0] * rs2.x * qrg : NEG_INF;
-            sc[1] = v2.y ? a0[1] * ls2.y * qlg + ar[1] * rs2.y * qrg : NEG_INF;
-            sc[2] = v2.x ? a0[2] * ls2.x * qlh + ar[2] * rs2.x * qrh : NEG_INF;
-            sc[3] = v2.y ? a0[3] * ls2.y * qlh + ar[3] * rs2.y * qrh : NEG_INF;
-            float mg = fmaxf(sc[0], sc[1]), mh = fmaxf(sc[2], sc[3]);
-            float cl = fmaxf(fabsf(ls2.x), fabsf(ls2.y));
-#pragma unroll
-            for (int o = 1; o < 4; o <<= 1) {
-                mg = fmaxf(mg, __shfl_xor_sync(FULL_MASK, mg, o));
-                mh = fmaxf(mh, __shfl_xor_sync(FULL_MASK, mh, o));
-            }
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) cl = fmaxf(cl, __shfl_xor_sync(FULL_MASK, cl, o));
-            if (t4 == 0) {
-                red_m[g * WARPS + warp] = mg;
-                red_m[(g + 8) * WARPS + warp] = mh;
-            }
-            if (lane == 0) red_c[warp] = cl;
-            if (!__syncthreads_or(FMT == 0 && bad && attempt == 0)) break;
-            clear_nan(buf);  // rare: the tile holds fp8 NaN codes
-            __syncthreads();
-        }
-        const float4* rm = (const float4*)red_m;
-        const float4 xg = rm[g * 2], yg = rm[g * 2 + 1], xh = rm[(g + 8) * 2], yh = rm[(g + 8) * 2 + 1];
-        const float4 c0 = ((const float4*)red_c)[0], c1 = ((const float4*)red_c)[1];
-        const float tg = fmaxf(fmaxf(fmaxf(xg.x, xg.y), fmaxf(xg.z, xg.w)), fmaxf(fmaxf(yg.x, yg.y), fmaxf(yg.z, yg.w)));
-        const float th = fmaxf(fmaxf(fmaxf(xh.x, xh.y), fmaxf(xh.z, xh.w)), fmaxf(fmaxf(yh.x, yh.y), fmaxf(yh.z, yh.w)));
-        const float c_blk =
-            fmaxf(fmaxf(fmaxf(c0.x, c0.y), fmaxf(c0.z, c0.w)), fmaxf(fmaxf(c1.x, c1.y), fmaxf(c1.z, c1.w)));
-        const float c_new = fmaxf(c_run, c_blk);
-        const float c_eff = c_new > 0.0f ? c_new : 1.0f;
-        const float p_mul = __fdividef(P_SCALE, c_eff);
-        const float c_ratio = c_run > 0.0f ? __fdividef(c_run, c_eff) : 1.0f;
-        const float mng = fmaxf(fm[0], tg), mnh = fmaxf(fm[1], th);
-        const float refg = mng == NEG_INF ? 0.0f : mng, refh = mnh == NEG_INF ? 0.0f : mnh;
-        const float alg = ex2_fast(fm[0] - refg), alh = ex2_fast(fm[1] - refh);
-        const float p0 = ex2_fast(sc[0] - refg), p1 = ex2_fast(sc[1] - refg);
-        const float p2 = ex2_fast(sc[2] - refh), p3 = ex2_fast(sc[3] - refh);
-        fl[0] = fl[0] * alg + (p0 + p1);
-        fl[1] = fl[1] * alh + (p2 + p3);
-        fm[0] = mng;
-        fm[1] = mnh;
-        *(u32*)(Ps + g * C::PS + r0) = f32_to_f16(p0 * ls2.x * p_mul) | ((u32)f32_to_f16(p1 * ls2.y * p_mul) << 16);
-        *(u32*)(Ps + (g + 8) * C::PS + r0) =
-            f32_to_f16(p2 * ls2.x * p_mul) | ((u32)f32_to_f16(p3 * ls2.y * p_mul) << 16);
-        c_run = c_new;
-        const float fa = alg * c_ratio, fb = alh * c_ratio;
-        if (__any_sync(FULL_MASK, fa != 1.0f || fb != 1.0f)) {
-#pragma unroll
-            for (int n = 0; n < C::NTP; ++n) {
-                o_acc[0][n][0] *= fa;
-                o_acc[0][n][1] *= fa;
-                o_acc[0][n][2] *= fb;
-                o_acc[0][n][3] *= fb;
-            }
-        }
-        __syncthreads();  // P' visible
-        pv(buf);
-    };
-
     for (int blk = blk0; blk < blk1; ++blk) {
         const int buf = (blk - blk0) & 1;
         cp_async_wait_all();
@@ -1674,118 +1423,106 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         __syncthreads();  // tile `blk` visible; every warp is done with the previous tile
         if (blk + 1 < blk1) issue(blk + 1, buf ^ 1);
 
-        if constexpr (FUSED) {
-            fused_tile(buf);
-        } else {
-            // fp8 NaN codes (0x7F / 0xFF read as 0) are not cleared on the fast path: a NaN score
-            // shows in the softmax, which flags the tile; after the softmax's barrier the block undoes
-            // the softmax step, clears the tile's NaN codes and scores it again (rare path).
-            bool rescale;
+        // fp8 NaN codes (0x7F / 0xFF read as 0) are not cleared on the fast path: a NaN score
+        // shows in the softmax, which flags the tile; after the softmax's barrier the block undoes
+        // the softmax step, clears the tile's NaN codes and scores it again (rare path).
+        bool rescale;
 #pragma unroll 1
-            for (int attempt = 0;; ++attempt) {
-                // ---- S = Q K^T -----------------------------------------------------------------------
-                if constexpr (QREG) qk4(buf);
-                else qk(buf);
-                __syncthreads();  // scores written
+        for (int attempt = 0;; ++attempt) {
+            // ---- S = Q K^T -----------------------------------------------------------------------
+            qk(buf);
+            __syncthreads();  // scores written
 
-                // ---- online softmax (as v1); c = running max |row scale|; thread sm_p of a head owns
-                // rows sm_p * RPT .. + RPT - 1 (vector loads / stores) ---------------------------------
-                const float m_prev = m_run, l_prev = l_run, c_prev = c_run;
-                {
-                    const int r0 = sm_p * C::RPT;
-                    const float* lsb = ls_s + buf * BN + r0;
-                    const int* vb = valid_s + buf * BN + r0;
-                    const float* S0 = Sbuf + sm_h * C::SS + r0;
-                    const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS + r0;
-                    const float* S2 = (const float*)(smem + C::OFF_Q) + sm_h * C::SS + r0;  // v4 quarters 2, 3
-                    const float* S3 = S2 + C::HG * C::SS;
-                    float sv[C::RPT], lv[C::RPT];
-                    bool nan_seen = false;
-                    float c_blk = 0.0f, mx = NEG_INF;
-#pragma unroll
-                    for (int i = 0; i < C::RPT; i += 4) {
-                        float4 a = *(const float4*)(S0 + i), c = *(const float4*)(S1 + i);
-                        if constexpr (QREG) {
-                            const float4 e = *(const float4*)(S2 + i), f = *(const float4*)(S3 + i);
-                            a.x += e.x; a.y += e.y; a.z += e.z; a.w += e.w;
-                            c.x += f.x; c.y += f.y; c.z += f.z; c.w += f.w;
-                        }
-                        const float4 l = *(const float4*)(lsb + i);
-                        const int4 v = *(const int4*)(vb + i);
-                        sv[i] = v.x ? a.x + c.x : NEG_INF;
-                        sv[i + 1] = v.y ? a.y + c.y : NEG_INF;
-                        sv[i + 2] = v.z ? a.z + c.z : NEG_INF;
-                        sv[i + 3] = v.w ? a.w + c.w : NEG_INF;
-                        if (FMT == 0)
-                            nan_seen |= (sv[i] != sv[i]) | (sv[i + 1] != sv[i + 1]) | (sv[i + 2] != sv[i + 2]) |
-                                        (sv[i + 3] != sv[i + 3]);
-                        lv[i] = l.x;
-                        lv[i + 1] = l.y;
-                        lv[i + 2] = l.z;
-                        lv[i + 3] = l.w;
-                    }
-#pragma unroll
-                    for (int i = 0; i < C::RPT; ++i) {
-                        c_blk = fmaxf(c_blk, fabsf(lv[i]));
-                        mx = fmaxf(mx, sv[i]);
-                    }
-#pragma unroll
-                    for (int o = C::TPH / 2; o > 0; o >>= 1) {
-                        c_blk = fmaxf(c_blk, __shfl_xor_sync(FULL_MASK, c_blk, o));
-                        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-                    }
-                    const float c_new = fmaxf(c_run, c_blk);
-                    const float c_eff = c_new > 0.0f ? c_new : 1.0f;
-                    const float p_mul = __fdividef(P_SCALE, c_eff);
-                    const float c_ratio = c_run > 0.0f ? __fdividef(c_run, c_eff) : 1.0f;
-                    const float m_new = fmaxf(m_run, mx);
-                    const float ref = m_new == NEG_INF ? 0.0f : m_new;
-                    const float alpha = ex2_fast(m_run - ref);
-                    float lsum = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < C::RPT; i += 4) {
-                        u32 h[4];
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float p = ex2_fast(sv[i + e] - ref);
-                            lsum += p;
-                            h[e] = f32_to_f16(p * lv[i + e] * p_mul);
-                        }
-                        *(uint2*)(Ps + sm_h * C::PS + r0 + i) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
-                    }
-                    l_run = l_run * alpha + lsum;
-                    m_run = m_new;
-                    const float factor = alpha * c_ratio;
-                    if (sm_p == 0) alpha_s[sm_h] = factor;
-                    c_run = c_new;
-                    if (nan_seen) *nan_s = blk + 1;  // names the tile: a stale flag never matches
-                    rescale = __syncthreads_or(factor != 1.0f) != 0;
-                }
-                if (FMT == 1 || attempt > 0 || *nan_s != blk + 1) break;
-                m_run = m_prev;  // rare path: undo this step, clear the tile's NaN codes, score it again
-                l_run = l_prev;
-                c_run = c_prev;
-                clear_nan(buf);  // (every thread is past the softmax: the scores and weights are free)
-                __syncthreads();
-            }
-
-            // ---- O = alpha O + P' V (B fragments converted from code bytes) ----------------------
+            // ---- online softmax (as v1); c = running max |row scale|; thread sm_p of a head owns
+            // rows sm_p * RPT .. + RPT - 1 (vector loads / stores) ---------------------------------
+            const float m_prev = m_run, l_prev = l_run, c_prev = c_run;
             {
-                if (rescale) {
+                const int r0 = sm_p * C::RPT;
+                const float* lsb = ls_s + buf * BN + r0;
+                const int* vb = valid_s + buf * BN + r0;
+                const float* S0 = Sbuf + sm_h * C::SS + r0;
+                const float* S1 = Sbuf + C::HG * C::SS + sm_h * C::SS + r0;
+                float sv[C::RPT], lv[C::RPT];
+                bool nan_seen = false;
+                float c_blk = 0.0f, mx = NEG_INF;
 #pragma unroll
-                    for (int m = 0; m < MT; ++m) {
-                        const float aa = alpha_s[m * 16 + g], ab = alpha_s[m * 16 + g + 8];
+                for (int i = 0; i < C::RPT; i += 4) {
+                    const float4 a = *(const float4*)(S0 + i), c = *(const float4*)(S1 + i);
+                    const float4 l = *(const float4*)(lsb + i);
+                    const int4 v = *(const int4*)(vb + i);
+                    sv[i] = v.x ? a.x + c.x : NEG_INF;
+                    sv[i + 1] = v.y ? a.y + c.y : NEG_INF;
+                    sv[i + 2] = v.z ? a.z + c.z : NEG_INF;
+                    sv[i + 3] = v.w ? a.w + c.w : NEG_INF;
+                    if (FMT == 0)
+                        nan_seen |= (sv[i] != sv[i]) | (sv[i + 1] != sv[i + 1]) | (sv[i + 2] != sv[i + 2]) |
+                                    (sv[i + 3] != sv[i + 3]);
+                    lv[i] = l.x;
+                    lv[i + 1] = l.y;
+                    lv[i + 2] = l.z;
+                    lv[i + 3] = l.w;
+                }
 #pragma unroll
-                        for (int n = 0; n < C::NTP; ++n) {
-                            o_acc[m][n][0] *= aa;
-                            o_acc[m][n][1] *= aa;
-                            o_acc[m][n][2] *= ab;
-                            o_acc[m][n][3] *= ab;
-                        }
+                for (int i = 0; i < C::RPT; ++i) {
+                    c_blk = fmaxf(c_blk, fabsf(lv[i]));
+                    mx = fmaxf(mx, sv[i]);
+                }
+#pragma unroll
+                for (int o = C::TPH / 2; o > 0; o >>= 1) {
+                    c_blk = fmaxf(c_blk, __shfl_xor_sync(FULL_MASK, c_blk, o));
+                    mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+                }
+                const float c_new = fmaxf(c_run, c_blk);
+                const float c_eff = c_new > 0.0f ? c_new : 1.0f;
+                const float p_mul = __fdividef(P_SCALE, c_eff);
+                const float c_ratio = c_run > 0.0f ? __fdividef(c_run, c_eff) : 1.0f;
+                const float m_new = fmaxf(m_run, mx);
+                const float ref = m_new == NEG_INF ? 0.0f : m_new;
+                const float alpha = ex2_fast(m_run - ref);
+                float lsum = 0.0f;
+#pragma unroll
+                for (int i = 0; i < C::RPT; i += 4) {
+                    u32 h[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = ex2_fast(sv[i + e] - ref);
+                        lsum += p;
+                        h[e] = f32_to_f16(p * lv[i + e] * p_mul);
+                    }
+                    *(uint2*)(Ps + sm_h * C::PS + r0 + i) = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+                }
+                l_run = l_run * alpha + lsum;
+                m_run = m_new;
+                const float factor = alpha * c_ratio;
+                if (sm_p == 0) alpha_s[sm_h] = factor;
+                c_run = c_new;
+                if (nan_seen) *nan_s = blk + 1;  // names the tile: a stale flag never matches
+                rescale = __syncthreads_or(factor != 1.0f) != 0;
+            }
+            if (FMT == 1 || attempt > 0 || *nan_s != blk + 1) break;
+            m_run = m_prev;  // rare path: undo this step, clear the tile's NaN codes, score it again
+            l_run = l_prev;
+            c_run = c_prev;
+            clear_nan(buf);  // (every thread is past the softmax: the scores and weights are free)
+            __syncthreads();
+        }
+
+        // ---- O = alpha O + P' V (B fragments converted from code bytes) ----------------------
+        {
+            if (rescale) {
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const float aa = alpha_s[m * 16 + g], ab = alpha_s[m * 16 + g + 8];
+#pragma unroll
+                    for (int n = 0; n < C::NTP; ++n) {
+                        o_acc[m][n][0] *= aa;
+                        o_acc[m][n][1] *= aa;
+                        o_acc[m][n][2] *= ab;
+                        o_acc[m][n][3] *= ab;
                     }
                 }
-                pv(buf);
             }
+            pv(buf);
         }
     }
 
@@ -1793,49 +1530,22 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     float fac[MT][2];
     const float c_fin = c_run > 0.0f ? c_run : 1.0f;
     const float vs = FMT == 1 ? rsqrtf((float)K) : 1.0f;
-    if constexpr (FUSED) {
-        float lg = fl[0], lh = fl[1];
 #pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-            lg += __shfl_xor_sync(FULL_MASK, lg, o);
-            lh += __shfl_xor_sync(FULL_MASK, lh, o);
-        }
-        if (t4 == 0) {
-            red_l[g * WARPS + warp] = lg;
-            red_l[(g + 8) * WARPS + warp] = lh;
-        }
-        __syncthreads();  // every warp is done with the tiles (ctx overlays them) and red_l is complete
-        float la = 0.0f, lb = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            la += red_l[g * WARPS + w];
-            lb += red_l[(g + 8) * WARPS + w];
-        }
-        fac[0][0] = la > 0.0f ? c_fin / (P_SCALE * la) * vs : 0.0f;
-        fac[0][1] = lb > 0.0f ? c_fin / (P_SCALE * lb) * vs : 0.0f;
-        if (warp == 0 && t4 == 0) {
-            lse_out[(long long)g * n_splits] = la > 0.0f ? fm[0] + log2f(la) : NEG_INF;
-            lse_out[(long long)(g + 8) * n_splits] = lb > 0.0f ? fm[1] + log2f(lb) : NEG_INF;
-        }
-        __syncthreads();  // red_l read before ctx could overwrite it
-    } else {
-#pragma unroll
-        for (int o = C::TPH / 2; o > 0; o >>= 1) l_run += __shfl_xor_sync(FULL_MASK, l_run, o);
-        if (sm_p == 0) {
-            ml_s[sm_h * 2] = m_run;
-            ml_s[sm_h * 2 + 1] = l_run;
-        }
-        __syncthreads();  // ml_s visible; every warp is done with the tiles (ctx overlays them)
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            const float la = ml_s[(m * 16 + g) * 2 + 1], lb = ml_s[(m * 16 + g + 8) * 2 + 1];
-            fac[m][0] = la > 0.0f ? c_fin / (P_SCALE * la) * vs : 0.0f;
-            fac[m][1] = lb > 0.0f ? c_fin / (P_SCALE * lb) * vs : 0.0f;
-        }
-        const float lse_val = l_run > 0.0f ? m_run + log2f(l_run) : NEG_INF;
-        __syncthreads();  // ml_s read before ctx overwrites it
-        if (sm_p == 0) lse_out[(long long)sm_h * n_splits] = lse_val;
+    for (int o = C::TPH / 2; o > 0; o >>= 1) l_run += __shfl_xor_sync(FULL_MASK, l_run, o);
+    if (sm_p == 0) {
+        ml_s[sm_h * 2] = m_run;
+        ml_s[sm_h * 2 + 1] = l_run;
     }
+    __syncthreads();  // ml_s visible; every warp is done with the tiles (ctx overlays them)
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        const float la = ml_s[(m * 16 + g) * 2 + 1], lb = ml_s[(m * 16 + g + 8) * 2 + 1];
+        fac[m][0] = la > 0.0f ? c_fin / (P_SCALE * la) * vs : 0.0f;
+        fac[m][1] = lb > 0.0f ? c_fin / (P_SCALE * lb) * vs : 0.0f;
+    }
+    const float lse_val = l_run > 0.0f ? m_run + log2f(l_run) : NEG_INF;
+    __syncthreads();  // ml_s read before ctx overwrites it
+    if (sm_p == 0) lse_out[(long long)sm_h * n_splits] = lse_val;
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
         float* ca = ctx + (m * 16 + g) * C::CS;

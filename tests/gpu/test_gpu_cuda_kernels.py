@@ -127,19 +127,17 @@ def test_v2_head_group_sizes(tier, max_mt, heads, longest, qk_rope):
 
 
 @pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
-@pytest.mark.parametrize("variant", ["v3", "v4"])
 @pytest.mark.parametrize("lengths,qk_rope,nan_rate", [([1 << 20], 64, 0.0), ([70000, 1, 4097, 333], 64, 0.02),
-                                                      ([9000, 65], 32, 0.0)])
-def test_selectable_16_head_variants(tier, variant, lengths, qk_rope, nan_rate):
-    """The selectable 16-head kernels (v3 row-owning softmax, v4 query fragments in registers), also
-    with qk_rope 32, ragged sequences and fp8 NaN codes, and v4's selected-rows path."""
-    backend = CudaBackend(torch.device("cuda"), variant=variant)
+                                                      ([9000, 65], 32, 0.0), ([5000, 700], 32, 0.02)])
+def test_16_head_blocks_every_rope_width(cuda_backend, tier, lengths, qk_rope, nan_rate):
+    """16-head blocks over every swizzled rope layout (fp8 rope rows of 64 / 32 bytes, int4 of 32 /
+    16), ragged sequences and fp8 NaN codes, dense and selected rows."""
     seed = RUN_SEED + 41 * len(lengths) + qk_rope
     case = testing.make_case(tier, lengths, 16, qk_rope=qk_rope, device="cuda", seed=seed,
                              nan_rate=nan_rate if tier == "fp8" else 0.0)
-    _check(case, backend, seed)
+    _check(case, cuda_backend, seed)
     sel = testing.make_case(tier, lengths, 16, qk_rope=qk_rope, device="cuda", seed=seed + 1, selected=2048)
-    _check(sel, backend, seed + 1)
+    _check(sel, cuda_backend, seed + 1)
 
 
 @pytest.mark.parametrize("min_tiles", [4, 64])
