@@ -830,11 +830,14 @@ __global__ void __launch_bounds__(256) mla_merge(const float* __restrict__ o_par
 //                  Q.K^T reads B fragments with ldmatrix straight from the code bytes (the query
 //                  columns are stored in the matching permuted order), P.V reads them with
 //                  ldmatrix.trans (output dims come out permuted and are written back in order).
-//                  fp8 NaN codes are not cleared on the fast path: a NaN score flags the tile, the
-//                  block clears the tile's NaN codes and recomputes its scores (rare path).
+//                  Ring stages are swizzled (see Cfg2): copies fill aligned 128-byte lines and
+//                  ldmatrix reads stay conflict-free without padding.
+//                  fp8 NaN codes are not cleared on the fast path: a NaN score flags the tile in
+//                  the softmax, the block undoes that softmax step, clears the tile's NaN codes and
+//                  scores it again (rare path).
 //                  For int4 the partial context is un-rotated here, so the merge is the same for
-//                  both formats.
-//   mla_merge_v2   log-sum-exp merge, one block per (head, 128-dim chunk, sequence).
+//                  both formats. Partial contexts are stored as f16 with a power-of-two scale.
+//   mla_merge_v2   log-sum-exp merge, one block per (head, 32-dim chunk, sequence).
 // =============================================================================================
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
