@@ -3,12 +3,14 @@
 Each *ablation* is the kernel source with one stage removed by a text edit (the edited kernels
 compute wrong results and are only timed); the differences between their times and the full
 kernel's place the time of each stage inside one launch, which a profiler's stall samples only
-hint at. ``--candidates`` also times (and checks against float64) source variants that are meant
-to be kept. Usage::
+hint at. The table also keeps the variants tried and not adopted (``pv-alu``, ``prefetchN``,
+``offsetN``: correct kernels, so their error column is meaningful), and ``@FILE`` times another
+version of the kernel source beside this one (an A/B on the same data). Usage::
 
-    python bench/gpu_stages.py [--tiers fp8,tq-int4] [--heads 16] [--rows 131072,1048576]
+    python bench/gpu_stages.py [--tiers fp8,tq-int4] [--heads 16] [--rows 131072,1048576] [--only full,pv-alu]
 
-Prints, per problem: µs and % of the copy bandwidth of every ablation.
+Prints, per problem: µs, % of the copy bandwidth and the relative error against float64 of every
+variant (an ablation's error is large by construction).
 """
 
 from __future__ import annotations
@@ -103,6 +105,10 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+#: The stages of the table in docs/GPU.md.
+TABLE = ("full", "no-convert", "no-qk", "no-pv", "loads-only", "empty", "empty+merge-idle")
+
+
 def patched(name: str) -> str:
     """The kernel source with the named edits; ``@PATH`` is the source in that file instead (an
     earlier version of the kernels, timed beside this one: the Python side must match)."""
@@ -122,7 +128,9 @@ def main() -> int:
     parser.add_argument("--tiers", default="fp8,tq-int4")
     parser.add_argument("--heads", default="16")
     parser.add_argument("--rows", default="131072,1048576")
-    parser.add_argument("--only", default=None, help="comma-separated ablation names (or @FILE sources)")
+    parser.add_argument("--only", default=",".join(TABLE),
+                        help="comma-separated ablation names, '+' to combine, or @FILE sources (default: the "
+                             "docs/GPU.md table); 'all' for every one")
     parser.add_argument("--nan-rate", type=float, default=0.0, help="share of fp8 code bytes planted as NaN")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     args = parser.parse_args()
@@ -132,7 +140,7 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()
     print(f"device: {props.name}; copy {copy_bw / 1e12:.2f} TB/s; seed {args.seed}", flush=True)
-    names = args.only.split(",") if args.only else list(ABLATIONS)
+    names = list(ABLATIONS) if args.only == "all" else args.only.split(",")
     original = cuda_backend.kernel_source
     problems = [(tier, int(h), int(t)) for tier in args.tiers.split(",") for h in args.heads.split(",")
                 for t in args.rows.split(",")]

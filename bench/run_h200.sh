@@ -2,7 +2,7 @@
 # Everything measured on an NVIDIA H200 in one call (the device machine has torch + cupy +
 # transformers but not lmdb/fastapi/zstandard, and the project is not installed there):
 #   1. the gpu-marked tests (kernels vs float64, engine on CUDA vs CPU token for token);
-#   2. the kernel table (bench/gpu_attention.py);
+#   2. the kernel table (bench/gpu_attention.py) and where the kernel's time goes (bench/gpu_stages.py);
 #   3. engine resume vs re-prefill on a random-weight DeepSeek-V2-Lite-geometry model;
 #   4. transformers restore + first token vs re-running the prompt, same geometry.
 # Usage: OUT=/some/dir bench/run_h200.sh [engine-tiers...]
@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
-STEPS="${STEPS:-tests kernels engine hf}"  # a subset fits one call's time limit
+STEPS="${STEPS:-tests kernels stages engine hf}"  # a subset fits one call's time limit
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "== $1 ($(date +%T))"; }
 
@@ -26,6 +26,11 @@ fi
 if want kernels; then
 step "kernel table"
 python3 bench/gpu_attention.py --out "$OUT/kernels" 2>&1 | tee "$OUT/kernels.log" | tail -n 60
+fi
+
+if want stages; then
+step "kernel stages (16 heads)"
+python3 bench/gpu_stages.py --rows 32768,131072,1048576 2>&1 | tee "$OUT/stages.log"
 fi
 
 if want engine; then
