@@ -1267,24 +1267,21 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
 
-    // Scores of a warp's n-tiles (rows row0 + 8 n + 2 t4, +1; heads 16 m + g, +8) from its mma
-    // accumulators acc[m][n][4]: scaled by the row and query scales, written (first pass) or added
-    // (second) to the partial-score buffer S; true where an accumulator is NaN (fp8 NaN codes).
-    auto store_scores = [&](const auto& acc, float* S, int row0, int buf, bool rope, bool add) -> bool {
-        constexpr int M = sizeof(acc) / sizeof(acc[0]), NT = sizeof(acc[0]) / sizeof(acc[0][0]);
+    // Scores of this warp's n-tiles (rows n0 + 8 n + 2 t4, +1; heads 16 m + g, +8; its half of the
+    // score width) from its mma accumulators: scaled by the row and query scales, written (first
+    // pass) or added (second) to the partial-score buffer of its half.
+    auto qk_store = [&](const float (&acc)[MT][2][4], int buf, bool rope, bool add) {
+        float* S = Sbuf + qk_half * C::HG * C::SS;
         const float* rowscale = (rope ? rs_s : ls_s) + buf * BN;
         const int which = rope ? 1 : 0;
-        bool bad = false;
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
+        for (int m = 0; m < MT; ++m) {
             const int ha = m * 16 + g, hb = ha + 8;
             const float mula = qm_s[ha * 2 + which], mulb = qm_s[hb * 2 + which];
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int r = row0 + n * 8 + 2 * t4;
+            for (int n = 0; n < 2; ++n) {
+                const int r = n0 + n * 8 + 2 * t4;
                 const float s0 = rowscale[r], s1 = rowscale[r + 1];
-                bad |= (acc[m][n][0] != acc[m][n][0]) | (acc[m][n][1] != acc[m][n][1]) |
-                       (acc[m][n][2] != acc[m][n][2]) | (acc[m][n][3] != acc[m][n][3]);
                 float2* pa = (float2*)(S + ha * C::SS + r);
                 float2* pb = (float2*)(S + hb * C::SS + r);
                 float2 va = make_float2(acc[m][n][0] * s0 * mula, acc[m][n][1] * s1 * mula);
@@ -1298,14 +1295,9 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                 *pb = vb;
             }
         }
-        return bad;
-    };
-    // v2: this warp's half of the score width, rows n0 .. n0 + 15
-    auto qk_store = [&](const float (&acc)[MT][2][4], int buf, bool rope, bool add) -> bool {
-        return store_scores(acc, Sbuf + qk_half * C::HG * C::SS, n0, buf, rope, add);
     };
 
-    auto qk = [&](int buf) -> bool {
+    auto qk = [&](int buf) {
         // one warp with 16 heads has only two mma chains per pass: split them over even / odd blocks
         constexpr bool SPLIT = MT == 1;
         const u32 tb = t_base + buf * C::TILE;
@@ -1337,23 +1329,21 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
             lat_cb[k] = tb + lat_at(bq_row, 2 * k + bq_blk);
             rope_cb[k] = tb + rope_at(bq_row, (2 * k + bq_blk) & (C::RBK - 1));
         }
-        bool bad;
         zero();
         if (qk_half == 0) {
             qk_blocks_v2<C::LB0, MT, FMT, C::QS>(0, 0, lat_cb, q_base, a_row, a_col, lt, acc, SPLIT ? acc2 : acc);
             join();
-            bad = qk_store(acc, buf, false, false);
+            qk_store(acc, buf, false, false);
         } else {
             qk_blocks_v2<C::RBK, MT, FMT, C::QS>(C::LB, 0, rope_cb, q_base, a_row, a_col, lt, acc, SPLIT ? acc2 : acc);
             join();
-            bad = qk_store(acc, buf, true, false);
+            qk_store(acc, buf, true, false);
             zero();
             qk_blocks_v2<C::LB - C::LB0, MT, FMT, C::QS>(C::LB0, C::LB0, lat_cb, q_base, a_row, a_col, lt, acc,
                                                          SPLIT ? acc2 : acc);
             join();
-            bad |= qk_store(acc, buf, false, true);
+            qk_store(acc, buf, false, true);
         }
-        return bad;
     };
 
     // rare path: clear the tile's fp8 NaN codes (0x7F / 0xFF read as 0) in place
