@@ -4,30 +4,17 @@ continue with no re-prefill — in fp8 (the documented outputs are checked line 
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from doc_blocks import Terminal, fenced_blocks
 
 from service.support import Server
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ENGINE.md"
-FENCE = re.compile(r"```(sh|python|text)\n(.*?)```", re.DOTALL)
-
-
-def blocks() -> list[tuple[str, str, str]]:
-    """(prose before the block, language, code) in document order."""
-    text = DOC.read_text()
-    out, last = [], 0
-    for match in FENCE.finditer(text):
-        out.append((text[last:match.start()], match.group(1), match.group(2)))
-        last = match.end()
-    return out
 
 
 def _split(output: str) -> dict[str, str]:
@@ -37,15 +24,15 @@ def _split(output: str) -> dict[str, str]:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the examples use curl")
 @pytest.mark.parametrize("tier", ["fp8", "f32"])
 def test_the_documented_chat_restart_and_continue_runs_as_written(tmp_path, tier, hash_cache):
-    examples = blocks()
+    examples = fenced_blocks(DOC, ("sh", "python", "text"))
     serve = next(code for _, _, code in examples if "kvstore serve" in code)
     env_keys = re.search(r'KVSTORE_API_KEYS="([^"]+)"', serve).group(1)
     serve_args = shlex.split(serve.split("kvstore serve", 1)[1])
     assert serve_args[serve_args.index("--tier") + 1] == "fp8"
     serve_args[serve_args.index("--tier") + 1] = tier
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    terminal = Terminal(tmp_path)
     server: Server | None = None
-    logs, outputs, exports = [], [], []  # the sh blocks are one terminal: exports carry over
+    logs, outputs = [], []
     for index, (prose, language, code) in enumerate(examples):
         if language == "text" or "kvstore serve" in code:
             continue  # outputs are checked below; the test runs the server itself
@@ -57,12 +44,7 @@ def test_the_documented_chat_restart_and_continue_runs_as_written(tmp_path, tier
             server = Server(tmp_path / "data", *serve_args, env={"KVSTORE_API_KEYS": env_keys}, cwd=tmp_path).start()
         if server is not None:
             code = code.replace("http://127.0.0.1:8000", server.url)
-        if language == "sh":
-            command = ["bash", "-euo", "pipefail", "-c", "\n".join(exports + [code])]
-            exports += [line for line in code.splitlines() if line.startswith("export ")]
-        else:
-            command = [sys.executable, "-c", code]
-        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+        done = terminal.run(language, code, timeout=180)
         assert done.returncode == 0, f"{code}\n{done.stdout}\n{done.stderr}"
         shown = examples[index + 1] if index + 1 < len(examples) and examples[index + 1][1] == "text" else None
         if shown is not None and tier == "fp8":
