@@ -89,3 +89,19 @@ class ServeProcess:
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+
+def servers_on_demand(build):
+    """The body of a ``make_server`` fixture: yields ``make(*args, **kwargs)``, which starts
+    ``build(*args, **kwargs)`` and returns it; every server still running at the end is stopped."""
+    started: list[ServeProcess] = []
+
+    def make(*args, **kwargs):
+        running = build(*args, **kwargs).start()
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:
+        if running.running():
+            running.stop()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served import ServeProcess
+from served import ServeProcess, servers_on_demand
 
 ALICE_KEY = "alice-key-0123456789abcdef"
 BOB_KEY = "bob-key-0123456789abcdef"
@@ -52,17 +52,11 @@ def bob(server):
 @pytest.fixture
 def make_server(tmp_path):
     """Start servers on demand (restarts, other settings); all are stopped at the end."""
-    started: list[Server] = []
 
-    def make(*extra: str, data: Path | None = None, env_keys: str | None = ENV_KEYS) -> Server:
-        running = Server(data or tmp_path / "data", *extra, env_keys=env_keys).start()
-        started.append(running)
-        return running
+    def build(*extra: str, data: Path | None = None, env_keys: str | None = ENV_KEYS) -> Server:
+        return Server(data or tmp_path / "data", *extra, env_keys=env_keys)
 
-    yield make
-    for running in started:
-        if running.process.poll() is None:
-            running.stop()
+    yield from servers_on_demand(build)
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-
 import pytest
+from served import servers_on_demand
 
 from kvstore.engine.weights import write_random_model
 from service.support import Server
@@ -18,14 +18,8 @@ def model_dir(tmp_path_factory, hash_cache):
 @pytest.fixture
 def make_server(tmp_path, hash_cache):
     """Start servers on demand (restarts, other settings); all are stopped at the end."""
-    started: list[Server] = []
 
-    def make(*extra: str, data=None, **options) -> Server:
-        running = Server(data or tmp_path / "data", *extra, **options).start()
-        started.append(running)
-        return running
+    def build(*extra: str, data=None, **options) -> Server:
+        return Server(data or tmp_path / "data", *extra, **options)
 
-    yield make
-    for running in started:
-        if running.process.poll() is None:
-            running.stop()
+    yield from servers_on_demand(build)
