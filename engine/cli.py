@@ -53,6 +53,12 @@ def add_decode_options(p, dtypes: tuple[str, ...]) -> None:
     p.add_argument("--stop", type=int, nargs="*", help="stop token ids (default: the model's eos; give none to disable)")
 
 
+def decode_kwargs(args) -> dict:
+    """The sampling keywords of :func:`add_decode_options`'s options, as ``stream`` / ``begin`` take them."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop_tokens=args.stop)
+
+
 def cmd_new_model(args) -> int:
     from kvstore.engine.config import preset
     from kvstore.engine.weights import write_random_model
@@ -104,15 +110,7 @@ def cmd_generate(args) -> int:
         else:
             journal = KVFile.create(path, geometry, engine.cache.journal_tier())
     try:
-        stream = engine.stream(
-            history + list(turn),
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop_tokens=args.stop,
-        )
+        stream = engine.stream(history + list(turn), **decode_kwargs(args))
         shown = ""
         for token in stream:
             if args.json:

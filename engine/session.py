@@ -49,7 +49,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
@@ -103,15 +103,7 @@ class ResumeReport:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "source": self.source,
-            "reused_tokens": self.reused_tokens,
-            "restored_tokens": self.restored_tokens,
-            "damaged_from": self.damaged_from,
-            "unserved_records": self.unserved_records,
-            "seconds": self.seconds,
-        }
+        return asdict(self)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kvstore.engine.cli import add_decode_options
+from kvstore.engine.cli import add_decode_options, decode_kwargs
 
 DEFAULT_DATA = "./data"
 
@@ -88,14 +88,9 @@ def cmd_chat(args) -> int:
             prompt,
             owner=args.owner,
             create=not args.no_create,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop_tokens=args.stop,
             verify=args.verify,
             override=args.override,
+            **decode_kwargs(args),
         )
         with turn:
             if turn.created and not args.json:
