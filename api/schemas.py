@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
 from kvstore.sessions import Fingerprint, ModelInfo
+from kvstore import tiers
 
 INT32_MAX = 2**31 - 1
 RAW_MEDIA_TYPE = "application/octet-stream"
@@ -71,7 +72,7 @@ class TierIn(Strict):
         return version
 
     def to_tier(self) -> Tier:
-        return Tier.parse(f"v{self.version}", self.codec, self.bits)
+        return tiers.parse(f"v{self.version}", codec=self.codec, bits=self.bits)
 
 
 class TierOut(BaseModel):
@@ -164,7 +165,7 @@ class MigrateIn(Strict):
     bits: int | None = Field(default=None, ge=2, le=6)
 
     def to_tier(self) -> Tier:
-        return Tier.parse(self.to, self.codec, self.bits)
+        return tiers.parse(self.to, codec=self.codec, bits=self.bits)
 
 
 class LookupIn(Strict):

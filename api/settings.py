@@ -3,33 +3,14 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import ConfigError
 from kvstore.index import DEFAULT_MAP_SIZE
+from kvstore.units import parse_size  # noqa: F401  (re-exported for the service)
 
 DEFAULT_MAX_BODY_BYTES = 256 << 20  # a 256-token turn of a 78-layer fp8 model is ~12 MiB
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str | int | None) -> int | None:
-    """``"512M"``, ``"10G"``, ``"1048576"`` -> bytes (binary units); None stays None.
-
-    >>> parse_size("1.5K"), parse_size("2GiB"), parse_size(7)
-    (1536, 2147483648, 7)
-    """
-    if text is None or isinstance(text, int):
-        return text
-    match = _SIZE.match(text)
-    if match is None:
-        raise ConfigError(f"{text!r} is not a size: use a number of bytes with an optional K, M, G or T suffix")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "")[:1].lower()])
-
-
 @dataclass
 class Settings:
     """Everything the service is configured with.

@@ -20,10 +20,11 @@ import numpy as np
 
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
+from kvstore import tiers
 
 # GLM-4.5 style MLA geometry without a sparse-attention indexer (nic = 0).
 GLM = Geometry(n_layers=78, kv_lora=512, qk_rope=64, index_hd=0, nic=0, vocab=151552)
-TIER = Tier(2)
+TIER = tiers.FP8
 KEY = "bench-key-0123456789abcdef"
 MODEL = {"name": "glm-4.5", "revision": "bench"}
 GEOMETRY_JSON = {"n_layers": 78, "kv_lora": 512, "qk_rope": 64, "index_hd": 0, "nic": 0, "vocab": 151552}

@@ -24,6 +24,7 @@ from kvstore.filetools import migrate_file
 from kvstore.formats import coli_kv, fp8
 from kvstore.formats.coli_kv import Geometry, Header, Tier
 from kvstore.journal import KVFile
+from kvstore import tiers
 
 GLM5 = Geometry(n_layers=78, kv_lora=512, qk_rope=64, index_hd=0, nic=0, vocab=154880)
 
@@ -104,7 +105,7 @@ def bench_dequantize(path: Path, repeat: int) -> dict:
 
 
 def bench_append(directory: Path, turns: int, turn_records: int, trials: int = 5) -> dict:
-    tier = Tier(2)
+    tier = tiers.FP8
     tokens, L, R = synthetic_rows(turn_records, seed=99)
     encoded = coli_kv.encode_records(GLM5, tier, tokens, L, R)
     payload = encoded.tobytes()
@@ -152,11 +153,11 @@ def bench_append(directory: Path, turns: int, turn_records: int, trials: int = 5
 
 def bench_migrate(directory: Path, n: int) -> dict:
     src = directory / "v1.coli_kv"
-    write_file(src, Tier(1), n)
+    write_file(src, tiers.F32, n)
     dst = directory / "v2.coli_kv"
     raw = median_time(lambda: np.fromfile(src, dtype=np.uint8), 2)
-    report = migrate_file(src, dst, Tier(2), overwrite=True)  # warm
-    report = migrate_file(src, dst, Tier(2), overwrite=True)
+    report = migrate_file(src, dst, tiers.FP8, overwrite=True)  # warm
+    report = migrate_file(src, dst, tiers.FP8, overwrite=True)
     return {
         "source_bytes": report["source_bytes"],
         "seconds": report["seconds"],
@@ -176,7 +177,7 @@ def main() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     try:
         v2 = directory / "glm5.v2.coli_kv"
-        write_file(v2, Tier(2), args.records)
+        write_file(v2, tiers.FP8, args.records)
         load = bench_load(v2, args.repeat)
         deq = bench_dequantize(v2, args.repeat)
         app = bench_append(directory, args.turns, 256)

@@ -37,6 +37,7 @@ import torch
 from kvstore.engine import quant
 from kvstore.engine.attention import DecodeChoice, select_decode
 from kvstore.engine.errors import CacheError, CodecMismatch, GeometryMismatch, TierUnsupported
+from kvstore import tiers
 
 __all__ = [
     "CacheGeometry",
@@ -106,7 +107,7 @@ class StoredRows:
         """The ``kvstore.formats.coli_kv.Tier`` of these rows."""
         from kvstore.formats.coli_kv import Tier
 
-        return Tier(self.version, self.codec, self.bits)
+        return tiers.from_file(self.version, self.codec, self.bits)
 
     @classmethod
     def from_records(cls, records) -> "StoredRows":
@@ -231,7 +232,7 @@ class LatentCache(ABC):
         """The ``.coli_kv`` Tier that :meth:`export_rows` produces (what a journal of this cache holds)."""
         from kvstore.formats.coli_kv import Tier
 
-        return Tier(1)
+        return tiers.F32
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -608,7 +609,7 @@ class Fp8Cache(LatentCache):
     def journal_tier(self):
         from kvstore.formats.coli_kv import Tier
 
-        return Tier(2)
+        return tiers.FP8
 
 
 class TQCache(LatentCache):
@@ -694,7 +695,7 @@ class TQCache(LatentCache):
     def journal_tier(self):
         from kvstore.formats.coli_kv import Tier
 
-        return Tier(3, self.codec, self.bits)
+        return tiers.from_file(3, self.codec, self.bits)
 
 
 class Int4Cache(TQCache):

@@ -97,6 +97,7 @@ from kvstore.engine.fingerprint import (  # noqa: F401  (weights_hash and friend
 from kvstore.engine import restore as device_restore
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, KVRecords, Tier
+from kvstore import tiers
 
 if TYPE_CHECKING:  # the session store needs lmdb; the row helpers must import without it
     from kvstore.sessions import Fingerprint, ModelInfo, SessionInfo, SessionStore
@@ -145,8 +146,8 @@ def parse_tier(tier: Tier | str | None, default: str = "v1") -> Tier:
     try:
         if name in ("polar", "tq-polar") or name.startswith(("polar-", "tq-polar-")):
             suffix = name.rsplit("-", 1)[-1]
-            return Tier.parse("v3", "polar", int(suffix) if suffix.isdigit() else 4)
-        return Tier.parse(TIER_ALIASES.get(name, name))
+            return tiers.parse("v3", codec="polar", bits=int(suffix) if suffix.isdigit() else 4)
+        return tiers.parse(TIER_ALIASES.get(name, name))
     except FormatError as exc:
         raise InvalidRequest(f"unknown tier {tier!r} ({exc.reason}): use v1/f32, v2/fp8, v3/int4, polar or polar-N (N = 2..6 bits)") from None
 
@@ -181,7 +182,7 @@ def geometry_of(config) -> Geometry:
             f"the transformers interop stores the latent rows only"
         )
     geometry = Geometry(words["num_hidden_layers"], words["kv_lora_rank"], words["qk_rope_head_dim"], 0, 0, words["vocab_size"])
-    coli_kv.check_geometry(geometry, Tier(1))
+    coli_kv.check_geometry(geometry, tiers.F32)
     return geometry
 
 

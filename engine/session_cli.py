@@ -73,7 +73,7 @@ def _new_turn(args):
 def cmd_chat(args) -> int:
     from pathlib import Path
 
-    from kvstore.api.settings import parse_size
+    from kvstore.units import parse_size
     from kvstore.engine.session import SessionEngine, TextDeltas
     from kvstore.errors import InvalidRequest
     from kvstore.sessions import SessionStore

@@ -31,15 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.formats import fp8, tq
+from kvstore.formats import fp8, tiers, tq
 from kvstore.formats.errors import BadHeader, BadMagic, CodecMismatch, FormatError, GeometryMismatch, TruncatedHeader
+from kvstore.formats.tiers import Tier
 
 HEADER_BYTES = 40
 MAGICS = {b"COLIKV1\0": 1, b"COLIKV2\0": 2, b"COLIKV3\0": 3}
 MAGIC_OF = {version: magic for magic, version in MAGICS.items()}
 NREC_OFFSET = 32  # h6: the commit point (FORMAT.md section 4)
-CODEC_NAMES = {tq.CODEC_POLAR: "polar", tq.CODEC_INT4: "int4"}
-CODEC_IDS = {name: codec for codec, name in CODEC_NAMES.items()}
 # Widths bigger than this are not a model; refusing them early keeps a hostile header from
 # sizing anything (STYLE rule 2). nrec is bounded by the file size instead.
 MAX_WIDTH = 1 << 20
@@ -72,73 +71,6 @@ class Geometry:
             for field in dataclasses.fields(self)
             if getattr(self, field.name) != getattr(other, field.name)
         ]
-
-
-@dataclass(frozen=True)
-class Tier:
-    """What a record stores: version 1 (f32), 2 (fp8) or 3 (TQ with ``codec``/``bits``)."""
-
-    version: int
-    codec: int | None = None
-    bits: int | None = None
-
-    def __post_init__(self):
-        if self.version not in (1, 2, 3):
-            raise BadHeader(f"unknown .coli_kv version {self.version} (known: 1, 2, 3)")
-        if self.version == 3:
-            if self.codec not in CODEC_NAMES:
-                raise BadHeader(f"unknown TQ codec {self.codec} (0 = polar, 1 = int4)")
-            allowed = (4,) if self.codec == tq.CODEC_INT4 else tuple(range(2, 7))
-            if self.bits not in allowed:
-                raise BadHeader(f"{CODEC_NAMES[self.codec]} takes bits {allowed}, got {self.bits}")
-        elif self.codec is not None or self.bits is not None:
-            raise BadHeader(f"codec/bits only apply to v3 files, got version {self.version}")
-
-    @property
-    def tag(self) -> int:
-        """h7: v1 -> 0, v2 -> 1, v3 -> (codec << 8) | bits."""
-        return {1: 0, 2: 1}.get(self.version, ((self.codec or 0) << 8) | (self.bits or 0))
-
-    @classmethod
-    def from_tag(cls, version: int, tag: int) -> "Tier":
-        if version == 3:
-            return cls(3, tag >> 8, tag & 0xFF)
-        expected = 0 if version == 1 else 1
-        if tag != expected:
-            raise BadHeader(f"v{version} header has tag {tag}, expected {expected}")
-        return cls(version)
-
-    @classmethod
-    def parse(cls, name: str, codec: str | None = None, bits: int | None = None) -> "Tier":
-        """From user-facing names: ``v1``, ``v2``, ``v3`` (+ ``polar``/``int4`` and bits)."""
-        versions = {"v1": 1, "v2": 2, "v3": 3, "1": 1, "2": 2, "3": 3}
-        if name not in versions:
-            raise FormatError(f"unknown version {name!r}: use v1, v2 or v3")
-        version = versions[name]
-        if version != 3:
-            if codec is not None or bits is not None:
-                raise FormatError(f"--codec/--bits only apply to v3, not {name}")
-            return cls(version)
-        codec_name = codec or "int4"
-        if codec_name not in CODEC_IDS:
-            raise FormatError(f"unknown codec {codec_name!r}: use polar or int4")
-        codec_id = CODEC_IDS[codec_name]
-        return cls(3, codec_id, bits if bits is not None else 4)
-
-    def describe(self) -> str:
-        if self.version == 1:
-            return "v1 (f32)"
-        if self.version == 2:
-            return "v2 (fp8 e4m3)"
-        return f"v3 ({CODEC_NAMES[self.codec]}, {self.bits} bits)"
-
-    def row_bytes(self, width: int) -> int:
-        """Bytes of one stored row of ``width`` values, including its scale/radius float."""
-        if self.version == 1:
-            return 4 * width
-        if self.version == 2:
-            return width + 4
-        return tq.row_bytes(width, self.codec, self.bits) + 4
 
 
 @dataclass(frozen=True)
@@ -179,6 +111,7 @@ class Header:
 
 def record_bytes(geometry: Geometry, tier: Tier) -> int:
     """``4 + n_layers * (row(kv_lora) + row(qk_rope)) + nic * index_hd * 4`` (rows include scales)."""
+    tier = tier.file_tier
     per_layer = tier.row_bytes(geometry.kv_lora) + tier.row_bytes(geometry.qk_rope)
     return 4 + geometry.n_layers * per_layer + geometry.nic * geometry.index_hd * 4
 
@@ -198,7 +131,7 @@ def check_geometry(geometry: Geometry, tier: Tier) -> None:
         raise BadHeader(f"index_hd {g.index_hd} inconsistent with nic {g.nic}")
     if g.vocab < 1:
         raise BadHeader(f"vocab {g.vocab} must be positive")
-    if tier.version == 3:
+    if tier.file_tier.version == 3:
         for name in ("kv_lora", "qk_rope"):
             if getattr(g, name) < 2:
                 raise BadHeader(f"v3 rows need a width of at least 2, {name} is {getattr(g, name)}")
@@ -214,11 +147,11 @@ def record_dtype(geometry: Geometry, tier: Tier) -> np.dtype:
     ``Ls``/``Rs`` floats are the per-row scale (v2) or radius (v3); ``index`` <f4[nic, index_hd]
     when nic > 0. No padding: scale floats are unaligned, numpy reads them as such.
     """
+    tier = tier.file_tier
     if tier.version == 1:
         layer = [("Lc", "<f4", (geometry.kv_lora,)), ("Rc", "<f4", (geometry.qk_rope,))]
     else:
-        lw = geometry.kv_lora if tier.version == 2 else tq.row_bytes(geometry.kv_lora, tier.codec, tier.bits)
-        rw = geometry.qk_rope if tier.version == 2 else tq.row_bytes(geometry.qk_rope, tier.codec, tier.bits)
+        lw, rw = tier.payload_bytes(geometry.kv_lora), tier.payload_bytes(geometry.qk_rope)
         layer = [("Lc", "u1", (lw,)), ("Ls", "<f4"), ("Rc", "u1", (rw,)), ("Rs", "<f4")]
     fields: list[Any] = [("token", "<i4"), ("layers", np.dtype(layer), (geometry.n_layers,))]
     if geometry.nic:
@@ -244,7 +177,7 @@ def parse_header(buf: bytes | bytearray | memoryview | np.ndarray) -> Header:
     if magic not in MAGICS:
         raise BadMagic(f"not a .coli_kv file: magic {magic!r} (expected COLIKV1/2/3)")
     words = [int(w) for w in raw["words"]]
-    tier = Tier.from_tag(MAGICS[magic], words[7])
+    tier = tiers.from_header(MAGICS[magic], words[7])
     geometry = Geometry(*words[:6])
     check_geometry(geometry, tier)
     if words[6] < 0:
@@ -404,11 +337,9 @@ class KVRecords:
                 layer_codes = layer_codes.copy()
                 layer_codes[bad[:, layer]] = 0
                 layer_scales[bad[:, layer]] = 1.0 if version == 2 else 0.0
-            if version == 2:
-                fp8.dequantize_rows(layer_codes, layer_scales, out=out[layer])
-            else:
-                with np.errstate(over="ignore", invalid="ignore"):
-                    tq.dequantize_rows(layer_codes, layer_scales, width, self.tier.codec, self.tier.bits, out=out[layer])
+            with np.errstate(over="ignore", invalid="ignore"):
+                self.tier.dequantize(layer_codes, layer_scales, width, out=out[layer])
+            if version == 3:
                 # A radius near the f32 limit (only a damaged file has one) can overflow on the
                 # way back; such a row reads as zeros, like a bad radius.
                 overflowed = ~np.isfinite(out[layer]).all(axis=-1)
@@ -533,19 +464,13 @@ def encode_records(geometry: Geometry, tier: Tier, tokens, L, R, I=None) -> np.n
     records = np.zeros(n, dtype=record_dtype(g, tier))
     records["token"] = tokens
     layers = records["layers"]
+    tier = tier.file_tier
     for which, rows in (("L", L), ("R", R)):
         # [n_layers, n, w] -> [n, n_layers, w]: the record order
-        rows_t = rows.transpose(1, 0, 2)
-        if tier.version == 1:
-            layers[which + "c"] = rows_t
-        elif tier.version == 2:
-            codes, scales = fp8.quantize_rows(rows_t)
-            layers[which + "c"] = codes
+        codes, scales = tier.quantize(rows.transpose(1, 0, 2))
+        layers[which + "c"] = codes
+        if scales is not None:
             layers[which + "s"] = scales
-        else:
-            codes, radii = tq.quantize_rows(rows_t, tier.codec, tier.bits)
-            layers[which + "c"] = codes
-            layers[which + "s"] = radii
     if g.nic:
         records["index"] = I.transpose(1, 0, 2)
     return records
@@ -553,7 +478,7 @@ def encode_records(geometry: Geometry, tier: Tier, tokens, L, R, I=None) -> np.n
 
 def encode_file(geometry: Geometry, tokens, L, R, I=None, *, version: int, codec: int | None = None, bits: int | None = None) -> bytes:
     """A whole file image (header with ``nrec = n`` + records)."""
-    tier = Tier(version, codec, bits)
+    tier = tiers.from_file(version, codec, bits)
     check_geometry(geometry, tier)
     records = encode_records(geometry, tier, tokens, L, R, I)
     return Header(geometry, tier, records.shape[0]).to_bytes() + records.tobytes()

@@ -106,7 +106,7 @@ def signs(n: int) -> np.ndarray:
     return out
 
 
-def _encodable(n: int) -> bool:
+def encodable(n: int) -> bool:
     """Whether the codecs encode rows of width ``n`` (a power of two in 2..2048)."""
     return MIN_WIDTH <= n <= MAX_WIDTH and n & (n - 1) == 0
 
@@ -157,7 +157,7 @@ def row_bytes(n: int, codec: int, bits: int) -> int:
 
 
 def _check_width(n: int) -> None:
-    if not _encodable(n):
+    if not encodable(n):
         raise FormatError(f"TQ rotation needs a power-of-two width in {MIN_WIDTH}..{MAX_WIDTH}, got {n}")
 
 
@@ -661,7 +661,7 @@ def quantize_rows(x: np.ndarray, codec: int, bits: int) -> tuple[np.ndarray, np.
     rows = x.reshape(-1, n)
     codes = np.zeros((rows.shape[0], n_bytes), dtype=np.uint8)
     radii = np.zeros(rows.shape[0], dtype=np.float32)
-    if _encodable(n) and rows.shape[0]:
+    if encodable(n) and rows.shape[0]:
         step = _rows_per_chunk(n)
         scratch = np.empty(n * step, dtype=np.float32)
         with np.errstate(all="ignore"):  # inert rows are computed, then zeroed
@@ -721,7 +721,7 @@ def dequantize_rows(
         out = np.empty(shape, dtype=np.float32)
     elif out.shape != shape or out.dtype != np.float32:
         raise FormatError(f"out must be f32{shape}, got {out.dtype}{out.shape}")
-    if not _encodable(n):
+    if not encodable(n):
         out[...] = 0
         return out
     flat_codes = codes.reshape(-1, n_bytes)

@@ -14,6 +14,7 @@ import sys
 from typing import Callable
 
 from kvstore.errors import KVStoreError
+from kvstore import tiers
 
 # Modules that add subcommands through `add_commands(subparsers)`; imported lazily so a file
 # tool does not pay for the web stack or torch.
@@ -81,7 +82,7 @@ def cmd_migrate(args) -> int:
     from kvstore.filetools import migrate_file
     from kvstore.formats.coli_kv import Tier
 
-    target = Tier.parse(args.to, args.codec, args.bits)
+    target = tiers.parse(args.to, codec=args.codec, bits=args.bits)
     update, close = _progress("migrate")
     try:
         report = migrate_file(args.src, args.dst, target, overwrite=args.force, progress=update)

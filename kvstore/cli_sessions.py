@@ -21,6 +21,7 @@ import numpy as np
 from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
+from kvstore import tiers
 
 DEFAULT_DATA = "./data"
 DEFAULT_OWNER = "default"
@@ -41,7 +42,7 @@ def _print(args, payload: Any, text: str) -> None:
 
 
 def _size(text: str | None) -> int | None:
-    from kvstore.api.settings import parse_size
+    from kvstore.units import parse_size
 
     return parse_size(text)
 
@@ -54,7 +55,7 @@ def _geometry(text: str) -> Geometry:
 
 
 def _tier(args) -> Tier:
-    return Tier.parse(args.tier, args.codec, args.bits)
+    return tiers.parse(args.tier, codec=args.codec, bits=args.bits)
 
 
 def _model(args) -> dict[str, Any]:

@@ -16,9 +16,10 @@ import numpy as np
 
 from kvstore.errors import MigrationError
 from kvstore.formats import coli_kv, fp8, tq
-from kvstore.formats.coli_kv import CODEC_NAMES, HEADER_BYTES, Header, KVRecords, Tier
+from kvstore.formats.coli_kv import HEADER_BYTES, Header, KVRecords, Tier
 from kvstore.journal import AtomicFile, read_whole, write_atomic, write_errors, writer_lock
 from kvstore.migrations import formats as format_migrations
+from kvstore import tiers
 
 Progress = Callable[[int, int], None]
 
@@ -44,7 +45,7 @@ def inspect_file(path: str | os.PathLike) -> dict:
         "version": h.version,
         "tier": h.tier.describe(),
         "tag": h.tag,
-        "codec": CODEC_NAMES.get(h.codec) if h.version == 3 else None,
+        "codec": h.tier.codec_name,
         "bits": h.bits,
         "geometry": {
             "n_layers": h.n_layers,

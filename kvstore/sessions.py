@@ -79,6 +79,7 @@ from kvstore.journal import KVFile, fsync_dir, move_durably, write_atomic, write
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations import index as schema
 from kvstore.store_locks import FileLock
+from kvstore import tiers
 
 __all__ = [
     "AppendResult",
@@ -154,7 +155,7 @@ def _tier_record(tier: Tier) -> dict[str, Any]:
 
 def _tier_of(record: dict[str, Any]) -> Tier:
     t = record["tier"]
-    return Tier(t["version"], t.get("codec"), t.get("bits"))
+    return tiers.from_file(t["version"], t.get("codec"), t.get("bits"))
 
 
 def _geometry_of(record: dict[str, Any]) -> Geometry:
@@ -292,7 +293,7 @@ class SessionInfo:
             "geometry": dataclasses.asdict(self.geometry),
             "tier": {
                 "version": self.tier.version,
-                "codec": coli_kv.CODEC_NAMES.get(self.tier.codec) if self.tier.codec is not None else None,
+                "codec": self.tier.codec_name,
                 "bits": self.tier.bits,
                 "description": self.tier.describe(),
             },
@@ -1560,7 +1561,7 @@ class SessionStore:
         header = records.header
         out["header"] = {
             "version": header.version,
-            "codec": coli_kv.CODEC_NAMES.get(header.codec) if header.codec is not None else None,
+            "codec": header.tier.codec_name,
             "bits": header.bits,
             "tag": header.tag,
             "nrec": header.nrec,

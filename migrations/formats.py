@@ -5,9 +5,9 @@ callback can report and memory stays bounded). A step is *lossy* when the target
 source's values exactly (f32 -> fp8, anything -> TQ); steps to v1 are exact: they store exactly
 the values a reader of the source sees.
 
->>> [step.name for step in plan(Tier(1), Tier(3, 1, 4))]
+>>> [step.name for step in plan(tiers.F32, tiers.INT4)]
 ['v1-to-v3']
->>> plan(Tier(3, 1, 4), Tier(2))[0].lossy
+>>> plan(tiers.INT4, tiers.FP8)[0].lossy
 True
 """
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from kvstore.formats.coli_kv import KVRecords, Tier, encode_records
 from kvstore.formats.errors import KVStoreError
+from kvstore.formats import tiers
 
 Progress = Callable[[int, int], None]  # (records done, records total)
 CHUNK_RECORDS = 512

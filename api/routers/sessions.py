@@ -52,6 +52,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
 from kvstore.sessions import Fingerprint, ModelInfo, SessionReader, SessionStore
+from kvstore import tiers
 
 ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 415, 422, 507)}
 ARROW_BATCH_RECORDS = 256
@@ -168,7 +169,7 @@ def _expected(info, params: dict[str, str | None], tier: str | None, geometry: s
         codec, _, bits = rest.partition(":")
         if bits and not bits.isdigit():
             raise InvalidRequest("tier is v1, v2 or v3:<polar|int4>:<bits>")
-        expected_tier = Tier.parse(name, codec or None, int(bits) if bits else None)
+        expected_tier = tiers.parse(name, codec=codec or None, bits=int(bits) if bits else None)
     expected_geometry = info.geometry
     if geometry is not None:
         words = geometry.split(",")
@@ -181,7 +182,7 @@ def _expected(info, params: dict[str, str | None], tier: str | None, geometry: s
 def _tier_name(tier: Tier) -> str:
     if tier.version != 3:
         return f"v{tier.version}"
-    return f"v3:{coli_kv.CODEC_NAMES[tier.codec]}:{tier.bits}"
+    return f"v3:{tier.codec_name}:{tier.bits}"
 
 
 async def _drain(reader: SessionReader, chunks):

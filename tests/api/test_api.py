@@ -14,6 +14,7 @@ import pytest
 
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Tier
+from kvstore import tiers
 from sessions.support import GEOMETRY, MODEL, Rows
 
 RAW = "application/octet-stream"
@@ -99,7 +100,7 @@ def test_missing_and_forged_keys_are_refused(server, alice):
 
 def test_owner_isolation(alice, bob, keys):
     create(alice, "secret")
-    append_raw(alice, "secret", Rows(1).encode(Tier(2), Rows(1).make(3)))
+    append_raw(alice, "secret", Rows(1).encode(tiers.FP8, Rows(1).make(3)))
     missing = bob.get("/sessions/never-existed")
     hidden = bob.get("/sessions/secret")
     assert hidden.status_code == missing.status_code == 404
@@ -146,7 +147,7 @@ def test_slashes_never_reach_the_store(server, alice):
 @pytest.mark.parametrize("tier", [{"version": 2}, {"version": 3, "codec": "int4", "bits": 4}, {"version": 1}], ids=["v2", "v3", "v1"])
 def test_append_raw_and_arrow_then_resume_in_every_form(alice, tier):
     info = create(alice, tier=tier)
-    t = Tier.parse(f"v{tier['version']}", tier.get("codec"), tier.get("bits"))
+    t = tiers.parse(f"v{tier['version']}", codec=tier.get("codec"), bits=tier.get("bits"))
     rows = Rows(3)
     first, second, partial = rows.make(7), rows.make(5), rows.make(4)
     response = append_raw(alice, "chat", rows.encode(t, first))
@@ -175,7 +176,7 @@ def test_append_raw_and_arrow_then_resume_in_every_form(alice, tier):
 def test_malformed_bodies_change_nothing(alice):
     create(alice)
     rows = Rows(4)
-    good = coli_kv.encode_records(GEOMETRY, Tier(2), *rows.make(3))
+    good = coli_kv.encode_records(GEOMETRY, tiers.FP8, *rows.make(3))
     assert append_raw(alice, "chat", good.tobytes()).status_code == 200
     bad_scale = good.copy()
     bad_scale["layers"]["Rs"][0, 1] = -1.0
@@ -201,9 +202,9 @@ def test_geometry_and_fingerprint_mismatches(alice):
     create(alice)
     other = Rows(5, Geometry(3, 32, 8, 4, 1, 1000)).make(2)
     assert_error(alice.post("/sessions/chat/append", content=arrow_body(*other), headers={"Content-Type": ARROW}), 409, "GeometryMismatch")
-    wrong_width = coli_kv.encode_records(Geometry(2, 64, 8, 4, 1, 1000), Tier(2), *Rows(5, Geometry(2, 64, 8, 4, 1, 1000)).make(3))
+    wrong_width = coli_kv.encode_records(Geometry(2, 64, 8, 4, 1, 1000), tiers.FP8, *Rows(5, Geometry(2, 64, 8, 4, 1, 1000)).make(3))
     assert_error(append_raw(alice, "chat", wrong_width.tobytes()), 422, "FormatError")
-    append_raw(alice, "chat", Rows(6).encode(Tier(2), Rows(6).make(2)))
+    append_raw(alice, "chat", Rows(6).encode(tiers.FP8, Rows(6).make(2)))
     body = assert_error(alice.get("/sessions/chat/resume", params={"geometry": "2,32,8,4,1,999"}), 409, "FingerprintMismatch")
     assert "geometry.vocab" in body["reason"]
     body = assert_error(alice.get("/sessions/chat/resume", params={"weights_hash": "other"}), 409, "FingerprintMismatch")
@@ -218,7 +219,7 @@ def test_oversized_bodies_are_refused_before_reading(make_server, keys):
     server = make_server("--max-body", "4K")
     with server.client(keys["alice"]) as alice:
         create(alice)
-        big = Rows(7).encode(Tier(2), Rows(7).make(40))  # 40 * 116 bytes > 4 KiB
+        big = Rows(7).encode(tiers.FP8, Rows(7).make(40))  # 40 * 116 bytes > 4 KiB
         assert_error(append_raw(alice, "chat", big), 413, "BodyTooLarge")
 
         def chunks():
@@ -237,8 +238,8 @@ def test_truncate_fork_verify_lookup_and_tags(alice):
     create(alice, tags=["a"])
     rows = Rows(8)
     tokens = rows.rng.integers(0, 1000, 200).astype(np.int32)
-    append_raw(alice, "chat", rows.encode(Tier(2), rows.make(150, tokens[:150])))
-    append_raw(alice, "chat", rows.encode(Tier(2), rows.make(50, tokens[150:])))
+    append_raw(alice, "chat", rows.encode(tiers.FP8, rows.make(150, tokens[:150])))
+    append_raw(alice, "chat", rows.encode(tiers.FP8, rows.make(50, tokens[150:])))
     query = {"model": MODEL, "geometry": GEOMETRY_JSON, "tier": {"version": 2}, "tokens": tokens[:180].tolist() + [5, 5]}
     match = alice.post("/lookup", json=query).json()["match"]
     assert match["session_id"] == "chat" and match["matched_tokens"] == 180
@@ -258,7 +259,7 @@ def test_truncate_fork_verify_lookup_and_tags(alice):
 def test_park_unpark_and_migrate_run_as_jobs(alice):
     create(alice)
     rows = Rows(9)
-    payload = rows.encode(Tier(2), rows.make(600))
+    payload = rows.encode(tiers.FP8, rows.make(600))
     append_raw(alice, "chat", payload)
     journal_before = alice.get("/sessions/chat/resume", params={"format": "coli_kv"}).content
     response = alice.post("/sessions/chat/park")
@@ -280,8 +281,8 @@ def test_park_unpark_and_migrate_run_as_jobs(alice):
 def test_verify_and_repair_over_http(server, alice):
     create(alice)
     rows = Rows(10)
-    append_raw(alice, "chat", rows.encode(Tier(2), rows.make(4)))
-    append_raw(alice, "chat", rows.encode(Tier(2), rows.make(4)))
+    append_raw(alice, "chat", rows.encode(tiers.FP8, rows.make(4)))
+    append_raw(alice, "chat", rows.encode(tiers.FP8, rows.make(4)))
     path = server.data / "journals" / "chat.coli_kv"
     with open(path, "r+b") as f:  # a silent bit flip in record 5's codes
         f.seek(HEADER_BYTES + 5 * 116 + 10)
@@ -309,20 +310,20 @@ def test_server_restart_mid_conversation_resumes_exactly(make_server, keys, stop
     with first.client(keys["alice"]) as client:
         create(client, "talk")
         for turn in turns:
-            assert append_raw(client, "talk", rows.encode(Tier(2), turn)).status_code == 200
-        assert append_raw(client, "talk", rows.encode(Tier(2), tail), complete_turn=False).status_code == 200
+            assert append_raw(client, "talk", rows.encode(tiers.FP8, turn)).status_code == 200
+        assert append_raw(client, "talk", rows.encode(tiers.FP8, tail), complete_turn=False).status_code == 200
         before = client.get("/sessions/talk/resume").content
     first.stop() if stop == "sigterm" else first.kill()
     second = make_server()
     with second.client(keys["alice"]) as client:
         resumed = client.get("/sessions/talk/resume", params={"verify": "true"})
-        assert resumed.content == before == rows.encode(Tier(2), *turns)
+        assert resumed.content == before == rows.encode(tiers.FP8, *turns)
         assert resumed.headers["x-kv-reused-tokens"] == "49" and resumed.headers["x-kv-verified"] == "true"
         info = client.get("/sessions/talk").json()
         assert (info["n_records"], info["watermark"]) == (54, 49)
         more = rows.make(3)
-        assert append_raw(client, "talk", rows.encode(Tier(2), more)).json()["session"]["watermark"] == 57
-        assert client.get("/sessions/talk/resume").content == rows.encode(Tier(2), *turns, tail, more)
+        assert append_raw(client, "talk", rows.encode(tiers.FP8, more)).json()["session"]["watermark"] == 57
+        assert client.get("/sessions/talk/resume").content == rows.encode(tiers.FP8, *turns, tail, more)
 
 
 def test_first_start_creates_keys_json_and_prints_the_key_once(make_server, tmp_path):
@@ -346,7 +347,7 @@ def test_first_start_creates_keys_json_and_prints_the_key_once(make_server, tmp_
 def test_a_client_that_leaves_mid_download_releases_the_session(alice):
     create(alice)
     rows = Rows(12)
-    payload = rows.encode(Tier(2), rows.make(150_000))  # ~17 MB: far more than the socket buffers hold
+    payload = rows.encode(tiers.FP8, rows.make(150_000))  # ~17 MB: far more than the socket buffers hold
     assert append_raw(alice, "chat", payload).status_code == 200
     with alice.stream("GET", "/sessions/chat/resume") as response:
         first = next(response.iter_raw())

@@ -10,6 +10,7 @@ from kvstore.engine import CacheGeometry, TIERS, make_cache, preset, tier_bytes_
 from kvstore.engine import quant
 from kvstore.engine.errors import CacheError, TierUnsupported
 from kvstore.formats import coli_kv, fp8, q8, tq
+from kvstore import tiers
 
 GEOMETRIES = [CacheGeometry(4, 64, 32), CacheGeometry(27, 512, 64), CacheGeometry(61, 512, 64)]
 
@@ -38,11 +39,11 @@ def test_bytes_per_token_matches_the_format_arithmetic(geometry):
         return coli_kv.record_bytes(file_geometry, tier) - 4
 
     expected = {
-        "f32": record_kv_bytes(coli_kv.Tier(1)),
+        "f32": record_kv_bytes(coli_kv.tiers.F32),
         "bf16": L * (K + R) * 2,
-        "fp8": record_kv_bytes(coli_kv.Tier(2)),
-        "tq-int4": record_kv_bytes(coli_kv.Tier(3, tq.CODEC_INT4, 4)),
-        "tq-polar": record_kv_bytes(coli_kv.Tier(3, tq.CODEC_POLAR, 4)),
+        "fp8": record_kv_bytes(coli_kv.tiers.FP8),
+        "tq-int4": record_kv_bytes(coli_kv.tiers.INT4),
+        "tq-polar": record_kv_bytes(coli_kv.tiers.polar(4)),
         "int8": L * (K + R + 2 * (K + R) // 32),
     }
     assert expected["fp8"] == L * (K + R + 8)
@@ -52,7 +53,7 @@ def test_bytes_per_token_matches_the_format_arithmetic(geometry):
         assert cache.bytes_per_token == want, tier
         assert tier_bytes_per_token(tier, geometry) == want, tier
     for bits in (2, 3, 5, 6):
-        want = record_kv_bytes(coli_kv.Tier(3, tq.CODEC_POLAR, bits))
+        want = record_kv_bytes(coli_kv.tiers.polar(bits))
         assert make_cache("tq-polar", geometry, bits=bits).bytes_per_token == want
 
 

@@ -24,6 +24,7 @@ from kvstore.engine.errors import CodecMismatch, GenerationError
 from kvstore.engine.restore import FileBody, MemoryBody, RecordLayout
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, Tier
+from kvstore import tiers
 
 GEOMETRY = Geometry(3, 64, 32, 0, 0, 100)
 N = 41
@@ -87,7 +88,7 @@ def _damaged_file(tmp_path, name: str, geometry: Geometry = GEOMETRY, *, committ
     """A file of N records with an overclaimed nrec and a torn tail (or, ``committed``, with
     records past a short nrec)."""
     version, codec, bits = FILES[name]
-    tier = Tier(version, codec, bits)
+    tier = tiers.from_file(version, codec, bits)
     records = _records(geometry, tier, seed=list(FILES).index(name))
     path = tmp_path / f"{name}{'.committed' if committed else ''}.coli_kv"
     if committed:
@@ -147,7 +148,7 @@ def test_unaligned_record_layouts_restore_byte_for_byte(tmp_path, file_name, tie
     multiple of 4, so the split copies bytes instead of words."""
     odd = Geometry(2, 36, 6, 0, 0, 50)
     version = FILES[file_name][0]
-    layout = RecordLayout.of(odd, Tier(version))
+    layout = RecordLayout.of(odd, tiers.from_file(version))
     if version == 2:
         assert (layout.layers_offset + layout.fields["Rs"][0]) % 4 and layout.layer_bytes % 4
     path = _damaged_file(tmp_path, file_name, odd)
@@ -196,7 +197,7 @@ def test_a_file_cut_while_it_is_read_keeps_the_complete_records(tmp_path):
     """The body is sized at open; a file that shrinks before its chunks are read stops at the last
     complete record (as ``coli_kv.load`` of the shorter file), never an error or a torn row."""
     path = _damaged_file(tmp_path, "v2")
-    rec = RecordLayout.of(GEOMETRY, Tier(2)).rec_bytes
+    rec = RecordLayout.of(GEOMETRY, tiers.FP8).rec_bytes
     cache = _cache("fp8")
     with FileBody(path) as body:
         assert body.n == N
@@ -265,7 +266,7 @@ def test_engine_restore_file_checks_tokens_before_the_rows_replace_the_cache(tmp
     records = rows.record_array(geometry)
     records["token"][-1] = geometry.vocab + 5
     bad = tmp_path / "bad.coli_kv"
-    bad.write_bytes(Header(geometry, Tier(1), records.shape[0]).to_bytes() + records.tobytes())
+    bad.write_bytes(Header(geometry, tiers.F32, records.shape[0]).to_bytes() + records.tobytes())
     with pytest.raises(GenerationError, match="token ids must be in"):
         engine.restore_file(bad)
     _assert_same(_state(engine.cache), before)

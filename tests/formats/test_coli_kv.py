@@ -7,8 +7,9 @@ from golden import GEOMETRIES, V3_VARIANTS, read_expect, read_src
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
 from kvstore.formats.errors import BadHeader, BadMagic, CodecMismatch, GeometryMismatch, TruncatedHeader
+from kvstore import tiers
 
-TIERS = {"v1": Tier(1), "v2": Tier(2), **{v: Tier(3, int(v[3]), int(v[5])) for v in V3_VARIANTS}}
+TIERS = {"v1": tiers.F32, "v2": tiers.FP8, **{v: tiers.from_file(3, int(v[3]), int(v[5])) for v in V3_VARIANTS}}
 EXACT = ["v1", "v2", "v3c1b4"]
 
 
@@ -131,7 +132,7 @@ def test_huge_claimed_count_allocates_nothing_beyond_the_file():
 
 def test_v3_tags_are_checked():
     g, blob = _small_file(version=3, codec=1, bits=4)
-    assert coli_kv.parse(bytes(blob)).tier == Tier(3, 1, 4)
+    assert coli_kv.parse(bytes(blob)).tier == tiers.INT4
     for tag in [(1 << 8) | 3, (2 << 8) | 4, (0 << 8) | 7, (0 << 8) | 1]:
         bad = bytearray(blob)
         struct.pack_into("<i", bad, 36, tag)
@@ -145,8 +146,8 @@ def test_expected_geometry_and_tier_are_enforced():
     with pytest.raises(GeometryMismatch, match="vocab: file 50, expected 51"):
         coli_kv.parse(bytes(blob), expect=other)
     with pytest.raises(CodecMismatch, match="v2"):
-        coli_kv.parse(bytes(blob), tier=Tier(1))
-    assert coli_kv.parse(bytes(blob), expect=g, tier=Tier(2)).n == 4
+        coli_kv.parse(bytes(blob), tier=tiers.F32)
+    assert coli_kv.parse(bytes(blob), expect=g, tier=tiers.FP8).n == 4
 
 
 def test_sanitize_on_load_v2():
@@ -192,6 +193,6 @@ def test_encode_rejects_wrong_shapes_and_tokens():
     L = np.zeros((2, 3, 8), np.float32)
     R = np.zeros((2, 3, 4), np.float32)
     with pytest.raises(GeometryMismatch):
-        coli_kv.encode_records(g, Tier(2), np.arange(3), L[:, :, :7], R)
+        coli_kv.encode_records(g, tiers.FP8, np.arange(3), L[:, :, :7], R)
     with pytest.raises(Exception, match="token ids"):
-        coli_kv.encode_records(g, Tier(2), np.array([1, 2, 50]), L, R)
+        coli_kv.encode_records(g, tiers.FP8, np.array([1, 2, 50]), L, R)

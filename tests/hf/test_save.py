@@ -10,6 +10,7 @@ from kvstore.engine import hf
 from kvstore.errors import ConversationMismatch, FingerprintMismatch, GeometryMismatch, InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Tier
+from kvstore import tiers
 
 OWNER = "alice"
 
@@ -85,9 +86,9 @@ def test_save_keeps_a_session_in_its_tier(tiny_model, store):
     cache = hf.new_cache(model)
     out = _generate(model, torch.arange(2, 30)[None], cache)
     info = hf.save(store, "fp8", model, cache, out[0], owner=OWNER, tier="fp8").info
-    assert info.tier == Tier(2)
-    assert hf.save(store, "fp8", model, cache, out[0], owner=OWNER).info.tier == Tier(2)  # None: its own tier
-    with pytest.raises(FingerprintMismatch, match="tier: session v2"):
+    assert info.tier == tiers.FP8
+    assert hf.save(store, "fp8", model, cache, out[0], owner=OWNER).info.tier == tiers.FP8  # None: its own tier
+    with pytest.raises(FingerprintMismatch, match="tier: session fp8"):
         hf.save(store, "fp8", model, cache, out[0], owner=OWNER, tier="v1")
 
 

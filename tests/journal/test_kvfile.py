@@ -9,9 +9,10 @@ from kvstore.errors import CodecMismatch, FormatError, GeometryMismatch, Journal
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
 from kvstore.journal import KVFile
+from kvstore import tiers
 
 GEOMETRY = Geometry(n_layers=3, kv_lora=32, qk_rope=8, index_hd=4, nic=1, vocab=500)
-TIERS = [Tier(1), Tier(2), Tier(3, 1, 4), Tier(3, 0, 3)]
+TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(3)]
 
 
 def rows(n, seed=0):
@@ -48,30 +49,30 @@ def test_create_append_load_round_trip(tmp_path, tier):
 
 def test_create_never_clobbers(tmp_path):
     path = tmp_path / "s.coli_kv"
-    KVFile.create(path, GEOMETRY, Tier(2)).close()
+    KVFile.create(path, GEOMETRY, tiers.FP8).close()
     with pytest.raises(FileExistsError):
-        KVFile.create(path, GEOMETRY, Tier(2))
+        KVFile.create(path, GEOMETRY, tiers.FP8)
     assert coli_kv.load(path).n == 0
 
 
 def test_open_refuses_other_model_and_other_tier(tmp_path):
     path = tmp_path / "s.coli_kv"
-    with KVFile.create(path, GEOMETRY, Tier(2)) as journal:
+    with KVFile.create(path, GEOMETRY, tiers.FP8) as journal:
         journal.append(*rows(2))
     other = Geometry(3, 32, 8, 4, 1, 501)
     with pytest.raises(GeometryMismatch, match="vocab"):
         KVFile.open(path, geometry=other)
     with pytest.raises(CodecMismatch, match="migrate"):
-        KVFile.open(path, tier=Tier(3, 1, 4))
+        KVFile.open(path, tier=tiers.INT4)
     with pytest.raises(CodecMismatch):
-        KVFile.open(path, tier=Tier(1))
+        KVFile.open(path, tier=tiers.F32)
 
 
-@pytest.mark.parametrize("tier", [Tier(2), Tier(3, 1, 4)], ids=lambda t: t.describe())
+@pytest.mark.parametrize("tier", [tiers.FP8, tiers.INT4], ids=lambda t: t.describe())
 def test_lazy_upgrade_keeps_v1_until_first_append(tmp_path, tier):
     path = tmp_path / "s.coli_kv"
     first, second = rows(4, 3), rows(2, 4)
-    with KVFile.create(path, GEOMETRY, Tier(1)) as journal:
+    with KVFile.create(path, GEOMETRY, tiers.F32) as journal:
         journal.append(*first)
     v1_bytes = path.read_bytes()
     with KVFile.open(path, geometry=GEOMETRY, tier=tier, writable=True) as journal:
@@ -87,10 +88,10 @@ def test_lazy_upgrade_keeps_v1_until_first_append(tmp_path, tier):
 
 def test_upgrade_that_fails_to_rename_leaves_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "s.coli_kv"
-    with KVFile.create(path, GEOMETRY, Tier(1)) as journal:
+    with KVFile.create(path, GEOMETRY, tiers.F32) as journal:
         journal.append(*rows(4))
     before = path.read_bytes()
-    journal = KVFile.open(path, tier=Tier(2), writable=True)
+    journal = KVFile.open(path, tier=tiers.FP8, writable=True)
 
     def no_rename(*args):
         raise OSError(28, "No space left on device")
@@ -103,13 +104,13 @@ def test_upgrade_that_fails_to_rename_leaves_the_old_file(tmp_path, monkeypatch)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # temp file removed
     journal.append(*rows(1, 9))
     journal.close()
-    assert coli_kv.load(path).n == 5 and coli_kv.load(path).tier == Tier(2)
+    assert coli_kv.load(path).n == 5 and coli_kv.load(path).tier == tiers.FP8
 
 
 def test_failed_fsync_keeps_the_commit_and_the_next_append_rewrites_the_tail(tmp_path, monkeypatch):
     path = tmp_path / "s.coli_kv"
     first, lost, third = rows(3, 1), rows(2, 2), rows(2, 3)
-    journal = KVFile.create(path, GEOMETRY, Tier(2))
+    journal = KVFile.create(path, GEOMETRY, tiers.FP8)
     journal.append(*first)
     real_fsync = os.fsync
 
@@ -123,13 +124,13 @@ def test_failed_fsync_keeps_the_commit_and_the_next_append_rewrites_the_tail(tmp
     assert coli_kv.load(path).n == 3  # the data of `lost` may be on disk, but it is not committed
     assert journal.append(*third) == 5
     journal.close()
-    assert path.read_bytes()[: 40 + 5 * coli_kv.load(path).header.rec_bytes] == expected_bytes(Tier(2), first, third)
+    assert path.read_bytes()[: 40 + 5 * coli_kv.load(path).header.rec_bytes] == expected_bytes(tiers.FP8, first, third)
 
 
 def test_write_that_raises_half_way(tmp_path, monkeypatch):
     path = tmp_path / "s.coli_kv"
     first, second = rows(3, 5), rows(3, 6)
-    journal = KVFile.create(path, GEOMETRY, Tier(1))
+    journal = KVFile.create(path, GEOMETRY, tiers.F32)
     journal.append(*first)
     real_pwrite = os.pwrite
     calls = {"n": 0}
@@ -147,16 +148,16 @@ def test_write_that_raises_half_way(tmp_path, monkeypatch):
     assert coli_kv.load(path).n == 3
     assert journal.append(*second) == 6
     journal.close()
-    assert path.read_bytes() == expected_bytes(Tier(1), first, second)
+    assert path.read_bytes() == expected_bytes(tiers.F32, first, second)
 
 
 def test_crash_between_data_and_counter_is_invisible(tmp_path):
     path = tmp_path / "s.coli_kv"
     first, uncommitted = rows(3, 7), rows(2, 8)
-    with KVFile.create(path, GEOMETRY, Tier(2)) as journal:
+    with KVFile.create(path, GEOMETRY, tiers.FP8) as journal:
         journal.append(*first)
     # What a crash after the data fsync and before the counter write leaves behind.
-    tail = expected_bytes(Tier(2), uncommitted)[40:]
+    tail = expected_bytes(tiers.FP8, uncommitted)[40:]
     with open(path, "ab") as f:
         f.write(tail)
     records = coli_kv.load(path)
@@ -166,7 +167,7 @@ def test_crash_between_data_and_counter_is_invisible(tmp_path):
         journal.append(*rows(1, 9))
     assert coli_kv.load(path).n == 4
     rec = coli_kv.load(path).header.rec_bytes
-    assert path.read_bytes()[: 40 + 4 * rec] == expected_bytes(Tier(2), first, rows(1, 9))
+    assert path.read_bytes()[: 40 + 4 * rec] == expected_bytes(tiers.FP8, first, rows(1, 9))
 
 
 def journal_rec(path):
@@ -175,7 +176,7 @@ def journal_rec(path):
 
 def test_truncate_clamps_to_committed_and_complete_records(tmp_path):
     path = tmp_path / "s.coli_kv"
-    with KVFile.create(path, GEOMETRY, Tier(2)) as journal:
+    with KVFile.create(path, GEOMETRY, tiers.FP8) as journal:
         journal.append(*rows(5))
         assert journal.truncate(9) == 5
         assert journal.truncate(3) == 3
@@ -193,7 +194,7 @@ def test_truncate_clamps_to_committed_and_complete_records(tmp_path):
 
 def test_two_writers_never_interleave(tmp_path):
     path = tmp_path / "s.coli_kv"
-    writer = KVFile.create(path, GEOMETRY, Tier(2))
+    writer = KVFile.create(path, GEOMETRY, tiers.FP8)
     with pytest.raises(JournalLocked, match="another writer"):
         KVFile.open(path, writable=True, lock_timeout=0.05)
     with KVFile.open(path) as reader:  # readers take no lock
@@ -207,7 +208,7 @@ def test_two_writers_never_interleave(tmp_path):
 
 def test_append_records_validates_raw_bytes(tmp_path):
     path = tmp_path / "s.coli_kv"
-    with KVFile.create(path, GEOMETRY, Tier(2)) as journal:
+    with KVFile.create(path, GEOMETRY, tiers.FP8) as journal:
         good = journal.encode(*rows(2))
         raw = good.tobytes()
         with pytest.raises(FormatError, match="whole number"):
@@ -230,7 +231,7 @@ def test_append_records_validates_raw_bytes(tmp_path):
 
 
 def test_closed_handle_is_refused(tmp_path):
-    journal = KVFile.create(tmp_path / "s.coli_kv", GEOMETRY, Tier(1))
+    journal = KVFile.create(tmp_path / "s.coli_kv", GEOMETRY, tiers.F32)
     journal.close()
     with pytest.raises(JournalClosed):
         journal.append(*rows(1))

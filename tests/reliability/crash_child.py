@@ -18,6 +18,7 @@ from reliability.workload import GEOMETRY, turn_rows  # noqa: E402
 from kvstore.filetools import migrate_file, repair_file  # noqa: E402
 from kvstore.formats.coli_kv import Tier  # noqa: E402
 from kvstore.journal import KVFile  # noqa: E402
+from kvstore import tiers
 
 
 def ack(*fields) -> None:
@@ -26,7 +27,7 @@ def ack(*fields) -> None:
 
 
 def parse_tier(name: str) -> Tier:
-    return {"v1": Tier(1), "v2": Tier(2), "int4": Tier(3, 1, 4), "polar3": Tier(3, 0, 3)}[name]
+    return {"v1": tiers.F32, "v2": tiers.FP8, "int4": tiers.INT4, "polar3": tiers.polar(3)}[name]
 
 
 def main() -> None:

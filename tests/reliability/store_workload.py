@@ -15,11 +15,12 @@ import numpy as np
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Header, Tier
 from kvstore.migrations import formats as format_migrations
+from kvstore import tiers
 from reliability.workload import GEOMETRY, turn_rows
 
 MODEL = {"name": "crash-mla", "revision": "r1"}
 OWNER = "crash"
-TIER_NAMES = {"v1": Tier(1), "v2": Tier(2), "int4": Tier(3, 1, 4)}
+TIER_NAMES = {"v1": tiers.F32, "v2": tiers.FP8, "int4": tiers.INT4}
 MIGRATE_NEXT = {"v2": "int4", "int4": "v1", "v1": "v2"}
 
 #: The steps of each workload; the parent kills the child inside the named operation.

@@ -18,9 +18,10 @@ from reliability.workload import GEOMETRY, expected_records, turn_records, turn_
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Header, Tier
 from kvstore.journal import KVFile
+from kvstore import tiers
 
 CHILD = Path(__file__).with_name("crash_child.py")
-TIERS = {"v1": Tier(1), "v2": Tier(2), "int4": Tier(3, 1, 4), "polar3": Tier(3, 0, 3)}
+TIERS = {"v1": tiers.F32, "v2": tiers.FP8, "int4": tiers.INT4, "polar3": tiers.polar(3)}
 
 
 def run_and_kill(args, rng, max_acks=6):
@@ -85,15 +86,15 @@ def test_lazy_upgrade_survives_sigkill(tmp_path, trials, figures, tier_name):
     for trial in range(trials(8)):
         seed = 20_000 + trial
         path = tmp_path / f"u-{trial}.coli_kv"
-        old = expected_records(seed, 3, Tier(1))
-        path.write_bytes(Header(GEOMETRY, Tier(1), old.shape[0]).to_bytes() + old.tobytes())
+        old = expected_records(seed, 3, tiers.F32)
+        path.write_bytes(Header(GEOMETRY, tiers.F32, old.shape[0]).to_bytes() + old.tobytes())
         original = path.read_bytes()
         acks = run_and_kill(["upgrade", path, seed, tier_name], rng, max_acks=3)
         records = coli_kv.load(path)
         acked_turns = [a for a in acks if a[0] != "open"]
         figures.add("journal_crash", f"lazy_upgrade_{tier_name}", trials=1, acked_calls=len(acked_turns),
-                    killed_before_rewrite=int(records.tier == Tier(1)), lost=0)
-        if records.tier == Tier(1):
+                    killed_before_rewrite=int(records.tier == tiers.F32), lost=0)
+        if records.tier == tiers.F32:
             assert not acked_turns and path.read_bytes() == original
             continue
         assert records.tier == tier
@@ -109,11 +110,11 @@ def test_migrate_survives_sigkill(tmp_path, trials, figures):
     rng = np.random.default_rng(3000)
     seed = 30_000
     src = tmp_path / "src.coli_kv"
-    rows = expected_records(seed, 6, Tier(1))
-    src.write_bytes(Header(GEOMETRY, Tier(1), rows.shape[0]).to_bytes() + rows.tobytes())
+    rows = expected_records(seed, 6, tiers.F32)
+    src.write_bytes(Header(GEOMETRY, tiers.F32, rows.shape[0]).to_bytes() + rows.tobytes())
     original = src.read_bytes()
-    target = expected_records(seed, 6, Tier(2))
-    want = Header(GEOMETRY, Tier(2), target.shape[0]).to_bytes() + target.tobytes()
+    target = expected_records(seed, 6, tiers.FP8)
+    want = Header(GEOMETRY, tiers.FP8, target.shape[0]).to_bytes() + target.tobytes()
     for trial in range(trials(6)):
         out_dir = tmp_path / f"m-{trial}"
         out_dir.mkdir()
@@ -131,8 +132,8 @@ def test_migrate_survives_sigkill(tmp_path, trials, figures):
 
 def damaged_file() -> bytes:
     seed = 40_000
-    rows = expected_records(seed, 4, Tier(2))
-    blob = bytearray(Header(GEOMETRY, Tier(2), rows.shape[0] + 5).to_bytes() + rows.tobytes())
+    rows = expected_records(seed, 4, tiers.FP8)
+    blob = bytearray(Header(GEOMETRY, tiers.FP8, rows.shape[0] + 5).to_bytes() + rows.tobytes())
     rec = rows.dtype.itemsize
     blob[40 + 4 + 2] = 0x7F  # a NaN code in record 0
     blob += rows[:1].tobytes()[: rec // 3]  # a torn tail

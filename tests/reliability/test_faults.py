@@ -19,6 +19,7 @@ from kvstore.export import export
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Header, Tier
 from kvstore.journal import KVFile
+from kvstore import tiers
 
 PATCHED = ("pwrite", "write", "fsync", "fdatasync", "ftruncate", "replace", "link", "rename", "unlink")
 
@@ -92,7 +93,7 @@ def sweep(monkeypatch, setup, action, check, record=None):
     return total, hits
 
 
-@pytest.mark.parametrize("tier", [Tier(1), Tier(2), Tier(3, 1, 4)], ids=lambda t: t.describe())
+@pytest.mark.parametrize("tier", [tiers.F32, tiers.FP8, tiers.INT4], ids=lambda t: t.describe())
 def test_append_faults(tmp_path, monkeypatch, figures, tier):
     path = tmp_path / "j.coli_kv"
     before = expected_records(1, 2, tier)
@@ -128,7 +129,7 @@ def test_append_faults(tmp_path, monkeypatch, figures, tier):
 
 def test_truncate_faults(tmp_path, monkeypatch, figures):
     path = tmp_path / "j.coli_kv"
-    tier = Tier(2)
+    tier = tiers.FP8
     full = expected_records(1, 3, tier)
     keep = 5
     state = {}
@@ -153,11 +154,11 @@ def test_truncate_faults(tmp_path, monkeypatch, figures):
     sweep(monkeypatch, setup, lambda: state["journal"].truncate(keep), check, lambda **c: figures.add("journal_faults", "truncate", **c))
 
 
-@pytest.mark.parametrize("tier", [Tier(2), Tier(3, 0, 4)], ids=lambda t: t.describe())
+@pytest.mark.parametrize("tier", [tiers.FP8, tiers.polar(4)], ids=lambda t: t.describe())
 def test_lazy_upgrade_faults(tmp_path, monkeypatch, figures, tier):
     path = tmp_path / "j.coli_kv"
-    v1 = expected_records(1, 2, Tier(1))
-    original = Header(GEOMETRY, Tier(1), v1.shape[0]).to_bytes() + v1.tobytes()
+    v1 = expected_records(1, 2, tiers.F32)
+    original = Header(GEOMETRY, tiers.F32, v1.shape[0]).to_bytes() + v1.tobytes()
     upgraded = expected_records(1, 3, tier)
     state = {}
 
@@ -169,12 +170,12 @@ def test_lazy_upgrade_faults(tmp_path, monkeypatch, figures, tier):
 
     def check(raised):
         loaded = coli_kv.load(path)
-        if raised is not None and loaded.tier == Tier(1):
+        if raised is not None and loaded.tier == tiers.F32:
             assert path.read_bytes() == original
         else:  # the rename happened (a failure after it, e.g. the directory fsync, is still reported)
             assert loaded.records.tobytes() == upgraded.tobytes()
         journal = state["journal"]
-        if loaded.tier == Tier(1):
+        if loaded.tier == tiers.F32:
             journal.append(*turn_rows(1, 2))
         journal.close()
         assert coli_kv.load(path).records.tobytes() == upgraded.tobytes()
@@ -198,20 +199,20 @@ def test_create_faults(tmp_path, monkeypatch, figures):
         leftovers = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
         assert leftovers == []
         if not path.exists():
-            KVFile.create(path, GEOMETRY, Tier(2)).close()
+            KVFile.create(path, GEOMETRY, tiers.FP8).close()
 
-    sweep(monkeypatch, setup, lambda: KVFile.create(path, GEOMETRY, Tier(2)).close(), check,
+    sweep(monkeypatch, setup, lambda: KVFile.create(path, GEOMETRY, tiers.FP8).close(), check,
           lambda **c: figures.add("journal_faults", "create", **c))
 
 
 def test_migrate_repair_export_faults(tmp_path, monkeypatch, figures):
     src = tmp_path / "src.coli_kv"
-    rows = expected_records(3, 3, Tier(1))
-    src.write_bytes(Header(GEOMETRY, Tier(1), rows.shape[0]).to_bytes() + rows.tobytes())
+    rows = expected_records(3, 3, tiers.F32)
+    src.write_bytes(Header(GEOMETRY, tiers.F32, rows.shape[0]).to_bytes() + rows.tobytes())
     original = src.read_bytes()
     dst = tmp_path / "dst.coli_kv"
-    converted = expected_records(3, 3, Tier(2))
-    want = Header(GEOMETRY, Tier(2), converted.shape[0]).to_bytes() + converted.tobytes()
+    converted = expected_records(3, 3, tiers.FP8)
+    want = Header(GEOMETRY, tiers.FP8, converted.shape[0]).to_bytes() + converted.tobytes()
 
     def check_migrate(raised):
         assert src.read_bytes() == original
@@ -220,7 +221,7 @@ def test_migrate_repair_export_faults(tmp_path, monkeypatch, figures):
     def setup_migrate():
         dst.unlink(missing_ok=True)
 
-    sweep(monkeypatch, setup_migrate, lambda: migrate_file(src, dst, Tier(2)), check_migrate,
+    sweep(monkeypatch, setup_migrate, lambda: migrate_file(src, dst, tiers.FP8), check_migrate,
           lambda **c: figures.add("journal_faults", "migrate_file", **c))
 
     damaged = bytearray(original)

@@ -18,8 +18,9 @@ from kvstore.errors import KVStoreError
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Header, Tier
 from kvstore.journal import KVFile
+from kvstore import tiers
 
-TIERS = [Tier(1), Tier(2), Tier(3, 1, 4), Tier(3, 0, 2)]
+TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(2)]
 #: Fuzzed files per test: 300 in CI, 5000 in the long run (KVSTORE_LONG=1).
 EXAMPLES = 5000 if os.environ.get("KVSTORE_LONG") == "1" else 300
 SEEDS = {t: Header(GEOMETRY, t, 5).to_bytes() + expected_records(5, 1, t)[:5].tobytes() for t in TIERS}
@@ -71,11 +72,11 @@ def test_absurd_header_words_allocate_nothing(figures, tier, edits):
 
 
 def test_huge_claims_are_refused_or_clamped():
-    blob = bytearray(SEEDS[Tier(2)])
+    blob = bytearray(SEEDS[tiers.FP8])
     struct.pack_into("<i", blob, 32, 2**31 - 1)  # nrec
     assert coli_kv.parse(bytes(blob)).n == 5
     for word, value in [(1, 2**30), (0, 2**31 - 1), (2, 2**30), (3, 2**30)]:
-        bad = bytearray(SEEDS[Tier(2)])
+        bad = bytearray(SEEDS[tiers.FP8])
         struct.pack_into("<i", bad, 8 + 4 * word, value)
         with pytest.raises(KVStoreError):
             coli_kv.parse(bytes(bad))

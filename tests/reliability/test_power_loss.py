@@ -14,8 +14,9 @@ from reliability.workload import GEOMETRY, expected_records
 from kvstore.errors import KVStoreError
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Header, Tier
+from kvstore import tiers
 
-TIERS = [Tier(1), Tier(2), Tier(3, 1, 4), Tier(3, 0, 5)]
+TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(5)]
 
 
 def states(tier):

@@ -17,6 +17,7 @@ import threading
 import numpy as np
 
 from kvstore.formats.coli_kv import Geometry, Tier, encode_records
+from kvstore import tiers
 from service.support import metrics
 
 TURN = {"tokens": [5, 6, 7, 8], "max_new_tokens": 4, "stop": []}  # 8 records a turn
@@ -27,7 +28,7 @@ TURN_BYTES = 8 * RECORD_BYTES
 def _rows(seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     geometry = Geometry(4, 64, 32, 0, 0, 512)
-    return encode_records(geometry, Tier(1), rng.integers(0, 512, 8), rng.standard_normal((4, 8, 64)), rng.standard_normal((4, 8, 32))).tobytes()
+    return encode_records(geometry, tiers.F32, rng.integers(0, 512, 8), rng.standard_normal((4, 8, 64)), rng.standard_normal((4, 8, 32))).tobytes()
 
 
 def _journal_bytes(data) -> int:

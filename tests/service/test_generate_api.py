@@ -16,6 +16,7 @@ import numpy as np
 
 from kvstore.engine.generate import Engine
 from kvstore.engine.weights import load_model
+from kvstore import tiers
 from service.support import OTHER_KEY, metrics, sse_events
 
 TURN = {"max_new_tokens": 4, "stop": []}
@@ -79,7 +80,7 @@ def test_a_conversation_resumed_after_a_restart_prefills_only_the_new_turn(make_
     from kvstore.formats import coli_kv
 
     tokens = np.frombuffer(history[coli_kv.HEADER_BYTES:], dtype=coli_kv.record_dtype(
-        coli_kv.parse_header(history[: coli_kv.HEADER_BYTES]).geometry, coli_kv.Tier(1)))["token"].tolist()
+        coli_kv.parse_header(history[: coli_kv.HEADER_BYTES]).geometry, coli_kv.tiers.F32))["token"].tolist()
     uninterrupted = Engine(load_model(model_dir), tier="fp8").generate(tokens + [50, 51], max_new_tokens=4, stop_tokens=())
     assert resumed["tokens"] == uninterrupted.tokens
 

@@ -7,6 +7,7 @@ import numpy as np
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
 from kvstore.sessions import SessionStore
+from kvstore import tiers
 
 GEOMETRY = Geometry(n_layers=2, kv_lora=32, qk_rope=8, index_hd=4, nic=1, vocab=1000)
 MODEL = {"name": "tiny-mla", "revision": "r1"}
@@ -35,7 +36,7 @@ class Rows:
         )
 
 
-def new_session(store: SessionStore, session_id: str = "chat", owner: str = "alice", tier: Tier = Tier(2), **kw):
+def new_session(store: SessionStore, session_id: str = "chat", owner: str = "alice", tier: Tier = tiers.FP8, **kw):
     return store.create(owner, GEOMETRY, tier, MODEL, session_id=session_id, **kw)
 
 

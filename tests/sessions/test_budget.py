@@ -16,10 +16,11 @@ from kvstore.errors import BudgetExceeded, SessionNotFound
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Tier
 from kvstore.sessions import SessionStore
+from kvstore import tiers
 from sessions.support import GEOMETRY, Rows, new_session
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
-REC = coli_kv.record_bytes(GEOMETRY, Tier(2))
+REC = coli_kv.record_bytes(GEOMETRY, tiers.FP8)
 
 
 def files_bytes(data: Path) -> int:

@@ -12,6 +12,7 @@ from kvstore.cli_sessions import add_commands, main
 from kvstore.errors import SessionNotFound
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Tier
+from kvstore import tiers
 from sessions.support import GEOMETRY, Rows
 
 
@@ -82,7 +83,7 @@ def test_a_conversation_through_the_cli(tmp_path, capsys):
 def test_verify_exits_1_on_damage_and_bad_input_exits_2(tmp_path, capsys):
     data = tmp_path / "data"
     raw = tmp_path / "rows.bin"
-    raw.write_bytes(Rows(2).encode(Tier(2), Rows(2).make(4)))
+    raw.write_bytes(Rows(2).encode(tiers.FP8, Rows(2).make(4)))
     run_json(capsys, "sessions", "create", "--data", data, "--id", "chat", "--model-name", "m", "--model-revision", "r",
              "--geometry", "2,32,8,4,1,1000", "--tier", "v2")
     run_json(capsys, "sessions", "append", "chat", raw, "--data", data)

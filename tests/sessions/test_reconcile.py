@@ -18,6 +18,7 @@ from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Tier
 from kvstore.journal import KVFile
 from kvstore.sessions import SessionStore
+from kvstore import tiers
 from sessions.support import Rows, journal_body, new_session
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -62,9 +63,9 @@ def test_crash_after_journal_append_before_index_commit_rolls_back(tmp_path):
         assert any("rolled back 3 unacknowledged records" in line for line in store.reconcile_actions)
         info = store.get("chat")
         assert (info.n_records, info.watermark, info.size_bytes) == (5, 5, HEADER_BYTES + 5 * info.record_bytes)
-        assert journal_body(store, "chat") == rows.encode(Tier(2), first)
+        assert journal_body(store, "chat") == rows.encode(tiers.FP8, first)
         store.append("chat", *second)  # the client's retry does not duplicate rows
-        assert journal_body(store, "chat") == rows.encode(Tier(2), first, second)
+        assert journal_body(store, "chat") == rows.encode(tiers.FP8, first, second)
         assert store.verify("chat").ok
 
 
@@ -86,7 +87,7 @@ def test_crash_between_truncate_commit_and_cut_finishes_the_cut(tmp_path):
     with SessionStore(data) as store:
         info = store.get("chat")
         assert (info.n_records, info.watermark) == (4, 4)
-        assert journal_body(store, "chat") == rows.encode(Tier(2), first)[: 4 * info.record_bytes]
+        assert journal_body(store, "chat") == rows.encode(tiers.FP8, first)[: 4 * info.record_bytes]
         assert store.verify("chat").ok
 
 
@@ -113,7 +114,7 @@ def test_crash_during_park(tmp_path, patch, expected_state):
         """,
     )
     rows = Rows(1)
-    expected = rows.encode(Tier(2), rows.make(30))
+    expected = rows.encode(tiers.FP8, rows.make(30))
     with SessionStore(data) as store:
         info = store.get("chat")
         assert info.state == expected_state
@@ -142,7 +143,7 @@ def test_crash_during_unpark_before_commit(tmp_path):
         assert any("interrupted park/unpark" in line for line in store.reconcile_actions)
         assert store.get("chat").state == "parked" and not store.journal_path("chat").exists()
         assert store.unpark("chat").state == "active"
-        assert journal_body(store, "chat") == rows.encode(Tier(2), rows.make(30))
+        assert journal_body(store, "chat") == rows.encode(tiers.FP8, rows.make(30))
 
 
 def test_crash_during_delete_is_finished_on_open(tmp_path):
@@ -176,7 +177,7 @@ def test_unindexed_journals_are_removed_when_empty_and_kept_otherwise(tmp_path):
     assert (data / "journals" / "chat.coli_kv").exists()
     rows = Rows(1)
     stray = data / "journals" / "stray.coli_kv"
-    with KVFile.create(stray, rows.geometry, Tier(2)) as journal:
+    with KVFile.create(stray, rows.geometry, tiers.FP8) as journal:
         journal.append(*rows.make(2))
     (data / "journals" / ".chat.coli_kv.tmp-999999999-1").write_bytes(b"partial")
     with SessionStore(data) as store:
@@ -200,7 +201,7 @@ def test_a_journal_that_lost_its_tail_clamps_the_index_to_whole_turns(tmp_path):
     with SessionStore(data) as store:
         info = store.get("chat")
         assert (info.n_records, info.watermark) == (10, 10) and "kept the 10" in info.problem
-        assert journal_body(store, "chat") == rows.encode(Tier(2), *chunks[:2])
+        assert journal_body(store, "chat") == rows.encode(tiers.FP8, *chunks[:2])
         assert store.verify("chat").ok
 
 
@@ -261,5 +262,5 @@ def test_sigkill_mid_conversation_loses_no_acknowledged_turn(tmp_path, trial):
         info = store.get("chat")
         assert info.n_records >= acked and info.n_records in boundaries
         kept = int(np.searchsorted(boundaries, info.n_records))
-        assert journal_body(store, "chat") == rows.encode(Tier(2), *expected_chunks[:kept])
+        assert journal_body(store, "chat") == rows.encode(tiers.FP8, *expected_chunks[:kept])
         assert store.verify("chat").ok and info.watermark == info.n_records

@@ -14,6 +14,7 @@ from kvstore.formats.coli_kv import Tier
 from kvstore.journal import KVFile
 from kvstore.migrations import index as schema
 from kvstore.sessions import Fingerprint, ModelInfo, SessionStore
+from kvstore import tiers
 from sessions.support import GEOMETRY, MODEL, Rows
 
 
@@ -36,7 +37,7 @@ def v1_session(data, sid, owner, chunks, last_used):
     path = data / "journals" / f"{sid}.coli_kv"
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     turns, count = [], 0
-    with KVFile.create(path, GEOMETRY, Tier(2)) as journal:
+    with KVFile.create(path, GEOMETRY, tiers.FP8) as journal:
         for chunk in chunks:
             encoded = journal.encode(*chunk)
             journal.append_records(encoded)
@@ -66,7 +67,7 @@ def test_upgrade_from_schema_1(tmp_path):
         assert store.index.version() == schema.CURRENT_VERSION and seen == [(1, 2), (2, 2)]
         assert [s.id for s in store.list(owner="alice")] == ["first"]
         assert store.get("first").tags == ("old",) and store.get("first").prefix_blocks == 3
-        fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, Tier(2))
+        fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
         hit = store.lookup("alice", fingerprint, tokens)
         assert (hit.session_id, hit.matched_tokens) == ("first", 200)
         assert store.verify("first").ok and store.verify("second").ok

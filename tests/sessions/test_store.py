@@ -23,9 +23,10 @@ from kvstore.errors import (
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Tier
 from kvstore.sessions import Fingerprint, ModelInfo, SessionStore
+from kvstore import tiers
 from sessions.support import GEOMETRY, MODEL, Rows, journal_body, new_session
 
-TIERS = [Tier(1), Tier(2), Tier(3, 1, 4), Tier(3, 0, 3)]
+TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(3)]
 
 
 def flip_byte(path, offset):
@@ -54,10 +55,10 @@ def test_layout_and_permissions(store, tmp_path):
 def test_create_get_list_and_filters(store):
     a = new_session(store, "a", tags=["x", "y"])
     new_session(store, "b", owner="bob", tags=["x"])
-    store.create("alice", GEOMETRY, Tier(2), {"name": "other", "revision": "1"}, session_id="c")
-    generated = store.create("alice", GEOMETRY, Tier(2), MODEL)
+    store.create("alice", GEOMETRY, tiers.FP8, {"name": "other", "revision": "1"}, session_id="c")
+    generated = store.create("alice", GEOMETRY, tiers.FP8, MODEL)
     assert a.n_records == 0 and a.state == "active" and a.tags == ("x", "y") and a.size_bytes == HEADER_BYTES
-    assert store.get("a").fingerprint == Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, Tier(2))
+    assert store.get("a").fingerprint == Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
     assert len(generated.id) == 32 and store.get(generated.id).owner == "alice"
     assert {s.id for s in store.list(owner="alice")} == {"a", "c", generated.id}
     assert [s.id for s in store.list(owner="bob")] == ["b"]
@@ -74,20 +75,20 @@ def test_create_get_list_and_filters(store):
 @pytest.mark.parametrize("bad", ["", "-a", "_a", "a" * 65, "../etc", "a/b", "a.b", "a b", "é", "a\0b", 7])
 def test_invalid_ids_are_refused(store, bad):
     with pytest.raises(InvalidSessionId):
-        store.create("alice", GEOMETRY, Tier(2), MODEL, session_id=bad)
+        store.create("alice", GEOMETRY, tiers.FP8, MODEL, session_id=bad)
     with pytest.raises(InvalidSessionId):
         store.get(bad)
 
 
 def test_bad_model_and_geometry_are_refused(store):
     with pytest.raises(InvalidRequest, match="revision"):
-        store.create("alice", GEOMETRY, Tier(2), {"name": "m"})
+        store.create("alice", GEOMETRY, tiers.FP8, {"name": "m"})
     with pytest.raises(InvalidRequest, match="unknown model fields"):
-        store.create("alice", GEOMETRY, Tier(2), {**MODEL, "colour": "red"})
+        store.create("alice", GEOMETRY, tiers.FP8, {**MODEL, "colour": "red"})
     with pytest.raises(FormatError):
-        store.create("alice", Geometry(0, 32, 8, 0, 0, 10), Tier(2), MODEL)
+        store.create("alice", Geometry(0, 32, 8, 0, 0, 10), tiers.FP8, MODEL)
     with pytest.raises(InvalidRequest):
-        store.create("bad owner!", GEOMETRY, Tier(2), MODEL)
+        store.create("bad owner!", GEOMETRY, tiers.FP8, MODEL)
     assert store.list() == []
 
 
@@ -149,7 +150,7 @@ def test_bad_uploads_change_nothing(store, rows):
     new_session(store)
     store.append("chat", *rows.make(3))
     before = store.journal_path("chat").read_bytes()
-    good = coli_kv.encode_records(GEOMETRY, Tier(2), *rows.make(2))
+    good = coli_kv.encode_records(GEOMETRY, tiers.FP8, *rows.make(2))
     bad_scale = good.copy()
     bad_scale["layers"]["Ls"][1, 0] = np.nan
     bad_token = good.copy()
@@ -160,7 +161,7 @@ def test_bad_uploads_change_nothing(store, rows):
     with pytest.raises(GeometryMismatch):
         store.append("chat", *Rows(2, Geometry(3, 32, 8, 4, 1, 1000)).make(2))
     with pytest.raises(FormatError):
-        store.append_records("chat", coli_kv.encode_records(GEOMETRY, Tier(1), *rows.make(1)))
+        store.append_records("chat", coli_kv.encode_records(GEOMETRY, tiers.F32, *rows.make(1)))
     assert store.journal_path("chat").read_bytes() == before
     info = store.get("chat")
     assert (info.n_records, info.watermark) == (3, 3)
@@ -168,18 +169,18 @@ def test_bad_uploads_change_nothing(store, rows):
 
 
 def test_fingerprint_is_checked_on_resume(store, rows):
-    new_session(store, tier=Tier(2))
+    new_session(store, tier=tiers.FP8)
     store.append("chat", *rows.make(2))
-    same = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, Tier(2))
+    same = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
     assert store.resume("chat", expect=same).reused_tokens == 2
-    resaved = Fingerprint(ModelInfo.from_dict({**MODEL, "weights_hash": "abc"}), GEOMETRY, Tier(2))
+    resaved = Fingerprint(ModelInfo.from_dict({**MODEL, "weights_hash": "abc"}), GEOMETRY, tiers.FP8)
     with pytest.raises(FingerprintMismatch, match="model.weights_hash"):
         store.resume("chat", expect=resaved)
     assert store.resume("chat", expect=resaved, override={"model.weights_hash"}).reused_tokens == 2
     with pytest.raises(FingerprintMismatch, match="tier"):
-        store.resume("chat", expect=Fingerprint(same.model, GEOMETRY, Tier(3, 1, 4)))
+        store.resume("chat", expect=Fingerprint(same.model, GEOMETRY, tiers.INT4))
     with pytest.raises(FingerprintMismatch, match="geometry.vocab"):
-        store.resume("chat", expect=Fingerprint(same.model, Geometry(2, 32, 8, 4, 1, 999), Tier(2)))
+        store.resume("chat", expect=Fingerprint(same.model, Geometry(2, 32, 8, 4, 1, 999), tiers.FP8))
     with pytest.raises(InvalidRequest):
         store.resume("chat", expect=resaved, override={"geometry.vocab"})
 
@@ -193,7 +194,7 @@ def test_truncate_mid_turn_rehashes_the_cut_turn(store, rows):
     info = store.truncate("chat", 9)
     assert (info.n_records, info.watermark, info.size_bytes) == (9, 9, HEADER_BYTES + 9 * info.record_bytes)
     assert store.journal_path("chat").stat().st_size == info.size_bytes
-    assert journal_body(store, "chat") == rows.encode(Tier(2), first, second)[: 9 * info.record_bytes]
+    assert journal_body(store, "chat") == rows.encode(tiers.FP8, first, second)[: 9 * info.record_bytes]
     report = store.verify("chat")
     assert report.ok and report.turns_checked == 2
     with pytest.raises(InvalidRequest):
@@ -264,7 +265,7 @@ def test_fork_copies_the_prefix_and_diverges(store, rows):
     store.append("chat", *second, complete_turn=False)
     fork = store.fork("chat", new_id="branch")
     assert (fork.n_records, fork.watermark, fork.parent, fork.fork_point, fork.tags) == (5, 5, "chat", 5, ("t",))
-    assert journal_body(store, "branch") == rows.encode(Tier(2), first)
+    assert journal_body(store, "branch") == rows.encode(tiers.FP8, first)
     mid = store.fork("chat", at=7, new_id="mid", tags=[])
     assert (mid.n_records, mid.watermark) == (7, 5)
     assert journal_body(store, "mid") == journal_body(store, "chat")[: 7 * mid.record_bytes]
@@ -288,7 +289,7 @@ def test_fork_refuses_to_rehash_a_damaged_turn(store, rows):
 
 # ------------------------------------------------------------------ prefix lookup
 def test_prefix_lookup_finds_the_longest_common_prefix(store, rows):
-    fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, Tier(2))
+    fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
     base = rows.rng.integers(0, 1000, 400).astype(np.int32)
     new_session(store, "short")
     store.append("short", *rows.make(150, base[:150]))
@@ -302,7 +303,7 @@ def test_prefix_lookup_finds_the_longest_common_prefix(store, rows):
     assert hit.matched_tokens == 130 and hit.session_id in ("short", "long")
     assert store.lookup("alice", fingerprint, base[:40]) is None  # less than one block
     assert store.lookup("bob", fingerprint, base[:250]) is None
-    other_model = Fingerprint(ModelInfo.from_dict({**MODEL, "revision": "r2"}), GEOMETRY, Tier(2))
+    other_model = Fingerprint(ModelInfo.from_dict({**MODEL, "revision": "r2"}), GEOMETRY, tiers.FP8)
     assert store.lookup("alice", other_model, base[:250]) is None
     store.truncate("long", 100)
     hit = store.lookup("alice", fingerprint, base[:250])
@@ -314,7 +315,7 @@ def test_prefix_lookup_finds_the_longest_common_prefix(store, rows):
 
 
 def test_prefix_lookup_ignores_the_incomplete_tail_and_sees_parked_sessions(store, rows):
-    fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, Tier(2))
+    fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
     tokens = rows.rng.integers(0, 1000, 200).astype(np.int32)
     new_session(store)
     store.append("chat", *rows.make(100, tokens[:100]))
@@ -328,7 +329,7 @@ def test_prefix_lookup_ignores_the_incomplete_tail_and_sees_parked_sessions(stor
 
 
 # ------------------------------------------------------------------ park / unpark
-@pytest.mark.parametrize("tier", [Tier(1), Tier(2), Tier(3, 0, 4)], ids=lambda t: t.describe())
+@pytest.mark.parametrize("tier", [tiers.F32, tiers.FP8, tiers.polar(4)], ids=lambda t: t.describe())
 def test_park_round_trip_is_byte_exact(store, rows, tier):
     new_session(store, tier=tier)
     store.append("chat", *rows.make(40))
@@ -374,21 +375,21 @@ def test_a_damaged_archive_is_refused_and_kept(store, rows):
 
 # ------------------------------------------------------------------ migrate / inspect / delete
 def test_migrate_rewrites_the_journal_and_its_hashes(store, rows):
-    new_session(store, tier=Tier(2))
+    new_session(store, tier=tiers.FP8)
     chunks = [rows.make(700), rows.make(30)]
     for chunk in chunks:
         store.append("chat", *chunk)
     seen = []
-    info = store.migrate("chat", Tier(3, 1, 4), progress=lambda done, total: seen.append((done, total)))
-    assert info.tier == Tier(3, 1, 4) and seen[-1] == (730, 730)
-    assert info.fingerprint_key == Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, Tier(3, 1, 4)).key()
+    info = store.migrate("chat", tiers.INT4, progress=lambda done, total: seen.append((done, total)))
+    assert info.tier == tiers.INT4 and seen[-1] == (730, 730)
+    assert info.fingerprint_key == Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.INT4).key()
     assert store.verify("chat").ok
     resumed = store.resume("chat")
-    assert resumed.records.tier == Tier(3, 1, 4) and resumed.tokens.tolist() == np.concatenate([c[0] for c in chunks]).tolist()
-    fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, Tier(3, 1, 4))
+    assert resumed.records.tier == tiers.INT4 and resumed.tokens.tolist() == np.concatenate([c[0] for c in chunks]).tolist()
+    fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.INT4)
     assert store.lookup("alice", fingerprint, resumed.tokens).matched_tokens == 730
     with pytest.raises(FingerprintMismatch):
-        store.resume("chat", expect=Fingerprint(fingerprint.model, GEOMETRY, Tier(2)))
+        store.resume("chat", expect=Fingerprint(fingerprint.model, GEOMETRY, tiers.FP8))
 
 
 def test_migrate_refuses_a_damaged_session(store, rows):
@@ -398,8 +399,8 @@ def test_migrate_refuses_a_damaged_session(store, rows):
     flip_byte(store.journal_path("chat"), code_offset(1, store.get("chat").record_bytes))
     before = store.journal_path("chat").read_bytes()
     with pytest.raises(IntegrityError, match="repair"):
-        store.migrate("chat", Tier(1))
-    assert store.journal_path("chat").read_bytes() == before and store.get("chat").tier == Tier(2)
+        store.migrate("chat", tiers.F32)
+    assert store.journal_path("chat").read_bytes() == before and store.get("chat").tier == tiers.FP8
 
 
 def test_inspect_reports_the_file(store, rows):
@@ -421,7 +422,7 @@ def test_delete_removes_files_and_entries(store, rows):
     assert not store.journal_path("chat").exists() and [s.id for s in store.list()] == ["kept"]
     with pytest.raises(SessionNotFound):
         store.get("chat")
-    fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, Tier(2))
+    fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
     assert store.lookup("alice", fingerprint, store.resume("kept").tokens).session_id == "kept"
     new_session(store, "chat")
     assert store.get("chat").n_records == 0
@@ -449,16 +450,16 @@ def test_symlinks_out_of_the_store_are_refused(tmp_path, rows):
 
 
 def test_codec_mismatch_is_not_a_silent_reload(store, rows):
-    new_session(store, tier=Tier(2))
+    new_session(store, tier=tiers.FP8)
     store.append("chat", *rows.make(3))
-    raw = rows.encode(Tier(3, 1, 4), rows.make(3))
+    raw = rows.encode(tiers.INT4, rows.make(3))
     with pytest.raises(FormatError):
         store.append_records("chat", raw)
     assert store.get("chat").n_records == 3
     with pytest.raises(CodecMismatch):
         from kvstore.journal import KVFile
 
-        KVFile.open(store.journal_path("chat"), tier=Tier(3, 1, 4))
+        KVFile.open(store.journal_path("chat"), tier=tiers.INT4)
 
 
 # ------------------------------------------------------------------ concurrency on one session
@@ -467,7 +468,7 @@ def test_concurrent_writers_on_one_session_never_interleave(store):
 
     new_session(store)
     turns = {i: Rows(50 + i).make(5 + i) for i in range(8)}
-    encoded = {i: Rows(50 + i).encode(Tier(2), turns[i]) for i in turns}
+    encoded = {i: Rows(50 + i).encode(tiers.FP8, turns[i]) for i in turns}
     failures = []
 
     def writer(i):
@@ -499,11 +500,11 @@ def test_readers_during_appends_see_whole_turns(store):
     new_session(store)
     rows = Rows(60)
     chunks = [rows.make(3 + i % 4) for i in range(30)]
-    expected = rows.encode(Tier(2), *chunks)
+    expected = rows.encode(tiers.FP8, *chunks)
     boundaries = {0}
     total = 0
     for chunk in chunks:
-        total += len(rows.encode(Tier(2), chunk))
+        total += len(rows.encode(tiers.FP8, chunk))
         boundaries.add(total)
     done = threading.Event()
     seen = []

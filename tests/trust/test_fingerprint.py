@@ -26,6 +26,7 @@ from kvstore.engine.weights import load_model, write_random_model
 from kvstore.errors import FingerprintMismatch, InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Tier
+from kvstore import tiers
 from trust.support import assert_same_cache, cache_state, session_engine, session_state, sibling
 
 TURN = dict(max_new_tokens=3, stop_tokens=())
@@ -54,7 +55,7 @@ def test_a_session_records_the_engines_full_fingerprint(chat, store, tiny_folder
     info = store.get("s")
     config = json.loads((tiny_folder / "config.json").read_text())
     assert info.geometry.words() == (config["num_hidden_layers"], config["kv_lora_rank"], config["qk_rope_head_dim"], 0, 0, config["vocab_size"])
-    assert info.tier == Tier(1)
+    assert info.tier == tiers.F32
     assert info.model.name == "tiny" and info.model.revision == "local"
     assert info.model.weights_hash == fingerprint.weights_hash(tiny_folder) and info.model.weights_hash.startswith("blake2b:")
     assert info.model.tokenizer_hash == fingerprint.tokenizer_hashes(tiny_folder)[0] is not None
@@ -176,12 +177,12 @@ def test_a_v1_session_resumes_in_an_fp8_engine_and_the_file_upgrades_on_the_next
     fp8 = session_engine(store, tiny_folder, tiny, "fp8")
     report = fp8.resume("u")  # no override needed: f32 rows are lossless
     assert (report.source, report.reused_tokens) == ("journal", 7)
-    assert path.read_bytes() == v1_bytes and store.get("u").tier == Tier(1)  # quantized in memory only
+    assert path.read_bytes() == v1_bytes and store.get("u").tier == tiers.F32  # quantized in memory only
     in_memory = fp8.engine.export_rows(0)
     assert in_memory.version == 2
     result = fp8.run("u", [9, 10], **TURN)
     assert (result.source, result.reused_tokens, result.prefilled_tokens) == ("live", 7, 2)
-    assert result.upgraded == "v1 (f32) -> v2 (fp8 e4m3)" and store.get("u").tier == Tier(2)
+    assert result.upgraded == "v1 (f32) -> v2 (fp8 e4m3)" and store.get("u").tier == tiers.FP8
     on_disk = StoredRows.from_records(coli_kv.load(path))
     assert on_disk.version == 2 and on_disk.n == 7 + 2 + 3
     for name in ("lc", "rc", "lc_scales", "rc_scales"):  # the file holds exactly the rows the cache used
@@ -199,5 +200,5 @@ def test_a_quantized_session_in_an_f32_engine_needs_the_tier_override_and_stays_
     _refused(f32, store, "q", "tier")
     result = f32.run("q", [9, 10], override=["tier"], **TURN)
     assert (result.source, result.reused_tokens, result.prefilled_tokens) == ("journal", 7, 2)
-    assert store.get("q").tier == Tier(2) and result.upgraded is None
+    assert store.get("q").tier == tiers.FP8 and result.upgraded is None
     assert store.verify("q").ok and coli_kv.load(store.journal_path("q")).n == 7 + 2 + 3

@@ -23,6 +23,7 @@ from kvstore.engine import restore as restore_module
 from kvstore.errors import IntegrityError, RestoreFailed, SessionDamaged
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Header, Tier
+from kvstore import tiers
 from trust.support import assert_same_cache, cache_state, session_engine, session_state
 
 TURN = dict(max_new_tokens=3, stop_tokens=())
@@ -113,7 +114,7 @@ def test_a_failed_quantization_of_v1_rows_leaves_the_fp8_cache_and_the_v1_file(s
     fp8 = session_engine(store, tiny_folder, tiny, "fp8")
     f32.run("b", [9, 10, 11], create=True, **TURN)  # a v1 session
     held = fp8.run("a", [5, 6, 7, 8], create=True, **TURN)
-    assert store.get("b").tier == Tier(1) and fp8.live_session == "a"
+    assert store.get("b").tier == tiers.F32 and fp8.live_session == "a"
 
     def broken(rows):
         raise RuntimeError("fp8 encode kernel failed (injected)")
