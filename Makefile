@@ -7,12 +7,12 @@ PORT   ?= 8000
 DATA   ?= ./data
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-long bench clean
+.PHONY: run test test-long check bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -21,12 +21,19 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest -q
 
+# What CI checks before the tests: lint, formatting, types (pyright on formats/, kvstore/,
+# migrations/ and api/), all with the versions pinned in pyproject's `lint` extra.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	.ci/typecheck
+
 # The long reliability runs (hundreds of crash trials per operation); see RELIABILITY.md.
 test-long: $(STAMP)
 	KVSTORE_LONG=1 $(VENV)/bin/pytest -q
 
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) bench/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis build/typecheck

@@ -2,7 +2,11 @@
 
 ``create_app(store_or_settings)`` builds the application; ``kvstore serve`` runs it. The layout
 follows FastAPI's "Bigger Applications": ``main.py`` (factory), ``dependencies.py`` (store handle,
-auth, bodies), ``routers/*.py`` (one ``APIRouter`` each), ``schemas.py`` (pydantic models).
+auth, bodies), ``routers/*.py`` (one ``APIRouter`` each), ``schemas.py`` (pydantic models),
+``errors.py`` (the service's own errors and the HTTP status of every kvstore error),
+``tier_fields.py`` (tiers in requests and responses: canonical names, the deprecated forms),
+``settings.py`` (configuration, read when built), ``keys.py`` (API keys), ``jobs.py`` (background
+jobs), ``arrow.py`` (rows as Arrow IPC).
 """
 
 from __future__ import annotations

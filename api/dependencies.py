@@ -1,16 +1,22 @@
-"""Request-scoped dependencies: the store handle, the caller's owner (auth), bounded bodies."""
+"""Request-scoped dependencies: the store handle, the caller's owner (auth), bounded bodies.
+
+Routes take them as annotated parameters (``owner: Owner``, ``store: Store``, ...), FastAPI's
+``Annotated`` form: the dependency is named once here, not as a call in every signature.
+"""
 
 from __future__ import annotations
+
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
-from kvstore.errors import BodyTooLarge, EngineNotLoaded, InvalidRequest, Unauthorized, UnsupportedMediaType
-from kvstore.sessions import SessionStore, validate_session_id
-
+from kvstore.api.errors import BodyTooLarge, EngineNotLoaded, Unauthorized, UnsupportedMediaType
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KeyTable
 from kvstore.api.settings import Settings
+from kvstore.errors import InvalidRequest
+from kvstore.store import SessionStore, validate_session_id
 
 _bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <API key>")
 _api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="the API key, as an alternative to Bearer")
@@ -45,8 +51,8 @@ def get_metrics(request: Request):
 
 def require_owner(
     request: Request,
-    bearer: HTTPAuthorizationCredentials | None = Depends(_bearer),
-    api_key: str | None = Depends(_api_key),
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    api_key: Annotated[str | None, Depends(_api_key)],
 ) -> str:
     """The owner the presented API key maps to (401 without a known key)."""
     key = bearer.credentials if bearer is not None else api_key
@@ -62,6 +68,14 @@ def require_owner(
 def session_id_param(session_id: str) -> str:
     """The ``{session_id}`` path parameter, validated (400 for anything that is not an id)."""
     return validate_session_id(session_id)
+
+
+Owner = Annotated[str, Depends(require_owner)]
+Store = Annotated[SessionStore, Depends(get_store)]
+SessionId = Annotated[str, Depends(session_id_param)]
+Jobs = Annotated[JobRunner, Depends(get_jobs)]
+AppSettings = Annotated[Settings, Depends(get_settings)]
+LoadedEngine = Annotated[Any, Depends(get_engine)]  # a kvstore.engine.session.SessionEngine (imports torch)
 
 
 def media_type(request: Request) -> str:

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvstore.errors import JobNotFound, KVStoreError
+from kvstore.api.errors import JobNotFound
+from kvstore.errors import KVStoreError
 
 MAX_KEPT_JOBS = 1000
 

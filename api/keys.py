@@ -18,12 +18,12 @@ import secrets
 import threading
 from pathlib import Path
 
+from kvstore import DEFAULT_OWNER
 from kvstore.errors import ConfigError, PathRefused
 from kvstore.journal import AtomicFile
+from kvstore.store.values import OWNER_PATTERN
 
 KEYS_FILE = "keys.json"
-DEFAULT_OWNER = "default"
-_OWNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
 MIN_KEY_CHARS = 16
 log = logging.getLogger("kvstore.api")
 
@@ -37,7 +37,7 @@ def new_key() -> str:
 
 
 def _check_owner(owner, where: str) -> str:
-    if not isinstance(owner, str) or not _OWNER.fullmatch(owner):
+    if not isinstance(owner, str) or not OWNER_PATTERN.fullmatch(owner):
         raise ConfigError(f"{where}: invalid owner {owner!r} (letters, digits, '_', '.', '@', '-')")
     return owner
 

@@ -1,6 +1,7 @@
 """The application factory: ``create_app(store_or_settings)``.
 
-Every error is JSON ``{"error": <type>, "reason": <text>}`` with the error's HTTP status; bodies
+Every error is JSON ``{"error": <type>, "reason": <text>}`` with the HTTP status
+``kvstore.api.errors`` maps the error's class to; bodies
 over the configured limit are refused (413) before they are read; every route but ``/health``,
 ``/metrics`` (process totals only) and the docs needs an API key (see ``kvstore.api.keys``).
 With ``Settings.model_dir`` the bundled engine is loaded at startup and ``POST
@@ -24,14 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import kvstore
-from kvstore.errors import BodyTooLarge, InvalidRequest, KVStoreError
-from kvstore.sessions import SessionStore
-
+from kvstore.api.errors import BodyTooLarge, http_status
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
 from kvstore.api.routers import files, generate, health, jobs, lookup, metrics, sessions
 from kvstore.api.routers.metrics import Metrics
 from kvstore.api.settings import Settings
+from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.store import SessionStore
 
 log = logging.getLogger("kvstore.api")
 
@@ -43,8 +44,9 @@ def _error(status: int, error: str, reason: str, headers: dict[str, str] | None 
 
 
 async def _kvstore_error(request: Request, exc: KVStoreError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
-    return _error(exc.http_status, type(exc).__name__, exc.reason, headers)
+    status = http_status(exc)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return _error(status, type(exc).__name__, exc.reason, headers)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -210,9 +212,7 @@ def _load_engine(settings: Settings, store: SessionStore):
     """The bundled engine on ``settings.model_dir`` (weights hash computed once per folder, cached)."""
     from kvstore.engine.session import SessionEngine
 
-    engine = SessionEngine.from_folder(
-        settings.model_dir, store, tier=settings.tier, bits=settings.bits, device=settings.device, dtype=settings.dtype
-    )
+    engine = SessionEngine.from_folder(settings.model_dir, store, tier=settings.tier, device=settings.device, dtype=settings.dtype)
     described = engine.describe()
     log.info(
         "engine: %s (%s) on %s, %s cache (journals %s), weights %s",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvstore.api.tier_fields import DEFAULT_TIER, MAX_TIER_CHARS, TierField, TierRead, read_migrate_target, read_tier
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
-from kvstore.sessions import Fingerprint, ModelInfo
-from kvstore import tiers
+from kvstore.store import Fingerprint, ModelInfo
 
 INT32_MAX = 2**31 - 1
 RAW_MEDIA_TYPE = "application/octet-stream"
@@ -57,28 +57,11 @@ class GeometryIn(Strict):
         return Geometry(self.n_layers, self.kv_lora, self.qk_rope, self.index_hd, self.nic, self.vocab)
 
 
-class TierIn(Strict):
-    """Record format: 1 = f32, 2 = fp8 e4m3, 3 = TurboQuant (codec ``int4`` with 4 bits, or ``polar`` 2-6)."""
-
-    version: Literal[1, 2, 3] = 2
-    codec: Literal["polar", "int4"] | None = None
-    bits: int | None = Field(default=None, ge=2, le=6)
-
-    @field_validator("version", mode="before")
-    @classmethod
-    def _not_a_bool(cls, version: Any) -> Any:
-        if isinstance(version, bool):  # True == 1: a literal check alone would take it as v1
-            raise ValueError("version is 1, 2 or 3 (a number, not a boolean)")
-        return version
-
-    def to_tier(self) -> Tier:
-        return tiers.parse(f"v{self.version}", codec=self.codec, bits=self.bits)
-
-
 class TierOut(BaseModel):
-    version: int
-    codec: str | None
-    bits: int | None
+    name: str = Field(description="the tier's canonical name", examples=["fp8"])
+    version: int = Field(description=".coli_kv version of the session's journal")
+    codec: str | None = Field(description="v3 only: int4 or polar")
+    bits: int | None = Field(description="v3 only")
     description: str
 
 
@@ -86,8 +69,11 @@ class CreateSession(Strict):
     id: str | None = Field(default=None, description="1-64 of [A-Za-z0-9_-], starting with a letter or digit; generated if absent")
     model: ModelIn
     geometry: GeometryIn
-    tier: TierIn = TierIn()
+    tier: TierField = DEFAULT_TIER
     tags: list[str] = Field(default_factory=list, max_length=32)
+
+    def read_tier(self) -> TierRead:
+        return read_tier(self.tier)
 
 
 class SessionOut(BaseModel):
@@ -160,18 +146,31 @@ class RepairOut(BaseModel):
 
 
 class MigrateIn(Strict):
-    to: Literal["v1", "v2", "v3"]
-    codec: Literal["polar", "int4"] | None = None
-    bits: int | None = Field(default=None, ge=2, le=6)
+    """The target tier, by name. ``to``/``codec``/``bits`` are the deprecated form (one release)."""
 
-    def to_tier(self) -> Tier:
-        return tiers.parse(self.to, codec=self.codec, bits=self.bits)
+    tier: str | None = Field(default=None, min_length=1, max_length=MAX_TIER_CHARS, examples=["int4"])
+    to: Literal["v1", "v2", "v3"] | None = Field(default=None, json_schema_extra={"deprecated": True})
+    codec: Literal["polar", "int4"] | None = Field(default=None, json_schema_extra={"deprecated": True})
+    bits: int | None = Field(default=None, ge=2, le=6, json_schema_extra={"deprecated": True})
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "MigrateIn":
+        if (self.tier is None) == (self.to is None):
+            raise ValueError("name the target as 'tier' (e.g. \"int4\"), not both 'tier' and 'to', and not neither")
+        if self.tier is not None and (self.codec is not None or self.bits is not None):
+            raise ValueError(
+                "'codec' and 'bits' go with the deprecated 'to'; with 'tier', name the tier alone (e.g. \"polar3\")"
+            )
+        return self
+
+    def read_tier(self) -> TierRead:
+        return read_migrate_target(self.tier, self.to, self.codec, self.bits)
 
 
 class LookupIn(Strict):
     model: ModelIn
     geometry: GeometryIn
-    tier: TierIn = TierIn()
+    tier: TierField = DEFAULT_TIER
     tokens: list[int] = Field(description="the prompt's token ids")
 
     @field_validator("tokens")
@@ -181,8 +180,11 @@ class LookupIn(Strict):
             raise ValueError("token ids are non-negative 32-bit integers")
         return tokens
 
-    def fingerprint(self) -> Fingerprint:
-        return Fingerprint(self.model.to_model(), self.geometry.to_geometry(), self.tier.to_tier())
+    def read_tier(self) -> TierRead:
+        return read_tier(self.tier)
+
+    def fingerprint(self, tier: Tier) -> Fingerprint:
+        return Fingerprint(self.model.to_model(), self.geometry.to_geometry(), tier)
 
 
 class LookupMatch(BaseModel):

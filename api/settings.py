@@ -1,16 +1,23 @@
-"""Service settings: where the data lives, limits, and the API keys given by environment."""
+"""Service settings: where the data lives, limits, the engine, and the API keys given by environment.
+
+Nothing here reads the environment at import time: ``KVSTORE_API_KEYS`` is read when a
+:class:`Settings` is built without ``api_keys_env``.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore import tiers
 from kvstore.errors import ConfigError
-from kvstore.index import DEFAULT_MAP_SIZE
-from kvstore.units import parse_size  # noqa: F401  (re-exported for the service)
+from kvstore.store.index import DEFAULT_MAP_SIZE
 
 DEFAULT_MAX_BODY_BYTES = 256 << 20  # a 256-token turn of a 78-layer fp8 model is ~12 MiB
+
+
 @dataclass
 class Settings:
     """Everything the service is configured with.
@@ -20,12 +27,17 @@ class Settings:
     data_dir : the store's folder (``keys.json`` lives there too)
     budget_bytes, hard_limit_bytes : the store's disk budget and hard limit (see SessionStore)
     max_body_bytes : request bodies larger than this are refused with 413 before being read
-    api_keys_env : ``key:owner,key:owner`` (the ``KVSTORE_API_KEYS`` variable by default)
+    api_keys_env : ``key:owner,key:owner`` (the ``KVSTORE_API_KEYS`` variable by default, read
+        when the settings are built)
     job_workers : threads running long jobs (park, unpark, migrate)
     stream_chunk_bytes : bytes per chunk when streaming rows out
     model_dir : a model folder to load the bundled engine from (None: no ``/generate``)
-    tier, bits : the engine's cache tier (``f32``, ``bf16``, ``fp8``, ``tq-int4``, ``tq-polar``,
-        ``int8``) and PolarQuant bits
+    tier : the engine's cache tier, a name of :mod:`kvstore.tiers` (``f32``, ``bf16``, ``fp8``,
+        ``int4``, ``polar2`` .. ``polar6``, ``q8``) or a ``Tier``; held as the canonical name. Old
+        spellings (``tq-polar``, ``int8``, ...) are read for one release with a
+        ``TierSpellingDeprecated`` warning.
+    bits : deprecated (one release): PolarQuant bits for the old ``tq-polar`` spelling; folded
+        into ``tier`` (then None)
     device, dtype : where the engine runs (``cpu``, ``cuda``, ``mps``) and its weights dtype
     """
 
@@ -39,7 +51,7 @@ class Settings:
     job_workers: int = 2
     stream_chunk_bytes: int = 4 << 20
     model_dir: Path | None = None
-    tier: str = "f32"
+    tier: str = tiers.F32.name
     bits: int | None = None
     device: str = "cpu"
     dtype: str | None = None
@@ -50,3 +62,14 @@ class Settings:
             self.model_dir = Path(self.model_dir)
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ConfigError("max_body_bytes must be a positive number of bytes")
+        self.tier, self.bits = self._engine_tier().name, None
+
+    def _engine_tier(self) -> tiers.Tier:
+        spelled = self.tier.name if isinstance(self.tier, tiers.Tier) else self.tier
+        try:
+            tier, note = tiers.resolve(spelled, bits=self.bits)
+        except tiers.UnknownTier as exc:
+            raise ConfigError(f"the engine's tier: {exc.reason}") from None
+        if note is not None:
+            warnings.warn(note, tiers.TierSpellingDeprecated, stacklevel=4)  # the caller of Settings(...)
+        return tier

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from api_common import GEOMETRY_JSON, GLM, MODEL, TIER, Server, percentile, v2_records
-from kvstore.sessions import SessionStore
+
+from kvstore.store import SessionStore
 
 TURN = 256
 RAW = {"Content-Type": "application/octet-stream"}

@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Geometry, Tier
 from kvstore import tiers
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Geometry
 
 # GLM-4.5 style MLA geometry without a sparse-attention indexer (nic = 0).
 GLM = Geometry(n_layers=78, kv_lora=512, qk_rope=64, index_hd=0, nic=0, vocab=151552)
@@ -47,7 +47,7 @@ def v2_records(n: int, seed: int) -> np.ndarray:
 
 
 class Server:
-    """``python -m kvstore.cli_sessions serve`` on a socket bound here."""
+    """``python -m kvstore.cli serve`` on a socket bound here."""
 
     def __init__(self, data: Path, *extra: str):
         listener = socket.socket()
@@ -57,7 +57,7 @@ class Server:
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         env = {**os.environ, "KVSTORE_API_KEYS": f"{KEY}:bench"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli_sessions", "serve", "--data", str(data), "--fd", str(listener.fileno()),
+            [sys.executable, "-m", "kvstore.cli", "serve", "--data", str(data), "--fd", str(listener.fileno()),
              "--log-level", "warning", *extra],
             pass_fds=[listener.fileno()],
             env=env,

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from api_common import GEOMETRY_JSON, GLM, KEY, MODEL, TIER, Server, own_cpu_seconds, process_cpu_seconds, v2_records
+
 from kvstore.formats import coli_kv
 
 
@@ -81,7 +81,7 @@ def main() -> None:
         server = Server(data)
         try:
             with server.client() as client:
-                created = client.post("/sessions", json={"id": "long", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": {"version": 2}})
+                created = client.post("/sessions", json={"id": "long", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": "fp8"})
                 created.raise_for_status()
                 for start in range(0, args.tokens, 1024):
                     chunk = v2_records(min(1024, args.tokens - start), seed=start)

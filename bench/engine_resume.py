@@ -31,15 +31,17 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvstore.engine import TIERS, Engine, StoredRows, make_cache, preset, random_model, tier_bytes_per_token
+from kvstore import tiers
+from kvstore.engine import CacheGeometry, Engine, StoredRows, make_cache, preset, random_model
 from kvstore.formats import coli_kv
 
-DEFAULT_TIERS = ("f32", "bf16", "fp8", "int8", "tq-int4", "tq-polar")
+DEFAULT_TIERS = ("f32", "bf16", "fp8", "q8", "int4", "polar4")
 
 
 def _sync(device: torch.device) -> None:
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny", choices=("tiny", "tiny-yarn", "tiny-512", "v2-lite"))
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights (default f32 on cpu, bf16 elsewhere)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192, 32768])
-    parser.add_argument("--tiers", nargs="+", default=list(DEFAULT_TIERS), choices=list(TIERS))
+    parser.add_argument("--tiers", nargs="+", default=list(DEFAULT_TIERS), choices=tiers.names())
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     parser.add_argument("--layers", type=int, help="override the preset's layer count (smoke runs)")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for length in args.lengths:
             context = rng.integers(2, cfg.vocab_size, length + 1)
             cold = Engine(model, tier="f32", prefill_chunk=args.prefill_chunk)
-            cold_seconds, (cold_logits, _, _) = _timed(device, lambda: cold.prefill(context))
+            cold_seconds, (cold_logits, _, _) = _timed(device, partial(cold.prefill, context))
             stored_f32 = cold.export_rows(0, length)
             del cold
             row = {"length": length, "prefill": cold_seconds, "tiers": {}}
@@ -135,16 +137,23 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_bytes(stored.encode_file(geometry))
                 del staging
                 engine = Engine(model, tier=tier, prefill_chunk=args.prefill_chunk)
-                restore_seconds, _ = _timed(device, lambda: engine.restore_file(path))
-                step_seconds, (logits, prefilled, reused) = _timed(device, lambda: engine.prefill(context))
+                restore_seconds, _ = _timed(device, partial(engine.restore_file, path))
+                step_seconds, (logits, prefilled, reused) = _timed(device, partial(engine.prefill, context))
                 if (prefilled, reused) != (1, length):
                     raise RuntimeError(f"resume prefilled {prefilled} and reused {reused}, expected 1 and {length}")
                 same_next = int(torch.argmax(logits)) == int(torch.argmax(cold_logits))
                 row["tiers"][tier] = (restore_seconds, step_seconds, path.stat().st_size, same_next)
                 if args.host_path:
                     host = Engine(model, tier=tier, prefill_chunk=args.prefill_chunk)
-                    host_seconds, _ = _timed(device, lambda: host.restore(StoredRows.from_records(coli_kv.load(path))))
-                    same_rows = host.export_rows().record_array(geometry).tobytes() == engine.export_rows(0, length).record_array(geometry).tobytes()
+
+                    def host_restore(host=host, path=path):
+                        host.restore(StoredRows.from_records(coli_kv.load(path)))
+
+                    host_seconds, _ = _timed(device, host_restore)
+                    same_rows = (
+                        host.export_rows().record_array(geometry).tobytes()
+                        == engine.export_rows(0, length).record_array(geometry).tobytes()
+                    )
                     host_rows.append((length, tier, host_seconds, restore_seconds, path.stat().st_size, same_rows))
                     del host
                 if length == args.lengths[0]:
@@ -182,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             )
     if host_rows:
         print("\nRestore, host path (load + StoredRows.from_records + restore) vs device path (restore_file)")
-        print(f"{'tokens':>7s} {'tier':>9s} {'host':>11s} {'GB/s':>6s} {'device':>11s} {'GB/s':>6s} {'faster':>7s} {'rows':>8s}")
+        print(
+            f"{'tokens':>7s} {'tier':>9s} {'host':>11s} {'GB/s':>6s} {'device':>11s} {'GB/s':>6s} {'faster':>7s} {'rows':>8s}"
+        )
         for length, tier, host_seconds, device_seconds, size, same_rows in host_rows:
             print(
                 f"{length:7d} {tier:>9s} {_fmt_seconds(host_seconds):>11s} {size / host_seconds / 1e9:6.2f} "
@@ -192,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     f32_rate = decode_rows.get("f32")
     print(f"\nDecode after a resume at {args.lengths[0]} tokens ({args.decode_tokens} tokens, greedy)")
     print(f"{'tier':>9s} {'tokens/s':>9s} {'vs f32':>7s} {'KV B/token':>11s} {'vs f32':>7s}")
-    f32_bytes = tier_bytes_per_token("f32", cfg)
+    cache_geometry = CacheGeometry.of(cfg)
+    f32_bytes = cache_geometry.bytes_per_token("f32")
     for tier in args.tiers:
         rate = decode_rows[tier]
-        kv = tier_bytes_per_token(tier, cfg)
+        kv = cache_geometry.bytes_per_token(tier)
         ratio = f"{rate / f32_rate:6.2f}x" if f32_rate else "    -"
         print(f"{tier:>9s} {rate:9.1f} {ratio:>7s} {kv:11d} {f32_bytes / kv:6.2f}x")
     return 0

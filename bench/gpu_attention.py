@@ -1,6 +1,6 @@
 """Decode attention over quantized latent caches on one CUDA GPU: check, time, compare, in one run.
 
-For every variant (fp8 / rotated int4, dense / selected rows) and size it builds a random cache,
+For every variant (tiers fp8 / int4, dense / selected rows) and size it builds a random cache,
 checks the CUDA kernels against the float64 reference, times them (CUDA graph replays of one call
 per input set, the sets rotated so the cache is read from HBM, not L2), times the pure-torch path
 (dequantize + matmul, the fallback without cupy) on the same data, and prints:
@@ -22,6 +22,7 @@ checked against float64) instead of the full table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -31,14 +32,13 @@ from pathlib import Path
 
 import torch
 
-from kvstore.gpu import testing
+from kvstore.gpu import registry, testing
 from kvstore.gpu.cuda_backend import CudaBackend
 from kvstore.gpu.cuda_backend import _cupy_stream as cupy_stream
-from kvstore.gpu.registry import get_backend
-from kvstore.gpu.torch_backend import TorchBackend
 
 KERNEL_BOUND = 4e-3
-TIERS = ("fp8", "tq-int4")
+#: the tiers the CUDA kernels declare (kvstore.gpu.registry)
+TIERS = tuple(name for name in ("fp8", "int4") if name in registry.spec_of("cuda").tiers)
 
 
 def _events_ms(fn, reps: int, warmup: int = 3) -> list[float]:
@@ -61,7 +61,7 @@ def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_(0, 256)
     dst = torch.empty_like(src)
-    ms = statistics.median(_events_ms(lambda: dst.copy_(src), reps=20))
+    ms = statistics.median(_events_ms(functools.partial(dst.copy_, src), reps=20))
     del src, dst
     torch.cuda.empty_cache()
     return 2 * n_bytes / (ms * 1e-3)
@@ -75,10 +75,13 @@ def matmul_rate(n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
-def _cases(tier: str, lengths: list[int], heads: int, selected: int | None, n_sets: int, seed: int,
-           nan_rate: float = 0.0):
-    return [testing.make_case(tier, lengths, heads, device="cuda", seed=seed + i, selected=selected, nan_rate=nan_rate)
-            for i in range(n_sets)]
+def _cases(
+    tier: str, lengths: list[int], heads: int, selected: int | None, n_sets: int, seed: int, nan_rate: float = 0.0
+):
+    return [
+        testing.make_case(tier, lengths, heads, device="cuda", seed=seed + i, selected=selected, nan_rate=nan_rate)
+        for i in range(n_sets)
+    ]
 
 
 #: Fewest calls per timed CUDA graph: a decode step runs attention between other kernels, so the
@@ -145,18 +148,31 @@ def time_stream(cases) -> float:
     args = []
     for c in cases:
         start, rows = int(c.seq_start[0]), int(c.seq_len[0])
-        lc, rc = c.lc_codes[start:start + rows], c.rc_codes[start:start + rows]
-        ls, rs = c.lc_scales[start:start + rows], c.rc_scales[start:start + rows]
-        args.append((lc.data_ptr(), lc.numel() // 16, rc.data_ptr(), rc.numel() // 16, ls.data_ptr(), rs.data_ptr(),
-                     rows, sink.data_ptr()))
+        lc, rc = c.lc_codes[start : start + rows], c.rc_codes[start : start + rows]
+        ls, rs = c.lc_scales[start : start + rows], c.rc_scales[start : start + rows]
+        args.append(
+            (
+                lc.data_ptr(),
+                lc.numel() // 16,
+                rc.data_ptr(),
+                rc.numel() // 16,
+                ls.data_ptr(),
+                rs.data_ptr(),
+                rows,
+                sink.data_ptr(),
+            )
+        )
 
     calls = _schedule(args)
 
     def launch_all():
         with cupy_stream(torch.cuda.current_stream(), torch.cuda.current_device()):
             for a in calls:
-                kernel((n_sm * 8,), (256,), tuple(cupy.uint64(x) if j in (0, 2, 4, 5, 7) else cupy.int64(x)
-                                                  for j, x in enumerate(a)))
+                kernel(
+                    (n_sm * 8,),
+                    (256,),
+                    tuple(cupy.uint64(x) if j in (0, 2, 4, 5, 7) else cupy.int64(x) for j, x in enumerate(a)),
+                )
 
     launch_all()
     torch.cuda.synchronize()
@@ -169,7 +185,7 @@ def time_stream(cases) -> float:
 
 def time_torch(case) -> float:
     """Median microseconds per call of the pure-torch path (it synchronizes: timed end to end)."""
-    backend = TorchBackend(torch.device("cuda"))
+    backend = registry.instance("torch", "cuda")
     out = testing.poisoned_out(case)
     reps = 5
     testing.decode(case, out, backend=backend, validate=False)
@@ -183,8 +199,7 @@ def time_torch(case) -> float:
     return statistics.median(times) * 1e6
 
 
-def bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, l2_bytes, seed, with_torch=True,
-              nan_rate=0.0):
+def bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, l2_bytes, seed, with_torch=True, nan_rate=0.0):
     probe = testing.make_case(tier, lengths, heads, device="cuda", seed=seed, selected=selected, nan_rate=nan_rate)
     rows = probe.rows_attended()
     n_bytes = rows * probe.row_bytes()
@@ -233,8 +248,11 @@ def smoke(backend, seed: int) -> bool:
                 err = testing.relative_error(out, testing.reference(case))
                 good = err < KERNEL_BOUND
                 ok &= good
-                print(f"smoke {tier:8s} sel={selected!s:5s} H={heads:3d} lengths={lengths} rel_err={err:.2e} "
-                      f"{'ok' if good else 'FAIL'}", flush=True)
+                print(
+                    f"smoke {tier:8s} sel={selected!s:5s} H={heads:3d} lengths={lengths} rel_err={err:.2e} "
+                    f"{'ok' if good else 'FAIL'}",
+                    flush=True,
+                )
     return ok
 
 
@@ -247,12 +265,13 @@ def make_backend(spec: str):
         name = option.rstrip("0123456789")
         if name not in knobs or name == option:
             raise ValueError(f"unknown kernel option {option!r} in {spec!r}")
-        knobs[name] = int(option[len(name):])
+        knobs[name] = int(option[len(name) :])
     return CudaBackend(torch.device("cuda"), variant=variant, max_mt=knobs["mt"], min_tiles=knobs["tiles"])
 
 
-def compare(specs: list[str], copy_bw: float, l2_bytes: int, seed: int, out_dir: Path | None,
-            head_counts=(16, 64, 128)) -> bool:
+def compare(
+    specs: list[str], copy_bw: float, l2_bytes: int, seed: int, out_dir: Path | None, head_counts=(16, 64, 128)
+) -> bool:
     """Time every kernel variant on the same inputs; print one row per problem."""
     backends = {spec: make_backend(spec) for spec in specs}
     plan = []
@@ -265,20 +284,26 @@ def compare(specs: list[str], copy_bw: float, l2_bytes: int, seed: int, out_dir:
         plan.append((tier, testing.ragged_lengths(131072, 8, seed), h, None))
     plan = [p + (0.0,) for p in plan] + [("fp8", [131072], h, None, 1e-3) for h in head_counts[:2]]
     head = f"{'variant':9s} {'B':>2s} {'H':>4s} {'T':>12s} {'MB':>7s} " + " ".join(
-        f"{spec + ' us':>11s} {'%copy':>6s} {'err':>7s}" for spec in specs)
+        f"{spec + ' us':>11s} {'%copy':>6s} {'err':>7s}" for spec in specs
+    )
     print(head, flush=True)
     ok, rows = True, []
     for i, (tier, lengths, heads, selected, nan_rate) in enumerate(plan):
-        probe = testing.make_case(tier, lengths, heads, device="cuda", seed=seed + 31 * i, selected=selected,
-                                  nan_rate=nan_rate)
+        probe = testing.make_case(
+            tier, lengths, heads, device="cuda", seed=seed + 31 * i, selected=selected, nan_rate=nan_rate
+        )
         n_bytes = probe.rows_attended() * probe.row_bytes()
         cache_bytes = probe.lc_codes.numel() + probe.rc_codes.numel() + 8 * probe.lc_codes.shape[0]
         n_sets = max(1, min(16, math.ceil(3 * l2_bytes / max(cache_bytes, 1))))
         cases = [probe] + _cases(tier, lengths, heads, selected, n_sets - 1, seed + 31 * i + 1, nan_rate)
         ref = testing.reference(probe)
-        row = {"variant": f"{tier}{'-sel' if selected else ''}{'-nan' if nan_rate else ''}", "B": len(lengths),
-               "H": heads,
-               "T": max(lengths) if not selected else f"{max(lengths)}/{selected}", "MB": n_bytes / 1e6}
+        row = {
+            "variant": f"{tier}{'-sel' if selected else ''}{'-nan' if nan_rate else ''}",
+            "B": len(lengths),
+            "H": heads,
+            "T": max(lengths) if not selected else f"{max(lengths)}/{selected}",
+            "MB": n_bytes / 1e6,
+        }
         cells = []
         for spec, backend in backends.items():
             try:
@@ -292,8 +317,10 @@ def compare(specs: list[str], copy_bw: float, l2_bytes: int, seed: int, out_dir:
             row[spec] = {"us": us, "pct_copy": pct, "rel_err": err}
             cells.append(f"{us:11.1f} {pct:6.1f} {err:7.1e}")
         rows.append(row)
-        print(f"{row['variant']:9s} {row['B']:2d} {heads:4d} {str(row['T']):>12s} {row['MB']:7.1f} " + " ".join(cells),
-              flush=True)
+        print(
+            f"{row['variant']:9s} {row['B']:2d} {heads:4d} {str(row['T']):>12s} {row['MB']:7.1f} " + " ".join(cells),
+            flush=True,
+        )
         del cases, probe
         torch.cuda.empty_cache()
     if out_dir is not None:
@@ -310,13 +337,17 @@ def main() -> int:
     parser.add_argument("--compare", default=None, help="comma-separated kernel variants to time side by side")
     parser.add_argument("--no-torch", action="store_true", help="skip timing the pure-torch path")
     parser.add_argument("--heads", default="16,64,128", help="head counts of the --compare problems")
-    parser.add_argument("--one", default=None, metavar="TIER,H,T[,SPEC]",
-                        help="only run one call (twice) of one problem, e.g. under a profiler")
+    parser.add_argument(
+        "--one",
+        default=None,
+        metavar="TIER,H,T[,SPEC]",
+        help="only run one call (twice) of one problem, e.g. under a profiler",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
         return 2
-    backend = get_backend("cuda")
+    backend = registry.get_backend("cuda")
     props = torch.cuda.get_device_properties(0)
     device = f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MiB"
     print(f"device: {device}; backend: {backend.name}; seed {args.seed}", flush=True)
@@ -337,8 +368,10 @@ def main() -> int:
         heads = tuple(int(h) for h in args.heads.split(","))
         return 0 if compare(args.compare.split(","), copy_bw, props.L2_cache_size, args.seed, args.out, heads) else 1
     mm_rate = matmul_rate()
-    print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write); f16 matmul: {mm_rate / 1e12:.0f} TFLOP/s",
-          flush=True)
+    print(
+        f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write); f16 matmul: {mm_rate / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     plan = []
     for tier in TIERS:
         for heads in (16, 64, 128):
@@ -350,32 +383,52 @@ def main() -> int:
     # fp8 rows as the format's encoder writes them hold no NaN codes; these rows time tiles that do
     plan = [p + (0.0,) for p in plan] + [("fp8", [131072], h, None, 1e-3) for h in (16, 64)]
     results = []
-    header = (f"{'variant':9s} {'B':>2s} {'H':>4s} {'T':>12s} {'MB':>8s} {'kernel us':>10s} {'GB/s':>7s} "
-              f"{'%copy':>6s} {'read us':>8s} {'%read':>6s} {'floor us':>9s} {'torch us':>10s} {'torch/k':>8s} "
-              f"{'rel err':>8s}")
+    header = (
+        f"{'variant':9s} {'B':>2s} {'H':>4s} {'T':>12s} {'MB':>8s} {'kernel us':>10s} {'GB/s':>7s} "
+        f"{'%copy':>6s} {'read us':>8s} {'%read':>6s} {'floor us':>9s} {'torch us':>10s} {'torch/k':>8s} "
+        f"{'rel err':>8s}"
+    )
     print(header, flush=True)
     for i, (tier, lengths, heads, selected, nan_rate) in enumerate(plan):
-        r = bench_one(backend, tier, lengths, heads, selected, copy_bw, mm_rate, props.L2_cache_size, args.seed + 97 * i,
-                      with_torch=not args.no_torch, nan_rate=nan_rate)
+        r = bench_one(
+            backend,
+            tier,
+            lengths,
+            heads,
+            selected,
+            copy_bw,
+            mm_rate,
+            props.L2_cache_size,
+            args.seed + 97 * i,
+            with_torch=not args.no_torch,
+            nan_rate=nan_rate,
+        )
         results.append(r)
-        print(f"{r['variant']:9s} {r['B']:2d} {r['H']:4d} {str(r['T']):>12s} {r['MB']:8.1f} {r['kernel_us']:10.1f} "
-              f"{r['GBps']:7.0f} {r['pct_copy']:6.1f} {r['stream_us']:8.1f} {r['pct_stream']:6.1f} "
-              f"{r['floor_us']:9.1f} {r['torch_us']:10.0f} "
-              f"{r['torch_ratio']:8.1f} {r['rel_err']:8.1e}", flush=True)
+        print(
+            f"{r['variant']:9s} {r['B']:2d} {r['H']:4d} {str(r['T']):>12s} {r['MB']:8.1f} {r['kernel_us']:10.1f} "
+            f"{r['GBps']:7.0f} {r['pct_copy']:6.1f} {r['stream_us']:8.1f} {r['pct_stream']:6.1f} "
+            f"{r['floor_us']:9.1f} {r['torch_us']:10.0f} "
+            f"{r['torch_ratio']:8.1f} {r['rel_err']:8.1e}",
+            flush=True,
+        )
     bad = [r for r in results if not r["rel_err"] < KERNEL_BOUND]
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"device": device, "copy_Bps": copy_bw, "matmul_flops": mm_rate, "seed": args.seed}
         (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-        lines = ["| variant | B | H | T (/S) | MB read | kernel µs | GB/s | % copy BW | read-only µs | % of read-only | "
-                 "floor µs | torch µs | torch / kernel | rel err |",
-                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines = [
+            "| variant | B | H | T (/S) | MB read | kernel µs | GB/s | % copy BW | read-only µs | % of read-only | "
+            "floor µs | torch µs | torch / kernel | rel err |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in results:
             t = r["T"] if r["B"] == 1 else f"{r['T']} ragged"
-            lines.append(f"| {r['variant']} | {r['B']} | {r['H']} | {t} | {r['MB']:.1f} | {r['kernel_us']:.1f} | "
-                         f"{r['GBps']:.0f} | {r['pct_copy']:.1f} | {r['stream_us']:.1f} | {r['pct_stream']:.1f} | "
-                         f"{r['floor_us']:.1f} | {r['torch_us']:.0f} | "
-                         f"{r['torch_ratio']:.1f} | {r['rel_err']:.1e} |")
+            lines.append(
+                f"| {r['variant']} | {r['B']} | {r['H']} | {t} | {r['MB']:.1f} | {r['kernel_us']:.1f} | "
+                f"{r['GBps']:.0f} | {r['pct_copy']:.1f} | {r['stream_us']:.1f} | {r['pct_stream']:.1f} | "
+                f"{r['floor_us']:.1f} | {r['torch_us']:.0f} | "
+                f"{r['torch_ratio']:.1f} | {r['rel_err']:.1e} |"
+            )
         (args.out / "table.md").write_text("\n".join(lines) + "\n")
     print(f"checked {len(results)} configurations: {len(bad)} over the {KERNEL_BOUND:g} bound", flush=True)
     return 1 if bad else 0

@@ -7,7 +7,7 @@ hint at. The table also keeps the variants tried and not adopted (``pv-alu``, ``
 ``offsetN``: correct kernels, so their error column is meaningful), and ``@FILE`` times another
 version of the kernel source beside this one (an A/B on the same data). Usage::
 
-    python bench/gpu_stages.py [--tiers fp8,tq-int4] [--heads 16] [--rows 131072,1048576] [--only full,pv-alu]
+    python bench/gpu_stages.py [--tiers fp8,int4] [--heads 16] [--rows 131072,1048576] [--only full,pv-alu]
 
 Prints, per problem: µs, % of the copy bandwidth and the relative error against float64 of every
 variant (an ablation's error is large by construction).
@@ -42,15 +42,15 @@ _PV_ALU = """                        const u32 lo = prmt(v[q], 0u, 0x2404u), hi 
 def _prefetch(distance: int) -> list[tuple[str, str]]:
     """One thread asks the copy engine to bring tile blk + distance into L2 (three bulk
     prefetches: latent codes, rope codes, both scale runs rounded out to 16 bytes)."""
-    body = f"""
-        if (!GATHER && tid == 0 && PB < blk1) {{
+    body = """
+        if (!GATHER && tid == 0 && PB < blk1) {
             const long long pbase = start + (long long)PB * BN;
             const int pvalid = (int)min((long long)min(T - PB * BN, BN), n_rows - pbase);
-            if (pvalid > 0) {{
+            if (pvalid > 0) {
                 asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(lc + pbase * C::KB), "r"(pvalid * C::KB) : "memory");
                 asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(rc + pbase * C::RB), "r"(pvalid * C::RB) : "memory");
-            }}
-        }}
+            }
+        }
 """
     first = "    for (int PB = blk0 + 2; PB < blk0 + %d; ++PB) {%s    }\n" % (distance, body)
     step = "    {const int PB = blk + %d;%s}\n" % (distance, body)
@@ -64,38 +64,59 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
     # code bytes fed to the mma as f16 bits (no e4m3 / int4 conversion anywhere)
     "no-convert": [
         ("if (FMT == 1 || attempt > 0 || *nan_s != blk + 1) break;", "break;"),
-        ("__device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {\n    u32 r;",
-         "__device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {\n    return w;\n    u32 r;"),
-        ("__device__ __forceinline__ u32 e4m3_hi_to_f16x2(u32 w) {\n    u32 r;",
-         "__device__ __forceinline__ u32 e4m3_hi_to_f16x2(u32 w) {\n    return w;\n    u32 r;"),
-        ("__device__ __forceinline__ void int4x8_to_f16(u32 w, const LevelTable& lt, u32* out) {",
-         "__device__ __forceinline__ void int4x8_to_f16(u32 w, const LevelTable& lt, u32* out) {\n"
-         "    out[0] = w; out[1] = w ^ 1u; out[2] = w ^ 2u; out[3] = w ^ 3u; return;"),
+        (
+            "__device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {\n    u32 r;",
+            "__device__ __forceinline__ u32 e4m3_lo_to_f16x2(u32 w) {\n    return w;\n    u32 r;",
+        ),
+        (
+            "__device__ __forceinline__ u32 e4m3_hi_to_f16x2(u32 w) {\n    u32 r;",
+            "__device__ __forceinline__ u32 e4m3_hi_to_f16x2(u32 w) {\n    return w;\n    u32 r;",
+        ),
+        (
+            "__device__ __forceinline__ void int4x8_to_f16(u32 w, const LevelTable& lt, u32* out) {",
+            "__device__ __forceinline__ void int4x8_to_f16(u32 w, const LevelTable& lt, u32* out) {\n"
+            "    out[0] = w; out[1] = w ^ 1u; out[2] = w ^ 2u; out[3] = w ^ 3u; return;",
+        ),
     ],
     "no-pv": [("            pv(buf);\n        }\n    }\n", "        }\n    }\n")],
     # (stale scores may be NaN: the NaN-score test goes too, or the rare path would run)
-    "no-qk": [("if (FMT == 1 || attempt > 0 || *nan_s != blk + 1) break;", "break;"),
-              ("            qk(buf);\n", "\n")],
+    "no-qk": [("if (FMT == 1 || attempt > 0 || *nan_s != blk + 1) break;", "break;"), ("            qk(buf);\n", "\n")],
     # the tile loop only waits for its copies and issues the next ones
     "loads-only": [(_LOOP, _LOOP + "        continue;\n")],
     # no tiles at all: query prep, epilogue and merge only
-    "empty": [("    issue(blk0, 0);\n", ""),
-              ("    for (int blk = blk0; blk < blk1; ++blk) {\n        const int buf = (blk - blk0) & 1;",
-               "    for (int blk = blk0; blk < blk0; ++blk) {\n        const int buf = (blk - blk0) & 1;")],
+    "empty": [
+        ("    issue(blk0, 0);\n", ""),
+        (
+            "    for (int blk = blk0; blk < blk1; ++blk) {\n        const int buf = (blk - blk0) & 1;",
+            "    for (int blk = blk0; blk < blk0; ++blk) {\n        const int buf = (blk - blk0) & 1;",
+        ),
+    ],
     # the merge launches but returns at once
-    "merge-idle": [("    const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;",
-                    "    if (n_splits > 0) return;\n"
-                    "    const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;")],
+    "merge-idle": [
+        (
+            "    const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;",
+            "    if (n_splits > 0) return;\n"
+            "    const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;",
+        )
+    ],
     # partial contexts are not written
-    "no-store": [("        float amax = 0.0f;\n",
-                  "        if (__all_sync(FULL_MASK, v[0] != 1234.5f)) continue;\n        float amax = 0.0f;\n")],
+    "no-store": [
+        (
+            "        float amax = 0.0f;\n",
+            "        if (__all_sync(FULL_MASK, v[0] != 1234.5f)) continue;\n        float amax = 0.0f;\n",
+        )
+    ],
     # candidates (checked against float64):
     # fp8 P.V fragments converted with integer ops (the e4m3 bits shifted into f16's, which is the
     # value times 2^-8, exact) instead of the conversion unit; the epilogue multiplies by 2^8. Q.K^T
     # keeps cvt so NaN codes still show as NaN scores (the tile is cleared before P.V reads it).
-    "pv-alu": [(_PV_CVT, _PV_ALU),
-               ("const float vs = FMT == 1 ? rsqrtf((float)K) : 1.0f;",
-                "const float vs = FMT == 1 ? rsqrtf((float)K) : 256.0f;")],
+    "pv-alu": [
+        (_PV_CVT, _PV_ALU),
+        (
+            "const float vs = FMT == 1 ? rsqrtf((float)K) : 1.0f;",
+            "const float vs = FMT == 1 ? rsqrtf((float)K) : 256.0f;",
+        ),
+    ],
     # odd splits start later, so the two blocks of an SM run their phases out of step
     "offset500": [("    issue(blk0, 0);\n", "    if (split & 1) __nanosleep(500);\n    issue(blk0, 0);\n")],
     "offset1500": [("    issue(blk0, 0);\n", "    if (split & 1) __nanosleep(1500);\n    issue(blk0, 0);\n")],
@@ -125,12 +146,15 @@ def patched(name: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiers", default="fp8,tq-int4")
+    parser.add_argument("--tiers", default="fp8,int4")
     parser.add_argument("--heads", default="16")
     parser.add_argument("--rows", default="131072,1048576")
-    parser.add_argument("--only", default=",".join(TABLE),
-                        help="comma-separated ablation names, '+' to combine, or @FILE sources (default: the "
-                             "docs/GPU.md table); 'all' for every one")
+    parser.add_argument(
+        "--only",
+        default=",".join(TABLE),
+        help="comma-separated ablation names, '+' to combine, or @FILE sources (default: the "
+        "docs/GPU.md table); 'all' for every one",
+    )
     parser.add_argument("--nan-rate", type=float, default=0.0, help="share of fp8 code bytes planted as NaN")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     args = parser.parse_args()
@@ -142,8 +166,12 @@ def main() -> int:
     print(f"device: {props.name}; copy {copy_bw / 1e12:.2f} TB/s; seed {args.seed}", flush=True)
     names = list(ABLATIONS) if args.only == "all" else args.only.split(",")
     original = cuda_backend.kernel_source
-    problems = [(tier, int(h), int(t)) for tier in args.tiers.split(",") for h in args.heads.split(",")
-                for t in args.rows.split(",")]
+    problems = [
+        (tier, int(h), int(t))
+        for tier in args.tiers.split(",")
+        for h in args.heads.split(",")
+        for t in args.rows.split(",")
+    ]
     print(f"{'problem':24s} " + " ".join(f"{n:>18s}" for n in names), flush=True)
     for i, (tier, heads, rows) in enumerate(problems):
         probe = testing.make_case(tier, [rows], heads, device="cuda", seed=args.seed + i, nan_rate=args.nan_rate)

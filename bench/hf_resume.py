@@ -12,17 +12,17 @@ arrives and the next token is wanted. Two ways to get it:
 
 Printed per length and tier: the re-run time, the restore time (read + decode + copy + cache
 build), the first forward after it, the ratio re-run / (restore + first), the stored size and
-whether both ways pick the same next token (they must in v1 up to chunking numerics; quantized
+whether both ways pick the same next token (they must in f32 up to chunking numerics; quantized
 tiers may differ). Ratios are measured in this one run, after a warm-up pass; the restore is
 repeated ``--repeat`` times and the re-run ``--rerun-repeat`` times (medians).
 
 ``--host-path`` also times the restore this replaced (load the records, re-lay them out per layer
-on the host — sanitized code copies for v2/v3 —, upload each layer, decode there) on the same rows,
+on the host — sanitized code copies for fp8/TQ —, upload each layer, decode there) on the same rows,
 in a table of its own, and checks that both caches hold the same rows.
 
 Examples::
 
-    python bench/hf_resume.py                                   # CPU, tiny, 1k/8k/32k, v1 and v2
+    python bench/hf_resume.py                                   # CPU, tiny, 1k/8k/32k, f32 and fp8
     python bench/hf_resume.py --device cuda --preset v2-lite    # DeepSeek-V2-Lite geometry, bf16
     python bench/hf_resume.py --preset v2-lite --layers 2 --lengths 256 --dtype bfloat16   # smoke
 """
@@ -30,6 +30,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -45,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # a checkout that was not pip-installed (the GPU machine)
 
-import kvstore  # noqa: E402  (maps the part folders into the namespace)
+import kvstore  # noqa: E402, F401  (maps the part folders into the namespace)
+from kvstore import tiers  # noqa: E402
 from kvstore.engine import hf  # noqa: E402
 from kvstore.engine.config import preset  # noqa: E402
 
@@ -60,13 +62,21 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, help="keep only this many decoder layers (smoke runs)")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--lengths", default="1024,8192,32768", help="context lengths T, comma separated")
-    p.add_argument("--tiers", default="v1,v2", help="stored tiers to restore from: v1, v2/fp8, int4, polar")
+    p.add_argument(
+        "--tiers",
+        default="f32,fp8",
+        help="stored tiers to restore from: f32, fp8, int4, polar2..polar6 (kvstore.tiers names)",
+    )
     p.add_argument("--new", type=int, default=16, help="tokens of the new turn")
     p.add_argument("--chunk", type=int, default=4096, help="re-run prefill chunk (0: one pass)")
     p.add_argument("--repeat", type=int, default=3, help="restores per measurement (median)")
     p.add_argument("--rerun-repeat", type=int, default=1, help="re-runs per length (median)")
     p.add_argument("--store", choices=("auto", "sessions", "kvfile"), default="auto", help="sessions needs lmdb")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default 1 on cpu: the tiny model is per-op bound, and spinning threads on a shared box distort both sides)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default 1 on cpu: the tiny model is per-op bound, and spinning threads on a shared box distort both sides)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host-path", action="store_true", help="also time the host restore path (before/after table)")
     return p.parse_args(argv)
@@ -125,14 +135,16 @@ class SessionsBackend:
     name = "kvstore session"
 
     def __init__(self, folder: Path):
-        from kvstore.sessions import ModelInfo, SessionStore
+        from kvstore.store import ModelInfo, SessionStore
 
         self.store = SessionStore(folder / "data")
         # explicit model info: hashing a random 16B-parameter model's tensors is not what is measured
         self.info = ModelInfo(name="bench-random", revision="seed")
 
     def save(self, key, model, cache, tokens, tier) -> int:
-        saved = hf.save(self.store, key, model, cache, tokens, owner=OWNER, tier=tier, model_info=self.info, extend=False)
+        saved = hf.save(
+            self.store, key, model, cache, tokens, owner=OWNER, tier=tier, model_info=self.info, extend=False
+        )
         return saved.info.size_bytes
 
     def restore(self, key, model, upto, device, dtype):
@@ -155,7 +167,7 @@ class KVFileBackend:
 
         geometry = hf.check_cache_layout(model).geometry
         L, R = hf.cache_rows(model, cache)
-        with KVFile.create(self.folder / f"{key}.coli_kv", geometry, hf.parse_tier(tier)) as journal:
+        with KVFile.create(self.folder / f"{key}.coli_kv", geometry, tier) as journal:
             journal.append(np.asarray(tokens[: L.shape[1]], dtype=np.int32), L, R)
         return os.stat(self.folder / f"{key}.coli_kv").st_size
 
@@ -174,8 +186,8 @@ class KVFileBackend:
 
 def host_path_cache(model, records, device, dtype):
     """The restore before kvstore.engine.restore: per layer, a host copy out of the records (codes
-    sanitized on the host for v2/v3), a pageable upload, a decode on the device, ``cache.update``."""
-    from kvstore.engine import quant
+    sanitized on the host for fp8/TQ), a pageable upload, a decode on the device, ``cache.update``."""
+    from kvstore.gpu import codecs
 
     geometry = records.geometry
     cache = hf.new_cache(model)
@@ -194,18 +206,18 @@ def host_path_cache(model, records, device, dtype):
                 continue
             layer_codes = torch.from_numpy(codes[which][0][layer]).to(device)
             layer_scales = torch.from_numpy(codes[which][1][layer]).to(device)
-            if records.tier.version == 2:
-                out.append(quant.fp8_dequantize_rows(layer_codes, layer_scales))
-            elif records.tier.codec == quant.CODEC_INT4:
-                out.append(quant.int4_dequantize_rows(layer_codes, layer_scales))
-            else:
-                out.append(quant.polar_dequantize_rows(layer_codes, layer_scales, width, records.tier.bits))
+            out.append(codecs.decode_tier(records.tier, layer_codes, layer_scales, width))
         cache.update(out[0].to(dtype)[None, None], out[1].to(dtype)[None, None], layer)
     return cache
 
 
+def host_restore(backend, key, length: int, model, device, dtype):
+    """The host path of one stored conversation, the read of its records included."""
+    return host_path_cache(model, backend.records(key, length), device, dtype)
+
+
 def same_rows(a, b) -> bool:
-    """Both caches hold the same rows (NaN-safe: by bits; decoded rows within 1e-6 for v3 polar/int4)."""
+    """Both caches hold the same rows (NaN-safe: by bits; decoded rows within 1e-6 for int4/polarB)."""
     for x, y in zip(a.layers, b.layers):
         for p, q in ((x.keys, y.keys), (x.values, y.values)):
             if p.shape != q.shape or not torch.allclose(p.float(), q.float(), rtol=1e-6, atol=1e-6, equal_nan=True):
@@ -232,11 +244,11 @@ def main(argv=None) -> int:
     if args.threads or device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    tiers = [x.strip() for x in args.tiers.split(",") if x.strip()]
+    stored_tiers = [tiers.parse(x) for x in args.tiers.split(",") if x.strip()]
     model = build_model(args, device, dtype)
     geometry = hf.check_cache_layout(model).geometry
     generator = torch.Generator().manual_seed(args.seed + 1)
-    described = {tier: hf.parse_tier(tier).describe() for tier in tiers}
+    described = {tier: tier.name for tier in stored_tiers}
     host_rows = []
     with tempfile.TemporaryDirectory(prefix="hf-resume-") as tmp:
         backend = pick_backend(args.store, Path(tmp))
@@ -248,7 +260,9 @@ def main(argv=None) -> int:
         with torch.no_grad():  # warm-up: first-call costs (kernels, allocator, MoE paths) are not measured
             warm = torch.randint(2, geometry.vocab, (1, 64 + args.new), generator=generator).to(device)
             _, warm_cache = rerun(model, warm, args.chunk)
-            backend.save("warm", model, _history_cache(model, warm_cache, 64), warm[0, :64].cpu().numpy(), tiers[0])
+            backend.save(
+                "warm", model, _history_cache(model, warm_cache, 64), warm[0, :64].cpu().numpy(), stored_tiers[0]
+            )
             next_token(model, warm[:, 64:], backend.restore("warm", model, 64, device, dtype))
             del warm_cache
         header = f"{'T':>6} {'tier':<20} {'re-run s':>9} {'restore ms':>11} {'first ms':>9} {'speedup':>8} {'stored MB':>10} {'same':>5}"
@@ -259,19 +273,21 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 rerun_times = []
                 for _ in range(args.rerun_repeat):
-                    (reference, cache), rerun_s = timed(lambda: rerun(model, ids, args.chunk), device)
+                    (reference, cache), rerun_s = timed(functools.partial(rerun, model, ids, args.chunk), device)
                     rerun_times.append(rerun_s)
                 rerun_s = statistics.median(rerun_times)
                 history = ids[0, :length].cpu().numpy()
-                for tier in tiers:
-                    key = f"t{length}-{hf.parse_tier(tier).tag}"
+                for tier in stored_tiers:
+                    key = f"t{length}-{tier.name}"
                     crop = _history_cache(model, cache, length)
                     stored = backend.save(key, model, crop, history, tier)
                     del crop
                     restore_times, first_times, tokens = [], [], []
                     for _ in range(args.repeat):
-                        restored, restore_s = timed(lambda: backend.restore(key, model, length, device, dtype), device)
-                        token, first_s = timed(lambda: next_token(model, ids[:, length:], restored), device)
+                        restored, restore_s = timed(
+                            functools.partial(backend.restore, key, model, length, device, dtype), device
+                        )
+                        token, first_s = timed(functools.partial(next_token, model, ids[:, length:], restored), device)
                         restore_times.append(restore_s)
                         first_times.append(first_s)
                         tokens.append(token)
@@ -280,10 +296,21 @@ def main(argv=None) -> int:
                     if args.host_path and hasattr(backend, "records"):
                         host_times = []
                         for _ in range(args.repeat):
-                            host_cache, host_s = timed(lambda: host_path_cache(model, backend.records(key, length), device, dtype), device)
+                            host_cache, host_s = timed(
+                                functools.partial(host_restore, backend, key, length, model, device, dtype), device
+                            )
                             host_times.append(host_s)
                         device_cache = backend.restore(key, model, length, device, dtype)
-                        host_rows.append((length, described[tier], statistics.median(host_times), restore_s, stored, same_rows(host_cache, device_cache)))
+                        host_rows.append(
+                            (
+                                length,
+                                described[tier],
+                                statistics.median(host_times),
+                                restore_s,
+                                stored,
+                                same_rows(host_cache, device_cache),
+                            )
+                        )
                         del host_cache, device_cache
                     print(
                         f"{length:>6} {described[tier]:<20} {rerun_s:>9.2f} {restore_s * 1e3:>11.1f} {first_s * 1e3:>9.1f} "
@@ -297,7 +324,9 @@ def main(argv=None) -> int:
         backend.close()
     if host_rows:
         print("\nRestore, host path (per-layer host copies + pageable uploads) vs device path")
-        print(f"{'T':>6} {'tier':<20} {'host ms':>9} {'GB/s':>6} {'device ms':>10} {'GB/s':>6} {'faster':>7} {'rows':>6}")
+        print(
+            f"{'T':>6} {'tier':<20} {'host ms':>9} {'GB/s':>6} {'device ms':>10} {'GB/s':>6} {'faster':>7} {'rows':>6}"
+        )
         for length, tier, host_s, device_s, stored, same in host_rows:
             print(
                 f"{length:>6} {tier:<20} {host_s * 1e3:>9.1f} {stored / host_s / 1e9:>6.2f} {device_s * 1e3:>10.1f} "

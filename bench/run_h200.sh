@@ -36,7 +36,7 @@ fi
 if want engine; then
 step "engine resume vs re-prefill (v2-lite, bf16)"
 python3 bench/engine_resume.py --device cuda --preset v2-lite --workdir /tmp/kv-engine \
-    --tiers ${ENGINE_TIERS:-f32 fp8 tq-int4} 2>&1 | tee "$OUT/engine.log" | tail -n 40
+    --tiers ${ENGINE_TIERS:-f32 fp8 int4} 2>&1 | tee "$OUT/engine.log" | tail -n 40
 rm -rf /tmp/kv-engine
 fi
 

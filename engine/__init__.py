@@ -2,15 +2,17 @@
 
 Parts: :mod:`~kvstore.engine.config` (``ModelConfig``, presets), :mod:`~kvstore.engine.model`
 (the torch model: plain prefill, absorbed decode), :mod:`~kvstore.engine.weights` (load a
-Hugging Face folder, random init, write a folder), :mod:`~kvstore.engine.cache` (latent-cache
-tiers), :mod:`~kvstore.engine.attention` (decode backends per tier), :mod:`~kvstore.engine.quant`
-(device codecs), :mod:`~kvstore.engine.generate` (``Engine``: prefix reuse, sampling, streaming),
+Hugging Face folder, random init, write a folder), :mod:`~kvstore.engine.cache` (``LatentCache``:
+the rows of any ``kvstore.tiers`` tier on any device; its codecs are ``kvstore.gpu.codecs`` and its
+decode attention is chosen by ``kvstore.gpu.registry.select``), :mod:`~kvstore.engine.rows`
+(``StoredRows``: rows as a journal holds them), :mod:`~kvstore.engine.restore` (``.coli_kv`` records
+into a cache on the device), :mod:`~kvstore.engine.generate` (``Engine``: prefix reuse, sampling, streaming),
 :mod:`~kvstore.engine.session` (``SessionEngine``: conversation turns on stored sessions),
-:mod:`~kvstore.engine.hf` (transformers interop), :mod:`~kvstore.engine.cli` (``kvstore new-model``,
-``kvstore generate``).
+:mod:`~kvstore.engine.hf` (transformers interop). The commands that drive it (``kvstore new-model``,
+``generate``, ``chat``, ``hf-chat``) live in ``kvstore.cli``.
 
-The names below are imported on first use, so ``import kvstore.engine.cli`` (which every
-``kvstore`` command does) does not pay for torch.
+The names below are imported on first use, so ``import kvstore.engine.config`` (which the
+``kvstore`` command line imports to list the presets) does not pay for torch.
 
 Quick start::
 
@@ -25,12 +27,10 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "TIERS": "cache",
     "CacheGeometry": "cache",
     "LatentCache": "cache",
-    "StoredRows": "cache",
+    "StoredRows": "rows",
     "make_cache": "cache",
-    "tier_bytes_per_token": "cache",
     "PRESETS": "config",
     "ModelConfig": "config",
     "RopeConfig": "config",

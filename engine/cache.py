@@ -1,20 +1,19 @@
-"""Latent-cache tiers behind one interface, on any torch device (cpu, cuda, mps).
+# Over 500 lines: one cache class for every tier (fields, writes, reads, attention, three restore paths) reads as one.
+"""Latent caches of every tier behind one interface, on any torch device (cpu, cuda, mps).
 
 A cache holds, per layer and position, the two rows a ``.coli_kv`` record stores: ``Lc`` (the
 normed latent, ``kv_lora`` wide) and ``Rc`` (the roped shared key, ``qk_rope`` wide), in the tier's
 representation, plus the token id of each position. Rows are quantized when written and read
 back through dequantization (or attended directly by the tier's decode backend).
 
-======== ================================================= ============== ========================
-tier     stored per row                                    journal rows   bytes / token
-======== ================================================= ============== ========================
-f32      f32 values                                        v1             L * (K + R) * 4
-bf16     bf16 values                                       v1 (upcast)    L * (K + R) * 2
-fp8      e4m3 codes + f32 scale                            v2             L * (K + R + 8)
-tq-int4  packed rotated-int4 codes + f32 radius            v3 codec 1     L * (K/2 + R/2 + 8)
-tq-polar packed PolarQuant codes (b bits) + f32 radius     v3 codec 0     L * (rb(K) + rb(R) + 8)
-int8     Q8_0: int8 codes + one f16 delta per 32 values    v1 (dequant)   L * (K + R + (K+R)/16)
-======== ================================================= ============== ========================
+The tier is a :class:`kvstore.tiers.Tier` and everything a cache needs comes from it: the fields a
+row takes (:func:`kvstore.gpu.inputs.row_layout`: its values for ``f32``/``bf16``, its codes and a
+scale part for ``fp8``, ``int4``, ``polar2`` .. ``polar6``, ``q8``), its codecs
+(:mod:`kvstore.gpu.codecs`), its decode function (:func:`kvstore.gpu.registry.select`), its journal
+(``Tier.file_tier``: v1 f32 rows for f32, bf16 and q8) and its bytes: a position takes
+``Tier.row_bytes(K) + Tier.row_bytes(R)`` per layer (:meth:`CacheGeometry.bytes_per_token`): f32
+``4(K+R)``, bf16 ``2(K+R)``, fp8 ``K+R+8``, int4 ``K/2+R/2+8``, polarB ``rb(K)+rb(R)+8``, q8
+``(K+R)(1+1/16)``.
 
 Use: :func:`make_cache`; then per forward ``prepare(start, t)`` -> the model ``write``\\ s rows ->
 ``commit(start, tokens)``. ``restore`` swaps in rows from the journal all-or-nothing: stored
@@ -26,27 +25,20 @@ host-side ``StoredRows`` is the reference they are tested against.
 
 from __future__ import annotations
 
-import functools
-from abc import ABC, abstractmethod
+import warnings
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
 
-from kvstore.engine import quant
-from kvstore.engine.attention import DecodeChoice, select_decode
-from kvstore.engine.errors import CacheError, CodecMismatch, GeometryMismatch, TierUnsupported
 from kvstore import tiers
+from kvstore.engine.errors import CacheError, CodecMismatch, GeometryMismatch, TierUnsupported
+from kvstore.engine.rows import StoredRows
+from kvstore.gpu import codecs, registry
+from kvstore.gpu.errors import BackendUnavailable
+from kvstore.gpu.inputs import row_layout
 
-__all__ = [
-    "CacheGeometry",
-    "LatentCache",
-    "StoredRows",
-    "TIERS",
-    "make_cache",
-    "tier_bytes_per_token",
-]
+__all__ = ["CacheGeometry", "LatentCache", "make_cache"]
 
 # Capacity grows by at least this factor so appending one token at a time stays amortized O(1).
 _GROWTH = 1.5
@@ -72,167 +64,128 @@ class CacheGeometry:
             return cls(source.n_layers, source.kv_lora, source.qk_rope)
         raise TypeError(f"cannot take a cache geometry from {type(source).__name__}")
 
-
-# -- rows as the journal stores them ---------------------------------------------------------------
-
-
-@dataclass
-class StoredRows:
-    """Rows in a ``.coli_kv`` version, layer-major, on the host.
-
-    ``version`` 1: ``lc`` f32[n_layers, n, kv_lora], ``rc`` f32[n_layers, n, qk_rope], no scales.
-    ``version`` 2: fp8 codes u8[n_layers, n, width] and per-row scales f32[n_layers, n].
-    ``version`` 3: packed TQ codes u8[n_layers, n, rb(width)] and radii f32[n_layers, n]
-    (``codec`` 0 polar / 1 int4, ``bits``).
-    """
-
-    tokens: np.ndarray
-    version: int
-    lc: np.ndarray
-    rc: np.ndarray
-    lc_scales: np.ndarray | None = None
-    rc_scales: np.ndarray | None = None
-    codec: int | None = None
-    bits: int | None = None
-
-    @property
-    def n(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def n_layers(self) -> int:
-        return int(self.lc.shape[0])
-
-    def tier(self):
-        """The ``kvstore.formats.coli_kv.Tier`` of these rows."""
-        from kvstore.formats.coli_kv import Tier
-
-        return tiers.from_file(self.version, self.codec, self.bits)
-
-    @classmethod
-    def from_records(cls, records) -> "StoredRows":
-        """The rows of a loaded ``.coli_kv`` file (``KVRecords``), sanitized, without decoding codes."""
-        tier = records.tier
-        tokens = np.ascontiguousarray(records.tokens, dtype=np.int32)
-        if tier.version == 1:
-            lc, rc, _ = records.dequantize()
-            return cls(tokens, 1, lc, rc)
-        lc, lc_scales = records.quantized("L")
-        rc, rc_scales = records.quantized("R")
-        return cls(tokens, tier.version, lc, rc, lc_scales, rc_scales, tier.codec, tier.bits)
-
-    def dequantize(self, kv_lora: int, qk_rope: int) -> tuple[np.ndarray, np.ndarray]:
-        """f32 rows (L [n_layers, n, kv_lora], R [n_layers, n, qk_rope]) through the format codecs."""
-        if self.version == 1:
-            return np.asarray(self.lc, np.float32), np.asarray(self.rc, np.float32)
-        if self.version == 2:
-            from kvstore.formats import fp8
-
-            return fp8.dequantize_rows(self.lc, self.lc_scales), fp8.dequantize_rows(self.rc, self.rc_scales)
-        from kvstore.formats import tq
-
-        out = []
-        for codes, radii, width in ((self.lc, self.lc_scales, kv_lora), (self.rc, self.rc_scales, qk_rope)):
-            with np.errstate(over="ignore", invalid="ignore"):
-                rows = tq.dequantize_rows(codes, radii, width, self.codec, self.bits)
-            # A radius near the f32 limit (only a damaged file has one) overflows on the way back:
-            # such a row reads as zeros, as KVRecords.dequantize reads it.
-            rows[~np.isfinite(rows).all(axis=-1)] = 0.0
-            out.append(rows)
-        return out[0], out[1]
-
-    def record_array(self, geometry) -> np.ndarray:
-        """The rows as ``.coli_kv`` records (structured array; ``.tobytes()`` is a file body).
-
-        Codes and scales are copied as they are: no dequantize/requantize round trip.
-        """
-        from kvstore.formats import coli_kv
-
-        tier = self.tier()
-        records = np.zeros(self.n, dtype=coli_kv.record_dtype(geometry, tier))
-        records["token"] = self.tokens
-        layers = records["layers"]
-        layers["Lc"] = self.lc.transpose(1, 0, 2)
-        layers["Rc"] = self.rc.transpose(1, 0, 2)
-        if self.version != 1:
-            layers["Ls"] = self.lc_scales.T
-            layers["Rs"] = self.rc_scales.T
-        return records
-
-    def encode_file(self, geometry) -> bytes:
-        """A complete ``.coli_kv`` image (header with ``nrec = n`` + records) for ``geometry``."""
-        from kvstore.formats import coli_kv
-
-        records = self.record_array(geometry)
-        return coli_kv.Header(geometry, self.tier(), self.n).to_bytes() + records.tobytes()
+    def bytes_per_token(self, tier: tiers.Tier | str) -> int:
+        """KV bytes one position takes over all layers in ``tier`` (``Tier.row_bytes``; token id not counted)."""
+        tier = tier if isinstance(tier, tiers.Tier) else tiers.parse(tier)
+        return self.n_layers * (tier.row_bytes(self.kv_lora) + tier.row_bytes(self.qk_rope))
 
 
 # -- the cache interface ---------------------------------------------------------------------------
 
 
-class LatentCache(ABC):
+class LatentCache:
     """Per-layer latent rows of one sequence in one tier, on one device.
 
     Attributes
     ----------
-    tier : str — the tier name
+    tier : kvstore.tiers.Tier — ``tier.name`` is its name, ``tier.file_tier`` what a journal of this
+        cache holds (what :meth:`export_rows` produces)
     geometry : CacheGeometry
     device : torch.device
     length : int — committed positions (rows ``0 .. length-1`` are valid)
+    decode_choice : kvstore.gpu.registry.Selection — the decode function :meth:`attend` calls
     """
 
-    tier: ClassVar[str]
-
-    def __init__(self, geometry: CacheGeometry, device: torch.device | str = "cpu", capacity: int = 0, *, prefer_backend: str | None = None):
+    def __init__(
+        self,
+        tier: tiers.Tier,
+        geometry: CacheGeometry,
+        device: torch.device | str = "cpu",
+        capacity: int = 0,
+        *,
+        prefer_backend: str | None = None,
+    ):
+        self.tier = tier
         self.geometry = CacheGeometry.of(geometry)
         self.device = torch.device(device)
-        self._check_geometry()
+        for name, width in (("kv_lora", self.geometry.kv_lora), ("qk_rope", self.geometry.qk_rope)):
+            problem = tier.width_problem(width)
+            if problem is not None:
+                raise TierUnsupported(f"{name}: {problem}")
         self._length = 0
         self._tokens = np.zeros(capacity, dtype=np.int32)
         self._fields = self._allocate(capacity)
         self._capacity = capacity
-        self.decode_choice: DecodeChoice = select_decode(
-            self.tier, self.device, prefer_backend, kv_lora=self.geometry.kv_lora, qk_rope=self.geometry.qk_rope
-        )
+        try:
+            self.decode_choice: registry.Selection = registry.select(
+                tier, self.device, kv_lora=self.geometry.kv_lora, qk_rope=self.geometry.qk_rope, prefer=prefer_backend
+            )
+        except BackendUnavailable as exc:
+            raise TierUnsupported(exc.reason) from None
 
-    # -- what each tier defines --------------------------------------------------------------------
-    @abstractmethod
+    # -- the tier's fields: values or codes ("lc", "rc") and, for quantized tiers, a scale part -----
     def _field_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per stored row: field name -> (trailing shape, dtype). Stored as [n_layers, capacity, *shape]."""
+        specs = {}
+        for prefix, width in (("lc", self.geometry.kv_lora), ("rc", self.geometry.qk_rope)):
+            layout = row_layout(self.tier, width)
+            specs[prefix] = ((layout.code_width,), layout.codes_dtype)
+            if layout.scales_dtype is not None:
+                specs[f"{prefix}_scales"] = (layout.scales_shape, layout.scales_dtype)
+        return specs
 
-    @abstractmethod
     def _encode(self, lc: torch.Tensor, rc: torch.Tensor) -> dict[str, torch.Tensor]:
         """f32 rows [..., K] / [..., R] -> field tensors with the same leading shape."""
+        fields = {}
+        for prefix, rows in (("lc", lc), ("rc", rc)):
+            fields[prefix], scales = codecs.encode_tier(self.tier, rows)
+            if scales is not None:
+                fields[f"{prefix}_scales"] = scales
+        return fields
 
-    @abstractmethod
     def _decode(self, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Field tensors (leading shape [...]) -> f32 rows ([..., K], [..., R])."""
+        g = self.geometry
+        return (
+            codecs.decode_tier(self.tier, fields["lc"], fields.get("lc_scales"), g.kv_lora),
+            codecs.decode_tier(self.tier, fields["rc"], fields.get("rc_scales"), g.qk_rope),
+        )
 
-    @abstractmethod
-    def _operands(self, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """One layer's fields (rows 0..n-1) -> the row arguments of the tier's decode function."""
-
-    @abstractmethod
-    def _native(self, rows: StoredRows) -> dict[str, torch.Tensor] | None:
-        """Stored rows of this tier's own version as fields on the device, else None."""
-
-    @abstractmethod
-    def _stored(self, fields: dict[str, np.ndarray], tokens: np.ndarray) -> StoredRows:
-        """Host copies of fields [n_layers, n, ...] -> the tier's journal rows."""
-
-    def _native_fields(self, tier) -> dict[str, str] | None:
-        """Field -> ``.coli_kv`` record field (``Lc``/``Ls``/``Rc``/``Rs``) when records of ``tier``
-        are this tier's own representation (the device restore copies them as they are), else None."""
+    def _record_fields(self, stored: tiers.Tier) -> dict[str, str] | None:
+        """Field -> ``.coli_kv`` record field (``Lc``/``Ls``/``Rc``/``Rs``) when records of ``stored`` are
+        this cache's own representation (copied as they are; v1 rows into bf16 by a converting copy),
+        else None."""
+        if stored is self.tier or (self.tier is tiers.BF16 and stored is tiers.F32):
+            return {name: _RECORD_FIELD[name] for name in self._field_specs()}
         return None
 
-    def _check_geometry(self) -> None:
-        """Raise TierUnsupported if this tier cannot hold rows of this geometry."""
+    def _native(self, rows: StoredRows) -> dict[str, torch.Tensor] | None:
+        """Stored rows of this cache's own representation as fields on the device (sanitized), else None."""
+        if self._record_fields(rows.tier) is None:
+            return None
+        specs = self._field_specs()
+        if rows.lc.shape[-1] != specs["lc"][0][0] or rows.rc.shape[-1] != specs["rc"][0][0]:
+            raise GeometryMismatch(
+                f"stored rows are {rows.lc.shape[-1]}/{rows.rc.shape[-1]} bytes or values wide, "
+                f"the cache expects {specs['lc'][0][0]}/{specs['rc'][0][0]}"
+            )
+        fields = {}
+        for prefix, values, scales in (("lc", rows.lc, rows.lc_scales), ("rc", rows.rc, rows.rc_scales)):
+            fields[prefix] = _to_device(values, self.device, specs[prefix][1])
+            if scales is not None:
+                fields[f"{prefix}_scales"] = _to_device(scales, self.device, torch.float32)
+                # loaded files are sanitized already; rows handed over directly get the same treatment
+                sanitize = codecs.sanitize_fp8_ if self.tier is tiers.FP8 else codecs.sanitize_tq_
+                sanitize(fields[prefix], fields[f"{prefix}_scales"])
+        return fields
 
-    def journal_tier(self):
-        """The ``.coli_kv`` Tier that :meth:`export_rows` produces (what a journal of this cache holds)."""
-        from kvstore.formats.coli_kv import Tier
-
-        return tiers.F32
+    def _stored(self, fields: dict[str, np.ndarray], tokens: np.ndarray) -> StoredRows:
+        """Host copies of fields [n_layers, n, ...] -> the rows a journal of this tier holds."""
+        tier = self.tier
+        if tier.in_file and tier.version != 1:  # fp8, int4, polarB: the codes as they are
+            return StoredRows(
+                tokens,
+                tier.version,
+                fields["lc"],
+                fields["rc"],
+                fields["lc_scales"],
+                fields["rc_scales"],
+                tier.codec,
+                tier.bits,
+            )
+        # f32, bf16 (widened exactly) and q8 (decoded) journal as f32 rows
+        lc, rc = self._decode({name: torch.from_numpy(value) for name, value in fields.items()})
+        return StoredRows(tokens, 1, lc.numpy(), rc.numpy())
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -267,7 +220,7 @@ class LatentCache(ABC):
     def __repr__(self) -> str:
         g = self.geometry
         return (
-            f"{type(self).__name__}(tier={self.tier!r}, layers={g.n_layers}, kv_lora={g.kv_lora}, "
+            f"{type(self).__name__}(tier={self.tier.name!r}, layers={g.n_layers}, kv_lora={g.kv_lora}, "
             f"qk_rope={g.qk_rope}, length={self._length}, device={self.device}, backend={self.decode_choice.backend})"
         )
 
@@ -289,7 +242,9 @@ class LatentCache(ABC):
         """Quantize and store rows ``lc`` [T, kv_lora], ``rc`` [T, qk_rope] of ``layer`` at ``start``."""
         t = lc.shape[0]
         if start + t > self._capacity:
-            raise CacheError(f"rows {start}..{start + t - 1} are past the capacity {self._capacity}: call prepare() first")
+            raise CacheError(
+                f"rows {start}..{start + t - 1} are past the capacity {self._capacity}: call prepare() first"
+            )
         encoded = self._encode(lc.to(torch.float32), rc.to(torch.float32))
         for name, value in encoded.items():
             self._fields[name][layer, start : start + t] = value
@@ -312,7 +267,7 @@ class LatentCache(ABC):
         -------
         f32[B, H, kv_lora]: the attention context in latent space.
         """
-        operands = self._operands({name: f[layer, :n_rows] for name, f in self._fields.items()})
+        operands = [f[layer, :n_rows] for f in self._fields.values()]  # lc[, lc_scales], rc[, rc_scales]
         return self.decode_choice.function(q_lat, q_rope, *operands, seq_start, seq_len, softmax_scale)
 
     def commit(self, start: int, token_ids) -> None:
@@ -356,13 +311,16 @@ class LatentCache(ABC):
 
     # -- journal side ---------------------------------------------------------------------------------
     def export_rows(self, start: int = 0, stop: int | None = None) -> StoredRows:
-        """Rows ``start .. stop-1`` in the tier's journal version, copied to the host (raw codes)."""
+        """Rows ``start .. stop-1`` as a journal of the tier holds them (``tier.file_tier``), copied to
+        the host (raw codes; q8 rows dequantized to f32)."""
         start, stop = self._span(start, stop)
         fields = {name: self._to_host(f[:, start:stop]) for name, f in self._fields.items()}
         return self._stored(fields, self._tokens[start:stop].copy())
 
     def _to_host(self, field: torch.Tensor) -> np.ndarray:
-        return field.cpu().numpy()
+        # a copy (never a view of the cache); bf16 widened exactly to f32, which numpy has
+        dtype = torch.float32 if field.dtype == torch.bfloat16 else field.dtype
+        return field.to("cpu", dtype=dtype, copy=True).numpy()
 
     def export_f32(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens int32[n], L f32[n_layers, n, kv_lora], R f32[n_layers, n, qk_rope]) dequantized."""
@@ -402,14 +360,13 @@ class LatentCache(ABC):
             )
         fields = self._native(rows)
         if fields is None:
-            if rows.version != 1 and not self._lossless_target() and not allow_requantize:
-                raise CodecMismatch(
-                    f"rows stored as {rows.tier().describe()} would be quantized again for the {self.tier} "
-                    "tier (lossy): pass allow_requantize=True or migrate the file"
-                )
+            self._check_requantize(rows.tier, allow_requantize)
             lc, rc = rows.dequantize(g.kv_lora, g.qk_rope)
             self._check_widths(lc.shape[-1], rc.shape[-1])
-            fields = self._encode(torch.from_numpy(np.ascontiguousarray(lc)).to(self.device), torch.from_numpy(np.ascontiguousarray(rc)).to(self.device))
+            fields = self._encode(
+                torch.from_numpy(np.ascontiguousarray(lc)).to(self.device),
+                torch.from_numpy(np.ascontiguousarray(rc)).to(self.device),
+            )
         capacity = n + max(0, headroom)
         full = self._allocate(capacity)
         for name, value in fields.items():
@@ -419,7 +376,9 @@ class LatentCache(ABC):
         # Everything is built: swap it in.
         self._fields, self._tokens, self._capacity, self._length = full, tokens, capacity, n
 
-    def restore_records(self, records, *, expect=None, allow_requantize: bool = False, headroom: int = _MIN_CAPACITY) -> None:
+    def restore_records(
+        self, records, *, expect=None, allow_requantize: bool = False, headroom: int = _MIN_CAPACITY
+    ) -> None:
         """Restore from a loaded ``.coli_kv`` file (``KVRecords``); ``expect`` is the model's Geometry.
 
         Goes through the device restore (:meth:`restore_body`): the records are uploaded as stored
@@ -433,7 +392,13 @@ class LatentCache(ABC):
         self.restore_body(device_restore.MemoryBody(records), allow_requantize=allow_requantize, headroom=headroom)
 
     def restore_body(
-        self, body, *, allow_requantize: bool = False, headroom: int = _MIN_CAPACITY, check_tokens=None, chunk_bytes: int | None = None
+        self,
+        body,
+        *,
+        allow_requantize: bool = False,
+        headroom: int = _MIN_CAPACITY,
+        check_tokens=None,
+        chunk_bytes: int | None = None,
     ) -> None:
         """Replace the cache's content with the records of ``body``, all or nothing, on the device.
 
@@ -463,15 +428,11 @@ class LatentCache(ABC):
                 f"stored rows are {stored.n_layers} layers of {stored.kv_lora}/{stored.qk_rope}, the cache holds "
                 f"{g.n_layers} layers of {g.kv_lora}/{g.qk_rope}"
             )
-        native = self._native_fields(body.tier)
+        native = self._record_fields(body.tier)
         if native is not None:
             placement = device_restore.Placement(stored, body.tier, native=native)
         else:
-            if body.tier.version != 1 and not self._lossless_target() and not allow_requantize:
-                raise CodecMismatch(
-                    f"rows stored as {body.tier.describe()} would be quantized again for the {self.tier} "
-                    "tier (lossy): pass allow_requantize=True or migrate the file"
-                )
+            self._check_requantize(body.tier, allow_requantize)
             placement = device_restore.Placement(stored, body.tier, encode=self._encode)
         capacity = body.n + max(0, headroom)
         full = self._allocate(capacity, zeros=False)  # every row below n is written, the rest zeroed
@@ -493,8 +454,14 @@ class LatentCache(ABC):
         clone._tokens = self._tokens.copy()
         return clone
 
-    def _lossless_target(self) -> bool:
-        return False
+    def _check_requantize(self, stored: tiers.Tier, allow: bool) -> None:
+        """Quantized rows restored into another quantized tier would be quantized twice (lossy):
+        refused unless ``allow``. f32/bf16 caches take any rows (decoding is lossless there)."""
+        if stored is not tiers.F32 and self.tier not in (tiers.F32, tiers.BF16) and not allow:
+            raise CodecMismatch(
+                f"rows stored as {stored.describe()} would be quantized again for the {self.tier.name} "
+                "tier (lossy): pass allow_requantize=True or migrate the file"
+            )
 
     def _check_widths(self, kv_lora: int, qk_rope: int) -> None:
         g = self.geometry
@@ -502,262 +469,17 @@ class LatentCache(ABC):
             raise GeometryMismatch(f"rows are {kv_lora}/{qk_rope} wide, the cache holds {g.kv_lora}/{g.qk_rope}")
 
 
-def _check_stored(rows: StoredRows, lc_width: int, rc_width: int) -> None:
-    if rows.lc.shape[-1] != lc_width or rows.rc.shape[-1] != rc_width:
-        raise GeometryMismatch(
-            f"stored rows are {rows.lc.shape[-1]}/{rows.rc.shape[-1]} bytes or values wide, "
-            f"the cache expects {lc_width}/{rc_width}"
-        )
+_RECORD_FIELD = {"lc": "Lc", "lc_scales": "Ls", "rc": "Rc", "rc_scales": "Rs"}
 
 
-def _to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return tensor.to(device=device, dtype=dtype) if dtype is not None else tensor.to(device)
-
-
-class F32Cache(LatentCache):
-    """Full-precision rows (v1)."""
-
-    tier = "f32"
-    dtype = torch.float32
-
-    def _field_specs(self):
-        g = self.geometry
-        return {"lc": ((g.kv_lora,), self.dtype), "rc": ((g.qk_rope,), self.dtype)}
-
-    def _encode(self, lc, rc):
-        return {"lc": lc.to(self.dtype), "rc": rc.to(self.dtype)}
-
-    def _decode(self, fields):
-        return fields["lc"].float(), fields["rc"].float()
-
-    def _operands(self, fields):
-        return fields["lc"], fields["rc"]
-
-    def _native(self, rows):
-        if rows.version != 1:
-            return None
-        _check_stored(rows, self.geometry.kv_lora, self.geometry.qk_rope)
-        return {"lc": _to_device(rows.lc, self.device, self.dtype), "rc": _to_device(rows.rc, self.device, self.dtype)}
-
-    def _stored(self, fields, tokens):
-        return StoredRows(tokens, 1, fields["lc"].astype(np.float32), fields["rc"].astype(np.float32))
-
-    def _native_fields(self, tier):
-        # v1 rows are f32; a bf16 cache takes them through a converting copy on the device
-        return {"lc": "Lc", "rc": "Rc"} if tier.version == 1 else None
-
-    def _lossless_target(self):
-        return True
-
-
-class BF16Cache(F32Cache):
-    """bf16 rows: half the f32 footprint; journals as v1 (bf16 widens to f32 exactly)."""
-
-    tier = "bf16"
-    dtype = torch.bfloat16
-
-    def _to_host(self, field: torch.Tensor) -> np.ndarray:
-        return field.float().cpu().numpy()  # numpy has no bf16; the widening is exact
-
-
-class Fp8Cache(LatentCache):
-    """fp8 e4m3 codes + one f32 scale per row (v2), quantized on the device."""
-
-    tier = "fp8"
-
-    def _field_specs(self):
-        g = self.geometry
-        return {
-            "lc_codes": ((g.kv_lora,), torch.uint8),
-            "lc_scales": ((), torch.float32),
-            "rc_codes": ((g.qk_rope,), torch.uint8),
-            "rc_scales": ((), torch.float32),
-        }
-
-    def _encode(self, lc, rc):
-        lc_codes, lc_scales = quant.encode_fp8(lc)
-        rc_codes, rc_scales = quant.encode_fp8(rc)
-        return {"lc_codes": lc_codes, "lc_scales": lc_scales, "rc_codes": rc_codes, "rc_scales": rc_scales}
-
-    def _decode(self, fields):
-        return (
-            quant.fp8_dequantize_rows(fields["lc_codes"], fields["lc_scales"]),
-            quant.fp8_dequantize_rows(fields["rc_codes"], fields["rc_scales"]),
-        )
-
-    def _operands(self, fields):
-        return fields["lc_codes"], fields["lc_scales"], fields["rc_codes"], fields["rc_scales"]
-
-    def _native(self, rows):
-        if rows.version != 2:
-            return None
-        _check_stored(rows, self.geometry.kv_lora, self.geometry.qk_rope)
-        # loaded files are sanitized already; rows handed over directly get the same treatment
-        lc_codes, lc_scales = quant.fp8_sanitize(_to_device(rows.lc, self.device), _to_device(rows.lc_scales, self.device, torch.float32))
-        rc_codes, rc_scales = quant.fp8_sanitize(_to_device(rows.rc, self.device), _to_device(rows.rc_scales, self.device, torch.float32))
-        return {"lc_codes": lc_codes, "lc_scales": lc_scales, "rc_codes": rc_codes, "rc_scales": rc_scales}
-
-    def _stored(self, fields, tokens):
-        return StoredRows(tokens, 2, fields["lc_codes"], fields["rc_codes"], fields["lc_scales"], fields["rc_scales"])
-
-    def _native_fields(self, tier):
-        if tier.version != 2:
-            return None
-        return {"lc_codes": "Lc", "lc_scales": "Ls", "rc_codes": "Rc", "rc_scales": "Rs"}
-
-    def journal_tier(self):
-        from kvstore.formats.coli_kv import Tier
-
-        return tiers.FP8
-
-
-class TQCache(LatentCache):
-    """TurboQuant rows (v3): packed codes + one f32 radius per row; ``codec`` 1 int4, 0 polar."""
-
-    codec: ClassVar[int]
-
-    def __init__(self, geometry, device="cpu", capacity=0, *, bits: int = 4, prefer_backend: str | None = None):
-        allowed = (4,) if self.codec == quant.CODEC_INT4 else tuple(range(2, 7))
-        if bits not in allowed:
-            raise TierUnsupported(f"{self.tier} takes bits {allowed}, got {bits}")
-        self.bits = bits
-        super().__init__(geometry, device, capacity, prefer_backend=prefer_backend)
-        if self.codec == quant.CODEC_POLAR:
-            fn = self.decode_choice.function
-            self.decode_choice = DecodeChoice(functools.partial(fn, bits=bits), self.decode_choice.backend, self.decode_choice.rejected)
-
-    def _check_geometry(self):
-        g = self.geometry
-        for name, width in (("kv_lora", g.kv_lora), ("qk_rope", g.qk_rope)):
-            if not quant.tq_width_ok(width):
-                raise TierUnsupported(f"{self.tier} needs power-of-two row widths in 2..2048; {name} is {width}")
-
-    def _row_bytes(self, width: int) -> int:
-        return quant.tq_row_bytes(width, self.codec, self.bits)
-
-    def _field_specs(self):
-        g = self.geometry
-        return {
-            "lc_codes": ((self._row_bytes(g.kv_lora),), torch.uint8),
-            "lc_radii": ((), torch.float32),
-            "rc_codes": ((self._row_bytes(g.qk_rope),), torch.uint8),
-            "rc_radii": ((), torch.float32),
-        }
-
-    def _quantize(self, rows):
-        if self.codec == quant.CODEC_INT4:
-            return quant.encode_int4(rows)
-        return quant.encode_polar(rows, self.bits)
-
-    def _dequantize(self, codes, radii, width):
-        if self.codec == quant.CODEC_INT4:
-            return quant.int4_dequantize_rows(codes, radii)
-        return quant.polar_dequantize_rows(codes, radii, width, self.bits)
-
-    def _encode(self, lc, rc):
-        lc_codes, lc_radii = self._quantize(lc)
-        rc_codes, rc_radii = self._quantize(rc)
-        return {"lc_codes": lc_codes, "lc_radii": lc_radii, "rc_codes": rc_codes, "rc_radii": rc_radii}
-
-    def _decode(self, fields):
-        g = self.geometry
-        return (
-            self._dequantize(fields["lc_codes"], fields["lc_radii"], g.kv_lora),
-            self._dequantize(fields["rc_codes"], fields["rc_radii"], g.qk_rope),
-        )
-
-    def _operands(self, fields):
-        return fields["lc_codes"], fields["lc_radii"], fields["rc_codes"], fields["rc_radii"]
-
-    def _native(self, rows):
-        if rows.version != 3 or rows.codec != self.codec or rows.bits != self.bits:
-            return None
-        g = self.geometry
-        _check_stored(rows, self._row_bytes(g.kv_lora), self._row_bytes(g.qk_rope))
-        return {
-            "lc_codes": _to_device(rows.lc, self.device),
-            "lc_radii": _to_device(rows.lc_scales, self.device, torch.float32),
-            "rc_codes": _to_device(rows.rc, self.device),
-            "rc_radii": _to_device(rows.rc_scales, self.device, torch.float32),
-        }
-
-    def _stored(self, fields, tokens):
-        return StoredRows(
-            tokens, 3, fields["lc_codes"], fields["rc_codes"], fields["lc_radii"], fields["rc_radii"], self.codec, self.bits
-        )
-
-    def _native_fields(self, tier):
-        if tier.version != 3 or tier.codec != self.codec or tier.bits != self.bits:
-            return None
-        return {"lc_codes": "Lc", "lc_radii": "Ls", "rc_codes": "Rc", "rc_radii": "Rs"}
-
-    def journal_tier(self):
-        from kvstore.formats.coli_kv import Tier
-
-        return tiers.from_file(3, self.codec, self.bits)
-
-
-class Int4Cache(TQCache):
-    tier = "tq-int4"
-    codec = quant.CODEC_INT4
-
-
-class PolarCache(TQCache):
-    tier = "tq-polar"
-    codec = quant.CODEC_POLAR
-
-
-class Q8Cache(LatentCache):
-    """Q8_0 blocks: int8 codes + one f16 delta per 32 values. No ``.coli_kv`` version: journals as v1."""
-
-    tier = "int8"
-
-    def _check_geometry(self):
-        g = self.geometry
-        for name, width in (("kv_lora", g.kv_lora), ("qk_rope", g.qk_rope)):
-            if width % quant.Q8_BLOCK:
-                raise TierUnsupported(f"int8 (Q8_0) needs row widths that are multiples of 32; {name} is {width}")
-
-    def _field_specs(self):
-        g = self.geometry
-        return {
-            "lc_codes": ((g.kv_lora,), torch.int8),
-            "lc_deltas": ((g.kv_lora // quant.Q8_BLOCK,), torch.float16),
-            "rc_codes": ((g.qk_rope,), torch.int8),
-            "rc_deltas": ((g.qk_rope // quant.Q8_BLOCK,), torch.float16),
-        }
-
-    def _encode(self, lc, rc):
-        lc_codes, lc_deltas = quant.encode_q8(lc)
-        rc_codes, rc_deltas = quant.encode_q8(rc)
-        return {"lc_codes": lc_codes, "lc_deltas": lc_deltas, "rc_codes": rc_codes, "rc_deltas": rc_deltas}
-
-    def _decode(self, fields):
-        return (
-            quant.q8_dequantize_blocks(fields["lc_codes"], fields["lc_deltas"]),
-            quant.q8_dequantize_blocks(fields["rc_codes"], fields["rc_deltas"]),
-        )
-
-    def _operands(self, fields):
-        return fields["lc_codes"], fields["lc_deltas"], fields["rc_codes"], fields["rc_deltas"]
-
-    def _native(self, rows):
-        return None
-
-    def _stored(self, fields, tokens):
-        lc = quant.q8_dequantize_blocks(torch.from_numpy(fields["lc_codes"]), torch.from_numpy(fields["lc_deltas"]))
-        rc = quant.q8_dequantize_blocks(torch.from_numpy(fields["rc_codes"]), torch.from_numpy(fields["rc_deltas"]))
-        return StoredRows(tokens, 1, lc.numpy(), rc.numpy())
-
-
-TIERS: dict[str, type[LatentCache]] = {
-    cls.tier: cls for cls in (F32Cache, BF16Cache, Fp8Cache, Int4Cache, PolarCache, Q8Cache)
-}
+def _to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of ``array`` on ``device`` as ``dtype`` (never a view of the caller's array: it may be
+    sanitized in place)."""
+    return torch.from_numpy(np.array(array)).to(device=device, dtype=dtype)
 
 
 def make_cache(
-    tier: str,
+    tier: tiers.Tier | str,
     geometry,
     device: torch.device | str = "cpu",
     capacity: int = 0,
@@ -769,46 +491,24 @@ def make_cache(
 
     Parameters
     ----------
-    tier : ``f32``, ``bf16``, ``fp8``, ``tq-int4``, ``tq-polar`` or ``int8``
+    tier : a ``kvstore.tiers.Tier`` or its name: ``f32``, ``bf16``, ``fp8``, ``int4``, ``polar2`` ..
+        ``polar6``, ``q8`` (the old ``tq-int4``, ``tq-polar`` and ``int8`` still work, with a
+        ``TierSpellingDeprecated`` warning)
     geometry : a ModelConfig, CacheGeometry or ``.coli_kv`` Geometry
     device : torch device for the rows
     capacity : rows to allocate up front (the cache grows as needed)
-    bits : PolarQuant bits (2..6, default 4); int4 is always 4
-    prefer_backend : ``"torch"`` to skip the GPU decode kernels
+    bits : deprecated, for one release: PolarQuant bits of ``tq-polar`` (folded into the name)
+    prefer_backend : a decode backend to try first (``"torch"`` skips the GPU kernels)
 
     Raises
     ------
+    UnknownTier
+        A name that is no tier (or bits that do not fit it).
     TierUnsupported
-        Unknown tier, or a geometry the tier cannot hold.
+        A geometry the tier cannot hold, or no decode backend for it on ``device``.
     """
-    cls = TIERS.get(tier)
-    if cls is None:
-        raise TierUnsupported(f"unknown cache tier {tier!r} (known: {', '.join(TIERS)})")
-    if issubclass(cls, TQCache):
-        return cls(geometry, device, capacity, bits=4 if bits is None else bits, prefer_backend=prefer_backend)
-    if bits is not None:
-        raise TierUnsupported(f"bits only apply to the tq tiers, not {tier}")
-    return cls(geometry, device, capacity, prefer_backend=prefer_backend)
-
-
-def tier_bytes_per_token(tier: str, geometry, bits: int | None = None) -> int:
-    """The format arithmetic of a tier's bytes per token (what ``bytes_per_token`` must report).
-
-    f32 ``L(K+R)4``; bf16 ``L(K+R)2``; fp8 (v2) ``L(K+R+8)``; TQ (v3) ``L(rb(K)+rb(R)+8)``;
-    int8 (Q8_0) ``L((K+R) + 2(K+R)/32)``.
-    """
-    g = CacheGeometry.of(geometry)
-    L, K, R = g.n_layers, g.kv_lora, g.qk_rope
-    if tier == "f32":
-        return L * (K + R) * 4
-    if tier == "bf16":
-        return L * (K + R) * 2
-    if tier == "fp8":
-        return L * (K + R + 8)
-    if tier in ("tq-int4", "tq-polar"):
-        codec = quant.CODEC_INT4 if tier == "tq-int4" else quant.CODEC_POLAR
-        b = 4 if bits is None else bits
-        return L * (quant.tq_row_bytes(K, codec, b) + quant.tq_row_bytes(R, codec, b) + 8)
-    if tier == "int8":
-        return L * ((K + R) + 2 * (K + R) // quant.Q8_BLOCK)
-    raise TierUnsupported(f"unknown cache tier {tier!r}")
+    if not isinstance(tier, tiers.Tier) or bits is not None:
+        tier, note = tiers.resolve(tier if isinstance(tier, str) else tier.name, bits=bits)
+        if note is not None:  # an old spelling: named at the caller's line
+            warnings.warn(note, tiers.TierSpellingDeprecated, stacklevel=2)
+    return LatentCache(tier, geometry, device, capacity, prefer_backend=prefer_backend)

@@ -245,7 +245,15 @@ class ModelConfig:
             raise ModelConfigError(f"q_lora_rank must be a positive integer or null, got {self.q_lora_rank!r}")
         if self.hidden_act != "silu":
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
-        for name in ("first_k_dense_replace", "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "num_experts_per_tok", "moe_intermediate_size"):
+        for name in (
+            "first_k_dense_replace",
+            "n_routed_experts",
+            "n_shared_experts",
+            "n_group",
+            "topk_group",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ModelConfigError(f"{name} must be a non-negative integer, got {value!r}")

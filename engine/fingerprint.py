@@ -1,7 +1,7 @@
 """The model part of a session's fingerprint, shared by the bundled engine and the transformers interop.
 
-A session records what its rows depend on (``kvstore.sessions.Fingerprint``): the six geometry
-words, the cache tier (version, codec, bits) and the model (``ModelInfo``). This module computes
+A session records what its rows depend on (``kvstore.store.Fingerprint``): the six geometry
+words, the tier of its journal (a ``kvstore.tiers`` tier: version, codec, bits) and the model (``ModelInfo``). This module computes
 the model part from a model folder and compares a session with what an engine expects:
 
 - ``weights_hash``: ``blake2b:`` over the folder's weight files (names, sizes, bytes), computed
@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 from kvstore.errors import FingerprintMismatch, InvalidRequest
 
 if TYPE_CHECKING:
-    from kvstore.formats.coli_kv import Geometry, Tier
-    from kvstore.sessions import Fingerprint, ModelInfo, SessionInfo
+    from kvstore.formats.coli_kv import Geometry
+    from kvstore.store import Fingerprint, ModelInfo, SessionInfo
+    from kvstore.tiers import Tier
 
 __all__ = [
     "ATTENTION_VARIANT",
@@ -118,7 +119,9 @@ def weights_hash(folder: str | os.PathLike) -> str:
     key = (str(folder), json.dumps(stamp))
     if key in _folder_hashes:
         return _folder_hashes[key]
-    record_path = cache_dir() / "weights" / (hashlib.blake2b(str(folder).encode(), digest_size=16).hexdigest() + ".json")
+    record_path = (
+        cache_dir() / "weights" / (hashlib.blake2b(str(folder).encode(), digest_size=16).hexdigest() + ".json")
+    )
     try:
         record = json.loads(record_path.read_text())
         if record.get("folder") == str(folder) and record.get("files") == stamp:
@@ -197,7 +200,9 @@ def tokenizer_hashes(folder: str | os.PathLike) -> tuple[str | None, str | None]
             templates[name] = path.read_text()
     template_hash = None
     if templates:
-        template_hash = "blake2b:" + hashlib.blake2b(json.dumps(templates, sort_keys=True).encode(), digest_size=32).hexdigest()
+        template_hash = (
+            "blake2b:" + hashlib.blake2b(json.dumps(templates, sort_keys=True).encode(), digest_size=32).hexdigest()
+        )
     return ("blake2b:" + hasher.hexdigest()) if found else None, template_hash
 
 
@@ -215,7 +220,7 @@ def folder_model_info(folder: str | os.PathLike, *, revision: str = "local") -> 
     InvalidRequest
         The folder holds no weight files.
     """
-    from kvstore.sessions import ModelInfo
+    from kvstore.store import ModelInfo
 
     folder = Path(folder).resolve()
     tokenizer_hash, template_hash = tokenizer_hashes(folder)
@@ -231,7 +236,7 @@ def folder_model_info(folder: str | os.PathLike, *, revision: str = "local") -> 
 
 def expected_fingerprint(model: "ModelInfo", geometry: "Geometry", tier: "Tier") -> "Fingerprint":
     """The fingerprint an engine of ``model`` with ``geometry`` writing ``tier`` rows expects."""
-    from kvstore.sessions import Fingerprint
+    from kvstore.store import Fingerprint
 
     return Fingerprint(model, geometry, tier)
 
@@ -273,6 +278,7 @@ def refuse_mismatch(info: "SessionInfo", expected: "Fingerprint", override: Iter
     blocking = mismatches(info, expected, override)
     if blocking:
         raise FingerprintMismatch(
-            f"session {info.id!r} was written by another model or cache tier: " + "; ".join(blocking)
+            f"session {info.id!r} was written by another model or cache tier: "
+            + "; ".join(blocking)
             + " (override a field only if you know the caches are interchangeable)"
         )

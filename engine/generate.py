@@ -31,10 +31,12 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from kvstore.engine.cache import LatentCache, StoredRows, make_cache
+from kvstore.engine.cache import LatentCache, make_cache
 from kvstore.engine.config import ModelConfig, preset
 from kvstore.engine.errors import GenerationError, GeometryMismatch
 from kvstore.engine.model import MLAForCausalLM
+from kvstore.engine.rows import StoredRows
+from kvstore.tiers import Tier
 
 __all__ = ["Engine", "GenerationResult", "GenerationStream", "SamplingParams", "sample_next"]
 
@@ -144,7 +146,9 @@ class Engine:
     model : MLAForCausalLM
     cache : LatentCache, optional — default an empty ``tier`` cache on the model's device
     tokenizer : optional transformers tokenizer (text in/out)
-    tier, bits : the cache tier when ``cache`` is not given
+    tier : the cache tier when ``cache`` is not given: a ``kvstore.tiers.Tier`` or its name (``f32``,
+        ``bf16``, ``fp8``, ``int4``, ``polar2`` .. ``polar6``, ``q8``)
+    bits : deprecated, for one release: the PolarQuant bits of the old ``tq-polar`` name
     prefill_chunk : tokens per prefill forward (bounds activation memory for long prompts)
     """
 
@@ -154,7 +158,7 @@ class Engine:
         cache: LatentCache | None = None,
         tokenizer=None,
         *,
-        tier: str = "f32",
+        tier: Tier | str = "f32",
         bits: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ):
@@ -174,7 +178,7 @@ class Engine:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
-        tier: str = "f32",
+        tier: Tier | str = "f32",
         bits: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> "Engine":
@@ -193,7 +197,7 @@ class Engine:
         seed: int = 0,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
-        tier: str = "f32",
+        tier: Tier | str = "f32",
         bits: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> "Engine":
@@ -241,7 +245,9 @@ class Engine:
 
         expect = self.config.coli_geometry()
         if records.geometry != expect:
-            raise GeometryMismatch("the records are for another model: " + "; ".join(records.geometry.mismatches(expect)))
+            raise GeometryMismatch(
+                "the records are for another model: " + "; ".join(records.geometry.mismatches(expect))
+            )
         body = MemoryBody(records)
         self.cache.restore_body(body, allow_requantize=allow_requantize, check_tokens=self._check_tokens)
         return self.cache.length
@@ -358,7 +364,9 @@ class Engine:
             pass
         return stream.result
 
-    def _steps(self, ids: np.ndarray, params: SamplingParams, max_new: int, stops: frozenset[int], result: GenerationResult):
+    def _steps(
+        self, ids: np.ndarray, params: SamplingParams, max_new: int, stops: frozenset[int], result: GenerationResult
+    ):
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")

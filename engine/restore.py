@@ -16,12 +16,13 @@ records stay as they are stored until they reach the device:
    the target's buffers (``[n_layers, capacity, ...]``, seen transposed), as 4-byte words where the
    layout is aligned;
 4. v2/v3 rows are sanitized in place there, exactly as ``KVRecords.quantized`` does on the host
-   (FORMAT.md section 4): a v2 scale not in (0, 3.4e38/448] makes the row inert (codes 0, scale 1)
-   and NaN codes read 0; a v3 radius not in [0, 3.4e38) becomes 0 with codes 0.
+   (FORMAT.md section 4), by the one sanitize of :mod:`kvstore.gpu.codecs`: a v2 scale that
+   ``fp8.bad_scales`` calls corrupt makes the row inert (codes 0, scale 1) and NaN codes read 0; a
+   v3 radius not in [0, 3.4e38) becomes 0 with codes 0.
 
 Rows of another representation are converted per chunk on the device: v1 rows into a quantized
-tier through the engine's device codecs (``engine/quant.py``, which on the CPU are the reference
-codecs themselves), v2/v3 rows into a float target by dequantization (on the CPU with the
+tier through the device codecs (``kvstore.gpu.codecs.encode_tier``, which on the CPU is the
+reference codec itself), v2/v3 rows into a float target by dequantization (on the CPU with the
 ``kvstore.formats`` codecs, so the result is the host path's to the byte).
 
 The caller owns all-or-nothing: :func:`fill` writes only into the buffers it is given, which the
@@ -45,12 +46,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvstore.engine import quant
+from kvstore import tiers
 from kvstore.engine.errors import GeometryMismatch
 from kvstore.formats import coli_kv
-from kvstore.formats import fp8 as fp8_format
 from kvstore.formats import tq as tq_format
-from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords, Tier
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
+from kvstore.gpu import codecs
+from kvstore.tiers import Tier
 
 __all__ = ["CHUNK_BYTES", "FileBody", "MemoryBody", "Placement", "RecordLayout", "fill", "read_threads"]
 
@@ -58,9 +60,8 @@ __all__ = ["CHUNK_BYTES", "FileBody", "MemoryBody", "Placement", "RecordLayout",
 # enough that several chunks in flight cost little pinned memory.
 CHUNK_BYTES = 16 << 20
 
-# Sanitize bounds, taken from the host loader's own definitions so the two cannot drift.
-_FP8_MAX_SCALE = float(fp8_format.MAX_SCALE)
-_RADIUS_CEIL = float(tq_format.RADIUS_CEIL)
+# The format decoder reads rows of a radius not above this as zeros (the device twins would give
+# subnormals).
 _RADIUS_FLOOR = float(tq_format.RADIUS_FLOOR)
 
 
@@ -145,60 +146,23 @@ def _f32(src: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- sanitize and decode
 
 
-def _fill_where(t: torch.Tensor, mask: torch.Tensor, value: float) -> None:
-    """``t[mask] = value`` in place. On the CPU skipped when nothing matches — the common case, as
-    no encoder writes what sanitizing clears, and CPU ``masked_fill_`` is slow; on a device always,
-    since asking would stall the pipeline on a device-to-host sync per chunk."""
-    if t.device.type != "cpu" or bool(mask.any()):
-        t.masked_fill_(mask, value)
-
-
-def sanitize_fp8(codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """In place, ``KVRecords.quantized`` for v2: NaN codes (0x7F/0xFF) read 0; a scale not in
-    (0, 3.4e38/448] (``fp8.bad_scales``, NaN included) makes the row inert: codes 0, scale 1.
-
-    ``codes`` u8[..., w] and ``scales`` f32[...] (any leading layout, the same for both)."""
-    nan = codes & 0x7F
-    nan.eq_(0x7F)  # in place: 0/1 bytes, read as a bool mask without another tensor
-    _fill_where(codes, nan.view(torch.bool), 0)
-    bad = ~((scales > 0) & (scales <= _FP8_MAX_SCALE))
-    _fill_where(codes, bad.unsqueeze(-1), 0)
-    _fill_where(scales, bad, 1.0)
-
-
-def sanitize_tq(codes: torch.Tensor, radii: torch.Tensor) -> None:
-    """In place, ``KVRecords.quantized`` for v3 (``tq.sanitize_radii``): a radius not in
-    [0, 3.4e38) becomes 0 and its row's codes 0."""
-    bad = ~((radii >= 0) & (radii < _RADIUS_CEIL))
-    _fill_where(codes, bad.unsqueeze(-1), 0)
-    _fill_where(radii, bad, 0.0)
-
-
 def dequantize(tier: Tier, codes: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
     """Sanitized v2/v3 rows (codes u8[..., w], scales/radii f32[...]) -> f32[..., width] on their device.
 
-    On the CPU through the ``kvstore.formats`` codecs (the host path's decoder, so CPU results are
-    its bytes); elsewhere through the device twins in ``engine/quant.py``. Either way a v3 row that
-    overflows on the way back (a radius near f32's limit, only in a damaged file) reads as zeros,
-    as ``KVRecords.dequantize`` does.
+    On the CPU through the ``kvstore.formats`` codecs (``Tier.dequantize``: the host path's decoder,
+    so CPU results are its bytes); elsewhere through the device twins (``kvstore.gpu.codecs``).
+    Either way a v3 row that overflows on the way back (a radius near f32's limit, only in a damaged
+    file) reads as zeros, as ``KVRecords.dequantize`` does.
     """
     if codes.device.type == "cpu":
-        c, s = codes.numpy(), scales.numpy()
-        if tier.version == 2:
-            return torch.from_numpy(fp8_format.dequantize_rows(c, s))
         with np.errstate(over="ignore", invalid="ignore"):
-            rows = tq_format.dequantize_rows(c, s, width, tier.codec, tier.bits)
-        rows[~np.isfinite(rows).all(axis=-1)] = 0.0
+            rows = tier.dequantize(codes.numpy(), scales.numpy(), width)
+        if tier.rotated:
+            rows[~np.isfinite(rows).all(axis=-1)] = 0.0
         return torch.from_numpy(rows)
-    if tier.version == 2:
-        return quant.fp8_dequantize_rows(codes, scales)
-    if not quant.tq_width_ok(width):  # such rows are written inert (FORMAT.md section 5)
-        return torch.zeros((*codes.shape[:-1], width), dtype=torch.float32, device=codes.device)
-    if tier.codec == quant.CODEC_INT4:
-        rows = quant.int4_dequantize_rows(codes, scales)
-    else:
-        rows = quant.polar_dequantize_rows(codes, scales, width, tier.bits)
-    # The format decoder reads rows of radius <= 1e-35 as zeros; the twins would give subnormals.
+    rows = codecs.decode_tier(tier, codes, scales, width)
+    if not tier.rotated:
+        return rows
     dead = ~torch.isfinite(rows).all(dim=-1) | ~(scales > _RADIUS_FLOOR)
     return rows.masked_fill(dead.unsqueeze(-1), 0.0)
 
@@ -217,7 +181,9 @@ class Placement:
     encode : for conversions, ``encode(L f32[n_layers, rows, kv_lora], R f32[...]) -> {field: rows}``
     """
 
-    def __init__(self, geometry: Geometry, tier: Tier, *, native: dict[str, str] | None = None, encode: Callable | None = None):
+    def __init__(
+        self, geometry: Geometry, tier: Tier, *, native: dict[str, str] | None = None, encode: Callable | None = None
+    ):
         if (native is None) == (encode is None):
             raise ValueError("a placement either copies native fields or encodes decoded rows")
         self.geometry = geometry
@@ -247,7 +213,7 @@ class Placement:
                 dst.copy_(_f32(src))
             placed[source] = dst
         if self.tier.version != 1:
-            clean = sanitize_fp8 if self.tier.version == 2 else sanitize_tq
+            clean = codecs.sanitize_fp8_ if self.tier is tiers.FP8 else codecs.sanitize_tq_
             clean(placed["Lc"], placed["Ls"])
             clean(placed["Rc"], placed["Rs"])
 
@@ -260,7 +226,7 @@ class Placement:
 
         if self.tier.version == 1:
             return _f32(layer_major("Lc")).contiguous(), _f32(layer_major("Rc")).contiguous()
-        clean = sanitize_fp8 if self.tier.version == 2 else sanitize_tq
+        clean = codecs.sanitize_fp8_ if self.tier is tiers.FP8 else codecs.sanitize_tq_
         out = []
         for codes_name, scales_name, width in (("Lc", "Ls", g.kv_lora), ("Rc", "Rs", g.qk_rope)):
             # Copies (clone, never a view of the body, which may be read-only): sanitized below.
@@ -328,7 +294,9 @@ class FileBody:
             size = os.fstat(self._fd).st_size
             self.header: Header = coli_kv.parse_header(os.pread(self._fd, HEADER_BYTES, 0))
             if expect is not None and self.header.geometry != expect:
-                raise GeometryMismatch("file is for another model: " + "; ".join(self.header.geometry.mismatches(expect)))
+                raise GeometryMismatch(
+                    "file is for another model: " + "; ".join(self.header.geometry.mismatches(expect))
+                )
             self.layout = RecordLayout.of(self.header.geometry, self.header.tier)
             self.n = min(self.header.nrec, max(0, size - HEADER_BYTES) // self.layout.rec_bytes)
         except BaseException:
@@ -420,7 +388,9 @@ def fill(
     return _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
 
 
-def _pipeline(body, fields, placement: Placement, device: torch.device, per_chunk: int, threads: int) -> tuple[int, np.ndarray]:
+def _pipeline(
+    body, fields, placement: Placement, device: torch.device, per_chunk: int, threads: int
+) -> tuple[int, np.ndarray]:
     """Chunks through a ring of host buffers: ``threads`` reads in flight while earlier chunks are
     uploaded (CUDA: from pinned memory, asynchronously) and split.
 
@@ -450,7 +420,11 @@ def _pipeline(body, fields, placement: Placement, device: torch.device, per_chun
         return body.read_into(views[slot], starts[i], min(per_chunk, n - starts[i]))
 
     # One chunk (or one thread) is read where it is needed: a pool would only add its start-up.
-    pool = ThreadPoolExecutor(max_workers=min(threads, slots), thread_name_prefix="kv-restore") if slots > 1 and threads > 1 else None
+    pool = (
+        ThreadPoolExecutor(max_workers=min(threads, slots), thread_name_prefix="kv-restore")
+        if slots > 1 and threads > 1
+        else None
+    )
 
     def submit(i: int):
         return pool.submit(read, i) if pool is not None else i

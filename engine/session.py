@@ -1,7 +1,8 @@
+# Over 500 lines: the turn protocol (fingerprint, restore, generate, append, report) reads in one place.
 """Conversations on stored sessions: the bundled engine joined to the session store.
 
 A :class:`SessionEngine` owns one :class:`~kvstore.engine.generate.Engine` (one model, one live
-latent cache) and a :class:`~kvstore.sessions.SessionStore`. A turn on a session
+latent cache) and a :class:`~kvstore.store.SessionStore`. A turn on a session
 (:meth:`SessionEngine.begin` / :meth:`SessionEngine.run`) does, in order:
 
 1. **Fingerprint.** The session's fingerprint (geometry words, tier, model: name, revision,
@@ -34,7 +35,7 @@ cache, each restoring its session when the cache holds another.
 
 Examples
 --------
->>> from kvstore.sessions import SessionStore                      # doctest: +SKIP
+>>> from kvstore.store import SessionStore                      # doctest: +SKIP
 >>> store = SessionStore("./data")                                  # doctest: +SKIP
 >>> chat = SessionEngine.from_folder("models/tiny", store, tier="fp8")   # doctest: +SKIP
 >>> first = chat.run("chat-1", "Hello", create=True, owner="me")     # doctest: +SKIP
@@ -55,26 +56,22 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from kvstore.engine.errors import CacheError, GenerationError
+from kvstore import DEFAULT_OWNER
+from kvstore.engine.errors import CacheError, ConversationMismatch, GenerationError, RestoreFailed
 from kvstore.engine.fingerprint import check_override, folder_model_info, refuse_mismatch
 from kvstore.engine.generate import DEFAULT_PREFILL_CHUNK, Engine, SamplingParams
-from kvstore.errors import (
-    ConversationMismatch,
-    KVStoreError,
-    RestoreFailed,
-    SessionDamaged,
-    SessionNotFound,
-)
-from kvstore.sessions import Fingerprint, ModelInfo, SessionInfo, SessionStore, validate_session_id
+from kvstore.errors import KVStoreError, SessionDamaged, SessionNotFound
+from kvstore.store import Fingerprint, ModelInfo, SessionInfo, SessionStore, validate_session_id
 
 if TYPE_CHECKING:
     import torch
+
+    from kvstore.tiers import Tier
 
 __all__ = ["DEFAULT_OWNER", "ResumeReport", "SessionEngine", "TextDeltas", "Turn", "TurnResult"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OWNER = "default"
 SOURCES = ("new", "live", "journal")
 
 
@@ -124,7 +121,8 @@ class TurnResult:
     restored_tokens : rows read from the journal by this turn
     damaged_from : first record of a bad turn ``verify`` found (that tail was not served)
     dropped_records : stored records cut before appending (partial or damaged tail)
-    upgraded : ``"v1 (f32) -> v2 (fp8 e4m3)"`` when this turn upgraded the session's file
+    upgraded : ``"f32 (v1, f32 values) -> fp8 (v2, e4m3 codes + f32 scale)"`` (``Tier.describe`` of
+        each) when this turn upgraded the session's file
     appended : records appended (prompt + answer)
     session : the session's index record after the append
     seed : the sampling seed (None when greedy)
@@ -193,14 +191,14 @@ class TextDeltas:
         stable = len(text)
         while stable > self.shown and text[stable - 1] == "\ufffd":
             stable -= 1
-        piece = text[self.shown:stable]
+        piece = text[self.shown : stable]
         self.shown = max(self.shown, stable)
         return piece
 
     def rest(self, tokens: Sequence[int]) -> str:
         """Whatever is left of the text (held-back characters included), at the end."""
         text = self._text(tokens)
-        piece = text[self.shown:]
+        piece = text[self.shown :]
         self.shown = max(self.shown, len(text))
         return piece
 
@@ -231,13 +229,15 @@ class SessionEngine:
     fingerprint : Fingerprint — what sessions this engine writes carry, and what restores compare
     """
 
-    def __init__(self, engine: Engine, store: SessionStore, model: ModelInfo, *, folder: str | os.PathLike | None = None):
+    def __init__(
+        self, engine: Engine, store: SessionStore, model: ModelInfo, *, folder: str | os.PathLike | None = None
+    ):
         self.engine = engine
         self.store = store
         self.model = ModelInfo.from_dict(model)
         self.folder = Path(folder).resolve() if folder is not None else None
         self.geometry = engine.config.coli_geometry()
-        self.tier = engine.cache.journal_tier()
+        self.tier = engine.cache.tier.file_tier
         self.fingerprint = Fingerprint(self.model, self.geometry, self.tier)
         self._lock = threading.Lock()
         self._live: _Live | None = None
@@ -248,7 +248,7 @@ class SessionEngine:
         folder: str | os.PathLike,
         store: SessionStore,
         *,
-        tier: str = "f32",
+        tier: "Tier | str" = "f32",
         bits: int | None = None,
         device: "torch.device | str" = "cpu",
         dtype: "torch.dtype | str | None" = None,
@@ -260,7 +260,9 @@ class SessionEngine:
         :func:`kvstore.engine.fingerprint.weights_hash`).
         """
         model = folder_model_info(folder)
-        engine = Engine.from_folder(folder, device=device, dtype=dtype, tier=tier, bits=bits, prefill_chunk=prefill_chunk)
+        engine = Engine.from_folder(
+            folder, device=device, dtype=dtype, tier=tier, bits=bits, prefill_chunk=prefill_chunk
+        )
         return cls(engine, store, model, folder=folder)
 
     # ------------------------------------------------------------------ reporting
@@ -276,8 +278,10 @@ class SessionEngine:
         return {
             "folder": str(self.folder) if self.folder is not None else None,
             "model": self.model.to_dict(),
-            "geometry": dict(zip(("n_layers", "kv_lora", "qk_rope", "index_hd", "nic", "vocab"), self.geometry.words())),
-            "cache_tier": engine.cache.tier,
+            "geometry": dict(
+                zip(("n_layers", "kv_lora", "qk_rope", "index_hd", "nic", "vocab"), self.geometry.words())
+            ),
+            "cache_tier": engine.cache.tier.name,
             "journal_tier": self.tier.describe(),
             "bytes_per_token": engine.cache.bytes_per_token,
             "device": str(engine.device),
@@ -334,20 +338,26 @@ class SessionEngine:
             info = self.store.get(session_id, owner=owner)
             return self._bring(info, owner, verify, self._check(info, skip), allow_requantize="tier" in skip)
 
-    def _bring(self, info: SessionInfo, owner: str | None, verify: bool, skip: frozenset[str], *, allow_requantize: bool) -> ResumeReport:
+    def _bring(
+        self, info: SessionInfo, owner: str | None, verify: bool, skip: frozenset[str], *, allow_requantize: bool
+    ) -> ResumeReport:
         """Make the live cache hold the session's served rows (lock held)."""
         began = time.perf_counter()
         key = self._state_key(info)
         live = self._live
         if live is not None and live.key == key and not verify and self.engine.cache.length == live.served:
-            return ResumeReport(info.id, "live", live.served, 0, None, info.n_records - live.served, time.perf_counter() - began)
+            return ResumeReport(
+                info.id, "live", live.served, 0, None, info.n_records - live.served, time.perf_counter() - began
+            )
         if info.watermark == 0 and not verify:
             self.engine.cache.clear()
             self._live = _Live(key, 0)
             return ResumeReport(info.id, "new", 0, 0, None, info.n_records, time.perf_counter() - began)
         served = 0
         try:
-            with self.store.reader(info.id, owner=owner, verify=verify, expect=self.fingerprint, override=skip) as reader:
+            with self.store.reader(
+                info.id, owner=owner, verify=verify, expect=self.fingerprint, override=skip
+            ) as reader:
                 served, damaged_from = reader.n_records, reader.damaged_from
                 key = self._state_key(reader.info)
                 records = reader.load()
@@ -358,13 +368,20 @@ class SessionEngine:
             raise
         except Exception as exc:  # device memory, an upload or decode failure: typed, with the reason
             raise RestoreFailed(
-                f"restoring {served} rows of session {info.id!r} into the {self.engine.cache.tier} cache on "
+                f"restoring {served} rows of session {info.id!r} into the {self.engine.cache.tier.name} cache on "
                 f"{self.engine.device} failed ({type(exc).__name__}: {exc}); the live cache and the session are unchanged"
             ) from exc
         self._live = _Live(key, served)
         if damaged_from is not None:
-            log.warning("session %s: turn hashes fail from record %d; served the %d records before it", info.id, damaged_from, served)
-        return ResumeReport(info.id, "journal", served, served, damaged_from, info.n_records - served, time.perf_counter() - began)
+            log.warning(
+                "session %s: turn hashes fail from record %d; served the %d records before it",
+                info.id,
+                damaged_from,
+                served,
+            )
+        return ResumeReport(
+            info.id, "journal", served, served, damaged_from, info.n_records - served, time.perf_counter() - began
+        )
 
     # ------------------------------------------------------------------ turns
     def _new_tokens(self, prompt, *, first: bool) -> np.ndarray:
@@ -435,7 +452,9 @@ class SessionEngine:
                 info = self.store.get(session_id, owner=owner)
             except SessionNotFound:
                 if not create:
-                    raise SessionNotFound(f"no session {session_id!r} (create it to start a conversation with this model: create=true)") from None
+                    raise SessionNotFound(
+                        f"no session {session_id!r} (create it to start a conversation with this model: create=true)"
+                    ) from None
                 info = self.create_session(owner or DEFAULT_OWNER, session_id, tags=tags)
                 created = True
             full_skip = self._check(info, skip)
@@ -464,8 +483,19 @@ class Turn:
     conversation) and ``prefilled_tokens`` (the new turn).
     """
 
-    def __init__(self, chat: SessionEngine, info: SessionInfo, start_key: _Key, owner: str | None, report: ResumeReport,
-                 ids: np.ndarray, created: bool, params: SamplingParams, max_new_tokens: int, stop_tokens):
+    def __init__(
+        self,
+        chat: SessionEngine,
+        info: SessionInfo,
+        start_key: _Key,
+        owner: str | None,
+        report: ResumeReport,
+        ids: np.ndarray,
+        created: bool,
+        params: SamplingParams,
+        max_new_tokens: int,
+        stop_tokens,
+    ):
         self._chat = chat
         self._info = info
         self._start_key = start_key  # the session state the cache was brought to
@@ -517,8 +547,13 @@ class Turn:
             context = np.concatenate([engine.cache.tokens.astype(np.int64), self.prompt_ids])
             p = self._params
             stream = engine.stream(
-                context, max_new_tokens=self._max_new, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                seed=p.seed, stop_tokens=self._stops,
+                context,
+                max_new_tokens=self._max_new,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=p.seed,
+                stop_tokens=self._stops,
             )
             chat._live = None  # from here the cache holds rows no session has yet
             finish = None
@@ -552,8 +587,14 @@ class Turn:
             self.result = result
             log.info(
                 "turn session=%s source=%s reused=%d prefilled=%d generated=%d appended=%d dropped=%d%s",
-                result.session_id, result.source, result.reused_tokens, result.prefilled_tokens, len(result.tokens),
-                result.appended, result.dropped_records, f" upgraded={result.upgraded}" if result.upgraded else "",
+                result.session_id,
+                result.source,
+                result.reused_tokens,
+                result.prefilled_tokens,
+                len(result.tokens),
+                result.appended,
+                result.dropped_records,
+                f" upgraded={result.upgraded}" if result.upgraded else "",
             )
         finally:
             self.close()
@@ -564,7 +605,9 @@ class Turn:
         began = time.perf_counter()
         expected = context_length + max(len(self.tokens) - 1, 0)
         if engine.cache.length != expected:
-            raise CacheError(f"the cache holds {engine.cache.length} rows after the turn, expected {expected}; the turn was not stored")
+            raise CacheError(
+                f"the cache holds {engine.cache.length} rows after the turn, expected {expected}; the turn was not stored"
+            )
         if self.tokens:
             engine.extend([self.tokens[-1]])  # its row too: the journal holds the whole conversation
         sid, owner = self.session_id, self._owner
@@ -582,7 +625,7 @@ class Turn:
             result.upgraded = f"{current.tier.describe()} -> {upgraded.tier.describe()}"
             current = upgraded
         rows = engine.export_rows(served)
-        if current.tier == rows.tier():
+        if current.tier == rows.tier:
             appended = store.append_records(sid, rows.record_array(chat.geometry), complete_turn=True, owner=owner)
         else:  # an overridden tier: the rows are encoded in the session's own tier
             g = engine.cache.geometry

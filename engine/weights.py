@@ -133,7 +133,9 @@ def _expert_tensor(ckpt: _Checkpoint, prefix: str, which: str, n_experts: int) -
     raise WeightsError(f"routed experts of {prefix} are missing ({missing[0]} and {len(missing) - 1} more)")
 
 
-def load_model(folder: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None) -> MLAForCausalLM:
+def load_model(
+    folder: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
+) -> MLAForCausalLM:
     """Load a DeepSeek-V3-architecture model folder onto ``device`` in ``dtype`` (default f32).
 
     Weights of layers past ``num_hidden_layers`` (multi-token-prediction modules) are not used;
@@ -166,7 +168,9 @@ def load_model(folder: str | os.PathLike, device: torch.device | str = "cpu", dt
             else:
                 raise WeightsError(f"tensor {name} is missing from {folder}")
             if tuple(tensor.shape) != tuple(meta.shape):
-                raise WeightsError(f"tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(meta.shape)}")
+                raise WeightsError(
+                    f"tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(meta.shape)}"
+                )
             state[name] = tensor.to(device=device, dtype=_target_dtype(name, dtype))
     finally:
         ckpt.close()
@@ -241,7 +245,10 @@ def _hf_tensors(model: MLAForCausalLM, dtype: torch.dtype):
         if stacked:
             for expert in range(tensor.shape[0]):
                 # clone: safetensors refuses tensors that share storage
-                yield f"{stacked.group(1)}.{expert}.{stacked.group(2)}.weight", tensor[expert].to(target).contiguous().clone()
+                yield (
+                    f"{stacked.group(1)}.{expert}.{stacked.group(2)}.weight",
+                    tensor[expert].to(target).contiguous().clone(),
+                )
         else:
             yield name, tensor.to(target).contiguous()
 

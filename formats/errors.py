@@ -1,19 +1,33 @@
-"""Typed errors of the file formats; ``kvstore.errors`` re-exports them with the rest.
+"""The root of kvstore's exception hierarchy and the errors of the file formats.
 
-Every error carries what happened and what the user can do about it. Each also subclasses
+Every error kvstore raises on purpose is a :class:`KVStoreError`. Each layer keeps its own in one
+module, on this root: ``kvstore.formats.errors`` (here: bytes and layouts),
+``kvstore.migrations.errors``, ``kvstore.errors`` (journal, store, configuration; it re-exports the
+lower layers' errors), ``kvstore.gpu.errors``, ``kvstore.engine.errors`` and ``kvstore.api.errors``
+(the HTTP layer, which also holds the status every error maps to: nothing below ``api`` knows
+HTTP). Every error carries what happened and what the user can do about it, and also subclasses
 the matching built-in, so callers that only know ``ValueError`` still catch them.
 """
 
 from __future__ import annotations
 
+__all__ = [
+    "BadHeader",
+    "BadMagic",
+    "CodecMismatch",
+    "FormatError",
+    "GeometryMismatch",
+    "KVStoreError",
+    "TruncatedHeader",
+]
+
 
 class KVStoreError(Exception):
     """Base of every error kvstore raises on purpose.
 
-    ``reason`` is the one-line text the CLI prints (exit code 2) and the API returns (4xx).
+    ``reason`` is the one line shown to the user: the CLI prints it (exit code 2), the API returns
+    it with the status :func:`kvstore.api.errors.http_status` gives the error's class.
     """
-
-    http_status = 400
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -24,30 +38,49 @@ class KVStoreError(Exception):
 
 
 class FormatError(KVStoreError, ValueError):
-    """Bytes that do not follow the ``.coli_kv`` spec (or a codec's input contract)."""
+    """Bytes that do not follow the ``.coli_kv`` spec (or a codec's input contract).
 
-    http_status = 422
+    The reason names the field or byte range at fault; ``kvstore inspect`` shows the whole header
+    and ``kvstore repair`` cuts a damaged tail.
+    """
 
 
 class TruncatedHeader(FormatError):
-    """Fewer than the 40 header bytes."""
+    """Fewer than the 40 header bytes: the file was cut before its header was written whole.
+
+    Nothing in it can be recovered; restore it from another copy.
+    """
 
 
 class BadMagic(FormatError):
-    """The first eight bytes are not a known ``COLIKV`` magic."""
+    """The first eight bytes are not a known ``COLIKV`` magic: this is not a ``.coli_kv`` file
+    (or one written by a newer kvstore)."""
 
 
 class BadHeader(FormatError):
-    """A header field is out of range or inconsistent (negative widths, unknown tag, ...)."""
+    """A header field is out of range or inconsistent (negative widths, an unknown tag, ...).
+
+    The reason names the field; a header is never repaired in place.
+    """
+
+
+class UnknownTier(FormatError):
+    """A tier name (or file version/codec/bits) that is not in the vocabulary of ``kvstore.tiers``.
+
+    The reason lists the known names: ``f32``, ``bf16``, ``fp8``, ``int4``, ``polar2`` .. ``polar6``, ``q8``.
+    """
 
 
 class GeometryMismatch(KVStoreError, ValueError):
-    """A file's model fingerprint (h0..h5) is not the one the caller expects."""
+    """A file's (or upload's) model fingerprint h0..h5 is not the one the caller expects.
 
-    http_status = 409
+    The rows were written for another model shape: use a session of this model, or the model the
+    rows were written by.
+    """
 
 
 class CodecMismatch(KVStoreError, ValueError):
-    """A file's version/codec/bits is not the active cache tier, and no migration was asked for."""
+    """A file's tier (version/codec/bits) is not the active cache tier, and no migration was asked for.
 
-    http_status = 409
+    Migrate the file (``kvstore migrate --tier NAME``) or run with the file's tier.
+    """

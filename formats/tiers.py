@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.formats import fp8, q8, tq
-from kvstore.formats.errors import BadHeader, FormatError
+from kvstore.formats.errors import BadHeader, FormatError, UnknownTier
 
 __all__ = [
     "BF16",
@@ -83,10 +83,6 @@ __all__ = [
 POLAR_BITS = (2, 3, 4, 5, 6)
 #: Header tags of v1 and v2 (h7); v3 tags are ``(codec << 8) | bits``.
 _PLAIN_TAGS = {1: 0, 2: 1}
-
-
-class UnknownTier(FormatError):
-    """A tier name (or file version/codec/bits) that is not in the vocabulary."""
 
 
 class TierSpellingDeprecated(FutureWarning):
@@ -155,6 +151,15 @@ class Tier:
         if self.in_file:
             return f"{self.name} (v{self.version}, {self.label})"
         return f"{self.name} ({self.label}; journals as v1 f32)"
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"name", "version", "codec", "bits", "description"}``: the tier in JSON reports (API, CLI).
+
+        ``codec`` is the v3 codec's old name (``int4``/``polar``) and ``bits`` the v3 bits, as
+        reports showed them before tiers had names.
+        """
+        return {"name": self.name, "version": self.version, "codec": self.codec_name, "bits": self.bits,
+                "description": self.describe()}
 
     # ---- sizes ----------------------------------------------------------------------------------
     def payload_bytes(self, width: int) -> int:

@@ -6,18 +6,21 @@ seq_len[b] - 1``) and head ``h``::
     s[n]   = softmax_scale * (q_lat[b,h] . (lut[Lc[n]] * Ls[n]) + q_rope[b,h] . (lut[Rc[n]] * Rs[n]))
     out[b,h] = softmax(s) @ (lut[Lc] * Ls)                                      f32[kv_lora]
 
-``lut`` is the fp8 e4m3 decode (NaN codes read as 0) for the fp8 tier; for the rotated int4 tier
-(``tq-int4``) a row is ``unrotate(level[c] * radius / sqrtf(n))`` and the kernels work in the
-rotated domain (the query is rotated once, the context un-rotated once). A sequence with no rows
-gets a zero context.
+``lut`` is the fp8 e4m3 decode (NaN codes read as 0) for the ``fp8`` tier; for the ``int4`` tier
+(rotated int4, TQ codec 1) a row is ``unrotate(level[c] * radius / sqrtf(n))`` and the kernels work
+in the rotated domain (the query is rotated once, the context un-rotated once). A sequence with no
+rows gets a zero context. Tiers are the names of :mod:`kvstore.tiers`.
 
-Backends (chosen by :func:`get_backend`, see :mod:`kvstore.gpu.registry`):
+Backends (see :mod:`kvstore.gpu.registry`: :func:`get_backend` for a device, :func:`select` for a
+tier on a device, the one place the engine's caches and the benchmarks choose a decode function):
 
-- ``cuda``: tensor-core split-T kernels compiled with NVRTC through cupy (sm_89+);
+- ``cuda``: tensor-core split-T kernels compiled with NVRTC through cupy (sm_89+), fp8 and int4;
 - ``mps``: the torch implementation on Apple's Metal (untested here, see docs/GPU.md);
-- ``torch``: dequantize + matmul with torch ops (CPU, or CUDA without cupy).
+- ``torch``: every tier (f32, bf16, fp8, int4, polar2..6, q8), decode + matmul with torch ops.
 
-Importing this package needs numpy and torch only; cupy is imported when the CUDA backend is used.
+:mod:`kvstore.gpu.codecs` holds the torch twins of the ``kvstore.formats`` codecs (one rotation,
+one fp8 sanitize, one dequantizer per tier). Importing this package needs numpy and torch only;
+cupy is imported when the CUDA backend is used.
 
 Examples
 --------
@@ -33,7 +36,16 @@ Examples
 from __future__ import annotations
 
 from kvstore.gpu.errors import AttentionInputError, BackendUnavailable
-from kvstore.gpu.registry import AttentionBackend, BackendSpec, get_backend, reasons, register_backend, registered
+from kvstore.gpu.registry import (
+    AttentionBackend,
+    BackendSpec,
+    Selection,
+    get_backend,
+    reasons,
+    register_backend,
+    registered,
+    select,
+)
 from kvstore.gpu.upload import PinnedUploader, QuantizedRows, restore_quantized_rows
 
 __all__ = [
@@ -43,6 +55,7 @@ __all__ = [
     "BackendUnavailable",
     "PinnedUploader",
     "QuantizedRows",
+    "Selection",
     "get_backend",
     "mla_decode_fp8",
     "mla_decode_fp8_selected",
@@ -52,11 +65,24 @@ __all__ = [
     "register_backend",
     "registered",
     "restore_quantized_rows",
+    "select",
 ]
 
 
-def mla_decode_fp8(q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len, softmax_scale,
-                   out=None, *, validate=True):
+def mla_decode_fp8(
+    q_lat,
+    q_rope,
+    lc_codes,
+    lc_scales,
+    rc_codes,
+    rc_scales,
+    seq_start,
+    seq_len,
+    softmax_scale,
+    out=None,
+    *,
+    validate=True,
+):
     """Decode attention over an fp8 e4m3 latent cache, on the backend of the query's device.
 
     Parameters
@@ -82,13 +108,24 @@ def mla_decode_fp8(q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_
     f32[B, H, K]
     """
     return get_backend(q_lat.device).mla_decode_fp8(
-        q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len, softmax_scale, out,
-        validate=validate)
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
+        seq_start,
+        seq_len,
+        softmax_scale,
+        out,
+        validate=validate,
+    )
 
 
-def mla_decode_int4(q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len, softmax_scale,
-                    out=None, *, validate=True):
-    """Decode attention over a rotated-int4 (TQ codec 1) latent cache.
+def mla_decode_int4(
+    q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len, softmax_scale, out=None, *, validate=True
+):
+    """Decode attention over an ``int4`` (rotated int4, TQ codec 1) latent cache.
 
     Parameters
     ----------
@@ -107,12 +144,26 @@ def mla_decode_int4(q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_s
         The context in the original (un-rotated) latent space.
     """
     return get_backend(q_lat.device).mla_decode_int4(
-        q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len, softmax_scale, out,
-        validate=validate)
+        q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len, softmax_scale, out, validate=validate
+    )
 
 
-def mla_decode_fp8_selected(q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len, indices,
-                            n_selected, softmax_scale, out=None, *, validate=True):
+def mla_decode_fp8_selected(
+    q_lat,
+    q_rope,
+    lc_codes,
+    lc_scales,
+    rc_codes,
+    rc_scales,
+    seq_start,
+    seq_len,
+    indices,
+    n_selected,
+    softmax_scale,
+    out=None,
+    *,
+    validate=True,
+):
     """fp8 decode attention over selected rows (sparse-attention selections).
 
     Parameters
@@ -129,12 +180,38 @@ def mla_decode_fp8_selected(q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_sca
     f32[B, H, K]
     """
     return get_backend(q_lat.device).mla_decode_fp8_selected(
-        q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len, indices, n_selected,
-        softmax_scale, out, validate=validate)
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
+        seq_start,
+        seq_len,
+        indices,
+        n_selected,
+        softmax_scale,
+        out,
+        validate=validate,
+    )
 
 
-def mla_decode_int4_selected(q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len, indices,
-                             n_selected, softmax_scale, out=None, *, validate=True):
+def mla_decode_int4_selected(
+    q_lat,
+    q_rope,
+    lc_codes,
+    lc_radii,
+    rc_codes,
+    rc_radii,
+    seq_start,
+    seq_len,
+    indices,
+    n_selected,
+    softmax_scale,
+    out=None,
+    *,
+    validate=True,
+):
     """Rotated-int4 decode attention over selected rows; parameters as :func:`mla_decode_fp8_selected`.
 
     Returns
@@ -142,5 +219,17 @@ def mla_decode_int4_selected(q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_rad
     f32[B, H, K]
     """
     return get_backend(q_lat.device).mla_decode_int4_selected(
-        q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len, indices, n_selected,
-        softmax_scale, out, validate=validate)
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_radii,
+        rc_codes,
+        rc_radii,
+        seq_start,
+        seq_len,
+        indices,
+        n_selected,
+        softmax_scale,
+        out,
+        validate=validate,
+    )

@@ -1,3 +1,4 @@
+# Over 500 lines: the launches of two kernel generations, their argument lists laid out one per line.
 """CUDA backend: the kernels of ``kernels/mla_decode.cu`` through cupy ``RawModule``.
 
 For kv_lora 512 (the ``v2`` kernels) one call is two launches on the caller's current torch stream
@@ -32,25 +33,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstore import tiers
 from kvstore.gpu import inputs
 from kvstore.gpu.registry import AttentionBackend, spec_of
 from kvstore.gpu.torch_backend import decode_torch
 
-__all__ = ["CudaBackend", "KernelPlan", "kernel_source", "plan_launch"]
+__all__ = ["CudaBackend", "KernelPlan", "default_max_mt", "default_variant", "kernel_source", "plan_launch"]
 
 KERNEL_FILE = Path(__file__).resolve().parent / "kernels" / "mla_decode.cu"
 #: Rows per tile of mla_decode_split (BN in the kernel source).
 TILE_ROWS = 64
 #: Lowest compute capability: cvt.rn.f16x2.e4m3x2 needs sm_89.
 MIN_CAPABILITY = (8, 9)
-_FORMAT = {"fp8": 0, "tq-int4": 1}
+#: The kernels' row format of each tier they decode (FMT in the source).
+_FORMAT = {tiers.FP8.name: 0, tiers.INT4.name: 1}
 #: Upper bound on splits per sequence (the merge keeps one weight per split in shared memory).
 MAX_SPLITS = 4096
-#: Kernel generation used where it is built (kv_lora 512): "v2" (default) or "v1"; the environment
-#: variable KVSTORE_GPU_KERNEL overrides it (benchmarks compare them).
-DEFAULT_VARIANT = os.environ.get("KVSTORE_GPU_KERNEL", "v2")
-#: Most 16-head m-tiles per block of the v2 kernel (1, 2 or 4); KVSTORE_GPU_MAX_MT overrides.
-DEFAULT_MAX_MT = int(os.environ.get("KVSTORE_GPU_MAX_MT", "4"))
 #: From LONG_SPLITS_FROM tiles per SM up, a split holds at least LONG_SPLIT_TILES tiles: fewer
 #: partial contexts to write and merge (H200, 32k rows, 16 heads: fp8 21.0 -> 19.6 us, int4
 #: 25.8 -> 22.8 us); shorter sequences keep one tile per split (4k rows: 10.2 us, 15.8 with 4).
@@ -59,6 +57,18 @@ LONG_SPLIT_TILES = 4
 #: Output dims per block of mla_merge_v2.
 MERGE_DIMS = 32
 _LOCK = threading.Lock()
+
+
+def default_variant() -> str:
+    """Kernel generation used where it is built (kv_lora 512): "v2", or "v1" when the environment
+    variable KVSTORE_GPU_KERNEL says so (benchmarks compare them); read when a backend is made."""
+    return os.environ.get("KVSTORE_GPU_KERNEL", "v2")
+
+
+def default_max_mt() -> int:
+    """Most 16-head m-tiles per block of the v2 kernel (1, 2 or 4): 4, or KVSTORE_GPU_MAX_MT;
+    read when a backend is made."""
+    return int(os.environ.get("KVSTORE_GPU_MAX_MT", "4"))
 
 
 def kernel_source() -> str:
@@ -104,8 +114,9 @@ class KernelPlan:
     blocks_per_sm: int
 
 
-def plan_launch(batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: int, max_mt: int = 4,
-                min_tiles: int = 1) -> KernelPlan:
+def plan_launch(
+    batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: int, max_mt: int = 4, min_tiles: int = 1
+) -> KernelPlan:
     """Choose the split of every sequence so that one wave of blocks fills the GPU.
 
     Parameters
@@ -156,7 +167,7 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
 
 
 class CudaBackend(AttentionBackend):
-    """Tensor-core kernels (mma.sync f16) for the fp8 and rotated-int4 latent caches.
+    """Tensor-core kernels (mma.sync f16) for the fp8 and int4 (rotated) latent caches.
 
     Calls whose geometry the kernels are not built for (see ``spec``) run the torch path instead;
     :meth:`why_not` says why.
@@ -164,26 +175,26 @@ class CudaBackend(AttentionBackend):
     Parameters
     ----------
     device : the CUDA device
-    variant : ``"v2"`` (kv_lora 512, else v1 runs) or ``"v1"``; default :data:`DEFAULT_VARIANT`
-    max_mt : most 16-head m-tiles per block of the v2 kernel (1, 2 or 4; default 4)
+    variant : ``"v2"`` (kv_lora 512, else v1 runs) or ``"v1"``; default :func:`default_variant`
+    max_mt : most 16-head m-tiles per block of the v2 kernel (1, 2 or 4; default :func:`default_max_mt`)
     min_tiles : fewest 64-row tiles per split (default 1: as many splits as fill one wave)
     """
 
     spec = spec_of("cuda")
 
-    def __init__(self, device: torch.device, variant: str | None = None, max_mt: int | None = None,
-                 min_tiles: int = 1):
+    def __init__(self, device: torch.device, variant: str | None = None, max_mt: int | None = None, min_tiles: int = 1):
         super().__init__(device)
         props = torch.cuda.get_device_properties(self.device)
         self.capability = (props.major, props.minor)
         self.n_sm = props.multi_processor_count
         self._smem: dict[str, int] = {}
+        self._built: dict[tuple[str, int, int], bool] = {}
         #: "v2" (two launches, fragments converted from code bytes) or "v1" (three launches)
-        self.variant = variant or DEFAULT_VARIANT
+        self.variant = variant or default_variant()
         if self.variant not in ("v1", "v2"):
             raise ValueError(f"variant must be 'v1' or 'v2', not {self.variant!r}")
         #: most 16-head m-tiles per block (v2)
-        self.max_mt = max_mt or DEFAULT_MAX_MT
+        self.max_mt = max_mt or default_max_mt()
         #: fewest tiles per split (see :func:`plan_launch`)
         self.min_tiles = max(1, int(min_tiles))
 
@@ -203,10 +214,13 @@ class CudaBackend(AttentionBackend):
             return [f"compute capability {major}.{minor} < {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (e4m3 conversion)"]
         return []
 
-    @functools.lru_cache(maxsize=64)
-    def _builds_for(self, tier: str, kv_lora: int, qk_rope: int) -> bool:
+    def _builds_for(self, tier: tiers.Tier, kv_lora: int, qk_rope: int) -> bool:
         """Whether the kernels are instantiated for this geometry (else the torch path runs)."""
-        return not self.spec.mismatches(tier=tier, kv_lora=kv_lora, qk_rope=qk_rope)
+        key = (tier.name, kv_lora, qk_rope)
+        built = self._built.get(key)
+        if built is None:
+            built = self._built[key] = not self.spec.mismatches(tier=tier, kv_lora=kv_lora, qk_rope=qk_rope)
+        return built
 
     # -- compilation ----------------------------------------------------------------------------
 
@@ -217,8 +231,9 @@ class CudaBackend(AttentionBackend):
         """The split kernel and its dynamic shared memory (asked of the compiled module once)."""
         stem, smem_stem = ("mla_decode_v2", "mla_split_smem_v2") if v2 else ("mla_decode_split", "mla_split_smem")
         name = f"{stem}<{m_tiles},{kv_lora},{qk_rope},{fmt},{'true' if gather else 'false'}>"
-        kernel, smem_query = _kernels((name, f"{smem_stem}<{m_tiles},{kv_lora},{qk_rope},{fmt}>"),
-                                      self.capability, self.device.index)
+        kernel, smem_query = _kernels(
+            (name, f"{smem_stem}<{m_tiles},{kv_lora},{qk_rope},{fmt}>"), self.capability, self.device.index
+        )
         smem = self._smem.get(name)
         if smem is None:
             answer = torch.empty(1, dtype=torch.int32, device=self.device)
@@ -234,14 +249,57 @@ class CudaBackend(AttentionBackend):
 
     # -- the call -------------------------------------------------------------------------------
 
-    def _decode(self, tier, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
-                softmax_scale, out, indices, n_selected, validate):
-        problem = inputs.check_inputs(tier, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start,
-                                      seq_len, softmax_scale, out, indices, n_selected)
-        if not self._builds_for(tier, problem.kv_lora, problem.qk_rope) or not _aligned(
-                lc_codes, rc_codes, lc_scales, rc_scales):
-            return decode_torch(tier, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
-                                softmax_scale, out, indices, n_selected, validate=validate)
+    def _decode(
+        self,
+        tier,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
+        seq_start,
+        seq_len,
+        softmax_scale,
+        out,
+        indices,
+        n_selected,
+        validate,
+    ):
+        problem = inputs.check_inputs(
+            tier,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_scales,
+            rc_codes,
+            rc_scales,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            indices,
+            n_selected,
+        )
+        if not self._builds_for(problem.tier, problem.kv_lora, problem.qk_rope) or not _aligned(
+            lc_codes, rc_codes, lc_scales, rc_scales
+        ):
+            return decode_torch(
+                tier,
+                q_lat,
+                q_rope,
+                lc_codes,
+                lc_scales,
+                rc_codes,
+                rc_scales,
+                seq_start,
+                seq_len,
+                softmax_scale,
+                out,
+                indices,
+                n_selected,
+                validate=validate,
+            )
         if validate:
             inputs.check_ranges(problem, seq_start, seq_len, indices, n_selected)
         result = inputs.prepare_out(out, problem)
@@ -259,22 +317,41 @@ class CudaBackend(AttentionBackend):
         q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
         v2 = self.variant == "v2" and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
         plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4, self.min_tiles)
-        fmt = _FORMAT[tier]
+        fmt = _FORMAT[problem.tier.name]
         # v2 keeps partial contexts in f16 with a power-of-two scale each (half the bytes written
         # and merged); v1 in f32
-        o_part = torch.empty((batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float16 if v2 else torch.float32,
-                             device=device)
+        o_part = torch.empty(
+            (batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float16 if v2 else torch.float32, device=device
+        )
         lse = torch.empty((batch, plan.padded_heads, plan.n_splits), dtype=torch.float32, device=device)
-        as_device = [t if t is None else t.to(device=device, dtype=torch.int32).contiguous()
-                     for t in (seq_start, seq_len, indices, n_selected)]
+        as_device = [
+            t if t is None else t.to(device=device, dtype=torch.int32).contiguous()
+            for t in (seq_start, seq_len, indices, n_selected)
+        ]
         seq_start_d, seq_len_d, indices_d, n_selected_d = as_device
         lc_codes, rc_codes = lc_codes.contiguous(), rc_codes.contiguous()
         lc_scales, rc_scales = lc_scales.contiguous(), rc_scales.contiguous()
 
         if v2:
-            return self._launch_v2(plan, problem, fmt, softmax_scale, q_lat_c, q_rope_c, lc_codes, lc_scales,
-                                   rc_codes, rc_scales, seq_start_d, seq_len_d, indices_d, n_selected_d, o_part, lse,
-                                   result)
+            return self._launch_v2(
+                plan,
+                problem,
+                fmt,
+                softmax_scale,
+                q_lat_c,
+                q_rope_c,
+                lc_codes,
+                lc_scales,
+                rc_codes,
+                rc_scales,
+                seq_start_d,
+                seq_len_d,
+                indices_d,
+                n_selected_d,
+                o_part,
+                lse,
+                result,
+            )
         q16 = torch.empty((batch, plan.padded_heads, k + r), dtype=torch.float16, device=device)
         qmul = torch.empty((batch, plan.padded_heads, 2), dtype=torch.float32, device=device)
         prep = self._get(f"mla_prep_query<{k},{r},{'true' if fmt == 1 else 'false'}>")
@@ -284,23 +361,78 @@ class CudaBackend(AttentionBackend):
         cupy = _cupy()
         stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
         with cupy.cuda.Device(device.index), stream:
-            prep((plan.padded_heads, batch), (128,),
-                 (_ptr(q_lat_c), _ptr(q_rope_c), np.int32(heads), np.int32(plan.padded_heads), score_scale,
-                  _ptr(q16), _ptr(qmul)))
-            split((plan.head_groups, plan.n_splits, batch), (256,),
-                  (_ptr(q16), _ptr(qmul), _ptr(lc_codes), _ptr(lc_scales), _ptr(rc_codes), _ptr(rc_scales),
-                   _ptr(seq_start_d), _ptr(seq_len_d), _ptr(indices_d), _ptr(n_selected_d),
-                   np.int32(problem.selected or 0), np.int64(problem.n_rows), np.int32(plan.padded_heads),
-                   np.int32(plan.n_splits), np.int32(plan.blocks_per_split), _ptr(o_part), _ptr(lse)),
-                  shared_mem=smem)
-            merge((heads, batch), (256,),
-                  (_ptr(o_part), _ptr(lse), np.int32(heads), np.int32(plan.padded_heads), np.int32(plan.n_splits),
-                   _ptr(result)),
-                  shared_mem=4 * plan.n_splits)
+            prep(
+                (plan.padded_heads, batch),
+                (128,),
+                (
+                    _ptr(q_lat_c),
+                    _ptr(q_rope_c),
+                    np.int32(heads),
+                    np.int32(plan.padded_heads),
+                    score_scale,
+                    _ptr(q16),
+                    _ptr(qmul),
+                ),
+            )
+            split(
+                (plan.head_groups, plan.n_splits, batch),
+                (256,),
+                (
+                    _ptr(q16),
+                    _ptr(qmul),
+                    _ptr(lc_codes),
+                    _ptr(lc_scales),
+                    _ptr(rc_codes),
+                    _ptr(rc_scales),
+                    _ptr(seq_start_d),
+                    _ptr(seq_len_d),
+                    _ptr(indices_d),
+                    _ptr(n_selected_d),
+                    np.int32(problem.selected or 0),
+                    np.int64(problem.n_rows),
+                    np.int32(plan.padded_heads),
+                    np.int32(plan.n_splits),
+                    np.int32(plan.blocks_per_split),
+                    _ptr(o_part),
+                    _ptr(lse),
+                ),
+                shared_mem=smem,
+            )
+            merge(
+                (heads, batch),
+                (256,),
+                (
+                    _ptr(o_part),
+                    _ptr(lse),
+                    np.int32(heads),
+                    np.int32(plan.padded_heads),
+                    np.int32(plan.n_splits),
+                    _ptr(result),
+                ),
+                shared_mem=4 * plan.n_splits,
+            )
         return result
 
-    def _launch_v2(self, plan, problem, fmt, softmax_scale, q_lat, q_rope, lc_codes, lc_scales, rc_codes,
-                   rc_scales, seq_start, seq_len, indices, n_selected, o_part, lse, result):
+    def _launch_v2(
+        self,
+        plan,
+        problem,
+        fmt,
+        softmax_scale,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
+        seq_start,
+        seq_len,
+        indices,
+        n_selected,
+        o_part,
+        lse,
+        result,
+    ):
         device = problem.device
         batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
         split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True)
@@ -310,40 +442,182 @@ class CudaBackend(AttentionBackend):
         cupy = _cupy()
         stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
         with cupy.cuda.Device(device.index), stream:
-            split((plan.head_groups, plan.n_splits, batch), (256,),
-                  (_ptr(q_lat), _ptr(q_rope), np.int32(heads), score_scale, _ptr(lc_codes), _ptr(lc_scales),
-                   _ptr(rc_codes), _ptr(rc_scales), _ptr(seq_start), _ptr(seq_len), _ptr(indices),
-                   _ptr(n_selected), np.int32(problem.selected or 0), np.int64(problem.n_rows),
-                   np.int32(plan.padded_heads), np.int32(plan.n_splits), np.int32(plan.blocks_per_split),
-                   _ptr(o_part), _ptr(o_scale), _ptr(lse)),
-                  shared_mem=smem)
-            merge((heads, k // MERGE_DIMS, batch), (256,),
-                  (_ptr(o_part), _ptr(o_scale), _ptr(lse), np.int32(heads), np.int32(plan.padded_heads),
-                   np.int32(plan.n_splits), _ptr(result)),
-                  shared_mem=4 * plan.n_splits)
+            split(
+                (plan.head_groups, plan.n_splits, batch),
+                (256,),
+                (
+                    _ptr(q_lat),
+                    _ptr(q_rope),
+                    np.int32(heads),
+                    score_scale,
+                    _ptr(lc_codes),
+                    _ptr(lc_scales),
+                    _ptr(rc_codes),
+                    _ptr(rc_scales),
+                    _ptr(seq_start),
+                    _ptr(seq_len),
+                    _ptr(indices),
+                    _ptr(n_selected),
+                    np.int32(problem.selected or 0),
+                    np.int64(problem.n_rows),
+                    np.int32(plan.padded_heads),
+                    np.int32(plan.n_splits),
+                    np.int32(plan.blocks_per_split),
+                    _ptr(o_part),
+                    _ptr(o_scale),
+                    _ptr(lse),
+                ),
+                shared_mem=smem,
+            )
+            merge(
+                (heads, k // MERGE_DIMS, batch),
+                (256,),
+                (
+                    _ptr(o_part),
+                    _ptr(o_scale),
+                    _ptr(lse),
+                    np.int32(heads),
+                    np.int32(plan.padded_heads),
+                    np.int32(plan.n_splits),
+                    _ptr(result),
+                ),
+                shared_mem=4 * plan.n_splits,
+            )
         return result
 
     # -- public kernels -------------------------------------------------------------------------
 
-    def mla_decode_fp8(self, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
-                       softmax_scale, out=None, *, validate=True):
-        return self._decode("fp8", q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
-                            softmax_scale, out, None, None, validate)
+    def mla_decode_fp8(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
+        seq_start,
+        seq_len,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return self._decode(
+            tiers.FP8,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_scales,
+            rc_codes,
+            rc_scales,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            None,
+            None,
+            validate,
+        )
 
-    def mla_decode_int4(self, q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len,
-                        softmax_scale, out=None, *, validate=True):
-        return self._decode("tq-int4", q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len,
-                            softmax_scale, out, None, None, validate)
+    def mla_decode_int4(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_radii,
+        rc_codes,
+        rc_radii,
+        seq_start,
+        seq_len,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return self._decode(
+            tiers.INT4,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_radii,
+            rc_codes,
+            rc_radii,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            None,
+            None,
+            validate,
+        )
 
-    def mla_decode_fp8_selected(self, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start,
-                                seq_len, indices, n_selected, softmax_scale, out=None, *, validate=True):
-        return self._decode("fp8", q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
-                            softmax_scale, out, indices, n_selected, validate)
+    def mla_decode_fp8_selected(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
+        seq_start,
+        seq_len,
+        indices,
+        n_selected,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return self._decode(
+            tiers.FP8,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_scales,
+            rc_codes,
+            rc_scales,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            indices,
+            n_selected,
+            validate,
+        )
 
-    def mla_decode_int4_selected(self, q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start,
-                                 seq_len, indices, n_selected, softmax_scale, out=None, *, validate=True):
-        return self._decode("tq-int4", q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len,
-                            softmax_scale, out, indices, n_selected, validate)
+    def mla_decode_int4_selected(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_radii,
+        rc_codes,
+        rc_radii,
+        seq_start,
+        seq_len,
+        indices,
+        n_selected,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return self._decode(
+            tiers.INT4,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_radii,
+            rc_codes,
+            rc_radii,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            indices,
+            n_selected,
+            validate,
+        )
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:

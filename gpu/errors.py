@@ -1,6 +1,7 @@
-"""Typed errors of the device backends, on the ``KVStoreError`` base of ``kvstore.formats.errors``.
+"""Typed errors of the device backends, on the ``KVStoreError`` root of ``kvstore.formats.errors``.
 
-Each carries the reason shown to the user and subclasses the matching built-in, so callers that
+Each carries the reason shown to the user (the API returns it with the status
+``kvstore.api.errors`` maps the class to) and subclasses the matching built-in, so callers that
 only know ``ValueError``/``RuntimeError`` still catch them.
 """
 
@@ -12,15 +13,18 @@ __all__ = ["AttentionInputError", "BackendUnavailable", "KVStoreError"]
 
 
 class AttentionInputError(KVStoreError, ValueError):
-    """Decode-attention inputs with the wrong shape, dtype, device or range."""
+    """Decode-attention inputs with the wrong shape, dtype, device or range.
 
-    http_status = 422
+    The reason names the argument and the shape/dtype it takes; nothing was computed.
+    """
 
 
 class BackendUnavailable(KVStoreError, RuntimeError):
-    """No registered backend can run on the requested device; ``reasons`` says why, per backend."""
+    """No registered backend can run on the requested device.
 
-    http_status = 503
+    ``reasons`` says why, per backend (a missing module, an unsupported tier or width); install
+    what is missing or pick a tier/device a backend supports.
+    """
 
     def __init__(self, reason: str, reasons: dict[str, list[str]] | None = None):
         super().__init__(reason)

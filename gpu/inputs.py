@@ -13,16 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore import tiers
 from kvstore.gpu.errors import AttentionInputError
 
-__all__ = ["DecodeProblem", "check_inputs", "check_ranges", "prepare_out"]
+__all__ = ["DecodeProblem", "RowLayout", "as_tier", "check_inputs", "check_ranges", "prepare_out", "row_layout"]
 
 
 @dataclass(frozen=True)
 class DecodeProblem:
     """The geometry of one decode-attention call, read from its inputs."""
 
-    tier: str
+    tier: tiers.Tier
     batch: int
     heads: int
     kv_lora: int
@@ -32,8 +33,28 @@ class DecodeProblem:
     device: torch.device
 
 
-def _is_pow2(n: int) -> bool:
-    return 2 <= n <= 2048 and n & (n - 1) == 0
+@dataclass(frozen=True)
+class RowLayout:
+    """How one row of a tier reaches a decode function: its values/codes, and its scale part."""
+
+    codes_dtype: torch.dtype
+    code_width: int
+    scales_dtype: torch.dtype | None  # None: the tier has no scales (f32, bf16)
+    scales_shape: tuple[int, ...]  # trailing shape of one row's scales: () or (width // 32,)
+
+
+_SHORT = {torch.uint8: "u8", torch.int8: "i8", torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def row_layout(tier: tiers.Tier, width: int) -> RowLayout:
+    """The operand layout of rows of ``width`` values in ``tier`` (``kvstore.tiers`` sizes)."""
+    if tier is tiers.F32:
+        return RowLayout(torch.float32, width, None, ())
+    if tier is tiers.BF16:
+        return RowLayout(torch.bfloat16, width, None, ())
+    if tier is tiers.Q8:
+        return RowLayout(torch.int8, width, torch.float16, (tier.scale_bytes(width) // 2,))
+    return RowLayout(torch.uint8, tier.payload_bytes(width), torch.float32, ())
 
 
 def _need(cond: bool, reason: str) -> None:
@@ -53,8 +74,18 @@ def _tensor(name: str, t, dtype: torch.dtype, ndim: int) -> None:
     _need(t.dim() == ndim, f"{name} must have {ndim} dimensions, got {_describe(t)}")
 
 
+def as_tier(tier: tiers.Tier | str) -> tiers.Tier:
+    """The tier of a Tier or a name; a name that is no tier is an AttentionInputError."""
+    if isinstance(tier, tiers.Tier):
+        return tier
+    try:
+        return tiers.parse(tier)
+    except tiers.UnknownTier as exc:
+        raise AttentionInputError(exc.reason) from None
+
+
 def check_inputs(
-    tier: str,
+    tier: tiers.Tier | str,
     q_lat,
     q_rope,
     lc_codes,
@@ -72,10 +103,12 @@ def check_inputs(
 
     Parameters
     ----------
-    tier : ``"fp8"`` or ``"tq-int4"``
+    tier : a ``kvstore.tiers.Tier`` or its name
     q_lat : f32[B, H, K];  q_rope : f32[B, H, R]
-    lc_codes : u8[N, K] (fp8) or u8[N, K/2] (int4);  lc_scales : f32[N] (scales or radii)
-    rc_codes : u8[N, R] (fp8) or u8[N, R/2] (int4);  rc_scales : f32[N]
+    lc_codes : the latent rows as :func:`row_layout` says: f32[N, K] (f32), bf16[N, K] (bf16),
+        u8[N, K] (fp8), u8[N, rb(K)] (int4, polarB), i8[N, K] (q8)
+    lc_scales : f32[N] (fp8 scales, TQ radii), f16[N, K/32] (q8 deltas), None (f32, bf16)
+    rc_codes, rc_scales : the rope rows, the same with R
     seq_start, seq_len : i32[B] (on the query's device or on the CPU)
     softmax_scale : finite float
     out : f32[B, H, K] on the query's device, optional
@@ -86,7 +119,7 @@ def check_inputs(
     AttentionInputError
         With the first problem found.
     """
-    _need(tier in ("fp8", "tq-int4"), f"tier must be 'fp8' or 'tq-int4', got {tier!r}")
+    tier = as_tier(tier)
     _tensor("q_lat", q_lat, torch.float32, 3)
     _tensor("q_rope", q_rope, torch.float32, 3)
     batch, heads, kv_lora = q_lat.shape
@@ -94,24 +127,35 @@ def check_inputs(
     _need(q_rope.shape[:2] == q_lat.shape[:2], f"q_rope {_describe(q_rope)} does not match q_lat {_describe(q_lat)}")
     _need(batch >= 1 and heads >= 1 and kv_lora >= 1 and qk_rope >= 1, f"empty query {_describe(q_lat)}")
     device = q_lat.device
-    for name, t in (("lc_codes", lc_codes), ("rc_codes", rc_codes)):
-        _tensor(name, t, torch.uint8, 2)
-    for name, t in (("lc_scales", lc_scales), ("rc_scales", rc_scales)):
-        _tensor(name, t, torch.float32, 1)
-    n_rows = lc_codes.shape[0]
-    if tier == "fp8":
-        widths = (kv_lora, qk_rope)
-    else:
-        _need(_is_pow2(kv_lora), f"rotated int4 needs a power-of-two kv_lora in 2..2048, got {kv_lora}")
-        _need(_is_pow2(qk_rope), f"rotated int4 needs a power-of-two qk_rope in 2..2048, got {qk_rope}")
-        widths = (kv_lora // 2, qk_rope // 2)
-    _need(lc_codes.shape[1] == widths[0], f"lc_codes must be u8[N, {widths[0]}] for {tier}, got {_describe(lc_codes)}")
-    _need(rc_codes.shape[1] == widths[1], f"rc_codes must be u8[N, {widths[1]}] for {tier}, got {_describe(rc_codes)}")
-    for name, t in (("rc_codes", rc_codes), ("lc_scales", lc_scales), ("rc_scales", rc_scales)):
-        _need(t.shape[0] == n_rows, f"{name} has {t.shape[0]} rows, lc_codes {n_rows}")
-    for name, t in (("q_rope", q_rope), ("lc_codes", lc_codes), ("lc_scales", lc_scales),
-                    ("rc_codes", rc_codes), ("rc_scales", rc_scales)):
-        _need(t.device == device, f"{name} is on {t.device}, q_lat on {device}")
+    for name, width in (("kv_lora", kv_lora), ("qk_rope", qk_rope)):
+        problem = tier.width_problem(width)
+        _need(problem is None, f"{name}: {problem}")
+    layouts = (
+        ("lc", lc_codes, lc_scales, row_layout(tier, kv_lora)),
+        ("rc", rc_codes, rc_scales, row_layout(tier, qk_rope)),
+    )
+    n_rows = lc_codes.shape[0] if isinstance(lc_codes, torch.Tensor) else 0
+    for prefix, codes, scales, layout in layouts:
+        _tensor(f"{prefix}_codes", codes, layout.codes_dtype, 2)
+        _need(
+            codes.shape[1] == layout.code_width,
+            f"{prefix}_codes must be {_SHORT[layout.codes_dtype]}[N, {layout.code_width}] for {tier.name}, "
+            f"got {_describe(codes)}",
+        )
+        _need(codes.shape[0] == n_rows, f"{prefix}_codes has {codes.shape[0]} rows, lc_codes {n_rows}")
+        _need(codes.device == device, f"{prefix}_codes is on {codes.device}, q_lat on {device}")
+        if layout.scales_dtype is None:
+            _need(scales is None, f"{tier.name} rows have no scales, got {prefix}_scales {_describe(scales)}")
+            continue
+        _tensor(f"{prefix}_scales", scales, layout.scales_dtype, 1 + len(layout.scales_shape))
+        _need(
+            tuple(scales.shape[1:]) == layout.scales_shape,
+            f"{prefix}_scales must be {_SHORT[layout.scales_dtype]}[N{''.join(f', {d}' for d in layout.scales_shape)}] "
+            f"for {tier.name}, got {_describe(scales)}",
+        )
+        _need(scales.shape[0] == n_rows, f"{prefix}_scales has {scales.shape[0]} rows, lc_codes {n_rows}")
+        _need(scales.device == device, f"{prefix}_scales is on {scales.device}, q_lat on {device}")
+    _need(q_rope.device == device, f"q_rope is on {q_rope.device}, q_lat on {device}")
     for name, t in (("seq_start", seq_start), ("seq_len", seq_len)):
         _tensor(name, t, torch.int32, 1)
         _need(t.shape[0] == batch, f"{name} must be i32[{batch}], got {_describe(t)}")
@@ -123,14 +167,23 @@ def check_inputs(
         _need(indices.shape[0] == batch, f"indices must be i32[{batch}, S], got {_describe(indices)}")
         _need(n_selected.shape[0] == batch, f"n_selected must be i32[{batch}], got {_describe(n_selected)}")
         for name, t in (("indices", indices), ("n_selected", n_selected)):
-            _need(t.device == device or t.device.type == "cpu", f"{name} must be on {device} or the CPU, got {t.device}")
+            _need(
+                t.device == device or t.device.type == "cpu", f"{name} must be on {device} or the CPU, got {t.device}"
+            )
         selected = int(indices.shape[1])
-    _need(isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale),
-          f"softmax_scale must be a finite float, got {softmax_scale!r}")
+    _need(
+        isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale),
+        f"softmax_scale must be a finite float, got {softmax_scale!r}",
+    )
     if out is not None:
-        _need(isinstance(out, torch.Tensor) and out.dtype == torch.float32 and tuple(out.shape) == (batch, heads, kv_lora)
-              and out.device == device and out.is_contiguous(),
-              f"out must be a contiguous f32[{batch}, {heads}, {kv_lora}] on {device}, got {_describe(out)}")
+        _need(
+            isinstance(out, torch.Tensor)
+            and out.dtype == torch.float32
+            and tuple(out.shape) == (batch, heads, kv_lora)
+            and out.device == device
+            and out.is_contiguous(),
+            f"out must be a contiguous f32[{batch}, {heads}, {kv_lora}] on {device}, got {_describe(out)}",
+        )
     return DecodeProblem(tier, batch, heads, kv_lora, qk_rope, n_rows, selected, device)
 
 
@@ -145,21 +198,25 @@ def check_ranges(problem: DecodeProblem, seq_start, seq_len, indices=None, n_sel
     """
     start = seq_start.to(torch.int64)
     length = seq_len.to(torch.int64)
-    problems = torch.stack([
-        (length < 0).any(),
-        (start < 0).any(),
-        (start + length > problem.n_rows).any(),
-    ])
+    problems = torch.stack(
+        [
+            (length < 0).any(),
+            (start < 0).any(),
+            (start + length > problem.n_rows).any(),
+        ]
+    )
     if indices is not None:
         n_sel = n_selected.to(device=indices.device, dtype=torch.int64)
         columns = torch.arange(indices.shape[1], device=indices.device)
         used = columns[None, :] < n_sel[:, None]
         limit = length.to(indices.device)[:, None]
         bad_index = used & ((indices < 0) | (indices.to(torch.int64) >= limit))
-        problems = torch.cat([
-            problems.to(indices.device),
-            torch.stack([((n_sel < 0) | (n_sel > indices.shape[1])).any(), bad_index.any()]),
-        ])
+        problems = torch.cat(
+            [
+                problems.to(indices.device),
+                torch.stack([((n_sel < 0) | (n_sel > indices.shape[1])).any(), bad_index.any()]),
+            ]
+        )
     flags = problems.cpu().tolist()
     _need(not flags[0], "seq_len holds a negative length")
     _need(not flags[1], "seq_start holds a negative row")

@@ -1,9 +1,12 @@
-"""Float64 reference of the decode-attention kernels, written from FORMAT.md rather than the kernels.
+"""Float64 reference of the decode-attention backends: rows decoded as the format defines them,
+then an exact two-pass softmax in float64.
 
-Rows are decoded to the values the file format defines (fp8: the e4m3 formula with the NaN codes
-read as 0, times the row scale; int4: the Lloyd-Max level times ``radius / sqrt(n)``, un-rotated
-back to the stored row), then attended with an exact two-pass softmax in float64. Used by the tests
-and the benchmark to check every implementation.
+Rows are decoded to the values FORMAT.md gives them: f32/bf16 rows widened; fp8 the e4m3 value
+(``kvstore.formats.fp8.LUT``, exact in f32; the NaN codes read as 0) times the row scale; int4 the
+Lloyd-Max level times ``radius / sqrt(n)``, un-rotated in float64 by the Hadamard matrix and the
+signs of ``kvstore.formats.tq``; PolarQuant through the reference codec of ``kvstore.formats.tq``
+(in f32, widened); Q8_0 the code times its f16 delta. Used by the tests and the benchmark to check
+every backend, whatever order its sums take.
 """
 
 from __future__ import annotations
@@ -13,31 +16,25 @@ import math
 import numpy as np
 import torch
 
-from kvstore.gpu.rotation import sign_vector
+from kvstore import tiers
+from kvstore.formats import fp8, q8, tq
+from kvstore.gpu.codecs import int4_levels, sign_vector
+from kvstore.gpu.inputs import as_tier
 
 __all__ = ["e4m3_table_f64", "int4_levels_f64", "reference_decode"]
 
 # Decoded f64 elements kept between the score pass and the context pass (1 GiB).
 _KEEP_ELEMENTS = 1 << 27
 
-#: The 16 Lloyd-Max levels of FORMAT.md section 6, as the spec's f32 literals.
-_LEVELS = np.array([-2.733, -2.069, -1.618, -1.256, -0.942, -0.657, -0.388, -0.128,
-                    0.128, 0.388, 0.657, 0.942, 1.256, 1.618, 2.069, 2.733], dtype=np.float32)
-
 
 def e4m3_table_f64() -> np.ndarray:
-    """f64[256]: e4m3 "fn" decode per FORMAT.md section 3; 0x7F and 0xFF (NaN) read as 0."""
-    code = np.arange(256)
-    exponent, mantissa = (code >> 3) & 15, (code & 7).astype(np.float64)
-    value = np.where(exponent > 0, (1 + mantissa / 8) * np.exp2(exponent - 7.0), mantissa * 2.0**-9)
-    table = np.where(code & 0x80, -value, value)
-    table[0x7F] = table[0xFF] = 0.0
-    return table
+    """f64[256]: the e4m3 "fn" decode of FORMAT.md section 3 (every value exact in f32); NaN codes read 0."""
+    return fp8.LUT.astype(np.float64)
 
 
 def int4_levels_f64() -> np.ndarray:
-    """f64[16]: the Lloyd-Max levels (f32 literals widened)."""
-    return _LEVELS.astype(np.float64)
+    """f64[16]: the Lloyd-Max levels (``tq.LEVELS``, the spec's f32 literals) widened."""
+    return tq.LEVELS.astype(np.float64)
 
 
 def _hadamard(n: int, device: torch.device) -> torch.Tensor:
@@ -48,27 +45,36 @@ def _hadamard(n: int, device: torch.device) -> torch.Tensor:
     return (h / math.sqrt(n)).to(device)
 
 
-def _decode_rows(tier: str, codes: torch.Tensor, scales: torch.Tensor, width: int) -> torch.Tensor:
+def _decode_rows(tier: tiers.Tier, codes: torch.Tensor, scales: torch.Tensor | None, width: int) -> torch.Tensor:
     """f64[n, width]: the stored rows the codes stand for."""
-    if tier == "fp8":
+    if tier is tiers.F32 or tier is tiers.BF16:
+        return codes.to(torch.float64)
+    if tier is tiers.FP8:
         table = torch.from_numpy(e4m3_table_f64()).to(codes.device)
         return table[codes.to(torch.int64)] * scales.to(torch.float64)[:, None]
-    table = torch.from_numpy(int4_levels_f64()).to(codes.device)
-    wide = codes.to(torch.int64)
-    nibbles = torch.stack((wide & 15, wide >> 4), dim=-1).reshape(codes.shape[0], width)
-    rotated = table[nibbles] * (scales.to(torch.float64) / math.sqrt(width))[:, None]
-    # unrotate(y) = FWHT(y) * sign, with the transform written as a matrix product
-    return (rotated @ _hadamard(width, codes.device)) * sign_vector(width, torch.float64, codes.device)
+    if tier is tiers.Q8:
+        blocks = codes.to(torch.float64).reshape(codes.shape[0], -1, q8.BLOCK)
+        return (blocks * scales.to(torch.float64)[:, :, None]).reshape(codes.shape[0], width)
+    if tier is tiers.INT4:
+        wide = codes.to(torch.int64)
+        nibbles = torch.stack((wide & 15, wide >> 4), dim=-1).reshape(codes.shape[0], width)
+        rotated = (
+            int4_levels(codes.device, torch.float64)[nibbles] * (scales.to(torch.float64) / math.sqrt(width))[:, None]
+        )
+        # unrotate(y) = FWHT(y) * sign, with the transform written as a matrix product
+        return (rotated @ _hadamard(width, codes.device)) * sign_vector(width, torch.float64, codes.device)
+    rows = tier.dequantize(codes.cpu().numpy(), scales.cpu().numpy(), width)
+    return torch.from_numpy(rows).to(device=codes.device, dtype=torch.float64)
 
 
 def reference_decode(
-    tier: str,
+    tier: tiers.Tier | str,
     q_lat: torch.Tensor,
     q_rope: torch.Tensor,
     lc_codes: torch.Tensor,
-    lc_scales: torch.Tensor,
+    lc_scales: torch.Tensor | None,
     rc_codes: torch.Tensor,
-    rc_scales: torch.Tensor,
+    rc_scales: torch.Tensor | None,
     seq_start: torch.Tensor,
     seq_len: torch.Tensor,
     softmax_scale: float,
@@ -80,9 +86,10 @@ def reference_decode(
 
     Parameters
     ----------
-    tier : ``"fp8"`` or ``"tq-int4"``
+    tier : a ``kvstore.tiers.Tier`` or its name
     q_lat : f32[B, H, K];  q_rope : f32[B, H, R]
-    lc_codes, lc_scales, rc_codes, rc_scales : cache rows, as for :func:`kvstore.gpu.mla_decode_fp8`
+    lc_codes, lc_scales, rc_codes, rc_scales : cache rows in the tier's layout
+        (:func:`kvstore.gpu.inputs.row_layout`; scales None for f32/bf16)
     seq_start, seq_len : i32[B]
     softmax_scale : float
     indices : i32[B, S], n_selected : i32[B], optional (selected-rows variant)
@@ -92,6 +99,7 @@ def reference_decode(
     -------
     f64[B, H, K] on the device of ``q_lat`` (zeros for a sequence with no rows)
     """
+    tier = as_tier(tier)
     batch, heads, kv_lora = q_lat.shape
     qk_rope = q_rope.shape[2]
     device = q_lat.device
@@ -99,6 +107,10 @@ def reference_decode(
     starts = seq_start.cpu().tolist()
     lengths = seq_len.cpu().tolist()
     counts = n_selected.cpu().tolist() if indices is not None else None
+
+    def decode(codes, scales, rows, width):
+        return _decode_rows(tier, codes[rows], None if scales is None else scales[rows], width)
+
     for b in range(batch):
         if indices is None:
             rows = torch.arange(starts[b], starts[b] + lengths[b], device=device, dtype=torch.int64)
@@ -114,8 +126,8 @@ def reference_decode(
         latent = []
         score_parts = []
         for c in chunks:
-            lat = _decode_rows(tier, lc_codes[c], lc_scales[c], kv_lora)
-            score_parts.append(ql @ lat.T + qr @ _decode_rows(tier, rc_codes[c], rc_scales[c], qk_rope).T)
+            lat = decode(lc_codes, lc_scales, c, kv_lora)
+            score_parts.append(ql @ lat.T + qr @ decode(rc_codes, rc_scales, c, qk_rope).T)
             if keep:
                 latent.append(lat)
         scores = torch.cat(score_parts, dim=1) * softmax_scale
@@ -123,7 +135,7 @@ def reference_decode(
         weights /= weights.sum(dim=1, keepdim=True)
         column = 0
         for i, c in enumerate(chunks):
-            lat = latent[i] if keep else _decode_rows(tier, lc_codes[c], lc_scales[c], kv_lora)
+            lat = latent[i] if keep else decode(lc_codes, lc_scales, c, kv_lora)
             out[b] += weights[:, column : column + c.numel()] @ lat
             column += c.numel()
     return out

@@ -1,11 +1,12 @@
 """Random decode-attention problems for the tests and the benchmark: fresh data, never zeros.
 
-fp8 rows are Gaussian rows of random per-row magnitude quantized the way the v2 format does
-(``amax / 448`` scale, e4m3 round-to-nearest-even), with a few NaN codes (0x7F/0xFF) planted so
-every check also covers the rule that they read as 0 (``nan_rate``; the format's encoder never
-writes them, so the benchmark times NaN-free rows as well as planted ones). int4 rows are random codes with random
-radii (a few rows inert, radius 0). Sequences of a ragged batch sit at random offsets of one row
-array, with unused rows between them, so ``seq_start`` is exercised too.
+Rows of every tier: f32/bf16 Gaussian rows of random per-row magnitude; fp8 the same rows quantized
+the way the v2 format does (``amax / 448`` scale, e4m3 round-to-nearest-even), with a few NaN codes
+(0x7F/0xFF) planted so every check also covers the rule that they read as 0 (``nan_rate``; the
+format's encoder never writes them, so the benchmark times NaN-free rows as well as planted ones);
+int4 and PolarQuant random codes with random radii (a few rows inert, radius 0); Q8_0 random codes
+with random deltas (a few blocks inert, delta 0). Sequences of a ragged batch sit at random offsets
+of one row array, with unused rows between them, so ``seq_start`` is exercised too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from kvstore import tiers
+from kvstore.gpu.codecs import FP8_MAX
+from kvstore.gpu.errors import AttentionInputError
+from kvstore.gpu.inputs import as_tier, row_layout
 
 __all__ = ["DecodeCase", "decode", "make_case", "poisoned_out", "ragged_lengths", "relative_error", "reference"]
 
@@ -25,13 +31,13 @@ _GEN_ROWS = 1 << 19
 class DecodeCase:
     """One decode-attention problem: inputs in the order the kernels take them."""
 
-    tier: str
+    tier: tiers.Tier
     q_lat: torch.Tensor
     q_rope: torch.Tensor
     lc_codes: torch.Tensor
-    lc_scales: torch.Tensor
+    lc_scales: torch.Tensor | None  # None for f32/bf16 rows
     rc_codes: torch.Tensor
-    rc_scales: torch.Tensor
+    rc_scales: torch.Tensor | None
     seq_start: torch.Tensor
     seq_len: torch.Tensor
     softmax_scale: float
@@ -42,10 +48,15 @@ class DecodeCase:
     def selected(self) -> bool:
         return self.indices is not None
 
+    def rows(self) -> tuple:
+        """The row operands as the tier's decode function takes them (no scales for f32/bf16)."""
+        if self.lc_scales is None:
+            return self.lc_codes, self.rc_codes
+        return self.lc_codes, self.lc_scales, self.rc_codes, self.rc_scales
+
     def args(self) -> tuple:
         """Positional arguments of the matching ``mla_decode_*`` function (``out`` excluded)."""
-        head = (self.q_lat, self.q_rope, self.lc_codes, self.lc_scales, self.rc_codes, self.rc_scales,
-                self.seq_start, self.seq_len)
+        head = (self.q_lat, self.q_rope, *self.rows(), self.seq_start, self.seq_len)
         if self.selected:
             return head + (self.indices, self.n_selected, self.softmax_scale)
         return head + (self.softmax_scale,)
@@ -57,37 +68,76 @@ class DecodeCase:
         return int(self.seq_len.to(torch.int64).sum())
 
     def row_bytes(self) -> int:
-        """Bytes of one cache row: latent + rope codes and their two f32 scales."""
-        return self.lc_codes.shape[1] + self.rc_codes.shape[1] + 8
+        """Bytes of one cache row: latent + rope codes and their scales (``Tier.row_bytes``)."""
+        return self.tier.row_bytes(self.q_lat.shape[2]) + self.tier.row_bytes(self.q_rope.shape[2])
 
 
-def _fp8_rows(n: int, width: int, gen: torch.Generator, device: torch.device,
-              nan_rate: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor]:
+def _gaussian_rows(n: int, width: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    rows = torch.randn((n, width), generator=gen, device=device)
+    return rows * torch.exp2(torch.rand((n, 1), generator=gen, device=device) * 6 - 3)  # magnitudes 1/8..8
+
+
+def _float_rows(
+    tier: tiers.Tier, n: int, width: int, gen: torch.Generator, device: torch.device, nan_rate: float = 0.0
+) -> tuple[torch.Tensor, None]:
+    dtype = row_layout(tier, width).codes_dtype
+    rows = torch.empty((n, width), dtype=dtype, device=device)
+    for lo in range(0, n, _GEN_ROWS):
+        hi = min(n, lo + _GEN_ROWS)
+        rows[lo:hi] = _gaussian_rows(hi - lo, width, gen, device).to(dtype)
+    return rows, None
+
+
+def _fp8_rows(
+    tier: tiers.Tier, n: int, width: int, gen: torch.Generator, device: torch.device, nan_rate: float = 1e-3
+) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty((n, width), dtype=torch.uint8, device=device)
     scales = torch.empty(n, dtype=torch.float32, device=device)
     for lo in range(0, n, _GEN_ROWS):
         hi = min(n, lo + _GEN_ROWS)
-        rows = torch.randn((hi - lo, width), generator=gen, device=device)
-        rows *= torch.exp2(torch.rand((hi - lo, 1), generator=gen, device=device) * 6 - 3)  # magnitudes 1/8..8
+        rows = _gaussian_rows(hi - lo, width, gen, device)
         amax = rows.abs().amax(dim=1)
-        codes[lo:hi] = (rows * (448.0 / amax)[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
-        scales[lo:hi] = amax / 448.0
+        codes[lo:hi] = (rows * (FP8_MAX / amax)[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+        scales[lo:hi] = amax / FP8_MAX
     nan_at = torch.rand((n, width), generator=gen, device=device) < nan_rate
     nan_code = torch.where(torch.rand((n, width), generator=gen, device=device) < 0.5, 0x7F, 0xFF).to(torch.uint8)
     codes[nan_at] = nan_code[nan_at]
     return codes, scales
 
 
-def _int4_rows(n: int, width: int, gen: torch.Generator, device: torch.device,
-               nan_rate: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = torch.randint(0, 256, (n, width // 2), generator=gen, device=device, dtype=torch.int32).to(torch.uint8)
+def _tq_rows(
+    tier: tiers.Tier, n: int, width: int, gen: torch.Generator, device: torch.device, nan_rate: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 256, (n, tier.payload_bytes(width)), generator=gen, device=device, dtype=torch.int32).to(
+        torch.uint8
+    )
     radii = math.sqrt(width) * (0.5 + 1.5 * torch.rand(n, generator=gen, device=device))
     radii[torch.rand(n, generator=gen, device=device) < 1e-3] = 0.0  # inert rows
     return codes, radii.to(torch.float32)
 
 
+def _q8_rows(
+    tier: tiers.Tier, n: int, width: int, gen: torch.Generator, device: torch.device, nan_rate: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.randint(-127, 128, (n, width), generator=gen, device=device, dtype=torch.int32).to(torch.int8)
+    blocks = row_layout(tier, width).scales_shape
+    deltas = torch.exp2(torch.rand((n, *blocks), generator=gen, device=device) * 6 - 10)  # 2^-10 .. 2^-4
+    deltas[torch.rand((n, *blocks), generator=gen, device=device) < 1e-3] = 0.0  # inert blocks
+    return codes, deltas.to(torch.float16)
+
+
+def _row_maker(tier: tiers.Tier):
+    if tier is tiers.F32 or tier is tiers.BF16:
+        return _float_rows
+    if tier is tiers.FP8:
+        return _fp8_rows
+    if tier is tiers.Q8:
+        return _q8_rows
+    return _tq_rows
+
+
 def make_case(
-    tier: str,
+    tier: tiers.Tier | str,
     lengths: list[int],
     heads: int,
     *,
@@ -102,7 +152,7 @@ def make_case(
 
     Parameters
     ----------
-    tier : ``"fp8"`` or ``"tq-int4"``
+    tier : a ``kvstore.tiers.Tier`` or its name (every tier: f32, bf16, fp8, int4, polar2..6, q8)
     lengths : rows of each sequence (one query token per sequence)
     heads : query heads H
     kv_lora, qk_rope : row widths K, R
@@ -111,11 +161,17 @@ def make_case(
     selected : S, the index columns of the selected-rows variant; ``None`` for dense attention.
         Each sequence selects ``min(S, length)`` distinct rows, the last sequence fewer (ragged).
     nan_rate : fraction of fp8 codes replaced by a NaN code (0x7F / 0xFF), which must read as 0
+        (other tiers have no NaN codes)
 
     Returns
     -------
     DecodeCase
     """
+    tier = as_tier(tier)
+    for name, width in (("kv_lora", kv_lora), ("qk_rope", qk_rope)):
+        problem = tier.width_problem(width)
+        if problem is not None:
+            raise AttentionInputError(f"{name}: {problem}")
     device = torch.device(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -127,13 +183,19 @@ def make_case(
         starts.append(cursor)
         cursor += length
     n_rows = cursor + 13  # unused rows after the last sequence too
-    make_rows = _fp8_rows if tier == "fp8" else _int4_rows
-    lc_codes, lc_scales = make_rows(n_rows, kv_lora, gen, device, nan_rate)
-    rc_codes, rc_scales = make_rows(n_rows, qk_rope, gen, device, nan_rate)
+    make_rows = _row_maker(tier)
+    lc_codes, lc_scales = make_rows(tier, n_rows, kv_lora, gen, device, nan_rate)
+    rc_codes, rc_scales = make_rows(tier, n_rows, qk_rope, gen, device, nan_rate)
     q_lat = torch.randn((batch, heads, kv_lora), generator=gen, device=device)
     q_rope = torch.randn((batch, heads, qk_rope), generator=gen, device=device)
     case = DecodeCase(
-        tier, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales,
+        tier,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
         torch.tensor(starts, dtype=torch.int32, device=device),
         torch.tensor(lengths, dtype=torch.int32, device=device),
         # scores of standard deviation ~2: a softmax that is neither flat nor one-hot
@@ -163,18 +225,30 @@ def ragged_lengths(longest: int, batch: int, seed: int) -> list[int]:
 
 def decode(case: DecodeCase, out: torch.Tensor | None = None, backend=None, **kwargs) -> torch.Tensor:
     """Run the kernel matching the case (tier, dense or selected) on ``backend`` (default: the device's)."""
-    from kvstore import gpu
+    from kvstore.gpu.registry import get_backend
 
-    name = {"fp8": "mla_decode_fp8", "tq-int4": "mla_decode_int4"}[case.tier] + ("_selected" if case.selected else "")
-    function = getattr(backend, name) if backend is not None else getattr(gpu, name)
-    return function(*case.args(), out, **kwargs)
+    backend = backend if backend is not None else get_backend(case.q_lat.device)
+    return backend.function(case.tier, selected=case.selected)(*case.args(), out, **kwargs)
 
 
 def reference(case: DecodeCase) -> torch.Tensor:
     """The float64 reference output of the case."""
     from kvstore.gpu.reference import reference_decode
 
-    return reference_decode(case.tier, *case.args()[:8], case.softmax_scale, case.indices, case.n_selected)
+    return reference_decode(
+        case.tier,
+        case.q_lat,
+        case.q_rope,
+        case.lc_codes,
+        case.lc_scales,
+        case.rc_codes,
+        case.rc_scales,
+        case.seq_start,
+        case.seq_len,
+        case.softmax_scale,
+        case.indices,
+        case.n_selected,
+    )
 
 
 def poisoned_out(case: DecodeCase) -> torch.Tensor:

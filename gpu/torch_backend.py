@@ -1,9 +1,20 @@
-"""Pure-torch decode attention (dequantize + matmul): the fallback without cupy/CUDA, and Metal.
+# Over 500 lines: ten kernel methods (five tier kinds, dense and selected), each with the shared signature spelled out.
+"""Pure-torch decode attention over every cache tier: the engine's path, the fallback without cupy, Metal.
 
-Rows are dequantized chunk by chunk (``lut[code] * scale`` for fp8, ``level[code] * radius /
-sqrt(n)`` in the rotated domain for int4) and attended with an online softmax, so memory stays
-bounded at any context length. f32 throughout; the same code runs on ``cpu``, ``cuda`` and
-``mps`` (no float64, no custom kernels).
+For each query ``b`` (one token of a sequence whose rows are ``seq_start[b] .. seq_start[b] +
+seq_len[b] - 1`` of the row arrays, or the ``n_selected[b]`` rows ``indices[b]`` picks there)::
+
+    p   = softmax(softmax_scale * (q_lat[b] . Lc[n] + q_rope[b] . Rc[n]))   per head
+    ctx = sum_n p[n] * Lc[n]                                                 [H, kv_lora]
+
+Rows are decoded chunk by chunk by the tier's codec of :mod:`kvstore.gpu.codecs` and attended with
+one online softmax (:func:`_online_softmax`), so memory stays bounded at any context length; every
+query of a batch is handled in the same matrix products, with the rows it may not see masked, and
+no value is read back to the host (the engine calls this on CUDA for the tiers the kernels lack).
+TQ rows are attended in the rotated domain: the rotation ``Q`` is orthogonal, so ``q . x = (Q q) .
+y`` and ``ctx = Q^T sum p y``; the queries are rotated once and no row is ever un-rotated. f32
+throughout; the same code runs on ``cpu``, ``cuda``, ``mps`` and ``xpu`` (no float64, no custom
+kernels).
 
 The Metal backend (:class:`MpsBackend`) is this implementation on torch's ``mps`` device, chosen
 automatically on Apple hardware. It cannot be exercised on the Linux machines this project is
@@ -13,70 +24,79 @@ backend's reasons when ``mps`` is absent).
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Callable
 
-import numpy as np
 import torch
 
-from kvstore.formats import fp8, tq
-from kvstore.gpu import inputs
+from kvstore import tiers
+from kvstore.gpu import codecs, inputs
 from kvstore.gpu.registry import AttentionBackend, spec_of
-from kvstore.gpu.rotation import rotate, unrotate
 
-__all__ = ["MpsBackend", "TorchBackend", "decode_torch"]
+__all__ = ["CHUNK_ROWS", "MpsBackend", "TorchBackend", "decode_torch"]
 
-# Rows dequantized per step: bounds the f32 rows and the [H, rows] scores held at once.
-CHUNK_ROWS = 16384
+#: Rows decoded per step (fewer when the batch is wide: see :data:`SCORE_ELEMENTS`).
+CHUNK_ROWS = 8192
+#: Most f32 elements of one step's scores ([B, H, rows]) or per-query gathered rows ([B, rows, K + R]).
+SCORE_ELEMENTS = 1 << 24
 
-
-@functools.lru_cache(maxsize=8)
-def _table(which: str, device_key: str) -> torch.Tensor:
-    values = fp8.LUT if which == "fp8" else tq.LEVELS
-    return torch.from_numpy(np.array(values, dtype=np.float32)).to(torch.device(device_key))
-
-
-def _dequant_fp8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    lut = _table("fp8", str(codes.device))
-    return lut[codes.to(torch.int64)] * scales[:, None]
+# (lc rows, rc rows, hidden) of columns a..z: rows [C, w] shared by every query or [B, C, w] per
+# query, and a mask broadcastable to [B, H, C] of the columns a query may not see.
+Chunk = Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _dequant_int4(codes: torch.Tensor, radii: torch.Tensor, width: int) -> torch.Tensor:
-    """Rows in the rotated domain: ``level[c] * radius / sqrt(width)``; element 2k is byte k's low nibble."""
-    levels = _table("int4", str(codes.device))
-    wide = codes.to(torch.int32)
-    nibbles = torch.stack((wide & 15, wide >> 4), dim=-1).reshape(codes.shape[0], width)
-    std = radii / math.sqrt(width)
-    return levels[nibbles.to(torch.int64)] * std[:, None]
-
-
-def _attend(
-    q_lat: torch.Tensor,
-    q_rope: torch.Tensor,
-    n_rows: int,
-    rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-    softmax_scale: float,
+def _online_softmax(
+    q_lat: torch.Tensor, q_rope: torch.Tensor, n_cols: int, chunk: Chunk, step: int, softmax_scale: float
 ) -> torch.Tensor:
-    """Online-softmax attention of one query (f32[H, K], f32[H, R]) over rows fetched in chunks."""
-    heads, kv_lora = q_lat.shape
-    running_max = torch.full((heads, 1), float("-inf"), dtype=torch.float32, device=q_lat.device)
-    denom = torch.zeros((heads, 1), dtype=torch.float32, device=q_lat.device)
-    ctx = torch.zeros((heads, kv_lora), dtype=torch.float32, device=q_lat.device)
-    for begin in range(0, n_rows, CHUNK_ROWS):
-        lat, rope = rows(begin, min(n_rows, begin + CHUNK_ROWS))
-        scores = (q_lat @ lat.T + q_rope @ rope.T) * softmax_scale
-        new_max = torch.maximum(running_max, scores.amax(dim=1, keepdim=True))
-        weights = torch.exp(scores - new_max)
-        rescale = torch.exp(running_max - new_max)
-        denom = denom * rescale + weights.sum(dim=1, keepdim=True)
-        ctx = ctx * rescale + weights @ lat
+    """Streamed softmax attention of queries f32[B, H, K] / f32[B, H, R] over ``n_cols`` columns.
+
+    Returns f32[B, H, K]; a query that sees no column gets zeros.
+    """
+    b, h, k = q_lat.shape
+    dev = q_lat.device
+    running_max = torch.full((b, h, 1), float("-inf"), device=dev)
+    denom = torch.zeros((b, h, 1), device=dev)
+    acc = torch.zeros((b, h, k), device=dev)
+    for a in range(0, n_cols, step):
+        lat, rope, hidden = chunk(a, min(n_cols, a + step))
+        scores = (torch.matmul(q_lat, lat.mT) + torch.matmul(q_rope, rope.mT)) * softmax_scale  # [B, H, C]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+        # A query with no visible row yet keeps max -inf: shift by 0 so exp() stays 0, not NaN.
+        shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        weights = torch.exp(scores - shift)
+        rescale = torch.exp(running_max - shift)
+        denom = denom * rescale + weights.sum(dim=-1, keepdim=True)
+        acc = acc * rescale + torch.matmul(weights, lat)
         running_max = new_max
-    return torch.where(denom > 0, ctx / denom.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(ctx))
+    return acc / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def _row_decoder(tier: tiers.Tier, lc, lc_scales, rc, rc_scales, kv_lora: int, qk_rope: int):
+    """``rows(index) -> (lat f32[..., K], rope f32[..., R])`` in the domain attention reads (rotated for TQ)."""
+    if tier.rotated:
+
+        def rows(index):
+            return (
+                codecs.rotated_rows(tier, lc[index], lc_scales[index], kv_lora),
+                codecs.rotated_rows(tier, rc[index], rc_scales[index], qk_rope),
+            )
+    elif lc_scales is None:
+
+        def rows(index):
+            return lc[index].float(), rc[index].float()
+    else:
+
+        def rows(index):
+            return (
+                codecs.decode_tier(tier, lc[index], lc_scales[index], kv_lora),
+                codecs.decode_tier(tier, rc[index], rc_scales[index], qk_rope),
+            )
+
+    return rows
 
 
 def decode_torch(
-    tier: str,
+    tier: tiers.Tier | str,
     q_lat,
     q_rope,
     lc_codes,
@@ -92,13 +112,14 @@ def decode_torch(
     *,
     validate: bool = True,
 ) -> torch.Tensor:
-    """Decode attention with torch ops for either tier, dense or over selected rows.
+    """Decode attention with torch ops for any tier, dense or over selected rows.
 
     Parameters
     ----------
-    tier : ``"fp8"`` or ``"tq-int4"``
+    tier : a ``kvstore.tiers.Tier`` or its name
     q_lat : f32[B, H, K];  q_rope : f32[B, H, R]
-    lc_codes, lc_scales, rc_codes, rc_scales : the cache rows (see :func:`kvstore.gpu.mla_decode_fp8`)
+    lc_codes, lc_scales, rc_codes, rc_scales : the cache rows in the tier's layout
+        (:func:`kvstore.gpu.inputs.row_layout`; scales None for f32/bf16)
     seq_start, seq_len : i32[B]
     softmax_scale : float
     out : f32[B, H, K], optional
@@ -109,47 +130,71 @@ def decode_torch(
     -------
     f32[B, H, K]
     """
-    problem = inputs.check_inputs(tier, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
-                                  softmax_scale, out, indices, n_selected)
+    problem = inputs.check_inputs(
+        tier,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
+        seq_start,
+        seq_len,
+        softmax_scale,
+        out,
+        indices,
+        n_selected,
+    )
     if validate:
         inputs.check_ranges(problem, seq_start, seq_len, indices, n_selected)
+    tier = problem.tier
     result = inputs.prepare_out(out, problem)
-    starts = seq_start.cpu().tolist()
-    lengths = seq_len.cpu().tolist()
-    counts = n_selected.cpu().tolist() if indices is not None else None
-    k, r = problem.kv_lora, problem.qk_rope
-    rotated = tier == "tq-int4"
-    q_l = rotate(q_lat) if rotated else q_lat
-    q_r = rotate(q_rope) if rotated else q_rope
+    batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
+    dev = problem.device
+    rows = _row_decoder(tier, lc_codes, lc_scales, rc_codes, rc_scales, k, r)
+    q_l, q_r = (codecs.rotate(q_lat), codecs.rotate(q_rope)) if tier.rotated else (q_lat, q_rope)
+    start = seq_start.to(device=dev, dtype=torch.int64)
+    length = seq_len.to(device=dev, dtype=torch.int64).clamp_min(0)
+    if indices is None:
+        # Columns are rows of the arrays, shared by every query; the span read is narrowed to the
+        # sequences' rows when their bounds are already on the host (no synchronization either way).
+        first, stop = 0, problem.n_rows
+        if seq_start.device.type == "cpu" and seq_len.device.type == "cpu":
+            lo, hi = seq_start.to(torch.int64), seq_start.to(torch.int64) + seq_len.to(torch.int64).clamp_min(0)
+            live = hi > lo
+            if bool(live.any()):
+                first, stop = max(0, int(lo[live].min())), min(problem.n_rows, int(hi[live].max()))
+            else:
+                first = stop = 0
+        lo, hi = start[:, None, None], (start + length)[:, None, None]
 
-    def dequant(rows_index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        if rotated:
-            return (_dequant_int4(lc_codes[rows_index], lc_scales[rows_index], k),
-                    _dequant_int4(rc_codes[rows_index], rc_scales[rows_index], r))
-        return (_dequant_fp8(lc_codes[rows_index], lc_scales[rows_index]),
-                _dequant_fp8(rc_codes[rows_index], rc_scales[rows_index]))
+        def chunk(a: int, z: int):
+            lat, rope = rows(slice(first + a, first + z))
+            position = torch.arange(first + a, first + z, device=dev)
+            return lat, rope, (position < lo) | (position >= hi)
 
-    for b in range(problem.batch):  # one sequence at a time; rows within it are vectorized
-        start, length = int(starts[b]), max(int(lengths[b]), 0)
-        if indices is None:
-            n_rows = length
+        n_cols = stop - first
+        step = max(1, min(CHUNK_ROWS, SCORE_ELEMENTS // (batch * heads)))
+    else:
+        # Columns are selection slots, each query gathering its own rows: [B, C, width].
+        n_cols = problem.selected if problem.n_rows else 0
+        picked = indices.to(device=dev, dtype=torch.int64) + start[:, None]
+        picked = picked.clamp(0, max(problem.n_rows - 1, 0))  # unused slots may hold anything: masked below
+        count = n_selected.to(device=dev, dtype=torch.int64)[:, None, None]
 
-            def rows(lo: int, hi: int, start=start) -> tuple[torch.Tensor, torch.Tensor]:
-                return dequant(slice(start + lo, start + hi))
-        else:
-            n_rows = min(max(int(counts[b]), 0), problem.selected)
-            picked = indices[b, :n_rows].to(device=problem.device, dtype=torch.int64) + start
+        def chunk(a: int, z: int):
+            lat, rope = rows(picked[:, a:z])
+            slot = torch.arange(a, z, device=dev)
+            return lat, rope, slot >= count
 
-            def rows(lo: int, hi: int, picked=picked) -> tuple[torch.Tensor, torch.Tensor]:
-                return dequant(picked[lo:hi])
-
-        ctx = _attend(q_l[b], q_r[b], n_rows, rows, float(softmax_scale))
-        result[b] = unrotate(ctx) if rotated else ctx
+        step = max(1, min(CHUNK_ROWS, SCORE_ELEMENTS // (batch * max(heads, k + r))))
+    ctx = _online_softmax(q_l, q_r, n_cols, chunk, step, float(softmax_scale))
+    result.copy_(codecs.unrotate(ctx) if tier.rotated else ctx)
     return result
 
 
 class TorchBackend(AttentionBackend):
-    """Dequantize + matmul with torch ops on the CPU (or on CUDA when the CUDA kernels cannot run)."""
+    """Decode attention with torch ops, every tier, on any torch device (the engine's default path)."""
 
     spec = spec_of("torch")
 
@@ -157,27 +202,306 @@ class TorchBackend(AttentionBackend):
     def environment_reasons(cls, device: torch.device) -> list[str]:
         if device.type == "cuda" and not torch.cuda.is_available():
             return ["torch.cuda.is_available() is False"]
+        if device.type == "mps":
+            return _mps_reasons()
+        if device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+            return ["torch.xpu.is_available() is False"]
         return []
 
-    def mla_decode_fp8(self, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
-                       softmax_scale, out=None, *, validate=True):
-        return decode_torch("fp8", q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
-                            softmax_scale, out, validate=validate)
+    # f32 and bf16 rows: the values themselves (the tier follows their dtype)
+    def mla_decode_dense(self, q_lat, q_rope, lc, rc, seq_start, seq_len, softmax_scale, out=None, *, validate=True):
+        tier = tiers.BF16 if getattr(lc, "dtype", None) == torch.bfloat16 else tiers.F32
+        return decode_torch(
+            tier, q_lat, q_rope, lc, None, rc, None, seq_start, seq_len, softmax_scale, out, validate=validate
+        )
 
-    def mla_decode_int4(self, q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len,
-                        softmax_scale, out=None, *, validate=True):
-        return decode_torch("tq-int4", q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len,
-                            softmax_scale, out, validate=validate)
+    def mla_decode_dense_selected(
+        self, q_lat, q_rope, lc, rc, seq_start, seq_len, indices, n_selected, softmax_scale, out=None, *, validate=True
+    ):
+        tier = tiers.BF16 if getattr(lc, "dtype", None) == torch.bfloat16 else tiers.F32
+        return decode_torch(
+            tier,
+            q_lat,
+            q_rope,
+            lc,
+            None,
+            rc,
+            None,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            indices,
+            n_selected,
+            validate=validate,
+        )
 
-    def mla_decode_fp8_selected(self, q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start,
-                                seq_len, indices, n_selected, softmax_scale, out=None, *, validate=True):
-        return decode_torch("fp8", q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len,
-                            softmax_scale, out, indices, n_selected, validate=validate)
+    def mla_decode_fp8(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
+        seq_start,
+        seq_len,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return decode_torch(
+            tiers.FP8,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_scales,
+            rc_codes,
+            rc_scales,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            validate=validate,
+        )
 
-    def mla_decode_int4_selected(self, q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start,
-                                 seq_len, indices, n_selected, softmax_scale, out=None, *, validate=True):
-        return decode_torch("tq-int4", q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len,
-                            softmax_scale, out, indices, n_selected, validate=validate)
+    def mla_decode_fp8_selected(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_scales,
+        rc_codes,
+        rc_scales,
+        seq_start,
+        seq_len,
+        indices,
+        n_selected,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return decode_torch(
+            tiers.FP8,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_scales,
+            rc_codes,
+            rc_scales,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            indices,
+            n_selected,
+            validate=validate,
+        )
+
+    def mla_decode_int4(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_radii,
+        rc_codes,
+        rc_radii,
+        seq_start,
+        seq_len,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return decode_torch(
+            tiers.INT4,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_radii,
+            rc_codes,
+            rc_radii,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            validate=validate,
+        )
+
+    def mla_decode_int4_selected(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_radii,
+        rc_codes,
+        rc_radii,
+        seq_start,
+        seq_len,
+        indices,
+        n_selected,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return decode_torch(
+            tiers.INT4,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_radii,
+            rc_codes,
+            rc_radii,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            indices,
+            n_selected,
+            validate=validate,
+        )
+
+    def mla_decode_polar(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_radii,
+        rc_codes,
+        rc_radii,
+        seq_start,
+        seq_len,
+        softmax_scale,
+        out=None,
+        *,
+        bits,
+        validate=True,
+    ):
+        return decode_torch(
+            tiers.polar(bits),
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_radii,
+            rc_codes,
+            rc_radii,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            validate=validate,
+        )
+
+    def mla_decode_polar_selected(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_radii,
+        rc_codes,
+        rc_radii,
+        seq_start,
+        seq_len,
+        indices,
+        n_selected,
+        softmax_scale,
+        out=None,
+        *,
+        bits,
+        validate=True,
+    ):
+        return decode_torch(
+            tiers.polar(bits),
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_radii,
+            rc_codes,
+            rc_radii,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            indices,
+            n_selected,
+            validate=validate,
+        )
+
+    def mla_decode_q8(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_deltas,
+        rc_codes,
+        rc_deltas,
+        seq_start,
+        seq_len,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return decode_torch(
+            tiers.Q8,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_deltas,
+            rc_codes,
+            rc_deltas,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            validate=validate,
+        )
+
+    def mla_decode_q8_selected(
+        self,
+        q_lat,
+        q_rope,
+        lc_codes,
+        lc_deltas,
+        rc_codes,
+        rc_deltas,
+        seq_start,
+        seq_len,
+        indices,
+        n_selected,
+        softmax_scale,
+        out=None,
+        *,
+        validate=True,
+    ):
+        return decode_torch(
+            tiers.Q8,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_deltas,
+            rc_codes,
+            rc_deltas,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            indices,
+            n_selected,
+            validate=validate,
+        )
+
+
+def _mps_reasons() -> list[str]:
+    mps = getattr(torch.backends, "mps", None)
+    if mps is None or not mps.is_built():
+        return ["this torch build has no MPS (Metal) support"]
+    if not mps.is_available():
+        return ["torch.backends.mps.is_available() is False (no Apple GPU, or macOS older than 12.3)"]
+    return []
 
 
 class MpsBackend(TorchBackend):
@@ -187,9 +511,4 @@ class MpsBackend(TorchBackend):
 
     @classmethod
     def environment_reasons(cls, device: torch.device) -> list[str]:
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_built():
-            return ["this torch build has no MPS (Metal) support"]
-        if not mps.is_available():
-            return ["torch.backends.mps.is_available() is False (no Apple GPU, or macOS older than 12.3)"]
-        return []
+        return _mps_reasons()

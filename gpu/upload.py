@@ -24,7 +24,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvstore import tiers
 from kvstore.gpu.errors import AttentionInputError
+from kvstore.gpu.inputs import as_tier
 
 __all__ = ["PinnedUploader", "QuantizedRows", "restore_quantized_rows"]
 
@@ -34,7 +36,7 @@ _NP_TO_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.flo
 class QuantizedRows(NamedTuple):
     """A device cache of quantized rows: ``capacity`` rows allocated, the first ``n_rows`` restored.
 
-    ``lc_scales``/``rc_scales`` hold the fp8 scales or the int4 radii.
+    ``lc_scales``/``rc_scales`` hold the fp8 scales or the TQ (int4, polarB) radii.
     """
 
     lc_codes: torch.Tensor
@@ -64,7 +66,9 @@ class PinnedUploader:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             self.stream = torch.cuda.Stream(self.device)
-            self._buffers = [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(n_buffers)]
+            self._buffers = [
+                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(n_buffers)
+            ]
             self._views = [buf.numpy() for buf in self._buffers]
             self._done = [torch.cuda.Event() for _ in range(n_buffers)]
             self._used = [False] * n_buffers
@@ -115,7 +119,7 @@ def _rows(name: str, array, dtype: np.dtype, ndim: int) -> np.ndarray:
 
 
 def restore_quantized_rows(
-    tier: str,
+    tier: tiers.Tier | str,
     lc_codes: np.ndarray,
     lc_scales: np.ndarray,
     rc_codes: np.ndarray,
@@ -129,9 +133,11 @@ def restore_quantized_rows(
 
     Parameters
     ----------
-    tier : ``"fp8"`` (codes u8[N, K], scales) or ``"tq-int4"`` (codes u8[N, K/2], radii)
-    lc_codes : u8[N, K or K/2];  lc_scales : f32[N]
-    rc_codes : u8[N, R or R/2];  rc_scales : f32[N]
+    tier : a tier of u8 codes and one f32 scale per row, as a ``kvstore.tiers.Tier`` or its name:
+        ``"fp8"`` (codes u8[N, K], scales), ``"int4"`` (codes u8[N, K/2], radii) or ``"polar2"`` ..
+        ``"polar6"`` (codes u8[N, rb(K)], radii)
+    lc_codes : u8[N, payload bytes of K];  lc_scales : f32[N]
+    rc_codes : u8[N, payload bytes of R];  rc_scales : f32[N]
     device : target device
     capacity : rows to allocate (>= N) so that decoding can append without reallocating
     uploader : a :class:`PinnedUploader` to reuse (its pinned ring); one is made when omitted
@@ -141,8 +147,10 @@ def restore_quantized_rows(
     QuantizedRows
         Device tensors of ``capacity`` rows, the first N restored (rows past N uninitialized).
     """
-    if tier not in ("fp8", "tq-int4"):
-        raise AttentionInputError(f"tier must be 'fp8' or 'tq-int4', got {tier!r}")
+    tier = as_tier(tier)
+    if not (tier.in_file and tier.version in (2, 3)):
+        quantized = [name for name in tiers.names(in_file=True) if tiers.get(name).version != 1]
+        raise AttentionInputError(f"tier must be one of {quantized} (u8 codes + f32 scales), got {tier.name!r}")
     lc_codes = _rows("lc_codes", lc_codes, np.dtype(np.uint8), 2)
     rc_codes = _rows("rc_codes", rc_codes, np.dtype(np.uint8), 2)
     lc_scales = _rows("lc_scales", lc_scales, np.dtype(np.float32), 1)

@@ -13,6 +13,8 @@ import importlib
 import os
 
 __version__ = "0.1.0"
+#: The owner of what is created without one: the first API key, a CLI-created session.
+DEFAULT_OWNER = "default"
 
 # A source checkout run without installation (``python -m pytest`` from the repo root puts
 # the root on sys.path): map kvstore.<part> to the sibling folders, as pyproject does.
@@ -23,7 +25,7 @@ if os.path.isfile(os.path.join(_root, "pyproject.toml")) and os.path.isdir(os.pa
 
 _LAZY = {
     "KVFile": "kvstore.journal",
-    "SessionStore": "kvstore.sessions",
+    "SessionStore": "kvstore.store",
 }
 
 

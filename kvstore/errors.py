@@ -1,14 +1,19 @@
-"""Every typed error kvstore raises, in one place.
+"""Typed errors of the journal, the session store and the configuration, with the lower layers' errors.
 
-The format errors are defined in ``kvstore.formats.errors`` (that part imports nothing else) and
-re-exported here. Each error subclasses the matching built-in too, so code that only knows
+``from kvstore.errors import X`` works for every store-level error: the format errors (defined in
+:mod:`kvstore.formats.errors`, the root of the hierarchy) and the migration errors (defined in
+:mod:`kvstore.migrations.errors`) are re-exported here. The engine's, the GPU backends' and the
+HTTP service's own errors live in ``kvstore.engine.errors``, ``kvstore.gpu.errors`` and
+``kvstore.api.errors``.
+
+Each error subclasses the matching built-in too, so code that only knows
 ``KeyError``/``ValueError``/``OSError`` still catches it. ``reason`` is the one line the CLI prints
-(exit code 2) and the API returns (with ``http_status``).
+(exit code 2) and the API returns, with the status ``kvstore.api.errors`` maps the class to.
 """
 
 from __future__ import annotations
 
-from kvstore.formats.errors import (  # noqa: F401
+from kvstore.formats.errors import (
     BadHeader,
     BadMagic,
     CodecMismatch,
@@ -16,138 +21,136 @@ from kvstore.formats.errors import (  # noqa: F401
     GeometryMismatch,
     KVStoreError,
     TruncatedHeader,
+    UnknownTier,
 )
+from kvstore.migrations.errors import IndexSchemaError, MigrationError, NoMigrationPath
+
+__all__ = [
+    # re-exported from kvstore.formats.errors and kvstore.migrations.errors
+    "BadHeader",
+    "BadMagic",
+    "CodecMismatch",
+    "FormatError",
+    "GeometryMismatch",
+    "IndexSchemaError",
+    "KVStoreError",
+    "MigrationError",
+    "NoMigrationPath",
+    "TruncatedHeader",
+    "UnknownTier",
+    # defined here
+    "BudgetExceeded",
+    "ConfigError",
+    "FingerprintMismatch",
+    "IndexFull",
+    "IntegrityError",
+    "InvalidRequest",
+    "InvalidSessionId",
+    "JournalClosed",
+    "JournalLocked",
+    "JournalWriteError",
+    "PathRefused",
+    "SessionDamaged",
+    "SessionExists",
+    "SessionNotFound",
+]
 
 
+# ---- the journal (kvstore.journal) ------------------------------------------------------------
 class JournalWriteError(KVStoreError, OSError):
-    """A write or fsync failed. Committed records are intact; the next append rewrites the tail."""
+    """A write or fsync of a journal failed (a full or failing disk).
 
-    http_status = 507
+    Committed records are intact and nothing after them was acknowledged; free space or fix the
+    disk and send the rows again (the next append rewrites the torn tail).
+    """
 
 
 class JournalLocked(KVStoreError, BlockingIOError):
-    """Another writer holds the journal's lock."""
+    """Another writer holds the journal's (or session's) lock for longer than the lock timeout.
 
-    http_status = 409
+    Nothing was changed; retry once the other writer is done.
+    """
 
 
 class JournalClosed(KVStoreError, ValueError):
-    """The journal handle was closed."""
+    """The journal handle was closed; open the journal again to use it."""
 
 
 class PathRefused(KVStoreError, PermissionError):
-    """A path resolves outside the folder it must stay in (traversal or a symlink out)."""
+    """A path resolves outside the folder it must stay in (traversal, or a symbolic link out).
 
-    http_status = 400
+    Nothing was read or written there; name a file inside the folder.
+    """
 
 
+# ---- the session store (kvstore.store) -----------------------------------------------------
 class SessionNotFound(KVStoreError, KeyError):
-    http_status = 404
+    """No session has this id for this owner (another owner's session looks exactly as missing).
+
+    List the owner's sessions to find the id, or create the session first.
+    """
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.reason
 
 
 class SessionExists(KVStoreError, ValueError):
-    http_status = 409
+    """A session with this id already exists (ids are unique in a store, across owners).
+
+    Pick another id, or leave it out to have one generated.
+    """
 
 
 class InvalidSessionId(KVStoreError, ValueError):
-    http_status = 400
+    """A session id that is not 1-64 of ``[A-Za-z0-9_-]`` starting with a letter or digit.
 
-
-class BudgetExceeded(KVStoreError, OSError):
-    """The store's hard disk limit would be crossed; nothing was written."""
-
-    http_status = 507
-
-
-class FingerprintMismatch(KVStoreError, ValueError):
-    """A session was written by another model, tokenizer or cache tier than the one restoring it."""
-
-    http_status = 409
-
-
-class IntegrityError(KVStoreError, ValueError):
-    """Stored rows do not match the hashes recorded when they were appended."""
-
-    http_status = 409
-
-
-class MigrationError(KVStoreError, ValueError):
-    """No registered migration path, or a migration that would overwrite its source."""
-
-
-# ---- session store and HTTP service ---------------------------------------------------------
-from kvstore.migrations.index import IndexSchemaError  # noqa: E402,F401  (defined beside the schema steps)
+    Nothing was looked up; use an id of that form.
+    """
 
 
 class InvalidRequest(KVStoreError, ValueError):
-    """An argument is out of range or malformed (a record count past the end, a bad upload)."""
+    """An argument is out of range or malformed (a record count past the end, a bad upload).
 
-    http_status = 400
+    The reason names the argument and what it takes; nothing was changed.
+    """
+
+
+class BudgetExceeded(KVStoreError, OSError):
+    """The store's hard disk limit would be crossed; nothing was written.
+
+    Delete or park sessions, or raise the limit (``--hard-limit``).
+    """
+
+
+class FingerprintMismatch(KVStoreError, ValueError):
+    """A session was written by another model, tokenizer or cache tier than the one restoring it.
+
+    The reason names each field that differs; use the matching model, or override a field
+    explicitly when you know the rows are still valid.
+    """
+
+
+class IntegrityError(KVStoreError, ValueError):
+    """Stored rows do not match the hashes recorded when they were appended (a silent bit flip).
+
+    The damaged turns are never served; ``repair`` cuts the session back to its last good turn.
+    """
 
 
 class SessionDamaged(IntegrityError):
-    """A session's journal or archive is missing or unreadable; the index keeps the reason."""
+    """A session's journal or archive is missing or unreadable; the index keeps the reason.
+
+    ``repair`` keeps what can still be read, or delete the session.
+    """
 
 
 class IndexFull(KVStoreError, OSError):
-    """The index's LMDB map is full: reopen the store with a larger ``map_size``."""
-
-    http_status = 507
+    """The index's LMDB map is full; nothing was changed. Reopen the store with a larger ``map_size``."""
 
 
-class BodyTooLarge(KVStoreError, ValueError):
-    """A request body is larger than the service accepts."""
-
-    http_status = 413
-
-
-class UnsupportedMediaType(KVStoreError, ValueError):
-    """A request body's Content-Type is not one the endpoint reads."""
-
-    http_status = 415
-
-
-class Unauthorized(KVStoreError, PermissionError):
-    """A request carried no API key, or one the service does not know."""
-
-    http_status = 401
-
-
-class JobNotFound(KVStoreError, KeyError):
-    http_status = 404
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return self.reason
-
-
+# ---- configuration ----------------------------------------------------------------------------
 class ConfigError(KVStoreError, ValueError):
-    """A configuration file or variable (API keys, sizes) cannot be used as written."""
+    """A configuration file or variable (API keys, sizes, the engine's tier) cannot be used as written.
 
-
-# ---- transformers interop (kvstore.engine.hf) -------------------------------------------------
-class CacheLayoutUnsupported(KVStoreError, ValueError):
-    """The transformers model (or version) does not cache the MLA latent rows kvstore stores."""
-
-    http_status = 422
-
-
-class ConversationMismatch(KVStoreError, ValueError):
-    """The tokens or cache given do not continue the conversation the session holds."""
-
-    http_status = 409
-
-
-# ---- the engine joined to the session store (kvstore.engine.session, the generate endpoint) ----
-class EngineNotLoaded(KVStoreError, RuntimeError):
-    """The service runs without a model: generation needs ``kvstore serve --model DIR``."""
-
-    http_status = 503
-
-
-class RestoreFailed(KVStoreError, RuntimeError):
-    """Restoring a session into the engine's cache failed (e.g. device memory); nothing changed."""
-
-    http_status = 503
+    The reason names the setting and the form it takes.
+    """

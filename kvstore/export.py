@@ -38,7 +38,19 @@ SUFFIXES = (".npz", ".arrow", ".parquet")
 
 
 def to_arrow_table(records: KVRecords, rows: tuple | None = None):
-    """The records as a ``pyarrow.Table`` (see the module docstring for the schema)."""
+    """The records as a ``pyarrow.Table`` (see the module docstring for the schema).
+
+    Parameters
+    ----------
+    records : the safe records of a file
+    rows : ``records.dequantize()`` when the caller already has it: (L f32[n_layers, n, kv_lora],
+        R f32[n_layers, n, qk_rope], I f32[nic, n, index_hd] or None)
+
+    Returns
+    -------
+    pyarrow.Table
+        ``n * n_layers`` rows, position-major, with the header in the schema metadata.
+    """
     import pyarrow as pa
 
     g = records.geometry
@@ -49,10 +61,14 @@ def to_arrow_table(records: KVRecords, rows: tuple | None = None):
         "token": pa.array(np.repeat(records.tokens, n_layers)),
         "layer": pa.array(np.tile(np.arange(n_layers, dtype=np.int16), n)),
         # [n_layers, n, w] -> [n, n_layers, w]: position-major rows
-        "L": pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(L.transpose(1, 0, 2)).reshape(-1)), g.kv_lora),
-        "R": pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(R.transpose(1, 0, 2)).reshape(-1)), g.qk_rope),
+        "L": pa.FixedSizeListArray.from_arrays(
+            pa.array(np.ascontiguousarray(L.transpose(1, 0, 2)).reshape(-1)), g.kv_lora
+        ),
+        "R": pa.FixedSizeListArray.from_arrays(
+            pa.array(np.ascontiguousarray(R.transpose(1, 0, 2)).reshape(-1)), g.qk_rope
+        ),
     }
-    if g.nic:
+    if index is not None:  # nic > 0: indexer rows on the first nic layer rows
         padded = np.zeros((n, n_layers, g.index_hd), dtype=np.float32)
         padded[:, : g.nic] = index.transpose(1, 0, 2)
         valid = np.zeros((n, n_layers), dtype=bool)
@@ -75,7 +91,20 @@ def to_arrow_table(records: KVRecords, rows: tuple | None = None):
 
 
 def export(records: KVRecords, out: str | os.PathLike) -> Path:
-    """Write ``records`` to ``out`` (format by suffix), atomically; returns the path."""
+    """Write ``records`` to ``out`` (format by suffix), atomically; returns the path.
+
+    Parameters
+    ----------
+    records : the safe records of a file (dequantized and sanitized on the way out)
+    out : ``OUT.npz`` (``tokens`` int32[n], ``L``, ``R``, ``I``), ``OUT.arrow`` or ``OUT.parquet``
+
+    Raises
+    ------
+    FormatError
+        Another suffix.
+    JournalWriteError
+        The file could not be written (no partial export is left).
+    """
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in SUFFIXES:
@@ -83,10 +112,10 @@ def export(records: KVRecords, out: str | os.PathLike) -> Path:
     L, R, index = records.dequantize()
     sink = io.BytesIO()
     if suffix == ".npz":
-        arrays = {"tokens": records.tokens, "L": L, "R": R}
-        if index is not None:
-            arrays["I"] = index
-        np.savez(sink, **arrays)
+        if index is None:
+            np.savez(sink, tokens=records.tokens, L=L, R=R)
+        else:
+            np.savez(sink, tokens=records.tokens, L=L, R=R, I=index)
     else:
         table = to_arrow_table(records, (L, R, index))
         if suffix == ".arrow":

@@ -19,7 +19,6 @@ from kvstore.formats import coli_kv, fp8, tq
 from kvstore.formats.coli_kv import HEADER_BYTES, Header, KVRecords, Tier
 from kvstore.journal import AtomicFile, read_whole, write_atomic, write_errors, writer_lock
 from kvstore.migrations import formats as format_migrations
-from kvstore import tiers
 
 Progress = Callable[[int, int], None]
 
@@ -34,7 +33,25 @@ def _load_raw(path: Path) -> tuple[memoryview, KVRecords]:
 
 
 def inspect_file(path: str | os.PathLike) -> dict:
-    """Everything a user needs to judge a file: header, counts, damage found."""
+    """Everything a user needs to judge a file: header, counts, damage found.
+
+    Parameters
+    ----------
+    path : a ``.coli_kv`` file (read once, never modified)
+
+    Returns
+    -------
+    dict
+        ``tier`` (its description, canonical name first), ``version``/``codec``/``bits``, the
+        geometry, ``nrec`` (the header's count) against ``complete_records`` and ``records_safe``,
+        the damage counters (torn tail bytes, bad scales/radii, NaN codes/values), ``problems``
+        (one line each) and ``clean``.
+
+    Raises
+    ------
+    FormatError
+        Not a ``.coli_kv`` file (short, bad magic, inconsistent header).
+    """
     path = Path(path)
     raw, records = _load_raw(path)
     h, found = records.header, records.problems
@@ -103,6 +120,23 @@ def repair_file(path: str | os.PathLike, *, dry_run: bool = False, backup: bool 
 
     The original is kept as ``<name>.bak`` unless ``backup`` is False. Runs under the journal's
     writer lock; the rewrite is atomic.
+
+    Parameters
+    ----------
+    path : the ``.coli_kv`` file to repair
+    dry_run : report the actions, change nothing
+    backup : keep the original bytes as ``<name>.bak``
+
+    Returns
+    -------
+    dict
+        ``records`` kept, ``actions`` (one line each; "left ..." lines change nothing), ``changed``,
+        ``dry_run`` and ``backup`` (its path, or None).
+
+    Raises
+    ------
+    FormatError
+        Not a ``.coli_kv`` file: nothing is written.
     """
     path = Path(path)
     with writer_lock(path):
@@ -119,8 +153,14 @@ def repair_file(path: str | os.PathLike, *, dry_run: bool = False, backup: bool 
         if found.nan_values:
             actions.append(f"left {found.nan_values} non-finite f32 values in place (v1 rows are stored as written)")
         changes = [a for a in actions if not a.startswith("left ")]
-        report = {"path": str(path), "records": records.n, "actions": actions, "changed": bool(changes),
-                  "dry_run": dry_run, "backup": None}
+        report = {
+            "path": str(path),
+            "records": records.n,
+            "actions": actions,
+            "changed": bool(changes),
+            "dry_run": dry_run,
+            "backup": None,
+        }
         if dry_run or not changes:
             return report
         if backup:
@@ -133,6 +173,20 @@ def repair_file(path: str | os.PathLike, *, dry_run: bool = False, backup: bool 
     return report
 
 
+def _cumulative(progress: Progress | None) -> Progress | None:
+    """``convert_chunks`` reports each chunk's records; callers get ``(records_done, total)``."""
+    if progress is None:
+        return None
+    done = 0
+
+    def step(n: int, total: int) -> None:
+        nonlocal done
+        done += n
+        progress(min(done, total), total)
+
+    return step
+
+
 def migrate_file(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -143,7 +197,25 @@ def migrate_file(
 ) -> dict:
     """Convert ``src`` into a new file ``dst`` in ``target``; ``src`` is never modified.
 
-    Refuses when ``dst`` is ``src`` (or a link to it) and, unless ``overwrite``, when ``dst`` exists.
+    Parameters
+    ----------
+    src, dst : the file to read and the file to write (atomically)
+    target : a file tier (``tiers.get("int4")``, ...)
+    overwrite : replace an existing ``dst``
+    progress : ``progress(records_done, total)``, called after each converted chunk
+
+    Returns
+    -------
+    dict
+        ``from``/``to`` (tier descriptions), the migration ``steps``, ``lossy``, ``records``, the
+        sizes before and after, ``seconds`` and ``mb_per_s``.
+
+    Raises
+    ------
+    MigrationError
+        ``dst`` is ``src`` (or a link to it), or exists without ``overwrite``.
+    NoMigrationPath
+        No step leads from the source's tier to ``target``.
     """
     src, dst = Path(src), Path(dst)
     if not src.is_file():
@@ -156,7 +228,7 @@ def migrate_file(
     records = coli_kv.load(src)
     steps = format_migrations.plan(records.tier, target)
     header = Header(records.geometry, target, records.n)
-    write_atomic(dst, header, format_migrations.convert_chunks(records, target, progress), replace=True)
+    write_atomic(dst, header, format_migrations.convert_chunks(records, target, _cumulative(progress)), replace=True)
     seconds = time.perf_counter() - started
     src_bytes = HEADER_BYTES + records.n * records.header.rec_bytes
     return {

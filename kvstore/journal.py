@@ -15,16 +15,15 @@ Protocol (FORMAT.md section 4), and what each step protects against:
 - After any failed write the handle forgets its cached count, so the next append re-reads the
   committed count and rewrites the tail rather than skipping it.
 
-Writers take an advisory lock (``flock`` on a ``<file>.lock`` sidecar, which survives the renames
-above), so two writers never interleave. Readers take no lock: the commit order guarantees they see
-a consistent prefix.
+Writers take an advisory lock (``kvstore.locks.FileLock`` on a ``<file>.lock`` sidecar, which
+survives the renames above), so two writers never interleave. Readers take no lock: the commit order
+guarantees they see a consistent prefix.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import struct
 import time
@@ -33,9 +32,10 @@ from typing import Iterable
 
 import numpy as np
 
-from kvstore.errors import CodecMismatch, FormatError, GeometryMismatch, JournalClosed, JournalLocked, JournalWriteError
+from kvstore.errors import CodecMismatch, FormatError, GeometryMismatch, JournalClosed, JournalWriteError
 from kvstore.formats import coli_kv, fp8, tq
 from kvstore.formats.coli_kv import HEADER_BYTES, NREC_OFFSET, Geometry, Header, KVRecords, Tier
+from kvstore.locks import FileLock
 from kvstore.migrations import formats as format_migrations
 
 FILE_MODE = 0o600  # conversations are private: owner-only files
@@ -144,34 +144,19 @@ class AtomicFile:
             pass
 
 
-class _Lock:
-    """``flock`` on a sidecar file; waits up to ``timeout`` seconds, then raises JournalLocked."""
-
-    def __init__(self, target: Path, timeout: float):
-        self.path = target.with_name(target.name + ".lock")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, FILE_MODE)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    os.close(self.fd)
-                    raise JournalLocked(f"{target.name} is being written by another writer; try again later") from None
-                time.sleep(0.005)
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
+def _writer_lock(target: Path, timeout: float) -> FileLock:
+    """The journal's writer lock, held: ``flock`` on the ``<file>.lock`` sidecar (it survives renames)."""
+    return FileLock(
+        target.with_name(target.name + ".lock"),
+        timeout=timeout,
+        busy_reason=f"{target.name} is being written by another writer; try again later",
+    ).acquire()
 
 
 @contextlib.contextmanager
 def writer_lock(path: str | os.PathLike, timeout: float = 5.0):
     """Hold the journal's writer lock (e.g. while a tool rewrites the file)."""
-    lock = _Lock(Path(path), timeout)
+    lock = _writer_lock(Path(path), timeout)
     try:
         yield
     finally:
@@ -187,7 +172,7 @@ class KVFile:
     :class:`CodecMismatch` — use ``kvstore.migrations`` for an explicit (lossy) conversion.
     """
 
-    def __init__(self, path: Path, fd: int, header: Header, committed: int, tier: Tier, lock: _Lock | None):
+    def __init__(self, path: Path, fd: int, header: Header, committed: int, tier: Tier, lock: FileLock | None):
         self.path = path
         self._fd = fd
         self._header = header  # as stored on disk (its tier may differ from the active tier)
@@ -201,7 +186,7 @@ class KVFile:
         """Create a new, empty journal (refuses to overwrite an existing file)."""
         path = Path(path)
         coli_kv.check_geometry(geometry, tier)
-        lock = _Lock(path, lock_timeout)
+        lock = _writer_lock(path, lock_timeout)
         try:
             header = Header(geometry, tier, 0)
             with write_errors(f"creating {path.name}", "no file was created"):
@@ -232,7 +217,7 @@ class KVFile:
         writable : take the writer lock (waits up to ``lock_timeout`` seconds)
         """
         path = Path(path)
-        lock = _Lock(path, lock_timeout) if writable else None
+        lock = _writer_lock(path, lock_timeout) if writable else None
         try:
             fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
             try:

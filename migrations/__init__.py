@@ -1,8 +1,8 @@
 """Format conversions between ``.coli_kv`` versions and versioned schema steps for the index."""
 
+from kvstore.migrations.errors import IndexSchemaError, MigrationError, NoMigrationPath  # noqa: F401
 from kvstore.migrations.formats import (  # noqa: F401
     REGISTRY,
-    NoMigrationPath,
     Step,
     convert,
     convert_chunks,

@@ -18,16 +18,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from kvstore.formats import tiers  # noqa: F401  (the doctests above name tiers)
 from kvstore.formats.coli_kv import KVRecords, Tier, encode_records
-from kvstore.formats.errors import KVStoreError
-from kvstore.formats import tiers
+from kvstore.migrations.errors import NoMigrationPath
 
 Progress = Callable[[int, int], None]  # (records done, records total)
 CHUNK_RECORDS = 512
-
-
-class NoMigrationPath(KVStoreError, ValueError):
-    """No registered step converts between the two tiers."""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
 
-from kvstore.formats.errors import KVStoreError
+from kvstore.migrations.errors import IndexSchemaError
 
 CURRENT_VERSION = 3
 SCHEMA_KEY = b"schema_version"
@@ -68,12 +68,6 @@ SEP = b"\0"  # ids and owners never hold NUL, so "a\0" sorts apart from "ab\0"
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _TURN = struct.Struct(">IIB")
-
-
-class IndexSchemaError(KVStoreError, RuntimeError):
-    """The index was written by a newer kvstore, or an upgrade step cannot run."""
-
-    http_status = 503
 
 
 # ------------------------------------------------------------------ key layouts (version 3)

@@ -28,12 +28,12 @@ import queue
 import threading
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from kvstore.api.dependencies import get_engine, get_metrics, require_owner, session_id_param
-from kvstore.api.routers.metrics import Metrics
+from kvstore.api.dependencies import LoadedEngine, Owner, SessionId
+from kvstore.api.routers.metrics import Counters, Metrics
 from kvstore.api.schemas import EngineOut, ErrorBody, GenerateIn, GenerateOut
 from kvstore.errors import InvalidRequest, KVStoreError
 
@@ -66,12 +66,20 @@ def _prompt(body: GenerateIn):
     return body.text if body.text is not None else body.tokens
 
 
+def _turn_json(result) -> dict[str, Any]:
+    """A :class:`~kvstore.engine.session.TurnResult` as ``GenerateOut`` (the session's tier with its name)."""
+    body = result.to_dict()
+    if result.session is not None:
+        body["session"] = result.session.to_dict()
+    return body
+
+
 def _split_headers(reused: int, prefilled: int, source: str) -> dict[str, str]:
     return {"X-KV-Reused-Tokens": str(reused), "X-KV-Prefilled-Tokens": str(prefilled), "X-KV-Source": source}
 
 
 @router.get("/engine", response_model=EngineOut, summary="The loaded model, cache tier and fingerprint")
-def engine_info(owner: str = Depends(require_owner), engine=Depends(get_engine)) -> dict:
+def engine_info(owner: Owner, engine: LoadedEngine) -> dict:
     described = engine.describe()
     described.pop("live_session", None)  # another owner's session id is not the caller's business
     return described
@@ -86,10 +94,10 @@ def engine_info(owner: str = Depends(require_owner), engine=Depends(get_engine))
 async def generate(
     request: Request,
     body: GenerateIn,
-    session_id: str = Depends(session_id_param),
-    owner: str = Depends(require_owner),
-    engine=Depends(get_engine),
-    metrics: Metrics = Depends(get_metrics),
+    session_id: SessionId,
+    owner: Owner,
+    engine: LoadedEngine,
+    metrics: Counters,
 ):
     prompt = _prompt(body)
     options = _options(body, owner)
@@ -107,7 +115,7 @@ async def generate(
         finally:
             gate.release()
         metrics.record_turn(result)
-        return JSONResponse(result.to_dict(), headers=_split_headers(result.reused_tokens, result.prefilled_tokens, result.source))
+        return JSONResponse(_turn_json(result), headers=_split_headers(result.reused_tokens, result.prefilled_tokens, result.source))
 
     events: queue.Queue = queue.Queue()
     loop = asyncio.get_running_loop()
@@ -156,7 +164,7 @@ def _produce(turn, events: queue.Queue, metrics: Metrics, release) -> None:
             if tail:
                 events.put(("text", {"text": tail}))
         metrics.record_turn(turn.result)
-        events.put(("done", turn.result.to_dict()))
+        events.put(("done", _turn_json(turn.result)))
     except KVStoreError as exc:
         metrics.record_failure(type(exc).__name__)
         events.put(("error", {"error": type(exc).__name__, "reason": exc.reason}))

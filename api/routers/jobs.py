@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
-from kvstore.api.dependencies import get_jobs, require_owner
-from kvstore.api.jobs import JobRunner
+from kvstore.api.dependencies import Jobs, Owner
 from kvstore.api.schemas import ErrorBody, JobOut
 
 router = APIRouter(
@@ -16,10 +15,10 @@ router = APIRouter(
 
 
 @router.get("", response_model=list[JobOut], summary="The caller's jobs")
-def list_jobs(owner: str = Depends(require_owner), jobs: JobRunner = Depends(get_jobs)) -> list[dict]:
+def list_jobs(owner: Owner, jobs: Jobs) -> list[dict]:
     return [job.to_dict() for job in jobs.list(owner)]
 
 
 @router.get("/{job_id}", response_model=JobOut, summary="One job: state, done/total, result or error")
-def get_job(job_id: str, owner: str = Depends(require_owner), jobs: JobRunner = Depends(get_jobs)) -> dict:
+def get_job(job_id: str, owner: Owner, jobs: Jobs) -> dict:
     return jobs.get(job_id, owner).to_dict()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 
-from kvstore.api.dependencies import get_store, require_owner
+from kvstore.api.dependencies import Owner, Store
 from kvstore.api.schemas import ErrorBody, LookupIn, LookupMatch, LookupOut
-from kvstore.sessions import SessionStore
+from kvstore.api.tier_fields import mark_deprecated
 
 router = APIRouter(
     prefix="/lookup",
@@ -17,9 +17,10 @@ router = APIRouter(
 
 
 @router.post("", response_model=LookupOut, summary="Find the session with the longest common token prefix")
-async def lookup(body: LookupIn, owner: str = Depends(require_owner), store: SessionStore = Depends(get_store)) -> LookupOut:
+async def lookup(body: LookupIn, response: Response, owner: Owner, store: Store) -> LookupOut:
     """Sessions match when model, geometry and tier are all equal; the match is capped at the
     session's watermark and is at least one 64-token block (else ``match`` is null)."""
-    fingerprint = body.fingerprint()
-    found = await run_in_threadpool(store.lookup, owner, fingerprint, body.tokens)
+    tier, note = body.read_tier()
+    found = await run_in_threadpool(store.lookup, owner, body.fingerprint(tier), body.tokens)
+    mark_deprecated(response, note)
     return LookupOut(match=LookupMatch(**found.to_dict()) if found is not None else None)

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from kvstore.api.dependencies import get_metrics, get_store
-from kvstore.sessions import SessionStore
+from kvstore.api.dependencies import Store, get_metrics
 
 router = APIRouter(tags=["metrics"])
 
@@ -111,8 +111,11 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+Counters = Annotated[Metrics, Depends(get_metrics)]
+
+
 @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (no credentials; totals only)")
-async def metrics(request: Request, store: SessionStore = Depends(get_store), counters: Metrics = Depends(get_metrics)) -> PlainTextResponse:
+async def metrics(request: Request, store: Store, counters: Counters) -> PlainTextResponse:
     usage = await run_in_threadpool(store.usage)
     gauges = {
         "kvstore_store_used_bytes": ("Bytes the store holds (journals and archives).", usage["used_bytes"]),

@@ -8,30 +8,25 @@ Rows travel in binary only:
 - ``application/x-coli-kv`` (resume only): a whole ``.coli_kv`` file of the served records.
 
 Resume responses carry ``X-KV-Reused-Tokens`` (records served: what the engine need not prefill),
-``X-KV-Records``, ``X-KV-Record-Bytes``, ``X-KV-Geometry``, ``X-KV-Tier``, ``X-KV-Verified`` and,
-when a verify found damage, ``X-KV-Damaged-From``.
+``X-KV-Records``, ``X-KV-Record-Bytes``, ``X-KV-Geometry``, ``X-KV-Tier-Name`` (the tier's canonical
+name), ``X-KV-Tier`` (its old spelling, ``v2`` or ``v3:int4:4``, kept one release for clients that
+read it), ``X-KV-Verified`` and, when a verify found damage, ``X-KV-Damaged-From``.
+
+A tier given the old way (see :mod:`kvstore.api.tier_fields`) is answered with ``Deprecation`` and
+``Warning`` headers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvstore.api import arrow
-from kvstore.api.dependencies import (
-    get_jobs,
-    get_settings,
-    get_store,
-    read_body,
-    require_media_type,
-    require_owner,
-    session_id_param,
-)
-from kvstore.api.jobs import JobRunner
+from kvstore.api.dependencies import AppSettings, Jobs, Owner, SessionId, Store, read_body, require_media_type
 from kvstore.api.schemas import (
     ARROW_MEDIA_TYPE,
     COLI_KV_MEDIA_TYPE,
@@ -47,12 +42,17 @@ from kvstore.api.schemas import (
     TruncateIn,
     VerifyOut,
 )
-from kvstore.api.settings import Settings
+from kvstore.api.tier_fields import (
+    MAX_TIER_CHARS,
+    SESSION_TIERS,
+    deprecation_headers,
+    mark_deprecated,
+    read_tier,
+)
 from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
-from kvstore.sessions import Fingerprint, ModelInfo, SessionReader, SessionStore
-from kvstore import tiers
+from kvstore.store import Fingerprint, ModelInfo, SessionReader
 
 ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 415, 422, 507)}
 ARROW_BATCH_RECORDS = 256
@@ -85,46 +85,37 @@ def _out(info) -> dict[str, Any]:
 
 
 @router.post("", status_code=201, response_model=SessionOut, summary="Create a session")
-def create_session(body: CreateSession, owner: str = Depends(require_owner), store: SessionStore = Depends(get_store)) -> dict:
-    info = store.create(
-        owner,
-        body.geometry.to_geometry(),
-        body.tier.to_tier(),
-        body.model.to_model(),
-        session_id=body.id,
-        tags=body.tags,
-    )
+def create_session(body: CreateSession, response: Response, owner: Owner, store: Store) -> dict:
+    tier, note = body.read_tier()
+    info = store.create(owner, body.geometry.to_geometry(), tier, body.model.to_model(), session_id=body.id, tags=body.tags)
+    mark_deprecated(response, note)
     return _out(info)
 
 
 @router.get("", response_model=SessionList, summary="List the caller's sessions")
 def list_sessions(
-    model: str | None = Query(default=None, max_length=256, description="model name"),
-    tag: list[str] = Query(default=[], description="sessions holding every tag given"),
+    *,
+    model: Annotated[str | None, Query(max_length=256, description="model name")] = None,
+    tag: Annotated[list[str], Query(default_factory=list, description="sessions holding every tag given")],
     state: Literal["active", "parked", "damaged"] | None = None,
-    owner: str = Depends(require_owner),
-    store: SessionStore = Depends(get_store),
+    owner: Owner,
+    store: Store,
 ) -> dict:
     return {"sessions": [_out(i) for i in store.list(owner=owner, model_name=model, tags=tag, state=state)]}
 
 
 @router.get("/{session_id}", response_model=SessionOut, summary="One session")
-def get_session(session_id: str = Depends(session_id_param), owner: str = Depends(require_owner), store: SessionStore = Depends(get_store)) -> dict:
+def get_session(session_id: SessionId, owner: Owner, store: Store) -> dict:
     return _out(store.get(session_id, owner=owner))
 
 
 @router.patch("/{session_id}", response_model=SessionOut, summary="Replace a session's tags")
-def set_tags(
-    body: TagsIn,
-    session_id: str = Depends(session_id_param),
-    owner: str = Depends(require_owner),
-    store: SessionStore = Depends(get_store),
-) -> dict:
+def set_tags(body: TagsIn, session_id: SessionId, owner: Owner, store: Store) -> dict:
     return _out(store.set_tags(session_id, body.tags, owner=owner))
 
 
 @router.delete("/{session_id}", status_code=204, response_class=Response, summary="Delete a session and its files")
-def delete_session(session_id: str = Depends(session_id_param), owner: str = Depends(require_owner), store: SessionStore = Depends(get_store)) -> Response:
+def delete_session(session_id: SessionId, owner: Owner, store: Store) -> Response:
     store.delete(session_id, owner=owner)
     return Response(status_code=204)
 
@@ -137,11 +128,12 @@ def delete_session(session_id: str = Depends(session_id_param), owner: str = Dep
 )
 async def append_rows(
     request: Request,
-    session_id: str = Depends(session_id_param),
-    complete_turn: bool = Query(default=True, description="the rows end a turn: resume will serve them"),
-    owner: str = Depends(require_owner),
-    store: SessionStore = Depends(get_store),
-    settings: Settings = Depends(get_settings),
+    session_id: SessionId,
+    *,
+    complete_turn: Annotated[bool, Query(description="the rows end a turn: resume will serve them")] = True,
+    owner: Owner,
+    store: Store,
+    settings: AppSettings,
 ) -> dict:
     """Raw bytes are validated (whole records, tokens in the vocabulary, no corrupt scale or NaN
     code) before anything is written; Arrow rows are encoded into the session's tier. The call
@@ -157,29 +149,23 @@ async def append_rows(
     return {"session": _out(result.info), "appended": result.appended, "turn": list(result.turn) if result.turn else None}
 
 
-def _expected(info, params: dict[str, str | None], tier: str | None, geometry: str | None) -> Fingerprint | None:
+def _expected(info, params: dict[str, str | None], tier: Tier | None, geometry: str | None) -> Fingerprint | None:
     """The fingerprint the client states: the session's own, with the fields the client gave."""
     given = {name: value for name, value in params.items() if value is not None}
     if not given and tier is None and geometry is None:
         return None
     model = dataclasses.replace(info.model, **given)
-    expected_tier = info.tier
-    if tier is not None:
-        name, _, rest = tier.partition(":")
-        codec, _, bits = rest.partition(":")
-        if bits and not bits.isdigit():
-            raise InvalidRequest("tier is v1, v2 or v3:<polar|int4>:<bits>")
-        expected_tier = tiers.parse(name, codec=codec or None, bits=int(bits) if bits else None)
     expected_geometry = info.geometry
     if geometry is not None:
         words = geometry.split(",")
         if len(words) != 6 or not all(w.strip().isdigit() and len(w.strip()) <= 10 for w in words):
             raise InvalidRequest("geometry is six comma-separated non-negative integers (n_layers,kv_lora,qk_rope,index_hd,nic,vocab)")
         expected_geometry = Geometry(*(int(w) for w in words))
-    return Fingerprint(ModelInfo.from_dict(model.to_dict()), expected_geometry, expected_tier)
+    return Fingerprint(ModelInfo.from_dict(model.to_dict()), expected_geometry, tier if tier is not None else info.tier)
 
 
-def _tier_name(tier: Tier) -> str:
+def _old_tier_spelling(tier: Tier) -> str:
+    """``v2``, ``v3:int4:4``: the ``X-KV-Tier`` value of earlier releases (``X-KV-Tier-Name`` has the name)."""
     if tier.version != 3:
         return f"v{tier.version}"
     return f"v3:{tier.codec_name}:{tier.bits}"
@@ -207,21 +193,28 @@ async def _drain(reader: SessionReader, chunks):
 )
 async def resume(
     request: Request,
-    session_id: str = Depends(session_id_param),
-    format: Literal["raw", "arrow", "coli_kv"] | None = Query(default=None, description="default: from Accept, else raw"),
-    verify: bool = Query(default=False, description="re-hash the turns first; damage is a miss, never served"),
-    model_name: str | None = Query(default=None, max_length=256),
-    model_revision: str | None = Query(default=None, max_length=256),
-    weights_hash: str | None = Query(default=None, max_length=256),
-    tokenizer_hash: str | None = Query(default=None, max_length=256),
-    chat_template_hash: str | None = Query(default=None, max_length=256),
-    attention_variant: str | None = Query(default=None, max_length=256),
-    tier: str | None = Query(default=None, max_length=32, description="expected tier: v1, v2, v3:int4:4, v3:polar:3"),
-    geometry: str | None = Query(default=None, max_length=80, description="expected n_layers,kv_lora,qk_rope,index_hd,nic,vocab"),
-    override: str | None = Query(default=None, max_length=512, description="comma-separated fields not to compare, e.g. model.weights_hash"),
-    owner: str = Depends(require_owner),
-    store: SessionStore = Depends(get_store),
-    settings: Settings = Depends(get_settings),
+    session_id: SessionId,
+    *,
+    format: Annotated[Literal["raw", "arrow", "coli_kv"] | None, Query(description="default: from Accept, else raw")] = None,
+    verify: Annotated[bool, Query(description="re-hash the turns first; damage is a miss, never served")] = False,
+    model_name: Annotated[str | None, Query(max_length=256)] = None,
+    model_revision: Annotated[str | None, Query(max_length=256)] = None,
+    weights_hash: Annotated[str | None, Query(max_length=256)] = None,
+    tokenizer_hash: Annotated[str | None, Query(max_length=256)] = None,
+    chat_template_hash: Annotated[str | None, Query(max_length=256)] = None,
+    attention_variant: Annotated[str | None, Query(max_length=256)] = None,
+    tier: Annotated[
+        str | None, Query(min_length=1, max_length=MAX_TIER_CHARS, description=f"expected tier: {', '.join(SESSION_TIERS)}")
+    ] = None,
+    geometry: Annotated[
+        str | None, Query(max_length=80, description="expected n_layers,kv_lora,qk_rope,index_hd,nic,vocab")
+    ] = None,
+    override: Annotated[
+        str | None, Query(max_length=512, description="comma-separated fields not to compare, e.g. model.weights_hash")
+    ] = None,
+    owner: Owner,
+    store: Store,
+    settings: AppSettings,
 ) -> Response:
     """Fingerprint fields given as query parameters are compared with the session's; a difference
     is refused (409) naming the field, unless listed in ``override``."""
@@ -229,6 +222,7 @@ async def resume(
         accept = request.headers.get("accept", "")
         format = "arrow" if ARROW_MEDIA_TYPE in accept else "coli_kv" if COLI_KV_MEDIA_TYPE in accept else "raw"
     info = await run_in_threadpool(store.get, session_id, owner=owner)
+    expected_tier, note = read_tier(tier) if tier is not None else (None, None)
     expect = _expected(
         info,
         {
@@ -239,7 +233,7 @@ async def resume(
             "chat_template_hash": chat_template_hash,
             "attention_variant": attention_variant,
         },
-        tier,
+        expected_tier,
         geometry,
     )
     skip = [field.strip() for field in (override or "").split(",") if field.strip()]
@@ -252,8 +246,10 @@ async def resume(
             "X-KV-Records": str(reader.n_records),
             "X-KV-Record-Bytes": str(reader.record_bytes),
             "X-KV-Geometry": ",".join(str(w) for w in reader.info.geometry.words()),
-            "X-KV-Tier": _tier_name(reader.info.tier),
+            "X-KV-Tier-Name": reader.info.tier.name,
+            "X-KV-Tier": _old_tier_spelling(reader.info.tier),
             "X-KV-Verified": "true" if reader.verified else "false",
+            **deprecation_headers(note),
         }
         if reader.damaged_from is not None:
             headers["X-KV-Damaged-From"] = str(reader.damaged_from)
@@ -283,49 +279,29 @@ def _with_header(reader: SessionReader, chunk_bytes: int):
 
 
 @router.post("/{session_id}/truncate", response_model=SessionOut, summary="Keep the first n records")
-def truncate(
-    body: TruncateIn,
-    session_id: str = Depends(session_id_param),
-    owner: str = Depends(require_owner),
-    store: SessionStore = Depends(get_store),
-) -> dict:
+def truncate(body: TruncateIn, session_id: SessionId, owner: Owner, store: Store) -> dict:
     return _out(store.truncate(session_id, body.n_records, owner=owner))
 
 
 @router.post("/{session_id}/fork", status_code=201, response_model=SessionOut, summary="A new session sharing a prefix")
-def fork(
-    body: ForkIn,
-    session_id: str = Depends(session_id_param),
-    owner: str = Depends(require_owner),
-    store: SessionStore = Depends(get_store),
-) -> dict:
+def fork(body: ForkIn, session_id: SessionId, owner: Owner, store: Store) -> dict:
     return _out(store.fork(session_id, at=body.at, new_id=body.id, owner=owner, tags=body.tags))
 
 
 @router.get("/{session_id}/verify", response_model=VerifyOut, summary="Re-hash every turn; report the first bad one")
-def verify_session(session_id: str = Depends(session_id_param), owner: str = Depends(require_owner), store: SessionStore = Depends(get_store)) -> dict:
+def verify_session(session_id: SessionId, owner: Owner, store: Store) -> dict:
     return store.verify(session_id, owner=owner).to_dict()
 
 
 @router.post("/{session_id}/park", status_code=202, response_model=JobOut, summary="Compress into the archive (a job)")
-def park(
-    session_id: str = Depends(session_id_param),
-    owner: str = Depends(require_owner),
-    store: SessionStore = Depends(get_store),
-    jobs: JobRunner = Depends(get_jobs),
-) -> dict:
+def park(session_id: SessionId, owner: Owner, store: Store, jobs: Jobs) -> dict:
     store.get(session_id, owner=owner)  # 404 now, not as a failed job
     job = jobs.submit(owner, "park", session_id, lambda progress: _out(store.park(session_id, owner=owner, progress=progress)))
     return job.to_dict()
 
 
 @router.post("/{session_id}/unpark", status_code=202, response_model=JobOut, summary="Restore from the archive (a job)")
-def unpark(
-    session_id: str = Depends(session_id_param),
-    owner: str = Depends(require_owner),
-    store: SessionStore = Depends(get_store),
-    jobs: JobRunner = Depends(get_jobs),
-) -> dict:
+def unpark(session_id: SessionId, owner: Owner, store: Store, jobs: Jobs) -> dict:
     store.get(session_id, owner=owner)
     job = jobs.submit(owner, "unpark", session_id, lambda progress: _out(store.unpark(session_id, owner=owner, progress=progress)))
     return job.to_dict()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from served import ServeProcess, servers_on_demand
 
 ALICE_KEY = "alice-key-0123456789abcdef"

@@ -12,10 +12,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Tier
 from kvstore import tiers
-from sessions.support import GEOMETRY, MODEL, Rows
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry
+from store.support import GEOMETRY, MODEL, Rows
 
 RAW = "application/octet-stream"
 ARROW = "application/vnd.apache.arrow.stream"
@@ -144,10 +144,11 @@ def test_slashes_never_reach_the_store(server, alice):
 
 
 # ------------------------------------------------------------------ rows in and out
-@pytest.mark.parametrize("tier", [{"version": 2}, {"version": 3, "codec": "int4", "bits": 4}, {"version": 1}], ids=["v2", "v3", "v1"])
+@pytest.mark.parametrize("tier", ["fp8", "int4", "f32"])
 def test_append_raw_and_arrow_then_resume_in_every_form(alice, tier):
     info = create(alice, tier=tier)
-    t = tiers.parse(f"v{tier['version']}", codec=tier.get("codec"), bits=tier.get("bits"))
+    t = tiers.get(tier)
+    assert info["tier"] == {"name": tier, "version": t.version, "codec": t.codec_name, "bits": t.bits, "description": t.describe()}
     rows = Rows(3)
     first, second, partial = rows.make(7), rows.make(5), rows.make(4)
     response = append_raw(alice, "chat", rows.encode(t, first))
@@ -160,7 +161,8 @@ def test_append_raw_and_arrow_then_resume_in_every_form(alice, tier):
     raw = alice.get("/sessions/chat/resume")
     assert raw.status_code == 200 and raw.content == expected
     assert raw.headers["x-kv-reused-tokens"] == "12" and raw.headers["x-kv-record-bytes"] == str(info["record_bytes"])
-    assert raw.headers["x-kv-geometry"] == "2,32,8,4,1,1000"
+    assert raw.headers["x-kv-geometry"] == "2,32,8,4,1,1000" and raw.headers["x-kv-tier-name"] == tier
+    assert "deprecation" not in raw.headers and "warning" not in raw.headers
     file = alice.get("/sessions/chat/resume", params={"format": "coli_kv"})
     loaded = coli_kv.parse(file.content, expect=GEOMETRY, tier=t)
     assert loaded.n == 12 and loaded.record_bytes() == expected
@@ -188,7 +190,8 @@ def test_malformed_bodies_change_nothing(alice):
     assert_error(alice.post("/sessions", content=b"{not json", headers={"Content-Type": "application/json"}), 422, "InvalidRequest")
     assert_error(alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": {**GEOMETRY_JSON, "n_layers": 10**30}}), 422, "InvalidRequest")
     assert_error(alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": {**GEOMETRY_JSON, "nic": 0}}), 422, "BadHeader")
-    assert_error(alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": {"version": 3, "codec": "int4", "bits": 3}}), 422, "BadHeader")
+    assert_error(alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": {"version": 3, "codec": "int4", "bits": 3}}), 422, "UnknownTier")
+    assert_error(alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": "int3"}), 422, "UnknownTier")
     assert_error(alice.post("/sessions/chat/truncate", json={"n_records": 9}), 400, "InvalidRequest")
     assert_error(alice.post("/sessions/chat/fork", json={"at": 4}), 400, "InvalidRequest")
     assert_error(alice.post("/lookup", json={"model": MODEL, "geometry": GEOMETRY_JSON, "tokens": [-1]}), 422, "InvalidRequest")
@@ -211,8 +214,8 @@ def test_geometry_and_fingerprint_mismatches(alice):
     assert "model.weights_hash" in body["reason"]
     ok = alice.get("/sessions/chat/resume", params={"weights_hash": "other", "override": "model.weights_hash"})
     assert ok.status_code == 200 and ok.headers["x-kv-reused-tokens"] == "2"
-    assert_error(alice.get("/sessions/chat/resume", params={"tier": "v3:int4:4"}), 409, "FingerprintMismatch")
-    assert alice.get("/sessions/chat/resume", params={"tier": "v2", "model_name": MODEL["name"], "geometry": "2,32,8,4,1,1000"}).status_code == 200
+    assert_error(alice.get("/sessions/chat/resume", params={"tier": "int4"}), 409, "FingerprintMismatch")
+    assert alice.get("/sessions/chat/resume", params={"tier": "fp8", "model_name": MODEL["name"], "geometry": "2,32,8,4,1,1000"}).status_code == 200
 
 
 def test_oversized_bodies_are_refused_before_reading(make_server, keys):
@@ -240,7 +243,7 @@ def test_truncate_fork_verify_lookup_and_tags(alice):
     tokens = rows.rng.integers(0, 1000, 200).astype(np.int32)
     append_raw(alice, "chat", rows.encode(tiers.FP8, rows.make(150, tokens[:150])))
     append_raw(alice, "chat", rows.encode(tiers.FP8, rows.make(50, tokens[150:])))
-    query = {"model": MODEL, "geometry": GEOMETRY_JSON, "tier": {"version": 2}, "tokens": tokens[:180].tolist() + [5, 5]}
+    query = {"model": MODEL, "geometry": GEOMETRY_JSON, "tier": "fp8", "tokens": tokens[:180].tolist() + [5, 5]}
     match = alice.post("/lookup", json=query).json()["match"]
     assert match["session_id"] == "chat" and match["matched_tokens"] == 180
     fork = alice.post("/sessions/chat/fork", json={"at": 160, "id": "branch", "tags": ["b"]})
@@ -270,9 +273,11 @@ def test_park_unpark_and_migrate_run_as_jobs(alice):
     job = wait_job(alice, alice.post("/sessions/chat/unpark").json())
     assert job["state"] == "done" and job["result"]["state"] == "active"
     assert alice.get("/sessions/chat/resume", params={"format": "coli_kv"}).content == journal_before
-    job = wait_job(alice, alice.post("/sessions/chat/file/migrate", json={"to": "v3", "codec": "int4", "bits": 4}).json())
-    assert job["state"] == "done" and job["result"]["tier"]["version"] == 3 and job["done"] == job["total"] == 600
-    assert alice.get("/sessions/chat/resume").headers["x-kv-tier"] == "v3:int4:4"
+    job = wait_job(alice, alice.post("/sessions/chat/file/migrate", json={"tier": "int4"}).json())
+    assert job["state"] == "done" and job["done"] == job["total"] == 600
+    assert job["result"]["tier"]["name"] == "int4" and job["result"]["tier"]["version"] == 3
+    resumed = alice.get("/sessions/chat/resume")
+    assert resumed.headers["x-kv-tier-name"] == "int4" and resumed.headers["x-kv-tier"] == "v3:int4:4"
     inspect = alice.get("/sessions/chat/file/inspect").json()
     assert inspect["header"]["version"] == 3 and inspect["problems"] == []
     assert [j["kind"] for j in alice.get("/jobs").json()] == ["park", "unpark", "migrate"]

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from doc_blocks import Terminal, fenced_blocks
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "API.md"

@@ -30,7 +30,10 @@ def test_console_script_runs_and_reports_bad_input_with_exit_2(tmp_path):
     bogus.write_bytes(b"COLIKV9\0" + bytes(32))
     done = subprocess.run([exe, "inspect", str(bogus)], capture_output=True, text=True)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == "kvstore: error: not a .coli_kv file: magic b'COLIKV9\\x00' (expected COLIKV1/2/3)"
+    assert (
+        done.stderr.strip().splitlines()[-1]
+        == "kvstore: error: not a .coli_kv file: magic b'COLIKV9\\x00' (expected COLIKV1/2/3)"
+    )
 
 
 def test_inspect_json_reports_torn_tail(vectors, capsys):
@@ -90,7 +93,7 @@ def test_export_rejects_unknown_suffix(tmp_path, vectors, capsys):
 
 @pytest.mark.parametrize(
     "args,variant",
-    [(["--to", "v2"], "v2"), (["--to", "v3", "--codec", "int4"], "v3c1b4"), (["--to", "v1"], "v1")],
+    [(["--tier", "fp8"], "v2"), (["--tier", "int4"], "v3c1b4"), (["--tier", "f32"], "v1")],
 )
 def test_migrate_from_v1_reproduces_the_reference_files(tmp_path, vectors, capsys, args, variant):
     src = tmp_path / "src.coli_kv"
@@ -107,7 +110,7 @@ def test_migrate_from_v1_reproduces_the_reference_files(tmp_path, vectors, capsy
 
 def test_migrate_v3_back_to_v1_stores_the_dequantized_rows(tmp_path, vectors, capsys):
     dst = tmp_path / "back.coli_kv"
-    assert run(capsys, "migrate", str(vectors / "glm.v3c1b4.coli_kv"), str(dst), "--to", "v1")[0] == 0
+    assert run(capsys, "migrate", str(vectors / "glm.v3c1b4.coli_kv"), str(dst), "--tier", "f32")[0] == 0
     L, R = read_expect(vectors, "glm", "v3c1b4")
     got = coli_kv.load(dst).dequantize()
     assert got[0].tobytes() == L.tobytes() and got[1].tobytes() == R.tobytes()
@@ -116,18 +119,18 @@ def test_migrate_v3_back_to_v1_stores_the_dequantized_rows(tmp_path, vectors, ca
 def test_migrate_never_overwrites(tmp_path, vectors, capsys):
     src = tmp_path / "src.coli_kv"
     shutil.copy(vectors / "small.v1.coli_kv", src)
-    code, _, err = run(capsys, "migrate", str(src), str(src), "--to", "v2")
+    code, _, err = run(capsys, "migrate", str(src), str(src), "--tier", "fp8")
     assert code == 2 and "never overwrites its source" in err
     link = tmp_path / "link.coli_kv"
     link.symlink_to(src)
-    code, _, err = run(capsys, "migrate", str(src), str(link), "--to", "v2", "--force")
+    code, _, err = run(capsys, "migrate", str(src), str(link), "--tier", "fp8", "--force")
     assert code == 2 and "never overwrites its source" in err
     other = tmp_path / "other.coli_kv"
     other.write_bytes(b"keep me")
-    code, _, err = run(capsys, "migrate", str(src), str(other), "--to", "v2")
+    code, _, err = run(capsys, "migrate", str(src), str(other), "--tier", "fp8")
     assert code == 2 and "--force" in err and other.read_bytes() == b"keep me"
     code, _, err = run(capsys, "migrate", str(src), str(other), "--to", "v2", "--bits", "4")
-    assert code == 2 and "only apply to v3" in err
+    assert code == 2 and "only apply to v3" in err and other.read_bytes() == b"keep me"
 
 
 def test_repair_clamps_drops_sanitizes_and_keeps_a_backup(tmp_path, vectors, capsys):

@@ -1,4 +1,6 @@
-"""Decode backends: each tier's function against a float64 reference over its dequantized rows."""
+"""The engine's side of decode attention: each cache selects its function through the one registry
+of ``kvstore.gpu`` and attends the rows it holds (the backends themselves pass the attention
+conformance suite, tests/conformance/attention.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.engine import attention, quant
-from kvstore.engine.attention import DecodeBackend, select_decode
-from kvstore.engine.errors import CacheError, TierUnsupported
+from kvstore import tiers
+from kvstore.engine import CacheGeometry, make_cache
+from kvstore.engine.errors import TierUnsupported
+from kvstore.gpu import registry
 
 H, K, R = 3, 64, 32
 N = 50
@@ -36,94 +39,46 @@ def _queries(seed=0):
     return torch.randn(4, H, K, generator=gen), torch.randn(4, H, R, generator=gen)
 
 
-def _rows(seed=1):
+def _filled(tier, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(N, K, generator=gen) * 2, torch.randn(N, R, generator=gen) * 2
-
-
-def test_dense_matches_the_float64_reference():
-    q_lat, q_rope = _queries()
-    lc, rc = _rows()
-    got = attention.mla_decode_dense(q_lat, q_rope, lc, rc, SEQ_START, SEQ_LEN, SCALE)
-    torch.testing.assert_close(got, _reference(q_lat, q_rope, lc, rc, SEQ_START, SEQ_LEN, SCALE), rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[3], torch.zeros(H, K))
-
-
-@pytest.mark.parametrize("tier", ["fp8", "tq-int4", "tq-polar", "int8"])
-def test_quantized_backends_attend_their_dequantized_rows(tier):
-    q_lat, q_rope = _queries(2)
-    lc, rc = _rows(3)
-    if tier == "fp8":
-        operands = (*quant.fp8_quantize_rows(lc), *quant.fp8_quantize_rows(rc))
-        rows = quant.fp8_dequantize_rows(*operands[:2]), quant.fp8_dequantize_rows(*operands[2:])
-        fn = attention.mla_decode_fp8
-    elif tier == "tq-int4":
-        operands = (*quant.int4_quantize_rows(lc), *quant.int4_quantize_rows(rc))
-        rows = quant.int4_dequantize_rows(*operands[:2]), quant.int4_dequantize_rows(*operands[2:])
-        fn = attention.mla_decode_int4
-    elif tier == "tq-polar":
-        operands = (*quant.polar_quantize_rows(lc, 3), *quant.polar_quantize_rows(rc, 3))
-        rows = quant.polar_dequantize_rows(*operands[:2], K, 3), quant.polar_dequantize_rows(*operands[2:], R, 3)
-
-        def fn(*args, **kwargs):
-            return attention.mla_decode_polar(*args, bits=3, **kwargs)
-
-    else:
-        operands = (*quant.q8_quantize_blocks(lc), *quant.q8_quantize_blocks(rc))
-        rows = quant.q8_dequantize_blocks(*operands[:2]), quant.q8_dequantize_blocks(*operands[2:])
-        fn = attention.mla_decode_q8
-    out = torch.full((4, H, K), float("nan"))
-    got = fn(q_lat, q_rope, *operands, SEQ_START, SEQ_LEN, SCALE, out=out)
-    assert got is out
-    # the TQ backends attend in the rotated domain: equal up to rounding
-    torch.testing.assert_close(got, _reference(q_lat, q_rope, *rows, SEQ_START, SEQ_LEN, SCALE), rtol=1e-4, atol=1e-4)
-    # and the rows really are quantized: not the f32 answer
-    assert not torch.allclose(got, _reference(q_lat, q_rope, lc, rc, SEQ_START, SEQ_LEN, SCALE), rtol=1e-6, atol=1e-6)
-
-
-def test_streaming_over_many_chunks_matches_one_pass(monkeypatch):
-    q_lat, q_rope = _queries(4)
-    lc, rc = _rows(5)
-    whole = attention.mla_decode_dense(q_lat, q_rope, lc, rc, SEQ_START, SEQ_LEN, SCALE)
-    monkeypatch.setattr(attention, "_CHUNK_ROWS", 7)  # many chunks, some with no visible row
-    chunked = attention.mla_decode_dense(q_lat, q_rope, lc, rc, SEQ_START, SEQ_LEN, SCALE)
-    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
-
-
-def test_out_is_checked():
-    q_lat, q_rope = _queries()
-    lc, rc = _rows()
-    with pytest.raises(CacheError, match="out must be"):
-        attention.mla_decode_dense(q_lat, q_rope, lc, rc, SEQ_START, SEQ_LEN, SCALE, out=torch.empty(4, H, K + 1))
-
-
-def test_selection_is_data_driven_with_reasons():
-    choice = select_decode("fp8", "cpu")
-    assert choice.backend == "torch" and choice.function is attention.mla_decode_fp8
-    assert select_decode("tq-int4", "cpu").function is attention.mla_decode_int4
-    with pytest.raises(TierUnsupported, match="unknown cache tier"):
-        select_decode("fp4", "cpu")
-    limited = DecodeBackend("fp8-only", frozenset({"cuda"}), {"mla_decode_fp8": attention.mla_decode_fp8})
-    reasons = limited.why_not("tq-int4", torch.device("cpu"))
-    assert any("not cpu" in r for r in reasons) and any("mla_decode_int4" in r for r in reasons)
-    assert limited.why_not("fp8", torch.device("cuda")) == []
-
-
-def test_cache_attend_goes_through_the_selected_backend():
-    from kvstore.engine import CacheGeometry, make_cache
-
-    calls = []
-    cache = make_cache("fp8", CacheGeometry(1, K, R))
-
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return attention.mla_decode_fp8(*args, **kwargs)
-
-    cache.decode_choice = attention.DecodeChoice(spy, "spy")
-    lc, rc = _rows(6)
+    lc, rc = torch.randn(N, K, generator=gen) * 2, torch.randn(N, R, generator=gen) * 2
+    cache = make_cache(tier, CacheGeometry(1, K, R))
     cache.prepare(0, N)
     cache.write(0, 0, lc, rc)
     cache.commit(0, np.arange(N))
+    return cache, lc, rc
+
+
+@pytest.mark.parametrize("tier", tiers.names())
+def test_every_tier_attends_the_rows_it_holds(tier):
+    """The selected function (the torch backend on the CPU) over the cache's fields equals a float64
+    softmax over the rows the cache decodes them to; and quantized tiers really are quantized."""
+    cache, lc, rc = _filled(tier)
+    assert cache.decode_choice.backend == "torch" and cache.decode_choice.tier is cache.tier
+    q_lat, q_rope = _queries(2)
+    got = cache.attend(0, q_lat, q_rope, SEQ_START, SEQ_LEN, SCALE, n_rows=N)
+    held_l, held_r = cache.read(0, N)
+    # the TQ tiers attend in the rotated domain: equal up to rounding
+    torch.testing.assert_close(
+        got, _reference(q_lat, q_rope, held_l, held_r, SEQ_START, SEQ_LEN, SCALE), rtol=1e-4, atol=1e-4
+    )
+    assert torch.equal(got[3], torch.zeros(H, K))
+    exact = _reference(q_lat, q_rope, lc, rc, SEQ_START, SEQ_LEN, SCALE)
+    assert torch.allclose(got, exact, rtol=1e-5, atol=1e-5) == (not cache.tier.lossy)
+
+
+def test_cache_attend_goes_through_the_selected_function():
+    from kvstore.gpu import codecs
+
+    calls = []
+    cache, _, _ = _filled("fp8", 6)
+    real = cache.decode_choice.function
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    cache.decode_choice = registry.Selection(spy, "spy", tiers.FP8)
     q_lat, q_rope = _queries(7)
     starts, lens = torch.zeros(1, dtype=torch.int32), torch.full((1,), N, dtype=torch.int32)
     got = cache.attend(0, q_lat[:1], q_rope[:1], starts, lens, SCALE, n_rows=N)
@@ -131,27 +86,15 @@ def test_cache_attend_goes_through_the_selected_backend():
     lc_codes, lc_scales, rc_codes, rc_scales = calls[0][2:6]
     assert lc_codes.dtype == torch.uint8 and lc_codes.shape == (N, K) and lc_scales.shape == (N,)
     assert rc_codes.shape == (N, R) and rc_scales.dtype == torch.float32
-    rows = quant.fp8_dequantize_rows(lc_codes, lc_scales), quant.fp8_dequantize_rows(rc_codes, rc_scales)
+    rows = codecs.fp8_dequantize_rows(lc_codes, lc_scales), codecs.fp8_dequantize_rows(rc_codes, rc_scales)
     torch.testing.assert_close(got, _reference(q_lat[:1], q_rope[:1], *rows, starts, lens, SCALE), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tier,kernel", [("fp8", "mla_decode_fp8"), ("tq-int4", "mla_decode_int4")])
-def test_kvstore_gpu_kernels_take_the_cache_operands(tier, kernel):
-    """The real kvstore.gpu backend of this device, called through the engine's hook (with
-    validate=False bound), agrees with the engine's own implementation on the same cache."""
-    from kvstore import gpu
-    from kvstore.engine import CacheGeometry, make_cache
-
-    backend = gpu.get_backend(torch.device("cpu"))
-    ours = make_cache(tier, CacheGeometry(1, K, R))
-    theirs = make_cache(tier, CacheGeometry(1, K, R))
-    theirs.decode_choice = attention.DecodeChoice(attention._trusted(getattr(backend, kernel)), backend.name)
-    lc, rc = _rows(8)
-    for cache in (ours, theirs):
-        cache.prepare(0, N)
-        cache.write(0, 0, lc, rc)
-        cache.commit(0, np.arange(N))
-    q_lat, q_rope = _queries(9)
-    got = theirs.attend(0, q_lat, q_rope, SEQ_START, SEQ_LEN, SCALE, n_rows=N)
-    want = ours.attend(0, q_lat, q_rope, SEQ_START, SEQ_LEN, SCALE, n_rows=N)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+def test_selection_honours_prefer_and_explains_a_refusal():
+    cache = make_cache("int4", CacheGeometry(1, K, R), prefer_backend="torch")
+    assert cache.decode_choice.backend == "torch" and list(cache.decode_choice.rejected) == []
+    assert cache.decode_choice.function.keywords == {"validate": False}  # the cache's operands are trusted
+    polar = make_cache("polar3", CacheGeometry(1, K, R))
+    assert polar.decode_choice.function.keywords == {"bits": 3, "validate": False}
+    with pytest.raises(TierUnsupported, match="no decode backend for tier fp8 on meta: cuda: runs on"):
+        make_cache("fp8", CacheGeometry(1, K, R), "meta")

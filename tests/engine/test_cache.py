@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.engine import CacheGeometry, TIERS, make_cache, preset, tier_bytes_per_token
-from kvstore.engine import quant
+from kvstore import tiers
+from kvstore.engine import CacheGeometry, make_cache, preset
 from kvstore.engine.errors import CacheError, TierUnsupported
 from kvstore.formats import coli_kv, fp8, q8, tq
-from kvstore import tiers
+from kvstore.gpu import codecs
 
 GEOMETRIES = [CacheGeometry(4, 64, 32), CacheGeometry(27, 512, 64), CacheGeometry(61, 512, 64)]
 
@@ -39,27 +39,25 @@ def test_bytes_per_token_matches_the_format_arithmetic(geometry):
         return coli_kv.record_bytes(file_geometry, tier) - 4
 
     expected = {
-        "f32": record_kv_bytes(coli_kv.tiers.F32),
+        "f32": record_kv_bytes(tiers.F32),
         "bf16": L * (K + R) * 2,
-        "fp8": record_kv_bytes(coli_kv.tiers.FP8),
-        "tq-int4": record_kv_bytes(coli_kv.tiers.INT4),
-        "tq-polar": record_kv_bytes(coli_kv.tiers.polar(4)),
-        "int8": L * (K + R + 2 * (K + R) // 32),
+        "fp8": record_kv_bytes(tiers.FP8),
+        "int4": record_kv_bytes(tiers.INT4),
+        **{f"polar{bits}": record_kv_bytes(tiers.polar(bits)) for bits in tiers.POLAR_BITS},
+        "q8": L * (K + R + 2 * (K + R) // 32),
     }
+    assert set(expected) == set(tiers.names())
     assert expected["fp8"] == L * (K + R + 8)
-    assert expected["tq-int4"] == L * (K // 2 + R // 2 + 8)
+    assert expected["int4"] == L * (K // 2 + R // 2 + 8)
     for tier, want in expected.items():
         cache = make_cache(tier, geometry)
-        assert cache.bytes_per_token == want, tier
-        assert tier_bytes_per_token(tier, geometry) == want, tier
-    for bits in (2, 3, 5, 6):
-        want = record_kv_bytes(coli_kv.tiers.polar(bits))
-        assert make_cache("tq-polar", geometry, bits=bits).bytes_per_token == want
+        assert cache.bytes_per_token == want, tier  # what the cache allocates
+        assert geometry.bytes_per_token(tier) == want, tier  # what the tier table says
 
 
 def test_fp8_device_encoder_reproduces_the_golden_encode_table(vectors):
     pairs = np.fromfile(vectors / "fp8_enc.bin", dtype=np.dtype([("x", "<f4"), ("code", "u1")]))
-    got = quant.fp8_encode(torch.from_numpy(np.ascontiguousarray(pairs["x"])))
+    got = codecs.fp8_encode(torch.from_numpy(np.ascontiguousarray(pairs["x"])))
     np.testing.assert_array_equal(got.numpy(), pairs["code"])
 
 
@@ -82,10 +80,10 @@ def test_fp8_tier_writes_the_bytes_of_formats_fp8():
 def test_int4_device_codec_is_byte_identical_to_formats_tq(width):
     x = _rows((700, width), width)
     codes, radii = tq.quantize_rows(x, tq.CODEC_INT4, 4)
-    got_codes, got_radii = quant.int4_quantize_rows(torch.from_numpy(x))
+    got_codes, got_radii = codecs.int4_quantize_rows(torch.from_numpy(x))
     np.testing.assert_array_equal(got_codes.numpy(), codes)
     assert got_radii.numpy().tobytes() == radii.tobytes()
-    decoded = quant.int4_dequantize_rows(torch.from_numpy(codes), torch.from_numpy(radii)).numpy()
+    decoded = codecs.int4_dequantize_rows(torch.from_numpy(codes), torch.from_numpy(radii)).numpy()
     np.testing.assert_array_equal(decoded, tq.dequantize_rows(codes, radii, width, tq.CODEC_INT4, 4))
 
 
@@ -96,12 +94,12 @@ def test_polar_device_codec_agrees_with_formats_tq(width, bits):
     and decoding stays within 1e-5 of the row norm (the golden-vector contract)."""
     x = _rows((2000, width), 100 + width + bits)
     codes, radii = tq.quantize_rows(x, tq.CODEC_POLAR, bits)
-    got_codes, got_radii = quant.polar_quantize_rows(torch.from_numpy(x), bits)
+    got_codes, got_radii = codecs.polar_quantize_rows(torch.from_numpy(x), bits)
     same_rows = (got_codes.numpy() == codes).all(axis=-1).mean()
     assert same_rows >= 0.999
     assert got_radii.numpy().tobytes() == radii.tobytes()
     want = tq.dequantize_rows(codes, radii, width, tq.CODEC_POLAR, bits)
-    got = quant.polar_dequantize_rows(torch.from_numpy(codes), torch.from_numpy(radii), width, bits).numpy()
+    got = codecs.polar_dequantize_rows(torch.from_numpy(codes), torch.from_numpy(radii), width, bits).numpy()
     err = np.linalg.norm(got - want, axis=-1)
     assert (err <= 1e-5 * np.maximum(np.linalg.norm(want, axis=-1), 1e-30)).all()
 
@@ -111,15 +109,15 @@ def test_q8_device_codec_is_byte_identical_to_formats_q8():
     x[6, :32] = np.nan  # a block of NaN only
     x[7, 0] = 1e9  # a delta past fp16's range: the block is stored inert
     codes, deltas = q8.quantize_blocks(x)
-    got_codes, got_deltas = quant.q8_quantize_blocks(torch.from_numpy(x))
+    got_codes, got_deltas = codecs.q8_quantize_blocks(torch.from_numpy(x))
     np.testing.assert_array_equal(got_codes.numpy(), codes)
     assert got_deltas.numpy().tobytes() == deltas.tobytes()
     np.testing.assert_array_equal(
-        quant.q8_dequantize_blocks(got_codes, got_deltas).numpy(), q8.dequantize_blocks(codes, deltas)
+        codecs.q8_dequantize_blocks(got_codes, got_deltas).numpy(), q8.dequantize_blocks(codes, deltas)
     )
 
 
-@pytest.mark.parametrize("tier", list(TIERS))
+@pytest.mark.parametrize("tier", tiers.names())
 def test_rows_read_back_through_the_tier_codec(tier):
     geometry = CacheGeometry(2, 64, 32)
     rng = np.random.default_rng(3)
@@ -131,14 +129,18 @@ def test_rows_read_back_through_the_tier_codec(tier):
         cache.write(layer, 0, torch.from_numpy(lc[layer]), torch.from_numpy(rc[layer]))
     cache.commit(0, np.arange(10))
     _, got_l, got_r = cache.export_f32()
+    bf16 = lambda x: torch.from_numpy(x).bfloat16().float().numpy()  # noqa: E731
     reference = {
         "f32": lambda x: x,
-        "bf16": lambda x: torch.from_numpy(x).bfloat16().float().numpy(),
+        "bf16": bf16,
         "fp8": lambda x: fp8.dequantize_rows(*fp8.quantize_rows(x)),
-        "int8": lambda x: q8.dequantize_blocks(*q8.quantize_blocks(x)),
-        "tq-int4": lambda x: tq.dequantize_rows(*tq.quantize_rows(x, 1, 4), x.shape[-1], 1, 4),
-        "tq-polar": lambda x: tq.dequantize_rows(*tq.quantize_rows(x, 0, 4), x.shape[-1], 0, 4),
-    }[tier]
+        "q8": lambda x: q8.dequantize_blocks(*q8.quantize_blocks(x)),
+    }.get(
+        tier,
+        lambda x: tq.dequantize_rows(
+            *tq.quantize_rows(x, cache.tier.codec, cache.tier.bits), x.shape[-1], cache.tier.codec, cache.tier.bits
+        ),
+    )
     np.testing.assert_allclose(got_l, reference(lc), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_r, reference(rc), rtol=1e-5, atol=1e-6)
     lc0, rc0 = cache.read(1, 10)
@@ -180,7 +182,7 @@ def test_prepare_truncates_and_refuses_gaps():
 
 
 def test_copy_is_independent():
-    cache = make_cache("tq-int4", CacheGeometry(1, 64, 32))
+    cache = make_cache("int4", CacheGeometry(1, 64, 32))
     cache.prepare(0, 3)
     cache.write(0, 0, torch.ones(3, 64), torch.ones(3, 32))
     cache.commit(0, [1, 2, 3])
@@ -194,23 +196,40 @@ def test_copy_is_independent():
 
 
 def test_tiers_refuse_geometries_they_cannot_hold():
-    with pytest.raises(TierUnsupported, match="power-of-two"):
-        make_cache("tq-int4", CacheGeometry(2, 48, 32))
-    with pytest.raises(TierUnsupported, match="multiples of 32"):
-        make_cache("int8", CacheGeometry(2, 64, 16))
-    with pytest.raises(TierUnsupported, match="unknown cache tier"):
+    with pytest.raises(TierUnsupported, match="kv_lora: int4 needs power-of-two"):
+        make_cache("int4", CacheGeometry(2, 48, 32))
+    with pytest.raises(TierUnsupported, match="qk_rope: q8 .* multiples of 32"):
+        make_cache("q8", CacheGeometry(2, 64, 16))
+    with pytest.raises(tiers.UnknownTier, match="unknown tier 'fp4'"):
         make_cache("fp4", CacheGeometry(2, 64, 32))
-    with pytest.raises(TierUnsupported, match="bits"):
-        make_cache("tq-int4", CacheGeometry(2, 64, 32), bits=3)
-    with pytest.raises(TierUnsupported, match="bits"):
+    with pytest.raises(tiers.UnknownTier, match="bits does not apply to tier 'int4'"):
+        make_cache("int4", CacheGeometry(2, 64, 32), bits=3)
+    with pytest.raises(tiers.UnknownTier, match="bits does not apply to tier 'fp8'"):
         make_cache("fp8", CacheGeometry(2, 64, 32), bits=4)
+
+
+def test_tiers_are_taken_by_object_or_canonical_name_and_old_names_warn():
+    geometry = CacheGeometry(1, 64, 32)
+    assert make_cache(tiers.polar(3), geometry).tier is tiers.polar(3)
+    assert make_cache("polar3", geometry).tier is tiers.polar(3)
+    assert make_cache("polar3", geometry, bits=3).tier is tiers.polar(3)
+    for old, bits, new in (
+        ("tq-int4", None, "int4"),
+        ("tq-polar", 3, "polar3"),
+        ("tq-polar", None, "polar4"),
+        ("int8", None, "q8"),
+    ):
+        with pytest.warns(tiers.TierSpellingDeprecated, match=f"use '{new}'"):
+            cache = make_cache(old, geometry, bits=bits)
+        assert cache.tier is tiers.get(new)
+        assert cache.tier.file_tier is (tiers.F32 if new == "q8" else cache.tier)
 
 
 def test_v2_lite_geometry_is_held_by_every_tier():
     geometry = CacheGeometry.of(preset("v2-lite"))
     assert (geometry.n_layers, geometry.kv_lora, geometry.qk_rope) == (27, 512, 64)
-    for tier in TIERS:
-        assert make_cache(tier, geometry).bytes_per_token == tier_bytes_per_token(tier, geometry)
+    for tier in tiers.names():
+        assert make_cache(tier, geometry).bytes_per_token == geometry.bytes_per_token(tier)
 
 
 def test_fp8_restore_sanitizes_rows_handed_over_directly():
@@ -219,11 +238,16 @@ def test_fp8_restore_sanitizes_rows_handed_over_directly():
     rng = np.random.default_rng(8)
     codes = rng.integers(0, 256, (1, 6, 64)).astype(np.uint8)
     codes[0, 0, :4] = [0x7F, 0xFF, 0x01, 0x81]
-    scales = np.array([[1.0, np.nan, -2.0, np.inf, 0.5, 3.0]], np.float32)
+    # 1e37 is below f32's limit but above 3.4e38/448, the largest scale an encoder writes: a reader
+    # must treat it as corrupt (code 0x7E times 1e37 would decode to inf)
+    scales = np.array([[1.0, np.nan, -2.0, np.inf, 1e37, 3.0]], np.float32)
+    codes[0, 4, 0] = 0x7E
     rc = np.zeros((1, 6, 32), np.uint8)
     rows = StoredRows(np.arange(6, dtype=np.int32), 2, codes, rc, scales, np.ones((1, 6), np.float32))
+    handed = codes.copy()
     cache = make_cache("fp8", CacheGeometry(1, 64, 32))
     cache.restore(rows)
+    assert np.array_equal(codes, handed)  # sanitized on the device copy, never in the caller's rows
     _, lc, _ = cache.export_f32()
     clean = codes.copy()
     clean[fp8.nan_codes(clean)] = 0

@@ -67,7 +67,10 @@ CASES = {
     "tiny": preset("tiny").to_hf_dict(),
     "tiny-yarn": preset("tiny-yarn").to_hf_dict(),
     "v2-lite": preset("v2-lite").to_hf_dict(),
-    "linear": {**preset("tiny").to_hf_dict(), "rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0}},
+    "linear": {
+        **preset("tiny").to_hf_dict(),
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0},
+    },
 }
 
 
@@ -137,8 +140,12 @@ def test_missing_and_broken_config_files(tmp_path):
 
 
 def test_every_preset_is_offered_by_new_model():
-    """``kvstore new-model --preset`` offers every named geometry (its list avoids importing torch)."""
-    from kvstore.engine.cli import PRESET_CHOICES
+    """``kvstore new-model --preset`` offers every named geometry."""
+    import argparse
+
+    from kvstore.cli import build_parser
     from kvstore.engine.config import PRESETS
 
-    assert tuple(PRESET_CHOICES) == tuple(PRESETS)
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    option = next(a for a in commands.choices["new-model"]._actions if "--preset" in a.option_strings)
+    assert tuple(option.choices) == tuple(PRESETS)

@@ -18,13 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.engine import Engine, hf, make_cache, quant
-from kvstore.engine.cache import StoredRows
+from kvstore import tiers
+from kvstore.engine import Engine, hf, make_cache
 from kvstore.engine.errors import CodecMismatch, GenerationError
 from kvstore.engine.restore import FileBody, MemoryBody, RecordLayout
+from kvstore.engine.rows import StoredRows
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, Tier
-from kvstore import tiers
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
+from kvstore.gpu import codecs
+from kvstore.tiers import Tier
 
 GEOMETRY = Geometry(3, 64, 32, 0, 0, 100)
 N = 41
@@ -38,15 +40,7 @@ FILES = {  # name -> (version, codec, bits)
     "v3-polar4": (3, 0, 4),
     "v3-polar3": (3, 0, 3),  # 3-bit rows: the radii sit at unaligned offsets (byte copies)
 }
-TIERS = {  # cache -> (tier, bits)
-    "f32": ("f32", None),
-    "bf16": ("bf16", None),
-    "fp8": ("fp8", None),
-    "tq-int4": ("tq-int4", None),
-    "tq-polar4": ("tq-polar", 4),
-    "tq-polar3": ("tq-polar", 3),
-    "int8": ("int8", None),
-}
+CACHE_TIERS = ["f32", "bf16", "fp8", "int4", "polar4", "polar3", "q8"]
 
 
 def _records(geometry: Geometry, tier: Tier, seed: int) -> np.ndarray:
@@ -113,8 +107,7 @@ def _assert_same(a: tuple, b: tuple) -> None:
 
 
 def _cache(tier_name: str, geometry: Geometry = GEOMETRY):
-    tier, bits = TIERS[tier_name]
-    return make_cache(tier, geometry, "cpu", bits=bits)
+    return make_cache(tier_name, geometry, "cpu")
 
 
 def _host(tier_name: str, path, geometry: Geometry = GEOMETRY):
@@ -123,7 +116,7 @@ def _host(tier_name: str, path, geometry: Geometry = GEOMETRY):
     return cache
 
 
-@pytest.mark.parametrize("tier_name", list(TIERS))
+@pytest.mark.parametrize("tier_name", CACHE_TIERS)
 @pytest.mark.parametrize("file_name", list(FILES))
 def test_device_restore_gives_the_host_path_bytes_for_every_tier_pairing(tmp_path, file_name, tier_name):
     for committed in (False, True):
@@ -177,14 +170,18 @@ def _filled(tier_name: str):
     """A cache holding rows of its own (the state a failed restore must keep)."""
     cache = _cache(tier_name)
     rng = np.random.default_rng(7)
-    rows = StoredRows(rng.integers(0, 100, 9).astype(np.int32), 1, *(rng.standard_normal((3, 9, w)).astype(np.float32) for w in (64, 32)))
+    rows = StoredRows(
+        rng.integers(0, 100, 9).astype(np.int32),
+        1,
+        *(rng.standard_normal((3, 9, w)).astype(np.float32) for w in (64, 32)),
+    )
     cache.restore(rows)
     return cache
 
 
 def test_quantized_rows_of_another_kind_are_refused_unless_requantize_is_allowed(tmp_path):
     path = _damaged_file(tmp_path, "v2")
-    cache = _filled("tq-int4")
+    cache = _filled("int4")
     before = _state(cache)
     with pytest.raises(CodecMismatch, match="quantized again"):
         cache.restore_records(coli_kv.load(path))
@@ -221,16 +218,16 @@ def test_a_failure_in_a_later_chunk_leaves_the_cache_unchanged(tmp_path, monkeyp
     path = _damaged_file(tmp_path, "v1")
     cache = _filled("fp8")
     before = _state(cache)
-    real_encode = quant.encode_fp8
+    real_encode = codecs.encode_tier
     calls = []
 
-    def encode_failing_on_the_third_chunk(rows):
+    def encode_failing_on_the_third_chunk(tier, rows):
         calls.append(rows.shape)
         if len(calls) > 4:  # L and R rows per chunk: the fifth call is the third chunk's L rows
             raise RuntimeError("fp8 encode failed (injected)")
-        return real_encode(rows)
+        return real_encode(tier, rows)
 
-    monkeypatch.setattr(quant, "encode_fp8", encode_failing_on_the_third_chunk)
+    monkeypatch.setattr(codecs, "encode_tier", encode_failing_on_the_third_chunk)
     with FileBody(path) as body, pytest.raises(RuntimeError, match="injected"):
         cache.restore_body(body, chunk_bytes=CHUNK)
     _assert_same(_state(cache), before)
@@ -336,7 +333,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tier_name", ["f32", "bf16", "fp8", "tq-int4", "tq-polar4", "int8"])
+@pytest.mark.parametrize("tier_name", ["f32", "bf16", "fp8", "int4", "polar4", "q8"])
 @pytest.mark.parametrize("file_name", ["v1", "v2", "v3-int4", "v3-polar4"])
 def test_cuda_restore_gives_the_host_path_rows(tmp_path, file_name, tier_name):
     """On CUDA: the pinned ring, the asynchronous uploads, the per-slot events, the device split.
@@ -344,11 +341,10 @@ def test_cuda_restore_gives_the_host_path_rows(tmp_path, file_name, tier_name):
     host and encodes with the device twins): equal bits, save PolarQuant rows decoded for another
     tier, where the twins' cos/sin may differ in the last place."""
     path = _damaged_file(tmp_path, file_name)
-    tier, bits = TIERS[tier_name]
-    host = make_cache(tier, GEOMETRY, "cuda", bits=bits)
+    host = make_cache(tier_name, GEOMETRY, "cuda")
     host.restore(StoredRows.from_records(coli_kv.load(path)), allow_requantize=True)
     for restore in ("records", "file"):
-        cache = make_cache(tier, GEOMETRY, "cuda", bits=bits)
+        cache = make_cache(tier_name, GEOMETRY, "cuda")
         if restore == "records":
             cache.restore_records(coli_kv.load(path), allow_requantize=True)
         else:
@@ -356,7 +352,7 @@ def test_cuda_restore_gives_the_host_path_rows(tmp_path, file_name, tier_name):
                 cache.restore_body(body, allow_requantize=True, chunk_bytes=CHUNK)
         assert (cache.length, cache.capacity) == (host.length, host.capacity)
         np.testing.assert_array_equal(cache._tokens, host._tokens)
-        if file_name == "v3-polar4" and tier_name != "tq-polar4":
+        if file_name == "v3-polar4" and tier_name != "polar4":
             _, got_l, got_r = cache.export_f32()
             _, want_l, want_r = host.export_f32()
             np.testing.assert_allclose(got_l, want_l, rtol=1e-4, atol=1e-5)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.engine import Engine, random_model, preset, write_random_model
+from kvstore.engine import Engine, preset, random_model, write_random_model
 from kvstore.engine.errors import GenerationError
 from kvstore.engine.generate import SamplingParams, sample_next
 
@@ -65,8 +65,14 @@ def test_sampling_is_reproducible_by_seed(model):
 
 def test_tight_nucleus_or_top_k_1_is_greedy(model):
     greedy = Engine(model).generate(_prompt(), max_new_tokens=8, stop_tokens=()).tokens
-    assert Engine(model).generate(_prompt(), max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=1, stop_tokens=()).tokens == greedy
-    assert Engine(model).generate(_prompt(), max_new_tokens=8, temperature=1.0, top_k=1, seed=1, stop_tokens=()).tokens == greedy
+    assert (
+        Engine(model).generate(_prompt(), max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=1, stop_tokens=()).tokens
+        == greedy
+    )
+    assert (
+        Engine(model).generate(_prompt(), max_new_tokens=8, temperature=1.0, top_k=1, seed=1, stop_tokens=()).tokens
+        == greedy
+    )
 
 
 def test_top_p_samples_only_from_the_nucleus():
@@ -135,7 +141,7 @@ def test_bad_arguments_are_refused(model, call, message):
     assert engine.cache.length == 0
 
 
-@pytest.mark.parametrize("tier", ["f32", "bf16", "fp8", "int8", "tq-int4", "tq-polar"])
+@pytest.mark.parametrize("tier", ["f32", "bf16", "fp8", "q8", "int4", "polar4"])
 def test_bf16_weights_run_every_tier(tier):
     """The GPU configuration (bf16 weights, f32 attention math) on CPU: close to the f32 model
     with the same cache tier."""

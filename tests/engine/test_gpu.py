@@ -4,7 +4,7 @@
 * the decode attention the cache selects (the ``kvstore.gpu`` kernels when they run this tier and
   geometry) agrees with the engine's torch implementation;
 * the tiny model on CUDA gives the CPU model's logits;
-* with the kernels' latent width the CUDA engine picks the CPU engine's tokens (fp8, tq-int4).
+* with the kernels' latent width the CUDA engine picks the CPU engine's tokens (fp8, int4).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvstore.engine import CacheGeometry, Engine, make_cache, preset, random_model
-from kvstore.engine import quant
 from kvstore.formats import fp8, tq
+from kvstore.gpu import codecs
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -33,11 +33,11 @@ def _rows(n: int, width: int, seed: int) -> np.ndarray:
 
 def test_fp8_encoder_on_cuda_is_byte_identical(vectors):
     pairs = np.fromfile(vectors / "fp8_enc.bin", dtype=np.dtype([("x", "<f4"), ("code", "u1")]))
-    got = quant.fp8_encode(torch.from_numpy(np.ascontiguousarray(pairs["x"])).to(CUDA)).cpu().numpy()
+    got = codecs.fp8_encode(torch.from_numpy(np.ascontiguousarray(pairs["x"])).to(CUDA)).cpu().numpy()
     np.testing.assert_array_equal(got, pairs["code"])
     x = _rows(4096, 512, 1)
     codes, scales = fp8.quantize_rows(x)
-    got_codes, got_scales = quant.fp8_quantize_rows(torch.from_numpy(x).to(CUDA))
+    got_codes, got_scales = codecs.fp8_quantize_rows(torch.from_numpy(x).to(CUDA))
     np.testing.assert_array_equal(got_codes.cpu().numpy(), codes)
     assert got_scales.cpu().numpy().tobytes() == scales.tobytes()
 
@@ -47,12 +47,12 @@ def test_int4_encoder_on_cuda_matches_formats_tq():
     the last f64 bit: that moves the f32 radius on ~1e-9 of rows, so a handful per million."""
     x = _rows(8192, 512, 2)
     codes, radii = tq.quantize_rows(x, tq.CODEC_INT4, 4)
-    got_codes, got_radii = quant.int4_quantize_rows(torch.from_numpy(x).to(CUDA))
+    got_codes, got_radii = codecs.int4_quantize_rows(torch.from_numpy(x).to(CUDA))
     same = (got_codes.cpu().numpy() == codes).all(axis=-1) & (got_radii.cpu().numpy() == radii)
     assert same.mean() >= 0.9999
 
 
-@pytest.mark.parametrize("tier", ["fp8", "tq-int4", "tq-polar", "int8", "bf16"])
+@pytest.mark.parametrize("tier", ["fp8", "int4", "polar4", "q8", "bf16"])
 def test_selected_decode_backend_agrees_with_the_torch_path(tier):
     geometry = CacheGeometry.of(preset("v2-lite"))
     selected = make_cache(tier, geometry, CUDA)
@@ -90,7 +90,7 @@ def test_tiny_model_on_cuda_matches_cpu():
         assert len(result.tokens) == 8 and result.reused_tokens == 200
 
 
-@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
+@pytest.mark.parametrize("tier", ["fp8", "int4"])
 def test_cuda_kernels_decode_the_cpu_engine_tokens(tier):
     """The oracle model at the kernels' latent widths (``tiny-512``, checked against transformers in
     test_oracle): on CUDA the decode attention runs in the ``kvstore.gpu`` kernels, and teacher-forced
@@ -99,7 +99,7 @@ def test_cuda_kernels_decode_the_cpu_engine_tokens(tier):
     cfg = preset("tiny-512")
     cpu = Engine(random_model(cfg, seed=5), tier=tier)
     gpu = Engine(random_model(cfg, seed=5).to(CUDA), tier=tier)
-    assert gpu.cache.decode_choice.backend == "kvstore.gpu:cuda", gpu.cache.decode_choice.rejected
+    assert gpu.cache.decode_choice.backend == "cuda", gpu.cache.decode_choice.rejected
     prompt = np.random.default_rng(1).integers(2, cfg.vocab_size, 64)
     answer = np.asarray(cpu.generate(prompt, max_new_tokens=32, stop_tokens=()).tokens)
     picks = {}
@@ -113,5 +113,7 @@ def test_cuda_kernels_decode_the_cpu_engine_tokens(tier):
     top2 = cpu_logits.topk(2, dim=-1).values
     near_tie = (top2[:, 0] - top2[:, 1]) < 1e-3 * cpu_logits.abs().amax(-1)
     print(f"\n{tier}: CUDA kernels pick the CPU engine's token at {int(agree.sum())}/32 positions")
-    assert bool((agree | near_tie).all()), f"disagreements away from near-ties at {torch.nonzero(~agree).ravel().tolist()}"
+    assert bool((agree | near_tie).all()), (
+        f"disagreements away from near-ties at {torch.nonzero(~agree).ravel().tolist()}"
+    )
     assert int(agree.sum()) >= 31

@@ -6,8 +6,8 @@ attending through that tier's decode backend, and the test counts the positions 
 the f32 token. The table is printed (``pytest -s``).
 
 Floors. The C engine reported f32 32/32, fp8 30/32 (94%), int4 23/32 (72%) on its tiny oracle.
-Measured here on three seeds per preset (256 positions each): bf16 98-100%, int8 95-100%,
-fp8 91-98%, tq-int4 77-83%, tq-polar (4 bits) 66-80%. The floors sit below the lowest measurement
+Measured here on three seeds per preset (256 positions each): bf16 98-100%, q8 95-100%,
+fp8 91-98%, int4 77-83%, polar4 66-80%. The floors sit below the lowest measurement
 with room for BLAS-order differences between machines, and follow each tier's element error:
 bf16 keeps 8 mantissa bits and Q8_0 ~7 bits per block (<= 0.4% relative), fp8 e4m3 keeps 3
 (<= 6.25% relative per element), and the 4-bit codecs measure a row rel-L2 of ~0.096 (int4) and
@@ -24,7 +24,7 @@ from kvstore.engine import Engine, preset, random_model
 N_PROMPTS = 8
 PROMPT_LEN = 24
 N_NEW = 32
-FLOORS = {"f32": 1.0, "bf16": 0.95, "int8": 0.92, "fp8": 0.85, "tq-int4": 0.65, "tq-polar": 0.55}
+FLOORS = {"f32": 1.0, "bf16": 0.95, "q8": 0.92, "fp8": 0.85, "int4": 0.65, "polar4": 0.55}
 
 
 def _agreement(name: str, seed: int) -> dict[str, tuple[int, int]]:
@@ -56,6 +56,6 @@ def test_teacher_forced_top1_agreement_per_tier(name):
     for tier, (agree, total) in table.items():
         assert agree / total >= FLOORS[tier], f"{tier}: {agree}/{total} below the floor {FLOORS[tier]:.0%}"
     # the quantizers really run: a 4-bit cache cannot reproduce every f32 arg-max
-    agree_int4, total = table["tq-int4"]
+    agree_int4, total = table["int4"]
     assert agree_int4 < total
     assert table["fp8"][0] > agree_int4

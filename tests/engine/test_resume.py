@@ -22,7 +22,7 @@ from kvstore.engine.errors import CodecMismatch, GeometryMismatch
 from kvstore.formats import coli_kv, fp8
 
 WORKER = Path(__file__).with_name("resume_worker.py")
-ALL_TIERS = ("f32", "bf16", "fp8", "int8", "tq-int4", "tq-polar")
+ALL_TIERS = ("f32", "bf16", "fp8", "q8", "int4", "polar4")
 
 
 def _turns(vocab: int, seed: int = 5) -> tuple[list[int], list[int]]:
@@ -111,15 +111,26 @@ def _snapshot(cache):
 def test_restore_is_all_or_nothing(hf_models):
     _, folder = hf_models["tiny"]
     model = load_model(folder)
-    engine = Engine(model, tier="tq-int4")
+    engine = Engine(model, tier="int4")
     engine.prefill(_turns(model.config.vocab_size, seed=8)[0])
     before = _snapshot(engine.cache)
     good = engine.export_rows()
 
-    wrong_layers = StoredRows(good.tokens, good.version, good.lc[:-1], good.rc[:-1], good.lc_scales[:-1], good.rc_scales[:-1], good.codec, good.bits)
+    wrong_layers = StoredRows(
+        good.tokens,
+        good.version,
+        good.lc[:-1],
+        good.rc[:-1],
+        good.lc_scales[:-1],
+        good.rc_scales[:-1],
+        good.codec,
+        good.bits,
+    )
     with pytest.raises(GeometryMismatch):
         engine.cache.restore(wrong_layers)
-    wrong_tokens = StoredRows(good.tokens[:-1], good.version, good.lc, good.rc, good.lc_scales, good.rc_scales, good.codec, good.bits)
+    wrong_tokens = StoredRows(
+        good.tokens[:-1], good.version, good.lc, good.rc, good.lc_scales, good.rc_scales, good.codec, good.bits
+    )
     with pytest.raises(GeometryMismatch):
         engine.cache.restore(wrong_tokens)
     # v2 rows into a 4-bit tier would be quantized twice: refused unless asked for
@@ -154,14 +165,14 @@ def _small_golden(vectors: Path, version: str):
 
 
 @pytest.mark.parametrize(
-    "version,tier,bits",
-    [("v1", "f32", None), ("v2", "fp8", None), ("v3c1b4", "tq-int4", None), ("v3c0b4", "tq-polar", 4), ("v3c0b2", "tq-polar", 2)],
+    "version,tier",
+    [("v1", "f32"), ("v2", "fp8"), ("v3c1b4", "int4"), ("v3c0b4", "polar4"), ("v3c0b2", "polar2")],
 )
-def test_golden_files_round_trip_through_the_cache_byte_for_byte(vectors, version, tier, bits):
+def test_golden_files_round_trip_through_the_cache_byte_for_byte(vectors, version, tier):
     """Stored rows go into their tier without a round trip and come back out as the same bytes;
     decoded on the cache's device they are the rows the golden ``expect`` file holds."""
     records = _small_golden(vectors, version)
-    cache = make_cache(tier, records.geometry, bits=bits)
+    cache = make_cache(tier, records.geometry)
     cache.restore_records(records, expect=records.geometry)
     exported = cache.export_rows()
     assert exported.record_array(records.geometry).tobytes() == records.record_bytes()

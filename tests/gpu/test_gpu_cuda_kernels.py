@@ -1,5 +1,9 @@
 """The CUDA kernels against the float64 reference, on fresh random data, on a CUDA device.
 
+The generic checks are the attention conformance suite (every declared tier, dense and selected,
+T = 1 .. 1M, H = 16 / 64 / 128, one sequence and 8 ragged ones, inert rows, ``out=``, reasons);
+below, what only the kernels have: their launch variants, geometries, streams and NaN-code paths.
+
 Bound: the kernels round q (per head, power-of-two scaled) and the softmax weights to f16 and, for
 int4, the 16 levels to f16; codes are exact and every product accumulates in f32. An emulation of
 those roundings gives ||out - ref|| / ||ref|| of 2e-4 to 1.2e-3 over T = 7 .. 200k; asserted < 4e-3.
@@ -13,6 +17,7 @@ import secrets
 import pytest
 import torch
 
+from conformance.attention import AttentionConformance
 from kvstore.gpu import testing
 from kvstore.gpu.cuda_backend import CudaBackend
 from kvstore.gpu.registry import get_backend
@@ -24,6 +29,17 @@ RUN_SEED = secrets.randbits(31)  # fresh data every run; printed with any failur
 LENGTHS = [1, 7, 4097, 32768, 131072, 1 << 20]
 HEADS = [16, 64, 128]
 SELECTED = 2048  # a sparse-attention selection's size
+TIERS = ["fp8", "int4"]
+
+
+class TestCudaKernels(AttentionConformance):
+    backend_name = "cuda"
+    device = "cuda"
+    bound = {"*": KERNEL_BOUND}
+    kv_lora = 512
+    qk_rope = 64
+    cases = tuple((kind, longest, heads) for kind in ("single", "ragged") for heads in HEADS for longest in LENGTHS)
+    selected_rows = SELECTED
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +61,7 @@ def _check(case, backend, seed, **kwargs):
     return err
 
 
-@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
-@pytest.mark.parametrize("selected", [False, True], ids=["dense", "selected"])
-@pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("longest", LENGTHS)
-def test_kernel_matches_float64(cuda_backend, tier, selected, batch, heads, longest):
-    seed = RUN_SEED + longest * 7 + heads * 3 + batch
-    lengths = [longest] if batch == 1 else testing.ragged_lengths(longest, batch, seed)
-    case = testing.make_case(tier, lengths, heads, device="cuda", seed=seed,
-                             selected=min(longest, SELECTED) if selected else None)
-    _check(case, cuda_backend, seed)
-
-
-@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
+@pytest.mark.parametrize("tier", TIERS)
 def test_host_lengths_and_unchecked_calls(cuda_backend, tier):
     """Lengths on the device bound the split plan by N (no synchronization); on the host it is exact."""
     seed = RUN_SEED + 11
@@ -75,24 +78,22 @@ def test_host_lengths_and_unchecked_calls(cuda_backend, tier):
 def test_other_geometries(cuda_backend, kv_lora, qk_rope, heads):
     """Other instantiations (padded head groups), and a width the kernels lack (torch path)."""
     seed = RUN_SEED + kv_lora + heads
-    for tier in ("fp8", "tq-int4") if kv_lora != 96 else ("fp8",):
-        case = testing.make_case(tier, testing.ragged_lengths(3000, 4, seed), heads, kv_lora=kv_lora,
-                                 qk_rope=qk_rope, device="cuda", seed=seed)
+    for tier in TIERS if kv_lora != 96 else ("fp8",):
+        case = testing.make_case(
+            tier,
+            testing.ragged_lengths(3000, 4, seed),
+            heads,
+            kv_lora=kv_lora,
+            qk_rope=qk_rope,
+            device="cuda",
+            seed=seed,
+        )
         _check(case, cuda_backend, seed)
-
-
-def test_nan_codes_read_as_zero_on_the_gpu(cuda_backend):
-    seed = RUN_SEED + 5
-    case = testing.make_case("fp8", [5000], 64, device="cuda", seed=seed)
-    rows = torch.arange(int(case.seq_start[0]), int(case.seq_start[0]) + 5000, 3, device="cuda")
-    case.lc_codes[rows] = 0x7F
-    case.rc_codes[rows] = 0xFF
-    _check(case, cuda_backend, seed)
 
 
 def test_kernels_run_on_the_callers_stream(cuda_backend):
     seed = RUN_SEED + 9
-    case = testing.make_case("tq-int4", [70000], 64, device="cuda", seed=seed)
+    case = testing.make_case("int4", [70000], 64, device="cuda", seed=seed)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -102,39 +103,49 @@ def test_kernels_run_on_the_callers_stream(cuda_backend):
     assert err < KERNEL_BOUND, f"rel err {err:.3e} (seed {seed})"
 
 
-@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
+@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("selected", [False, True], ids=["dense", "selected"])
 @pytest.mark.parametrize("heads,longest", [(16, 4097), (64, 131072), (128, 7)])
 def test_v1_kernels_still_match(tier, selected, heads, longest):
     """The first-generation kernels (still used for kv_lora 128/256) at kv_lora 512 too."""
     backend = CudaBackend(torch.device("cuda"), variant="v1")
     seed = RUN_SEED + 17 * heads + longest
-    case = testing.make_case(tier, testing.ragged_lengths(longest, 8, seed), heads, device="cuda", seed=seed,
-                             selected=min(longest, SELECTED) if selected else None)
+    case = testing.make_case(
+        tier,
+        testing.ragged_lengths(longest, 8, seed),
+        heads,
+        device="cuda",
+        seed=seed,
+        selected=min(longest, SELECTED) if selected else None,
+    )
     _check(case, backend, seed)
 
 
-@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
+@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("max_mt", [1, 2])
 @pytest.mark.parametrize("heads,longest,qk_rope", [(64, 70000, 64), (128, 4097, 64), (48, 9000, 32), (20, 3000, 64)])
 def test_v2_head_group_sizes(tier, max_mt, heads, longest, qk_rope):
     """v2 with 16 or 32 heads per block (more head groups), also with padded groups and qk_rope 32."""
     backend = CudaBackend(torch.device("cuda"), variant="v2", max_mt=max_mt)
     seed = RUN_SEED + 23 * heads + max_mt
-    case = testing.make_case(tier, testing.ragged_lengths(longest, 4, seed), heads, qk_rope=qk_rope,
-                             device="cuda", seed=seed)
+    case = testing.make_case(
+        tier, testing.ragged_lengths(longest, 4, seed), heads, qk_rope=qk_rope, device="cuda", seed=seed
+    )
     _check(case, backend, seed)
 
 
-@pytest.mark.parametrize("tier", ["fp8", "tq-int4"])
-@pytest.mark.parametrize("lengths,qk_rope,nan_rate", [([1 << 20], 64, 0.0), ([70000, 1, 4097, 333], 64, 0.02),
-                                                      ([9000, 65], 32, 0.0), ([5000, 700], 32, 0.02)])
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize(
+    "lengths,qk_rope,nan_rate",
+    [([1 << 20], 64, 0.0), ([70000, 1, 4097, 333], 64, 0.02), ([9000, 65], 32, 0.0), ([5000, 700], 32, 0.02)],
+)
 def test_16_head_blocks_every_rope_width(cuda_backend, tier, lengths, qk_rope, nan_rate):
     """16-head blocks over every swizzled rope layout (fp8 rope rows of 64 / 32 bytes, int4 of 32 /
     16), ragged sequences and fp8 NaN codes, dense and selected rows."""
     seed = RUN_SEED + 41 * len(lengths) + qk_rope
-    case = testing.make_case(tier, lengths, 16, qk_rope=qk_rope, device="cuda", seed=seed,
-                             nan_rate=nan_rate if tier == "fp8" else 0.0)
+    case = testing.make_case(
+        tier, lengths, 16, qk_rope=qk_rope, device="cuda", seed=seed, nan_rate=nan_rate if tier == "fp8" else 0.0
+    )
     _check(case, cuda_backend, seed)
     sel = testing.make_case(tier, lengths, 16, qk_rope=qk_rope, device="cuda", seed=seed + 1, selected=2048)
     _check(sel, cuda_backend, seed + 1)
@@ -162,6 +173,6 @@ def test_whole_rows_of_nan_codes(cuda_backend):
     seed = RUN_SEED + 37
     case = testing.make_case("fp8", [3000], 16, device="cuda", seed=seed, nan_rate=0.0)
     start = int(case.seq_start[0])
-    case.lc_codes[start + 64: start + 200] = 0xFF
-    case.rc_codes[start + 100: start + 300] = 0x7F
+    case.lc_codes[start + 64 : start + 200] = 0xFF
+    case.rc_codes[start + 100 : start + 300] = 0x7F
     _check(case, cuda_backend, seed)

@@ -1,4 +1,4 @@
-"""Backend registry and input checks: the interface the engine relies on, checked on the CPU."""
+"""Backend registry, selection and input checks: the interface the engine relies on, checked on the CPU."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvstore import gpu
+from kvstore import gpu, tiers
 from kvstore.gpu import registry, testing
 from kvstore.gpu.errors import AttentionInputError, BackendUnavailable
 from kvstore.gpu.registry import BackendSpec
@@ -21,14 +21,15 @@ def test_builtin_backends_in_preference_order():
     assert list(registry.registered())[:3] == ["cuda", "mps", "torch"]
     spec = registry.spec_of("cuda")
     assert spec.device_types == frozenset({"cuda"})
-    assert set(spec.tiers) == {"fp8", "tq-int4"}
+    assert set(spec.tiers) == {"fp8", "int4"}
     assert spec.kv_lora == (128, 256, 512) and spec.qk_rope == (32, 64)
+    assert set(registry.spec_of("torch").tiers) == set(tiers.names())  # the torch path decodes every tier
 
 
 def test_spec_mismatches_are_listed_as_reasons():
-    why = registry.reasons("cuda", "cpu", tier="tq-polar", kv_lora=576, qk_rope=64)
+    why = registry.reasons("cuda", "cpu", tier="polar3", kv_lora=576, qk_rope=64)
     assert "runs on ['cuda'], not cpu" in why
-    assert "tier 'tq-polar' is not one of ['fp8', 'tq-int4']" in why
+    assert "tier 'polar3' is not one of ['fp8', 'int4']" in why
     assert "kv_lora=576 is not one of [128, 256, 512]" in why
     assert not any("qk_rope" in r for r in why)
 
@@ -97,7 +98,7 @@ def _case(**kwargs):
         (lambda c: setattr(c, "seq_len", c.seq_len.long()), "seq_len must be int32"),
         (lambda c: setattr(c, "seq_start", c.seq_start[:1]), r"seq_start must be i32\[2\]"),
         (lambda c: setattr(c, "softmax_scale", float("nan")), "softmax_scale must be a finite float"),
-        (lambda c: setattr(c, "tier", "fp4"), "tier must be 'fp8' or 'tq-int4'"),
+        (lambda c: setattr(c, "lc_scales", c.lc_scales.numpy()), "lc_scales must be a torch tensor"),
     ],
 )
 def test_bad_inputs_raise_typed_errors(mutate, message):
@@ -105,19 +106,37 @@ def test_bad_inputs_raise_typed_errors(mutate, message):
     mutate(case)
     backend = TorchBackend(torch.device("cpu"))
     with pytest.raises(AttentionInputError, match=message) as info:
-        if case.tier not in ("fp8", "tq-int4"):
-            from kvstore.gpu.torch_backend import decode_torch
-
-            decode_torch(case.tier, *case.args())
-        else:
-            testing.decode(case, backend=backend)
+        backend.mla_decode_fp8(*case.args())
     assert info.value.reason and isinstance(info.value, ValueError)
 
 
+def test_unknown_tiers_and_wrong_row_layouts_are_refused():
+    from kvstore.gpu.torch_backend import decode_torch
+
+    case = _case()
+    with pytest.raises(AttentionInputError, match="unknown tier 'fp4'"):
+        decode_torch("fp4", *case.args())
+    with pytest.raises(AttentionInputError, match="lc_codes must be int8, got uint8"):
+        decode_torch("q8", *case.args())
+    with pytest.raises(AttentionInputError, match="f32 rows have no scales"):
+        decode_torch(
+            "f32",
+            case.q_lat,
+            case.q_rope,
+            case.lc_codes.float(),
+            case.lc_scales,
+            case.rc_codes.float(),
+            case.rc_scales,
+            case.seq_start,
+            case.seq_len,
+            case.softmax_scale,
+        )
+
+
 def test_int4_needs_power_of_two_widths():
-    case = testing.make_case("tq-int4", [5], 16, kv_lora=128, qk_rope=32, seed=3)
+    case = testing.make_case("int4", [5], 16, kv_lora=128, qk_rope=32, seed=3)
     case.q_lat = torch.zeros(1, 16, 96)
-    with pytest.raises(AttentionInputError, match="power-of-two kv_lora"):
+    with pytest.raises(AttentionInputError, match="kv_lora: int4 needs power-of-two row widths"):
         testing.decode(case)
 
 
@@ -162,7 +181,50 @@ def test_cuda_launch_plan_head_groups_and_splits():
     assert (padded.m_tiles, padded.head_groups, padded.padded_heads) == (1, 3, 48)
     assert plan_launch(1, 20, 100, 100, 132).padded_heads == 32
     # 32k rows = 512 tiles: 128 splits of 4 (fewer partials to merge), not 256 of 2; 4097 rows: 65 of 1
-    assert (plan_launch(1, 16, 32768, 32768, 132).blocks_per_split, plan_launch(1, 16, 32768, 32768, 132).n_splits) \
-        == (4, 128)
+    assert (plan_launch(1, 16, 32768, 32768, 132).blocks_per_split, plan_launch(1, 16, 32768, 32768, 132).n_splits) == (
+        4,
+        128,
+    )
     assert plan_launch(1, 16, 4097, 4097, 132).n_splits == 65
     assert plan_launch(1, 16, 4097, 4097, 132, min_tiles=4).blocks_per_split == 4
+
+
+def test_selection_is_data_driven_with_reasons():
+    """One registry for the engine and the benchmarks: the first backend whose declared data and
+    environment allow the tier, with the reasons of each one passed over."""
+    choice = registry.select("fp8", "cpu", kv_lora=128, qk_rope=32)
+    assert choice.backend == "torch" and choice.tier is tiers.FP8
+    assert "runs on ['cuda'], not cpu" in choice.rejected["cuda"]
+    polar = registry.select(tiers.polar(3), "cpu")
+    assert polar.function.keywords == {"bits": 3, "validate": False}  # bits bound, trusted by default
+    assert registry.select("q8", "cpu", trusted=False).function.__name__ == "mla_decode_q8"
+    assert registry.select("int4", "cpu", selected=True).function.func.__name__ == "mla_decode_int4_selected"
+    with pytest.raises(tiers.UnknownTier, match="unknown tier 'fp4'"):
+        registry.select("fp4", "cpu")
+    with pytest.raises(BackendUnavailable, match="no decode backend for tier polar3 on meta") as info:
+        registry.select("polar3", "meta")
+    assert set(info.value.reasons) == set(registry.registered())
+    assert all(isinstance(why, list) and why for why in info.value.reasons.values())
+
+
+def test_prefer_puts_a_backend_first_and_old_tier_names_warn():
+    registry.register_backend(
+        BackendSpec(name="fp8-only", device_types=frozenset({"cpu"}), tiers=frozenset({"fp8"}), priority=5),
+        "kvstore.gpu.torch_backend:TorchBackend",
+    )
+    try:
+        assert registry.select("fp8", "cpu").backend == "fp8-only"
+        assert registry.select("fp8", "cpu", prefer="torch").backend == "torch"
+        choice = registry.select("q8", "cpu")
+        assert choice.backend == "torch" and choice.rejected["fp8-only"] == ["tier 'q8' is not one of ['fp8']"]
+    finally:
+        registry.unregister_backend("fp8-only")
+    with pytest.warns(tiers.TierSpellingDeprecated, match="use 'int4'"):
+        assert registry.select("tq-int4", "cpu").tier is tiers.INT4
+    with pytest.raises(BackendUnavailable, match="no backend named 'nope'"):
+        registry.select("fp8", "cpu", prefer="nope")
+    with pytest.raises(ValueError, match="not tier names"):
+        registry.register_backend(
+            BackendSpec(name="bad", device_types=frozenset({"cpu"}), tiers=frozenset({"tq-int4"})),
+            "kvstore.gpu.torch_backend:TorchBackend",
+        )

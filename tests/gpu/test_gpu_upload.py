@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from kvstore.gpu import upload
 from kvstore.gpu.errors import AttentionInputError
@@ -12,9 +11,13 @@ from kvstore.gpu.errors import AttentionInputError
 
 def _host_rows(n: int, seed: int, tier: str = "fp8"):
     rng = np.random.default_rng(seed)
-    k, r = (512, 64) if tier == "fp8" else (256, 32)
-    return (rng.integers(0, 256, (n, k), dtype=np.uint8), rng.random(n, dtype=np.float32) + 0.5,
-            rng.integers(0, 256, (n, r), dtype=np.uint8), rng.random(n, dtype=np.float32) + 0.5)
+    k, r = (512, 64) if tier == "fp8" else (256, 32)  # int4 codes: half the widths
+    return (
+        rng.integers(0, 256, (n, k), dtype=np.uint8),
+        rng.random(n, dtype=np.float32) + 0.5,
+        rng.integers(0, 256, (n, r), dtype=np.uint8),
+        rng.random(n, dtype=np.float32) + 0.5,
+    )
 
 
 def _same(rows: upload.QuantizedRows, host) -> bool:
@@ -30,11 +33,11 @@ def test_restore_on_cpu_copies_rows_and_reserves_capacity():
 
 
 def test_restore_reads_memory_mapped_arrays(tmp_path):
-    host = _host_rows(20, 2, "tq-int4")
+    host = _host_rows(20, 2, "int4")
     path = tmp_path / "codes.u8"
     host[0].tofile(path)
     mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=host[0].shape)
-    rows = upload.restore_quantized_rows("tq-int4", mapped, *host[1:], "cpu")
+    rows = upload.restore_quantized_rows("int4", mapped, *host[1:], "cpu")
     assert _same(rows, host)
 
 
@@ -55,8 +58,19 @@ def test_restore_refuses_small_capacity_and_unknown_tier():
     host = _host_rows(10, 4)
     with pytest.raises(AttentionInputError, match="capacity 5 is below the 10 rows"):
         upload.restore_quantized_rows("fp8", *host, "cpu", capacity=5)
-    with pytest.raises(AttentionInputError, match="tier must be"):
-        upload.restore_quantized_rows("int8", *host, "cpu")
+    with pytest.raises(AttentionInputError, match=r"tier must be one of \['fp8', 'int4', 'polar2'.*got 'q8'"):
+        upload.restore_quantized_rows("q8", *host, "cpu")
+    with pytest.raises(AttentionInputError, match="unknown tier 'fp4'"):
+        upload.restore_quantized_rows("fp4", *host, "cpu")
+
+
+def test_restore_takes_tiers_by_object_and_old_names_with_a_warning():
+    from kvstore import tiers
+
+    host = _host_rows(6, 7, "int4")
+    assert _same(upload.restore_quantized_rows(tiers.INT4, *host, "cpu"), host)
+    with pytest.warns(tiers.TierSpellingDeprecated, match="use 'int4'"):
+        assert _same(upload.restore_quantized_rows("tq-int4", *host, "cpu"), host)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_models and the worker module beside the tests
 from hf_models import load, write_folder  # noqa: E402
+
 from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse)
 
 
@@ -30,7 +31,7 @@ def tiny_model(tiny_folder):
 
 @pytest.fixture
 def store(tmp_path):
-    from kvstore.sessions import SessionStore
+    from kvstore.store import SessionStore
 
     with SessionStore(tmp_path / "data", lock_timeout=2.0) as opened:
         yield opened

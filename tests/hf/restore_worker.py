@@ -2,11 +2,13 @@
 
 Usage: ``python restore_worker.py SPEC.json`` where the spec holds ``data`` (the store folder),
 ``model`` (the model folder), ``owner`` and ``jobs``: ``{"session", "turn", "new_tokens",
-"rows_like"}``. For each job the session is restored, ``turn`` appended to its tokens and
-``new_tokens`` greedy tokens generated. Prints one JSON line: per job the generated tokens,
-``reused`` (the restore's report), ``prefilled`` (tokens the model's first forward actually
-embedded, counted by a hook) and, with ``rows_like``, the relative L2 error of the restored rows
-against those of that session.
+"rows_like", "name"}`` (``rows_like`` and ``name`` optional; ``name`` defaults to the session). For
+each job the session is restored, the next input built with ``restored.input_ids(turn)`` (an empty
+turn hands the last stored token back) and ``new_tokens`` greedy tokens generated. Prints one JSON
+line: per job the generated tokens, ``restored_rows`` (the cache restored), ``reused`` (the
+restore's report once the input was built), ``input_tokens``, ``prefilled`` (tokens the model's
+first forward actually embedded, counted by a hook) and, with ``rows_like``, the relative L2 error
+of the restored rows against those of that session.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def main(spec_path: str) -> int:
     from transformers import AutoModelForCausalLM
 
     from kvstore.engine import hf
-    from kvstore.sessions import SessionStore
+    from kvstore.store import SessionStore
 
     torch.set_num_threads(1)
     with open(spec_path) as f:
@@ -36,13 +38,20 @@ def main(spec_path: str) -> int:
             restored = hf.restore(store, job["session"], model, owner=spec["owner"])
             L, R = hf.cache_rows(model, restored.cache)
             restored_rows[job["session"]] = (torch.from_numpy(L), torch.from_numpy(R))
+            rows_held = hf.cache_length(restored.cache)
             ids = restored.input_ids(job["turn"])
+            hf.prefill_length(restored.cache, ids)  # what hf-chat checks before generate: never the input twice
             embedded.clear()
-            out = model.generate(ids, max_new_tokens=job["new_tokens"], do_sample=False, **hf.cache_kwargs(model, restored.cache))
+            out = model.generate(
+                ids, max_new_tokens=job["new_tokens"], do_sample=False, **hf.cache_kwargs(model, restored.cache)
+            )
             result = {
+                "name": job.get("name", job["session"]),
                 "session": job["session"],
                 "tier": restored.tier.describe(),
+                "restored_rows": rows_held,
                 "reused": restored.reused_tokens,
+                "input_tokens": int(ids.shape[1]),
                 "prefilled": embedded[0],
                 "tokens": out[0, ids.shape[1] :].tolist(),
             }

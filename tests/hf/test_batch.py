@@ -23,7 +23,12 @@ def sessions(tiny_model, store):
     ids, single = [], []
     for b, length in enumerate(PROMPTS):
         cache = hf.new_cache(model)
-        out = model.generate(torch.randint(2, 512, (1, length), generator=generator), max_new_tokens=4, do_sample=False, **hf.cache_kwargs(model, cache))
+        out = model.generate(
+            torch.randint(2, 512, (1, length), generator=generator),
+            max_new_tokens=4,
+            do_sample=False,
+            **hf.cache_kwargs(model, cache),
+        )
         hf.save(store, f"s{b}", model, cache, out[0], owner=OWNER)
         ids.append(f"s{b}")
     for b, sid in enumerate(ids):
@@ -61,7 +66,11 @@ def test_a_batched_continuation_equals_the_individual_ones_and_saves_back(tiny_m
         # each sequence continues at its own stored length
         assert positions[b, -1].item() == restored[0].reused_tokens + len(TURNS[b]) - 1
     out = model.generate(
-        inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=NEW, do_sample=False, **hf.cache_kwargs(model, batch.cache)
+        inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        max_new_tokens=NEW,
+        do_sample=False,
+        **hf.cache_kwargs(model, batch.cache),
     )
     for b, (_, tokens) in enumerate(single):
         assert out[b, inputs["input_ids"].shape[1] :].tolist() == tokens

@@ -1,4 +1,4 @@
-"""docs/HF.md's persist / restart / continue example runs as written, in two processes."""
+"""docs/HF.md's persist / restart / continue examples run as written, each in a new process."""
 
 from __future__ import annotations
 
@@ -26,10 +26,14 @@ def test_the_documented_example_resumes_in_a_new_process(tmp_path, capsys):
     capsys.readouterr()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outputs = []
-    for name in ("save_turn.py", "resume_turn.py"):
+    for name in ("save_turn.py", "resume_turn.py", "continue_turn.py"):
         (tmp_path / name).write_text(_script(name))
-        proc = subprocess.run([sys.executable, name], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+        proc = subprocess.run(
+            [sys.executable, name], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs.append(proc.stdout)
     assert "stored 31 tokens" in outputs[0]  # 15 bytes of prompt + 16 answered
     assert "reused 31, prefilled 10" in outputs[1]  # only " And then?" ran through the model
+    # 31 + 10 + 16 stored; no new turn: the last stored token runs again, not the conversation (issue 21)
+    assert "reused 56, prefilled 1" in outputs[2]

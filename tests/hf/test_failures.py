@@ -22,7 +22,12 @@ def two_turns(tiny_model, store):
     cache = hf.new_cache(model)
     out = model.generate(torch.arange(2, 42)[None], max_new_tokens=4, do_sample=False, **hf.cache_kwargs(model, cache))
     first = hf.save(store, "chat", model, cache, out[0], owner=OWNER).n_records
-    out = model.generate(torch.cat([out, torch.arange(50, 56)[None]], 1), max_new_tokens=4, do_sample=False, **hf.cache_kwargs(model, cache))
+    out = model.generate(
+        torch.cat([out, torch.arange(50, 56)[None]], 1),
+        max_new_tokens=4,
+        do_sample=False,
+        **hf.cache_kwargs(model, cache),
+    )
     hf.save(store, "chat", model, cache, out[0], owner=OWNER)
     return first, hf.cache_rows(model, cache)
 

@@ -9,10 +9,11 @@ import shutil
 
 import pytest
 import torch
-
 from hf_models import build_model, load, tiny_config, write_folder
-from kvstore.engine import hf
-from kvstore.errors import CacheLayoutUnsupported, FingerprintMismatch, InvalidRequest
+
+from kvstore.engine import fingerprint, hf
+from kvstore.engine.errors import CacheLayoutUnsupported
+from kvstore.errors import FingerprintMismatch, InvalidRequest
 
 OWNER = "alice"
 
@@ -21,7 +22,9 @@ OWNER = "alice"
 def saved(tiny_model, store):
     """A session of the tiny model (one turn)."""
     cache = hf.new_cache(tiny_model)
-    out = tiny_model.generate(torch.arange(2, 40)[None], max_new_tokens=4, do_sample=False, **hf.cache_kwargs(tiny_model, cache))
+    out = tiny_model.generate(
+        torch.arange(2, 40)[None], max_new_tokens=4, do_sample=False, **hf.cache_kwargs(tiny_model, cache)
+    )
     return hf.save(store, "chat", tiny_model, cache, out[0], owner=OWNER).info
 
 
@@ -76,7 +79,9 @@ def test_a_changed_tokenizer_or_chat_template_is_named(tmp_path, tiny_folder, st
 def test_geometry_tier_and_override_names_are_checked(tiny_model, store, saved):
     narrow = build_model(0, kv_lora_rank=32)
     assert "geometry.kv_lora: session 64, expected 32" in _mismatch(store, narrow)
-    assert "tier: session v1 (f32), expected v2 (fp8 e4m3)" in _mismatch(store, tiny_model, tier="fp8")
+    assert "tier: session f32 (v1, f32 values), expected fp8 (v2, e4m3 codes + f32 scale)" in _mismatch(
+        store, tiny_model, tier="fp8"
+    )
     with pytest.raises(InvalidRequest, match="cannot override"):
         hf.restore(store, "chat", tiny_model, owner=OWNER, override={"geometry.vocab"})
 
@@ -97,29 +102,50 @@ def test_the_weights_hash_is_computed_once_per_folder_and_cached_on_disk(tmp_pat
     # a later process reads the record instead of hashing the files again
     kept = json.loads(record.read_text())
     record.write_text(json.dumps({**kept, "hash": "blake2b:from-the-record"}))
-    hf._folder_hashes.clear()
+    fingerprint._folder_hashes.clear()
     assert hf.weights_hash(folder) == "blake2b:from-the-record"
     # a weight file that changed (new mtime) is hashed again
     weights = folder / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
-    hf._folder_hashes.clear()
+    fingerprint._folder_hashes.clear()
     assert hf.weights_hash(folder) == real
     with pytest.raises(InvalidRequest, match="no \\*.safetensors"):
         hf.weights_hash(tmp_path)
 
 
 def test_models_that_cache_something_else_are_refused():
-    from transformers import LlamaConfig, LlamaForCausalLM, LongcatFlashConfig, LongcatFlashForCausalLM, MiniCPM3Config, MiniCPM3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        LongcatFlashConfig,
+        LongcatFlashForCausalLM,
+        MiniCPM3Config,
+        MiniCPM3ForCausalLM,
+    )
 
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64))
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    )
     with pytest.raises(CacheLayoutUnsupported, match="no kv_lora_rank"):
         hf.check_cache_layout(llama)
     # LongCat-Flash caches the normed latent times a LoRA scale: not the rows kvstore stores
     longcat = LongcatFlashForCausalLM(
         LongcatFlashConfig(
-            vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=2, kv_lora_rank=32, q_lora_rank=32,
-            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, head_dim=16, ffn_hidden_size=64,
-            expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=2, moe_topk=2,
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=2,
+            num_attention_heads=2,
+            kv_lora_rank=32,
+            q_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            head_dim=16,
+            ffn_hidden_size=64,
+            expert_ffn_hidden_size=32,
+            n_routed_experts=4,
+            zero_expert_num=2,
+            moe_topk=2,
         )
     ).eval()
     with pytest.raises(CacheLayoutUnsupported, match="not the kv_a_layernorm output"):
@@ -127,8 +153,16 @@ def test_models_that_cache_something_else_are_refused():
     # MiniCPM3 caches the DeepSeek latent with the non-interleaved rope layout: accepted
     minicpm = MiniCPM3ForCausalLM(
         MiniCPM3Config(
-            vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=32,
-            q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, intermediate_size=64,
+            vocab_size=256,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            kv_lora_rank=32,
+            q_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            intermediate_size=64,
         )
     ).eval()
     assert hf.check_cache_layout(minicpm).geometry.words() == (2, 32, 16, 0, 0, 256)

@@ -1,12 +1,15 @@
 """Save a transformers conversation, restore it in a new process, continue it.
 
-Four conversations (a 40-token prompt, 8 greedy tokens) are saved after their first turn into one
-session per tier: v1 (f32), v2 (fp8), v3 rotated int4, v3 PolarQuant 4 bits. A fresh Python process
-loads the model folder, restores every session, appends a 6-token turn and generates 24 greedy
-tokens. The parent process continues the same conversations from its live cache (and from a copy
-of the cache taken before ``save`` ran) for the reference.
+Eight conversations (a 40-token prompt, 8 greedy tokens) are saved after their first turn into one
+session per tier: ``f32``, ``fp8``, ``int4`` (rotated int4), ``polar4`` (PolarQuant 4 bits). A fresh
+Python process loads the model folder, restores every session, appends a 6-token turn and generates
+24 greedy tokens; it also continues each f32 session as it stands, with no new turn
+(``restored.input_ids()``: the last stored token is handed back, issue 21). The parent process
+continues the same conversations from its live cache (and from a copy of the cache taken before
+``save`` ran) for the reference, and runs each prompt once for 8 + 24 tokens uninterrupted.
 
-f32 must agree token for token, prefilling only the new turn. For the quantized tiers the test
+f32 must agree token for token, prefilling only the new turn (with no new turn: only the last
+stored token, never the conversation again). For the quantized tiers the test
 reports how many of the 24 tokens agree with the f32 run (position by position, free-running: after
 the first divergence the rest mostly disagree) and asserts a floor:
 
@@ -29,17 +32,17 @@ import sys
 
 import pytest
 import torch
-
 from hf_models import HERE
+
 from kvstore.engine import hf
-from kvstore.sessions import SessionStore
+from kvstore.store import SessionStore
 
 WORKER = HERE / "restore_worker.py"
-TIERS = ("v1", "v2", "int4", "polar")
+TIERS = ("f32", "fp8", "int4", "polar4")
 N_CONVERSATIONS = 8
 PROMPT, FIRST_ANSWER, TURN, NEW = 40, 8, 6, 24
-FLOORS = {"v2": 0.75, "int4": 0.40, "polar": 0.30}
-ROW_ERROR = {"v2": 0.05, "int4": 0.15, "polar": 0.2}
+FLOORS = {"fp8": 0.75, "int4": 0.40, "polar4": 0.30}
+ROW_ERROR = {"fp8": 0.05, "int4": 0.15, "polar4": 0.2}
 OWNER = "alice"
 
 
@@ -60,20 +63,38 @@ def resumed(tiny_folder, tmp_path_factory):
             cache = hf.new_cache(model)
             out = model.generate(prompt, max_new_tokens=FIRST_ANSWER, do_sample=False, **hf.cache_kwargs(model, cache))
             untouched = copy.deepcopy(cache)  # what the live cache was before save computed the last row
-            saved = {tier: hf.save(store, f"c{c}-{tier}", model, cache, out[0], owner=OWNER, tier=tier) for tier in TIERS}
+            as_it_stands = copy.deepcopy(cache)
+            saved = {
+                tier: hf.save(store, f"c{c}-{tier}", model, cache, out[0], owner=OWNER, tier=tier) for tier in TIERS
+            }
             context = torch.cat([out[0], turn])[None]
             live = model.generate(context, max_new_tokens=NEW, do_sample=False, **hf.cache_kwargs(model, cache))
-            never_saved = model.generate(context, max_new_tokens=NEW, do_sample=False, **hf.cache_kwargs(model, untouched))
+            never_saved = model.generate(
+                context, max_new_tokens=NEW, do_sample=False, **hf.cache_kwargs(model, untouched)
+            )
+            # no new turn: the conversation goes on from its last token, which has no row yet
+            continued = model.generate(out, max_new_tokens=NEW, do_sample=False, **hf.cache_kwargs(model, as_it_stands))
+            uninterrupted = model.generate(
+                prompt,
+                max_new_tokens=FIRST_ANSWER + NEW,
+                do_sample=False,
+                **hf.cache_kwargs(model, hf.new_cache(model)),
+            )
             conversations.append(
                 {
                     "stored": out.shape[1],
                     "saved": saved,
                     "live": live[0, context.shape[1] :].tolist(),
                     "never_saved": never_saved[0, context.shape[1] :].tolist(),
+                    "continued": continued[0, out.shape[1] :].tolist(),
+                    "uninterrupted": uninterrupted[0, out.shape[1] :].tolist(),
                 }
             )
             for tier in TIERS:
-                jobs.append({"session": f"c{c}-{tier}", "turn": turn.tolist(), "new_tokens": NEW, "rows_like": f"c{c}-v1"})
+                jobs.append(
+                    {"session": f"c{c}-{tier}", "turn": turn.tolist(), "new_tokens": NEW, "rows_like": f"c{c}-f32"}
+                )
+            jobs.append({"name": f"c{c}-f32-as-it-stands", "session": f"c{c}-f32", "turn": [], "new_tokens": NEW})
     spec = data.parent / "spec.json"
     spec.write_text(json.dumps({"data": str(data), "model": str(tiny_folder), "owner": OWNER, "jobs": jobs}))
     proc = subprocess.run(
@@ -84,7 +105,7 @@ def resumed(tiny_folder, tmp_path_factory):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = {r["session"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    report = {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
     return conversations, report
 
 
@@ -95,15 +116,15 @@ def test_save_stores_every_token_of_the_turn(resumed):
             saved = conv["saved"][tier]
             # prompt + answer, the answer's last token included (save computed its row once)
             assert saved.n_records == saved.appended == conv["stored"] == PROMPT + FIRST_ANSWER
-        assert conv["saved"]["v1"].computed == 1
+        assert conv["saved"]["f32"].computed == 1
         assert all(conv["saved"][tier].computed == 0 for tier in TIERS[1:])  # the cache already held it
 
 
 def test_f32_resume_in_a_new_process_equals_the_uninterrupted_run(resumed):
     conversations, report = resumed
     for c, conv in enumerate(conversations):
-        got = report[f"c{c}-v1"]
-        assert got["tier"] == "v1 (f32)"
+        got = report[f"c{c}-f32"]
+        assert got["tier"] == "f32 (v1, f32 values)"
         assert got["tokens"] == conv["live"]
         assert got["tokens"] == conv["never_saved"]
         assert got["reused"] == conv["stored"]
@@ -111,10 +132,22 @@ def test_f32_resume_in_a_new_process_equals_the_uninterrupted_run(resumed):
         assert got["rel_l2"] == [0.0, 0.0]
 
 
+def test_f32_continued_with_no_new_turn_in_a_new_process_equals_the_uninterrupted_run(resumed):
+    """Issue 21: ``generate(restored.input_ids())`` hands the last stored token back and goes on."""
+    conversations, report = resumed
+    for c, conv in enumerate(conversations):
+        got = report[f"c{c}-f32-as-it-stands"]
+        assert conv["continued"] == conv["uninterrupted"]  # the reference itself: one run of 8 + 24 tokens
+        assert got["tokens"] == conv["uninterrupted"]
+        assert got["restored_rows"] == conv["stored"] and got["reused"] == conv["stored"] - 1
+        assert got["input_tokens"] == conv["stored"]  # the conversation, not the conversation twice
+        assert got["prefilled"] == 1  # only the last stored token ran through the model
+
+
 def test_quantized_tiers_agree_above_their_floors(resumed):
     conversations, report = resumed
     lines = [f"\nnext {NEW} greedy tokens after a restore in a new process vs f32 ({N_CONVERSATIONS} conversations)"]
-    lines.append(f"{'tier':22s} {'agree':>8s} {'prefix':>7s} {'rate':>6s} {'floor':>6s}   rel-L2 L / R")
+    lines.append(f"{'tier':44s} {'agree':>8s} {'prefix':>7s} {'rate':>6s} {'floor':>6s}   rel-L2 L / R")
     for tier in TIERS[1:]:
         agree = prefix = 0
         errors = []
@@ -128,7 +161,9 @@ def test_quantized_tiers_agree_above_their_floors(resumed):
         total = N_CONVERSATIONS * NEW
         mean_l = sum(e[0] for e in errors) / len(errors)
         mean_r = sum(e[1] for e in errors) / len(errors)
-        lines.append(f"{report[f'c0-{tier}']['tier']:22s} {agree:3d}/{total:<4d} {prefix:7d} {agree / total:6.1%} {FLOORS[tier]:6.0%}   {mean_l:.3f} / {mean_r:.3f}")
+        lines.append(
+            f"{report[f'c0-{tier}']['tier']:44s} {agree:3d}/{total:<4d} {prefix:7d} {agree / total:6.1%} {FLOORS[tier]:6.0%}   {mean_l:.3f} / {mean_r:.3f}"
+        )
         assert agree / total >= FLOORS[tier], f"{tier}: {agree}/{total} below the floor {FLOORS[tier]:.0%}"
         for rel_l, rel_r in errors:  # the rows really went through the codec, and came back close
             assert 0.0 < rel_l < ROW_ERROR[tier] and 0.0 < rel_r < ROW_ERROR[tier]

@@ -6,17 +6,22 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.engine import hf
-from kvstore.errors import ConversationMismatch, FingerprintMismatch, GeometryMismatch, InvalidRequest
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Tier
 from kvstore import tiers
+from kvstore.engine import hf
+from kvstore.engine.errors import ConversationMismatch
+from kvstore.errors import FingerprintMismatch, GeometryMismatch, InvalidRequest
+from kvstore.formats import coli_kv
 
 OWNER = "alice"
 
 
 def _generate(model, ids, cache, n=6):
-    return model.generate(torch.as_tensor(ids)[None] if torch.as_tensor(ids).ndim == 1 else ids, max_new_tokens=n, do_sample=False, **hf.cache_kwargs(model, cache))
+    return model.generate(
+        torch.as_tensor(ids)[None] if torch.as_tensor(ids).ndim == 1 else ids,
+        max_new_tokens=n,
+        do_sample=False,
+        **hf.cache_kwargs(model, cache),
+    )
 
 
 def test_save_after_every_turn_appends_only_the_new_rows(tiny_model, store):
@@ -88,8 +93,15 @@ def test_save_keeps_a_session_in_its_tier(tiny_model, store):
     info = hf.save(store, "fp8", model, cache, out[0], owner=OWNER, tier="fp8").info
     assert info.tier == tiers.FP8
     assert hf.save(store, "fp8", model, cache, out[0], owner=OWNER).info.tier == tiers.FP8  # None: its own tier
-    with pytest.raises(FingerprintMismatch, match="tier: session fp8"):
-        hf.save(store, "fp8", model, cache, out[0], owner=OWNER, tier="v1")
+    with pytest.raises(
+        FingerprintMismatch, match=r"tier: session fp8 \(v2, e4m3 codes \+ f32 scale\), expected f32 \(v1"
+    ):
+        hf.save(store, "fp8", model, cache, out[0], owner=OWNER, tier="f32")
+    with pytest.warns(tiers.TierSpellingDeprecated, match="tier 'v1' is deprecated: use 'f32'"):  # an old spelling
+        with pytest.raises(FingerprintMismatch, match="tier: session fp8"):
+            hf.save(store, "fp8", model, cache, out[0], owner=OWNER, tier="v1")
+    with pytest.raises(InvalidRequest, match="'q8' is a cache tier"):
+        hf.save(store, "q8", model, cache, out[0], owner=OWNER, tier="q8")
 
 
 def test_save_refuses_bad_input(tiny_model, store):
@@ -104,7 +116,7 @@ def test_save_refuses_bad_input(tiny_model, store):
     model(input_ids=torch.arange(2, 12).reshape(2, 5), use_cache=True, **hf.cache_kwargs(model, batched))
     with pytest.raises(InvalidRequest, match="save_batch"):
         hf.save(store, "bad", model, batched, torch.arange(2, 7), owner=OWNER)
-    with pytest.raises(InvalidRequest, match="unknown version"):
+    with pytest.raises(tiers.UnknownTier, match="unknown tier 'v9'"):
         hf.save(store, "bad", model, cache, out[0], owner=OWNER, tier="v9")
 
 
@@ -116,7 +128,9 @@ def test_a_coli_kv_file_loads_into_a_transformers_cache(tiny_model, tmp_path, ve
     out = _generate(model, torch.arange(2, 30)[None], cache)
     L, R = hf.cache_rows(model, cache)
     path = tmp_path / "rows.coli_kv"
-    coli_kv.write(path, out[0, : L.shape[1]].numpy().astype(np.int32), L, R, vocab=512, version=version, codec=codec, bits=bits)
+    coli_kv.write(
+        path, out[0, : L.shape[1]].numpy().astype(np.int32), L, R, vocab=512, version=version, codec=codec, bits=bits
+    )
     built = hf.cache_from_records(model, coli_kv.load(path))
     L_built, R_built = hf.cache_rows(model, built)
     reference_L, reference_R, _ = coli_kv.load(path).dequantize()  # the formats module's own decoder
@@ -128,6 +142,13 @@ def test_a_coli_kv_file_loads_into_a_transformers_cache(tiny_model, tmp_path, ve
         np.testing.assert_array_equal(R_built, reference_R)
     assert (version == 1) == np.array_equal(L_built, L)
     other = tmp_path / "other.coli_kv"
-    coli_kv.write(other, np.zeros(3, np.int32), np.zeros((4, 3, 64), np.float32), np.zeros((4, 3, 32), np.float32), vocab=600, version=1)
+    coli_kv.write(
+        other,
+        np.zeros(3, np.int32),
+        np.zeros((4, 3, 64), np.float32),
+        np.zeros((4, 3, 32), np.float32),
+        vocab=600,
+        version=1,
+    )
     with pytest.raises(GeometryMismatch, match="vocab: file 600, expected 512"):
         hf.cache_from_records(model, coli_kv.load(other))

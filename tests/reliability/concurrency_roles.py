@@ -26,8 +26,9 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
 
+from kvstore.api.errors import http_status  # noqa: E402
 from kvstore.errors import JournalLocked  # noqa: E402
-from kvstore.sessions import SessionStore  # noqa: E402
+from kvstore.store import SessionStore  # noqa: E402
 from reliability.workload import turn_rows  # noqa: E402
 
 SESSION = "shared"
@@ -38,7 +39,7 @@ def digest(payload: bytes) -> str:
 
 
 def busy(say: Callable[..., None], exc: JournalLocked) -> None:
-    assert exc.reason and exc.http_status == 409
+    assert exc.reason and http_status(exc) == 409
     say("BUSY", type(exc).__name__, exc.reason.replace(" ", "_"))
 
 

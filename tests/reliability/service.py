@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+
 from served import ServeProcess
 
 ALICE_KEY = "alice-key-reliability-0123456789"

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore import archive
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES
-from kvstore.sessions import SessionStore
+from kvstore.store import SessionStore, archive
 from reliability.store_workload import TIER_NAMES, Session
 from reliability.workload import GEOMETRY, turn_rows
 

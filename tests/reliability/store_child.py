@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
 
+from kvstore.store import SessionStore  # noqa: E402
 from reliability.store_workload import (  # noqa: E402
     MAIN,
     MIGRATE_NEXT,
@@ -26,8 +27,6 @@ from reliability.store_workload import (  # noqa: E402
     tier_name,
 )
 from reliability.workload import GEOMETRY, turn_rows  # noqa: E402
-
-from kvstore.sessions import SessionStore  # noqa: E402
 
 
 def say(*fields) -> None:

@@ -12,10 +12,10 @@ import dataclasses
 
 import numpy as np
 
+from kvstore import tiers
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Header, Tier
 from kvstore.migrations import formats as format_migrations
-from kvstore import tiers
 from reliability.workload import GEOMETRY, turn_rows
 
 MODEL = {"name": "crash-mla", "revision": "r1"}

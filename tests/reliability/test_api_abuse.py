@@ -55,7 +55,7 @@ SESSION_CALLS = {
     ("/unpark", "post"): {},
     ("/file/inspect", "get"): {},
     ("/file/repair", "post"): {},
-    ("/file/migrate", "post"): {"json": {"to": "v1"}},
+    ("/file/migrate", "post"): {"json": {"tier": "f32"}},
     ("/generate", "post"): {"json": {"tokens": [1, 2, 3], "max_new_tokens": 1}},
 }
 #: The one 5xx the service gives by design: the engine routes of a server started without a model
@@ -176,6 +176,19 @@ def test_schemathesis_against_the_services_own_schema(service, openapi, trials, 
             if client.get("/sessions/fuzz").status_code == 404:
                 make_session(service, "fuzz")
 
+    def fuzz(strategy, target: dict | None, label: str) -> None:
+        @settings(max_examples=examples, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+        @given(case=strategy)
+        def call(case):
+            if target:
+                ensure_target()
+            response = case.call(base_url=service.url, headers=auth)
+            tried[label] = tried.get(label, 0) + 1
+            case.validate_response(response, checks=FUZZ_CHECKS)
+
+        call()
+
     operations = [result.ok() for result in schema.get_all_operations()]
     for operation in operations[shard::SHARDS]:
         targets = [None] + ([{"session_id": "fuzz"}] if "{session_id}" in operation.path else [])
@@ -185,18 +198,7 @@ def test_schemathesis_against_the_services_own_schema(service, openapi, trials, 
             for mode in modes:
                 strategy = operation.as_strategy(generation_mode=mode, path_parameters=target)
                 label = f"{operation.method.upper()} {operation.path} {mode.value}{' (existing session)' if target else ''}"
-
-                @settings(max_examples=examples, deadline=None, database=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
-                @given(case=strategy)
-                def call(case):
-                    if target:
-                        ensure_target()
-                    response = case.call(base_url=service.url, headers=auth)
-                    tried[label] = tried.get(label, 0) + 1
-                    case.validate_response(response, checks=FUZZ_CHECKS)
-
-                call()
+                fuzz(strategy, target, label)
     total = sum(tried.values())
     assert len(operations) == len(routes(openapi)) and total >= len(tried) >= len(operations[shard::SHARDS])
     # Fuzzing as alice never reached bob's session.
@@ -376,7 +378,8 @@ def test_oversized_malformed_and_abandoned_bodies(service, figures):
             ("GET", "/sessions/bodies/resume", {"params": {"tier": "v3:int4:" + "9" * 25}}, (400, 422)),
             ("GET", "/sessions/bodies/resume", {"params": {"geometry": ",".join(["1"] * 12)}}, (400,)),
             ("GET", "/sessions/bodies/resume", {"params": {"geometry": "9" * 70}}, (400,)),
-            ("GET", "/sessions/bodies/resume", {"params": {"override": "geometry.vocab", "tier": "v1"}}, (400,)),
+            ("GET", "/sessions/bodies/resume", {"params": {"tier": "fp9"}}, (422,)),
+            ("GET", "/sessions/bodies/resume", {"params": {"override": "geometry.vocab", "tier": "f32"}}, (400,)),
             ("GET", "/sessions", {"params": [("tag", "x")] * 2000}, (200, 400, 422)),
             ("GET", "/sessions", {"params": {"state": "deleting"}}, (422,)),
         ]
@@ -423,8 +426,11 @@ def test_wrongly_typed_json_is_refused_not_coerced(service, figures):
         ("/sessions/typed/fork", {"at": "1", "id": "typed-fork"}),
         ("/sessions", {"id": "typed-2", "model": MODEL, "geometry": {**GEOMETRY_JSON, "n_layers": "2"}}),
         ("/sessions", {"id": "typed-2", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": {"version": True}}),
+        ("/sessions", {"id": "typed-2", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": 2}),
+        ("/sessions", {"id": "typed-2", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": True}),
         ("/lookup", {"model": MODEL, "geometry": GEOMETRY_JSON, "tokens": [True, False]}),
         ("/sessions/typed/file/migrate", {"to": "v3", "codec": "int4", "bits": 4.0}),
+        ("/sessions/typed/file/migrate", {"tier": 4}),
     ]
     with service.client() as alice:
         for path, body in wrong:

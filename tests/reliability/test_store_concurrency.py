@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.formats import coli_kv
-from kvstore.sessions import SessionStore
+from kvstore.store import SessionStore
 from reliability.concurrency_roles import ROLES, SESSION, digest
 from reliability.store_checks import acks_of, check_appends, snapshot, turn_bytes
 from reliability.store_workload import MODEL, OWNER, TIER_NAMES

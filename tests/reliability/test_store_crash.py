@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.sessions import SessionStore
+from kvstore.store import SessionStore
 from reliability.store_checks import check_served, describe, listing, snapshot
 from reliability.store_workload import (
     MAIN,

@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.api.errors import http_status
 from kvstore.errors import IndexFull, KVStoreError
-from kvstore.sessions import SessionStore
+from kvstore.store import SessionStore
 from reliability.store_checks import check_served, snapshot, visible
 from reliability.store_workload import StoreModel, perform
 from reliability.test_faults import Faults
@@ -118,7 +119,7 @@ def test_store_call_faults(tmp_path, monkeypatch, figures, template, name):
                         pytest.fail(f"{name}: call {k} ({faults.hit}, {errno.errorcode[code]}) raised an untyped {exc!r}")
                 hits.add(faults.hit)
                 if raised is not None:
-                    assert raised.reason and 400 <= raised.http_status < 600
+                    assert raised.reason and 400 <= http_status(raised) < 600
                 now = visible(store)
                 assert now in (before.sessions, after.sessions), f"{name}: call {k} ({faults.hit}) left a half-done state"
                 if raised is None:
@@ -173,7 +174,7 @@ def test_index_map_full_is_typed_and_recoverable(tmp_path, figures):
             try:
                 store.append("s", *long_turn(step))
             except IndexFull as exc:
-                assert exc.http_status == 507 and "map_size" in exc.reason
+                assert http_status(exc) == 507 and "map_size" in exc.reason
                 break
             model = add_long_turn(model, step)
             step += LONG_TURN_STEPS

@@ -19,8 +19,9 @@ import threading
 
 import pytest
 
+from kvstore.api.errors import http_status
 from kvstore.errors import JournalLocked, JournalWriteError, SessionNotFound
-from kvstore.sessions import SessionStore
+from kvstore.store import SessionStore
 from reliability.store_checks import check_served, snapshot, visible
 from reliability.store_workload import TIER_NAMES, StoreModel, perform
 from reliability.workload import turn_rows
@@ -71,7 +72,7 @@ def test_delete_that_cannot_remove_files_is_finished_by_the_next_call(store_and_
         fault = FailAfter(m, "unlink")
         with pytest.raises(JournalWriteError, match="deleting it again") as raised:
             store.delete("s")
-    assert fault.failed and raised.value.http_status == 507
+    assert fault.failed and http_status(raised.value) == 507
     assert store.list() == []
     with pytest.raises(SessionNotFound):
         store.get("s")
@@ -124,7 +125,7 @@ def test_park_and_unpark_failures_are_typed(store_and_model, monkeypatch, kind):
         fault = FailAfter(m, "unlink", path=old_file)  # committed: the new file is the truth, the old one cannot go
         with pytest.raises(JournalWriteError) as raised:
             perform(store, model, kind, ["s"])
-    assert fault.failed and raised.value.http_status == 507
+    assert fault.failed and http_status(raised.value) == 507
     model = model.apply(kind, ["s"])  # the call took effect: its file is the truth
     assert visible(store) == model.sessions
     other = "unpark" if kind == "park" else "park"

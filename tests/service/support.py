@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import httpx
+
 from served import ServeProcess
 
 KEY = "svc-key-0123456789abcdef"

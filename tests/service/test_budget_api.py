@@ -16,8 +16,8 @@ import threading
 
 import numpy as np
 
-from kvstore.formats.coli_kv import Geometry, Tier, encode_records
 from kvstore import tiers
+from kvstore.formats.coli_kv import Geometry, encode_records
 from service.support import metrics
 
 TURN = {"tokens": [5, 6, 7, 8], "max_new_tokens": 4, "stop": []}  # 8 records a turn
@@ -43,7 +43,7 @@ def test_the_hard_limit_holds_under_concurrent_generate_and_append_calls(make_se
     with server.client() as alice:
         engine = alice.get("/engine").json()
         for sid in ("a1", "a2"):
-            body = {"id": sid, "model": engine["model"], "geometry": engine["geometry"], "tier": {"version": 1}}
+            body = {"id": sid, "model": engine["model"], "geometry": engine["geometry"], "tier": "f32"}
             assert alice.post("/sessions", json=body).status_code == 201
         for sid in ("g1", "g2"):  # a first turn each before the race (appends are much faster than turns)
             first = alice.post(f"/sessions/{sid}/generate", json={**TURN, "create": True})

@@ -48,7 +48,13 @@ def test_the_documented_chat_restart_and_continue_runs_as_written(tmp_path, tier
         assert done.returncode == 0, f"{code}\n{done.stdout}\n{done.stderr}"
         shown = examples[index + 1] if index + 1 < len(examples) and examples[index + 1][1] == "text" else None
         if shown is not None and tier == "fp8":
-            assert done.stdout == shown[2], f"{code}\n--- printed\n{done.stdout}--- documented\n{shown[2]}"
+            printed, documented = done.stdout, shown[2]
+            if 'data["text"]' in code:
+                # The first line is the random model's answer: its bytes follow float rounding, which
+                # differs between CPUs (and the doc says so). What the example reports is compared.
+                assert printed.split("\n", 1)[0].strip(), printed
+                printed, documented = printed.split("\n", 1)[1], documented.split("\n", 1)[1]
+            assert printed == documented, f"{code}\n--- printed\n{done.stdout}--- documented\n{shown[2]}"
         outputs.append(done.stdout)
     logs.append(server.stop())
 

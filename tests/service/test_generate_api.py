@@ -14,9 +14,9 @@ import time
 import httpx
 import numpy as np
 
+from kvstore import tiers
 from kvstore.engine.generate import Engine
 from kvstore.engine.weights import load_model
-from kvstore import tiers
 from service.support import OTHER_KEY, metrics, sse_events
 
 TURN = {"max_new_tokens": 4, "stop": []}
@@ -38,6 +38,7 @@ def test_a_conversation_resumed_after_a_restart_prefills_only_the_new_turn(make_
         first = _generate(alice, "chat", text="Hello", create=True)
         assert first["created"] and (first["source"], first["reused_tokens"], first["prefilled_tokens"]) == ("new", 0, 5)
         assert first["session"]["model"]["weights_hash"].startswith("blake2b:")
+        assert first["session"]["tier"]["name"] == "f32"
         stored = first["session"]["n_records"]
         assert stored == 5 + 4
 
@@ -51,6 +52,7 @@ def test_a_conversation_resumed_after_a_restart_prefills_only_the_new_turn(make_
         assert [data["token"] for name, data in events if name == "token"] == done["tokens"]
         assert "".join(data["text"] for _, data in events[:-1]) == done["text"]
         assert (done["source"], done["reused_tokens"], done["prefilled_tokens"]) == ("live", stored, 3)
+        assert done["session"]["tier"]["name"] == "f32"
         stored = done["session"]["n_records"]
         history = alice.get("/sessions/chat/resume", params={"format": "coli_kv"}).content
     first_server.stop()
@@ -60,8 +62,8 @@ def test_a_conversation_resumed_after_a_restart_prefills_only_the_new_turn(make_
         before = metrics(alice)
         resumed = _generate(alice, "chat", tokens=[50, 51])
         assert (resumed["source"], resumed["reused_tokens"], resumed["prefilled_tokens"]) == ("journal", stored, 2)
-        assert resumed["restored_tokens"] == stored and resumed["upgraded"] == "v1 (f32) -> v2 (fp8 e4m3)"
-        assert resumed["session"]["tier"]["version"] == 2
+        assert resumed["restored_tokens"] == stored and resumed["upgraded"] == f"{tiers.F32.describe()} -> {tiers.FP8.describe()}"
+        assert resumed["session"]["tier"]["version"] == 2 and resumed["session"]["tier"]["name"] == "fp8"
         after = metrics(alice)
         assert after["kvstore_reused_tokens_total"] - before["kvstore_reused_tokens_total"] == stored
         assert after["kvstore_prefilled_tokens_total"] - before["kvstore_prefilled_tokens_total"] == 2
@@ -89,7 +91,7 @@ def test_refusals_are_clear_and_change_nothing(make_server, model_dir):
     server = make_server("--model", str(model_dir), "--tier", "fp8")
     with server.client() as alice, server.client(OTHER_KEY) as bob:
         engine = alice.get("/engine").json()
-        assert engine["cache_tier"] == "fp8" and engine["journal_tier"] == "v2 (fp8 e4m3)"
+        assert engine["cache_tier"] == "fp8" and engine["journal_tier"] == tiers.FP8.describe()
         ours = _generate(alice, "ours", tokens=[5, 6, 7], create=True)
 
         missing = alice.post("/sessions/nobody/generate", json={"tokens": [5]})
@@ -103,7 +105,7 @@ def test_refusals_are_clear_and_change_nothing(make_server, model_dir):
 
         # a session of other weights: refused before the stream starts (plain JSON), naming the field
         model = {**engine["model"], "weights_hash": "blake2b:" + "0" * 64}
-        created = alice.post("/sessions", json={"id": "theirs", "model": model, "geometry": engine["geometry"], "tier": {"version": 2}})
+        created = alice.post("/sessions", json={"id": "theirs", "model": model, "geometry": engine["geometry"], "tier": "fp8"})
         assert created.status_code == 201
         rows = alice.get("/sessions/ours/resume").content
         assert alice.post("/sessions/theirs/append", content=rows, headers={"Content-Type": "application/octet-stream"}).status_code == 200

@@ -15,9 +15,9 @@ import pytest
 from kvstore.engine.session import SessionEngine
 from kvstore.engine.tokenizer import load_tokenizer
 from kvstore.engine.weights import load_model, write_random_model
-from kvstore.sessions import SessionStore
-from trust.support import session_engine
+from kvstore.store import SessionStore
 from torch_threads import one_torch_thread  # noqa: F401  (autouse)
+from trust.support import session_engine
 
 
 @pytest.fixture(scope="session")

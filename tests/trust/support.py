@@ -10,7 +10,7 @@ import numpy as np
 from kvstore.engine.fingerprint import folder_model_info
 from kvstore.engine.generate import Engine
 from kvstore.engine.session import SessionEngine
-from kvstore.sessions import SessionStore
+from kvstore.store import SessionStore
 
 
 def sibling(tiny_folder: Path, parent: Path) -> Path:
@@ -20,16 +20,25 @@ def sibling(tiny_folder: Path, parent: Path) -> Path:
     return target
 
 
-def session_engine(store: SessionStore, folder: Path, loaded, tier: str = "f32", bits: int | None = None) -> SessionEngine:
+def session_engine(
+    store: SessionStore, folder: Path, loaded, tier: str = "f32", bits: int | None = None
+) -> SessionEngine:
     """A SessionEngine on ``folder``'s fingerprint, sharing the loaded model (a fresh cache)."""
     model, tokenizer = loaded
-    return SessionEngine(Engine(model, tokenizer=tokenizer, tier=tier, bits=bits), store, folder_model_info(folder), folder=folder)
+    return SessionEngine(
+        Engine(model, tokenizer=tokenizer, tier=tier, bits=bits), store, folder_model_info(folder), folder=folder
+    )
 
 
 def cache_state(chat: SessionEngine) -> dict:
     """A copy of everything the live cache holds: tokens and every stored field, on the host."""
     rows = chat.engine.export_rows(0)
-    state = {"length": chat.engine.cache.length, "tokens": rows.tokens.copy(), "lc": np.array(rows.lc), "rc": np.array(rows.rc)}
+    state = {
+        "length": chat.engine.cache.length,
+        "tokens": rows.tokens.copy(),
+        "lc": np.array(rows.lc),
+        "rc": np.array(rows.rc),
+    }
     if rows.lc_scales is not None:
         state["lc_scales"], state["rc_scales"] = np.array(rows.lc_scales), np.array(rows.rc_scales)
     return state

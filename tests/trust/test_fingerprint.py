@@ -16,17 +16,16 @@ import os
 import numpy as np
 import pytest
 
+from kvstore import tiers
 from kvstore.engine import fingerprint
-from kvstore.engine.cache import StoredRows
 from kvstore.engine.config import preset
 from kvstore.engine.fingerprint import ATTENTION_VARIANT, folder_model_info
 from kvstore.engine.generate import Engine
+from kvstore.engine.rows import StoredRows
 from kvstore.engine.tokenizer import load_tokenizer
 from kvstore.engine.weights import load_model, write_random_model
 from kvstore.errors import FingerprintMismatch, InvalidRequest
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Tier
-from kvstore import tiers
 from trust.support import assert_same_cache, cache_state, session_engine, session_state, sibling
 
 TURN = dict(max_new_tokens=3, stop_tokens=())
@@ -54,10 +53,19 @@ def test_a_session_records_the_engines_full_fingerprint(chat, store, tiny_folder
     result = chat.run("s", "Hello", create=True, **TURN)
     info = store.get("s")
     config = json.loads((tiny_folder / "config.json").read_text())
-    assert info.geometry.words() == (config["num_hidden_layers"], config["kv_lora_rank"], config["qk_rope_head_dim"], 0, 0, config["vocab_size"])
+    assert info.geometry.words() == (
+        config["num_hidden_layers"],
+        config["kv_lora_rank"],
+        config["qk_rope_head_dim"],
+        0,
+        0,
+        config["vocab_size"],
+    )
     assert info.tier == tiers.F32
     assert info.model.name == "tiny" and info.model.revision == "local"
-    assert info.model.weights_hash == fingerprint.weights_hash(tiny_folder) and info.model.weights_hash.startswith("blake2b:")
+    assert info.model.weights_hash == fingerprint.weights_hash(tiny_folder) and info.model.weights_hash.startswith(
+        "blake2b:"
+    )
     assert info.model.tokenizer_hash == fingerprint.tokenizer_hashes(tiny_folder)[0] is not None
     assert info.model.attention_variant == ATTENTION_VARIANT
     assert result.session.fingerprint_key == chat.fingerprint.key()
@@ -117,8 +125,16 @@ def test_another_geometry_is_refused_and_cannot_be_overridden(holder, store, tmp
 @pytest.mark.parametrize(
     "written, restoring, shown",
     [
-        (("fp8", None), ("tq-int4", None), "tier: session v2 (fp8 e4m3), expected v3 (int4, 4 bits)"),
-        (("tq-polar", 3), ("tq-polar", 4), "expected v3 (polar, 4 bits)"),
+        (
+            ("fp8",),
+            ("int4",),
+            "tier: session fp8 (v2, e4m3 codes + f32 scale), expected int4 (v3, rotated int4 codes + radius)",
+        ),
+        (
+            ("polar3",),
+            ("polar4",),
+            "tier: session polar3 (v3, PolarQuant 3-bit codes + radius), expected polar4 (v3, PolarQuant 4-bit",
+        ),
     ],
     ids=["codec", "bits"],
 )
@@ -144,7 +160,9 @@ def test_the_weights_hash_is_computed_once_per_folder_and_kept_on_disk(tiny_fold
     records = list((tmp_path / "cache" / "weights").glob("*.json"))
     assert len(records) == 1 and records[0].stat().st_mode & 0o777 == 0o600
     weights = folder / "model.safetensors"
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # a changed file is hashed again
+    os.utime(
+        weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9)
+    )  # a changed file is hashed again
     assert folder_model_info(folder).weights_hash == first and len(hashed) == 2
 
 
@@ -155,8 +173,12 @@ def test_the_same_weights_copied_need_no_override(holder, store, tiny_folder, ti
     assert (result.source, result.reused_tokens, result.prefilled_tokens) == ("journal", stored, 1)
 
 
-def test_weights_resaved_in_another_layout_continue_with_the_explicit_override(holder, store, tiny_folder, tiny, tmp_path):
-    resaved = write_random_model(tmp_path / "r" / "tiny", "tiny", seed=0, max_shard_bytes=1 << 20)  # same weights, sharded
+def test_weights_resaved_in_another_layout_continue_with_the_explicit_override(
+    holder, store, tiny_folder, tiny, tmp_path
+):
+    resaved = write_random_model(
+        tmp_path / "r" / "tiny", "tiny", seed=0, max_shard_bytes=1 << 20
+    )  # same weights, sharded
     assert len(fingerprint.weight_files(resaved)) > 1
     other = session_engine(store, resaved, _loaded(resaved))
     _refused(other, store, "mine", "model.weights_hash")
@@ -182,13 +204,16 @@ def test_a_v1_session_resumes_in_an_fp8_engine_and_the_file_upgrades_on_the_next
     assert in_memory.version == 2
     result = fp8.run("u", [9, 10], **TURN)
     assert (result.source, result.reused_tokens, result.prefilled_tokens) == ("live", 7, 2)
-    assert result.upgraded == "v1 (f32) -> v2 (fp8 e4m3)" and store.get("u").tier == tiers.FP8
+    assert (
+        result.upgraded == "f32 (v1, f32 values) -> fp8 (v2, e4m3 codes + f32 scale)"
+        and store.get("u").tier == tiers.FP8
+    )
     on_disk = StoredRows.from_records(coli_kv.load(path))
     assert on_disk.version == 2 and on_disk.n == 7 + 2 + 3
     for name in ("lc", "rc", "lc_scales", "rc_scales"):  # the file holds exactly the rows the cache used
         np.testing.assert_array_equal(getattr(on_disk, name)[:, :7], getattr(in_memory, name), err_msg=name)
     assert store.verify("u").ok
-    with pytest.raises(FingerprintMismatch, match="tier: session v2"):  # an upgraded session is fp8 for good
+    with pytest.raises(FingerprintMismatch, match=r"tier: session fp8 \(v2"):  # an upgraded session is fp8 for good
         f32.run("u", [11], **TURN)
 
 

@@ -56,4 +56,9 @@ def test_verify_on_demand_rereads_even_a_live_session_and_serves_nothing_past_th
     _flip(store, "c", 2)
     assert chat.resume("c").source == "live"  # without verify the live cache is trusted: no read at all
     verified = chat.resume("c", verify=True)
-    assert (verified.source, verified.reused_tokens, verified.damaged_from, verified.unserved_records) == ("journal", 0, 0, n)
+    assert (verified.source, verified.reused_tokens, verified.damaged_from, verified.unserved_records) == (
+        "journal",
+        0,
+        0,
+        n,
+    )

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from kvstore.errors import InvalidSessionId, PathRefused
-from kvstore.sessions import SessionStore
+from kvstore.store import SessionStore
 from trust.support import assert_same_cache, cache_state, session_engine
 
 TURN = dict(max_new_tokens=3, stop_tokens=())
@@ -40,8 +40,22 @@ def test_kvstore_chat_refuses_a_symlinked_journals_folder(tmp_path, tiny_folder)
     outside.mkdir()
     (data / "journals").symlink_to(outside, target_is_directory=True)
     done = subprocess.run(
-        [sys.executable, "-m", "kvstore.engine.session_cli", "chat", str(tiny_folder), "--session", "s", "--ids", "5 6", "--data", str(data)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "chat",
+            str(tiny_folder),
+            "--session",
+            "s",
+            "--ids",
+            "5 6",
+            "--data",
+            str(data),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2, done.stderr
     assert "journals is a symbolic link" in done.stderr
@@ -86,7 +100,7 @@ def test_every_file_kvstore_writes_is_owner_only(store, tiny_folder, tiny, hash_
     store.park("b")  # the archive
     assert fp8.run("c", [11], create=True, **TURN).created
     seen = 0
-    for root, folders, files in os.walk(store.data_dir):
+    for root, _folders, files in os.walk(store.data_dir):
         assert os.stat(root).st_mode & 0o777 == 0o700, root
         for name in files:
             mode = os.stat(os.path.join(root, name)).st_mode & 0o777

@@ -17,13 +17,15 @@ import os
 import pytest
 import torch
 
-from kvstore.engine import cache as cache_module
-from kvstore.engine import quant
-from kvstore.engine import restore as restore_module
-from kvstore.errors import IntegrityError, RestoreFailed, SessionDamaged
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Geometry, Header, Tier
 from kvstore import tiers
+from kvstore.api.errors import http_status
+from kvstore.engine import cache as cache_module
+from kvstore.engine import restore as restore_module
+from kvstore.engine.errors import RestoreFailed
+from kvstore.errors import IntegrityError, SessionDamaged
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Geometry, Header
+from kvstore.gpu import codecs
 from trust.support import assert_same_cache, cache_state, session_engine, session_state
 
 TURN = dict(max_new_tokens=3, stop_tokens=())
@@ -42,7 +44,9 @@ def _other_header(store, monkeypatch):
     path = store.journal_path("b")
     info = store.get("b")
     g = info.geometry
-    other = Header(Geometry(g.n_layers, g.kv_lora, g.qk_rope, g.index_hd, g.nic, g.vocab + 8), info.tier, info.n_records)
+    other = Header(
+        Geometry(g.n_layers, g.kv_lora, g.qk_rope, g.index_hd, g.nic, g.vocab + 8), info.tier, info.n_records
+    )
     with open(path, "r+b") as f:
         f.write(other.to_bytes())
 
@@ -116,10 +120,10 @@ def test_a_failed_quantization_of_v1_rows_leaves_the_fp8_cache_and_the_v1_file(s
     held = fp8.run("a", [5, 6, 7, 8], create=True, **TURN)
     assert store.get("b").tier == tiers.F32 and fp8.live_session == "a"
 
-    def broken(rows):
+    def broken(tier, rows):
         raise RuntimeError("fp8 encode kernel failed (injected)")
 
-    monkeypatch.setattr(quant, "encode_fp8", broken)
+    monkeypatch.setattr(codecs, "encode_tier", broken)
     cache_before, b_before = cache_state(fp8), session_state(store, "b")
     with pytest.raises(RestoreFailed, match="fp8 encode kernel failed"):
         fp8.run("b", [20], **TURN)
@@ -130,7 +134,9 @@ def test_a_failed_quantization_of_v1_rows_leaves_the_fp8_cache_and_the_v1_file(s
     again = fp8.run("a", [30], **TURN)
     assert (again.source, again.reused_tokens) == ("live", held.session.n_records)
     upgraded = fp8.run("b", [20], **TURN)
-    assert upgraded.source == "journal" and upgraded.upgraded == "v1 (f32) -> v2 (fp8 e4m3)"
+    assert (
+        upgraded.source == "journal" and upgraded.upgraded == "f32 (v1, f32 values) -> fp8 (v2, e4m3 codes + f32 scale)"
+    )
 
 
 def test_a_failed_restore_is_reported_with_its_reason_through_the_typed_error(chat, store, monkeypatch):
@@ -141,7 +147,7 @@ def test_a_failed_restore_is_reported_with_its_reason_through_the_typed_error(ch
     reason = failed.value.reason
     records = store.get("b").watermark
     assert f"restoring {records} rows of session 'b' into the f32 cache on cpu failed" in reason
-    assert failed.value.http_status == 503 and isinstance(failed.value.__cause__, torch.OutOfMemoryError)
+    assert http_status(failed.value) == 503 and isinstance(failed.value.__cause__, torch.OutOfMemoryError)
 
 
 def test_a_partial_turn_past_the_watermark_is_not_restored_and_the_next_turn_replaces_it(chat, store):

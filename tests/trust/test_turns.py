@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.errors import ConversationMismatch
+from kvstore.engine.errors import ConversationMismatch
 from kvstore.formats import coli_kv
 
 TURN = dict(max_new_tokens=3, stop_tokens=())

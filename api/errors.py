@@ -1,0 +1,165 @@
+"""The HTTP service's own errors, and the HTTP status of every error kvstore raises.
+
+Nothing below ``api`` knows HTTP: the lower layers raise typed errors (``kvstore.formats.errors``,
+``kvstore.migrations.errors``, ``kvstore.errors``, ``kvstore.gpu.errors``,
+``kvstore.engine.errors``) and :data:`HTTP_STATUS` says which status each answers with. A class
+without an entry takes its nearest base's (resolved along the MRO, so ``SessionDamaged`` answers
+like ``IntegrityError``); the root ``KVStoreError`` answers ``400`` only as a last resort, and
+``tests/api/test_errors.py`` checks every error class of the project has a status decided here.
+The GPU backends' errors are listed by dotted name: ``kvstore.gpu`` imports torch, which the
+service loads only with an engine (an error of a module never imported never reaches it).
+
+Every error response is ``{"error": <class name>, "reason": <what happened and what to do>}``.
+"""
+
+from __future__ import annotations
+
+from kvstore.engine.errors import (
+    CacheError,
+    CacheLayoutUnsupported,
+    ConversationMismatch,
+    GenerationError,
+    ModelConfigError,
+    RestoreFailed,
+    TierUnsupported,
+    WeightsError,
+)
+from kvstore.errors import (
+    BudgetExceeded,
+    CodecMismatch,
+    ConfigError,
+    FingerprintMismatch,
+    FormatError,
+    GeometryMismatch,
+    IndexFull,
+    IndexSchemaError,
+    IntegrityError,
+    InvalidRequest,
+    InvalidSessionId,
+    JournalClosed,
+    JournalLocked,
+    JournalWriteError,
+    KVStoreError,
+    MigrationError,
+    PathRefused,
+    SessionExists,
+    SessionNotFound,
+)
+
+__all__ = [
+    "HTTP_STATUS",
+    "BodyTooLarge",
+    "EngineNotLoaded",
+    "JobNotFound",
+    "Unauthorized",
+    "UnsupportedMediaType",
+    "http_status",
+]
+
+
+# ---- errors only the HTTP service raises ------------------------------------------------------
+class BodyTooLarge(KVStoreError, ValueError):
+    """A request body is larger than the service accepts (``--max-body``); nothing was read past it.
+
+    Send the rows in smaller appends (each is its own durable write).
+    """
+
+
+class UnsupportedMediaType(KVStoreError, ValueError):
+    """A request body's Content-Type is not one the endpoint reads; the reason lists those it does."""
+
+
+class Unauthorized(KVStoreError, PermissionError):
+    """A request carried no API key, or one the service does not know.
+
+    Send ``Authorization: Bearer <key>`` (or ``X-API-Key: <key>``) with a key from ``keys.json`` or
+    ``KVSTORE_API_KEYS``.
+    """
+
+
+class JobNotFound(KVStoreError, KeyError):
+    """No job has this id for this owner (jobs live in memory: a restart forgets them).
+
+    List the owner's jobs with ``GET /jobs``.
+    """
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.reason
+
+
+class EngineNotLoaded(KVStoreError, RuntimeError):
+    """The service runs without a model: generation needs ``kvstore serve --model DIR``.
+
+    The one 5xx by design: the request is sound, this server has no engine.
+    """
+
+
+# ---- the status of every error ----------------------------------------------------------------
+#: Error class (or its dotted name, for modules imported lazily) -> HTTP status. Subclasses
+#: inherit their nearest listed base's status.
+HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
+    KVStoreError: 400,  # the fallback: every class below has its status decided explicitly
+    # formats and migrations
+    FormatError: 422,  # bytes or a tier name that do not follow the spec (UnknownTier included)
+    GeometryMismatch: 409,
+    CodecMismatch: 409,
+    MigrationError: 400,
+    IndexSchemaError: 503,  # the index needs another kvstore version: nothing the request can change
+    # journal and store
+    JournalWriteError: 507,
+    JournalLocked: 409,
+    JournalClosed: 400,
+    PathRefused: 400,
+    SessionNotFound: 404,
+    SessionExists: 409,
+    InvalidSessionId: 400,
+    InvalidRequest: 400,
+    BudgetExceeded: 507,
+    FingerprintMismatch: 409,
+    IntegrityError: 409,  # SessionDamaged too
+    IndexFull: 507,
+    ConfigError: 400,
+    # gpu (by name: importing kvstore.gpu imports torch)
+    "kvstore.gpu.errors.AttentionInputError": 422,
+    "kvstore.gpu.errors.BackendUnavailable": 503,
+    # engine
+    ModelConfigError: 422,
+    WeightsError: 422,
+    TierUnsupported: 422,
+    CacheError: 409,
+    GenerationError: 422,
+    CacheLayoutUnsupported: 422,
+    ConversationMismatch: 409,
+    RestoreFailed: 503,
+    # the service's own
+    BodyTooLarge: 413,
+    UnsupportedMediaType: 415,
+    Unauthorized: 401,
+    JobNotFound: 404,
+    EngineNotLoaded: 503,
+}
+
+
+def dotted_name(cls: type) -> str:
+    """``module.QualifiedName`` of a class: how :data:`HTTP_STATUS` names lazily imported errors."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def status_entry(error: KVStoreError | type[KVStoreError]) -> type[KVStoreError] | str:
+    """The :data:`HTTP_STATUS` key deciding ``error``'s status: its nearest listed base (or its name)."""
+    cls = error if isinstance(error, type) else type(error)
+    for base in cls.__mro__:
+        if base in HTTP_STATUS:
+            return base
+        if dotted_name(base) in HTTP_STATUS:
+            return dotted_name(base)
+    raise TypeError(f"{cls.__name__} is not a KVStoreError")
+
+
+def http_status(error: KVStoreError | type[KVStoreError]) -> int:
+    """The HTTP status an error (instance or class) answers with.
+
+    >>> http_status(SessionNotFound("no session 'x'")), http_status(IntegrityError)
+    (404, 409)
+    """
+    return HTTP_STATUS[status_entry(error)]

@@ -1,0 +1,105 @@
+"""The ``kvstore`` command line: every subcommand, one argument vocabulary, one exit-code policy.
+
+=====================  ===================================================================
+module                 commands
+=====================  ===================================================================
+``cli/files.py``       ``inspect``, ``export``, ``migrate``, ``repair`` (one ``.coli_kv`` file)
+``cli/serve.py``       ``serve`` (the HTTP service)
+``cli/sessions.py``    ``sessions ...``, ``verify`` (the session store, no server)
+``cli/engine.py``      ``new-model``, ``generate``, ``chat`` (the bundled engine)
+``cli/hf.py``          ``hf-chat`` (transformers models)
+``cli/options.py``     the shared options: ``--tier``, ``--owner``, ``--data``, ``--json``, ids
+``cli/output.py``      reports as text or JSON, JSON lines, progress bars
+=====================  ===================================================================
+
+Exit codes: 0 done; 1 a check found damage (``verify``; what and where is printed); 2 bad input
+or arguments, with one line ``kvstore: error: <reason>`` on stderr; 130 interrupted. Old option
+spellings print ``kvstore: warning: ...`` once and still work.
+
+This package is the top of the stack — the only part that may import every other one (``serve``
+starts :mod:`kvstore.api`). Each command imports what it needs when it runs, so building the
+parser is cheap and ``kvstore inspect`` imports neither torch nor the web stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import NoReturn
+
+from kvstore import __version__, tiers
+from kvstore.cli import engine, files, hf, options, serve, sessions
+from kvstore.errors import KVStoreError
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_DAMAGED", "EXIT_INTERRUPTED", "EXIT_OK", "build_parser", "main"]
+
+EXIT_OK = 0
+EXIT_DAMAGED = 1  # a check found damage (what and where is printed)
+EXIT_BAD_INPUT = 2  # unusable input or arguments (one line on stderr)
+EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+
+
+def fail(reason: str) -> int:
+    """Print ``kvstore: error: <reason>`` on stderr; the bad-input exit code."""
+    print(f"kvstore: error: {reason}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # a usage error is bad input like any other: one line, exit 2, naming the subcommand
+        command = self.prog.removeprefix("kvstore").strip()
+        raise SystemExit(fail(f"{command}: {message}" if command else message))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvstore`` parser with every subcommand (imports nothing heavy)."""
+    parser = _Parser(prog="kvstore", description="Resumable LLM conversations over .coli_kv latent caches.")
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    files.add_commands(sub)
+    serve.add_commands(sub)
+    sessions.add_commands(sub)
+    engine.add_commands(sub)
+    sessions.add_verify(sub)
+    hf.add_commands(sub)
+    return parser
+
+
+class _Warnings:
+    """Shows old-spelling warnings as ``kvstore: warning: ...``, each text once per command;
+    other warnings go to the previous handler unchanged."""
+
+    def __init__(self, previous):
+        self.previous = previous
+        self.shown: set[str] = set()
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if not issubclass(category, tiers.TierSpellingDeprecated):
+            self.previous(message, category, filename, lineno, file, line)
+            return
+        if str(message) not in self.shown:
+            self.shown.add(str(message))
+            print(f"kvstore: warning: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``kvstore`` command; returns its exit code (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", tiers.TierSpellingDeprecated)
+        warnings.showwarning = _Warnings(warnings.showwarning)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help, --version, usage errors (already printed)
+            return int(exc.code or EXIT_OK)
+        try:
+            options.resolve_tier(args)
+            return int(args.func(args) or EXIT_OK)
+        except KVStoreError as exc:
+            return fail(exc.reason)
+        except (FileNotFoundError, IsADirectoryError, PermissionError, NotADirectoryError) as exc:
+            return fail(f"{exc.strerror}: {exc.filename}")
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED

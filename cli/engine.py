@@ -1,0 +1,278 @@
+"""The bundled engine's commands: ``kvstore new-model``, ``kvstore generate`` and ``kvstore chat``.
+
+``new-model DIR --preset tiny`` writes a random-weight model folder (with a byte-level tokenizer)
+that both the engine and ``transformers`` load. ``generate MODEL ...`` runs a prompt; with
+``--journal FILE.coli_kv`` the conversation lives in a durable journal: an existing file is resumed
+(no re-prefill of what it holds) and the turn's rows are appended after it. ``chat MODEL --session
+ID`` runs one turn of a conversation kept in the data folder's session store (created, with the
+model's fingerprint, when missing): only the new tokens are prefilled, the answer is streamed to
+stdout and stderr ends with the split, e.g. ``[chat-1: 16 tokens (length); prefilled 7, reused 21
+(journal); 44 records, fp8 (v2, e4m3 codes + f32 scale)]``; ``--json`` prints the whole result as
+one JSON object instead.
+
+``--tier`` takes every tier (the engine caches bf16 and q8 too; their journals hold f32 rows).
+torch is imported when a command runs, never when the parser is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvstore.cli import options
+from kvstore.cli.output import emit, json_line
+from kvstore.engine.config import PRESETS
+from kvstore.errors import InvalidRequest
+from kvstore.units import parse_size
+
+
+# ---------------------------------------------------------------------------- shared options
+def add_decode_options(p: argparse.ArgumentParser, dtypes: tuple[str, ...]) -> None:
+    """The engine and sampling options of the commands that generate (``generate``, ``chat``):
+    cache tier, device, weights dtype (one of ``dtypes``), token budget, sampling, stops."""
+    options.add_tier(p, files_only=False, default="f32", what="latent-cache tier")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, mps)")
+    p.add_argument("--dtype", choices=dtypes, help="weights dtype (default float32)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--stop", type=int, nargs="*", help="stop token ids (default: the model's eos; give none to disable)"
+    )
+
+
+def decode_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling keywords of :func:`add_decode_options`'s options, as ``stream`` / ``begin`` take them."""
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_tokens=args.stop,
+    )
+
+
+def _require_model_folder(folder: str) -> None:
+    if not Path(folder, "config.json").is_file():
+        raise InvalidRequest(
+            f"{folder} is not a model folder (no config.json); create one with `kvstore new-model {folder}`"
+        )
+
+
+# ---------------------------------------------------------------------------- new-model
+def cmd_new_model(args: argparse.Namespace) -> int:
+    from kvstore.engine.weights import write_random_model
+
+    folder = write_random_model(
+        args.path, args.preset, seed=args.seed, dtype=args.dtype, tokenizer=not args.no_tokenizer
+    )
+    cfg = PRESETS[args.preset]
+    report = {
+        "path": str(folder),
+        "preset": args.preset,
+        "n_layers": cfg.n_layers,
+        "kv_lora": cfg.kv_lora_rank,
+        "qk_rope": cfg.qk_rope_head_dim,
+        "vocab": cfg.vocab_size,
+        "tokenizer": not args.no_tokenizer,
+    }
+    text = (
+        f"wrote {args.preset} model to {folder}: {cfg.n_layers} layers, kv_lora {cfg.kv_lora_rank}, "
+        f"qk_rope {cfg.qk_rope_head_dim}, vocab {cfg.vocab_size}"
+    )
+    emit(args, report, text)
+    return 0
+
+
+# ---------------------------------------------------------------------------- generate
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvstore.engine.generate import Engine
+    from kvstore.engine.session import TextDeltas
+    from kvstore.journal import KVFile
+
+    _require_model_folder(args.model)
+    engine = Engine.from_folder(args.model, device=args.device, dtype=args.dtype, tier=args.tier)
+    resuming = bool(args.journal) and Path(args.journal).exists()
+    if args.prompt is not None:
+        if engine.tokenizer is None:
+            raise InvalidRequest(f"{args.model} has no tokenizer: pass --ids instead of --prompt")
+        # a continued conversation already starts with the tokenizer's special prefix
+        turn = engine.tokenizer(args.prompt, add_special_tokens=not resuming)["input_ids"]
+    else:
+        turn = options.parse_ids(args.ids)
+    geometry = engine.config.coli_geometry()
+    journal_tier = args.tier.file_tier  # bf16 and q8 caches journal f32 rows
+    journal = None
+    history: list[int] = []
+    if args.journal:
+        path = Path(args.journal)
+        if resuming:
+            journal = KVFile.open(path, geometry=geometry, tier=journal_tier, writable=True)
+            records = journal.load()
+            engine.cache.restore_records(records, expect=geometry)
+            history = records.tokens.tolist()
+        else:
+            journal = KVFile.create(path, geometry, journal_tier)
+    try:
+        stream = engine.stream(history + list(turn), **decode_kwargs(args))
+        pieces = TextDeltas(engine.tokenizer)
+        for token in stream:
+            if args.json:
+                continue
+            sys.stdout.write(pieces.delta(stream.tokens) if engine.tokenizer is not None else f"{token} ")
+            sys.stdout.flush()
+        result = stream.result
+        if not args.json and engine.tokenizer is not None:
+            sys.stdout.write(pieces.rest(stream.tokens))
+        appended = 0
+        if journal is not None:
+            # the last generated token gets its row too: the journal holds the whole conversation
+            if result.tokens:
+                engine.extend([result.tokens[-1]])
+            before = journal.n_records
+            rows = engine.export_rows(before)
+            journal.append_records(rows.record_array(geometry))
+            appended = journal.n_records - before
+    finally:
+        if journal is not None:
+            journal.close()
+    if args.json:
+        json_line(
+            {
+                "tokens": result.tokens,
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+                "prefilled_tokens": result.prefilled_tokens,
+                "reused_tokens": result.reused_tokens,
+                "seed": result.seed,
+                "journal_records_appended": appended,
+            }
+        )
+        return 0
+    sys.stdout.write("\n")
+    print(
+        f"[{len(result.tokens)} tokens, {result.finish_reason}; prefilled {result.prefilled_tokens}, "
+        f"reused {result.reused_tokens}; tier {args.tier.name}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------- chat
+def _new_turn(args: argparse.Namespace) -> list[int] | str:
+    if args.ids is not None:
+        return options.parse_ids(args.ids)
+    if args.prompt is not None:
+        return args.prompt
+    text = sys.stdin.read()
+    if not text:
+        raise InvalidRequest("no prompt: give --prompt TEXT, --ids IDS, or the text on stdin")
+    return text
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvstore.engine.session import SessionEngine, TextDeltas
+    from kvstore.store import SessionStore
+
+    _require_model_folder(args.model)
+    prompt = _new_turn(args)
+    limits = {"hard_limit_bytes": parse_size(args.hard_limit), "budget_bytes": parse_size(args.budget)}
+    with SessionStore(Path(args.data), **limits) as store:
+        chat = SessionEngine.from_folder(args.model, store, tier=args.tier, device=args.device, dtype=args.dtype)
+        turn = chat.begin(
+            args.session,
+            prompt,
+            owner=args.owner,
+            create=not args.no_create,
+            verify=args.verify,
+            override=args.override,
+            **decode_kwargs(args),
+        )
+        with turn:
+            if turn.created and not args.json:
+                print(
+                    f"[created session {args.session} for {chat.model.name} ({chat.tier.describe()})]", file=sys.stderr
+                )
+            pieces = TextDeltas(turn.tokenizer)
+            for token in turn:
+                if args.json:
+                    continue
+                sys.stdout.write(pieces.delta(turn.tokens) if turn.tokenizer is not None else f"{token} ")
+                sys.stdout.flush()
+        result = turn.result
+        if not args.json and turn.tokenizer is not None:
+            sys.stdout.write(pieces.rest(turn.tokens))
+    if args.json:
+        json_line(result.to_dict())
+        return 0
+    sys.stdout.write("\n")
+    session = result.session
+    notes = []
+    if result.damaged_from is not None:
+        notes.append(f"damage from record {result.damaged_from} was not served")
+    if result.dropped_records:
+        notes.append(f"dropped {result.dropped_records} unserved records")
+    if result.upgraded:
+        notes.append(f"upgraded {result.upgraded}")
+    print(
+        f"[{result.session_id}: {len(result.tokens)} tokens ({result.finish_reason}); prefilled {result.prefilled_tokens}, "
+        f"reused {result.reused_tokens} ({result.source}); {session.n_records} records, {session.tier.describe()}"
+        + ("; " + "; ".join(notes) if notes else "")
+        + "]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------- parsers
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``new-model``, ``generate`` and ``chat`` on the ``kvstore`` parser's subparsers."""
+    p = sub.add_parser("new-model", help="write a random-weight DeepSeek-V3-architecture model folder")
+    p.add_argument("path", help="folder to create")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="tiny", help="geometry (default: tiny)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-tokenizer", action="store_true", help="do not write the byte-level tokenizer")
+    options.add_json(p)
+    p.set_defaults(func=cmd_new_model)
+
+    p = sub.add_parser("generate", help="generate from a model folder, optionally resuming a .coli_kv journal")
+    p.add_argument("model", help="model folder (config.json + safetensors)")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="text (the folder must carry a tokenizer)")
+    given.add_argument("--ids", help="token ids, comma or space separated")
+    p.add_argument("--journal", help=".coli_kv file holding the conversation so far (created if missing)")
+    add_decode_options(p, dtypes=("float32", "bfloat16"))
+    options.add_json(p, "print one JSON object instead of streaming")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="one turn of a stored conversation on a model folder (no server needed)")
+    p.add_argument("model", help="model folder (config.json + safetensors, optionally a tokenizer)")
+    p.add_argument("--session", required=True, help="session id (created with the model's fingerprint if missing)")
+    options.add_data(p)
+    options.add_owner(p, "either")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--prompt", help="the new turn as text (the folder must carry a tokenizer); default: read stdin")
+    given.add_argument("--ids", help="the new turn as token ids, comma or space separated")
+    add_decode_options(p, dtypes=("float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--verify", action="store_true", help="re-hash the session's turns before restoring; a bad turn is a miss"
+    )
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD",
+        help="a fingerprint field not to compare (model.weights_hash, model.name, tier, ...); repeatable",
+    )
+    p.add_argument(
+        "--no-create", action="store_true", help="refuse a session that does not exist instead of creating it"
+    )
+    p.add_argument("--hard-limit", help="refuse writes past this store size, e.g. 10G")
+    p.add_argument("--budget", help="soft disk budget, e.g. 8G (least recently used sessions are parked, then deleted)")
+    options.add_json(p, "print one JSON object instead of streaming")
+    p.set_defaults(func=cmd_chat)

@@ -1,0 +1,169 @@
+"""The argument vocabulary every ``kvstore`` subcommand shares: ``--tier``, ``--owner``, ``--data``,
+``--json`` and token ids, each spelled and defaulted the same way wherever a command takes it.
+
+``--tier NAME`` takes the canonical names of :mod:`kvstore.tiers`. Old spellings (``v2``,
+``tq-int4``, ``tq-polar`` + ``--bits``, ``int8``, ``--to v3 --codec int4`` ...) still work for one
+release: :func:`resolve_tier` folds them into a tier through ``tiers.parse``, whose deprecation
+warning the CLI prints once as ``kvstore: warning: ...``. The tier is resolved after parsing (the
+old ``--codec``/``--bits`` options qualify it), so ``args.tier`` holds a ``Tier`` (or None) by the
+time a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+from kvstore import DEFAULT_OWNER, tiers
+from kvstore.errors import InvalidRequest
+
+DEFAULT_DATA = "./data"
+
+
+def listing(names: list[str]) -> str:
+    """``f32, fp8, int4, polar2..polar6``: tier names for help texts, the PolarQuant run folded."""
+    polar = [name for name in names if name.startswith("polar")]
+    if len(polar) > 2:
+        first = names.index(polar[0])
+        names = names[:first] + [f"{polar[0]}..{polar[-1]}"] + [n for n in names[first:] if n not in polar]
+    return ", ".join(names)
+
+
+# ---------------------------------------------------------------------------- --tier
+@dataclass(frozen=True)
+class TierOption:
+    """How one command takes ``--tier``: which tiers it accepts, and the tier when none is given."""
+
+    files_only: bool  # a store or file command: the tier is a ``.coli_kv`` record format
+    default: str | None
+
+    def choices(self) -> list[str]:
+        return tiers.names(in_file=True) if self.files_only else tiers.names()
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old option name kept for one release: stores into the new option's dest and warns."""
+
+    def __init__(self, option_strings, dest, replacement: str, **kwargs):
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warnings.warn(
+            f"{option_string} is deprecated: use {self.replacement}", tiers.TierSpellingDeprecated, stacklevel=2
+        )
+        setattr(namespace, self.dest, values)
+
+
+def add_tier(
+    parser: argparse.ArgumentParser,
+    *,
+    files_only: bool,
+    default: str | None,
+    what: str,
+    shown_default: str | None = None,
+    aliases: tuple[str, ...] = (),
+) -> None:
+    """``--tier NAME`` (+ the hidden, deprecated ``--codec``/``--bits`` and ``aliases`` such as ``--to``).
+
+    ``files_only``: the command stores records, so only file tiers (``tiers.names(in_file=True)``)
+    are accepted; otherwise every tier is (engine caches). ``default`` is the tier when none is
+    given (None: ``args.tier`` stays None and the command decides, as ``shown_default`` tells the
+    reader). ``what`` starts the help text.
+    """
+    option = TierOption(files_only, default)
+    shown = shown_default or default
+    text = f"{what}: {listing(option.choices())}" + (f" (default {shown})" if shown else "")
+    parser.add_argument("--tier", metavar="NAME", help=text)
+    for alias in aliases:
+        parser.add_argument(alias, dest="tier", action=_DeprecatedAlias, replacement="--tier", help=argparse.SUPPRESS)
+    parser.add_argument("--codec", help=argparse.SUPPRESS)  # deprecated: folded into --tier
+    parser.add_argument("--bits", type=int, help=argparse.SUPPRESS)  # deprecated: folded into --tier
+    parser.set_defaults(tier_option=option)
+
+
+def resolve_tier(args: argparse.Namespace) -> None:
+    """Replace ``args.tier`` (text) by its ``Tier``: the default when absent, None without one.
+
+    Raises
+    ------
+    UnknownTier
+        A name that is no tier, or old ``--codec``/``--bits`` that contradict it.
+    InvalidRequest
+        ``--codec``/``--bits`` without ``--tier``, or a cache-only tier where records are stored.
+    """
+    option: TierOption | None = getattr(args, "tier_option", None)
+    if option is None:
+        return
+    if args.tier is None:
+        if args.codec is not None or args.bits is not None:
+            raise InvalidRequest(
+                "--codec and --bits only qualify --tier (and are deprecated): name the tier, e.g. --tier polar3"
+            )
+        args.tier = tiers.get(option.default) if option.default is not None else None
+        return
+    tier = tiers.parse(args.tier, codec=args.codec, bits=args.bits)
+    if option.files_only and not tier.in_file:
+        raise InvalidRequest(
+            f"tier {tier.name!r} is a cache tier with no .coli_kv format of its own: "
+            f"use one of {listing(option.choices())}"
+        )
+    args.tier = tier
+
+
+# ---------------------------------------------------------------------------- --owner, --data, --json
+_OWNER_HELP = {
+    # commands on existing sessions
+    "existing": "act as this owner: other owners' sessions are invisible (default: any owner)",
+    # commands that create a session
+    "create": f"owner of the new session (default: {DEFAULT_OWNER})",
+    # commands that continue a session, creating it when missing
+    "either": f"act as this owner (default: any owner); a session created here belongs to it (default {DEFAULT_OWNER!r})",
+}
+
+
+OwnerRole = Literal["existing", "create", "either"]
+
+
+def add_owner(parser: argparse.ArgumentParser, role: OwnerRole = "existing", text: str | None = None) -> None:
+    """``--owner NAME``: ``role`` is ``existing`` (default any owner), ``create`` (default
+    ``default``) or ``either`` (any owner; a session it creates gets ``default``)."""
+    parser.add_argument(
+        "--owner", metavar="NAME", default=DEFAULT_OWNER if role == "create" else None, help=text or _OWNER_HELP[role]
+    )
+
+
+def creating_owner(owner: str | None) -> str:
+    """The owner a session created by an ``either`` command gets."""
+    return DEFAULT_OWNER if owner is None else owner
+
+
+def add_data(parser: argparse.ArgumentParser) -> None:
+    """``--data DIR``: the session store's folder."""
+    parser.add_argument(
+        "--data", metavar="DIR", default=DEFAULT_DATA, help=f"the store's data folder (default {DEFAULT_DATA})"
+    )
+
+
+def add_json(parser: argparse.ArgumentParser, text: str = "machine-readable output (JSON)") -> None:
+    """``--json``: print the command's report as JSON instead of text."""
+    parser.add_argument("--json", action="store_true", help=text)
+
+
+# ---------------------------------------------------------------------------- token ids
+def parse_ids(text: str, source: str = "--ids") -> list[int]:
+    """``"5,6 7"`` -> ``[5, 6, 7]``: token ids separated by commas or spaces.
+
+    Raises
+    ------
+    InvalidRequest
+        A word that is not an integer (the message names ``source``).
+    """
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise InvalidRequest(
+            f"{source}: token ids must be integers separated by commas or spaces, got {text!r}"
+        ) from None

@@ -1,0 +1,63 @@
+"""How every command prints: a report as text or as JSON (``--json``), a stream of JSON lines, and
+progress bars on stderr (stdout carries only the answer, so it can be piped)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+Progress = Callable[[int, int], None]
+
+
+def emit(args: argparse.Namespace, payload: Any, text: str) -> None:
+    """Print ``payload`` as indented JSON when the command ran with ``--json``, else ``text``."""
+    if getattr(args, "json", False):
+        print(json.dumps(payload, indent=2))
+    else:
+        print(text)
+
+
+def json_line(payload: Any) -> None:
+    """One JSON object on one line, flushed: a record of a stream (a generated turn, a chat turn)."""
+    print(json.dumps(payload), flush=True)
+
+
+def table(report: dict[str, Any]) -> str:
+    """A flat report as aligned ``key  value`` lines (lists joined by ``;``, dicts as ``k=v``)."""
+    width = max(len(key) for key in report)
+    lines = []
+    for key, value in report.items():
+        if isinstance(value, list):
+            value = "; ".join(map(str, value)) if value else "-"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, float):
+            value = f"{value:.3f}"
+        lines.append(f"{key:<{width}}  {value}")
+    return "\n".join(lines)
+
+
+@contextmanager
+def progress(label: str, *, unit: str = "rec", enabled: bool = True) -> Iterator[Progress | None]:
+    """A ``(done, total)`` callback drawing a bar on stderr; the bar is silent when stderr is not a
+    terminal, and absent (None) when not ``enabled`` (``--json`` runs)."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(desc=label, unit=unit, unit_scale=unit == "B", disable=None, file=sys.stderr, leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        yield update
+    finally:
+        bar.close()

@@ -1,0 +1,95 @@
+"""``kvstore serve``: the HTTP service (FastAPI under uvicorn) over a data folder, optionally with the
+bundled engine (``--model DIR``) behind ``POST /sessions/{id}/generate``.
+
+The only command that imports :mod:`kvstore.api` (when it runs): the CLI is the one part above it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from kvstore.cli import options
+from kvstore.errors import InvalidRequest
+from kvstore.units import parse_size
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _log_to_stderr(level: str) -> None:
+    """kvstore's own log lines (reconcile actions, the engine, each generate turn's reuse) on stderr."""
+    import logging
+
+    logger = logging.getLogger("kvstore")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvstore.api.keys import KEYS_FILE, ensure_keys_file
+    from kvstore.api.main import create_app
+    from kvstore.api.settings import DEFAULT_MAX_BODY_BYTES, Settings
+
+    given = (("--tier", args.tier), ("--device", args.device), ("--dtype", args.dtype))
+    engine_flags = [flag for flag, value in given if value is not None]
+    if args.model is None and engine_flags:
+        raise InvalidRequest(
+            f"{', '.join(engine_flags)} only apply to the engine: give its model folder with --model DIR"
+        )
+    if args.model is not None and not Path(args.model, "config.json").is_file():
+        raise InvalidRequest(
+            f"{args.model} is not a model folder (no config.json); create one with `kvstore new-model {args.model}`"
+        )
+    settings = Settings(
+        data_dir=Path(args.data),
+        budget_bytes=parse_size(args.budget),
+        hard_limit_bytes=parse_size(args.hard_limit),
+        max_body_bytes=parse_size(args.max_body) or DEFAULT_MAX_BODY_BYTES,
+        model_dir=Path(args.model) if args.model is not None else None,
+        tier=args.tier.name if args.tier is not None else "f32",
+        device=args.device or "cpu",
+        dtype=args.dtype,
+    )
+    _log_to_stderr(args.log_level)
+    created = ensure_keys_file(settings.data_dir)
+    if created is not None:
+        print(f"Created {settings.data_dir / KEYS_FILE} with an API key for owner 'default' (shown once, keep it):")
+        print(f"  {created}", flush=True)
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    server = uvicorn.Server(config)
+    if args.fd is not None:  # a socket bound by the caller (tests, socket activation)
+        server.run(sockets=[socket.socket(fileno=args.fd)])
+    else:
+        server.run()
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``serve`` on the ``kvstore`` parser's subparsers."""
+    p = sub.add_parser("serve", help="run the HTTP service")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    options.add_data(p)
+    p.add_argument("--budget", help="soft disk budget, e.g. 50G (LRU sessions are parked, then deleted)")
+    p.add_argument("--hard-limit", help="hard disk limit, e.g. 60G (writes past it are refused)")
+    p.add_argument("--max-body", help="largest request body (default 256M)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument(
+        "--model",
+        help="model folder to generate with (POST /sessions/{id}/generate); without it that endpoint answers 503",
+    )
+    options.add_tier(p, files_only=False, default=None, shown_default="f32", what="the engine's cache tier")
+    p.add_argument("--device", help="torch device of the engine: cpu (default), cuda, cuda:1, mps")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="the engine's weights dtype (default float32)"
+    )
+    p.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # an already bound socket
+    p.set_defaults(func=cmd_serve)

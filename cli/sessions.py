@@ -1,0 +1,402 @@
+"""``kvstore sessions ...`` and ``kvstore verify``: the session store on a data folder, no server.
+
+Every command opens the store of ``--data`` (default ``./data``), does one thing and prints a line
+or, with ``--json``, the whole report. ``--owner`` acts as that owner (other owners' sessions are
+invisible; default any owner), except ``create``, whose new session gets ``--owner`` (default
+``default``). ``verify`` exits 1 when a turn does not match its hash; bad input raises a
+``KVStoreError`` (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.cli import options
+from kvstore.cli.output import emit, progress
+from kvstore.errors import InvalidRequest
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Geometry
+from kvstore.units import parse_size
+
+GEOMETRY_WORDS = "n_layers,kv_lora,qk_rope,index_hd,nic,vocab"
+
+
+# ---------------------------------------------------------------------------- helpers
+def _store(args: argparse.Namespace, **limits):
+    from kvstore.store import SessionStore
+
+    return SessionStore(Path(args.data), **limits)
+
+
+def _geometry(text: str) -> Geometry:
+    words = text.split(",")
+    if len(words) != 6 or not all(w.strip().isdigit() for w in words):
+        raise InvalidRequest(f"--geometry is {GEOMETRY_WORDS} (six non-negative integers)")
+    return Geometry(*(int(w) for w in words))
+
+
+def _model(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "name": args.model_name,
+        "revision": args.model_revision,
+        "weights_hash": args.weights_hash,
+        "tokenizer_hash": args.tokenizer_hash,
+        "chat_template_hash": args.chat_template_hash,
+        "attention_variant": args.attention_variant,
+    }
+
+
+def _summary(info) -> str:
+    return (
+        f"{info.id}  owner={info.owner}  model={info.model.name}@{info.model.revision}  {info.tier.describe()}  "
+        f"records={info.n_records}  watermark={info.watermark}  {info.state}  {info.size_bytes} B"
+        + (f"  tags={','.join(info.tags)}" if info.tags else "")
+        + (f"  problem: {info.problem}" if info.problem else "")
+    )
+
+
+def _write_output(path: Path, payload: bytes) -> None:
+    from kvstore.journal import AtomicFile
+
+    with AtomicFile(path, replace=True) as out:
+        out.write(payload)
+
+
+def _read_tokens(args: argparse.Namespace) -> np.ndarray:
+    """int64[n] token ids from ``--tokens`` or ``--tokens-file`` (.npy, .coli_kv or text)."""
+    if args.tokens is not None:
+        return np.array(options.parse_ids(args.tokens, "--tokens"), dtype=np.int64)
+    path = Path(args.tokens_file)
+    if not path.is_file():
+        raise InvalidRequest(f"{path} is not a file")
+    if path.suffix == ".npy":
+        tokens = np.load(path, allow_pickle=False)
+    elif path.suffix == ".coli_kv":
+        tokens = coli_kv.load(path).tokens
+    else:
+        try:
+            tokens = np.array(path.read_text().split(), dtype=np.int64)
+        except ValueError:
+            raise InvalidRequest(f"{path} does not hold whitespace-separated integers") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise InvalidRequest(f"{path} must hold a 1-D array of integer token ids")
+    return tokens
+
+
+# ---------------------------------------------------------------------------- commands
+def cmd_list(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        infos = store.list(owner=args.owner, model_name=args.model, tags=args.tag or (), state=args.state)
+    emit(args, [i.to_dict() for i in infos], "\n".join(_summary(i) for i in infos) or "(no sessions)")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        info = store.get(args.id, owner=args.owner)
+        turns = store.inspect(args.id, owner=args.owner)["turns"] if args.turns else None
+    payload = info.to_dict() | ({"turns": turns} if turns is not None else {})
+    emit(args, payload, _summary(info) + (f"  turns={turns}" if turns is not None else ""))
+    return 0
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    if args.like is not None:
+        header, _ = coli_kv.read_header(args.like)
+        geometry, tier = header.geometry, header.tier
+    elif args.geometry is not None:
+        geometry, tier = _geometry(args.geometry), args.tier
+    else:
+        raise InvalidRequest(f"give --geometry {GEOMETRY_WORDS} or --like FILE.coli_kv")
+    with _store(args, hard_limit_bytes=parse_size(args.hard_limit)) as store:
+        info = store.create(args.owner, geometry, tier, _model(args), session_id=args.id, tags=args.tag or ())
+    emit(args, info.to_dict(), info.id)
+    return 0
+
+
+def cmd_append(args: argparse.Namespace) -> int:
+    source = Path(args.file)
+    if not source.is_file():
+        raise InvalidRequest(f"{source} is not a file")
+    with _store(args, hard_limit_bytes=parse_size(args.hard_limit)) as store:
+        info = store.get(args.id, owner=args.owner)
+        complete = not args.partial
+        if source.suffix == ".coli_kv":
+            records = coli_kv.load(source, expect=info.geometry, tier=info.tier)
+            result = store.append_records(args.id, records.records, complete_turn=complete, owner=args.owner)
+        elif source.suffix == ".npz":
+            with np.load(source, allow_pickle=False) as arrays:
+                missing = {"tokens", "L", "R"} - set(arrays.files)
+                if missing:
+                    raise InvalidRequest(
+                        f"{source} lacks arrays {sorted(missing)} (needs tokens, L, R and I when nic > 0)"
+                    )
+                index = arrays["I"] if "I" in arrays.files else None
+                result = store.append(
+                    args.id, arrays["tokens"], arrays["L"], arrays["R"], index, complete_turn=complete, owner=args.owner
+                )
+        else:
+            result = store.append_records(args.id, source.read_bytes(), complete_turn=complete, owner=args.owner)
+    payload = {"session": result.info.to_dict(), "appended": result.appended, "turn": result.turn}
+    emit(
+        args,
+        payload,
+        f"appended {result.appended} records: {result.info.n_records} in {args.id}, watermark {result.info.watermark}",
+    )
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    with _store(args) as store:
+        resumed = store.resume(args.id, owner=args.owner, verify=args.verify)
+    records = resumed.records
+    if out.suffix == ".coli_kv":
+        payload = coli_kv.Header(records.geometry, records.tier, records.n).to_bytes() + records.record_bytes()
+    elif out.suffix == ".npz":
+        L, R, index = records.dequantize()
+        buffer = io.BytesIO()
+        if index is None:
+            np.savez(buffer, tokens=records.tokens, L=L, R=R)
+        else:
+            np.savez(buffer, tokens=records.tokens, L=L, R=R, I=index)
+        payload = buffer.getvalue()
+    else:
+        payload = records.record_bytes()
+    _write_output(out, payload)
+    report = {
+        "session_id": args.id,
+        "reused_tokens": resumed.reused_tokens,
+        "verified": resumed.verified,
+        "damaged_from": resumed.damaged_from,
+        "out": str(out),
+    }
+    text = f"reused_tokens={resumed.reused_tokens} -> {out}"
+    if resumed.damaged_from is not None:
+        text += f" (damage from record {resumed.damaged_from} was not served)"
+    emit(args, report, text)
+    return 0
+
+
+def cmd_truncate(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        info = store.truncate(args.id, args.n_records, owner=args.owner)
+    emit(args, info.to_dict(), _summary(info))
+    return 0
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    with _store(args, hard_limit_bytes=parse_size(args.hard_limit)) as store:
+        info = store.fork(args.id, at=args.at, new_id=args.new_id, owner=args.owner, tags=args.tag)
+    emit(args, info.to_dict(), info.id)
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        store.delete(args.id, owner=args.owner)
+    emit(args, {"deleted": args.id}, f"deleted {args.id}")
+    return 0
+
+
+def cmd_park(args: argparse.Namespace) -> int:
+    with _store(args) as store, progress("park", unit="B", enabled=not args.json) as update:
+        info = store.park(args.id, owner=args.owner, progress=update)
+    emit(args, info.to_dict(), _summary(info))
+    return 0
+
+
+def cmd_unpark(args: argparse.Namespace) -> int:
+    with _store(args) as store, progress("unpark", unit="B", enabled=not args.json) as update:
+        info = store.unpark(args.id, owner=args.owner, progress=update)
+    emit(args, info.to_dict(), _summary(info))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Re-hash every turn of a session: exit 0 when all match, 1 naming the first that does not."""
+    with _store(args) as store:
+        report = store.verify(args.id, owner=args.owner)
+    if report.ok:
+        text = f"{args.id}: ok ({report.turns_checked} turns, {report.n_records} records)"
+    else:
+        bad = report.first_bad
+        text = (
+            f"{args.id}: turn {bad['turn']} (records {bad['start']}..{bad['end']}) does not match its hash; "
+            f"{report.good_records} records before it are good"
+        )
+    emit(args, report.to_dict(), text)
+    return 0 if report.ok else 1
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        report = store.inspect(args.id, owner=args.owner)
+    session = report["session"]
+    head = f"{session['id']}: {session['tier']['description']}, {report.get('loadable_records')} loadable records, file {report.get('file')}"
+    emit(args, report, "\n".join([head, *(report.get("problems") or ["no problems"])]))
+    return 0
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        report = store.repair(args.id, owner=args.owner, dry_run=args.dry_run)
+    text = "\n".join(report.actions) or "nothing to repair"
+    emit(args, report.to_dict(), text + (" (dry run)" if args.dry_run and report.actions else ""))
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    if args.tier is None:
+        raise InvalidRequest(f"give the target with --tier NAME ({options.listing(args.tier_option.choices())})")
+    with _store(args) as store, progress("migrate", enabled=not args.json) as update:
+        info = store.migrate(args.id, args.tier, owner=args.owner, progress=update)
+    emit(args, info.to_dict(), _summary(info))
+    return 0
+
+
+def cmd_lookup(args: argparse.Namespace) -> int:
+    from kvstore.store import Fingerprint, ModelInfo
+
+    tokens = _read_tokens(args)
+    with _store(args) as store:
+        if args.like_session is not None:
+            like = store.get(args.like_session)
+            fingerprint, owner = like.fingerprint, args.owner or like.owner
+        else:
+            if args.geometry is None or args.model_name is None or args.model_revision is None:
+                raise InvalidRequest(
+                    "give --like-session ID, or --model-name, --model-revision and --geometry (+ --tier)"
+                )
+            fingerprint = Fingerprint(ModelInfo.from_dict(_model(args)), _geometry(args.geometry), args.tier)
+            owner = options.creating_owner(args.owner)
+        found = store.lookup(owner, fingerprint, tokens)
+    if found is None:
+        emit(args, {"match": None}, "no session shares a prefix of at least one block")
+    else:
+        emit(
+            args,
+            {"match": found.to_dict()},
+            f"{found.session_id}: {found.matched_tokens} tokens in common ({found.state})",
+        )
+    return 0
+
+
+# ---------------------------------------------------------------------------- parsers
+def _on_data(parser: argparse.ArgumentParser, *, session: bool = True, owner: options.OwnerRole = "existing") -> None:
+    """The options every sessions command takes: ``--data``, ``--owner``, ``--json`` (and the id)."""
+    options.add_data(parser)
+    options.add_owner(parser, owner)
+    options.add_json(parser)
+    if session:
+        parser.add_argument("id", help="session id")
+
+
+def _model_flags(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("--model-name", required=required)
+    parser.add_argument("--model-revision", required=required)
+    for name in ("--weights-hash", "--tokenizer-hash", "--chat-template-hash", "--attention-variant"):
+        parser.add_argument(name)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``sessions ...`` on the ``kvstore`` parser's subparsers."""
+    sessions = sub.add_parser("sessions", help="manage sessions directly on a data folder (no server)")
+    commands = sessions.add_subparsers(dest="sessions_command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("list", help="list sessions")
+    _on_data(p, session=False)
+    p.add_argument("--model", help="model name")
+    p.add_argument("--tag", action="append", help="sessions holding this tag (repeatable)")
+    p.add_argument("--state", choices=["active", "parked", "damaged"])
+    p.set_defaults(func=cmd_list)
+
+    p = commands.add_parser("show", help="one session")
+    _on_data(p)
+    p.add_argument("--turns", action="store_true", help="also count the hashed turns")
+    p.set_defaults(func=cmd_show)
+
+    p = commands.add_parser("create", help="create an empty session")
+    _on_data(p, session=False, owner="create")
+    p.add_argument("--id", help="session id (generated if absent)")
+    _model_flags(p, required=True)
+    p.add_argument("--geometry", help=GEOMETRY_WORDS)
+    p.add_argument("--like", help="take geometry and tier from this .coli_kv file")
+    options.add_tier(p, files_only=True, default="fp8", what="record format (ignored with --like)")
+    p.add_argument("--tag", action="append")
+    p.add_argument("--hard-limit", help="refuse the write past this store size")
+    p.set_defaults(func=cmd_create)
+
+    p = commands.add_parser(
+        "append", help="append rows from a .coli_kv file, an .npz (tokens, L, R, I) or raw record bytes"
+    )
+    _on_data(p)
+    p.add_argument("file")
+    p.add_argument("--partial", action="store_true", help="the rows do not end a turn (resume will not serve them yet)")
+    p.add_argument("--hard-limit", help="refuse the write past this store size")
+    p.set_defaults(func=cmd_append)
+
+    p = commands.add_parser("resume", help="write the rows to restore: OUT.coli_kv, OUT.npz (dequantized) or raw bytes")
+    _on_data(p)
+    p.add_argument("out")
+    p.add_argument("--verify", action="store_true", help="re-hash the turns; damage is not served")
+    p.set_defaults(func=cmd_resume)
+
+    p = commands.add_parser("truncate", help="keep the first N records")
+    _on_data(p)
+    p.add_argument("n_records", type=int)
+    p.set_defaults(func=cmd_truncate)
+
+    p = commands.add_parser("fork", help="a new session sharing a prefix")
+    _on_data(p)
+    p.add_argument("--at", type=int, help="records to copy (default: the watermark)")
+    p.add_argument("--new-id")
+    p.add_argument("--tag", action="append")
+    p.add_argument("--hard-limit", help="refuse the write past this store size")
+    p.set_defaults(func=cmd_fork)
+
+    for name, func, text in (
+        ("delete", cmd_delete, "delete a session and its files"),
+        ("park", cmd_park, "compress a session into the archive"),
+        ("unpark", cmd_unpark, "restore a parked session"),
+        ("verify", cmd_verify, "re-hash every turn (exit 1 if one is bad)"),
+        ("inspect", cmd_inspect, "the session file's header and problems"),
+    ):
+        p = commands.add_parser(name, help=text)
+        _on_data(p)
+        p.set_defaults(func=func)
+
+    p = commands.add_parser("repair", help="drop torn, unacknowledged or damaged tails")
+    _on_data(p)
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=cmd_repair)
+
+    p = commands.add_parser("migrate", help="convert a session to another tier (lossy unless f32)")
+    _on_data(p)
+    options.add_tier(p, files_only=True, default=None, what="the tier to convert to")
+    p.set_defaults(func=cmd_migrate)
+
+    p = commands.add_parser("lookup", help="the session sharing the longest token prefix")
+    options.add_data(p)
+    options.add_owner(p, text="search this owner's sessions (default: the --like-session's owner, else 'default')")
+    options.add_json(p)
+    p.add_argument("--like-session", help="use this session's model fingerprint (and owner)")
+    _model_flags(p, required=False)
+    p.add_argument("--geometry", help=GEOMETRY_WORDS)
+    options.add_tier(p, files_only=True, default="fp8", what="the record format sessions must have")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tokens", help="token ids, comma or space separated")
+    source.add_argument("--tokens-file", help=".npy, .coli_kv or whitespace-separated integers")
+    p.set_defaults(func=cmd_lookup)
+
+
+def add_verify(sub: argparse._SubParsersAction) -> None:
+    """Register ``verify ID``: ``sessions verify`` at the top level, where the engine commands are."""
+    p = sub.add_parser("verify", help="re-hash a session's journal; report the first bad turn (exit 1)")
+    _on_data(p)
+    p.set_defaults(func=cmd_verify)

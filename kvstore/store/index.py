@@ -1,0 +1,367 @@
+"""The embedded backend's session index: an LMDB environment with one named database per concern.
+
+The layout and its versions are defined in ``kvstore.migrations.index``; this module opens the
+environment, upgrades it, and offers the reads and writes the store composes inside its own
+transactions. Every transaction is a ``with`` block; values come back as ``bytes`` (the
+environment is never asked for buffers), so nothing outlives its transaction.
+
+LMDB serializes write transactions across threads and processes, and a commit is durable when it
+returns (``sync=True``): the store uses that single writer lock for disk-space reservations too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple
+
+import lmdb
+import numpy as np
+
+from kvstore.errors import IndexFull, IndexSchemaError
+from kvstore.locks import pid_alive
+from kvstore.migrations import index as schema
+from kvstore.migrations.index import (
+    DB_BY_OWNER,
+    DB_LRU,
+    DB_META,
+    DB_PREFIX,
+    DB_PREFIX_OF,
+    DB_RESERVATIONS,
+    DB_SESSIONS,
+    DB_TURNS,
+)
+
+DEFAULT_MAP_SIZE = 1 << 30  # a sparse file: the map only reserves address space
+_ALL_DBS = schema.DATABASES_BY_VERSION[schema.CURRENT_VERSION]
+
+# LMDB must not be opened twice by one process: stores on the same folder share one environment.
+_ENVIRONMENTS: dict[str, list] = {}
+_ENVIRONMENTS_LOCK = threading.Lock()
+
+
+class Turn(NamedTuple):
+    """One appended run of records ``[start, end)`` and the blake2b-256 of their bytes."""
+
+    start: int
+    end: int
+    complete: bool
+    digest: bytes
+
+
+class _Context:
+    """The ``MigrationContext`` the schema steps run with."""
+
+    def __init__(self, index: "Index", txn, tokens_of):
+        self.txn = txn
+        self._index = index
+        self._tokens_of = tokens_of
+
+    def db(self, name: bytes):
+        return self._index._db(name, self.txn)
+
+    def tokens_of(self, record, n_records):
+        return self._tokens_of(record, n_records)
+
+
+class Index:
+    """The LMDB environment under ``path`` (a folder, created 0700).
+
+    Parameters
+    ----------
+    path : the index folder
+    map_size : bytes of address space LMDB may use (the upper bound of the index's size)
+    tokens_of : ``(record, n_records) -> int32 array | None``, used by schema upgrades that need
+        a session's tokens
+    """
+
+    def __init__(
+        self, path: Path, *, map_size: int = DEFAULT_MAP_SIZE, tokens_of: Callable | None = None, progress=None
+    ):
+        self.path = Path(path)
+        self._key = str(self.path.resolve())
+        with _ENVIRONMENTS_LOCK:
+            shared = _ENVIRONMENTS.get(self._key)
+            if shared is None:
+                self.path.mkdir(mode=0o700, exist_ok=True)
+                env = lmdb.open(
+                    str(self.path),
+                    map_size=map_size,
+                    max_dbs=schema.MAX_DBS,
+                    subdir=True,
+                    mode=0o600,
+                    sync=True,
+                    metasync=True,
+                    max_readers=512,
+                )
+                shared = [env, 0, {}]
+                _ENVIRONMENTS[self._key] = shared
+            shared[1] += 1
+        self.env: lmdb.Environment = shared[0]
+        self._handles: dict[bytes, Any] = shared[2]
+        self._closed = False
+        try:
+            self._upgrade(tokens_of, progress)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _ENVIRONMENTS_LOCK:
+            shared = _ENVIRONMENTS.get(self._key)
+            if shared is None:
+                return
+            shared[1] -= 1
+            if shared[1] == 0:
+                del _ENVIRONMENTS[self._key]
+                shared[0].close()
+
+    def _db(self, name: bytes, txn=None):
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = self.env.open_db(name, txn=txn, create=True)
+            self._handles[name] = handle
+        return handle
+
+    def read(self):
+        """A read-only transaction (use in ``with``)."""
+        return self.env.begin(write=False)
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Any]:
+        """A write transaction, committed when the block exits cleanly (durable on return)."""
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+        except lmdb.MapFullError:
+            raise IndexFull(
+                f"the session index is full ({self.env.info()['map_size']} bytes); reopen the store with a larger map_size"
+            ) from None
+
+    def version(self) -> int:
+        """The schema version the index is at."""
+        with self.read() as txn:
+            stored = txn.get(schema.SCHEMA_KEY, db=self._db(DB_META))
+        if stored is None:
+            raise IndexSchemaError("the index records no schema version")
+        return int(stored)
+
+    def _upgrade(self, tokens_of, progress) -> None:
+        with self.write() as txn:
+            meta = self._db(DB_META, txn)
+            stored = txn.get(schema.SCHEMA_KEY, db=meta)
+            if stored is None:  # a new index: create everything at the current version
+                for name in _ALL_DBS:
+                    self._db(name, txn)
+                txn.put(schema.SCHEMA_KEY, str(schema.CURRENT_VERSION).encode(), db=meta)
+                txn.put(schema.PREFIX_BLOCK_KEY, str(schema.PREFIX_BLOCK_TOKENS).encode(), db=meta)
+                txn.put(schema.USAGE_KEY, b"0", db=meta)
+                return
+            try:
+                current = int(stored)
+            except ValueError:
+                raise IndexSchemaError(f"the index's schema version {stored!r} is not a number") from None
+        steps = schema.plan(current)
+        for done, step in enumerate(steps, 1):
+            with self.write() as txn:  # one step + its version bump commit together
+                if int(txn.get(schema.SCHEMA_KEY, db=self._db(DB_META, txn))) != step.source:
+                    continue  # another process upgraded this step meanwhile
+                step.apply(_Context(self, txn, tokens_of))
+                txn.put(schema.SCHEMA_KEY, str(step.target).encode(), db=self._db(DB_META, txn))
+            if progress is not None:
+                progress(done, len(steps))
+        with self.write() as txn:
+            for name in _ALL_DBS:
+                self._db(name, txn)
+            stored_block = txn.get(schema.PREFIX_BLOCK_KEY, db=self._db(DB_META, txn))
+            if stored_block is not None and int(stored_block) != schema.PREFIX_BLOCK_TOKENS:
+                raise IndexSchemaError(
+                    f"the index hashes prefixes in blocks of {int(stored_block)} tokens, this kvstore in "
+                    f"{schema.PREFIX_BLOCK_TOKENS}"
+                )
+            if txn.get(schema.USAGE_KEY, db=self._db(DB_META, txn)) is None:
+                txn.put(schema.USAGE_KEY, b"0", db=self._db(DB_META, txn))
+
+    # ------------------------------------------------------------------ session records
+    def get(self, txn, session_id: str) -> dict | None:
+        value = txn.get(schema.session_key(session_id), db=self._db(DB_SESSIONS))
+        return schema.decode_record(value) if value is not None else None
+
+    def put(self, txn, record: dict, previous: dict | None = None) -> None:
+        """Write ``record``; keeps the owner and LRU indexes and the usage counter in step."""
+        sid = record["id"]
+        txn.put(schema.session_key(sid), schema.encode_record(record), db=self._db(DB_SESSIONS))
+        visible = record["state"] != "deleting"
+        was_visible = previous if previous is not None and previous["state"] != "deleting" else None
+        if was_visible is not None and (not visible or was_visible["last_used_ns"] != record["last_used_ns"]):
+            txn.delete(schema.lru_key(was_visible["last_used_ns"], sid), db=self._db(DB_LRU))
+        if visible:
+            txn.put(schema.lru_key(record["last_used_ns"], sid), b"", db=self._db(DB_LRU))
+            txn.put(schema.owner_key(record["owner"], sid), b"", db=self._db(DB_BY_OWNER))
+        elif was_visible is not None:
+            txn.delete(schema.owner_key(was_visible["owner"], sid), db=self._db(DB_BY_OWNER))
+        delta = record["size_bytes"] - (previous["size_bytes"] if previous is not None else 0)
+        if delta:
+            self.add_usage(txn, delta)
+
+    def remove(self, txn, record: dict) -> None:
+        """Drop a session and every entry that belongs to it."""
+        sid = record["id"]
+        self.put(txn, {**record, "state": "deleting", "size_bytes": 0}, record)
+        self.drop_turns_after(txn, sid, -1)
+        self.drop_prefix_blocks_from(txn, sid, 0)
+        txn.delete(schema.session_key(sid), db=self._db(DB_SESSIONS))
+
+    def records(self, txn) -> list[dict]:
+        with txn.cursor(db=self._db(DB_SESSIONS)) as cursor:
+            return [schema.decode_record(value) for _, value in cursor]
+
+    def owner_sessions(self, txn, owner: str) -> list[str]:
+        start = owner.encode() + schema.SEP
+        out = []
+        with txn.cursor(db=self._db(DB_BY_OWNER)) as cursor:
+            if cursor.set_range(start):
+                for key in cursor.iternext(keys=True, values=False):
+                    if not key.startswith(start):
+                        break
+                    out.append(key[len(start) :].decode())
+        return out
+
+    def least_recently_used(self, txn) -> list[str]:
+        """Visible session ids, least recently used first."""
+        with txn.cursor(db=self._db(DB_LRU)) as cursor:
+            return [schema.lru_session(key) for key in cursor.iternext(keys=True, values=False)]
+
+    # ------------------------------------------------------------------ turns
+    def turns(self, txn, session_id: str) -> list[Turn]:
+        start = schema.scoped(session_id)
+        out = []
+        with txn.cursor(db=self._db(DB_TURNS)) as cursor:
+            if cursor.set_range(start):
+                for key, value in cursor:
+                    if not key.startswith(start):
+                        break
+                    out.append(Turn(*schema.parse_turn_value(value)))
+        return out
+
+    def put_turn(self, txn, session_id: str, turn: Turn) -> None:
+        txn.put(schema.turn_key(session_id, turn.end), schema.turn_value(*turn), db=self._db(DB_TURNS))
+
+    def drop_turns_after(self, txn, session_id: str, end: int) -> None:
+        """Delete the turns whose end is past ``end`` (``-1``: all of them)."""
+        prefix = schema.scoped(session_id)
+        first = schema.turn_key(session_id, end + 1) if end >= 0 else prefix
+        self._delete_range(txn, self._db(DB_TURNS), first, prefix)
+
+    def _delete_range(self, txn, db, first: bytes, prefix: bytes) -> None:
+        with txn.cursor(db=db) as cursor:
+            if not cursor.set_range(first):
+                return
+            while cursor.key().startswith(prefix):
+                if not cursor.delete():  # delete() moves to the next entry
+                    break
+
+    # ------------------------------------------------------------------ prefix blocks
+    def prefix_chain(self, txn, session_id: str, blocks: int) -> list[bytes]:
+        """The first ``blocks`` chain hashes of a session."""
+        start = schema.scoped(session_id)
+        out = []
+        with txn.cursor(db=self._db(DB_PREFIX_OF)) as cursor:
+            if cursor.set_range(start):
+                for key, value in cursor:
+                    if not key.startswith(start) or len(out) >= blocks:
+                        break
+                    out.append(bytes(value))
+        return out
+
+    def last_chain_hash(self, txn, session_id: str, blocks: int) -> bytes | None:
+        if blocks == 0:
+            return None
+        return txn.get(schema.prefix_of_key(session_id, blocks - 1), db=self._db(DB_PREFIX_OF))
+
+    def put_prefix_blocks(self, txn, session_id: str, first_block: int, hashes: list[bytes]) -> None:
+        prefix, prefix_of = self._db(DB_PREFIX), self._db(DB_PREFIX_OF)
+        for offset, chain in enumerate(hashes):
+            block = first_block + offset
+            txn.put(schema.prefix_key(chain, session_id), schema.pack_u32(block + 1), db=prefix)
+            txn.put(schema.prefix_of_key(session_id, block), chain, db=prefix_of)
+
+    def drop_prefix_blocks_from(self, txn, session_id: str, block: int) -> None:
+        prefix, prefix_of = self._db(DB_PREFIX), self._db(DB_PREFIX_OF)
+        scope = schema.scoped(session_id)
+        doomed = []
+        with txn.cursor(db=prefix_of) as cursor:
+            if cursor.set_range(schema.prefix_of_key(session_id, block)):
+                for key, value in cursor:
+                    if not key.startswith(scope):
+                        break
+                    doomed.append((bytes(key), bytes(value)))
+        for key, chain in doomed:
+            txn.delete(key, db=prefix_of)
+            txn.delete(schema.prefix_key(chain, session_id), db=prefix)
+
+    def sessions_with_chain(self, txn, chain: bytes) -> list[str]:
+        out = []
+        with txn.cursor(db=self._db(DB_PREFIX)) as cursor:
+            if cursor.set_range(chain):
+                for key in cursor.iternext(keys=True, values=False):
+                    if not key.startswith(chain):
+                        break
+                    out.append(key[len(chain) :].decode())
+        return out
+
+    def longest_chain(self, txn, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` some session holds (presence is monotone: binary search)."""
+        lo, hi = 0, len(hashes)
+        prefix = self._db(DB_PREFIX)
+        with txn.cursor(db=prefix) as cursor:
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                chain = hashes[mid - 1]
+                found = cursor.set_range(chain) and cursor.key().startswith(chain)
+                if found:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        return lo
+
+    # ------------------------------------------------------------------ disk usage and reservations
+    def usage(self, txn) -> int:
+        return int(txn.get(schema.USAGE_KEY, db=self._db(DB_META)) or b"0")
+
+    def add_usage(self, txn, delta: int) -> None:
+        self.set_usage(txn, self.usage(txn) + delta)
+
+    def set_usage(self, txn, value: int) -> None:
+        txn.put(schema.USAGE_KEY, str(max(0, int(value))).encode(), db=self._db(DB_META))
+
+    def reservations(self, txn) -> list[tuple[bytes, int, int]]:
+        """(token, pid, bytes) of every reservation in flight."""
+        out = []
+        with txn.cursor(db=self._db(DB_RESERVATIONS)) as cursor:
+            for key, value in cursor:
+                pid, nbytes = np.frombuffer(value, dtype=">u8", count=2).tolist()
+                out.append((bytes(key), int(pid), int(nbytes)))
+        return out
+
+    def reserve(self, txn, nbytes: int) -> bytes:
+        token = uuid.uuid4().bytes
+        txn.put(token, np.array([os.getpid(), nbytes], dtype=">u8").tobytes(), db=self._db(DB_RESERVATIONS))
+        return token
+
+    def release(self, txn, token: bytes) -> None:
+        txn.delete(token, db=self._db(DB_RESERVATIONS))
+
+    def purge_dead_reservations(self, txn) -> int:
+        """Drop reservations of processes that no longer exist (killed mid-write); returns how many."""
+        dead = [token for token, pid, _ in self.reservations(txn) if not pid_alive(pid)]
+        for token in dead:
+            self.release(txn, token)
+        return len(dead)

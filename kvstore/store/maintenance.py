@@ -1,0 +1,240 @@
+"""The file tools on stored sessions: inspect, repair, migrate.
+
+- **inspect** reports what a session's file holds (header, sizes, what a loader would neutralize).
+- **repair** makes the journal and the index agree and drops what cannot be trusted: bytes past
+  the acknowledged count and, from the first turn whose hash no longer matches, every record on.
+- **migrate** converts a session to another tier: the turns are verified first, the journal is
+  rewritten atomically through ``kvstore.migrations``, and the index takes the new tier,
+  fingerprint, turn hashes and prefix blocks in one transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import IntegrityError, JournalWriteError
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import HEADER_BYTES, Header
+from kvstore.journal import write_atomic
+from kvstore.migrations import formats as format_migrations
+from kvstore.migrations import index as schema
+from kvstore.store import archive
+from kvstore.store.budget import Evictor, Reservations
+from kvstore.store.context import StoreContext
+from kvstore.store.integrity import Integrity, TurnHasher, complete_end
+from kvstore.store.parking import Parking
+from kvstore.store.recovery import Recovery
+from kvstore.store.removal import Removal
+from kvstore.store.values import (
+    Fingerprint,
+    ModelInfo,
+    Progress,
+    SessionInfo,
+    check_record_size,
+    geometry_of,
+    tier_of,
+    tier_record,
+    validate_session_id,
+)
+from kvstore.tiers import Tier
+
+
+@dataclass(frozen=True)
+class RepairReport:
+    session_id: str
+    dry_run: bool
+    actions: list[str]
+    kept_records: int
+    dropped_records: int
+    first_bad: dict[str, int] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Maintenance:
+    """Inspect, repair and migrate the sessions of one store."""
+
+    def __init__(
+        self,
+        ctx: StoreContext,
+        reservations: Reservations,
+        evictor: Evictor,
+        integrity: Integrity,
+        removal: Removal,
+        recovery: Recovery,
+        parking: Parking,
+    ):
+        self.ctx = ctx
+        self._reservations = reservations
+        self._evictor = evictor
+        self._integrity = integrity
+        self._removal = removal
+        self._recovery = recovery
+        self._parking = parking
+
+    def inspect(self, session_id: str, owner: str | None) -> dict[str, Any]:
+        """What the session's file holds: header fields, sizes and what a loader would neutralize."""
+        ctx = self.ctx
+        ctx.record(session_id, owner)
+        with ctx.reading(session_id):
+            record = ctx.record(session_id, owner)
+            out: dict[str, Any] = {"session": SessionInfo.from_record(record).to_dict()}
+            with ctx.index.read() as txn:
+                out["turns"] = len(ctx.index.turns(txn, session_id))
+            if record["state"] == "active":
+                path = ctx.journal_path(session_id)
+                records = coli_kv.load(path)
+                out["file"] = {"path": f"journals/{path.name}", "bytes": records.file_size}
+            elif record["state"] == "parked":
+                path = ctx.archive_path(session_id)
+                records = coli_kv.parse(b"".join(archive.stream_archive(path)))
+                out["file"] = {
+                    "path": f"archive/{path.name}",
+                    "bytes": os.stat(path).st_size,
+                    "journal_bytes": records.file_size,
+                }
+            else:
+                out["file"] = None
+                out["problems"] = [record.get("problem")]
+                return out
+        header = records.header
+        out["header"] = {
+            "version": header.version,
+            "codec": header.tier.codec_name,
+            "bits": header.bits,
+            "tag": header.tag,
+            "nrec": header.nrec,
+            **dataclasses.asdict(header.geometry),
+        }
+        out["record_bytes"] = header.rec_bytes
+        out["complete_records"] = records.complete_records
+        out["loadable_records"] = records.n
+        out["problems"] = records.problems.messages()
+        return out
+
+    def repair(self, session_id: str, owner: str | None, dry_run: bool) -> RepairReport:
+        """Drop a torn or unacknowledged tail and every record from the first bad turn on."""
+        ctx = self.ctx
+        validate_session_id(session_id)
+        with ctx.writing(session_id):
+            record = self._parking.active_locked(session_id, owner)
+            with ctx.open_journal(record, writable=True) as journal, ctx.reading(session_id, exclusive=True):
+                actions: list[str] = []
+                rec_bytes = coli_kv.record_bytes(journal.geometry, journal.tier)
+                on_disk, indexed = journal.n_records, record["n_records"]
+                limit = min(on_disk, indexed)
+                if on_disk > indexed:
+                    actions.append(f"drop {on_disk - indexed} unacknowledged records past record {indexed}")
+                elif on_disk < indexed:
+                    actions.append(f"the journal holds {on_disk} of the {indexed} indexed records: shorten the index")
+                extra = os.stat(journal.path).st_size - HEADER_BYTES - on_disk * rec_bytes
+                if extra > 0:
+                    actions.append(f"cut {extra} bytes past the last committed record")
+                with ctx.index.read() as txn:
+                    whole = [t for t in ctx.index.turns(txn, session_id) if t.end <= limit]
+                _, bad = self._integrity.check_turns(record, whole, limit)
+                keep = whole[bad].start if bad is not None else (whole[-1].end if whole else 0)
+                first_bad = {"turn": bad, "start": whole[bad].start, "end": whole[bad].end} if bad is not None else None
+                why = None
+                if keep < limit:
+                    why = (
+                        f"turn {bad} (records {whole[bad].start}..{whole[bad].end}) does not match its hash"
+                        if bad is not None
+                        else "records not covered by a turn hash"
+                    )
+                    actions.append(f"drop records {keep}..{limit}: {why}")
+                if not dry_run and actions:
+                    if keep < indexed:
+                        record = self._removal.cut(
+                            record,
+                            journal,
+                            keep,
+                            complete=False,
+                            watermark=complete_end(whole, keep, record),
+                            problem=f"repaired: {why or 'the journal was shorter than the index'}",
+                        )
+                    else:
+                        journal.truncate(indexed)  # also cuts a torn tail
+                        with ctx.index.write() as txn:
+                            record = ctx.update(txn, session_id, size_bytes=os.stat(journal.path).st_size)
+        dropped = (indexed - keep) + max(on_disk - indexed, 0)
+        return RepairReport(session_id, dry_run, actions, keep, dropped, first_bad)
+
+    def migrate(self, session_id: str, tier: Tier, owner: str | None, progress: Progress | None) -> SessionInfo:
+        """Convert a session's journal to another tier (see the module docstring)."""
+        ctx = self.ctx
+        validate_session_id(session_id)
+        with ctx.writing(session_id):
+            record = self._parking.active_locked(session_id, owner)
+            source_tier, geometry = tier_of(record), geometry_of(record)
+            if tier == source_tier:
+                return SessionInfo.from_record(record)
+            check_record_size(geometry, tier)
+            format_migrations.plan(source_tier, tier)
+            with ctx.open_journal(record, writable=True) as journal:
+                record = self._recovery.match_journal(record, journal)
+                with ctx.index.read() as txn:
+                    turns = ctx.index.turns(txn, session_id)
+                _, bad = self._integrity.check_turns(record, turns, record["n_records"])
+                if bad is not None:
+                    raise IntegrityError(
+                        f"turn {bad} of session {session_id!r} does not match its hash; repair the session before migrating"
+                    )
+                records = journal.load().slice(0, record["n_records"])
+                new_rec_bytes = coli_kv.record_bytes(geometry, tier)
+                total = records.n
+                done = [0]
+
+                def step(n: int, _total: int) -> None:
+                    done[0] += n
+                    if progress is not None:
+                        progress(min(done[0], total), total)
+
+                hasher = TurnHasher(turns, new_rec_bytes)
+                chunks = hasher.wrap(format_migrations.convert_chunks(records, tier, progress=step))
+                size = HEADER_BYTES + total * new_rec_bytes
+                with self._reservations.reserve(size) as reservation, ctx.reading(session_id, exclusive=True):
+                    unsynced = None
+                    try:
+                        write_atomic(journal.path, Header(geometry, tier, total), chunks, replace=True)
+                    except JournalWriteError as exc:
+                        if coli_kv.read_header(journal.path)[0].tier != tier:
+                            raise  # the old journal is in place: nothing changed
+                        # The rename happened and a later step (the directory fsync) failed: the
+                        # journal is in the new tier now, so the index must follow it before the
+                        # failure is reported (else the next call finds a journal it cannot open).
+                        unsynced = exc
+                    new_turns = hasher.turns()
+                    model = ModelInfo.from_dict(record["model"])
+                    key = Fingerprint(model, geometry, tier).key()
+                    hashes = schema.chain_hashes(
+                        schema.chain_seed(record["owner"], key), records.tokens[: record["watermark"]]
+                    )
+                    with ctx.index.write() as txn:
+                        ctx.index.drop_turns_after(txn, session_id, -1)
+                        for turn in new_turns:
+                            ctx.index.put_turn(txn, session_id, turn)
+                        ctx.index.drop_prefix_blocks_from(txn, session_id, 0)
+                        ctx.index.put_prefix_blocks(txn, session_id, 0, hashes)
+                        record = ctx.update(
+                            txn,
+                            session_id,
+                            tier=tier_record(tier),
+                            fingerprint=key,
+                            prefix_blocks=len(hashes),
+                            size_bytes=os.stat(journal.path).st_size,
+                            updated=time.time(),
+                        )
+                        self._reservations.settle(txn, reservation)
+                    if unsynced is not None:
+                        raise JournalWriteError(
+                            f"session {session_id!r} was migrated to {tier.describe()}, but syncing the journal's folder failed "
+                            f"({unsynced.__cause__}); a power loss now may bring the old journal back (the store follows whichever it finds)"
+                        ) from unsynced
+        self._evictor.after_write(session_id)
+        return SessionInfo.from_record(record)

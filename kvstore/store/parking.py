@@ -1,0 +1,133 @@
+"""Parking: a session's journal compressed into its archive (``kvstore.store.archive``), and back.
+
+- **park**: the archive is written atomically, the index switches to ``parked``, the journal is
+  unlinked. A crash before the switch leaves an archive the index does not name (removed on open);
+  after it, a journal the index no longer names (removed on the next unpark or open).
+- **unpark**: the reverse, byte for byte: the journal is restored atomically from the archive and
+  checked against the index, the index switches to ``active``, the archive is unlinked.
+
+Readers of a parked session (verify, lookup) stream its archive under the session's read lock, so
+both directions take the read lock exclusively for the switch and the unlink.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kvstore.errors import IntegrityError, SessionDamaged
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import HEADER_BYTES
+from kvstore.journal import fsync_dir, write_errors
+from kvstore.store import archive
+from kvstore.store.budget import Reservations
+from kvstore.store.context import StoreContext
+from kvstore.store.recovery import Recovery
+from kvstore.store.values import Progress, geometry_of, refuse_damaged, tier_of
+
+
+class Parking:
+    """Park and unpark the sessions of one store (the caller holds the session's write lock)."""
+
+    def __init__(self, ctx: StoreContext, reservations: Reservations, recovery: Recovery):
+        self.ctx = ctx
+        self._reservations = reservations
+        self._recovery = recovery
+
+    def active_locked(self, session_id: str, owner: str | None) -> dict:
+        """The record of an active session, unparking it first if needed (write lock held)."""
+        record = self.ctx.record(session_id, owner)
+        if record["state"] == "parked":
+            record = self.unpark_locked(session_id, owner, None)
+        refuse_damaged(record)
+        return record
+
+    def park_locked(
+        self, session_id: str, owner: str | None, progress: Progress | None, *, read_timeout: float | None = None
+    ) -> dict:
+        """Compress the journal into the archive, then switch the index (see the module docstring)."""
+        ctx = self.ctx
+        record = ctx.record(session_id, owner)
+        if record["state"] == "parked":
+            return record
+        refuse_damaged(record)
+        journal_path, archive_path = ctx.journal_path(session_id), ctx.archive_path(session_id)
+        with ctx.open_journal(record, writable=True) as journal:  # also keeps outside writers off
+            record = self._recovery.match_journal(record, journal)
+            length = HEADER_BYTES + record["n_records"] * coli_kv.record_bytes(journal.geometry, journal.tier)
+            fd = os.open(journal_path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                with write_errors(
+                    f"parking session {session_id!r}", "the session is still active and its journal intact"
+                ):
+                    archive_path.unlink(missing_ok=True)  # a leftover of a park that crashed before its commit
+                    size = archive.compress_journal(fd, length, archive_path, progress=progress)
+            finally:
+                os.close(fd)
+            try:
+                with ctx.reading(session_id, exclusive=True, timeout=read_timeout):
+                    with ctx.index.write() as txn:
+                        record = ctx.update(txn, session_id, state="parked", size_bytes=size, updated=time.time())
+                    with write_errors(
+                        f"session {session_id!r} was parked, but removing its journal",
+                        "its archive holds every record; the journal left behind is removed on the next unpark or store open",
+                    ):
+                        journal_path.unlink()
+                        fsync_dir(ctx.journals)
+            except BaseException:
+                with ctx.index.read() as txn:
+                    still_active = (ctx.index.get(txn, session_id) or {}).get("state") == "active"
+                if still_active:
+                    archive_path.unlink(missing_ok=True)
+                raise
+        return record
+
+    def unpark_locked(self, session_id: str, owner: str | None, progress: Progress | None) -> dict:
+        """Restore the journal from the archive, then switch the index (see the module docstring)."""
+        ctx = self.ctx
+        record = ctx.record(session_id, owner)
+        if record["state"] != "parked":
+            refuse_damaged(record)
+            return record
+        journal_path, archive_path = ctx.journal_path(session_id), ctx.archive_path(session_id)
+        try:
+            size = archive.content_size(archive_path)
+        except FileNotFoundError:
+            reason = f"the archive of parked session {session_id!r} is missing"
+            ctx.mark_damaged(session_id, reason)
+            raise SessionDamaged(reason) from None
+        geometry, tier = geometry_of(record), tier_of(record)
+        expected = HEADER_BYTES + record["n_records"] * coli_kv.record_bytes(geometry, tier)
+        if size != expected:
+            raise IntegrityError(f"the archive of {session_id!r} holds {size} bytes, the index expects {expected}")
+        with self._reservations.reserve(size) as reservation:
+            with write_errors(
+                f"unparking session {session_id!r}", "the session is still parked and its archive intact"
+            ):
+                journal_path.unlink(missing_ok=True)  # a leftover of an unpark that crashed before its commit
+                archive.restore_journal(archive_path, journal_path, progress=progress)
+            committed = False
+            try:
+                header, _ = coli_kv.read_header(journal_path)
+                if header.geometry != geometry or header.tier != tier or header.nrec != record["n_records"]:
+                    raise IntegrityError(
+                        f"the archive of {session_id!r} does not hold the journal its index entry describes"
+                    )
+                # Readers of a parked session (verify, lookup) stream its archive under the read
+                # lock: switch to the journal and remove the archive only when none is reading.
+                with ctx.reading(session_id, exclusive=True):
+                    with ctx.index.write() as txn:
+                        record = ctx.update(txn, session_id, state="active", size_bytes=size, updated=time.time())
+                        self._reservations.settle(txn, reservation)
+                    committed = True
+                    with write_errors(
+                        f"session {session_id!r} was unparked, but removing its archive",
+                        "its journal holds every record; the archive left behind is removed on the next park or store open",
+                    ):
+                        archive_path.unlink()
+                        fsync_dir(ctx.archives)
+            except BaseException:
+                if not committed:
+                    journal_path.unlink(missing_ok=True)
+                raise
+        return record

@@ -1,0 +1,462 @@
+"""The :class:`SessionStore` facade: the store's public interface, delegating to one object per concern.
+
+It builds the shared :class:`~kvstore.store.context.StoreContext` and the concern objects over it
+(the wiring is in ``__init__``), takes the locks that span concerns, and converts index records to
+the public value types. The behaviour of each operation is documented where it is implemented;
+the package docstring (``kvstore.store``) is the map.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from kvstore.errors import InvalidRequest, JournalLocked
+from kvstore.formats.coli_kv import Geometry
+from kvstore.store.budget import Eviction, Evictor, Reservations
+from kvstore.store.context import StoreContext
+from kvstore.store.index import DEFAULT_MAP_SIZE, Index
+from kvstore.store.integrity import Integrity, VerifyReport
+from kvstore.store.maintenance import Maintenance, RepairReport
+from kvstore.store.parking import Parking
+from kvstore.store.prefix import LookupResult, Prefixes
+from kvstore.store.reader import Resumed, SessionReader, check_fingerprint
+from kvstore.store.recovery import Recovery
+from kvstore.store.removal import Removal
+from kvstore.store.values import (
+    STATES,
+    Fingerprint,
+    ModelInfo,
+    Progress,
+    SessionInfo,
+    refuse_damaged,
+    validate_session_id,
+    validate_tags,
+)
+from kvstore.store.writes import AppendResult, Writes
+from kvstore.tiers import Tier
+
+
+class SessionStore:
+    """Sessions of MLA latent KV rows: create, append, resume, fork, look up, park, evict.
+
+    Parameters
+    ----------
+    data_dir : the store's folder (created 0700 if missing)
+    budget_bytes : soft disk budget kept by LRU eviction (None: no eviction)
+    hard_limit_bytes : writes that would cross it are refused with BudgetExceeded (None: no limit)
+    map_size : the LMDB map size of the index in bytes
+    lock_timeout : seconds an operation waits for a session another writer holds
+    reconcile : repair the index from the journals on open (see ``kvstore.store.recovery``)
+    progress : callback ``(done, total)`` for index schema upgrades on open
+
+    Every method that takes ``owner`` treats another owner's session as missing
+    (:class:`SessionNotFound`, the same reason as for an id that does not exist).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        *,
+        budget_bytes: int | None = None,
+        hard_limit_bytes: int | None = None,
+        map_size: int = DEFAULT_MAP_SIZE,
+        lock_timeout: float = 10.0,
+        reconcile: bool = True,
+        progress: Progress | None = None,
+    ):
+        for name, value in (("budget_bytes", budget_bytes), ("hard_limit_bytes", hard_limit_bytes)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise InvalidRequest(f"{name} must be a non-negative number of bytes")
+        ctx = StoreContext(
+            data_dir,
+            budget_bytes=budget_bytes,
+            hard_limit_bytes=hard_limit_bytes,
+            map_size=map_size,
+            lock_timeout=lock_timeout,
+            progress=progress,
+        )
+        self._ctx = ctx
+        # The concerns, each over the shared context, each given the ones it calls (no cycles).
+        self._integrity = Integrity(ctx)
+        self._reservations = Reservations(ctx)
+        self._removal = Removal(ctx, self._integrity)
+        self._recovery = Recovery(ctx, self._removal)
+        self._parking = Parking(ctx, self._reservations, self._recovery)
+        self._evictor = Evictor(ctx, self._parking, self._removal)
+        self._prefixes = Prefixes(ctx)
+        self._writes = Writes(
+            ctx,
+            self._reservations,
+            self._evictor,
+            self._integrity,
+            self._removal,
+            self._recovery,
+            self._parking,
+            self._prefixes,
+        )
+        self._maintenance = Maintenance(
+            ctx, self._reservations, self._evictor, self._integrity, self._removal, self._recovery, self._parking
+        )
+        self.reconcile_actions: list[str] = []
+        if reconcile:
+            try:
+                self.reconcile_actions = self.reconcile()
+            except BaseException:
+                ctx.close()
+                raise
+
+    # ------------------------------------------------------------------ lifecycle, folders, limits
+    def close(self) -> None:
+        self._ctx.close()
+
+    def __enter__(self) -> "SessionStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def data_dir(self) -> Path:
+        return self._ctx.data_dir
+
+    @property
+    def journals(self) -> Path:
+        return self._ctx.journals
+
+    @property
+    def archives(self) -> Path:
+        return self._ctx.archives
+
+    @property
+    def locks(self) -> Path:
+        return self._ctx.locks
+
+    @property
+    def lost_found(self) -> Path:
+        return self._ctx.lost_found
+
+    @property
+    def index(self) -> Index:
+        return self._ctx.index
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self._ctx.budget_bytes
+
+    @property
+    def hard_limit_bytes(self) -> int | None:
+        return self._ctx.hard_limit_bytes
+
+    @property
+    def lock_timeout(self) -> float:
+        return self._ctx.lock_timeout
+
+    def journal_path(self, session_id: str) -> Path:
+        """``journals/<id>.coli_kv`` (PathRefused if it is a symbolic link)."""
+        return self._ctx.journal_path(session_id)
+
+    def archive_path(self, session_id: str) -> Path:
+        """``archive/<id>.coli_kv.zst`` (PathRefused if it is a symbolic link)."""
+        return self._ctx.archive_path(session_id)
+
+    # ------------------------------------------------------------------ reading the index
+    def get(self, session_id: str, *, owner: str | None = None) -> SessionInfo:
+        """The session's index record."""
+        return SessionInfo.from_record(self._ctx.record(session_id, owner))
+
+    def list(
+        self,
+        *,
+        owner: str | None = None,
+        model_name: str | None = None,
+        tags: Iterable[str] = (),
+        state: str | None = None,
+        fingerprint: Fingerprint | None = None,
+    ) -> list[SessionInfo]:
+        """Sessions matching every filter given (all ``tags`` must be present), oldest first."""
+        if state is not None and state not in STATES:
+            raise InvalidRequest(f"unknown state {state!r}: use one of {list(STATES)}")
+        wanted_tags = set(tags)
+        key = fingerprint.key() if fingerprint is not None else None
+        index = self._ctx.index
+        with index.read() as txn:
+            if owner is not None:
+                records = [index.get(txn, sid) for sid in index.owner_sessions(txn, owner)]
+            else:
+                records = index.records(txn)
+        out = []
+        for record in records:
+            if not self._ctx.visible(record, owner):
+                continue
+            if model_name is not None and record["model"]["name"] != model_name:
+                continue
+            if state is not None and record["state"] != state:
+                continue
+            if not wanted_tags <= set(record["tags"]):
+                continue
+            if key is not None and record["fingerprint"] != key:
+                continue
+            out.append(SessionInfo.from_record(record))
+        out.sort(key=lambda info: (info.created, info.id))
+        return out
+
+    def usage(self) -> dict[str, int | None]:
+        """Bytes the store holds (journals + archives), bytes reserved by writers, and the limits."""
+        return self._reservations.usage()
+
+    # ------------------------------------------------------------------ writing (kvstore.store.writes)
+    def create(
+        self,
+        owner: str,
+        geometry: Geometry,
+        tier: Tier,
+        model: ModelInfo | dict[str, Any],
+        *,
+        session_id: str | None = None,
+        tags: Iterable[str] = (),
+    ) -> SessionInfo:
+        """Create an empty session (its journal holds only the header).
+
+        Raises
+        ------
+        SessionExists, InvalidSessionId, BadHeader (a geometry no model has), BudgetExceeded
+        """
+        return self._writes.create(owner, geometry, tier, model, session_id, tags)
+
+    def append(
+        self,
+        session_id: str,
+        tokens,
+        L,
+        R,
+        I=None,
+        *,
+        complete_turn: bool = True,
+        owner: str | None = None,
+    ) -> AppendResult:
+        """Append rows, encoded in the session's tier.
+
+        Parameters
+        ----------
+        tokens : int32[k]
+        L : f32[n_layers, k, kv_lora]
+        R : f32[n_layers, k, qk_rope]
+        I : f32[nic, k, index_hd], required when the model has indexer layers
+        complete_turn : the rows end a turn: the watermark moves to the new count
+        """
+        return self._writes.append(session_id, tokens, L, R, I, complete_turn=complete_turn, owner=owner)
+
+    def append_records(
+        self,
+        session_id: str,
+        records: np.ndarray | bytes | bytearray | memoryview,
+        *,
+        complete_turn: bool = True,
+        owner: str | None = None,
+    ) -> AppendResult:
+        """Append already-encoded records of the session's tier (raw ``.coli_kv`` record bytes, no header).
+
+        The bytes are validated before anything is written (whole records, token ids in the
+        vocabulary, no corrupt scale/radius or NaN code). An empty call with ``complete_turn``
+        marks the rows appended so far as a complete turn.
+
+        Returns
+        -------
+        AppendResult — acknowledged only after the journal and the index both committed.
+        """
+        return self._writes.append_records(session_id, records, complete_turn=complete_turn, owner=owner)
+
+    def truncate(self, session_id: str, n_records: int, *, owner: str | None = None) -> SessionInfo:
+        """Keep the first ``n_records`` records (the watermark becomes ``min(watermark, n)``).
+
+        The index commits first, then the journal is cut (see ``kvstore.store.removal``).
+        """
+        return self._writes.truncate(session_id, n_records, owner)
+
+    def fork(
+        self,
+        session_id: str,
+        *,
+        at: int | None = None,
+        new_id: str | None = None,
+        owner: str | None = None,
+        tags: Iterable[str] | None = None,
+    ) -> SessionInfo:
+        """A new session holding a copy of the first ``at`` records (default: the watermark).
+
+        The copy is published atomically, then indexed with the source's turn hashes (a turn cut
+        by ``at`` is checked, then re-hashed) and prefix blocks. The fork's watermark is
+        ``min(source watermark, at)``.
+        """
+        return self._writes.fork(session_id, at, new_id, owner, tags)
+
+    def delete(self, session_id: str, *, owner: str | None = None) -> None:
+        """Remove a session, its files and its index entries."""
+        validate_session_id(session_id)
+        with self._ctx.writing(session_id):
+            self._removal.delete_locked(session_id, owner)
+
+    def set_tags(self, session_id: str, tags: Iterable[str], *, owner: str | None = None) -> SessionInfo:
+        """Replace a session's tags."""
+        checked = validate_tags(tags)
+        self._ctx.record(session_id, owner)
+        with self._ctx.index.write() as txn:
+            record = self._ctx.update(txn, session_id, tags=checked, updated=time.time())
+        return SessionInfo.from_record(record)
+
+    # ------------------------------------------------------------------ resuming (kvstore.store.reader)
+    def reader(
+        self,
+        session_id: str,
+        *,
+        owner: str | None = None,
+        verify: bool = False,
+        expect: Fingerprint | None = None,
+        override: Iterable[str] = (),
+    ) -> SessionReader:
+        """Open a session for resuming (unparking it if parked). Use as a context manager.
+
+        Parameters
+        ----------
+        verify : re-hash the turns first; a mismatch is a miss: only the records before the
+            first bad turn (down to a complete turn) are served
+        expect : the fingerprint of the engine that will restore the rows; any field that differs
+            raises :class:`FingerprintMismatch` naming it
+        override : fields of ``expect`` not to compare (e.g. ``{"model.weights_hash"}`` for the
+            same weights re-saved) — an explicit, documented escape hatch
+
+        The reader serves records ``[0, reused_tokens)``; appends may continue meanwhile, and
+        nothing that shrinks or replaces the journal runs until the reader is closed.
+        """
+        ctx = self._ctx
+        validate_session_id(session_id)
+        for _ in range(3):  # a parked session is unparked, then read; eviction may race us once
+            record = ctx.record(session_id, owner)
+            if expect is not None:
+                check_fingerprint(record, expect, override)
+            if record["state"] == "parked":
+                self.unpark(session_id, owner=owner)
+                continue
+            refuse_damaged(record)
+            lock = ctx.reading(session_id).acquire()
+            try:
+                record = ctx.record(session_id, owner)
+                if record["state"] != "active":
+                    lock.release()
+                    continue
+                return SessionReader(ctx, self._integrity, record, lock, verify)
+            except BaseException:
+                lock.release()
+                raise
+        raise JournalLocked(f"session {session_id!r} keeps being parked while it is resumed; try again")
+
+    def resume(
+        self,
+        session_id: str,
+        *,
+        owner: str | None = None,
+        verify: bool = False,
+        expect: Fingerprint | None = None,
+        override: Iterable[str] = (),
+    ) -> Resumed:
+        """Load a session's records up to its watermark (see :meth:`reader` for the options).
+
+        Returns
+        -------
+        Resumed — ``records`` (KVRecords of the served prefix), ``reused_tokens`` (how many records
+        the engine need not prefill), ``damaged_from`` when ``verify`` found a bad turn.
+        """
+        with self.reader(session_id, owner=owner, verify=verify, expect=expect, override=override) as reader:
+            return Resumed(reader.info, reader.load(), reader.n_records, reader.verified, reader.damaged_from)
+
+    def verify(self, session_id: str, *, owner: str | None = None) -> VerifyReport:
+        """Re-hash every turn of a session (journal or archive) against the hashes in the index.
+
+        Returns
+        -------
+        VerifyReport with the first turn whose bytes differ (a silent bit flip the format cannot
+        see), or ``ok=True``.
+        """
+        return self._integrity.verify(session_id, owner)
+
+    # ------------------------------------------------------------------ prefix lookup (kvstore.store.prefix)
+    def lookup(self, owner: str, fingerprint: Fingerprint, tokens) -> LookupResult | None:
+        """The owner's session (same fingerprint) sharing the longest token prefix with ``tokens``.
+
+        Block-aligned chain hashes in the index find the candidates (a few key probes, no journal
+        scan); the winners are then confirmed against their journal's (or archive's) tokens and
+        the match extended past the last whole block. Matches are capped at each session's
+        watermark; a query sharing fewer than one block (64 tokens) with every session finds none.
+        """
+        return self._prefixes.lookup(owner, fingerprint, tokens)
+
+    # ------------------------------------------------------------------ parking and budget (parking, budget)
+    def park(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> SessionInfo:
+        """Compress a session's journal into the archive (zstd) and free the journal.
+
+        ``progress(bytes_done, bytes_total)`` is called as the journal is compressed. Parking a
+        parked session does nothing.
+        """
+        validate_session_id(session_id)
+        with self._ctx.writing(session_id):
+            return SessionInfo.from_record(self._parking.park_locked(session_id, owner, progress))
+
+    def unpark(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> SessionInfo:
+        """Restore a parked session's journal from its archive (byte for byte) and free the archive."""
+        validate_session_id(session_id)
+        with self._ctx.writing(session_id):
+            record = self._parking.unpark_locked(session_id, owner, progress)
+        self._evictor.after_write(session_id)
+        return SessionInfo.from_record(record)
+
+    def enforce_budget(self, *, keep: Iterable[str] = (), progress: Progress | None = None) -> list[Eviction]:
+        """Evict until the store fits ``budget_bytes``: park the least recently used active sessions,
+        then delete the least recently used parked ones. Sessions in ``keep`` and sessions another
+        request is using are skipped. Returns what was evicted, in order."""
+        return self._evictor.enforce(keep=keep, progress=progress)
+
+    # ------------------------------------------------------------------ file tools (kvstore.store.maintenance)
+    def inspect(self, session_id: str, *, owner: str | None = None) -> dict[str, Any]:
+        """What the session's file holds: header fields, sizes and what a loader would neutralize."""
+        return self._maintenance.inspect(session_id, owner)
+
+    def repair(self, session_id: str, *, owner: str | None = None, dry_run: bool = False) -> RepairReport:
+        """Make a session's journal and index agree and drop what cannot be trusted.
+
+        Drops journal bytes past the acknowledged count (a torn or unacknowledged tail) and, when a
+        turn's hash no longer matches, every record from that turn on (the damaged tail is never
+        served); the watermark falls back to the last complete turn kept. ``dry_run`` reports
+        without changing anything.
+        """
+        return self._maintenance.repair(session_id, owner, dry_run)
+
+    def migrate(
+        self,
+        session_id: str,
+        tier: Tier,
+        *,
+        owner: str | None = None,
+        progress: Progress | None = None,
+    ) -> SessionInfo:
+        """Convert a session's journal to another tier (lossy unless the target is v1).
+
+        The turns are verified first (a damaged session is refused: repair it), the journal is
+        rewritten atomically through ``kvstore.migrations``, and the index takes the new tier,
+        fingerprint, turn hashes and prefix blocks in one transaction. ``progress(records_done,
+        records_total)``.
+        """
+        return self._maintenance.migrate(session_id, tier, owner, progress)
+
+    # ------------------------------------------------------------------ recovery (kvstore.store.recovery)
+    def reconcile(self) -> list[str]:
+        """Repair the index from the journals (run on open; safe while other processes use the store).
+
+        Sessions another request holds are skipped (that request settles them). Returns one line
+        per repair made.
+        """
+        return self._recovery.reconcile()

@@ -1,0 +1,256 @@
+"""What a session is, as values: ids, owners and tags (validated), the model, the fingerprint, the info.
+
+An index record is a plain dict (``kvstore.migrations.index`` encodes it); :class:`SessionInfo` is
+its typed, read-only view. The helpers at the bottom convert the record's tier and geometry fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from kvstore import tiers
+from kvstore.errors import InvalidRequest, InvalidSessionId, SessionDamaged
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Geometry
+from kvstore.migrations import index as schema
+from kvstore.tiers import Tier
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+OWNER_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
+TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:=@/-]{0,63}$")
+MAX_TAGS = 32
+STATES = ("active", "parked", "damaged")
+# The header allows widths no model has; a record this large (GLM v1 is ~180 KB) is refused
+# before numpy is asked for a record type it cannot build.
+MAX_RECORD_BYTES = 64 << 20
+MODEL_FIELDS = ("name", "revision", "weights_hash", "tokenizer_hash", "chat_template_hash", "attention_variant")
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+# ---------------------------------------------------------------------------- validation
+def validate_session_id(session_id: Any) -> str:
+    """Return ``session_id`` if it is a valid id, else raise :class:`InvalidSessionId`.
+
+    Ids are 1-64 characters of ``[A-Za-z0-9_-]`` starting with a letter or digit, so a path built
+    from one can never leave its folder.
+    """
+    if not isinstance(session_id, str) or not ID_PATTERN.fullmatch(session_id):
+        shown = session_id if isinstance(session_id, str) and len(session_id) <= 80 else "that value"
+        raise InvalidSessionId(
+            f"invalid session id {shown!r}: use 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+        )
+    return session_id
+
+
+def validate_owner(owner: Any) -> str:
+    """Return ``owner`` if it is a valid owner name, else raise :class:`InvalidRequest`."""
+    if not isinstance(owner, str) or not OWNER_PATTERN.fullmatch(owner):
+        raise InvalidRequest(
+            "invalid owner name: use 1-128 letters, digits, '_', '.', '@' or '-', starting with a letter or digit"
+        )
+    return owner
+
+
+def validate_tags(tags: Iterable[str] | None) -> list[str]:
+    """The tags, sorted and deduplicated, after checking each (raises :class:`InvalidRequest`)."""
+    checked = sorted(set(tags or ()))
+    if len(checked) > MAX_TAGS:
+        raise InvalidRequest(f"at most {MAX_TAGS} tags per session")
+    for tag in checked:
+        if not isinstance(tag, str) or not TAG_PATTERN.fullmatch(tag):
+            raise InvalidRequest(f"invalid tag {tag!r}: 1-64 of letters, digits and _ . : = @ / -")
+    return checked
+
+
+def check_record_size(geometry: Geometry, tier: Tier) -> None:
+    """Refuse a geometry no model has (``BadHeader``) or a record over :data:`MAX_RECORD_BYTES`."""
+    coli_kv.check_geometry(geometry, tier)
+    size = coli_kv.record_bytes(geometry, tier)
+    if size > MAX_RECORD_BYTES:
+        raise InvalidRequest(
+            f"a record of this geometry and tier is {size} bytes; kvstore stores records of at most {MAX_RECORD_BYTES}"
+        )
+
+
+def refuse_damaged(record: dict[str, Any]) -> None:
+    """Raise :class:`SessionDamaged` (with the recorded problem) for a session marked damaged."""
+    if record["state"] == "damaged":
+        raise SessionDamaged(f"session {record['id']!r} is damaged: {record.get('problem')}")
+
+
+# ---------------------------------------------------------------------------- index record fields
+def tier_record(tier: Tier) -> dict[str, Any]:
+    """A tier as the index record stores it (the file's version, codec and bits)."""
+    return {"version": tier.version, "codec": tier.codec, "bits": tier.bits}
+
+
+def tier_of(record: dict[str, Any]) -> Tier:
+    """The tier of an index record."""
+    stored = record["tier"]
+    return tiers.from_file(stored["version"], stored.get("codec"), stored.get("bits"))
+
+
+def geometry_of(record: dict[str, Any]) -> Geometry:
+    """The geometry of an index record (its six words)."""
+    return Geometry(*record["geometry"])
+
+
+def record_bytes_of(record: dict[str, Any]) -> int:
+    """Bytes per record of a session, from its index record."""
+    return coli_kv.record_bytes(geometry_of(record), tier_of(record))
+
+
+# ---------------------------------------------------------------------------- public value types
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the caller says about the model that produced a session's rows.
+
+    ``name`` and ``revision`` are required; the hashes (of the weights, tokenizer and chat
+    template) and the engine's attention variant are compared when present.
+    """
+
+    name: str
+    revision: str
+    weights_hash: str | None = None
+    tokenizer_hash: str | None = None
+    chat_template_hash: str | None = None
+    attention_variant: str | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | "ModelInfo") -> "ModelInfo":
+        """Validate a mapping of the model fields (raises :class:`InvalidRequest` naming the field)."""
+        if isinstance(values, ModelInfo):
+            return values
+        if not isinstance(values, dict):
+            raise InvalidRequest("model must be an object with at least name and revision")
+        unknown = sorted(set(values) - set(MODEL_FIELDS))
+        if unknown:
+            raise InvalidRequest(f"unknown model fields {unknown}; known: {list(MODEL_FIELDS)}")
+        for required in ("name", "revision"):
+            if not isinstance(values.get(required), str) or not values[required]:
+                raise InvalidRequest(f"model.{required} is required (a non-empty string)")
+        for name in MODEL_FIELDS:
+            value = values.get(name)
+            if value is not None and (not isinstance(value, str) or len(value) > 256 or "\0" in value):
+                raise InvalidRequest(f"model.{name} must be a string of at most 256 characters")
+        return cls(
+            name=values["name"],
+            revision=values["revision"],
+            weights_hash=values.get("weights_hash"),
+            tokenizer_hash=values.get("tokenizer_hash"),
+            chat_template_hash=values.get("chat_template_hash"),
+            attention_variant=values.get("attention_variant"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything a cache depends on: the model, the six geometry words and the cache tier."""
+
+    model: ModelInfo
+    geometry: Geometry
+    tier: Tier
+
+    def key(self) -> str:
+        """The stable digest the index stores (and prefix chains are seeded with)."""
+        return schema.fingerprint_key(self.model.to_dict(), self.geometry.words(), tier_record(self.tier))
+
+    def mismatches(self, expected: "Fingerprint") -> list[str]:
+        """``field: session X, expected Y`` for each field that differs."""
+        out = [
+            f"geometry.{field.name}: session {getattr(self.geometry, field.name)}, expected {getattr(expected.geometry, field.name)}"
+            for field in dataclasses.fields(Geometry)
+            if getattr(self.geometry, field.name) != getattr(expected.geometry, field.name)
+        ]
+        if self.tier != expected.tier:
+            out.append(f"tier: session {self.tier.describe()}, expected {expected.tier.describe()}")
+        for name in MODEL_FIELDS:
+            mine, theirs = getattr(self.model, name), getattr(expected.model, name)
+            if mine != theirs:
+                out.append(f"model.{name}: session {mine!r}, expected {theirs!r}")
+        return out
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """One session as the index records it (times are seconds since the epoch)."""
+
+    id: str
+    owner: str
+    model: ModelInfo
+    geometry: Geometry
+    tier: Tier
+    n_records: int
+    watermark: int
+    created: float
+    updated: float
+    last_used: float
+    size_bytes: int
+    tags: tuple[str, ...]
+    state: str
+    parent: str | None
+    fork_point: int | None
+    problem: str | None
+    fingerprint_key: str
+    prefix_blocks: int
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "SessionInfo":
+        return cls(
+            id=record["id"],
+            owner=record["owner"],
+            model=ModelInfo.from_dict(record["model"]),
+            geometry=geometry_of(record),
+            tier=tier_of(record),
+            n_records=record["n_records"],
+            watermark=record["watermark"],
+            created=record["created"],
+            updated=record["updated"],
+            last_used=record["last_used"],
+            size_bytes=record["size_bytes"],
+            tags=tuple(record["tags"]),
+            state=record["state"],
+            parent=record.get("parent"),
+            fork_point=record.get("fork_point"),
+            problem=record.get("problem"),
+            fingerprint_key=record["fingerprint"],
+            prefix_blocks=record.get("prefix_blocks", 0),
+        )
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return Fingerprint(self.model, self.geometry, self.tier)
+
+    @property
+    def record_bytes(self) -> int:
+        return coli_kv.record_bytes(self.geometry, self.tier)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (what the API and ``--json`` print)."""
+        return {
+            "id": self.id,
+            "owner": self.owner,
+            "model": self.model.to_dict(),
+            "geometry": dataclasses.asdict(self.geometry),
+            "tier": self.tier.to_dict(),
+            "record_bytes": self.record_bytes,
+            "n_records": self.n_records,
+            "watermark": self.watermark,
+            "created": self.created,
+            "updated": self.updated,
+            "last_used": self.last_used,
+            "size_bytes": self.size_bytes,
+            "tags": list(self.tags),
+            "state": self.state,
+            "parent": self.parent,
+            "fork_point": self.fork_point,
+            "problem": self.problem,
+            "fingerprint": self.fingerprint_key,
+        }

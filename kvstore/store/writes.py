@@ -1,0 +1,333 @@
+"""Writing sessions: create, append, truncate and fork, each in the store's commit order.
+
+- **append**: the journal append is durable first (``KVFile``: data fsync, then its nrec fsync),
+  then one index transaction records the new count, the turn's hash, the prefix blocks and the
+  watermark. The append is acknowledged only after both; a crash in between leaves journal records
+  the index does not know, rolled back on open, so a client that retries does not duplicate rows.
+- **truncate**: the index commits the shorter count first, then the journal is cut (``removal``).
+- **create / fork**: the new file is published atomically first, then indexed; a file without an
+  index entry is an unacknowledged creation (removed if empty, else moved to ``lost+found``).
+
+Every write reserves its bytes under the hard limit first and settles the reservation in the
+transaction that commits it (``budget``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from kvstore.errors import FormatError, InvalidRequest, SessionExists
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
+from kvstore.journal import KVFile, write_atomic
+from kvstore.migrations import index as schema
+from kvstore.store.budget import Evictor, Reservations
+from kvstore.store.context import StoreContext
+from kvstore.store.index import Turn
+from kvstore.store.integrity import Integrity, turn_digest
+from kvstore.store.parking import Parking
+from kvstore.store.prefix import Prefixes
+from kvstore.store.records import CountingChunks, bytes_view, record_chunks
+from kvstore.store.recovery import Recovery
+from kvstore.store.removal import Removal, unlink_quietly
+from kvstore.store.values import (
+    Fingerprint,
+    ModelInfo,
+    SessionInfo,
+    check_record_size,
+    geometry_of,
+    refuse_damaged,
+    tier_of,
+    tier_record,
+    validate_owner,
+    validate_session_id,
+    validate_tags,
+)
+from kvstore.tiers import Tier
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    info: SessionInfo
+    appended: int  # records written by this call
+    turn: tuple[int, int] | None  # the record range hashed as this call's turn (None for an empty call)
+
+
+class Writes:
+    """Create, append, truncate and fork for the sessions of one store."""
+
+    def __init__(
+        self,
+        ctx: StoreContext,
+        reservations: Reservations,
+        evictor: Evictor,
+        integrity: Integrity,
+        removal: Removal,
+        recovery: Recovery,
+        parking: Parking,
+        prefixes: Prefixes,
+    ):
+        self.ctx = ctx
+        self._reservations = reservations
+        self._evictor = evictor
+        self._integrity = integrity
+        self._removal = removal
+        self._recovery = recovery
+        self._parking = parking
+        self._prefixes = prefixes
+
+    # ------------------------------------------------------------------ create
+    def create(
+        self,
+        owner: str,
+        geometry: Geometry,
+        tier: Tier,
+        model: ModelInfo | dict[str, Any],
+        session_id: str | None,
+        tags: Iterable[str],
+    ) -> SessionInfo:
+        """Create an empty session (its journal holds only the header)."""
+        ctx = self.ctx
+        validate_owner(owner)
+        model = ModelInfo.from_dict(model)
+        tags = validate_tags(tags)
+        session_id = validate_session_id(session_id) if session_id is not None else uuid.uuid4().hex
+        check_record_size(geometry, tier)
+        with ctx.writing(session_id):
+            path = ctx.journal_path(session_id)
+            self._removal.finish_interrupted_delete(session_id)
+            with ctx.index.read() as txn:
+                if ctx.index.get(txn, session_id) is not None:
+                    raise SessionExists(f"session {session_id!r} already exists")
+            self._clear_orphan(session_id, path)
+            with self._reservations.reserve(HEADER_BYTES) as reservation:
+                KVFile.create(path, geometry, tier, lock_timeout=ctx.lock_timeout).close()
+                now_ns = time.time_ns()
+                record = {
+                    "id": session_id,
+                    "owner": owner,
+                    "model": model.to_dict(),
+                    "geometry": list(geometry.words()),
+                    "tier": tier_record(tier),
+                    "n_records": 0,
+                    "watermark": 0,
+                    "created": now_ns / 1e9,
+                    "updated": now_ns / 1e9,
+                    "last_used": now_ns / 1e9,
+                    "last_used_ns": now_ns,
+                    "size_bytes": os.stat(path).st_size,
+                    "tags": tags,
+                    "state": "active",
+                    "parent": None,
+                    "fork_point": None,
+                    "problem": None,
+                    "fingerprint": Fingerprint(model, geometry, tier).key(),
+                    "prefix_blocks": 0,
+                }
+                try:
+                    with ctx.index.write() as txn:
+                        if ctx.index.get(txn, session_id) is not None:
+                            raise SessionExists(f"session {session_id!r} already exists")
+                        ctx.index.put(txn, record)
+                        self._reservations.settle(txn, reservation)
+                except BaseException:
+                    path.unlink(missing_ok=True)  # never indexed: nobody was told it exists
+                    raise
+        self._evictor.after_write(session_id)
+        return SessionInfo.from_record(record)
+
+    def _clear_orphan(self, session_id: str, path: Path) -> None:
+        """A journal left by a creation that crashed before it was indexed: empty ones go."""
+        if not path.exists():
+            return
+        try:
+            header, _ = coli_kv.read_header(path)
+            empty = header.nrec == 0
+        except (FormatError, OSError):
+            empty = False
+        if not empty:
+            raise SessionExists(
+                f"a journal for {session_id!r} exists without an index entry; reopen the store to move it to lost+found"
+            )
+        path.unlink()
+
+    # ------------------------------------------------------------------ append
+    def append(self, session_id: str, tokens, L, R, I, *, complete_turn: bool, owner: str | None) -> AppendResult:
+        """Encode rows in the session's tier (``coli_kv.encode_records``), then append them."""
+        record = self.ctx.record(session_id, owner)
+        encoded = coli_kv.encode_records(geometry_of(record), tier_of(record), tokens, L, R, I)
+        return self.append_records(session_id, encoded, complete_turn=complete_turn, owner=owner)
+
+    def append_records(
+        self,
+        session_id: str,
+        records: np.ndarray | bytes | bytearray | memoryview,
+        *,
+        complete_turn: bool,
+        owner: str | None,
+    ) -> AppendResult:
+        """Validate, then append: journal durable first, then one index transaction."""
+        ctx = self.ctx
+        validate_session_id(session_id)
+        with ctx.writing(session_id):
+            record = self._parking.active_locked(session_id, owner)
+            with ctx.open_journal(record, writable=True) as journal:
+                record = self._recovery.match_journal(record, journal)
+                rows = journal.validate_records(records)
+                count = record["n_records"]
+                if rows.shape[0] == 0:
+                    record = self._mark_complete(record, journal) if complete_turn else record
+                    return AppendResult(SessionInfo.from_record(record), 0, None)
+                payload = bytes_view(rows)
+                digest = turn_digest(payload)
+                with self._reservations.reserve(len(payload)) as reservation:
+                    total = journal.append_records(rows, validate=False)  # validated above
+                    size = os.stat(journal.path).st_size
+                    new_wm = total if complete_turn else record["watermark"]
+                    hashes, first_block = self._prefixes.new_blocks(record, journal, rows, new_wm)
+                    now_ns = time.time_ns()
+                    with ctx.index.write() as txn:
+                        ctx.index.put_turn(txn, session_id, Turn(count, total, complete_turn, digest))
+                        if hashes:
+                            ctx.index.put_prefix_blocks(txn, session_id, first_block, hashes)
+                        record = ctx.update(
+                            txn,
+                            session_id,
+                            n_records=total,
+                            watermark=new_wm,
+                            size_bytes=size,
+                            updated=now_ns / 1e9,
+                            last_used=now_ns / 1e9,
+                            last_used_ns=now_ns,
+                            prefix_blocks=first_block + len(hashes) if hashes else record["prefix_blocks"],
+                        )
+                        self._reservations.settle(txn, reservation)
+        self._evictor.after_write(session_id)
+        return AppendResult(SessionInfo.from_record(record), total - count, (count, total))
+
+    def _mark_complete(self, record: dict, journal: KVFile) -> dict:
+        """Mark the rows appended so far as a complete turn (the watermark moves to the count)."""
+        ctx = self.ctx
+        sid = record["id"]
+        if record["watermark"] == record["n_records"]:
+            return record
+        hashes, first_block = self._prefixes.new_blocks(record, journal, None, record["n_records"])
+        with ctx.index.write() as txn:
+            turns = ctx.index.turns(txn, sid)
+            if turns:
+                ctx.index.put_turn(txn, sid, turns[-1]._replace(complete=True))
+            if hashes:
+                ctx.index.put_prefix_blocks(txn, sid, first_block, hashes)
+            return ctx.update(
+                txn,
+                sid,
+                watermark=record["n_records"],
+                updated=time.time(),
+                prefix_blocks=first_block + len(hashes) if hashes else record["prefix_blocks"],
+            )
+
+    # ------------------------------------------------------------------ truncate
+    def truncate(self, session_id: str, n_records: int, owner: str | None) -> SessionInfo:
+        """Keep the first ``n_records`` records (the index commits first, then the journal is cut)."""
+        ctx = self.ctx
+        validate_session_id(session_id)
+        if not isinstance(n_records, (int, np.integer)) or isinstance(n_records, bool) or n_records < 0:
+            raise InvalidRequest("n_records must be a non-negative integer")
+        n_records = int(n_records)
+        with ctx.writing(session_id):
+            record = self._parking.active_locked(session_id, owner)
+            if n_records > record["n_records"]:
+                raise InvalidRequest(
+                    f"session {session_id!r} holds {record['n_records']} records; cannot truncate to {n_records}"
+                )
+            with ctx.open_journal(record, writable=True) as journal:
+                record = self._recovery.match_journal(record, journal)
+                if n_records == record["n_records"]:
+                    return SessionInfo.from_record(record)
+                with ctx.reading(session_id, exclusive=True):
+                    record = self._removal.cut(record, journal, n_records, complete=n_records <= record["watermark"])
+        return SessionInfo.from_record(record)
+
+    # ------------------------------------------------------------------ fork
+    def fork(
+        self, session_id: str, at: int | None, new_id: str | None, owner: str | None, tags: Iterable[str] | None
+    ) -> SessionInfo:
+        """Copy the first ``at`` records into a new session, published atomically, then indexed."""
+        ctx = self.ctx
+        validate_session_id(session_id)
+        new_id = validate_session_id(new_id) if new_id is not None else uuid.uuid4().hex
+        if new_id == session_id:
+            raise SessionExists(f"session {new_id!r} already exists")
+        with ctx.writing(new_id):
+            self._removal.finish_interrupted_delete(new_id)
+            with ctx.index.read() as txn:
+                if ctx.index.get(txn, new_id) is not None:
+                    raise SessionExists(f"session {new_id!r} already exists")
+            path = ctx.journal_path(new_id)
+            self._clear_orphan(new_id, path)
+            with ctx.reading(session_id):
+                source = ctx.record(session_id, owner)
+                refuse_damaged(source)
+                at = source["watermark"] if at is None else at
+                if not isinstance(at, (int, np.integer)) or isinstance(at, bool) or not 0 <= at <= source["n_records"]:
+                    raise InvalidRequest(f"fork point must be in 0..{source['n_records']}, got {at!r}")
+                at = int(at)
+                geometry, tier = geometry_of(source), tier_of(source)
+                rec_bytes = coli_kv.record_bytes(geometry, tier)
+                new_wm = min(source["watermark"], at)
+                with ctx.index.read() as txn:
+                    turns = [t for t in ctx.index.turns(txn, session_id) if t.start < at]
+                    blocks = min(source["prefix_blocks"], new_wm // schema.PREFIX_BLOCK_TOKENS)
+                    chain = ctx.index.prefix_chain(txn, session_id, blocks)
+                if turns and turns[-1].end > at:
+                    turns[-1] = self._integrity.rehash_prefix(source, turns[-1], at, complete=at <= source["watermark"])
+                size = HEADER_BYTES + at * rec_bytes
+                with self._reservations.reserve(size) as reservation:
+                    chunks = (np.frombuffer(c, np.uint8) for c in record_chunks(ctx, source, 0, at))
+                    try:
+                        write_atomic(path, Header(geometry, tier, at), CountingChunks(chunks, rec_bytes), replace=False)
+                    except FileExistsError:
+                        raise
+                    except BaseException:
+                        # write_atomic can fail after publishing the copy (its directory fsync): the
+                        # copy is ours and indexed nowhere, so take it back before reporting, or the
+                        # same fork again would find an unindexed journal in its way.
+                        unlink_quietly(path)
+                        raise
+                    now_ns = time.time_ns()
+                    record = {
+                        **source,
+                        "id": new_id,
+                        "n_records": at,
+                        "watermark": new_wm,
+                        "created": now_ns / 1e9,
+                        "updated": now_ns / 1e9,
+                        "last_used": now_ns / 1e9,
+                        "last_used_ns": now_ns,
+                        "size_bytes": os.stat(path).st_size,
+                        "tags": validate_tags(source["tags"] if tags is None else tags),
+                        "state": "active",
+                        "parent": session_id,
+                        "fork_point": at,
+                        "problem": None,
+                        "prefix_blocks": len(chain),
+                    }
+                    try:
+                        with ctx.index.write() as txn:
+                            ctx.index.put(txn, record)
+                            for turn in turns:
+                                ctx.index.put_turn(txn, new_id, turn)
+                            ctx.index.put_prefix_blocks(txn, new_id, 0, chain)
+                            self._reservations.settle(txn, reservation)
+                    except BaseException:
+                        path.unlink(missing_ok=True)
+                        raise
+        self._evictor.after_write(new_id)
+        return SessionInfo.from_record(record)

@@ -1,0 +1,64 @@
+"""``kvstore chat`` and ``kvstore verify`` as a user runs them: one process per turn, no server.
+
+Each turn is a new process, so every turn after the first restores the session from its journal
+and must prefill only its own tokens — the summary on stderr and ``--json`` say so. ``kvstore
+verify`` names the first bad turn after a bit flip (exit 1), and ``chat --verify`` does not serve
+it. ``python -m kvstore`` is the ``kvstore`` command.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from kvstore.formats.coli_kv import HEADER_BYTES
+
+
+def kvstore(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args], cwd=cwd, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_chat_turns_in_new_processes_prefill_only_the_new_tokens_and_verify_finds_a_flip(tmp_path, model_dir):
+    common = ("--session", "chat-1", "--data", "data", "--tier", "fp8", "--max-new-tokens", "6", "--stop")
+    first = kvstore("chat", str(model_dir), "--prompt", "Hello", *common, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "[created session chat-1 for tiny (fp8 (v2, e4m3 codes + f32 scale))]" in first.stderr
+    summary = re.search(
+        r"\[chat-1: 6 tokens \(length\); prefilled (\d+), reused (\d+) \((\w+)\); (\d+) records", first.stderr
+    )
+    assert summary and summary.groups() == ("5", "0", "new", "11"), first.stderr
+
+    second = kvstore("chat", str(model_dir), "--ids", "40 41 42", *common, "--json", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    report = json.loads(second.stdout)
+    assert (report["source"], report["reused_tokens"], report["prefilled_tokens"], report["restored_tokens"]) == (
+        "journal",
+        11,
+        3,
+        11,
+    )
+    assert report["session"]["n_records"] == 11 + 3 + 6
+
+    journal = tmp_path / "data" / "journals" / "chat-1.coli_kv"
+    offset = HEADER_BYTES + 13 * report["session"]["record_bytes"] + 4 + 3  # inside turn 1 (records 11..19)
+    with open(journal, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+    bad = kvstore("verify", "chat-1", "--data", "data", "--json", cwd=tmp_path)
+    assert bad.returncode == 1
+    assert json.loads(bad.stdout)["first_bad"] == {"turn": 1, "start": 11, "end": 20}
+
+    third = kvstore("chat", str(model_dir), "--ids", "50", *common, "--verify", cwd=tmp_path)
+    assert third.returncode == 0, third.stderr
+    assert re.search(
+        r"prefilled 1, reused 11 \(journal\); 18 records, fp8 \(v2, e4m3 codes \+ f32 scale\); damage from record 11 was not served; dropped 9 unserved records\]",
+        third.stderr,
+    ), third.stderr
+    healed = kvstore("verify", "chat-1", "--data", "data", cwd=tmp_path)
+    assert healed.returncode == 0 and "chat-1: ok (2 turns, 18 records)" in healed.stdout
