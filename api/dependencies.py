@@ -85,7 +85,9 @@ def media_type(request: Request) -> str:
 def require_media_type(request: Request, *allowed: str) -> str:
     kind = media_type(request)
     if kind not in allowed:
-        raise UnsupportedMediaType(f"Content-Type {kind or '(none)'!r} is not accepted here; send one of {list(allowed)}")
+        raise UnsupportedMediaType(
+            f"Content-Type {kind or '(none)'!r} is not accepted here; send one of {list(allowed)}"
+        )
     return kind
 
 
@@ -107,7 +109,7 @@ async def read_body(request: Request, limit: int) -> bytearray | memoryview:
         async for chunk in request.stream():
             if got + len(chunk) > expected:
                 raise InvalidRequest("the body is longer than its Content-Length")
-            view[got:got + len(chunk)] = chunk
+            view[got : got + len(chunk)] = chunk
             got += len(chunk)
         if got != expected:
             raise InvalidRequest(f"the body ended after {got} of its {expected} bytes")

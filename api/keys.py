@@ -51,7 +51,9 @@ def parse_env_keys(value: str | None) -> dict[str, str]:
             continue
         key, sep, owner = item.rpartition(":")
         if not sep or len(key) < MIN_KEY_CHARS:
-            raise ConfigError(f"KVSTORE_API_KEYS entries are key:owner with keys of at least {MIN_KEY_CHARS} characters")
+            raise ConfigError(
+                f"KVSTORE_API_KEYS entries are key:owner with keys of at least {MIN_KEY_CHARS} characters"
+            )
         table[key_digest(key)] = _check_owner(owner, "KVSTORE_API_KEYS")
     return table
 
@@ -74,7 +76,9 @@ def _parse_file(path: Path) -> dict[str, str]:
         elif isinstance(entry.get("key"), str) and len(entry["key"]) >= MIN_KEY_CHARS:
             table[key_digest(entry["key"])] = owner
         else:
-            raise ConfigError(f"{path}: an entry needs a 64-hex 'sha256' or a 'key' of at least {MIN_KEY_CHARS} characters")
+            raise ConfigError(
+                f"{path}: an entry needs a 64-hex 'sha256' or a 'key' of at least {MIN_KEY_CHARS} characters"
+            )
     return table
 
 

@@ -36,7 +36,13 @@ from kvstore.store import SessionStore
 
 log = logging.getLogger("kvstore.api")
 
-_HTTP_NAMES = {404: "NotFound", 405: "MethodNotAllowed", 400: "InvalidRequest", 413: "BodyTooLarge", 401: "Unauthorized"}
+_HTTP_NAMES = {
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    400: "InvalidRequest",
+    413: "BodyTooLarge",
+    401: "Unauthorized",
+}
 
 
 def _error(status: int, error: str, reason: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -61,7 +67,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     cause = exc.__cause__
     if isinstance(cause, KVStoreError):  # raised while FastAPI read a JSON body (BodyTooLarge)
         return await _kvstore_error(request, cause)
-    return _error(exc.status_code, _HTTP_NAMES.get(exc.status_code, "HTTPError"), str(exc.detail), getattr(exc, "headers", None))
+    return _error(
+        exc.status_code, _HTTP_NAMES.get(exc.status_code, "HTTPError"), str(exc.detail), getattr(exc, "headers", None)
+    )
 
 
 async def _disconnected(request: Request, exc: ClientDisconnect) -> JSONResponse:
@@ -88,7 +96,9 @@ async def _single_valued_query(request: Request) -> None:
     if len(names) == len(set(names)):
         return
     route = request.scope.get("route")
-    operation = request.app.openapi().get("paths", {}).get(getattr(route, "path", None), {}).get(request.method.lower(), {})
+    operation = (
+        request.app.openapi().get("paths", {}).get(getattr(route, "path", None), {}).get(request.method.lower(), {})
+    )
     for parameter in operation.get("parameters", ()):
         name = parameter.get("name")
         if parameter.get("in") == "query" and names.count(name) > 1 and not _takes_many(parameter.get("schema", {})):
@@ -212,12 +222,18 @@ def _load_engine(settings: Settings, store: SessionStore):
     """The bundled engine on ``settings.model_dir`` (weights hash computed once per folder, cached)."""
     from kvstore.engine.session import SessionEngine
 
-    engine = SessionEngine.from_folder(settings.model_dir, store, tier=settings.tier, device=settings.device, dtype=settings.dtype)
+    engine = SessionEngine.from_folder(
+        settings.model_dir, store, tier=settings.tier, device=settings.device, dtype=settings.dtype
+    )
     described = engine.describe()
     log.info(
         "engine: %s (%s) on %s, %s cache (journals %s), weights %s",
-        described["folder"], described["dtype"], described["device"], described["cache_tier"],
-        described["journal_tier"], engine.model.weights_hash,
+        described["folder"],
+        described["dtype"],
+        described["device"],
+        described["cache_tier"],
+        described["journal_tier"],
+        engine.model.weights_hash,
     )
     return engine
 

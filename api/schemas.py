@@ -66,7 +66,9 @@ class TierOut(BaseModel):
 
 
 class CreateSession(Strict):
-    id: str | None = Field(default=None, description="1-64 of [A-Za-z0-9_-], starting with a letter or digit; generated if absent")
+    id: str | None = Field(
+        default=None, description="1-64 of [A-Za-z0-9_-], starting with a letter or digit; generated if absent"
+    )
     model: ModelIn
     geometry: GeometryIn
     tier: TierField = DEFAULT_TIER
@@ -231,9 +233,15 @@ class GenerateIn(Strict):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[int] | None = Field(default=None, description="stop token ids (default: the model's eos; [] for none)")
     stream: bool = Field(default=False, description="server-sent events (also with Accept: text/event-stream)")
-    verify: bool = Field(default=False, description="re-hash the session's turns before restoring; a bad turn is a miss")
-    override: list[str] = Field(default_factory=list, max_length=8, description="fingerprint fields not to compare, e.g. model.weights_hash")
-    create: bool = Field(default=False, description="create the session (with the engine's fingerprint) if it does not exist")
+    verify: bool = Field(
+        default=False, description="re-hash the session's turns before restoring; a bad turn is a miss"
+    )
+    override: list[str] = Field(
+        default_factory=list, max_length=8, description="fingerprint fields not to compare, e.g. model.weights_hash"
+    )
+    create: bool = Field(
+        default=False, description="create the session (with the engine's fingerprint) if it does not exist"
+    )
     tags: list[str] = Field(default_factory=list, max_length=32, description="tags of a session this call creates")
 
     @field_validator("tokens")

@@ -49,13 +49,19 @@ def main() -> None:
         server = Server(Path(tmp) / "data")
         try:
             with server.client() as client:
-                client.post("/sessions", json={"id": "one", "model": MODEL, "geometry": GEOMETRY_JSON}).raise_for_status()
+                client.post(
+                    "/sessions", json={"id": "one", "model": MODEL, "geometry": GEOMETRY_JSON}
+                ).raise_for_status()
                 began = time.perf_counter()
                 for turn in range(args.turns):
-                    client.post("/sessions/one/append", content=payloads[turn % len(payloads)], headers=RAW).raise_for_status()
+                    client.post(
+                        "/sessions/one/append", content=payloads[turn % len(payloads)], headers=RAW
+                    ).raise_for_status()
                 http_s = time.perf_counter() - began
                 for i in range(args.clients):
-                    client.post("/sessions", json={"id": f"c{i}", "model": MODEL, "geometry": GEOMETRY_JSON}).raise_for_status()
+                    client.post(
+                        "/sessions", json={"id": f"c{i}", "model": MODEL, "geometry": GEOMETRY_JSON}
+                    ).raise_for_status()
 
             latencies: list[float] = []
             errors: list[str] = []
@@ -67,7 +73,9 @@ def main() -> None:
                     start.wait()
                     for turn in range(args.turns):
                         began = time.perf_counter()
-                        response = own.post(f"/sessions/c{i}/append", content=payloads[(i + turn) % len(payloads)], headers=RAW)
+                        response = own.post(
+                            f"/sessions/c{i}/append", content=payloads[(i + turn) % len(payloads)], headers=RAW
+                        )
                         took = time.perf_counter() - began
                         with lock:
                             latencies.append(took)
@@ -90,7 +98,9 @@ def main() -> None:
     print(f"append, GLM geometry (78 x 512/64, nic 0), v2, {TURN}-token turns ({mb:.1f} MB each), {args.turns} turns")
     print(f"{'path':<34}{'tokens/s':>10}{'MB/s':>8}{'ratio':>8}")
     print(f"{'direct: SessionStore.append':<34}{tokens / direct_s:>10.0f}{args.turns * mb / direct_s:>8.0f}{1.0:>8.2f}")
-    print(f"{'http: POST /append (1 client)':<34}{tokens / http_s:>10.0f}{args.turns * mb / http_s:>8.0f}{http_s / direct_s:>8.2f}")
+    print(
+        f"{'http: POST /append (1 client)':<34}{tokens / http_s:>10.0f}{args.turns * mb / http_s:>8.0f}{http_s / direct_s:>8.2f}"
+    )
     total = args.clients * tokens
     print(
         f"{args.clients} clients x {args.turns} turns: {total / concurrent_s:.0f} tokens/s aggregate, "

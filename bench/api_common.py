@@ -57,8 +57,19 @@ class Server:
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         env = {**os.environ, "KVSTORE_API_KEYS": f"{KEY}:bench"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "serve", "--data", str(data), "--fd", str(listener.fileno()),
-             "--log-level", "warning", *extra],
+            [
+                sys.executable,
+                "-m",
+                "kvstore.cli",
+                "serve",
+                "--data",
+                str(data),
+                "--fd",
+                str(listener.fileno()),
+                "--log-level",
+                "warning",
+                *extra,
+            ],
             pass_fds=[listener.fileno()],
             env=env,
         )

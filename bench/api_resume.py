@@ -42,7 +42,7 @@ def fetch(client, session_id: str) -> tuple[np.ndarray, int]:
         view = memoryview(body)
         got = 0
         for chunk in response.iter_raw():
-            view[got:got + len(chunk)] = chunk
+            view[got : got + len(chunk)] = chunk
             got += len(chunk)
         reused = int(response.headers["x-kv-reused-tokens"])
     return np.frombuffer(body, dtype=coli_kv.record_dtype(GLM, TIER)), reused
@@ -81,12 +81,17 @@ def main() -> None:
         server = Server(data)
         try:
             with server.client() as client:
-                created = client.post("/sessions", json={"id": "long", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": "fp8"})
+                created = client.post(
+                    "/sessions", json={"id": "long", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": "fp8"}
+                )
                 created.raise_for_status()
                 for start in range(0, args.tokens, 1024):
                     chunk = v2_records(min(1024, args.tokens - start), seed=start)
-                    client.post("/sessions/long/append", content=chunk.tobytes(),
-                                headers={"Content-Type": "application/octet-stream"}).raise_for_status()
+                    client.post(
+                        "/sessions/long/append",
+                        content=chunk.tobytes(),
+                        headers={"Content-Type": "application/octet-stream"},
+                    ).raise_for_status()
                 journal = data / "journals" / "long.coli_kv"
                 size = journal.stat().st_size
                 reference = coli_kv.load(journal)  # warms the page cache
@@ -97,7 +102,9 @@ def main() -> None:
                     began = time.perf_counter()
                     out = fn()
                     timings[name][0].append(time.perf_counter() - began)
-                    timings[name][1].append(own_cpu_seconds() + (process_cpu_seconds(server.process.pid) if with_server else 0.0) - cpu)
+                    timings[name][1].append(
+                        own_cpu_seconds() + (process_cpu_seconds(server.process.pid) if with_server else 0.0) - cpu
+                    )
                     return out
 
                 for _ in range(args.repeat):  # interleaved, so load from elsewhere hits all three alike
@@ -109,7 +116,9 @@ def main() -> None:
         finally:
             server.stop()
     disk_s, disk_c = statistics.median(timings["disk"][0]), statistics.median(timings["disk"][1])
-    print(f"resume of {args.tokens} tokens, GLM geometry (78 x 512/64, nic 0), v2: {size / 1e9:.2f} GB, median of {args.repeat}")
+    print(
+        f"resume of {args.tokens} tokens, GLM geometry (78 x 512/64, nic 0), v2: {size / 1e9:.2f} GB, median of {args.repeat}"
+    )
     print(f"{'path':<40}{'wall s':>8}{'GB/s':>7}{'ratio':>7}{'cpu s':>8}{'cpu ratio':>10}")
     for name, label in (
         ("disk", "disk: coli_kv.load"),
@@ -119,6 +128,7 @@ def main() -> None:
         wall, cpu = statistics.median(timings[name][0]), statistics.median(timings[name][1])
         print(f"{label:<40}{wall:>8.3f}{size / wall / 1e9:>7.2f}{wall / disk_s:>7.2f}{cpu:>8.3f}{cpu / disk_c:>10.2f}")
     print("cpu s: this process (+ the server process for the API rows), user + system")
+
 
 if __name__ == "__main__":
     main()

@@ -28,9 +28,11 @@ CONSTANTS = {
     "scale/radius ceiling 3.4e38": lambda v: isinstance(v, float) and abs(v - 3.4e38) < 1e30,
     "amax/radius floor 1e-35": lambda v: isinstance(v, float) and abs(v - 1e-35) < 1e-40,
 }
-SPELLINGS = {"f32", "bf16", "fp8", "int4", "int8", "q8", "tq-int4", "tq-polar", "polar", "v1", "v2", "v3", "tq"} | {
-    f"polar{b}" for b in range(2, 7)
-} | {f"polar-{b}" for b in range(2, 7)}
+SPELLINGS = (
+    {"f32", "bf16", "fp8", "int4", "int8", "q8", "tq-int4", "tq-polar", "polar", "v1", "v2", "v3", "tq"}
+    | {f"polar{b}" for b in range(2, 7)}
+    | {f"polar-{b}" for b in range(2, 7)}
+)
 
 
 def source_files(root: Path) -> list[Path]:

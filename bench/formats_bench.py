@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore import tiers
 from kvstore.filetools import migrate_file
 from kvstore.formats import coli_kv, fp8
 from kvstore.formats.coli_kv import Geometry, Header, Tier
 from kvstore.journal import KVFile
-from kvstore import tiers
 
 GLM5 = Geometry(n_layers=78, kv_lora=512, qk_rope=64, index_hd=0, nic=0, vocab=154880)
 

@@ -23,8 +23,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOSS_KEYS = ("lost", "data_lost", "lost_or_inconsistent", "lost_or_duplicated", "garbage_loaded", "interleaved",
-             "inconsistent_reads", "changed", "leaked", "escaped", "accepted", "server_errors")
+LOSS_KEYS = (
+    "lost",
+    "data_lost",
+    "lost_or_inconsistent",
+    "lost_or_duplicated",
+    "garbage_loaded",
+    "interleaved",
+    "inconsistent_reads",
+    "changed",
+    "leaked",
+    "escaped",
+    "accepted",
+    "server_errors",
+)
 TOTAL_KEYS = {
     "trials": "crash trials (SIGKILL)",
     "kills_mid_call": "kills inside a store call",
@@ -47,22 +59,33 @@ def run(long: bool, target: Path) -> tuple[int, float]:
 
 
 def render(document: dict, wall: float | None = None) -> str:
-    lines = [f"Run: {'KVSTORE_LONG=1' if document['long'] else 'CI counts'}"
-             + (f", {wall / 60:.1f} min in all" if wall is not None else "")]
+    lines = [
+        f"Run: {'KVSTORE_LONG=1' if document['long'] else 'CI counts'}"
+        + (f", {wall / 60:.1f} min in all" if wall is not None else "")
+    ]
     totals: dict[str, int] = {}
     lost = 0
     for suite, operations in document["suites"].items():
         columns = sorted({key for counts in operations.values() for key in counts})
-        lines += ["", f"**{suite}**", "",
-                  "| operation | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        lines += [
+            "",
+            f"**{suite}**",
+            "",
+            "| operation | " + " | ".join(columns) + " |",
+            "|---" * (len(columns) + 1) + "|",
+        ]
         for operation, counts in operations.items():
             lines.append(f"| {operation} | " + " | ".join(str(counts.get(c, "")) for c in columns) + " |")
             for key, value in counts.items():
                 totals[key] = totals.get(key, 0) + value
                 if key in LOSS_KEYS:
                     lost += value
-    lines += ["", "Totals: " + ", ".join(f"{label} {totals[key]}" for key, label in TOTAL_KEYS.items() if key in totals)
-              + f"; data lost, inconsistencies or 5xx: {lost}"]
+    lines += [
+        "",
+        "Totals: "
+        + ", ".join(f"{label} {totals[key]}" for key, label in TOTAL_KEYS.items() if key in totals)
+        + f"; data lost, inconsistencies or 5xx: {lost}",
+    ]
     walls = ", ".join(f"{module} {seconds:.0f} s" for module, seconds in document["wall_s"].items())
     lines.append(f"Wall time per suite: {walls}")
     return "\n".join(lines)
@@ -96,7 +119,10 @@ DETAIL_KEYS = {
 
 def compare(ci: dict, long: dict) -> str:
     """One table: each suite's operations with the CI and the long counts side by side."""
-    lines = ["| suite | operation | counted | CI | long | what else the long run saw | lost |", "|---|---|---|---:|---:|---|---:|"]
+    lines = [
+        "| suite | operation | counted | CI | long | what else the long run saw | lost |",
+        "|---|---|---|---:|---:|---|---:|",
+    ]
     for suite in sorted(set(ci["suites"]) | set(long["suites"])):
         operations = sorted(set(ci["suites"].get(suite, {})) | set(long["suites"].get(suite, {})))
         for operation in operations:
@@ -116,9 +142,14 @@ def compare(ci: dict, long: dict) -> str:
                     totals[key] = totals.get(key, 0) + value
         lost = sum(totals.get(k, 0) for k in LOSS_KEYS)
         wall = sum(document["wall_s"].values())
-        lines += ["", f"{name} run: " + ", ".join(f"{label} {totals[key]}" for key, label in TOTAL_KEYS.items() if key in totals)
-                  + f"; lost, inconsistent or 5xx: {lost}; {wall / 60:.1f} min of test time ("
-                  + ", ".join(f"{m.removeprefix('test_')} {v:.0f} s" for m, v in document["wall_s"].items()) + ")"]
+        lines += [
+            "",
+            f"{name} run: "
+            + ", ".join(f"{label} {totals[key]}" for key, label in TOTAL_KEYS.items() if key in totals)
+            + f"; lost, inconsistent or 5xx: {lost}; {wall / 60:.1f} min of test time ("
+            + ", ".join(f"{m.removeprefix('test_')} {v:.0f} s" for m, v in document["wall_s"].items())
+            + ")",
+        ]
     return "\n".join(lines)
 
 
@@ -126,7 +157,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--long", action="store_true", help="run with KVSTORE_LONG=1")
     parser.add_argument("--from", dest="source", help="render this reliability.json instead of running")
-    parser.add_argument("--compare", nargs=2, metavar=("CI.json", "LONG.json"), help="one table of a CI run and a long run")
+    parser.add_argument(
+        "--compare", nargs=2, metavar=("CI.json", "LONG.json"), help="one table of a CI run and a long run"
+    )
     args = parser.parse_args()
     if args.compare:
         ci, long = (json.loads(Path(p).read_text()) for p in args.compare)

@@ -136,7 +136,9 @@ def check_geometry(geometry: Geometry, tier: Tier) -> None:
             if getattr(g, name) < 2:
                 raise BadHeader(f"v3 rows need a width of at least 2, {name} is {getattr(g, name)}")
     if record_bytes(g, tier) > MAX_RECORD_BYTES:
-        raise BadHeader(f"a record of this geometry is {record_bytes(g, tier)} bytes; the format's records are under 2 GiB")
+        raise BadHeader(
+            f"a record of this geometry is {record_bytes(g, tier)} bytes; the format's records are under 2 GiB"
+        )
 
 
 def record_dtype(geometry: Geometry, tier: Tier) -> np.dtype:
@@ -374,7 +376,9 @@ class KVRecords:
         return self.records[start:stop].tobytes()
 
 
-def parse(buf: bytes | bytearray | memoryview, *, expect: Geometry | None = None, tier: Tier | None = None) -> KVRecords:
+def parse(
+    buf: bytes | bytearray | memoryview, *, expect: Geometry | None = None, tier: Tier | None = None
+) -> KVRecords:
     """Parse a whole file image.
 
     Parameters
@@ -476,7 +480,9 @@ def encode_records(geometry: Geometry, tier: Tier, tokens, L, R, I=None) -> np.n
     return records
 
 
-def encode_file(geometry: Geometry, tokens, L, R, I=None, *, version: int, codec: int | None = None, bits: int | None = None) -> bytes:
+def encode_file(
+    geometry: Geometry, tokens, L, R, I=None, *, version: int, codec: int | None = None, bits: int | None = None
+) -> bytes:
     """A whole file image (header with ``nrec = n`` + records)."""
     tier = tiers.from_file(version, codec, bits)
     check_geometry(geometry, tier)
@@ -484,7 +490,9 @@ def encode_file(geometry: Geometry, tokens, L, R, I=None, *, version: int, codec
     return Header(geometry, tier, records.shape[0]).to_bytes() + records.tobytes()
 
 
-def write(path, tokens, L, R, I=None, *, vocab: int, version: int, codec: int | None = None, bits: int | None = None) -> None:
+def write(
+    path, tokens, L, R, I=None, *, vocab: int, version: int, codec: int | None = None, bits: int | None = None
+) -> None:
     """Write a complete file (geometry taken from the arrays' shapes).
 
     A plain write for tools and tests; for durable, crash-safe writes use ``kvstore.KVFile``.

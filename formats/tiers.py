@@ -158,8 +158,13 @@ class Tier:
         ``codec`` is the v3 codec's old name (``int4``/``polar``) and ``bits`` the v3 bits, as
         reports showed them before tiers had names.
         """
-        return {"name": self.name, "version": self.version, "codec": self.codec_name, "bits": self.bits,
-                "description": self.describe()}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "codec": self.codec_name,
+            "bits": self.bits,
+            "description": self.describe(),
+        }
 
     # ---- sizes ----------------------------------------------------------------------------------
     def payload_bytes(self, width: int) -> int:
@@ -216,8 +221,13 @@ class Tier:
             return q8.quantize_blocks(rows)
         return tq.quantize_rows(rows, self.codec, self.bits)
 
-    def dequantize(self, codes: np.ndarray, scales: np.ndarray | None = None, width: int | None = None,
-                   out: np.ndarray | None = None) -> np.ndarray:
+    def dequantize(
+        self,
+        codes: np.ndarray,
+        scales: np.ndarray | None = None,
+        width: int | None = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Inverse of :meth:`quantize`: f32[..., n] (``width`` = n is needed for the TQ tiers)."""
         if self.name == "f32":
             rows = np.asarray(codes, dtype=np.float32)
@@ -254,7 +264,9 @@ class Tier:
         if scales is None:
             return payload
         scale_bytes = np.ascontiguousarray(scales, dtype=scales.dtype.newbyteorder("<")).view(np.uint8)
-        stored = np.empty((*lead, payload.shape[-1] + scale_bytes.size // max(1, int(np.prod(lead, dtype=np.int64)))), np.uint8)
+        stored = np.empty(
+            (*lead, payload.shape[-1] + scale_bytes.size // max(1, int(np.prod(lead, dtype=np.int64)))), np.uint8
+        )
         stored[..., : payload.shape[-1]] = payload
         stored[..., payload.shape[-1] :] = scale_bytes.reshape(*lead, -1)
         return stored
@@ -310,7 +322,10 @@ BF16 = Tier("bf16", 1, in_file=False, label="bf16 values")
 FP8 = Tier("fp8", 2, label="e4m3 codes + f32 scale")
 INT4 = Tier("int4", 3, tq.CODEC_INT4, 4, label="rotated int4 codes + radius")
 Q8 = Tier("q8", 1, in_file=False, label="Q8_0 int8 blocks + f16 deltas")
-_POLAR = {bits: Tier(f"polar{bits}", 3, tq.CODEC_POLAR, bits, label=f"PolarQuant {bits}-bit codes + radius") for bits in POLAR_BITS}
+_POLAR = {
+    bits: Tier(f"polar{bits}", 3, tq.CODEC_POLAR, bits, label=f"PolarQuant {bits}-bit codes + radius")
+    for bits in POLAR_BITS
+}
 
 #: Every tier by its canonical name, in the order the docs list them.
 TIERS: dict[str, Tier] = {t.name: t for t in (F32, BF16, FP8, INT4, *_POLAR.values(), Q8)}
@@ -372,7 +387,9 @@ def from_header(version: int, tag: int) -> Tier:
 # Accepted for one release with a TierSpellingDeprecated warning: `v1`/`v2`/`v3` (+ `--codec`,
 # `--bits`), the engine's `tq-int4`/`tq-polar`/`int8`, the API's `polar-3`, and `v3:polar:3`.
 _OLD_NAMES = {"v1": "f32", "1": "f32", "v2": "fp8", "2": "fp8", "tq-int4": "int4", "tq": "int4", "int8": "q8"}
-_OLD_PATTERN = re.compile(r"^(?:v3|3)(?::(?P<codec>polar|int4)(?::(?P<bits>\d+))?)?$|^(?:tq-)?polar(?:-(?P<pbits>\d+))?$")
+_OLD_PATTERN = re.compile(
+    r"^(?:v3|3)(?::(?P<codec>polar|int4)(?::(?P<bits>\d+))?)?$|^(?:tq-)?polar(?:-(?P<pbits>\d+))?$"
+)
 
 
 def resolve(text: str, *, codec: str | None = None, bits: int | None = None) -> tuple[Tier, str | None]:
@@ -434,7 +451,9 @@ def resolve(text: str, *, codec: str | None = None, bits: int | None = None) -> 
 
 
 def _note(text: str, codec: str | None, bits: int | None, tier: Tier) -> str:
-    extra = ", ".join(part for part in (f"codec {codec}" if codec else "", f"bits {bits}" if bits is not None else "") if part)
+    extra = ", ".join(
+        part for part in (f"codec {codec}" if codec else "", f"bits {bits}" if bits is not None else "") if part
+    )
     return f"tier {text!r}{f' ({extra})' if extra else ''} is deprecated: use {tier.name!r}"
 
 

@@ -483,7 +483,9 @@ def _cos_sin_f32(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=None)
-def _polar_levels(n: int, bits: int) -> tuple[tuple[int, int, int, np.float32, np.float32, np.ndarray, np.ndarray], ...]:
+def _polar_levels(
+    n: int, bits: int
+) -> tuple[tuple[int, int, int, np.float32, np.float32, np.ndarray, np.ndarray], ...]:
     """Per angle level: (code offset, count, bits, lo, bin width scale, cos table, sin table).
 
     Level 1 uses ``lo = -pi`` and ``q = floor((ang + pi) * (0.5/pi) * 2^b1)``; deeper levels
@@ -546,7 +548,9 @@ def _polar_encode_columns(block: np.ndarray, scratch: np.ndarray, bits: int) -> 
     return codes
 
 
-def _polar_decode_columns(codes: np.ndarray, radii: np.ndarray, scratch: np.ndarray, block: np.ndarray, bits: int) -> np.ndarray:
+def _polar_decode_columns(
+    codes: np.ndarray, radii: np.ndarray, scratch: np.ndarray, block: np.ndarray, bits: int
+) -> np.ndarray:
     """Rows ``f32[n, rows]`` from angle codes ``u8[n - 1, rows]`` (write order)."""
     n, rows = block.shape
     levels = _polar_levels(n, bits)

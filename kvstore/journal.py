@@ -79,7 +79,7 @@ def read_whole(fd: int) -> memoryview:
     """The file's current bytes, read with as few syscalls as the kernel allows (<= 2 GiB each)."""
     size = os.fstat(fd).st_size
     buf = np.empty(size, dtype=np.uint8)  # not bytearray(size): that zero-fills first
-    view = memoryview(buf)
+    view = buf.data
     got = 0
     while got < size:
         n = os.preadv(fd, [view[got:]], got)
@@ -108,13 +108,17 @@ class AtomicFile:
         return self
 
     def write(self, payload: bytes | memoryview | np.ndarray) -> None:
+        if self._fd is None:
+            raise JournalClosed(f"{self.path.name}: write outside the AtomicFile's with-block")
         if isinstance(payload, np.ndarray):
-            payload = memoryview(np.ascontiguousarray(payload)).cast("B")
+            payload = np.ascontiguousarray(payload).data.cast("B")
         _pwrite_all(self._fd, payload, self.size)
         self.size += len(memoryview(payload).cast("B"))
 
     def __exit__(self, exc_type, exc, tb) -> None:
         fd, self._fd = self._fd, None
+        if fd is None:
+            return
         try:
             if exc_type is None:
                 os.fsync(fd)  # the new image is on disk before its name can point at it
@@ -327,15 +331,16 @@ class KVFile:
             if total > MAX_RECORDS:
                 raise FormatError(f"{total} records exceed the format's limit of {MAX_RECORDS}")
             if self.upgrade_pending:
-                self._rewrite(extra=records)
-                return self._committed
+                return self._rewrite(extra=records)
             offset = HEADER_BYTES + committed * dtype.itemsize
-            _pwrite_all(self._fd, memoryview(records).cast("B"), offset)
+            _pwrite_all(self._fd, records.data.cast("B"), offset)
             os.fsync(self._fd)  # data first: the counter must never point at unwritten rows
             self._publish(total, committed)
         except OSError as exc:
             self._committed = None
-            raise JournalWriteError(f"append to {self.path.name} failed ({exc.strerror or exc}); committed records are intact") from exc
+            raise JournalWriteError(
+                f"append to {self.path.name} failed ({exc.strerror or exc}); committed records are intact"
+            ) from exc
         except BaseException:
             self._committed = None
             raise
@@ -402,8 +407,7 @@ class KVFile:
             committed = self._commit_point()
             target = min(n, committed)
             if self.upgrade_pending:
-                self._rewrite(keep=target)
-                return self._committed
+                return self._rewrite(keep=target)
             self._publish(target, committed)  # the lower commit point is durable before bytes disappear
             os.ftruncate(self._fd, HEADER_BYTES + target * self._header.rec_bytes)
             os.fsync(self._fd)
@@ -425,10 +429,14 @@ class KVFile:
                 self._rewrite()
             except OSError as exc:
                 self._committed = None
-                raise JournalWriteError(f"rewrite of {self.path.name} failed ({exc.strerror or exc}); the old file is intact") from exc
+                raise JournalWriteError(
+                    f"rewrite of {self.path.name} failed ({exc.strerror or exc}); the old file is intact"
+                ) from exc
 
-    def _rewrite(self, extra: np.ndarray | None = None, keep: int | None = None) -> None:
-        """Atomically replace the file with its committed records in the active tier (+ ``extra``)."""
+    def _rewrite(self, extra: np.ndarray | None = None, keep: int | None = None) -> int:
+        """Atomically replace the file with its committed records in the active tier (+ ``extra``).
+
+        Returns the new commit point."""
         records = self.load()  # already converted to the active tier
         if keep is not None:
             records = records.slice(0, keep)
@@ -445,6 +453,7 @@ class KVFile:
         self._fd = new_fd
         self._header = header
         self._committed = total
+        return total
 
     def close(self) -> None:
         if self._fd >= 0:

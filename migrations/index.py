@@ -92,7 +92,7 @@ def turn_value(start: int, end: int, complete: bool, digest: bytes) -> bytes:
 
 def parse_turn_value(value: bytes) -> tuple[int, int, bool, bytes]:
     start, end, complete = _TURN.unpack_from(value)
-    return start, end, bool(complete), bytes(value[_TURN.size:])
+    return start, end, bool(complete), bytes(value[_TURN.size :])
 
 
 def owner_key(owner: str, session_id: str) -> bytes:
@@ -104,7 +104,7 @@ def lru_key(last_used_ns: int, session_id: str) -> bytes:
 
 
 def lru_session(key: bytes) -> str:
-    return key[_U64.size:].decode()
+    return key[_U64.size :].decode()
 
 
 def prefix_key(chain: bytes, session_id: str) -> bytes:
@@ -235,7 +235,9 @@ def register(step: SchemaStep) -> SchemaStep:
 
 
 register(SchemaStep(1, "owner-and-lru-indexes", "index sessions by owner and by last use", _add_owner_and_lru))
-register(SchemaStep(2, "prefix-blocks", "index block-aligned token prefix hashes; space reservations", _add_prefix_blocks))
+register(
+    SchemaStep(2, "prefix-blocks", "index block-aligned token prefix hashes; space reservations", _add_prefix_blocks)
+)
 
 
 def plan(current: int) -> list[SchemaStep]:

@@ -17,7 +17,7 @@ def fenced_blocks(doc: Path, languages: tuple[str, ...]) -> list[tuple[str, str,
     text = doc.read_text()
     out, last = [], 0
     for match in fence.finditer(text):
-        out.append((text[last:match.start()], match.group(1), match.group(2)))
+        out.append((text[last : match.start()], match.group(1), match.group(2)))
         last = match.end()
     return out
 

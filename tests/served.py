@@ -49,10 +49,28 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         env = {k: v for k, v in os.environ.items() if k != "KVSTORE_API_KEYS"}
         env.update(self.env)
-        command = [sys.executable, "-m", "kvstore.cli", "serve", "--data", str(self.data),
-                   "--fd", str(listener.fileno()), "--log-level", self.log_level, *self.extra]
-        self.process = subprocess.Popen(command, pass_fds=[listener.fileno()], env=env, cwd=self.cwd,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        command = [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "serve",
+            "--data",
+            str(self.data),
+            "--fd",
+            str(listener.fileno()),
+            "--log-level",
+            self.log_level,
+            *self.extra,
+        ]
+        self.process = subprocess.Popen(
+            command,
+            pass_fds=[listener.fileno()],
+            env=env,
+            cwd=self.cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         listener.close()
         deadline = time.monotonic() + self.start_timeout
         while True:

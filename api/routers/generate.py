@@ -39,7 +39,9 @@ from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger("kvstore.api")
 
-router = APIRouter(tags=["generate"], responses={status: {"model": ErrorBody} for status in (400, 401, 404, 409, 422, 503, 507)})
+router = APIRouter(
+    tags=["generate"], responses={status: {"model": ErrorBody} for status in (400, 401, 404, 409, 422, 503, 507)}
+)
 
 EVENT_STREAM = "text/event-stream"
 
@@ -115,7 +117,9 @@ async def generate(
         finally:
             gate.release()
         metrics.record_turn(result)
-        return JSONResponse(_turn_json(result), headers=_split_headers(result.reused_tokens, result.prefilled_tokens, result.source))
+        return JSONResponse(
+            _turn_json(result), headers=_split_headers(result.reused_tokens, result.prefilled_tokens, result.source)
+        )
 
     events: queue.Queue = queue.Queue()
     loop = asyncio.get_running_loop()
@@ -132,7 +136,9 @@ async def generate(
             release()
             raise
         try:
-            threading.Thread(target=_produce, args=(turn, events, metrics, release), name=f"generate-{session_id}", daemon=True).start()
+            threading.Thread(
+                target=_produce, args=(turn, events, metrics, release), name=f"generate-{session_id}", daemon=True
+            ).start()
         except BaseException:
             turn.close()
             release()
@@ -171,7 +177,12 @@ def _produce(turn, events: queue.Queue, metrics: Metrics, release) -> None:
     except Exception as exc:
         log.exception("generate on %s failed", turn.session_id)
         metrics.record_failure("InternalError")
-        events.put(("error", {"error": "InternalError", "reason": f"{type(exc).__name__}: the turn failed; see the service log"}))
+        events.put(
+            (
+                "error",
+                {"error": "InternalError", "reason": f"{type(exc).__name__}: the turn failed; see the service log"},
+            )
+        )
     finally:
         release()
         events.put(None)

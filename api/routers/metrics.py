@@ -39,10 +39,18 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # name -> (type, help, the label sets shown even at 0)
 FAMILIES: dict[str, tuple[str, str, list[dict[str, str]]]] = {
-    "kvstore_generate_requests_total": ("counter", "Generate calls by outcome.", [{"outcome": "ok"}, {"outcome": "error"}]),
+    "kvstore_generate_requests_total": (
+        "counter",
+        "Generate calls by outcome.",
+        [{"outcome": "ok"}, {"outcome": "error"}],
+    ),
     "kvstore_generate_errors_total": ("counter", "Failed generate calls by error type.", []),
     "kvstore_prefilled_tokens_total": ("counter", "Context tokens run through the model by generate calls.", [{}]),
-    "kvstore_reused_tokens_total": ("counter", "Context tokens whose stored rows generate calls reused (not prefilled).", [{}]),
+    "kvstore_reused_tokens_total": (
+        "counter",
+        "Context tokens whose stored rows generate calls reused (not prefilled).",
+        [{}],
+    ),
     "kvstore_generated_tokens_total": ("counter", "Tokens generated.", [{}]),
     "kvstore_restores_total": (
         "counter",
@@ -120,10 +128,16 @@ async def metrics(request: Request, store: Store, counters: Counters) -> PlainTe
     gauges = {
         "kvstore_store_used_bytes": ("Bytes the store holds (journals and archives).", usage["used_bytes"]),
         "kvstore_store_reserved_bytes": ("Bytes reserved by writers in progress.", usage["reserved_bytes"]),
-        "kvstore_engine_loaded": ("1 when the service runs a model (kvstore serve --model).", 1 if getattr(request.app.state, "engine", None) else 0),
+        "kvstore_engine_loaded": (
+            "1 when the service runs a model (kvstore serve --model).",
+            1 if getattr(request.app.state, "engine", None) else 0,
+        ),
     }
     if usage["budget_bytes"] is not None:
         gauges["kvstore_store_budget_bytes"] = ("The soft disk budget (LRU eviction above it).", usage["budget_bytes"])
     if usage["hard_limit_bytes"] is not None:
-        gauges["kvstore_store_hard_limit_bytes"] = ("The hard disk limit (writes past it are refused).", usage["hard_limit_bytes"])
+        gauges["kvstore_store_hard_limit_bytes"] = (
+            "The hard disk limit (writes past it are refused).",
+            usage["hard_limit_bytes"],
+        )
     return PlainTextResponse(counters.render(gauges), media_type=CONTENT_TYPE)

@@ -87,7 +87,9 @@ def _out(info) -> dict[str, Any]:
 @router.post("", status_code=201, response_model=SessionOut, summary="Create a session")
 def create_session(body: CreateSession, response: Response, owner: Owner, store: Store) -> dict:
     tier, note = body.read_tier()
-    info = store.create(owner, body.geometry.to_geometry(), tier, body.model.to_model(), session_id=body.id, tags=body.tags)
+    info = store.create(
+        owner, body.geometry.to_geometry(), tier, body.model.to_model(), session_id=body.id, tags=body.tags
+    )
     mark_deprecated(response, note)
     return _out(info)
 
@@ -142,11 +144,19 @@ async def append_rows(
     info = await run_in_threadpool(store.get, session_id, owner=owner)  # 404 before reading a big body
     body = await read_body(request, settings.max_body_bytes)
     if kind == RAW_MEDIA_TYPE:
-        result = await run_in_threadpool(store.append_records, session_id, body, complete_turn=complete_turn, owner=owner)
+        result = await run_in_threadpool(
+            store.append_records, session_id, body, complete_turn=complete_turn, owner=owner
+        )
     else:
         tokens, L, R, I = await run_in_threadpool(arrow.rows_from_stream, body, info.geometry)
-        result = await run_in_threadpool(store.append, session_id, tokens, L, R, I, complete_turn=complete_turn, owner=owner)
-    return {"session": _out(result.info), "appended": result.appended, "turn": list(result.turn) if result.turn else None}
+        result = await run_in_threadpool(
+            store.append, session_id, tokens, L, R, I, complete_turn=complete_turn, owner=owner
+        )
+    return {
+        "session": _out(result.info),
+        "appended": result.appended,
+        "turn": list(result.turn) if result.turn else None,
+    }
 
 
 def _expected(info, params: dict[str, str | None], tier: Tier | None, geometry: str | None) -> Fingerprint | None:
@@ -159,7 +169,9 @@ def _expected(info, params: dict[str, str | None], tier: Tier | None, geometry: 
     if geometry is not None:
         words = geometry.split(",")
         if len(words) != 6 or not all(w.strip().isdigit() and len(w.strip()) <= 10 for w in words):
-            raise InvalidRequest("geometry is six comma-separated non-negative integers (n_layers,kv_lora,qk_rope,index_hd,nic,vocab)")
+            raise InvalidRequest(
+                "geometry is six comma-separated non-negative integers (n_layers,kv_lora,qk_rope,index_hd,nic,vocab)"
+            )
         expected_geometry = Geometry(*(int(w) for w in words))
     return Fingerprint(ModelInfo.from_dict(model.to_dict()), expected_geometry, tier if tier is not None else info.tier)
 
@@ -195,7 +207,9 @@ async def resume(
     request: Request,
     session_id: SessionId,
     *,
-    format: Annotated[Literal["raw", "arrow", "coli_kv"] | None, Query(description="default: from Accept, else raw")] = None,
+    format: Annotated[
+        Literal["raw", "arrow", "coli_kv"] | None, Query(description="default: from Accept, else raw")
+    ] = None,
     verify: Annotated[bool, Query(description="re-hash the turns first; damage is a miss, never served")] = False,
     model_name: Annotated[str | None, Query(max_length=256)] = None,
     model_revision: Annotated[str | None, Query(max_length=256)] = None,
@@ -204,7 +218,8 @@ async def resume(
     chat_template_hash: Annotated[str | None, Query(max_length=256)] = None,
     attention_variant: Annotated[str | None, Query(max_length=256)] = None,
     tier: Annotated[
-        str | None, Query(min_length=1, max_length=MAX_TIER_CHARS, description=f"expected tier: {', '.join(SESSION_TIERS)}")
+        str | None,
+        Query(min_length=1, max_length=MAX_TIER_CHARS, description=f"expected tier: {', '.join(SESSION_TIERS)}"),
     ] = None,
     geometry: Annotated[
         str | None, Query(max_length=80, description="expected n_layers,kv_lora,qk_rope,index_hd,nic,vocab")
@@ -296,12 +311,16 @@ def verify_session(session_id: SessionId, owner: Owner, store: Store) -> dict:
 @router.post("/{session_id}/park", status_code=202, response_model=JobOut, summary="Compress into the archive (a job)")
 def park(session_id: SessionId, owner: Owner, store: Store, jobs: Jobs) -> dict:
     store.get(session_id, owner=owner)  # 404 now, not as a failed job
-    job = jobs.submit(owner, "park", session_id, lambda progress: _out(store.park(session_id, owner=owner, progress=progress)))
+    job = jobs.submit(
+        owner, "park", session_id, lambda progress: _out(store.park(session_id, owner=owner, progress=progress))
+    )
     return job.to_dict()
 
 
 @router.post("/{session_id}/unpark", status_code=202, response_model=JobOut, summary="Restore from the archive (a job)")
 def unpark(session_id: SessionId, owner: Owner, store: Store, jobs: Jobs) -> dict:
     store.get(session_id, owner=owner)
-    job = jobs.submit(owner, "unpark", session_id, lambda progress: _out(store.unpark(session_id, owner=owner, progress=progress)))
+    job = jobs.submit(
+        owner, "unpark", session_id, lambda progress: _out(store.unpark(session_id, owner=owner, progress=progress))
+    )
     return job.to_dict()

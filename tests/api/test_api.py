@@ -45,11 +45,15 @@ def arrow_body(tokens, L, R, I, *, l_width=None):
     n = tokens.shape[0]
     columns = {
         "token": pa.array(tokens, pa.int32()),
-        "L": pa.FixedSizeListArray.from_arrays(pa.array(L.transpose(1, 0, 2).reshape(-1)), l_width or L.shape[0] * L.shape[2]),
+        "L": pa.FixedSizeListArray.from_arrays(
+            pa.array(L.transpose(1, 0, 2).reshape(-1)), l_width or L.shape[0] * L.shape[2]
+        ),
         "R": pa.FixedSizeListArray.from_arrays(pa.array(R.transpose(1, 0, 2).reshape(-1)), R.shape[0] * R.shape[2]),
     }
     if I is not None:
-        columns["I"] = pa.FixedSizeListArray.from_arrays(pa.array(I.transpose(1, 0, 2).reshape(-1)), I.shape[0] * I.shape[2])
+        columns["I"] = pa.FixedSizeListArray.from_arrays(
+            pa.array(I.transpose(1, 0, 2).reshape(-1)), I.shape[0] * I.shape[2]
+        )
     table = pa.table(columns)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
@@ -123,21 +127,35 @@ def test_owner_isolation(alice, bob, keys):
     wait_job(alice, job)
     assert [s["id"] for s in alice.get("/sessions").json()["sessions"]] == ["secret"]
     # bob may use the same id for his own session: ids are per store, so it is taken
-    assert_error(bob.post("/sessions", json={"id": "secret", "model": MODEL, "geometry": GEOMETRY_JSON}), 409, "SessionExists")
+    assert_error(
+        bob.post("/sessions", json={"id": "secret", "model": MODEL, "geometry": GEOMETRY_JSON}), 409, "SessionExists"
+    )
 
 
 @pytest.mark.parametrize("bad", ["a.b", "...", "-x", "x" * 65, "%00", "caf%C3%A9", "a%20b", ".hidden"])
 def test_bad_and_traversal_ids_are_refused(server, alice, bad):
     response = alice.get(f"/sessions/{bad}")
     assert_error(response, 400, "InvalidSessionId")
-    assert_error(alice.post(f"/sessions/{bad}/append", content=b"", headers={"Content-Type": RAW}), 400, "InvalidSessionId")
-    assert_error(alice.post("/sessions", json={"id": unquote(bad), "model": MODEL, "geometry": GEOMETRY_JSON}), 400, "InvalidSessionId")
+    assert_error(
+        alice.post(f"/sessions/{bad}/append", content=b"", headers={"Content-Type": RAW}), 400, "InvalidSessionId"
+    )
+    assert_error(
+        alice.post("/sessions", json={"id": unquote(bad), "model": MODEL, "geometry": GEOMETRY_JSON}),
+        400,
+        "InvalidSessionId",
+    )
 
 
 def test_slashes_never_reach_the_store(server, alice):
     # Dot segments are resolved by the client, encoded slashes make a path no route matches:
     # either way the request never names a file.
-    for path in ("/sessions/..", "/sessions/%2E%2E/resume", "/sessions/..%2F..%2Fkeys.json", "/sessions/a%2Fb/resume", "/sessions/%2Fetc%2Fpasswd"):
+    for path in (
+        "/sessions/..",
+        "/sessions/%2E%2E/resume",
+        "/sessions/..%2F..%2Fkeys.json",
+        "/sessions/a%2Fb/resume",
+        "/sessions/%2Fetc%2Fpasswd",
+    ):
         response = alice.get(path)
         assert response.status_code in (400, 404) and set(response.json()) == {"error", "reason"}
     assert sorted(p.name for p in (server.data / "journals").iterdir()) == []
@@ -148,7 +166,13 @@ def test_slashes_never_reach_the_store(server, alice):
 def test_append_raw_and_arrow_then_resume_in_every_form(alice, tier):
     info = create(alice, tier=tier)
     t = tiers.get(tier)
-    assert info["tier"] == {"name": tier, "version": t.version, "codec": t.codec_name, "bits": t.bits, "description": t.describe()}
+    assert info["tier"] == {
+        "name": tier,
+        "version": t.version,
+        "codec": t.codec_name,
+        "bits": t.bits,
+        "description": t.describe(),
+    }
     rows = Rows(3)
     first, second, partial = rows.make(7), rows.make(5), rows.make(4)
     response = append_raw(alice, "chat", rows.encode(t, first))
@@ -170,8 +194,12 @@ def test_append_raw_and_arrow_then_resume_in_every_form(alice, tier):
     assert table.column_names == ["token", "L", "R", "I"] and table.num_rows == 12
     assert table.schema.metadata[b"kvstore.geometry"] == b"2,32,8,4,1,1000"
     L, R, I = coli_kv.parse(coli_kv.Header(GEOMETRY, t, 12).to_bytes() + expected).dequantize()
-    np.testing.assert_array_equal(table.column("L").combine_chunks().flatten().to_numpy().reshape(12, 2, 32), L.transpose(1, 0, 2))
-    np.testing.assert_array_equal(table.column("I").combine_chunks().flatten().to_numpy().reshape(12, 1, 4), I.transpose(1, 0, 2))
+    np.testing.assert_array_equal(
+        table.column("L").combine_chunks().flatten().to_numpy().reshape(12, 2, 32), L.transpose(1, 0, 2)
+    )
+    np.testing.assert_array_equal(
+        table.column("I").combine_chunks().flatten().to_numpy().reshape(12, 1, 4), I.transpose(1, 0, 2)
+    )
     assert table.column("token").to_pylist() == first[0].tolist() + second[0].tolist()
 
 
@@ -184,17 +212,55 @@ def test_malformed_bodies_change_nothing(alice):
     bad_scale["layers"]["Rs"][0, 1] = -1.0
     assert_error(append_raw(alice, "chat", good.tobytes()[:-3]), 422, "FormatError")
     assert_error(append_raw(alice, "chat", bad_scale.tobytes()), 422, "FormatError")
-    assert_error(alice.post("/sessions/chat/append", content=b"\x00" * 64, headers={"Content-Type": ARROW}), 400, "InvalidRequest")
-    assert_error(alice.post("/sessions/chat/append", content=good.tobytes(), headers={"Content-Type": "text/plain"}), 415, "UnsupportedMediaType")
+    assert_error(
+        alice.post("/sessions/chat/append", content=b"\x00" * 64, headers={"Content-Type": ARROW}),
+        400,
+        "InvalidRequest",
+    )
+    assert_error(
+        alice.post("/sessions/chat/append", content=good.tobytes(), headers={"Content-Type": "text/plain"}),
+        415,
+        "UnsupportedMediaType",
+    )
     assert_error(alice.post("/sessions/chat/append", content=good.tobytes()), 415, "UnsupportedMediaType")
-    assert_error(alice.post("/sessions", content=b"{not json", headers={"Content-Type": "application/json"}), 422, "InvalidRequest")
-    assert_error(alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": {**GEOMETRY_JSON, "n_layers": 10**30}}), 422, "InvalidRequest")
-    assert_error(alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": {**GEOMETRY_JSON, "nic": 0}}), 422, "BadHeader")
-    assert_error(alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": {"version": 3, "codec": "int4", "bits": 3}}), 422, "UnknownTier")
-    assert_error(alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": "int3"}), 422, "UnknownTier")
+    assert_error(
+        alice.post("/sessions", content=b"{not json", headers={"Content-Type": "application/json"}),
+        422,
+        "InvalidRequest",
+    )
+    assert_error(
+        alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": {**GEOMETRY_JSON, "n_layers": 10**30}}),
+        422,
+        "InvalidRequest",
+    )
+    assert_error(
+        alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": {**GEOMETRY_JSON, "nic": 0}}),
+        422,
+        "BadHeader",
+    )
+    assert_error(
+        alice.post(
+            "/sessions",
+            json={
+                "id": "x",
+                "model": MODEL,
+                "geometry": GEOMETRY_JSON,
+                "tier": {"version": 3, "codec": "int4", "bits": 3},
+            },
+        ),
+        422,
+        "UnknownTier",
+    )
+    assert_error(
+        alice.post("/sessions", json={"id": "x", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": "int3"}),
+        422,
+        "UnknownTier",
+    )
     assert_error(alice.post("/sessions/chat/truncate", json={"n_records": 9}), 400, "InvalidRequest")
     assert_error(alice.post("/sessions/chat/fork", json={"at": 4}), 400, "InvalidRequest")
-    assert_error(alice.post("/lookup", json={"model": MODEL, "geometry": GEOMETRY_JSON, "tokens": [-1]}), 422, "InvalidRequest")
+    assert_error(
+        alice.post("/lookup", json={"model": MODEL, "geometry": GEOMETRY_JSON, "tokens": [-1]}), 422, "InvalidRequest"
+    )
     assert_error(alice.get("/sessions", params={"state": "lost"}), 422, "InvalidRequest")
     info = alice.get("/sessions/chat").json()
     assert (info["n_records"], info["watermark"]) == (3, 3)
@@ -204,18 +270,33 @@ def test_malformed_bodies_change_nothing(alice):
 def test_geometry_and_fingerprint_mismatches(alice):
     create(alice)
     other = Rows(5, Geometry(3, 32, 8, 4, 1, 1000)).make(2)
-    assert_error(alice.post("/sessions/chat/append", content=arrow_body(*other), headers={"Content-Type": ARROW}), 409, "GeometryMismatch")
-    wrong_width = coli_kv.encode_records(Geometry(2, 64, 8, 4, 1, 1000), tiers.FP8, *Rows(5, Geometry(2, 64, 8, 4, 1, 1000)).make(3))
+    assert_error(
+        alice.post("/sessions/chat/append", content=arrow_body(*other), headers={"Content-Type": ARROW}),
+        409,
+        "GeometryMismatch",
+    )
+    wrong_width = coli_kv.encode_records(
+        Geometry(2, 64, 8, 4, 1, 1000), tiers.FP8, *Rows(5, Geometry(2, 64, 8, 4, 1, 1000)).make(3)
+    )
     assert_error(append_raw(alice, "chat", wrong_width.tobytes()), 422, "FormatError")
     append_raw(alice, "chat", Rows(6).encode(tiers.FP8, Rows(6).make(2)))
-    body = assert_error(alice.get("/sessions/chat/resume", params={"geometry": "2,32,8,4,1,999"}), 409, "FingerprintMismatch")
+    body = assert_error(
+        alice.get("/sessions/chat/resume", params={"geometry": "2,32,8,4,1,999"}), 409, "FingerprintMismatch"
+    )
     assert "geometry.vocab" in body["reason"]
-    body = assert_error(alice.get("/sessions/chat/resume", params={"weights_hash": "other"}), 409, "FingerprintMismatch")
+    body = assert_error(
+        alice.get("/sessions/chat/resume", params={"weights_hash": "other"}), 409, "FingerprintMismatch"
+    )
     assert "model.weights_hash" in body["reason"]
     ok = alice.get("/sessions/chat/resume", params={"weights_hash": "other", "override": "model.weights_hash"})
     assert ok.status_code == 200 and ok.headers["x-kv-reused-tokens"] == "2"
     assert_error(alice.get("/sessions/chat/resume", params={"tier": "int4"}), 409, "FingerprintMismatch")
-    assert alice.get("/sessions/chat/resume", params={"tier": "fp8", "model_name": MODEL["name"], "geometry": "2,32,8,4,1,1000"}).status_code == 200
+    assert (
+        alice.get(
+            "/sessions/chat/resume", params={"tier": "fp8", "model_name": MODEL["name"], "geometry": "2,32,8,4,1,1000"}
+        ).status_code
+        == 200
+    )
 
 
 def test_oversized_bodies_are_refused_before_reading(make_server, keys):
@@ -227,11 +308,15 @@ def test_oversized_bodies_are_refused_before_reading(make_server, keys):
 
         def chunks():
             for start in range(0, len(big), 1000):
-                yield big[start:start + 1000]
+                yield big[start : start + 1000]
 
         streamed = alice.post("/sessions/chat/append", content=chunks(), headers={"Content-Type": RAW})
         assert_error(streamed, 413, "BodyTooLarge")
-        assert_error(alice.post("/lookup", json={"model": MODEL, "geometry": GEOMETRY_JSON, "tokens": [1] * 5000}), 413, "BodyTooLarge")
+        assert_error(
+            alice.post("/lookup", json={"model": MODEL, "geometry": GEOMETRY_JSON, "tokens": [1] * 5000}),
+            413,
+            "BodyTooLarge",
+        )
         assert alice.get("/sessions/chat").json()["n_records"] == 0
         assert append_raw(alice, "chat", big[: 30 * 116]).status_code == 200
 

@@ -86,8 +86,15 @@ class FileTierConformance(TierConformance):
         geometry = Geometry(1, 64, 32, 0, 0, 10)
         L = self.rows(64, 3)[None]
         R = self.rows(32, 3, seed=5)[None]
-        image = coli_kv.encode_file(geometry, np.arange(3, dtype=np.int32), L, R, version=self.tier.version,
-                                    codec=self.tier.codec, bits=self.tier.bits)
+        image = coli_kv.encode_file(
+            geometry,
+            np.arange(3, dtype=np.int32),
+            L,
+            R,
+            version=self.tier.version,
+            codec=self.tier.codec,
+            bits=self.tier.bits,
+        )
         records = coli_kv.parse(image)
         assert records.tier is self.tier
         assert records.header.rec_bytes == 4 + self.tier.row_bytes(64) + self.tier.row_bytes(32)

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from golden import GEOMETRIES, V3_VARIANTS, read_expect, read_src
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Geometry, Tier
-from kvstore.formats.errors import BadHeader, BadMagic, CodecMismatch, GeometryMismatch, TruncatedHeader
 from kvstore import tiers
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Geometry
+from kvstore.formats.errors import BadHeader, BadMagic, CodecMismatch, GeometryMismatch, TruncatedHeader
 
 TIERS = {"v1": tiers.F32, "v2": tiers.FP8, **{v: tiers.from_file(3, int(v[3]), int(v[5])) for v in V3_VARIANTS}}
 EXACT = ["v1", "v2", "v3c1b4"]
@@ -95,7 +95,9 @@ def _small_file(version=2, n=4, codec=None, bits=None):
     rng = np.random.default_rng(n)
     L = rng.standard_normal((2, n, 8)).astype(np.float32)
     R = rng.standard_normal((2, n, 4)).astype(np.float32)
-    return g, bytearray(coli_kv.encode_file(g, np.arange(n, dtype=np.int32), L, R, version=version, codec=codec, bits=bits))
+    return g, bytearray(
+        coli_kv.encode_file(g, np.arange(n, dtype=np.int32), L, R, version=version, codec=codec, bits=bits)
+    )
 
 
 def test_header_validation_order_and_typed_errors():

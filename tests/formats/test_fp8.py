@@ -29,8 +29,10 @@ def test_decode_table_is_e4m3fn():
 
 
 def test_encode_specials():
-    x = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 448.0, 449.0, 464.0, 465.0, -1e30, 2.0**-10, 2.0**-9 * 1.5],
-                 dtype=np.float32)
+    x = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 448.0, 449.0, 464.0, 465.0, -1e30, 2.0**-10, 2.0**-9 * 1.5],
+        dtype=np.float32,
+    )
     assert fp8.encode(x).tolist() == [0x00, 0x80, 0x7E, 0xFE, 0x00, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x00, 0x02]
 
 
@@ -87,8 +89,13 @@ def test_row_round_trip_error_is_bounded(rows):
 
 
 @settings(max_examples=100, deadline=None)
-@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 6), st.sampled_from([32, 64, 128])),
-                  elements=st.floats(-100, 100, width=32)))
+@given(
+    hnp.arrays(
+        np.float32,
+        st.tuples(st.integers(1, 6), st.sampled_from([32, 64, 128])),
+        elements=st.floats(-100, 100, width=32),
+    )
+)
 def test_grouped_scales(rows):
     codes, scales = fp8.quantize_rows(rows, group_size=32)
     assert scales.shape == (rows.shape[0], rows.shape[1] // 32)

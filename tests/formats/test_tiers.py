@@ -12,8 +12,18 @@ from kvstore import tiers
 from kvstore.formats import q8, tq
 from kvstore.formats.errors import BadHeader, FormatError
 
-TOLERANCE = {"f32": 0.0, "bf16": 0.005, "fp8": 0.06, "int4": 0.16, "q8": 0.01,
-             "polar2": 0.7, "polar3": 0.35, "polar4": 0.18, "polar5": 0.09, "polar6": 0.05}
+TOLERANCE = {
+    "f32": 0.0,
+    "bf16": 0.005,
+    "fp8": 0.06,
+    "int4": 0.16,
+    "q8": 0.01,
+    "polar2": 0.7,
+    "polar3": 0.35,
+    "polar4": 0.18,
+    "polar5": 0.09,
+    "polar6": 0.05,
+}
 
 
 def _suite(tier: tiers.Tier) -> type:
@@ -33,14 +43,27 @@ def test_every_tier_has_a_tolerance():
 def test_the_vocabulary():
     assert tiers.names() == ["f32", "bf16", "fp8", "int4", "polar2", "polar3", "polar4", "polar5", "polar6", "q8"]
     assert tiers.names(in_file=False) == ["bf16", "q8"]
-    assert [t.lossy for t in (tiers.F32, tiers.BF16, tiers.FP8, tiers.INT4, tiers.Q8)] == [False, True, True, True, True]
+    assert [t.lossy for t in (tiers.F32, tiers.BF16, tiers.FP8, tiers.INT4, tiers.Q8)] == [
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
     assert tiers.BF16.file_tier is tiers.F32 and tiers.Q8.file_tier is tiers.F32
 
 
-@pytest.mark.parametrize("name, width, expected", [
-    ("f32", 512, 2048), ("bf16", 512, 1024), ("fp8", 512, 516), ("int4", 512, 260),
-    ("polar4", 512, tq.row_bytes(512, tq.CODEC_POLAR, 4) + 4), ("q8", 512, 512 + 32),
-])
+@pytest.mark.parametrize(
+    "name, width, expected",
+    [
+        ("f32", 512, 2048),
+        ("bf16", 512, 1024),
+        ("fp8", 512, 516),
+        ("int4", 512, 260),
+        ("polar4", 512, tq.row_bytes(512, tq.CODEC_POLAR, 4) + 4),
+        ("q8", 512, 512 + 32),
+    ],
+)
 def test_row_bytes_are_the_format_arithmetic(name, width, expected):
     assert tiers.get(name).row_bytes(width) == expected
 
@@ -50,13 +73,25 @@ def test_polar_row_bytes(bits):
     assert tiers.polar(bits).row_bytes(512) == -(-(256 * bits + 255 * max(bits - 1, 1)) // 8) + 4
 
 
-@pytest.mark.parametrize("text, codec, bits, name", [
-    ("v1", None, None, "f32"), ("v2", None, None, "fp8"), ("v3", None, None, "int4"),
-    ("v3", "polar", 3, "polar3"), ("v3", "int4", 4, "int4"), ("v3", "polar", None, "polar4"),
-    ("tq-int4", None, None, "int4"), ("tq-polar", None, 5, "polar5"), ("tq-polar", None, None, "polar4"),
-    ("polar-3", None, None, "polar3"), ("v3:polar:2", None, None, "polar2"), ("v3:int4:4", None, None, "int4"),
-    ("int8", None, None, "q8"), ("polar", None, 6, "polar6"),
-])
+@pytest.mark.parametrize(
+    "text, codec, bits, name",
+    [
+        ("v1", None, None, "f32"),
+        ("v2", None, None, "fp8"),
+        ("v3", None, None, "int4"),
+        ("v3", "polar", 3, "polar3"),
+        ("v3", "int4", 4, "int4"),
+        ("v3", "polar", None, "polar4"),
+        ("tq-int4", None, None, "int4"),
+        ("tq-polar", None, 5, "polar5"),
+        ("tq-polar", None, None, "polar4"),
+        ("polar-3", None, None, "polar3"),
+        ("v3:polar:2", None, None, "polar2"),
+        ("v3:int4:4", None, None, "int4"),
+        ("int8", None, None, "q8"),
+        ("polar", None, 6, "polar6"),
+    ],
+)
 def test_old_spellings_resolve_with_a_warning(text, codec, bits, name):
     tier, note = tiers.resolve(text, codec=codec, bits=bits)
     assert tier.name == name and note is not None and repr(name) in note
@@ -72,10 +107,21 @@ def test_canonical_names_resolve_silently(name):
         assert tiers.parse(name.upper()).name == name
 
 
-@pytest.mark.parametrize("text, codec, bits", [
-    ("fp9", None, None), ("v4", None, None), ("v2", "polar", None), ("v3", "int4", 3), ("polar7", None, None),
-    ("v3", "zfp", None), ("polar3", None, 4), ("fp8", None, 4), ("tq-polar", None, 9), ("v3:polar:3", None, 4),
-])
+@pytest.mark.parametrize(
+    "text, codec, bits",
+    [
+        ("fp9", None, None),
+        ("v4", None, None),
+        ("v2", "polar", None),
+        ("v3", "int4", 3),
+        ("polar7", None, None),
+        ("v3", "zfp", None),
+        ("polar3", None, 4),
+        ("fp8", None, 4),
+        ("tq-polar", None, 9),
+        ("v3:polar:3", None, 4),
+    ],
+)
 def test_unknown_or_inconsistent_names_are_typed_errors(text, codec, bits):
     with pytest.raises(tiers.UnknownTier):
         tiers.resolve(text, codec=codec, bits=bits)
@@ -107,8 +153,12 @@ def test_width_problems():
 def test_bf16_rounds_like_a_bf16_cast():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(0)
-    rows = np.concatenate([rng.standard_normal(4096).astype(np.float32) * 1e3,
-                           np.array([np.inf, -np.inf, 0.0, -0.0, 1e-40, 3.4e38], np.float32)])
+    rows = np.concatenate(
+        [
+            rng.standard_normal(4096).astype(np.float32) * 1e3,
+            np.array([np.inf, -np.inf, 0.0, -0.0, 1e-40, 3.4e38], np.float32),
+        ]
+    )
     codes, _ = tiers.BF16.quantize(rows)
     expect = torch.from_numpy(rows).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(codes, expect)

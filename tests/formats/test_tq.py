@@ -244,7 +244,9 @@ def test_radius_is_float64_sequential_sum_of_float64_squares(n_rows):
 
 def test_int4_threshold_and_cell_edges_match_brute_force():
     """Nearest level, first index on a tie, with f32 distances, at every decision point."""
-    around_points = (tq.THRESHOLDS.view(np.int32)[:, None] + np.arange(-400, 400, dtype=np.int32)).ravel().view(np.float32)
+    around_points = (
+        (tq.THRESHOLDS.view(np.int32)[:, None] + np.arange(-400, 400, dtype=np.int32)).ravel().view(np.float32)
+    )
     edges = ((np.arange(385) - 192) / 64).astype(np.float32)
     steps = np.arange(1, 40, dtype=np.float32)[None, :] * np.spacing(np.abs(edges) + np.float32(1e-30))[:, None]
     around_edges = np.concatenate([edges, (edges[:, None] + steps).ravel(), (edges[:, None] - steps).ravel()])

@@ -5,11 +5,11 @@ import struct
 import numpy as np
 import pytest
 
+from kvstore import tiers
 from kvstore.errors import CodecMismatch, FormatError, GeometryMismatch, JournalClosed, JournalLocked, JournalWriteError
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Geometry, Tier
+from kvstore.formats.coli_kv import Geometry
 from kvstore.journal import KVFile
-from kvstore import tiers
 
 GEOMETRY = Geometry(n_layers=3, kv_lora=32, qk_rope=8, index_hd=4, nic=1, vocab=500)
 TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(3)]

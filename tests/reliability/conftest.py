@@ -39,7 +39,9 @@ class Figures:
             "long": LONG,
             "started": self.started,
             "wall_s": {suite: round(seconds, 2) for suite, seconds in sorted(self.wall_s.items())},
-            "suites": {suite: {op: dict(c) for op, c in sorted(ops.items())} for suite, ops in sorted(self.counts.items())},
+            "suites": {
+                suite: {op: dict(c) for op, c in sorted(ops.items())} for suite, ops in sorted(self.counts.items())
+            },
         }
 
 

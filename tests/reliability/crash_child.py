@@ -13,12 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
 
-from reliability.workload import GEOMETRY, turn_rows  # noqa: E402
-
+from kvstore import tiers
 from kvstore.filetools import migrate_file, repair_file  # noqa: E402
 from kvstore.formats.coli_kv import Tier  # noqa: E402
 from kvstore.journal import KVFile  # noqa: E402
-from kvstore import tiers
+from reliability.workload import GEOMETRY, turn_rows  # noqa: E402
 
 
 def ack(*fields) -> None:

@@ -19,7 +19,9 @@ KEYS = {"alice": ALICE_KEY, "bob": BOB_KEY}
 
 class Service(ServeProcess):
     def __init__(self, data: Path, *extra: str):
-        super().__init__(data, *extra, env={"KVSTORE_API_KEYS": ",".join(f"{key}:{owner}" for owner, key in KEYS.items())})
+        super().__init__(
+            data, *extra, env={"KVSTORE_API_KEYS": ",".join(f"{key}:{owner}" for owner, key in KEYS.items())}
+        )
 
     def client(self, owner: str | None = "alice", **headers: str) -> httpx.Client:
         if owner is not None:

@@ -63,7 +63,10 @@ def visible(store: SessionStore) -> dict[str, Session]:
         assert 0 <= info.watermark <= info.n_records, (info.id, info.watermark, info.n_records)
         if info.state == "active":
             image = store.journal_path(info.id).read_bytes()
-            assert coli_kv.parse_header(image).nrec >= info.n_records, (info.id, "the index counts records the journal lost")
+            assert coli_kv.parse_header(image).nrec >= info.n_records, (
+                info.id,
+                "the index counts records the journal lost",
+            )
         elif info.state == "parked":
             image = b"".join(archive.stream_archive(store.archive_path(info.id)))
         else:

@@ -110,7 +110,9 @@ class StoreModel:
         elif kind == "truncate":
             sid, keep = args[0], int(args[1])
             old = s[sid]
-            s[sid] = dataclasses.replace(old, body=old.body[: keep * old.record_bytes], watermark=min(old.watermark, keep), state="active")
+            s[sid] = dataclasses.replace(
+                old, body=old.body[: keep * old.record_bytes], watermark=min(old.watermark, keep), state="active"
+            )
         elif kind == "fork":
             source, new_id, at = args[0], args[1], int(args[2])
             old = s[source]

@@ -87,7 +87,9 @@ def make_session(service: Service, sid: str, owner: str = "alice", turns: int = 
         response = client.post("/sessions", json={"id": sid, "model": MODEL, "geometry": GEOMETRY_JSON, "tags": ["t"]})
         assert response.status_code == 201, response.text
         for turn in range(turns):
-            response = client.post(f"/sessions/{sid}/append", content=turn_bytes(len(sid), turn), headers={"Content-Type": RAW})
+            response = client.post(
+                f"/sessions/{sid}/append", content=turn_bytes(len(sid), turn), headers={"Content-Type": RAW}
+            )
             assert response.status_code == 200, response.text
         return client.get(f"/sessions/{sid}/resume").content
 
@@ -133,7 +135,11 @@ def wait_job(client, job: dict) -> dict:
 
 def store_files(data: Path) -> set[str]:
     """Every file of the store outside the index and the lock folder."""
-    return {str(p.relative_to(data)) for p in data.rglob("*") if p.is_file() and p.parts[len(data.parts)] not in ("index", "locks")}
+    return {
+        str(p.relative_to(data))
+        for p in data.rglob("*")
+        if p.is_file() and p.parts[len(data.parts)] not in ("index", "locks")
+    }
 
 
 # ---------------------------------------------------------------------------- schemathesis
@@ -177,8 +183,12 @@ def test_schemathesis_against_the_services_own_schema(service, openapi, trials, 
                 make_session(service, "fuzz")
 
     def fuzz(strategy, target: dict | None, label: str) -> None:
-        @settings(max_examples=examples, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+        )
         @given(case=strategy)
         def call(case):
             if target:
@@ -197,7 +207,9 @@ def test_schemathesis_against_the_services_own_schema(service, openapi, trials, 
         for target in targets:
             for mode in modes:
                 strategy = operation.as_strategy(generation_mode=mode, path_parameters=target)
-                label = f"{operation.method.upper()} {operation.path} {mode.value}{' (existing session)' if target else ''}"
+                label = (
+                    f"{operation.method.upper()} {operation.path} {mode.value}{' (existing session)' if target else ''}"
+                )
                 fuzz(strategy, target, label)
     total = sum(tried.values())
     assert len(operations) == len(routes(openapi)) and total >= len(tried) >= len(operations[shard::SHARDS])
@@ -247,8 +259,16 @@ def test_every_route_refuses_missing_forged_and_malformed_keys(service, openapi,
             continue
         for headers in bad_credentials():
             with service.client(None, **headers) as client:
-                response = client.request(method.upper(), fill(path, "keys-target"), json={} if method in ("post", "patch") else None)
-            assert response.status_code == 401, (method, path, headers.keys(), response.status_code, response.text[:300])
+                response = client.request(
+                    method.upper(), fill(path, "keys-target"), json={} if method in ("post", "patch") else None
+                )
+            assert response.status_code == 401, (
+                method,
+                path,
+                headers.keys(),
+                response.status_code,
+                response.text[:300],
+            )
             assert_error(response, 401)
             assert response.headers["www-authenticate"] == "Bearer"
             tried += 1
@@ -264,7 +284,7 @@ def test_another_owners_session_is_missing_on_every_route(service, openapi, figu
         wait_job(alice, alice.post("/sessions/alices/unpark").json())
     before = state_of(service, "alices")
     session_routes = [(p, m) for p, m in routes(openapi) if p.startswith("/sessions/{session_id}")]
-    covered = {(p[len("/sessions/{session_id}"):], m) for p, m in session_routes}
+    covered = {(p[len("/sessions/{session_id}") :], m) for p, m in session_routes}
     assert covered == set(SESSION_CALLS), f"routes without a plausible request here: {covered ^ set(SESSION_CALLS)}"
     tried = 0
     with service.client("bob") as bob:
@@ -277,7 +297,12 @@ def test_another_owners_session_is_missing_on_every_route(service, openapi, figu
             assert hidden.status_code == missing.status_code
             assert body["reason"].replace("alices", "X") == missing.json()["reason"].replace("nobody-has-this", "X")
             tried += 2
-        assert bob.post("/lookup", json={"model": MODEL, "geometry": GEOMETRY_JSON, "tokens": list(range(200))}).json()["match"] is None
+        assert (
+            bob.post("/lookup", json={"model": MODEL, "geometry": GEOMETRY_JSON, "tokens": list(range(200))}).json()[
+                "match"
+            ]
+            is None
+        )
         assert job not in {j["id"] for j in bob.get("/jobs").json()}
         assert_error(bob.get(f"/jobs/{job}"), 404)
         assert "alices" not in {s["id"] for s in bob.get("/sessions").json()["sessions"]}
@@ -289,9 +314,25 @@ def test_another_owners_session_is_missing_on_every_route(service, openapi, figu
 
 # ---------------------------------------------------------------------------- traversal-looking ids
 BAD_PATH_IDS = [
-    "%2e%2e", "%2E%2E%2F%2E%2E%2Fkeys.json", "%2e", "..%2f..%2findex%2fdata.mdb", "%2Fetc%2Fpasswd",
-    "~root", "chat%00", "chat%0A", "chat%20", "%C3%A9t%C3%A9", "x" * 65, "-lead", "_lead", "chat.coli_kv",
-    "a%5Cb", "%5C..%5C..", "lost%2Bfound", "*", "%24%28id%29",
+    "%2e%2e",
+    "%2E%2E%2F%2E%2E%2Fkeys.json",
+    "%2e",
+    "..%2f..%2findex%2fdata.mdb",
+    "%2Fetc%2Fpasswd",
+    "~root",
+    "chat%00",
+    "chat%0A",
+    "chat%20",
+    "%C3%A9t%C3%A9",
+    "x" * 65,
+    "-lead",
+    "_lead",
+    "chat.coli_kv",
+    "a%5Cb",
+    "%5C..%5C..",
+    "lost%2Bfound",
+    "*",
+    "%24%28id%29",
 ]
 VALID_BUT_SUSPICIOUS = ["index", "locks", "keys", "journals", "archive", "lost-found", "CON", "nul"]
 
@@ -323,7 +364,7 @@ def test_traversal_looking_ids_on_every_route(service, openapi, figures):
     # Ids that only look like the store's own folders are ordinary sessions, kept in journals/.
     for sid in VALID_BUT_SUSPICIOUS:
         rows = make_session(service, sid, turns=1)
-        assert (service.data / "journals" / f"{sid}.coli_kv").read_bytes()[coli_kv.HEADER_BYTES:] == rows
+        assert (service.data / "journals" / f"{sid}.coli_kv").read_bytes()[coli_kv.HEADER_BYTES :] == rows
         tried += 1
     assert (service.data / "index").is_dir() and (service.data / "keys.json").is_file()
     figures.add("api_abuse", "traversal_looking_ids", inputs=tried, escaped=0, server_errors=0)
@@ -365,15 +406,47 @@ def test_oversized_malformed_and_abandoned_bodies(service, figures):
             for path in ("/sessions/bodies/truncate", "/sessions/bodies/fork", "/sessions", "/lookup"):
                 assert_error(alice.post(path, content=body, headers={"Content-Type": JSON}), 400, 422)
                 tried += 1
-        assert_error(alice.post("/sessions/bodies/truncate", content=b'{"n_records": 0}', headers={"Content-Type": "text/plain"}), 400, 415, 422)
+        assert_error(
+            alice.post(
+                "/sessions/bodies/truncate", content=b'{"n_records": 0}', headers={"Content-Type": "text/plain"}
+            ),
+            400,
+            415,
+            422,
+        )
         odd = [
-            ("POST", "/sessions/bodies/append", {"content": chunks(MAX_BODY * 2), "headers": {"Content-Type": RAW}}, (413,)),
+            (
+                "POST",
+                "/sessions/bodies/append",
+                {"content": chunks(MAX_BODY * 2), "headers": {"Content-Type": RAW}},
+                (413,),
+            ),
             ("POST", "/sessions", {"content": chunks(MAX_BODY * 2), "headers": {"Content-Type": JSON}}, (413,)),
             ("POST", "/sessions/bodies/append", {"content": rows[:-1], "headers": {"Content-Type": RAW}}, (422,)),
-            ("POST", "/sessions/bodies/append", {"content": b"\xff" * RECORD_BYTES, "headers": {"Content-Type": RAW}}, (422,)),
-            ("POST", "/sessions/bodies/append", {"content": b"ARROW1" + b"\xff" * 64, "headers": {"Content-Type": ARROW}}, (400,)),
-            ("POST", "/sessions/bodies/append", {"content": rows, "headers": {"Content-Type": "multipart/form-data"}}, (415,)),
-            ("POST", "/sessions/bodies/append", {"content": rows, "headers": {"Content-Type": RAW}, "params": {"complete_turn": "maybe"}}, (422,)),
+            (
+                "POST",
+                "/sessions/bodies/append",
+                {"content": b"\xff" * RECORD_BYTES, "headers": {"Content-Type": RAW}},
+                (422,),
+            ),
+            (
+                "POST",
+                "/sessions/bodies/append",
+                {"content": b"ARROW1" + b"\xff" * 64, "headers": {"Content-Type": ARROW}},
+                (400,),
+            ),
+            (
+                "POST",
+                "/sessions/bodies/append",
+                {"content": rows, "headers": {"Content-Type": "multipart/form-data"}},
+                (415,),
+            ),
+            (
+                "POST",
+                "/sessions/bodies/append",
+                {"content": rows, "headers": {"Content-Type": RAW}, "params": {"complete_turn": "maybe"}},
+                (422,),
+            ),
             ("GET", "/sessions/bodies/resume", {"params": {"format": "zip"}}, (422,)),
             ("GET", "/sessions/bodies/resume", {"params": {"tier": "v3:int4:" + "9" * 25}}, (400, 422)),
             ("GET", "/sessions/bodies/resume", {"params": {"geometry": ",".join(["1"] * 12)}}, (400,)),
@@ -390,8 +463,10 @@ def test_oversized_malformed_and_abandoned_bodies(service, figures):
                 assert_error(response, *statuses)
             tried += 1
     # A client that announces a body and leaves after part of it: nothing is written.
-    head = (f"POST /sessions/bodies/append HTTP/1.1\r\nHost: x\r\nAuthorization: {auth['Authorization']}\r\n"
-            f"Content-Type: {RAW}\r\nContent-Length: {len(rows)}\r\n\r\n").encode()
+    head = (
+        f"POST /sessions/bodies/append HTTP/1.1\r\nHost: x\r\nAuthorization: {auth['Authorization']}\r\n"
+        f"Content-Type: {RAW}\r\nContent-Length: {len(rows)}\r\n\r\n"
+    ).encode()
     for cut in (0, 1, RECORD_BYTES, len(rows) - 1):
         raw_request(service, head, rows[:cut])
         tried += 1
@@ -435,7 +510,9 @@ def test_wrongly_typed_json_is_refused_not_coerced(service, figures):
     with service.client() as alice:
         for path, body in wrong:
             assert_error(alice.post(path, json=body), 422)
-        assert alice.get("/sessions/typed-fork").status_code == 404 and alice.get("/sessions/typed-2").status_code == 404
+        assert (
+            alice.get("/sessions/typed-fork").status_code == 404 and alice.get("/sessions/typed-2").status_code == 404
+        )
     assert state_of(service, "typed") == before and before[-1] == rows
     figures.add("api_abuse", "wrongly_typed_json", inputs=len(wrong), coerced=0)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reliability.workload import GEOMETRY, expected_records, turn_records, turn_rows
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Header, Tier
-from kvstore.journal import KVFile
 from kvstore import tiers
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Header
+from kvstore.journal import KVFile
+from reliability.workload import GEOMETRY, expected_records, turn_records, turn_rows
 
 CHILD = Path(__file__).with_name("crash_child.py")
 TIERS = {"v1": tiers.F32, "v2": tiers.FP8, "int4": tiers.INT4, "polar3": tiers.polar(3)}
@@ -29,8 +29,9 @@ def run_and_kill(args, rng, max_acks=6):
 
     Returns every acknowledgement the child wrote before it died (also those still in the pipe).
     """
-    proc = subprocess.Popen([sys.executable, str(CHILD), *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     acks = []
     target = int(rng.integers(0, max_acks + 1))
     try:
@@ -69,8 +70,14 @@ def test_append_survives_sigkill(tmp_path, trials, figures, tier_name):
         acked = int(acked_turns[-1][1]) if acked_turns else 0
         in_flight = turn_records(seed, len(acked_turns), tier).shape[0]
         assert records.n in (acked, acked + in_flight), (records.n, acked, in_flight)
-        figures.add("journal_crash", f"append_{tier_name}", trials=1, acked_calls=len(acked_turns),
-                    in_flight_committed=int(records.n == acked + in_flight), lost=0)
+        figures.add(
+            "journal_crash",
+            f"append_{tier_name}",
+            trials=1,
+            acked_calls=len(acked_turns),
+            in_flight_committed=int(records.n == acked + in_flight),
+            lost=0,
+        )
         want = expected_records(seed, len(acked_turns) + 1, tier)[: records.n]
         assert records.records.tobytes() == want.tobytes()
         # The lock died with the child: a new writer appends right after the committed prefix.
@@ -92,8 +99,14 @@ def test_lazy_upgrade_survives_sigkill(tmp_path, trials, figures, tier_name):
         acks = run_and_kill(["upgrade", path, seed, tier_name], rng, max_acks=3)
         records = coli_kv.load(path)
         acked_turns = [a for a in acks if a[0] != "open"]
-        figures.add("journal_crash", f"lazy_upgrade_{tier_name}", trials=1, acked_calls=len(acked_turns),
-                    killed_before_rewrite=int(records.tier == tiers.F32), lost=0)
+        figures.add(
+            "journal_crash",
+            f"lazy_upgrade_{tier_name}",
+            trials=1,
+            acked_calls=len(acked_turns),
+            killed_before_rewrite=int(records.tier == tiers.F32),
+            lost=0,
+        )
         if records.tier == tiers.F32:
             assert not acked_turns and path.read_bytes() == original
             continue

@@ -12,14 +12,14 @@ import os
 import numpy as np
 import pytest
 
-from reliability.workload import GEOMETRY, expected_records, turn_rows
-from kvstore.errors import KVStoreError
-from kvstore.filetools import migrate_file, repair_file
-from kvstore.export import export
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Header, Tier
-from kvstore.journal import KVFile
 from kvstore import tiers
+from kvstore.errors import KVStoreError
+from kvstore.export import export
+from kvstore.filetools import migrate_file, repair_file
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Header
+from kvstore.journal import KVFile
+from reliability.workload import GEOMETRY, expected_records, turn_rows
 
 PATCHED = ("pwrite", "write", "fsync", "fdatasync", "ftruncate", "replace", "link", "rename", "unlink")
 
@@ -123,7 +123,9 @@ def test_append_faults(tmp_path, monkeypatch, figures, tier):
         journal.close()
         assert coli_kv.load(path).records.tobytes() == expected_records(1, 4, tier).tobytes()
 
-    total, hits = sweep(monkeypatch, setup, action, check, lambda **c: figures.add("journal_faults", f"append_{tier.describe()}", **c))
+    total, hits = sweep(
+        monkeypatch, setup, action, check, lambda **c: figures.add("journal_faults", f"append_{tier.describe()}", **c)
+    )
     assert {"pwrite", "fsync"} <= hits
 
 
@@ -151,7 +153,13 @@ def test_truncate_faults(tmp_path, monkeypatch, figures):
         want = np.concatenate([full[:keep], expected_records(1, 1, tier, first_turn=9)])
         assert coli_kv.load(path).records.tobytes() == want.tobytes()
 
-    sweep(monkeypatch, setup, lambda: state["journal"].truncate(keep), check, lambda **c: figures.add("journal_faults", "truncate", **c))
+    sweep(
+        monkeypatch,
+        setup,
+        lambda: state["journal"].truncate(keep),
+        check,
+        lambda **c: figures.add("journal_faults", "truncate", **c),
+    )
 
 
 @pytest.mark.parametrize("tier", [tiers.FP8, tiers.polar(4)], ids=lambda t: t.describe())
@@ -182,8 +190,13 @@ def test_lazy_upgrade_faults(tmp_path, monkeypatch, figures, tier):
         leftovers = [p.name for p in path.parent.iterdir() if ".tmp-" in p.name]
         assert leftovers == [], leftovers
 
-    sweep(monkeypatch, setup, lambda: state["journal"].append(*turn_rows(1, 2)), check,
-          lambda **c: figures.add("journal_faults", f"lazy_upgrade_{tier.describe()}", **c))
+    sweep(
+        monkeypatch,
+        setup,
+        lambda: state["journal"].append(*turn_rows(1, 2)),
+        check,
+        lambda **c: figures.add("journal_faults", f"lazy_upgrade_{tier.describe()}", **c),
+    )
 
 
 def test_create_faults(tmp_path, monkeypatch, figures):
@@ -201,8 +214,13 @@ def test_create_faults(tmp_path, monkeypatch, figures):
         if not path.exists():
             KVFile.create(path, GEOMETRY, tiers.FP8).close()
 
-    sweep(monkeypatch, setup, lambda: KVFile.create(path, GEOMETRY, tiers.FP8).close(), check,
-          lambda **c: figures.add("journal_faults", "create", **c))
+    sweep(
+        monkeypatch,
+        setup,
+        lambda: KVFile.create(path, GEOMETRY, tiers.FP8).close(),
+        check,
+        lambda **c: figures.add("journal_faults", "create", **c),
+    )
 
 
 def test_migrate_repair_export_faults(tmp_path, monkeypatch, figures):
@@ -221,8 +239,13 @@ def test_migrate_repair_export_faults(tmp_path, monkeypatch, figures):
     def setup_migrate():
         dst.unlink(missing_ok=True)
 
-    sweep(monkeypatch, setup_migrate, lambda: migrate_file(src, dst, tiers.FP8), check_migrate,
-          lambda **c: figures.add("journal_faults", "migrate_file", **c))
+    sweep(
+        monkeypatch,
+        setup_migrate,
+        lambda: migrate_file(src, dst, tiers.FP8),
+        check_migrate,
+        lambda **c: figures.add("journal_faults", "migrate_file", **c),
+    )
 
     damaged = bytearray(original)
     damaged += b"\x01" * 17  # a torn tail
@@ -237,8 +260,13 @@ def test_migrate_repair_export_faults(tmp_path, monkeypatch, figures):
         assert target.read_bytes() in (bytes(damaged), original)
         assert not backup.exists() or backup.read_bytes() == bytes(damaged)
 
-    sweep(monkeypatch, setup_repair, lambda: repair_file(target), check_repair,
-          lambda **c: figures.add("journal_faults", "repair_file", **c))
+    sweep(
+        monkeypatch,
+        setup_repair,
+        lambda: repair_file(target),
+        check_repair,
+        lambda **c: figures.add("journal_faults", "repair_file", **c),
+    )
 
     out = tmp_path / "x.npz"
 
@@ -247,5 +275,10 @@ def test_migrate_repair_export_faults(tmp_path, monkeypatch, figures):
             with np.load(out) as z:
                 assert z["L"].shape == (GEOMETRY.n_layers, rows.shape[0], GEOMETRY.kv_lora)
 
-    sweep(monkeypatch, lambda: out.unlink(missing_ok=True), lambda: export(coli_kv.load(src), out), check_export,
-          lambda **c: figures.add("journal_faults", "export", **c))
+    sweep(
+        monkeypatch,
+        lambda: out.unlink(missing_ok=True),
+        lambda: export(coli_kv.load(src), out),
+        check_export,
+        lambda **c: figures.add("journal_faults", "export", **c),
+    )

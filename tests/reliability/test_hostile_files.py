@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reliability.workload import GEOMETRY, expected_records
+from kvstore import tiers
 from kvstore.errors import KVStoreError
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Header, Tier
+from kvstore.formats.coli_kv import Header
 from kvstore.journal import KVFile
-from kvstore import tiers
+from reliability.workload import GEOMETRY, expected_records
 
 TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(2)]
 #: Fuzzed files per test: 300 in CI, 5000 in the long run (KVSTORE_LONG=1).

@@ -10,18 +10,18 @@ import struct
 
 import pytest
 
-from reliability.workload import GEOMETRY, expected_records
+from kvstore import tiers
 from kvstore.errors import KVStoreError
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Header, Tier
-from kvstore import tiers
+from kvstore.formats.coli_kv import Header
+from reliability.workload import GEOMETRY, expected_records
 
 TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(5)]
 
 
 def states(tier):
     committed = expected_records(7, 2, tier)
-    appended = expected_records(7, 3, tier)[committed.shape[0]:]
+    appended = expected_records(7, 3, tier)[committed.shape[0] :]
     if appended.shape[0] > 3:
         appended = appended[:3]  # keep the byte sweep short: three records cover every boundary
     base = Header(GEOMETRY, tier, committed.shape[0]).to_bytes() + committed.tobytes()
@@ -76,7 +76,11 @@ def test_torn_counter_over_synced_data(figures, tier):
 @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())
 def test_every_truncation_of_a_file(figures, tier):
     committed, appended, base = states(tier)
-    full = Header(GEOMETRY, tier, committed.shape[0] + appended.shape[0]).to_bytes() + committed.tobytes() + appended.tobytes()
+    full = (
+        Header(GEOMETRY, tier, committed.shape[0] + appended.shape[0]).to_bytes()
+        + committed.tobytes()
+        + appended.tobytes()
+    )
     allowed = full[40:]
     rec = committed.dtype.itemsize
     for size in range(len(full) + 1):

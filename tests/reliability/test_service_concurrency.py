@@ -16,8 +16,8 @@ import pytest
 
 from kvstore.formats import coli_kv
 from reliability.service import Service
-from reliability.store_workload import MODEL, TIER_NAMES
 from reliability.store_checks import check_appends, turn_bytes
+from reliability.store_workload import MODEL, TIER_NAMES
 from reliability.workload import GEOMETRY
 
 RAW = "application/octet-stream"
@@ -64,7 +64,9 @@ class Run:
         with service.client() as client:
             for turn in range(turns):
                 while True:
-                    response = client.post(f"/sessions/{sid}/append", content=turn_bytes(seed, turn), headers={"Content-Type": RAW})
+                    response = client.post(
+                        f"/sessions/{sid}/append", content=turn_bytes(seed, turn), headers={"Content-Type": RAW}
+                    )
                     self.saw(response.status_code)
                     if response.status_code == 409 and response.json()["error"] == "JournalLocked":
                         continue  # the clear "busy" answer: try again
@@ -107,8 +109,14 @@ def test_eight_clients_on_eight_sessions(service, trials, figures):
         body = resume(service, f"client-{i}")
         assert body == b"".join(turn_bytes(100 + i, t) for t in range(turns))
         assert check_appends(body, RECORD_BYTES, [acks[i]]) == turns
-    figures.add("service_concurrency", "8_clients_8_sessions", requests=len(run.statuses), appends=CLIENTS * turns,
-                server_errors=sum(s >= 500 for s in run.statuses), lost_or_duplicated=0)
+    figures.add(
+        "service_concurrency",
+        "8_clients_8_sessions",
+        requests=len(run.statuses),
+        appends=CLIENTS * turns,
+        server_errors=sum(s >= 500 for s in run.statuses),
+        lost_or_duplicated=0,
+    )
 
 
 def test_eight_clients_on_one_session_with_readers(service, trials, figures):
@@ -139,6 +147,13 @@ def test_eight_clients_on_one_session_with_readers(service, trials, figures):
         assert digest == hashlib.blake2b(body[: records * RECORD_BYTES]).digest()
     with service.client() as client:
         assert client.get("/sessions/shared/verify").json()["ok"] is True
-    figures.add("service_concurrency", "8_clients_1_session_2_readers", requests=len(run.statuses), appends=acked,
-                busy_answers=run.statuses.count(409), downloads=len(seen),
-                server_errors=sum(s >= 500 for s in run.statuses), lost_or_duplicated=0)
+    figures.add(
+        "service_concurrency",
+        "8_clients_1_session_2_readers",
+        requests=len(run.statuses),
+        appends=acked,
+        busy_answers=run.statuses.count(409),
+        downloads=len(seen),
+        server_errors=sum(s >= 500 for s in run.statuses),
+        lost_or_duplicated=0,
+    )

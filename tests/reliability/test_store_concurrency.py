@@ -34,8 +34,12 @@ def run_roles(mode: str, data: Path, roles: list[tuple[str, int, int, float]]) -
     if mode == "processes":
         gate = data.parent / "gate"
         procs = [
-            subprocess.Popen([sys.executable, str(ROLE_SCRIPT), role, str(data), str(seed), str(count), str(timeout), str(gate)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [sys.executable, str(ROLE_SCRIPT), role, str(data), str(seed), str(count), str(timeout), str(gate)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             for role, seed, count, timeout in roles
         ]
         for proc in procs:
@@ -94,7 +98,13 @@ def test_two_writers_never_interleave(tmp_path, trials, figures, mode):
         assert acked == 2 * turns
         report = store.verify(SESSION)
         assert report.ok and report.turns_checked == 2 * turns
-    figures.add("store_concurrency", f"two_writers_{mode}", appends=acked, busy_answers=count_lines(outputs, "BUSY"), interleaved=0)
+    figures.add(
+        "store_concurrency",
+        f"two_writers_{mode}",
+        appends=acked,
+        busy_answers=count_lines(outputs, "BUSY"),
+        interleaved=0,
+    )
 
 
 @pytest.mark.parametrize("mode", ["threads", "processes"])
@@ -115,7 +125,9 @@ def test_appends_racing_park_fork_delete_and_readers(tmp_path, trials, figures, 
     assert seen, "the reader never got through"
     for records, seen_digest in seen:
         assert records in boundaries, f"a reader saw {records} records: not a whole-turn prefix"
-        assert seen_digest == digest(expected[: records * record_bytes]), f"a reader's {records} records are not what was written"
+        assert seen_digest == digest(expected[: records * record_bytes]), (
+            f"a reader's {records} records are not what was written"
+        )
     with SessionStore(data) as store:
         sessions = snapshot(store)
         assert sorted(sessions) == [SESSION]  # every fork was deleted again
@@ -123,7 +135,12 @@ def test_appends_racing_park_fork_delete_and_readers(tmp_path, trials, figures, 
         check_appends(sessions[SESSION].body, record_bytes, [acks_of(outputs[0])])
         assert store.verify(SESSION).ok
     figures.add(
-        "store_concurrency", f"append_vs_park_fork_delete_read_{mode}",
-        appends=turns, churn_rounds=rounds, reads=len(seen), verifies=count_lines(outputs, "VERIFIED"),
-        busy_answers=count_lines(outputs, "BUSY"), inconsistent_reads=0,
+        "store_concurrency",
+        f"append_vs_park_fork_delete_read_{mode}",
+        appends=turns,
+        churn_rounds=rounds,
+        reads=len(seen),
+        verifies=count_lines(outputs, "VERIFIED"),
+        busy_answers=count_lines(outputs, "BUSY"),
+        inconsistent_reads=0,
     )

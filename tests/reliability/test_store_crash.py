@@ -88,7 +88,9 @@ class Killer:
         skip = int(self.rng.integers(0, 3))  # let this many calls of the target kind finish first
         proc = subprocess.Popen(
             [sys.executable, str(CHILD), workload, str(data), str(seed), str(step)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         lines: list[list[str]] = []
         begun: tuple[str, float] | None = None
@@ -154,7 +156,8 @@ def check_store(data: Path, candidates: list[StoreModel], in_flight: list[str] |
         matches = [i for i, c in enumerate(candidates) if c.sessions == actual]
         assert matches, (
             f"the store matches neither the acknowledged state nor the call in flight {in_flight}:\n"
-            f"store:    {describe(actual)}\nexpected: " + "\n      or: ".join(str(describe(c.sessions)) for c in candidates)
+            f"store:    {describe(actual)}\nexpected: "
+            + "\n      or: ".join(str(describe(c.sessions)) for c in candidates)
         )
         check_served(store, actual)
     set_aside = sorted(listing(data / "lost+found") - lost_before)
@@ -187,7 +190,8 @@ def test_store_survives_sigkill(tmp_path, trials, figures, workload):
             raise
         mid_call = in_flight is not None and in_flight[0] == workload
         figures.add(
-            "store_crash", workload,
+            "store_crash",
+            workload,
             trials=1,
             kills_mid_call=int(mid_call),
             in_flight_committed=int(mid_call and matched == 1),

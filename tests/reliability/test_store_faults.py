@@ -116,12 +116,16 @@ def test_store_call_faults(tmp_path, monkeypatch, figures, template, name):
                     except KVStoreError as exc:
                         raised = exc
                     except OSError as exc:
-                        pytest.fail(f"{name}: call {k} ({faults.hit}, {errno.errorcode[code]}) raised an untyped {exc!r}")
+                        pytest.fail(
+                            f"{name}: call {k} ({faults.hit}, {errno.errorcode[code]}) raised an untyped {exc!r}"
+                        )
                 hits.add(faults.hit)
                 if raised is not None:
                     assert raised.reason and 400 <= http_status(raised) < 600
                 now = visible(store)
-                assert now in (before.sessions, after.sessions), f"{name}: call {k} ({faults.hit}) left a half-done state"
+                assert now in (before.sessions, after.sessions), (
+                    f"{name}: call {k} ({faults.hit}) left a half-done state"
+                )
                 if raised is None:
                     assert now == after.sessions, f"{name}: call {k} ({faults.hit}) failed silently"
                 model = after
@@ -133,7 +137,8 @@ def test_store_call_faults(tmp_path, monkeypatch, figures, template, name):
                 assert snapshot(store) == model.sessions
                 check_served(store, model.sessions)
             figures.add(
-                "store_faults", name,
+                "store_faults",
+                name,
                 faults_injected=1,
                 typed_errors=int(raised is not None),
                 committed_then_reported=int(raised is not None and now == after.sessions),

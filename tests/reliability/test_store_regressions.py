@@ -33,7 +33,9 @@ class FailAfter:
     """Make the first ``os.<name>`` call after an ``os.<after>`` call (or the first at all) fail;
     with ``path``, only a call on a path ending so."""
 
-    def __init__(self, monkeypatch, name: str, after: str | None = None, *, path: str | None = None, code: int = errno.EIO):
+    def __init__(
+        self, monkeypatch, name: str, after: str | None = None, *, path: str | None = None, code: int = errno.EIO
+    ):
         self.armed = after is None
         self.failed = False
         real = getattr(os, name)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from served import servers_on_demand
 
 from kvstore.engine.weights import write_random_model
+from served import servers_on_demand
 from service.support import Server
 
 

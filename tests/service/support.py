@@ -19,9 +19,22 @@ class Server(ServeProcess):
     (``--model DIR --tier fp8``...), ``env`` more variables, ``cwd`` the folder relative paths are
     taken from."""
 
-    def __init__(self, data: Path, *extra: str, env: dict[str, str] | None = None, log_level: str = "info", cwd: Path | None = None):
-        super().__init__(data, *extra, env={"KVSTORE_API_KEYS": ENV_KEYS, **(env or {})}, log_level=log_level,
-                         cwd=cwd, start_timeout=120.0)
+    def __init__(
+        self,
+        data: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        log_level: str = "info",
+        cwd: Path | None = None,
+    ):
+        super().__init__(
+            data,
+            *extra,
+            env={"KVSTORE_API_KEYS": ENV_KEYS, **(env or {})},
+            log_level=log_level,
+            cwd=cwd,
+            start_timeout=120.0,
+        )
 
     def stop(self) -> str:
         """SIGTERM, a clean exit, and the server's output (its log)."""

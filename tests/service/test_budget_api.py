@@ -28,11 +28,15 @@ TURN_BYTES = 8 * RECORD_BYTES
 def _rows(seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     geometry = Geometry(4, 64, 32, 0, 0, 512)
-    return encode_records(geometry, tiers.F32, rng.integers(0, 512, 8), rng.standard_normal((4, 8, 64)), rng.standard_normal((4, 8, 32))).tobytes()
+    return encode_records(
+        geometry, tiers.F32, rng.integers(0, 512, 8), rng.standard_normal((4, 8, 64)), rng.standard_normal((4, 8, 32))
+    ).tobytes()
 
 
 def _journal_bytes(data) -> int:
-    return sum(p.stat().st_size for p in (data / "journals").glob("*.coli_kv")) + sum(p.stat().st_size for p in (data / "archive").glob("*.zst"))
+    return sum(p.stat().st_size for p in (data / "journals").glob("*.coli_kv")) + sum(
+        p.stat().st_size for p in (data / "archive").glob("*.zst")
+    )
 
 
 def test_the_hard_limit_holds_under_concurrent_generate_and_append_calls(make_server, model_dir):
@@ -62,7 +66,9 @@ def test_the_hard_limit_holds_under_concurrent_generate_and_append_calls(make_se
     def append(sid: str) -> None:
         with server.client() as client:
             for call in range(40):
-                answer = client.post(f"/sessions/{sid}/append", content=_rows(call), headers={"Content-Type": "application/octet-stream"})
+                answer = client.post(
+                    f"/sessions/{sid}/append", content=_rows(call), headers={"Content-Type": "application/octet-stream"}
+                )
                 if answer.status_code != 200:
                     refusals.append((sid, answer.status_code, answer.json()))
                     return
@@ -82,7 +88,12 @@ def test_the_hard_limit_holds_under_concurrent_generate_and_append_calls(make_se
     assert _journal_bytes(server.data) <= limit
     with server.client() as alice:
         counted = metrics(alice)
-        assert counted["kvstore_store_used_bytes"] == _journal_bytes(server.data) <= counted["kvstore_store_hard_limit_bytes"] == limit
+        assert (
+            counted["kvstore_store_used_bytes"]
+            == _journal_bytes(server.data)
+            <= counted["kvstore_store_hard_limit_bytes"]
+            == limit
+        )
         assert counted['kvstore_generate_errors_total{error="BudgetExceeded"}'] == 2
         for sid, records in acknowledged.items():
             info = alice.get(f"/sessions/{sid}").json()
@@ -114,7 +125,11 @@ def test_the_soft_budget_parks_then_deletes_least_recently_used_and_a_parked_ses
         parked = next(sid for sid, state in zip(order, states) if state == "parked")
         resumed = alice.post(f"/sessions/{parked}/generate", json={"tokens": [9], "max_new_tokens": 2, "stop": []})
         assert resumed.status_code == 200, resumed.text
-        assert (resumed.json()["source"], resumed.json()["reused_tokens"], resumed.json()["prefilled_tokens"]) == ("journal", 8, 1)
+        assert (resumed.json()["source"], resumed.json()["reused_tokens"], resumed.json()["prefilled_tokens"]) == (
+            "journal",
+            8,
+            1,
+        )
         for sid, state in zip(order, states):
             if state == "deleted":
                 assert alice.post(f"/sessions/{sid}/generate", json={"tokens": [9]}).status_code == 404

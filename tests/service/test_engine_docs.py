@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from doc_blocks import Terminal, fenced_blocks
 
+from doc_blocks import Terminal, fenced_blocks
 from service.support import Server
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ENGINE.md"
@@ -64,6 +64,10 @@ def test_the_documented_chat_restart_and_continue_runs_as_written(tmp_path, tier
     assert live, streamed
     stored = int(live.group(2))
     # after the restart: the journal's rows are reused, only " Still there?" (13 tokens) is prefilled
-    assert _split(resumed) == {"x-kv-reused-tokens": str(stored), "x-kv-prefilled-tokens": "13", "x-kv-source": "journal"}
+    assert _split(resumed) == {
+        "x-kv-reused-tokens": str(stored),
+        "x-kv-prefilled-tokens": "13",
+        "x-kv-source": "journal",
+    }
     assert f"kvstore_prefilled_tokens_total 13\nkvstore_reused_tokens_total {stored}\n" in resumed
     assert f"turn session=chat-1 source=journal reused={stored} prefilled=13" in logs[-1]

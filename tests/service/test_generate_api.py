@@ -36,13 +36,19 @@ def test_a_conversation_resumed_after_a_restart_prefills_only_the_new_turn(make_
     first_server = make_server("--model", str(model_dir))  # f32
     with first_server.client() as alice:
         first = _generate(alice, "chat", text="Hello", create=True)
-        assert first["created"] and (first["source"], first["reused_tokens"], first["prefilled_tokens"]) == ("new", 0, 5)
+        assert first["created"] and (first["source"], first["reused_tokens"], first["prefilled_tokens"]) == (
+            "new",
+            0,
+            5,
+        )
         assert first["session"]["model"]["weights_hash"].startswith("blake2b:")
         assert first["session"]["tier"]["name"] == "f32"
         stored = first["session"]["n_records"]
         assert stored == 5 + 4
 
-        streamed = alice.post("/sessions/chat/generate", json={**TURN, "tokens": [40, 41, 42]}, headers={"Accept": "text/event-stream"})
+        streamed = alice.post(
+            "/sessions/chat/generate", json={**TURN, "tokens": [40, 41, 42]}, headers={"Accept": "text/event-stream"}
+        )
         assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
         assert (streamed.headers["X-KV-Reused-Tokens"], streamed.headers["X-KV-Prefilled-Tokens"]) == (str(stored), "3")
         events = sse_events(streamed)
@@ -62,12 +68,17 @@ def test_a_conversation_resumed_after_a_restart_prefills_only_the_new_turn(make_
         before = metrics(alice)
         resumed = _generate(alice, "chat", tokens=[50, 51])
         assert (resumed["source"], resumed["reused_tokens"], resumed["prefilled_tokens"]) == ("journal", stored, 2)
-        assert resumed["restored_tokens"] == stored and resumed["upgraded"] == f"{tiers.F32.describe()} -> {tiers.FP8.describe()}"
+        assert (
+            resumed["restored_tokens"] == stored
+            and resumed["upgraded"] == f"{tiers.F32.describe()} -> {tiers.FP8.describe()}"
+        )
         assert resumed["session"]["tier"]["version"] == 2 and resumed["session"]["tier"]["name"] == "fp8"
         after = metrics(alice)
         assert after["kvstore_reused_tokens_total"] - before["kvstore_reused_tokens_total"] == stored
         assert after["kvstore_prefilled_tokens_total"] - before["kvstore_prefilled_tokens_total"] == 2
-        assert after['kvstore_restores_total{source="journal"}'] == 1 and after["kvstore_restored_tokens_total"] == stored
+        assert (
+            after['kvstore_restores_total{source="journal"}'] == 1 and after["kvstore_restored_tokens_total"] == stored
+        )
 
         again = _generate(alice, "chat", tokens=[60])
         n = resumed["session"]["n_records"]
@@ -81,9 +92,13 @@ def test_a_conversation_resumed_after_a_restart_prefills_only_the_new_turn(make_
     # its tokens are the ones an uninterrupted fp8 engine produces from the whole history
     from kvstore.formats import coli_kv
 
-    tokens = np.frombuffer(history[coli_kv.HEADER_BYTES:], dtype=coli_kv.record_dtype(
-        coli_kv.parse_header(history[: coli_kv.HEADER_BYTES]).geometry, coli_kv.tiers.F32))["token"].tolist()
-    uninterrupted = Engine(load_model(model_dir), tier="fp8").generate(tokens + [50, 51], max_new_tokens=4, stop_tokens=())
+    tokens = np.frombuffer(
+        history[coli_kv.HEADER_BYTES :],
+        dtype=coli_kv.record_dtype(coli_kv.parse_header(history[: coli_kv.HEADER_BYTES]).geometry, coli_kv.tiers.F32),
+    )["token"].tolist()
+    uninterrupted = Engine(load_model(model_dir), tier="fp8").generate(
+        tokens + [50, 51], max_new_tokens=4, stop_tokens=()
+    )
     assert resumed["tokens"] == uninterrupted.tokens
 
 
@@ -101,19 +116,36 @@ def test_refusals_are_clear_and_change_nothing(make_server, model_dir):
         assert both.status_code == 400 and "either" in both.json()["reason"]
         assert alice.post("/sessions/ours/generate", json={"tokens": [999]}).status_code == 422  # vocab is 512
         assert alice.post("/sessions/..%2Fescape/generate", json={"tokens": [5]}).status_code in (400, 404)
-        assert alice.post("/sessions/ours/generate", json={"tokens": [5], "override": ["geometry.vocab"]}).status_code == 400
+        assert (
+            alice.post("/sessions/ours/generate", json={"tokens": [5], "override": ["geometry.vocab"]}).status_code
+            == 400
+        )
 
         # a session of other weights: refused before the stream starts (plain JSON), naming the field
         model = {**engine["model"], "weights_hash": "blake2b:" + "0" * 64}
-        created = alice.post("/sessions", json={"id": "theirs", "model": model, "geometry": engine["geometry"], "tier": "fp8"})
+        created = alice.post(
+            "/sessions", json={"id": "theirs", "model": model, "geometry": engine["geometry"], "tier": "fp8"}
+        )
         assert created.status_code == 201
         rows = alice.get("/sessions/ours/resume").content
-        assert alice.post("/sessions/theirs/append", content=rows, headers={"Content-Type": "application/octet-stream"}).status_code == 200
+        assert (
+            alice.post(
+                "/sessions/theirs/append", content=rows, headers={"Content-Type": "application/octet-stream"}
+            ).status_code
+            == 200
+        )
         refused = alice.post("/sessions/theirs/generate", json={"tokens": [8], "stream": True})
         assert refused.status_code == 409 and refused.headers["content-type"].startswith("application/json")
-        assert refused.json()["error"] == "FingerprintMismatch" and "model.weights_hash: session 'blake2b:000" in refused.json()["reason"]
+        assert (
+            refused.json()["error"] == "FingerprintMismatch"
+            and "model.weights_hash: session 'blake2b:000" in refused.json()["reason"]
+        )
         overridden = _generate(alice, "theirs", tokens=[8], override=["model.weights_hash"])
-        assert (overridden["source"], overridden["reused_tokens"], overridden["prefilled_tokens"]) == ("journal", ours["session"]["n_records"], 1)
+        assert (overridden["source"], overridden["reused_tokens"], overridden["prefilled_tokens"]) == (
+            "journal",
+            ours["session"]["n_records"],
+            1,
+        )
 
         # a journal cut behind the store's back: the restore fails with the reason, nothing changes
         journal = server.data / "journals" / "ours.coli_kv"
@@ -122,9 +154,15 @@ def test_refusals_are_clear_and_change_nothing(make_server, model_dir):
             f.truncate(size - 100)
         session_before = alice.get("/sessions/ours").json()
         cut = alice.post("/sessions/ours/generate", json={"tokens": [9]})
-        assert cut.status_code == 409 and cut.json()["error"] == "IntegrityError" and "ended at record" in cut.json()["reason"]
+        assert (
+            cut.status_code == 409
+            and cut.json()["error"] == "IntegrityError"
+            and "ended at record" in cut.json()["reason"]
+        )
         assert alice.get("/sessions/ours").json()["n_records"] == session_before["n_records"]
-        still = _generate(alice, "theirs", tokens=[10], override=["model.weights_hash"])  # the live cache was not touched
+        still = _generate(
+            alice, "theirs", tokens=[10], override=["model.weights_hash"]
+        )  # the live cache was not touched
         assert still["source"] == "live"
 
         counted = metrics(alice)
@@ -133,7 +171,17 @@ def test_refusals_are_clear_and_change_nothing(make_server, model_dir):
 
         # a client that leaves mid-stream stops the turn; what was generated is journaled
         before = alice.get("/sessions/theirs").json()["n_records"]
-        with alice.stream("POST", "/sessions/theirs/generate", json={"tokens": [11], "max_new_tokens": 5000, "stop": [], "stream": True, "override": ["model.weights_hash"]}) as live:
+        with alice.stream(
+            "POST",
+            "/sessions/theirs/generate",
+            json={
+                "tokens": [11],
+                "max_new_tokens": 5000,
+                "stop": [],
+                "stream": True,
+                "override": ["model.weights_hash"],
+            },
+        ) as live:
             seen = 0
             for line in live.iter_lines():
                 seen += line.startswith("event: token")
