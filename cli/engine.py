@@ -104,6 +104,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         turn = engine.tokenizer(args.prompt, add_special_tokens=not resuming)["input_ids"]
     else:
         turn = options.parse_ids(args.ids)
+    if not turn and not resuming:  # refused before anything is created: no journal, no trace
+        raise InvalidRequest("nothing to generate from: the prompt is empty and there is no journal to continue")
     geometry = engine.config.coli_geometry()
     journal_tier = args.tier.file_tier  # bf16 and q8 caches journal f32 rows
     journal = None

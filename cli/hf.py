@@ -4,7 +4,9 @@ The session is restored into a ``DynamicCache`` (no re-prefill of what it holds)
 run and answered greedily, and the turn's rows are appended to the session. Turns come from
 ``--prompt``/``--ids`` (one turn) or from standard input, one per line. Text needs a tokenizer in
 the folder; token ids always work. Each turn reports how many tokens were reused from the store and
-how many were prefilled.
+how many were prefilled. An empty ``--prompt ""`` / ``--ids ""`` continues the stored conversation
+with no new turn (its last token is re-run, never the whole conversation); blank stdin lines are
+skipped.
 
 ``--owner`` means what it means for ``kvstore chat``: the session is looked up for any owner unless
 one is given, and a session created here gets ``--owner`` or ``default``.
@@ -77,14 +79,14 @@ def cmd_hf_chat(args: argparse.Namespace) -> int:
             restored = hf.restore(
                 store, args.session, model, owner=owner, verify=args.verify, tier=args.tier, override=args.override
             )
-            history, cache, reused = restored.tokens.astype(np.int64), restored.cache, restored.reused_tokens
+            history, cache = restored.tokens.astype(np.int64), restored.cache
             if restored.damaged_from is not None:
                 print(
                     f"note: records from {restored.damaged_from} on failed verification and were not used",
                     file=sys.stderr,
                 )
         except SessionNotFound:
-            history, cache, reused = np.empty(0, np.int64), hf.new_cache(model), 0
+            history, cache = np.empty(0, np.int64), hf.new_cache(model)
             owner = options.creating_owner(owner)  # the first save creates the session
         for ids, text in _turns(args, tokenizer):
             if text is not None:
@@ -92,14 +94,13 @@ def cmd_hf_chat(args: argparse.Namespace) -> int:
                     raise InvalidRequest(f"{args.model} has no tokenizer: pass --ids (or token ids on stdin)")
                 # a continued conversation already starts with the tokenizer's special prefix
                 ids = tokenizer(text, add_special_tokens=history.size == 0)["input_ids"]
-            if not ids:
-                continue
-            if min(ids) < 0 or max(ids) >= vocab:
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise InvalidRequest(f"token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-            context = torch.from_numpy(np.concatenate([history, np.asarray(ids, dtype=np.int64)]))[None].to(
-                model.device
-            )
-            prefilled = context.shape[1] - hf.cache_length(cache)
+            # An empty turn continues the stored conversation: the cache hands its last token back
+            # as the input rather than letting generate run the whole conversation again (issue 21).
+            context = hf.next_input_ids(cache, history, ids, device=model.device)
+            reused = hf.cache_length(cache)
+            prefilled = hf.prefill_length(cache, context)
             with torch.no_grad():
                 out = model.generate(
                     context, max_new_tokens=args.max_new_tokens, do_sample=False, **hf.cache_kwargs(model, cache)
@@ -128,7 +129,6 @@ def cmd_hf_chat(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
             history = out[0].cpu().numpy().astype(np.int64)
-            reused = hf.cache_length(cache)  # the next turn reuses everything this one left in the cache
     return 0
 
 

@@ -116,3 +116,19 @@ def test_old_engine_tier_spellings_warn_once_and_still_work(model_dir, tmp_path,
     assert err.count("kvstore: warning: ") == 1 and f"kvstore: warning: {note}" in err
     assert f"tier {tier}]" in err  # the summary names the canonical tier
     assert coli_kv.load(journal).tier == tiers.get(tier).file_tier
+
+
+def test_an_empty_turn_continues_the_journal_without_running_it_again(model_dir, tmp_path, capsys):
+    # Issue 21 for the engine: no new tokens continues the conversation; the cache holds every row,
+    # so only the last token is re-run (for its logits) and the answer is the uninterrupted one.
+    journal = tmp_path / "talk.coli_kv"
+    first = _generate_json(capsys, model_dir, "--ids", "20 21 22", "--journal", journal, "--max-new-tokens", 5, "--stop")
+    more = _generate_json(capsys, model_dir, "--ids", "", "--journal", journal, "--max-new-tokens", 6, "--stop")
+    assert (more["prefilled_tokens"], more["reused_tokens"]) == (1, 3 + 5 - 1)
+    context = [20, 21, 22, *first["tokens"]]
+    cold = _generate_json(capsys, model_dir, "--ids", " ".join(map(str, context)), "--max-new-tokens", 6, "--stop")
+    assert more["tokens"] == cold["tokens"]
+    assert coli_kv.load(journal).tokens.tolist() == [*context, *more["tokens"]]
+    fresh = tmp_path / "fresh.coli_kv"
+    assert main(["generate", str(model_dir), "--ids", "", "--journal", str(fresh)]) == 2
+    assert "nothing to generate from" in capsys.readouterr().err and not fresh.exists()

@@ -102,3 +102,22 @@ def test_hf_chat_owner_defaults_to_any_owner_and_creates_as_default(hf_folder, t
     capsys.readouterr()
     assert main([*base, "--session", "old", "--ids", "5 6", "--tier", "v2"]) == 0
     assert "kvstore: warning: tier 'v2' is deprecated: use 'fp8'" in capsys.readouterr().err
+
+
+def test_hf_chat_with_an_empty_turn_continues_without_running_the_conversation_again(hf_folder, tmp_path, capsys):
+    # Issue 21: a turn with no new tokens continues the stored conversation. The cache already holds
+    # every token, so the last one is handed back and re-run — never the whole conversation on top.
+    data = tmp_path / "data"
+    args = ["hf-chat", str(hf_folder), "--session", "demo", "--data", str(data), "--max-new-tokens", str(NEW), "--json"]
+    assert main([*args, "--prompt", TURNS[0]]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--ids", ""]) == 0
+    more = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (more["reused_tokens"], more["prefilled_tokens"]) == (first["records"] - 1, 1)
+    assert more["records"] == first["records"] + NEW
+    model, tokenizer = _load(hf_folder), load_tokenizer(hf_folder)
+    prompt = torch.tensor(tokenizer(TURNS[0])["input_ids"])[None]
+    uninterrupted = model.generate(prompt, max_new_tokens=2 * NEW, do_sample=False)[0, prompt.shape[1] :].tolist()
+    assert first["tokens"] + more["tokens"] == uninterrupted
+    assert main([*args[:3], "fresh", *args[4:], "--ids", ""]) == 2
+    assert "nothing to continue" in capsys.readouterr().err

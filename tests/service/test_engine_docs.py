@@ -33,30 +33,37 @@ def test_the_documented_chat_restart_and_continue_runs_as_written(tmp_path, tier
     terminal = Terminal(tmp_path)
     server: Server | None = None
     logs, outputs = [], []
-    for index, (prose, language, code) in enumerate(examples):
-        if language == "text" or "kvstore serve" in code:
-            continue  # outputs are checked below; the test runs the server itself
-        paragraph = prose.strip().split("\n\n")[-1].lower()
-        if "start it again" in paragraph:
-            logs.append(server.stop())
-            server = None
-        if server is None and "127.0.0.1:8000" in code:
-            server = Server(tmp_path / "data", *serve_args, env={"KVSTORE_API_KEYS": env_keys}, cwd=tmp_path).start()
-        if server is not None:
-            code = code.replace("http://127.0.0.1:8000", server.url)
-        done = terminal.run(language, code, timeout=180)
-        assert done.returncode == 0, f"{code}\n{done.stdout}\n{done.stderr}"
-        shown = examples[index + 1] if index + 1 < len(examples) and examples[index + 1][1] == "text" else None
-        if shown is not None and tier == "fp8":
-            printed, documented = done.stdout, shown[2]
-            if 'data["text"]' in code:
-                # The first line is the random model's answer: its bytes follow float rounding, which
-                # differs between CPUs (and the doc says so). What the example reports is compared.
-                assert printed.split("\n", 1)[0].strip(), printed
-                printed, documented = printed.split("\n", 1)[1], documented.split("\n", 1)[1]
-            assert printed == documented, f"{code}\n--- printed\n{done.stdout}--- documented\n{shown[2]}"
-        outputs.append(done.stdout)
-    logs.append(server.stop())
+    try:
+        for index, (prose, language, code) in enumerate(examples):
+            if language == "text" or "kvstore serve" in code:
+                continue  # outputs are checked below; the test runs the server itself
+            paragraph = prose.strip().split("\n\n")[-1].lower()
+            if "start it again" in paragraph:
+                logs.append(server.stop())
+                server = None
+            if server is None and "127.0.0.1:8000" in code:
+                server = Server(
+                    tmp_path / "data", *serve_args, env={"KVSTORE_API_KEYS": env_keys}, cwd=tmp_path
+                ).start()
+            if server is not None:
+                code = code.replace("http://127.0.0.1:8000", server.url)
+            done = terminal.run(language, code, timeout=180)
+            assert done.returncode == 0, f"{code}\n{done.stdout}\n{done.stderr}"
+            shown = examples[index + 1] if index + 1 < len(examples) and examples[index + 1][1] == "text" else None
+            if shown is not None and tier == "fp8":
+                printed, documented = done.stdout, shown[2]
+                if 'data["text"]' in code:
+                    # The first line is the random model's answer: its bytes follow float rounding, which
+                    # differs between CPUs (and the doc says so). What the example reports is compared.
+                    assert printed.split("\n", 1)[0].strip(), printed
+                    printed, documented = printed.split("\n", 1)[1], documented.split("\n", 1)[1]
+                assert printed == documented, f"{code}\n--- printed\n{done.stdout}--- documented\n{shown[2]}"
+            outputs.append(done.stdout)
+        logs.append(server.stop())
+        server = None
+    finally:
+        if server is not None and server.running():  # a failed step: never leave a server behind
+            server.kill()
 
     first, streamed, resumed = outputs[1], outputs[2], outputs[3]
     assert _split(first) == {"x-kv-reused-tokens": "0", "x-kv-prefilled-tokens": "15", "x-kv-source": "new"}
