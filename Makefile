@@ -6,6 +6,9 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 DATA   ?= ./data
 STAMP  := $(VENV)/.installed
+# Test processes: the suite is mostly single-threaded work, so two workers use CI's two cores.
+# Files stay whole on one worker (--dist loadfile): a module's fixtures are built once.
+WORKERS ?= 2
 
 .PHONY: run test test-long check bench clean
 
@@ -19,7 +22,7 @@ run: $(STAMP)
 	$(VENV)/bin/kvstore serve --host $(HOST) --port $(PORT) --data $(DATA)
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(WORKERS) --dist loadfile
 
 # What CI checks before the tests: lint, formatting, types (pyright on formats/, kvstore/,
 # migrations/ and api/), all with the versions pinned in pyproject's `lint` extra.
@@ -30,7 +33,7 @@ check: $(STAMP)
 
 # The long reliability runs (hundreds of crash trials per operation); see RELIABILITY.md.
 test-long: $(STAMP)
-	KVSTORE_LONG=1 $(VENV)/bin/pytest -q
+	KVSTORE_LONG=1 $(VENV)/bin/pytest -q -n $(WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py $(BENCH_ARGS)
