@@ -122,7 +122,9 @@ def test_an_empty_turn_continues_the_journal_without_running_it_again(model_dir,
     # Issue 21 for the engine: no new tokens continues the conversation; the cache holds every row,
     # so only the last token is re-run (for its logits) and the answer is the uninterrupted one.
     journal = tmp_path / "talk.coli_kv"
-    first = _generate_json(capsys, model_dir, "--ids", "20 21 22", "--journal", journal, "--max-new-tokens", 5, "--stop")
+    first = _generate_json(
+        capsys, model_dir, "--ids", "20 21 22", "--journal", journal, "--max-new-tokens", 5, "--stop"
+    )
     more = _generate_json(capsys, model_dir, "--ids", "", "--journal", journal, "--max-new-tokens", 6, "--stop")
     assert (more["prefilled_tokens"], more["reused_tokens"]) == (1, 3 + 5 - 1)
     context = [20, 21, 22, *first["tokens"]]
