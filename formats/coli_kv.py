@@ -1,3 +1,4 @@
+# Over 500 lines: header, record layout, sanitize-on-load and writer follow FORMAT.md sections 1, 2 and 4 in one place, in validation order.
 """The ``.coli_kv`` layouts (FORMAT.md sections 1, 2, 4): header, records, load, write.
 
 A file is a 40-byte header followed by fixed-size records. A record layout is a numpy

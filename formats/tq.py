@@ -1,3 +1,4 @@
+# Over 500 lines: both TQ codecs share the rotation, the chunked feature-major layout and the bit streams; split, each half would reach into the other.
 """TurboQuant row codecs of ``.coli_kv`` v3, exactly as FORMAT.md sections 5 and 6 say.
 
 Every row is turned by the same randomized Hadamard rotation (a fixed +-1 sign vector, then

@@ -1,3 +1,4 @@
+# Over 500 lines: every fsync and atomic rename of the project lives here on purpose (STYLE rule 5: durability in one place).
 """The durable ``.coli_kv`` journal: every fsync and every atomic rename of kvstore lives here.
 
 Protocol (FORMAT.md section 4), and what each step protects against:
