@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -57,9 +58,11 @@ def row_layout(tier: tiers.Tier, width: int) -> RowLayout:
     return RowLayout(torch.uint8, tier.payload_bytes(width), torch.float32, ())
 
 
-def _need(cond: bool, reason: str) -> None:
+def _need(cond: bool, reason: str | Callable[[], str]) -> None:
+    # A message that formats tensors is passed as a lambda: formatted only when the check fails,
+    # so a plain call pays for comparisons, not for strings.
     if not cond:
-        raise AttentionInputError(reason)
+        raise AttentionInputError(reason() if callable(reason) else reason)
 
 
 def _describe(t) -> str:
@@ -69,9 +72,9 @@ def _describe(t) -> str:
 
 
 def _tensor(name: str, t, dtype: torch.dtype, ndim: int) -> None:
-    _need(isinstance(t, torch.Tensor), f"{name} must be a torch tensor, got {_describe(t)}")
-    _need(t.dtype == dtype, f"{name} must be {str(dtype).replace('torch.', '')}, got {_describe(t)}")
-    _need(t.dim() == ndim, f"{name} must have {ndim} dimensions, got {_describe(t)}")
+    _need(isinstance(t, torch.Tensor), lambda: f"{name} must be a torch tensor, got {_describe(t)}")
+    _need(t.dtype == dtype, lambda: f"{name} must be {str(dtype).replace('torch.', '')}, got {_describe(t)}")
+    _need(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {_describe(t)}")
 
 
 def as_tier(tier: tiers.Tier | str) -> tiers.Tier:
@@ -124,12 +127,15 @@ def check_inputs(
     _tensor("q_rope", q_rope, torch.float32, 3)
     batch, heads, kv_lora = q_lat.shape
     qk_rope = q_rope.shape[2]
-    _need(q_rope.shape[:2] == q_lat.shape[:2], f"q_rope {_describe(q_rope)} does not match q_lat {_describe(q_lat)}")
-    _need(batch >= 1 and heads >= 1 and kv_lora >= 1 and qk_rope >= 1, f"empty query {_describe(q_lat)}")
+    _need(
+        q_rope.shape[:2] == q_lat.shape[:2],
+        lambda: f"q_rope {_describe(q_rope)} does not match q_lat {_describe(q_lat)}",
+    )
+    _need(batch >= 1 and heads >= 1 and kv_lora >= 1 and qk_rope >= 1, lambda: f"empty query {_describe(q_lat)}")
     device = q_lat.device
     for name, width in (("kv_lora", kv_lora), ("qk_rope", qk_rope)):
         problem = tier.width_problem(width)
-        _need(problem is None, f"{name}: {problem}")
+        _need(problem is None, lambda: f"{name}: {problem}")
     layouts = (
         ("lc", lc_codes, lc_scales, row_layout(tier, kv_lora)),
         ("rc", rc_codes, rc_scales, row_layout(tier, qk_rope)),
@@ -139,41 +145,49 @@ def check_inputs(
         _tensor(f"{prefix}_codes", codes, layout.codes_dtype, 2)
         _need(
             codes.shape[1] == layout.code_width,
-            f"{prefix}_codes must be {_SHORT[layout.codes_dtype]}[N, {layout.code_width}] for {tier.name}, "
-            f"got {_describe(codes)}",
+            lambda: (
+                f"{prefix}_codes must be {_SHORT[layout.codes_dtype]}[N, {layout.code_width}] for {tier.name}, "
+                f"got {_describe(codes)}"
+            ),
         )
-        _need(codes.shape[0] == n_rows, f"{prefix}_codes has {codes.shape[0]} rows, lc_codes {n_rows}")
-        _need(codes.device == device, f"{prefix}_codes is on {codes.device}, q_lat on {device}")
+        _need(codes.shape[0] == n_rows, lambda: f"{prefix}_codes has {codes.shape[0]} rows, lc_codes {n_rows}")
+        _need(codes.device == device, lambda: f"{prefix}_codes is on {codes.device}, q_lat on {device}")
         if layout.scales_dtype is None:
-            _need(scales is None, f"{tier.name} rows have no scales, got {prefix}_scales {_describe(scales)}")
+            _need(scales is None, lambda: f"{tier.name} rows have no scales, got {prefix}_scales {_describe(scales)}")
             continue
         _tensor(f"{prefix}_scales", scales, layout.scales_dtype, 1 + len(layout.scales_shape))
         _need(
             tuple(scales.shape[1:]) == layout.scales_shape,
-            f"{prefix}_scales must be {_SHORT[layout.scales_dtype]}[N{''.join(f', {d}' for d in layout.scales_shape)}] "
-            f"for {tier.name}, got {_describe(scales)}",
+            lambda: (
+                f"{prefix}_scales must be {_SHORT[layout.scales_dtype]}[N{''.join(f', {d}' for d in layout.scales_shape)}] "
+                f"for {tier.name}, got {_describe(scales)}"
+            ),
         )
-        _need(scales.shape[0] == n_rows, f"{prefix}_scales has {scales.shape[0]} rows, lc_codes {n_rows}")
-        _need(scales.device == device, f"{prefix}_scales is on {scales.device}, q_lat on {device}")
-    _need(q_rope.device == device, f"q_rope is on {q_rope.device}, q_lat on {device}")
+        _need(scales.shape[0] == n_rows, lambda: f"{prefix}_scales has {scales.shape[0]} rows, lc_codes {n_rows}")
+        _need(scales.device == device, lambda: f"{prefix}_scales is on {scales.device}, q_lat on {device}")
+    _need(q_rope.device == device, lambda: f"q_rope is on {q_rope.device}, q_lat on {device}")
     for name, t in (("seq_start", seq_start), ("seq_len", seq_len)):
         _tensor(name, t, torch.int32, 1)
-        _need(t.shape[0] == batch, f"{name} must be i32[{batch}], got {_describe(t)}")
-        _need(t.device == device or t.device.type == "cpu", f"{name} must be on {device} or the CPU, got {t.device}")
+        _need(t.shape[0] == batch, lambda: f"{name} must be i32[{batch}], got {_describe(t)}")
+        _need(
+            t.device == device or t.device.type == "cpu",
+            lambda: f"{name} must be on {device} or the CPU, got {t.device}",
+        )
     selected = None
     if indices is not None or n_selected is not None:
         _tensor("indices", indices, torch.int32, 2)
         _tensor("n_selected", n_selected, torch.int32, 1)
-        _need(indices.shape[0] == batch, f"indices must be i32[{batch}, S], got {_describe(indices)}")
-        _need(n_selected.shape[0] == batch, f"n_selected must be i32[{batch}], got {_describe(n_selected)}")
+        _need(indices.shape[0] == batch, lambda: f"indices must be i32[{batch}, S], got {_describe(indices)}")
+        _need(n_selected.shape[0] == batch, lambda: f"n_selected must be i32[{batch}], got {_describe(n_selected)}")
         for name, t in (("indices", indices), ("n_selected", n_selected)):
             _need(
-                t.device == device or t.device.type == "cpu", f"{name} must be on {device} or the CPU, got {t.device}"
+                t.device == device or t.device.type == "cpu",
+                lambda: f"{name} must be on {device} or the CPU, got {t.device}",
             )
         selected = int(indices.shape[1])
     _need(
         isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale),
-        f"softmax_scale must be a finite float, got {softmax_scale!r}",
+        lambda: f"softmax_scale must be a finite float, got {softmax_scale!r}",
     )
     if out is not None:
         _need(
@@ -182,7 +196,7 @@ def check_inputs(
             and tuple(out.shape) == (batch, heads, kv_lora)
             and out.device == device
             and out.is_contiguous(),
-            f"out must be a contiguous f32[{batch}, {heads}, {kv_lora}] on {device}, got {_describe(out)}",
+            lambda: f"out must be a contiguous f32[{batch}, {heads}, {kv_lora}] on {device}, got {_describe(out)}",
         )
     return DecodeProblem(tier, batch, heads, kv_lora, qk_rope, n_rows, selected, device)
 
@@ -220,9 +234,9 @@ def check_ranges(problem: DecodeProblem, seq_start, seq_len, indices=None, n_sel
     flags = problems.cpu().tolist()
     _need(not flags[0], "seq_len holds a negative length")
     _need(not flags[1], "seq_start holds a negative row")
-    _need(not flags[2], f"a sequence runs past the {problem.n_rows} cache rows (seq_start + seq_len > N)")
+    _need(not flags[2], lambda: f"a sequence runs past the {problem.n_rows} cache rows (seq_start + seq_len > N)")
     if indices is not None:
-        _need(not flags[3], f"n_selected must lie in 0..{indices.shape[1]}")
+        _need(not flags[3], lambda: f"n_selected must lie in 0..{indices.shape[1]}")
         _need(not flags[4], "indices hold a row outside its sequence (each must be in 0..seq_len-1)")
 
 
