@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--tiers", nargs="+", default=list(DEFAULT_TIERS), choices=tiers.names())
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--prefill-chunk", type=int, default=4096)
+    parser.add_argument(
+        "--prefill-chunk", type=int, help="tokens per prefill forward (default: the engine's, by device)"
+    )
     parser.add_argument("--layers", type=int, help="override the preset's layer count (smoke runs)")
     parser.add_argument("--experts", type=int, help="override the preset's routed experts (smoke runs)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or workdir_context.name)
     workdir.mkdir(parents=True, exist_ok=True)
     resume_rows = []
+    warmups = []
     decode_rows = {}
     host_rows = []
     try:
@@ -137,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_bytes(stored.encode_file(geometry))
                 del staging
                 engine = Engine(model, tier=tier, prefill_chunk=args.prefill_chunk)
+                # a server captures its decode graphs once, at start (CUDA only; 0 s elsewhere)
+                warm_seconds, captured = _timed(device, partial(engine.warm_graphs, length + 1))
+                warmups.append((length, tier, warm_seconds, captured))
                 restore_seconds, _ = _timed(device, partial(engine.restore_file, path))
                 step_seconds, (logits, prefilled, reused) = _timed(device, partial(engine.prefill, context))
                 if (prefilled, reused) != (1, length):
@@ -189,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{head} {tier:>9s} {_fmt_seconds(restore_seconds):>11s} {_fmt_seconds(step_seconds):>11s} {speedup:8.0f}x "
                 f"{size / 1e6:8.1f} {gbps:6.2f} {gbps / memcpy:7.0%} {'same' if same_next else 'differs':>8s}"
             )
+    if any(captured for *_, captured in warmups):
+        print("\nCUDA-graph warm-up before each resume (a server's start-up; not counted above):")
+        for length, tier, warm_seconds, captured in warmups:
+            print(f"{length:7d} {tier:>9s} {captured} graphs in {_fmt_seconds(warm_seconds)}")
     if host_rows:
         print("\nRestore, host path (load + StoredRows.from_records + restore) vs device path (restore_file)")
         print(

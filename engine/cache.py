@@ -249,6 +249,21 @@ class LatentCache:
         for name, value in encoded.items():
             self._fields[name][layer, start : start + t] = value
 
+    def write_at(self, layer: int, positions: torch.Tensor, lc: torch.Tensor, rc: torch.Tensor) -> None:
+        """:meth:`write` at device positions int64[T] (one row each): no host value decides where, so a
+        CUDA graph can capture it. The positions must lie below the capacity (not checked: that would
+        read them back to the host)."""
+        encoded = self._encode(lc.to(torch.float32), rc.to(torch.float32))
+        for name, value in encoded.items():
+            self._fields[name][layer].index_copy_(0, positions, value.to(self._fields[name].dtype))
+
+    @property
+    def storage_key(self) -> tuple[int, int]:
+        """(address of the first field, capacity): changes whenever the row buffers are reallocated,
+        which invalidates any CUDA graph that captured them."""
+        first = next(iter(self._fields.values()), None)
+        return (0 if first is None else first.data_ptr(), self._capacity)
+
     def read(self, layer: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``0 .. stop-1`` of ``layer`` through dequantization: (f32[stop, K], f32[stop, R])."""
         return self._decode({name: f[layer, :stop] for name, f in self._fields.items()})
@@ -371,10 +386,7 @@ class LatentCache:
         full = self._allocate(capacity)
         for name, value in fields.items():
             full[name][:, :n] = value
-        tokens = np.zeros(capacity, dtype=np.int32)
-        tokens[:n] = rows.tokens
-        # Everything is built: swap it in.
-        self._fields, self._tokens, self._capacity, self._length = full, tokens, capacity, n
+        self._adopt(full, rows.tokens, capacity, n)
 
     def restore_records(
         self, records, *, expect=None, allow_requantize: bool = False, headroom: int = _MIN_CAPACITY
@@ -441,9 +453,22 @@ class LatentCache:
             value[:, n:].zero_()
         if check_tokens is not None:
             check_tokens(stored_tokens)
+        self._adopt(full, stored_tokens, capacity, n)
+
+    def _adopt(self, full: dict[str, torch.Tensor], stored_tokens: np.ndarray, capacity: int, n: int) -> None:
+        """The last step of every restore, once all of it succeeded: make ``full``'s first ``n`` rows
+        the cache's. On CUDA, when the current buffers hold them, they are copied in (one device copy)
+        so the storage — and every CUDA graph that captured it — stays; otherwise ``full`` replaces it."""
+        if self.device.type == "cuda" and self._capacity >= capacity and self._fields:
+            for name, value in full.items():
+                self._fields[name][:, :n].copy_(value[:, :n])
+                self._fields[name][:, n:].zero_()
+            self._tokens[:n] = stored_tokens[:n]
+            self._tokens[n:] = 0
+            self._length = n
+            return
         tokens = np.zeros(capacity, dtype=np.int32)
-        tokens[:n] = stored_tokens
-        # Everything is built: swap it in.
+        tokens[:n] = stored_tokens[:n]
         self._fields, self._tokens, self._capacity, self._length = full, tokens, capacity, n
 
     def copy(self) -> "LatentCache":

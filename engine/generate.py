@@ -40,7 +40,10 @@ from kvstore.tiers import Tier
 
 __all__ = ["Engine", "GenerationResult", "GenerationStream", "SamplingParams", "sample_next"]
 
-DEFAULT_PREFILL_CHUNK = 4096
+#: Tokens per prefill forward by device (None picks): the CPU bounds activation memory; on CUDA a
+#: prompt up to 32k tokens runs in one forward, whose square causal attention takes the fused kernel.
+PREFILL_CHUNKS = {"cpu": 4096, "cuda": 32768}
+DEFAULT_PREFILL_CHUNK: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,10 @@ class Engine:
     tier : the cache tier when ``cache`` is not given: a ``kvstore.tiers.Tier`` or its name (``f32``,
         ``bf16``, ``fp8``, ``int4``, ``polar2`` .. ``polar6``, ``q8``)
     bits : deprecated, for one release: the PolarQuant bits of the old ``tq-polar`` name
-    prefill_chunk : tokens per prefill forward (bounds activation memory for long prompts)
+    prefill_chunk : tokens per prefill forward (bounds activation memory for long prompts); None:
+        :data:`PREFILL_CHUNKS` of the cache's device
+    cuda_graphs : on a CUDA device, replay each decode step from a CUDA graph
+        (:mod:`kvstore.engine.graphs`); False runs every step's kernels from Python
     """
 
     def __init__(
@@ -160,15 +166,23 @@ class Engine:
         *,
         tier: Tier | str = "f32",
         bits: int | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+        cuda_graphs: bool = True,
     ):
         self.model = model
         self.config: ModelConfig = model.config
         self.cache = cache if cache is not None else make_cache(tier, self.config, model.device, bits=bits)
         self.tokenizer = tokenizer
+        if prefill_chunk is None:
+            prefill_chunk = PREFILL_CHUNKS.get(self.cache.device.type, PREFILL_CHUNKS["cpu"])
         if prefill_chunk < 1:
             raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self._graphs = None
+        if cuda_graphs and self.cache.device.type == "cuda":
+            from kvstore.engine.graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(model, self.cache)
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
@@ -180,7 +194,7 @@ class Engine:
         dtype: torch.dtype | str | None = None,
         tier: Tier | str = "f32",
         bits: int | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> "Engine":
         """Load a Hugging Face model folder (and its tokenizer, when it has one)."""
         from kvstore.engine.tokenizer import load_tokenizer
@@ -199,7 +213,7 @@ class Engine:
         dtype: torch.dtype | str | None = None,
         tier: Tier | str = "f32",
         bits: int | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> "Engine":
         """A random-weight model of a preset geometry (``tiny``, ``tiny-yarn``, ``v2-lite``)."""
         from kvstore.engine.weights import random_model
@@ -282,6 +296,27 @@ class Engine:
         cache.commit(start, ids)
         return out
 
+    def warm_graphs(self, max_context: int) -> int:
+        """On CUDA: reserve the cache for ``max_context`` positions and capture the decode graph of
+        every context bucket up to it (a server's start-up), so no step after a resume pays for a
+        capture. Returns the graphs captured (0 where graphs are off)."""
+        if self._graphs is None or self._graphs.cache is not self.cache:
+            return 0
+        return self._graphs.warm(max_context)
+
+    def decode_logits(self, token: int, position: int) -> torch.Tensor:
+        """Run one generated ``token`` at ``position`` (the cache's length) and commit its rows.
+
+        Returns the next token's logits f32[vocab]: from a CUDA graph replay on CUDA (read them before
+        the next call), from the plain absorbed step elsewhere.
+        """
+        if self._graphs is None or self._graphs.cache is not self.cache:
+            return self._run(np.array([token], dtype=np.int64), position, absorbed=True, logits="last")
+        self.cache.prepare(position, 1)
+        logits = self._graphs.logits(token, position)
+        self.cache.commit(position, [token])
+        return logits
+
     def prefill(self, tokens) -> tuple[torch.Tensor, int, int]:
         """Bring the cache to ``tokens`` (the whole context), reusing the cached common prefix.
 
@@ -303,7 +338,10 @@ class Engine:
         for a in range(reused, ids.shape[0], self.prefill_chunk):
             chunk = ids[a : a + self.prefill_chunk]
             # a single token takes the decode form, as it would when generated
-            logits = self._run(chunk, a, absorbed=chunk.shape[0] == 1, logits="last")
+            if chunk.shape[0] == 1 and self._graphs is not None:  # the one new token of a resume
+                logits = self.decode_logits(int(chunk[0]), a)
+            else:
+                logits = self._run(chunk, a, absorbed=chunk.shape[0] == 1, logits="last")
         return logits, ids.shape[0] - reused, reused
 
     def extend(self, tokens) -> int:
@@ -385,8 +423,7 @@ class Engine:
                     result.finish_reason = "stop"
                     break
                 if step + 1 < max_new:
-                    position = self.cache.length
-                    logits = self._run(np.array([token], dtype=np.int64), position, absorbed=True, logits="last")
+                    logits = self.decode_logits(token, self.cache.length)
         finally:
             result.timings["decode"] = time.perf_counter() - began
             if self.tokenizer is not None:

@@ -35,6 +35,9 @@ _LATENT_NORM_EPS = 1e-6
 # backends that materialize them (CPU); CUDA's fused kernels do not, and get a larger budget.
 _SCORE_BUDGET_BYTES = 256 << 20
 _FUSED_BUDGET_FACTOR = 16
+# Grouped GEMM (bf16 on sm90+ in CUDA builds): the routed experts' path on CUDA. The CPU keeps the
+# per-expert loop, whose summation order the transformers oracle tests pin.
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
 class RMSNorm(nn.Module):
@@ -185,18 +188,27 @@ class MLAttention(nn.Module):
         q_nope, q_rope, lc, rc = self.project(x, cos, sin, rotary)
         cache.write(self.layer, start, lc, rc)
         if absorbed:
-            out = self._absorbed(q_nope, q_rope, cache, start)
+            t = x.shape[0]
+            seq_len = torch.arange(start + 1, start + t + 1, dtype=torch.int32, device=x.device)
+            out = self._absorbed(q_nope, q_rope, cache, seq_len, n_rows=start + t)
         else:
             out = self._plain(q_nope, q_rope, cache, start)
         return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.v_dim))
 
-    def _absorbed(self, q_nope, q_rope, cache, start: int) -> torch.Tensor:
-        """Attention over the cached rows with kv_b_proj folded in; token t sees rows 0..start+t."""
+    def step(self, x, cos, sin, rotary, cache, positions: torch.Tensor, n_rows: int) -> torch.Tensor:
+        """One token at the device position ``positions`` int64[1]: the absorbed form with no host
+        value deciding anything, so a CUDA graph can capture it (``n_rows`` is the cache's capacity)."""
+        q_nope, q_rope, lc, rc = self.project(x, cos, sin, rotary)
+        cache.write_at(self.layer, positions, lc, rc)
+        out = self._absorbed(q_nope, q_rope, cache, (positions + 1).to(torch.int32), n_rows=n_rows)
+        return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.v_dim))
+
+    def _absorbed(self, q_nope, q_rope, cache, seq_len: torch.Tensor, n_rows: int) -> torch.Tensor:
+        """Attention over the cached rows with kv_b_proj folded in; token t sees rows 0..seq_len[t]-1."""
         t = q_nope.shape[0]
         w_uk, w_uv = self._uk_uv()
         # q_lat[t, h] = q_nope[t, h] @ W_UK[h]: the query in latent space
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        seq_len = torch.arange(start + 1, start + t + 1, dtype=torch.int32, device=q_nope.device)
         seq_start = torch.zeros(t, dtype=torch.int32, device=q_nope.device)
         ctx_lat = cache.attend(
             self.layer,
@@ -205,7 +217,7 @@ class MLAttention(nn.Module):
             seq_start,
             seq_len,
             self.softmax_scale,
-            n_rows=start + t,
+            n_rows=n_rows,
         )
         # out[t, h] = ctx_lat[t, h] @ W_UV[h]^T
         ctx_lat = ctx_lat.to(w_uv.dtype)
@@ -221,8 +233,19 @@ class MLAttention(nn.Module):
         keys = torch.cat((kv[..., : self.nope], rc.to(dtype)[:, None, :].expand(n, self.n_heads, self.rope_dim)), -1)
         values = kv[..., self.nope :]
         queries = torch.cat((q_nope, q_rope), dim=-1)
-        # [H, N, D] layout for SDPA
-        keys, values, queries = keys.transpose(0, 1), values.transpose(0, 1), queries.transpose(0, 1)
+        pad = queries.shape[-1] - self.v_dim
+        if pad > 0 and q_nope.device.type == "cuda":
+            # The fused (flash) kernels take one head width for q, k and v: zero columns added to v
+            # (sliced off after) keep attention off the math path, which materializes every score.
+            values = F.pad(values, (0, pad))
+        # [1, H, N, D] for SDPA: with 3-D inputs it never picks a fused kernel
+        keys, values, queries = (t.transpose(0, 1)[None] for t in (keys, values, queries))
+        if start == 0 and q_nope.device.type == "cuda":
+            # A prefill from the first position is square: one causal call the fused (flash) kernel
+            # runs without materializing scores. (Later chunks see their keys lower-right aligned,
+            # which sends SDPA to the math path; they go by query chunks below.)
+            whole = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.softmax_scale)
+            return whole[0, ..., : self.v_dim].transpose(0, 1)
         out = torch.empty(self.n_heads, t, self.v_dim, dtype=dtype, device=q_nope.device)
         budget = _SCORE_BUDGET_BYTES * (_FUSED_BUDGET_FACTOR if q_nope.device.type == "cuda" else 1)
         chunk = max(1, min(t, budget // max(1, 4 * self.n_heads * n)))
@@ -231,12 +254,12 @@ class MLAttention(nn.Module):
             visible = start + q1  # the last query of the chunk sees rows 0 .. start+q1-1
             # the chunk's queries are the last rows of the visible keys: lower-right causal
             out[:, q0:q1] = F.scaled_dot_product_attention(
-                queries[:, q0:q1],
-                keys[:, :visible],
-                values[:, :visible],
+                queries[:, :, q0:q1],
+                keys[:, :, :visible],
+                values[:, :, :visible],
                 attn_mask=causal_lower_right(q1 - q0, visible),
                 scale=self.softmax_scale,
-            )
+            )[0, ..., : self.v_dim]
         return out.transpose(0, 1)
 
 
@@ -297,9 +320,29 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t, k = top_idx.shape
         n_experts = self.gate_proj.shape[0]
+        if _GROUPED_MM is not None and x.device.type == "cuda" and x.dtype == torch.bfloat16:
+            return self._grouped(x, top_idx, weights)
         if x.device.type != "cpu" and t * k <= n_experts:
             return self._gathered(x, top_idx, weights)
         return self._segmented(x, top_idx, weights)
+
+    def _grouped(self, x, top_idx, weights):
+        """Grouped matmuls over the (token, expert) pairs sorted by expert: each hit expert's weights
+        are read once, in place (no gathered copy), and no count goes back to the host, so prefill
+        runs no per-expert loop and a decode step stays capturable in a CUDA graph."""
+        t, k = top_idx.shape
+        flat = top_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k  # pairs are token-major: pair p belongs to token p // k
+        counts = torch.zeros(self.gate_proj.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount would sync
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        xs = x[token_of]
+        gate = _GROUPED_MM(xs, self.gate_proj.transpose(1, 2), offs=offsets)
+        up = _GROUPED_MM(xs, self.up_proj.transpose(1, 2), offs=offsets)
+        y = _GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, y)
 
     def _gathered(self, x, top_idx, weights):
         """Few tokens: gather the chosen experts' weights and run one batched matmul (no host sync)."""
@@ -363,6 +406,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, rotary, cache, start: int, absorbed: bool) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, rotary, cache, start, absorbed)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def step(self, x, cos, sin, rotary, cache, positions: torch.Tensor, n_rows: int) -> torch.Tensor:
+        x = x + self.self_attn.step(self.input_layernorm(x), cos, sin, rotary, cache, positions, n_rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -436,3 +483,28 @@ class MLAForCausalLM(nn.Module):
             x = x[-1:]
         out = self.lm_head(self.model.norm(x)).float()
         return out[0] if logits == "last" else out
+
+    @torch.inference_mode()
+    def decode_step(self, token_ids: torch.Tensor, positions: torch.Tensor, cache, n_rows: int) -> torch.Tensor:
+        """One decode step with its token and position on the device: the form a CUDA graph captures.
+
+        Every shape is fixed by ``n_rows`` and nothing is read back to the host, so the same call
+        replays for any token and any position below ``n_rows`` (``kvstore.engine.graphs``).
+
+        Parameters
+        ----------
+        token_ids : int64[1] on the model's device
+        positions : int64[1] — the token's absolute position; its rows are written there
+        cache : a :class:`kvstore.engine.cache.LatentCache` with capacity >= ``n_rows``
+        n_rows : rows the attention may read (the cache's capacity)
+
+        Returns
+        -------
+        f32[1, vocab]: the logits of the next token.
+        """
+        rotary = self.model.rotary
+        cos, sin = rotary(positions)
+        x = self.model.embed_tokens(token_ids)
+        for layer in self.model.layers:
+            x = layer.step(x, cos, sin, rotary, cache, positions, n_rows)
+        return self.lm_head(self.model.norm(x)).float()

@@ -334,7 +334,7 @@ def int4_quantize_rows(rows: torch.Tensor, chunk_rows: int = 4096) -> tuple[torc
         # a row near f32's limit can overflow the butterflies: its distances are NaN, level 0 wins
         index = torch.where(torch.isfinite(z), index, torch.zeros_like(index)).to(torch.uint8)
         codes[a:b] = index[:, 0::2] | (index[:, 1::2] << 4)
-    codes[~live] = 0
+    codes.masked_fill_(~live[:, None], 0)  # not codes[~live]: a boolean index syncs (and breaks graph capture)
     radius = torch.where(live, radius, torch.zeros_like(radius))
     return codes.reshape(*lead, n // 2), radius.reshape(lead)
 
@@ -429,7 +429,7 @@ def polar_quantize_rows(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, to
         stream = torch.cat((stream, torch.zeros(stream.shape[0], pad, dtype=stream.dtype, device=dev)), dim=-1)
     weights = 1 << torch.arange(8, device=dev, dtype=torch.int64)
     codes = (stream.view(-1, rb, 8) * weights).sum(-1).to(torch.uint8)
-    codes[~live] = 0
+    codes.masked_fill_(~live[:, None], 0)  # not codes[~live]: a boolean index syncs (and breaks graph capture)
     radius = torch.where(live, radius, torch.zeros_like(radius))
     return codes.reshape(*lead, rb), radius.reshape(lead)
 

@@ -1,0 +1,197 @@
+"""Decode speed after a resume: plain steps vs CUDA-graph replays, per tier and context length.
+
+For each tier and context length the cache is filled with the context's rows (random rows written
+through the tier's encoder: decode time does not depend on their values) and the engine generates
+``--tokens`` greedy tokens after it, twice: every kernel launched from Python (``cuda_graphs=False``)
+and replayed from CUDA graphs (the default on CUDA). The first graph step of a bucket includes its
+capture, reported apart ("capture"); tokens/s is measured over the steps after it.
+
+Also printed: the bound of the hardware — reading the weights a token touches once (attention,
+dense and shared layers, ``num_experts_per_tok`` routed experts, the LM head) plus the context's
+cache rows, at the device-to-device copy bandwidth measured in the same run — as tokens/s; and the
+peak device memory of each cache.
+
+Usage::
+
+    python bench/engine_decode.py --device cuda --preset v2-lite            # H200 figures
+    python bench/engine_decode.py --preset tiny --lengths 256 1024 --tokens 8   # CPU smoke
+    python bench/engine_decode.py ... --profile                             # torch.profiler top 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from kvstore.engine import CacheGeometry, Engine, preset, random_model
+from kvstore.engine.graphs import bucket
+
+DEFAULT_TIERS = ("f32", "fp8", "int4")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fill(engine: Engine, length: int, seed: int) -> np.ndarray:
+    """Write ``length`` positions of random rows into the engine's cache (through its encoder)."""
+    cache, cfg = engine.cache, engine.config
+    cache.prepare(0, length)
+    cache.reserve(bucket(length + 1))
+    generator = torch.Generator(device=cache.device).manual_seed(seed)
+    for start in range(0, length, 8192):
+        n = min(8192, length - start)
+        for layer in range(cfg.num_hidden_layers):
+            lc = torch.randn(n, cfg.kv_lora_rank, device=cache.device, generator=generator)
+            rc = torch.randn(n, cfg.qk_rope_head_dim, device=cache.device, generator=generator)
+            cache.write(layer, start, lc, rc)
+    tokens = np.random.default_rng(seed).integers(2, cfg.vocab_size, length)
+    cache.commit(0, tokens)
+    return tokens
+
+
+def _decode(engine: Engine, first: int, n: int) -> tuple[list[int], float, float]:
+    """Greedy steps after the cache: (tokens, seconds of the first step, seconds per later step)."""
+    device = engine.device
+    token, tokens = first, []
+    _sync(device)
+    began = time.perf_counter()
+    logits = engine.decode_logits(token, engine.cache.length)
+    token = int(torch.argmax(logits))
+    first_seconds = time.perf_counter() - began
+    tokens.append(token)
+    began = time.perf_counter()
+    for _ in range(n - 1):
+        logits = engine.decode_logits(token, engine.cache.length)
+        token = int(torch.argmax(logits))  # the host needs each token: a sync per step, as a user sees
+        tokens.append(token)
+    return tokens, first_seconds, (time.perf_counter() - began) / max(1, n - 1)
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy GB/s (read + write bytes), best of 5."""
+    if device.type != "cuda":
+        return float("nan")
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        began = time.perf_counter()
+        target.copy_(source)
+        _sync(device)
+        best = min(best, time.perf_counter() - began)
+    return 2 * source.numel() / best / 1e9
+
+
+def _token_bytes(model, cfg, cache_bytes_per_token: int, length: int) -> int:
+    """Bytes one decode step must read at least: the weights it uses once, plus the context's rows."""
+    total = 0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:  # routed experts: only num_experts_per_tok of them per token
+            total += p.numel() * p.element_size() * cfg.num_experts_per_tok // cfg.n_routed_experts
+        elif "embed_tokens" not in name:  # one embedding row is read, not the table
+            total += p.numel() * p.element_size()
+    return total + cache_bytes_per_token * length
+
+
+def _profile(engine: Engine, first: int, steps: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    token = first
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            token = int(torch.argmax(engine.decode_logits(token, engine.cache.length)))
+    key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights (default f32 on cpu, bf16 on cuda)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 32768])
+    parser.add_argument("--tiers", nargs="+", default=list(DEFAULT_TIERS))
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per measurement")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top 10 of a decode step")
+    parser.add_argument("--profile-prefill", type=int, metavar="N", help="also profile a cold prefill of N tokens")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    cfg = preset(args.preset)
+    began = time.perf_counter()
+    model = random_model(cfg, seed=0, device=device, dtype=dtype)
+    print(
+        f"engine_decode: {args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
+        f"kv_lora {cfg.kv_lora_rank}), {dtype} on {device}; model built in {time.perf_counter() - began:.1f} s"
+    )
+    if args.profile_prefill:
+        from torch.profiler import ProfilerActivity, profile
+
+        prompt = np.random.default_rng(0).integers(2, cfg.vocab_size, args.profile_prefill)
+        Engine(model, tier="f32").prefill(prompt[:512])  # warm-up
+        engine = Engine(model, tier="f32")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        _sync(device)
+        began = time.perf_counter()
+        with profile(activities=activities) as prof:
+            engine.prefill(prompt)
+            _sync(device)
+        print(
+            f"\n-- prefill of {args.profile_prefill} tokens (f32 cache): {time.perf_counter() - began:.2f} s profiled"
+        )
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60))
+        del engine
+    bandwidth = _copy_bandwidth(device)
+    if device.type == "cuda":
+        print(f"device copy bandwidth: {bandwidth:.0f} GB/s")
+    rows = []
+    for tier in args.tiers:
+        for length in args.lengths:
+            results = {}
+            for graphs in (False, True) if device.type == "cuda" else (False,):
+                engine = Engine(model, tier=tier, cuda_graphs=graphs)
+                context = _fill(engine, length, seed=length)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                tokens, first, per_step = _decode(engine, int(context[-1]) % cfg.vocab_size, args.tokens)
+                peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+                results[graphs] = (tokens, first, per_step, peak, engine.cache.nbytes / 2**30)
+                if args.profile and length == args.lengths[0]:
+                    print(f"\n-- {tier}, {length} rows, {'graphs' if graphs else 'plain'}: top 10 of 8 decode steps")
+                    print(_profile(engine, tokens[-1], 8))
+                del engine
+            plain = results[False]
+            graph = results.get(True)
+            same = "-" if graph is None else ("same" if graph[0] == plain[0] else "DIFFER")
+            need = _token_bytes(model, cfg, CacheGeometry.of(cfg).bytes_per_token(tier), length)
+            bound = bandwidth * 1e9 / need if bandwidth == bandwidth else float("nan")
+            rows.append((tier, length, plain, graph, same, bound))
+    print(
+        "\ntier   context  plain tok/s  graph tok/s  speed-up  graph capture  vs HBM bound (tok/s)  cache GiB  peak GiB  tokens"
+    )
+    for tier, length, plain, graph, same, bound in rows:
+        plain_rate = 1 / plain[2]
+        if graph is None:
+            print(
+                f"{tier:6s} {length:7d}  {plain_rate:11.1f}  {'-':>11s}  {'-':>8s}  {'-':>13s}  {'-':>20s}  {plain[4]:9.2f}  {'-':>8s}  {same}"
+            )
+            continue
+        graph_rate = 1 / graph[2]
+        print(
+            f"{tier:6s} {length:7d}  {plain_rate:11.1f}  {graph_rate:11.1f}  {graph_rate / plain_rate:7.1f}x  "
+            f"{graph[1] * 1e3:10.1f} ms  {graph_rate / bound:9.1%} of {bound:7.0f}  {graph[4]:9.2f}  {graph[3]:8.2f}  {same}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

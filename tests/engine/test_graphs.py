@@ -1,0 +1,125 @@
+"""The capturable decode step and its CUDA graphs.
+
+On every device: ``decode_step`` (token and position in device memory, attention over the whole
+capacity) gives the plain absorbed step's logits and writes the same rows. On CUDA: an engine that
+replays graphs generates the tokens of one that runs every kernel from Python, across bucket
+growths and restores.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.engine import Engine, make_cache, preset, random_model
+from kvstore.engine.graphs import MIN_BUCKET, bucket
+
+
+def test_buckets_are_powers_of_two_from_the_minimum():
+    assert [bucket(n) for n in (1, MIN_BUCKET, MIN_BUCKET + 1, 5000)] == [MIN_BUCKET, MIN_BUCKET, 2 * MIN_BUCKET, 8192]
+
+
+@pytest.mark.parametrize("tier", ["f32", "fp8", "int4", "q8"])
+def test_decode_step_equals_the_plain_absorbed_step(tier):
+    cfg = preset("tiny")
+    model = random_model(cfg, seed=2)
+    prompt = np.random.default_rng(3).integers(2, cfg.vocab_size, 40)
+    plain = Engine(model, tier=tier)
+    plain.prefill(prompt[:-1])
+    expect = plain.decode_logits(int(prompt[-1]), len(prompt) - 1)
+    stepped = Engine(model, tier=tier)
+    stepped.prefill(prompt[:-1])
+    cache = stepped.cache
+    cache.prepare(len(prompt) - 1, 1)
+    cache.reserve(256)
+    token = torch.tensor([int(prompt[-1])])
+    position = torch.tensor([len(prompt) - 1])
+    got = model.decode_step(token, position, cache, n_rows=cache.capacity)[0]
+    cache.commit(len(prompt) - 1, [int(prompt[-1])])
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+    for name, field in cache._fields.items():
+        torch.testing.assert_close(field[:, : len(prompt)], plain.cache._fields[name][:, : len(prompt)])
+
+
+def test_write_at_is_write():
+    cfg = preset("tiny")
+    a, b = make_cache("fp8", cfg, capacity=16), make_cache("fp8", cfg, capacity=16)
+    lc, rc = torch.randn(1, cfg.kv_lora_rank), torch.randn(1, cfg.qk_rope_head_dim)
+    a.write(2, 5, lc, rc)
+    b.write_at(2, torch.tensor([5]), lc, rc)
+    for name in a._fields:
+        assert torch.equal(a._fields[name], b._fields[name])
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
+def test_cuda_graph_steps_give_the_plain_steps_logits(tier):
+    """Teacher-forced through the plain engine's greedy answer, across a bucket growth and a restore:
+    the replayed steps give the plain steps' logits (the attention reads a whole bucket, so its sums
+    run in another order: equal up to f32 rounding, not bit for bit)."""
+    cfg = preset("tiny-512")
+    model = random_model(cfg, seed=5).to("cuda")
+    prompt = np.random.default_rng(1).integers(2, cfg.vocab_size, MIN_BUCKET - 20)
+    graphs = Engine(model, tier=tier)
+    plain = Engine(model, tier=tier, cuda_graphs=False)
+    assert graphs._graphs is not None and plain._graphs is None
+    answer = plain.generate(prompt, max_new_tokens=48, stop_tokens=()).tokens
+    plain.cache.truncate(0)
+    worst = max(_relative(graphs.prefill(prompt)[0], plain.prefill(prompt)[0]), 0.0)
+    for token in answer[:-1]:  # crosses from the 1024-row bucket into the 2048-row one
+        got = graphs.decode_logits(token, graphs.cache.length).clone()
+        worst = max(worst, _relative(got, plain.decode_logits(token, plain.cache.length)))
+    assert worst < 2e-3, worst
+    assert graphs._graphs.captures == 2
+    assert np.array_equal(graphs.cache.tokens, plain.cache.tokens)
+    # a restore that fits the buffers copies its rows in: the graphs stay, and still agree
+    graphs.cache.restore(plain.export_rows())
+    token = 7
+    got = graphs.decode_logits(token, graphs.cache.length).clone()
+    assert _relative(got, plain.decode_logits(token, plain.cache.length)) < 2e-3
+    assert graphs._graphs.captures == 2
+
+
+@pytest.mark.gpu
+def test_warm_graphs_capture_every_bucket_ahead():
+    cfg = preset("tiny-512")
+    engine = Engine(random_model(cfg, seed=5).to("cuda"), tier="fp8")
+    assert engine.warm_graphs(3000) == 3  # 1024, 2048 and 4096 rows
+    prompt = np.random.default_rng(2).integers(2, cfg.vocab_size, 2100)
+    engine.generate(prompt, max_new_tokens=4, stop_tokens=())
+    assert engine._graphs.captures == 3 and engine.cache.length == 2100 + 3
+
+
+def _experts_and_routes(device, dtype, tokens=37, seed=1):
+    cfg = preset("tiny")
+    model = random_model(cfg, seed=seed, dtype=dtype).to(device)
+    experts = next(layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, cfg.hidden_size, generator=generator).to(device, getattr(torch, dtype))
+    routes = torch.stack(
+        [torch.randperm(cfg.n_routed_experts, generator=generator)[: cfg.num_experts_per_tok] for _ in range(tokens)]
+    ).to(device)
+    weights = torch.rand(tokens, cfg.num_experts_per_tok, generator=generator).to(device)
+    return experts, x, routes, weights
+
+
+def test_grouped_experts_equal_the_per_expert_loop_on_the_cpu():
+    experts, x, routes, weights = _experts_and_routes("cpu", "bfloat16")
+    torch.testing.assert_close(experts._grouped(x, routes, weights), experts._segmented(x, routes, weights))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 6, 300])
+def test_grouped_experts_on_cuda_agree_with_the_loop(tokens):
+    experts, x, routes, weights = _experts_and_routes("cuda", "bfloat16", tokens)
+    got = experts._grouped(x, routes, weights).float()
+    # the reference in f32 (bf16 per-expert sums would carry their own rounding)
+    want = copy.deepcopy(experts).float()._segmented(x.float(), routes, weights)
+    assert _relative(got, want) <= 1e-2
