@@ -6,7 +6,8 @@ auth, bodies), ``routers/*.py`` (one ``APIRouter`` each), ``schemas.py`` (pydant
 ``errors.py`` (the service's own errors and the HTTP status of every kvstore error),
 ``tier_fields.py`` (tiers in requests and responses: canonical names, the deprecated forms),
 ``settings.py`` (configuration, read when built), ``keys.py`` (API keys), ``jobs.py`` (background
-jobs), ``arrow.py`` (rows as Arrow IPC).
+jobs), ``arrow.py`` (rows as Arrow IPC), ``json_body.py`` (JSON bodies parsed strictly: a repeated
+key is refused).
 """
 
 from __future__ import annotations

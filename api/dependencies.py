@@ -1,7 +1,9 @@
 """Request-scoped dependencies: the store handle, the caller's owner (auth), bounded bodies.
 
 Routes take them as annotated parameters (``owner: Owner``, ``store: Store``, ...), FastAPI's
-``Annotated`` form: the dependency is named once here, not as a call in every signature.
+``Annotated`` form: the dependency is named once here, not as a call in every signature. Those that
+only read ``app.state`` or check a string are ``async``: FastAPI runs a plain ``def`` dependency in
+a worker thread, a round trip through the event loop that a busy loop makes slow.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from kvstore.api.errors import BodyTooLarge, EngineNotLoaded, Unauthorized, UnsupportedMediaType
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KeyTable
+from kvstore.api.session_gates import SessionGates
 from kvstore.api.settings import Settings
 from kvstore.errors import InvalidRequest
 from kvstore.store import SessionStore, validate_session_id
@@ -22,19 +25,23 @@ _bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <API k
 _api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="the API key, as an alternative to Bearer")
 
 
-def get_store(request: Request) -> SessionStore:
+async def get_store(request: Request) -> SessionStore:
     return request.app.state.store
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_jobs(request: Request) -> JobRunner:
+async def get_jobs(request: Request) -> JobRunner:
     return request.app.state.jobs
 
 
-def get_engine(request: Request):
+async def get_gates(request: Request) -> SessionGates:
+    return request.app.state.gates
+
+
+async def get_engine(request: Request):
     """The loaded :class:`kvstore.engine.session.SessionEngine` (503 when the service has no model)."""
     engine = getattr(request.app.state, "engine", None)
     if engine is None:
@@ -45,7 +52,7 @@ def get_engine(request: Request):
     return engine
 
 
-def get_metrics(request: Request):
+async def get_metrics(request: Request):
     return request.app.state.metrics
 
 
@@ -65,7 +72,16 @@ def require_owner(
     return owner
 
 
-def session_id_param(session_id: str) -> str:
+async def presented_owner(request: Request) -> str | None:
+    """The owner of the API key the request carries (None without a known key): :func:`require_owner`
+    without raising, for code that runs before the route's dependencies."""
+    try:
+        return require_owner(request, await _bearer(request), await _api_key(request))
+    except Unauthorized:
+        return None
+
+
+async def session_id_param(session_id: str) -> str:
     """The ``{session_id}`` path parameter, validated (400 for anything that is not an id)."""
     return validate_session_id(session_id)
 
@@ -74,6 +90,7 @@ Owner = Annotated[str, Depends(require_owner)]
 Store = Annotated[SessionStore, Depends(get_store)]
 SessionId = Annotated[str, Depends(session_id_param)]
 Jobs = Annotated[JobRunner, Depends(get_jobs)]
+Gates = Annotated[SessionGates, Depends(get_gates)]
 AppSettings = Annotated[Settings, Depends(get_settings)]
 LoadedEngine = Annotated[Any, Depends(get_engine)]  # a kvstore.engine.session.SessionEngine (imports torch)
 
@@ -91,10 +108,11 @@ def require_media_type(request: Request, *allowed: str) -> str:
     return kind
 
 
-async def read_body(request: Request, limit: int) -> bytearray | memoryview:
+async def read_body(request: Request, limit: int, accepts: str = "this service accepts") -> bytearray | memoryview:
     """The whole request body, refused with 413 as soon as it passes ``limit`` bytes.
 
     With a Content-Length the body is read into one buffer of that size (no regrowth copies).
+    ``accepts`` names who sets the limit in the 413's reason (``"POST /lookup accepts"``).
     """
     declared = request.headers.get("content-length")
     if declared is not None:
@@ -102,7 +120,7 @@ async def read_body(request: Request, limit: int) -> bytearray | memoryview:
             raise InvalidRequest("Content-Length is not a number")
         expected = int(declared)
         if expected > limit:
-            raise BodyTooLarge(f"the body is {expected} bytes; this service accepts at most {limit}")
+            raise BodyTooLarge(f"the body is {expected} bytes; {accepts} at most {limit}")
         body = bytearray(expected)  # calloc'd: pages are touched once, by the copy below
         view = memoryview(body)
         got = 0
@@ -118,5 +136,5 @@ async def read_body(request: Request, limit: int) -> bytearray | memoryview:
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise BodyTooLarge(f"the body passed {limit} bytes, the most this service accepts")
+            raise BodyTooLarge(f"the body passed {limit} bytes, the most {accepts}")
     return body

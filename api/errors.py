@@ -28,10 +28,12 @@ from kvstore.errors import (
     BudgetExceeded,
     CodecMismatch,
     ConfigError,
+    FileUnreadable,
     FingerprintMismatch,
     FormatError,
     GeometryMismatch,
     IndexFull,
+    IndexIOError,
     IndexSchemaError,
     IntegrityError,
     InvalidRequest,
@@ -41,6 +43,7 @@ from kvstore.errors import (
     JournalWriteError,
     KVStoreError,
     MigrationError,
+    NonFiniteValues,
     PathRefused,
     SessionExists,
     SessionNotFound,
@@ -49,8 +52,12 @@ from kvstore.errors import (
 __all__ = [
     "HTTP_STATUS",
     "BodyTooLarge",
+    "DuplicateJSONKey",
     "EngineNotLoaded",
     "JobNotFound",
+    "JobQueueFull",
+    "ServiceBusy",
+    "SessionBusy",
     "Unauthorized",
     "UnsupportedMediaType",
     "http_status",
@@ -63,6 +70,36 @@ class BodyTooLarge(KVStoreError, ValueError):
 
     Send the rows in smaller appends (each is its own durable write).
     """
+
+
+class DuplicateJSONKey(KVStoreError, ValueError):
+    """A JSON body names the same key twice in one object (``{"n": 100, "n": 0}``).
+
+    Which one a reader keeps differs between parsers, so the body is refused, never guessed: send
+    every key once.
+    """
+
+
+class ServiceBusy(KVStoreError, RuntimeError):
+    """The service is at one of its documented capacity limits; nothing was done.
+
+    The answer carries ``Retry-After`` (seconds, :attr:`retry_after`): send the request again then.
+    The limits are settings (``kvstore serve --max-jobs``, ``--session-waiters``; docs/API.md).
+    """
+
+    def __init__(self, reason: str, retry_after: int = 1):
+        super().__init__(reason)
+        self.retry_after = max(1, int(retry_after))
+
+
+class JobQueueFull(ServiceBusy):
+    """As many park, unpark and migrate jobs as the service queues are already waiting or running
+    (service-wide, or for this owner); no job was queued. Retry after ``Retry-After`` seconds."""
+
+
+class SessionBusy(ServiceBusy):
+    """As many requests as the service lets wait for one session are already waiting for it; this one
+    was refused at once, before doing anything. Retry after ``Retry-After`` seconds."""
 
 
 class UnsupportedMediaType(KVStoreError, ValueError):
@@ -101,6 +138,7 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     KVStoreError: 400,  # the fallback: every class below has its status decided explicitly
     # formats and migrations
     FormatError: 422,  # bytes or a tier name that do not follow the spec (UnknownTier included)
+    NonFiniteValues: 422,  # rows with NaN/inf under --reject-nonfinite
     GeometryMismatch: 409,
     CodecMismatch: 409,
     MigrationError: 400,
@@ -118,7 +156,9 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     FingerprintMismatch: 409,
     IntegrityError: 409,  # SessionDamaged too
     IndexFull: 507,
+    IndexIOError: 507,  # LMDB's I/O error: a write rolled back, like a journal's EIO
     ConfigError: 400,
+    FileUnreadable: 400,  # a path the caller named (the CLI's file tools); FileDamaged is a FormatError (422)
     # gpu (by name: importing kvstore.gpu imports torch)
     "kvstore.gpu.errors.AttentionInputError": 422,
     "kvstore.gpu.errors.BackendUnavailable": 503,
@@ -133,6 +173,10 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     RestoreFailed: 503,
     # the service's own
     BodyTooLarge: 413,
+    ServiceBusy: 429,
+    JobQueueFull: 429,
+    SessionBusy: 429,
+    DuplicateJSONKey: 422,
     UnsupportedMediaType: 415,
     Unauthorized: 401,
     JobNotFound: 404,

@@ -2,10 +2,17 @@
 
 Jobs run on a small thread pool and live in memory: a restart forgets them (the work itself is
 crash-safe in the store; a job cut short by a restart simply never reports ``done``).
+
+The queue is bounded: at most ``max_pending`` jobs wait or run at once service-wide, and at most
+``max_pending_per_owner`` of one owner (so one owner cannot fill the queue for everyone). A job
+beyond either is refused with :class:`~kvstore.api.errors.JobQueueFull` (429) and a ``Retry-After``
+estimated from how long recent jobs took; finished jobs are kept (for ``GET /jobs``) up to
+``MAX_KEPT_JOBS``, the oldest forgotten first.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -13,10 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvstore.api.errors import JobNotFound
+from kvstore.api.errors import JobNotFound, JobQueueFull
 from kvstore.errors import KVStoreError
 
 MAX_KEPT_JOBS = 1000
+DEFAULT_MAX_PENDING = 64  # jobs queued or running, service-wide (Settings.max_jobs)
+DEFAULT_MAX_PENDING_PER_OWNER = 16  # of one owner (Settings.max_jobs_per_owner)
+_RECENT = 16  # finished jobs whose durations estimate Retry-After
 
 
 @dataclass
@@ -49,16 +59,76 @@ class Job:
 
 
 class JobRunner:
-    """Runs ``work(progress) -> dict`` in background threads and keeps each job's state."""
+    """Runs ``work(progress) -> dict`` in background threads and keeps each job's state.
 
-    def __init__(self, workers: int = 2):
+    Parameters
+    ----------
+    workers : threads running jobs
+    max_pending : jobs queued or running at once, service-wide; more are refused (JobQueueFull)
+    max_pending_per_owner : the same bound for one owner's jobs
+    """
+
+    def __init__(
+        self,
+        workers: int = 2,
+        *,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        max_pending_per_owner: int = DEFAULT_MAX_PENDING_PER_OWNER,
+    ):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-job")
+        self._workers = workers
+        self.max_pending = max_pending
+        self.max_pending_per_owner = max_pending_per_owner
         self._jobs: dict[str, Job] = {}
+        self._pending: dict[str, int] = {}  # owner -> jobs queued or running
+        self._durations: list[float] = []  # seconds, of the last _RECENT finished jobs
         self._lock = threading.Lock()
 
+    def _retry_after(self, ahead: int) -> int:
+        """Seconds until ``ahead`` queued jobs have likely run (lock held): recent durations, or 1."""
+        if not self._durations:
+            return 1
+        mean = sum(self._durations) / len(self._durations)
+        return min(60, max(1, math.ceil(mean * ahead / self._workers)))
+
+    def _admit(self, owner: str) -> None:
+        """Count a new job of ``owner`` as pending, or refuse it (lock held)."""
+        total = sum(self._pending.values())
+        mine = self._pending.get(owner, 0)
+        if total >= self.max_pending:
+            raise JobQueueFull(
+                f"{total} jobs are queued or running, the most this service queues (--max-jobs "
+                f"{self.max_pending}); nothing was queued, retry later",
+                self._retry_after(total),
+            )
+        if mine >= self.max_pending_per_owner:
+            raise JobQueueFull(
+                f"{mine} of your jobs are queued or running, the most this service queues for one owner "
+                f"(--max-jobs-per-owner {self.max_pending_per_owner}); nothing was queued, retry when one finishes",
+                self._retry_after(mine),
+            )
+        self._pending[owner] = mine + 1
+
+    def _finished(self, job: Job) -> None:
+        with self._lock:
+            left = self._pending.get(job.owner, 0) - 1
+            if left > 0:
+                self._pending[job.owner] = left
+            else:
+                self._pending.pop(job.owner, None)
+            if job.finished is not None:
+                self._durations = [*self._durations[-(_RECENT - 1) :], job.finished - job.created]
+
     def submit(self, owner: str, kind: str, session_id: str, work: Callable[[Callable[[int, int], None]], dict]) -> Job:
+        """Queue ``work`` as a job of ``owner``.
+
+        Raises
+        ------
+        JobQueueFull : the queue is at ``max_pending`` (or the owner at ``max_pending_per_owner``)
+        """
         job = Job(uuid.uuid4().hex, owner, kind, session_id)
         with self._lock:
+            self._admit(owner)
             self._jobs[job.id] = job
             finished = [j for j in self._jobs.values() if j.finished is not None]
             for old in sorted(finished, key=lambda j: j.finished)[: max(0, len(self._jobs) - MAX_KEPT_JOBS)]:
@@ -81,8 +151,15 @@ class JobRunner:
                 job.state = "failed"
             finally:
                 job.finished = time.time()
+                self._finished(job)
 
-        self._pool.submit(run)
+        try:
+            self._pool.submit(run)
+        except BaseException:  # the pool is shut down: the job will never run
+            with self._lock:
+                self._jobs.pop(job.id, None)
+            self._finished(job)
+            raise
         return job
 
     def get(self, job_id: str, owner: str) -> Job:

@@ -10,6 +10,7 @@ hash: the key is shown once, by whoever created the file. The file is re-read wh
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -101,7 +102,12 @@ def ensure_keys_file(data_dir: Path) -> str | None:
 
 
 class KeyTable:
-    """Maps a presented key to its owner (keys are compared by SHA-256, never stored in clear)."""
+    """Maps a presented key to its owner (keys are compared by SHA-256, never stored in clear).
+
+    A presented key's digest is compared with every known digest by ``hmac.compare_digest``, none
+    skipped and none looked up by hash: how long the check takes does not depend on which key
+    matches, whether one does, or how many leading bytes a guess shares with a real digest.
+    """
 
     def __init__(self, data_dir: Path, env_value: str | None):
         self.path = Path(data_dir) / KEYS_FILE
@@ -132,10 +138,16 @@ class KeyTable:
         self._stamp = stamp
 
     def owner_for(self, key: str) -> str | None:
-        digest = key_digest(key)
+        """The owner of ``key`` (a key given by environment first), or None; constant time in the key."""
+        digest = key_digest(key).encode()
         with self._lock:
             self._reload()
-            return self._env.get(digest) or self._file.get(digest)
+            known = [*self._env.items(), *self._file.items()]
+        owner = None
+        for stored, who in known:
+            if hmac.compare_digest(digest, stored.encode()) and owner is None:
+                owner = who
+        return owner
 
     def __len__(self) -> int:
         return len(set(self._env) | set(self._file))

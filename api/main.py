@@ -25,11 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import kvstore
-from kvstore.api.errors import BodyTooLarge, http_status
+from kvstore.api.errors import BodyTooLarge, ServiceBusy, http_status
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
 from kvstore.api.routers import files, generate, health, jobs, lookup, metrics, sessions
 from kvstore.api.routers.metrics import Metrics
+from kvstore.api.session_gates import SessionGates
 from kvstore.api.settings import Settings
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.store import SessionStore
@@ -52,6 +53,11 @@ def _error(status: int, error: str, reason: str, headers: dict[str, str] | None 
 async def _kvstore_error(request: Request, exc: KVStoreError) -> JSONResponse:
     status = http_status(exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if isinstance(exc, ServiceBusy):  # 429: when to try again
+        headers = {"Retry-After": str(exc.retry_after)}
+    if isinstance(exc, BodyTooLarge):
+        # the rest of the body is never read: closing stops the server draining it for keep-alive
+        headers = {"Connection": "close"}
     return _error(status, type(exc).__name__, exc.reason, headers)
 
 
@@ -176,7 +182,9 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
         )
         for line in store.reconcile_actions:
             log.warning("reconcile: %s", line)
-        runner = JobRunner(settings.job_workers)
+        runner = JobRunner(
+            settings.job_workers, max_pending=settings.max_jobs, max_pending_per_owner=settings.max_jobs_per_owner
+        )
         app.state.store, app.state.jobs = store, runner
         app.state.engine = None
         if settings.model_dir is not None:
@@ -206,6 +214,8 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
     app.state.metrics = Metrics()
     app.state.engine = None
     app.state.generate_gate = asyncio.Lock()  # generate calls queue here for the one engine
+    app.state.gates = SessionGates(settings.lock_timeout, settings.session_waiters)
+    app.state.big_json = asyncio.Semaphore(1)  # JSON bodies over 64 KiB are parsed one at a time
     app.add_exception_handler(KVStoreError, _kvstore_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import tiers
+from kvstore.api.jobs import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_PER_OWNER
 from kvstore.errors import ConfigError
+from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
 from kvstore.store.index import DEFAULT_MAP_SIZE
 
 DEFAULT_MAX_BODY_BYTES = 256 << 20  # a 256-token turn of a 78-layer fp8 model is ~12 MiB
+DEFAULT_SESSION_WAITERS = 16  # 8 writers and their readers on one session wait; the 17th is told to retry
 
 
 @dataclass
@@ -29,8 +32,16 @@ class Settings:
     max_body_bytes : request bodies larger than this are refused with 413 before being read
     api_keys_env : ``key:owner,key:owner`` (the ``KVSTORE_API_KEYS`` variable by default, read
         when the settings are built)
+    lock_timeout : seconds a request waits for a session another request (or process) holds before
+        answering 409 ``JournalLocked``; also the store's and its journals' lock wait (one setting)
+    session_waiters : requests of one owner that may wait for one session at once; one more is
+        refused at once with 429 ``SessionBusy`` and ``Retry-After`` (the waiters hold no thread)
     job_workers : threads running long jobs (park, unpark, migrate)
+    max_jobs, max_jobs_per_owner : jobs queued or running at once, service-wide and per owner; one
+        more is refused with 429 ``JobQueueFull`` and ``Retry-After``
     stream_chunk_bytes : bytes per chunk when streaming rows out
+    reject_nonfinite : refuse appended rows holding NaN or infinity (422 ``NonFiniteValues``)
+        instead of storing them by the tier's rule and counting them in the answer's ``sanitized``
     model_dir : a model folder to load the bundled engine from (None: no ``/generate``)
     tier : the engine's cache tier, a name of :mod:`kvstore.tiers` (``f32``, ``bf16``, ``fp8``,
         ``int4``, ``polar2`` .. ``polar6``, ``q8``) or a ``Tier``; held as the canonical name. Old
@@ -46,10 +57,14 @@ class Settings:
     hard_limit_bytes: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     map_size: int = DEFAULT_MAP_SIZE
-    lock_timeout: float = 10.0
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
+    session_waiters: int = DEFAULT_SESSION_WAITERS
     api_keys_env: str | None = field(default_factory=lambda: os.environ.get("KVSTORE_API_KEYS"))
     job_workers: int = 2
+    max_jobs: int = DEFAULT_MAX_PENDING
+    max_jobs_per_owner: int = DEFAULT_MAX_PENDING_PER_OWNER
     stream_chunk_bytes: int = 4 << 20
+    reject_nonfinite: bool = False
     model_dir: Path | None = None
     tier: str = tiers.F32.name
     bits: int | None = None
@@ -62,6 +77,12 @@ class Settings:
             self.model_dir = Path(self.model_dir)
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ConfigError("max_body_bytes must be a positive number of bytes")
+        for name in ("session_waiters", "job_workers", "max_jobs", "max_jobs_per_owner"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+        if not isinstance(self.lock_timeout, (int, float)) or not 0 <= self.lock_timeout <= 3600:
+            raise ConfigError(f"lock_timeout must be 0 to 3600 seconds, not {self.lock_timeout!r}")
         self.tier, self.bits = self._engine_tier().name, None
 
     def _engine_tier(self) -> tiers.Tier:

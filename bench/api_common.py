@@ -47,15 +47,15 @@ def v2_records(n: int, seed: int) -> np.ndarray:
 
 
 class Server:
-    """``python -m kvstore.cli serve`` on a socket bound here."""
+    """``python -m kvstore.cli serve`` on a socket bound here (``keys``: its ``KVSTORE_API_KEYS``)."""
 
-    def __init__(self, data: Path, *extra: str):
+    def __init__(self, data: Path, *extra: str, keys: str = f"{KEY}:bench"):
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
         listener.set_inheritable(True)
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        env = {**os.environ, "KVSTORE_API_KEYS": f"{KEY}:bench"}
+        env = {**os.environ, "KVSTORE_API_KEYS": keys}
         self.process = subprocess.Popen(
             [
                 sys.executable,

@@ -92,7 +92,7 @@ def main() -> None:
                         content=chunk.tobytes(),
                         headers={"Content-Type": "application/octet-stream"},
                     ).raise_for_status()
-                journal = data / "journals" / "long.coli_kv"
+                journal = data / "journals" / "long~bench.coli_kv"  # <id>~<owner>
                 size = journal.stat().st_size
                 reference = coli_kv.load(journal)  # warms the page cache
                 timings = {name: ([], []) for name in ("disk", "httpx", "readinto")}

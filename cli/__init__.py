@@ -12,9 +12,14 @@ module                 commands
 ``cli/output.py``      reports as text or JSON, JSON lines, progress bars
 =====================  ===================================================================
 
-Exit codes: 0 done; 1 a check found damage (``verify``; what and where is printed); 2 bad input
-or arguments, with one line ``kvstore: error: <reason>`` on stderr; 130 interrupted. Old option
-spellings print ``kvstore: warning: ...`` once and still work.
+Exit codes: 0 done (``inspect``: the file is clean); 1 damage found — ``inspect`` and ``verify``
+print what and where; ``migrate``, ``export``, ``generate --journal`` and ``sessions append`` refuse
+a damaged ``.coli_kv`` file with one line naming each damage (``--allow-damaged`` goes on with the
+whole records, warns on stderr and says how many were dropped); 2 bad input or arguments (a file
+that is missing, a folder, unreadable, not a ``.coli_kv`` file, a header field out of range, rows
+of another model), with one line ``kvstore: error: <reason>`` on stderr that names the file, the
+field and what was expected; 130 interrupted. Old option spellings print ``kvstore: warning: ...``
+once and still work; warnings about damage print ``kvstore: warning: ...`` too.
 
 This package is the top of the stack — the only part that may import every other one (``serve``
 starts :mod:`kvstore.api`). Each command imports what it needs when it runs, so building the
@@ -30,9 +35,9 @@ from typing import NoReturn
 
 from kvstore import __version__, tiers
 from kvstore.cli import engine, files, hf, options, serve, sessions
-from kvstore.errors import KVStoreError
+from kvstore.errors import FileDamaged, KVStoreError
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_DAMAGED", "EXIT_INTERRUPTED", "EXIT_OK", "build_parser", "main"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_DAMAGED", "EXIT_INTERRUPTED", "EXIT_OK", "build_parser", "fail", "main"]
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1  # a check found damage (what and where is printed)
@@ -40,10 +45,10 @@ EXIT_BAD_INPUT = 2  # unusable input or arguments (one line on stderr)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 
 
-def fail(reason: str) -> int:
-    """Print ``kvstore: error: <reason>`` on stderr; the bad-input exit code."""
-    print(f"kvstore: error: {reason}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+def fail(reason: str, code: int = EXIT_BAD_INPUT) -> int:
+    """Print ``kvstore: error: <reason>`` (one line) on stderr; the bad-input exit code, or ``code``."""
+    print(f"kvstore: error: {' '.join(reason.splitlines())}", file=sys.stderr)
+    return code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -97,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             options.resolve_tier(args)
             return int(args.func(args) or EXIT_OK)
+        except FileDamaged as exc:
+            return fail(exc.reason, EXIT_DAMAGED)
         except KVStoreError as exc:
             return fail(exc.reason)
-        except (FileNotFoundError, IsADirectoryError, PermissionError, NotADirectoryError) as exc:
-            return fail(f"{exc.strerror}: {exc.filename}")
+        except OSError as exc:  # a path the command did not check itself: still one line naming it
+            where = ", ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
+            return fail(f"{where or 'a file'}: {(exc.strerror or str(exc)).lower()}")
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED

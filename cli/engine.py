@@ -3,9 +3,11 @@
 ``new-model DIR --preset tiny`` writes a random-weight model folder (with a byte-level tokenizer)
 that both the engine and ``transformers`` load. ``generate MODEL ...`` runs a prompt; with
 ``--journal FILE.coli_kv`` the conversation lives in a durable journal: an existing file is resumed
-(no re-prefill of what it holds) and the turn's rows are appended after it. ``chat MODEL --session
-ID`` runs one turn of a conversation kept in the data folder's session store (created, with the
-model's fingerprint, when missing): only the new tokens are prefilled, the answer is streamed to
+(no re-prefill of what it holds) and the turn's rows are appended after it; a damaged journal is
+refused (exit 1, the damage named) unless ``--allow-damaged``, which keeps ``FILE.coli_kv.bak``
+first. ``chat MODEL --session ID`` runs one turn of a conversation kept in the data folder's
+session store (created, with the model's fingerprint, when missing; a turn refused before it starts
+— an empty prompt — creates nothing): only the new tokens are prefilled, the answer is streamed to
 stdout and stderr ends with the split, e.g. ``[chat-1: 16 tokens (length); prefilled 7, reused 21
 (journal); 44 records, fp8 (v2, e4m3 codes + f32 scale)]``; ``--json`` prints the whole result as
 one JSON object instead.
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 
 from kvstore.cli import options
-from kvstore.cli.output import emit, json_line
+from kvstore.cli.output import emit, json_line, warn
 from kvstore.engine.config import PRESETS
 from kvstore.errors import InvalidRequest
 from kvstore.units import parse_size
@@ -56,17 +58,11 @@ def decode_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-def _require_model_folder(folder: str) -> None:
-    if not Path(folder, "config.json").is_file():
-        raise InvalidRequest(
-            f"{folder} is not a model folder (no config.json); create one with `kvstore new-model {folder}`"
-        )
-
-
 # ---------------------------------------------------------------------------- new-model
 def cmd_new_model(args: argparse.Namespace) -> int:
     from kvstore.engine.weights import write_random_model
 
+    options.folder_to_write(args.path, "a new (or existing) folder to write the model into")
     folder = write_random_model(
         args.path, args.preset, seed=args.seed, dtype=args.dtype, tokenizer=not args.no_tokenizer
     )
@@ -92,9 +88,10 @@ def cmd_new_model(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvstore.engine.generate import Engine
     from kvstore.engine.session import TextDeltas
+    from kvstore.filetools import check_damage, check_output, keep_backup, load_source, naming, read_source
     from kvstore.journal import KVFile
 
-    _require_model_folder(args.model)
+    options.require_model_folder(args.model)
     engine = Engine.from_folder(args.model, device=args.device, dtype=args.dtype, tier=args.tier)
     resuming = bool(args.journal) and Path(args.journal).exists()
     if args.prompt is not None:
@@ -113,12 +110,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.journal:
         path = Path(args.journal)
         if resuming:
-            journal = KVFile.open(path, geometry=geometry, tier=journal_tier, writable=True)
-            records = journal.load()
-            engine.cache.restore_records(records, expect=geometry)
+            # Judged before the writer lock (a refusal leaves no sidecar): a damaged journal is
+            # refused (exit 1) unless --allow-damaged; then, under the lock, the journal as it is
+            # is kept as a .bak before this turn writes to it.
+            _, stored = load_source(args.journal, expect=geometry)
+            warning = check_damage(args.journal, stored, allow=args.allow_damaged, doing="generate")
+            del stored
+            with naming(args.journal):
+                journal = KVFile.open(path, geometry=geometry, tier=journal_tier, writable=True)
+            try:
+                if warning:
+                    backup = keep_backup(path, read_source(args.journal))
+                    warn(f"{warning}; the journal as it was is kept in {backup}")
+                records = journal.load()
+                engine.cache.restore_records(records, expect=geometry)
+            except BaseException:
+                journal.close()
+                raise
             history = records.tokens.tolist()
         else:
-            journal = KVFile.create(path, geometry, journal_tier)
+            check_output(args.journal, overwrite=True, what="the journal")
+            with naming(args.journal):
+                journal = KVFile.create(path, geometry, journal_tier)
     try:
         stream = engine.stream(history + list(turn), **decode_kwargs(args))
         pieces = TextDeltas(engine.tokenizer)
@@ -180,10 +193,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from kvstore.engine.session import SessionEngine, TextDeltas
     from kvstore.store import SessionStore
 
-    _require_model_folder(args.model)
+    options.require_model_folder(args.model)
     prompt = _new_turn(args)
     limits = {"hard_limit_bytes": parse_size(args.hard_limit), "budget_bytes": parse_size(args.budget)}
-    with SessionStore(Path(args.data), **limits) as store:
+    with SessionStore(options.data_folder(args.data), **limits) as store:
         chat = SessionEngine.from_folder(args.model, store, tier=args.tier, device=args.device, dtype=args.dtype)
         turn = chat.begin(
             args.session,
@@ -248,6 +261,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     given.add_argument("--prompt", help="text (the folder must carry a tokenizer)")
     given.add_argument("--ids", help="token ids, comma or space separated")
     p.add_argument("--journal", help=".coli_kv file holding the conversation so far (created if missing)")
+    p.add_argument(
+        "--allow-damaged",
+        action="store_true",
+        help="continue a damaged journal anyway (its whole records; the journal as it was is kept as JOURNAL.bak)",
+    )
     add_decode_options(p, dtypes=("float32", "bfloat16"))
     options.add_json(p, "print one JSON object instead of streaming")
     p.set_defaults(func=cmd_generate)

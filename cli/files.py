@@ -3,6 +3,12 @@
 The work is done by :mod:`kvstore.filetools` and :mod:`kvstore.export`; this module parses the
 arguments and prints the reports. Nothing beyond numpy (and pyarrow for Arrow/Parquet exports) is
 imported.
+
+``inspect`` exits 0 when the file is clean, 1 when it is damaged (each damage and where it is are
+printed), 2 when it cannot be read as a ``.coli_kv`` file. ``export`` and ``migrate`` refuse a
+damaged file (exit 1, the damage named) unless ``--allow-damaged``, which goes on with the whole
+records and says on stderr how many committed records were dropped; neither ever writes its
+source, and ``export`` refuses an existing output unless ``--force``.
 """
 
 from __future__ import annotations
@@ -11,25 +17,47 @@ import argparse
 import sys
 
 from kvstore.cli import options
-from kvstore.cli.output import emit, progress, table
+from kvstore.cli.output import emit, progress, table, warn
 from kvstore.errors import InvalidRequest
+
+EXIT_DAMAGED = 1  # kvstore.cli.EXIT_DAMAGED (not imported: that package imports this module)
+_LISTS = ("problems", "damage", "notes", "damaged", "clean")
+
+
+def _inspect_text(report: dict) -> str:
+    lines = [table({key: value for key, value in report.items() if key not in _LISTS})]
+    lines += [f"note: {note}" for note in report["notes"]]
+    if report["damaged"]:
+        lines += [f"damaged: {damage}" for damage in report["damage"]]
+        lines.append(
+            f"{report['path']}: damaged; `kvstore repair {report['path']}` fixes what can be fixed (keeps a .bak)"
+        )
+    else:
+        lines.append(f"{report['path']}: clean")
+    return "\n".join(lines)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from kvstore.filetools import inspect_file
 
     report = inspect_file(args.path)
-    emit(args, report, table(report))
-    return 0
+    emit(args, report, _inspect_text(report))
+    return EXIT_DAMAGED if report["damaged"] else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kvstore.export import export
-    from kvstore.formats import coli_kv
+    from kvstore.export import SUFFIXES, export
+    from kvstore.filetools import check_damage, check_output, load_source, records_dropped, repaired
 
-    records = coli_kv.load(args.path)
-    out = export(records, args.out)
+    if args.out.lower().endswith(SUFFIXES):  # the output is checked before the source is read
+        check_output(args.out, overwrite=args.force, what="the export")
+    _, records = load_source(args.path)
+    warning = check_damage(args.path, records, allow=args.allow_damaged, doing="export")
+    out = export(repaired(records) if warning else records, args.out, overwrite=args.force)
     report = {"source": args.path, "out": str(out), "records": records.n, "tier": records.tier.name}
+    if warning:
+        warn(warning)
+        report["records_dropped"] = records_dropped(records)
     if not args.quiet:
         emit(args, report, f"exported {records.n} records ({records.tier.describe()}) to {out}")
     return 0
@@ -41,10 +69,14 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if args.tier is None:
         raise InvalidRequest(f"give the target with --tier NAME ({options.listing(args.tier_option.choices())})")
     with progress("migrate", enabled=not args.json) as update:
-        report = migrate_file(args.src, args.dst, args.tier, overwrite=args.force, progress=update)
-    if report["lossy"] and not args.json:
-        print(f"note: {report['from']} -> {report['to']} is lossy (values are re-quantized)", file=sys.stderr)
-    emit(args, report, table(report))
+        report = migrate_file(
+            args.src, args.dst, args.tier, overwrite=args.force, allow_damaged=args.allow_damaged, progress=update
+        )
+    if report["warning"]:
+        warn(report["warning"])
+    if report["steps"] and not args.json:
+        print(f"note: {report['conversion']}", file=sys.stderr)
+    emit(args, report, table({key: value for key, value in report.items() if key != "warning"}))
     return 0
 
 
@@ -63,9 +95,17 @@ def cmd_repair(args: argparse.Namespace) -> int:
     return 0
 
 
+def _allow_damaged(parser: argparse.ArgumentParser, doing: str) -> None:
+    parser.add_argument(
+        "--allow-damaged",
+        action="store_true",
+        help=f"{doing} a damaged file anyway: its whole records, with a warning saying how many were dropped",
+    )
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register the file tools on the ``kvstore`` parser's subparsers."""
-    p = sub.add_parser("inspect", help="show a .coli_kv file's header, counts and damage")
+    p = sub.add_parser("inspect", help="show a .coli_kv file's header, counts and damage (exit 1: damaged)")
     p.add_argument("path")
     options.add_json(p)
     p.set_defaults(func=cmd_inspect)
@@ -74,6 +114,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path")
     p.add_argument("out", help="OUT.npz | OUT.arrow | OUT.parquet")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    _allow_damaged(p, "export")
     options.add_json(p)
     p.set_defaults(func=cmd_export)
 
@@ -82,6 +124,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dst")
     options.add_tier(p, files_only=True, default=None, what="the tier to convert to", aliases=("--to",))
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    _allow_damaged(p, "migrate")
     options.add_json(p)
     p.set_defaults(func=cmd_migrate)
 

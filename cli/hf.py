@@ -8,8 +8,12 @@ how many were prefilled. An empty ``--prompt ""`` / ``--ids ""`` continues the s
 with no new turn (its last token is re-run, never the whole conversation); blank stdin lines are
 skipped.
 
-``--owner`` means what it means for ``kvstore chat``: the session is looked up for any owner unless
-one is given, and a session created here gets ``--owner`` or ``default``.
+``--owner`` means what it means for ``kvstore chat``. Session ids are per owner (docs/API.md,
+"Session ids are per owner"): with ``--owner NAME`` the session is that owner's ``--session``,
+created for it on the first turn when it has none, whatever other owners hold under the same id;
+without it the id is looked up for any owner, refused (exit 2, naming the owners) when several
+owners have it, and created for ``default`` when nobody has it. Every turn of one run is stored
+on the session the run found or created.
 
 A tiny random model folder to try it on: ``kvstore new-model models/tiny`` (see docs/HF.md).
 torch and transformers are imported when the command runs, never when the parser is built.
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 from kvstore.cli import options
 from kvstore.cli.output import json_line
@@ -49,11 +52,7 @@ def _load(args: argparse.Namespace):
 
     from kvstore.engine.tokenizer import load_tokenizer
 
-    folder = Path(args.model)
-    if not (folder / "config.json").is_file():
-        raise InvalidRequest(
-            f"{folder} is not a model folder (no config.json); create one with `kvstore new-model DIR`"
-        )
+    folder = options.require_model_folder(args.model)
     hf_logging.disable_progress_bar()  # stdout/stderr carry the conversation and its report
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(args.device).eval()
@@ -74,12 +73,13 @@ def cmd_hf_chat(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     vocab = hf.check_cache_layout(model).geometry.vocab  # refuse an unsupported model before touching the store
     owner = args.owner
-    with SessionStore(args.data) as store:
+    with SessionStore(options.data_folder(args.data)) as store:
         try:
             restored = hf.restore(
                 store, args.session, model, owner=owner, verify=args.verify, tier=args.tier, override=args.override
             )
             history, cache = restored.tokens.astype(np.int64), restored.cache
+            owner = restored.info.owner  # found for any owner: its turns go to that owner's session only
             if restored.damaged_from is not None:
                 print(
                     f"note: records from {restored.damaged_from} on failed verification and were not used",

@@ -12,8 +12,10 @@ time a command runs.
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from kvstore import DEFAULT_OWNER, tiers
@@ -116,11 +118,13 @@ def resolve_tier(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- --owner, --data, --json
 _OWNER_HELP = {
     # commands on existing sessions
-    "existing": "act as this owner: other owners' sessions are invisible (default: any owner)",
+    "existing": "act as this owner: ids are per owner, other owners' sessions are invisible (default: any "
+    "owner; an id several owners have is refused until you name one)",
     # commands that create a session
     "create": f"owner of the new session (default: {DEFAULT_OWNER})",
     # commands that continue a session, creating it when missing
-    "either": f"act as this owner (default: any owner); a session created here belongs to it (default {DEFAULT_OWNER!r})",
+    "either": f"act as this owner: ids are per owner, so a session this owner lacks is created for it (default: "
+    f"any owner, an id several owners have refused; a session created here gets {DEFAULT_OWNER!r})",
 }
 
 
@@ -138,6 +142,56 @@ def add_owner(parser: argparse.ArgumentParser, role: OwnerRole = "existing", tex
 def creating_owner(owner: str | None) -> str:
     """The owner a session created by an ``either`` command gets."""
     return DEFAULT_OWNER if owner is None else owner
+
+
+def folder_to_write(path: str | os.PathLike, what: str, option: str = "") -> Path:
+    """A folder a command writes into (created when missing), refused when a file is in the way.
+
+    Raises
+    ------
+    InvalidRequest
+        ``path``, or the nearest of its parents that exists, is not a folder: the reason names it
+        (after ``option``, e.g. ``--data``) and ``what`` was expected there.
+    """
+    folder = Path(path)
+    shown = f"{option} {path}" if option else str(path)
+    if folder.exists() and not folder.is_dir():
+        raise InvalidRequest(f"{shown}: is a file; expected {what}")
+    for parent in folder.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InvalidRequest(f"{shown}: {parent} is a file; expected {what}")
+            break
+    return folder
+
+
+def data_folder(path: str | os.PathLike) -> Path:
+    """``--data DIR`` as a path, refused when a file is in the way (a missing folder is created by
+    the store)."""
+    return folder_to_write(path, "the session store's data folder (or a new one)", "--data")
+
+
+def require_model_folder(folder: str | os.PathLike) -> Path:
+    """A model folder named on the command line, refused with one line when it is not one.
+
+    Raises
+    ------
+    InvalidRequest
+        ``folder`` does not exist, is a file, or holds no ``config.json``.
+    """
+    path = Path(folder)
+    if not path.exists():
+        problem = "no such folder"
+    elif not path.is_dir():
+        problem = "it is a file"
+    elif not (path / "config.json").is_file():
+        problem = "no config.json"
+    else:
+        return path
+    raise InvalidRequest(
+        f"{folder} is not a model folder ({problem}); expected a folder with config.json and safetensors "
+        f"weights (`kvstore new-model {folder}` writes one)"
+    )
 
 
 def add_data(parser: argparse.ArgumentParser) -> None:

@@ -21,6 +21,11 @@ def emit(args: argparse.Namespace, payload: Any, text: str) -> None:
         print(text)
 
 
+def warn(reason: str) -> None:
+    """``kvstore: warning: <reason>`` on stderr, on one line (what a command went on despite)."""
+    print(f"kvstore: warning: {' '.join(reason.splitlines())}", file=sys.stderr)
+
+
 def json_line(payload: Any) -> None:
     """One JSON object on one line, flushed: a record of a stream (a generated turn, a chat turn)."""
     print(json.dumps(payload), flush=True)

@@ -16,6 +16,13 @@ from kvstore.errors import InvalidRequest
 from kvstore.units import parse_size
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+#: Settings fields given as ``--name`` flags (their defaults are Settings'; docs/API.md "Limits").
+LIMITS = {
+    "lock_timeout": (float, "seconds a request waits for a busy session before 409 JournalLocked (default 10)"),
+    "session_waiters": (int, "requests of one owner that may wait for one session; one more gets 429 (default 16)"),
+    "max_jobs": (int, "park/unpark/migrate jobs queued or running at once; one more gets 429 (default 64)"),
+    "max_jobs_per_owner": (int, "the same, for one owner's jobs (default 16)"),
+}
 
 
 def _log_to_stderr(level: str) -> None:
@@ -36,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.api.keys import KEYS_FILE, ensure_keys_file
     from kvstore.api.main import create_app
     from kvstore.api.settings import DEFAULT_MAX_BODY_BYTES, Settings
+    from kvstore.store.index import DEFAULT_MAP_SIZE
 
     given = (("--tier", args.tier), ("--device", args.device), ("--dtype", args.dtype))
     engine_flags = [flag for flag, value in given if value is not None]
@@ -43,15 +51,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidRequest(
             f"{', '.join(engine_flags)} only apply to the engine: give its model folder with --model DIR"
         )
-    if args.model is not None and not Path(args.model, "config.json").is_file():
-        raise InvalidRequest(
-            f"{args.model} is not a model folder (no config.json); create one with `kvstore new-model {args.model}`"
-        )
+    if args.model is not None:
+        options.require_model_folder(args.model)
     settings = Settings(
-        data_dir=Path(args.data),
+        data_dir=options.data_folder(args.data),
         budget_bytes=parse_size(args.budget),
         hard_limit_bytes=parse_size(args.hard_limit),
         max_body_bytes=parse_size(args.max_body) or DEFAULT_MAX_BODY_BYTES,
+        reject_nonfinite=args.reject_nonfinite,
+        **{name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None},
+        map_size=parse_size(args.index_size) or DEFAULT_MAP_SIZE,
         model_dir=Path(args.model) if args.model is not None else None,
         tier=args.tier.name if args.tier is not None else "f32",
         device=args.device or "cpu",
@@ -80,7 +89,24 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     options.add_data(p)
     p.add_argument("--budget", help="soft disk budget, e.g. 50G (LRU sessions are parked, then deleted)")
     p.add_argument("--hard-limit", help="hard disk limit, e.g. 60G (writes past it are refused)")
-    p.add_argument("--max-body", help="largest request body (default 256M)")
+    p.add_argument(
+        "--max-body",
+        help="largest request body (default 256M); also the most an Arrow upload decodes to. JSON bodies have "
+        "smaller limits per route (64K, 8M for token lists; docs/API.md 'Limits')",
+    )
+    for name, (kind, what) in LIMITS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, help=what)
+    p.add_argument(
+        "--reject-nonfinite",
+        action="store_true",
+        help="refuse appended rows holding NaN or infinity (422) instead of storing them as the tier's rule "
+        "says (f32 values become 0, ...) and counting them in the answer's 'sanitized'",
+    )
+    p.add_argument(
+        "--index-size",
+        help="the most the session index (LMDB) may grow to, e.g. 4G (default 1G; a sparse file): past it, "
+        "writes answer 507 IndexFull until the service restarts with a larger size",
+    )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument(
         "--model",

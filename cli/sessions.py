@@ -1,9 +1,10 @@
 """``kvstore sessions ...`` and ``kvstore verify``: the session store on a data folder, no server.
 
 Every command opens the store of ``--data`` (default ``./data``), does one thing and prints a line
-or, with ``--json``, the whole report. ``--owner`` acts as that owner (other owners' sessions are
-invisible; default any owner), except ``create``, whose new session gets ``--owner`` (default
-``default``). ``verify`` exits 1 when a turn does not match its hash; bad input raises a
+or, with ``--json``, the whole report. Session ids are per owner: ``--owner`` acts as that owner
+(other owners' sessions, whatever their ids, are invisible); without it an id is looked up for any
+owner and refused (exit 2, naming the owners) when several owners have it. ``create`` gives its new
+session ``--owner`` (default ``default``). ``verify`` exits 1 when a turn does not match its hash; bad input raises a
 ``KVStoreError`` (exit 2).
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.cli import options
-from kvstore.cli.output import emit, progress
+from kvstore.cli.output import emit, progress, warn
 from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
@@ -30,7 +31,7 @@ GEOMETRY_WORDS = "n_layers,kv_lora,qk_rope,index_hd,nic,vocab"
 def _store(args: argparse.Namespace, **limits):
     from kvstore.store import SessionStore
 
-    return SessionStore(Path(args.data), **limits)
+    return SessionStore(options.data_folder(args.data), **limits)
 
 
 def _geometry(text: str) -> Geometry:
@@ -71,20 +72,29 @@ def _read_tokens(args: argparse.Namespace) -> np.ndarray:
     """int64[n] token ids from ``--tokens`` or ``--tokens-file`` (.npy, .coli_kv or text)."""
     if args.tokens is not None:
         return np.array(options.parse_ids(args.tokens, "--tokens"), dtype=np.int64)
+    from kvstore.filetools import load_source, naming, read_source
+
     path = Path(args.tokens_file)
-    if not path.is_file():
-        raise InvalidRequest(f"{path} is not a file")
+    if path.suffix == ".coli_kv":
+        return load_source(args.tokens_file)[1].tokens.astype(np.int64)
+    read_source(args.tokens_file, ".npy, .coli_kv or text token ids", limit=0)  # missing, a folder: one line
     if path.suffix == ".npy":
-        tokens = np.load(path, allow_pickle=False)
-    elif path.suffix == ".coli_kv":
-        tokens = coli_kv.load(path).tokens
+        with naming(args.tokens_file):
+            try:
+                tokens = np.load(path, allow_pickle=False)
+            except (ValueError, EOFError) as exc:
+                raise InvalidRequest(f"not a .npy array of token ids ({exc}); expected a 1-D integer array") from None
     else:
         try:
             tokens = np.array(path.read_text().split(), dtype=np.int64)
         except ValueError:
-            raise InvalidRequest(f"{path} does not hold whitespace-separated integers") from None
+            raise InvalidRequest(
+                f"{path}: not whitespace-separated integers; expected token ids separated by spaces or newlines"
+            ) from None
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise InvalidRequest(f"{path} must hold a 1-D array of integer token ids")
+        raise InvalidRequest(
+            f"{path}: holds a {tokens.dtype} array of shape {tokens.shape}; expected a 1-D array of integer token ids"
+        )
     return tokens
 
 
@@ -107,7 +117,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_create(args: argparse.Namespace) -> int:
     if args.like is not None:
-        header, _ = coli_kv.read_header(args.like)
+        from kvstore.filetools import source_header
+
+        header = source_header(args.like)
         geometry, tier = header.geometry, header.tier
     elif args.geometry is not None:
         geometry, tier = _geometry(args.geometry), args.tier
@@ -120,15 +132,20 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_append(args: argparse.Namespace) -> int:
+    from kvstore.filetools import check_damage, load_source, read_source, sanitized_records
+
     source = Path(args.file)
-    if not source.is_file():
-        raise InvalidRequest(f"{source} is not a file")
+    read_source(args.file, "a .coli_kv, .npz or raw records file", limit=0)  # missing, a folder: one line
     with _store(args, hard_limit_bytes=parse_size(args.hard_limit)) as store:
         info = store.get(args.id, owner=args.owner)
         complete = not args.partial
         if source.suffix == ".coli_kv":
-            records = coli_kv.load(source, expect=info.geometry, tier=info.tier)
-            result = store.append_records(args.id, records.records, complete_turn=complete, owner=args.owner)
+            _, records = load_source(args.file, expect=info.geometry, tier=info.tier)
+            warning = check_damage(args.file, records, allow=args.allow_damaged, doing="append")
+            if warning:
+                warn(warning)
+            rows = sanitized_records(records) if warning else records.records
+            result = store.append_records(args.id, rows, complete_turn=complete, owner=args.owner)
         elif source.suffix == ".npz":
             with np.load(source, allow_pickle=False) as arrays:
                 missing = {"tokens", "L", "R"} - set(arrays.files)
@@ -152,7 +169,9 @@ def cmd_append(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    from kvstore.filetools import check_output
+
+    out = check_output(args.out, overwrite=True, what="the resumed rows")
     with _store(args) as store:
         resumed = store.resume(args.id, owner=args.owner, verify=args.verify)
     records = resumed.records
@@ -219,18 +238,31 @@ def cmd_unpark(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Re-hash every turn of a session: exit 0 when all match, 1 naming the first that does not."""
+    """Re-hash every turn of a session: exit 0 when all match, 1 naming the first that does not.
+
+    ``--repair`` first reconciles the data folder (``kvstore.store.recovery``: stale lock files and
+    temporary files removed, interrupted calls settled, damaged sessions whose files are sound again
+    given back their state) and prints each thing it did; the id is then optional.
+    """
+    if args.id is None and not args.repair:
+        raise InvalidRequest("give the id of the session to verify, or --repair to reconcile the whole data folder")
     with _store(args) as store:
-        report = store.verify(args.id, owner=args.owner)
+        # opening reconciled already; a second pass settles what a busy session made it skip
+        repaired = [*store.reconcile_actions, *store.reconcile()] if args.repair else []
+        report = store.verify(args.id, owner=args.owner) if args.id is not None else None
+    lines = [f"repaired: {line}" for line in repaired] or (["nothing to repair"] if args.repair else [])
+    if report is None:
+        emit(args, {"repaired": repaired}, "\n".join(lines))
+        return 0
     if report.ok:
-        text = f"{args.id}: ok ({report.turns_checked} turns, {report.n_records} records)"
+        lines.append(f"{args.id}: ok ({report.turns_checked} turns, {report.n_records} records)")
     else:
         bad = report.first_bad
-        text = (
+        lines.append(
             f"{args.id}: turn {bad['turn']} (records {bad['start']}..{bad['end']}) does not match its hash; "
             f"{report.good_records} records before it are good"
         )
-    emit(args, report.to_dict(), text)
+    emit(args, report.to_dict() | ({"repaired": repaired} if args.repair else {}), "\n".join(lines))
     return 0 if report.ok else 1
 
 
@@ -266,8 +298,8 @@ def cmd_lookup(args: argparse.Namespace) -> int:
     tokens = _read_tokens(args)
     with _store(args) as store:
         if args.like_session is not None:
-            like = store.get(args.like_session)
-            fingerprint, owner = like.fingerprint, args.owner or like.owner
+            like = store.get(args.like_session, owner=args.owner)  # ids are per owner: --owner's session
+            fingerprint, owner = like.fingerprint, like.owner
         else:
             if args.geometry is None or args.model_name is None or args.model_revision is None:
                 raise InvalidRequest(
@@ -338,6 +370,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _on_data(p)
     p.add_argument("file")
     p.add_argument("--partial", action="store_true", help="the rows do not end a turn (resume will not serve them yet)")
+    p.add_argument(
+        "--allow-damaged",
+        action="store_true",
+        help="append a damaged .coli_kv file anyway: its whole records, rows made inert as repair would",
+    )
     p.add_argument("--hard-limit", help="refuse the write past this store size")
     p.set_defaults(func=cmd_append)
 
@@ -364,12 +401,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         ("delete", cmd_delete, "delete a session and its files"),
         ("park", cmd_park, "compress a session into the archive"),
         ("unpark", cmd_unpark, "restore a parked session"),
-        ("verify", cmd_verify, "re-hash every turn (exit 1 if one is bad)"),
         ("inspect", cmd_inspect, "the session file's header and problems"),
     ):
         p = commands.add_parser(name, help=text)
         _on_data(p)
         p.set_defaults(func=func)
+
+    _verify_options(commands.add_parser("verify", help="re-hash every turn (exit 1 if bad); --repair the folder"))
 
     p = commands.add_parser("repair", help="drop torn, unacknowledged or damaged tails")
     _on_data(p)
@@ -383,7 +421,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = commands.add_parser("lookup", help="the session sharing the longest token prefix")
     options.add_data(p)
-    options.add_owner(p, text="search this owner's sessions (default: the --like-session's owner, else 'default')")
+    options.add_owner(
+        p,
+        text="search this owner's sessions; with --like-session, that owner's session of the id (default: the "
+        "--like-session's owner, else 'default')",
+    )
     options.add_json(p)
     p.add_argument("--like-session", help="use this session's model fingerprint (and owner)")
     _model_flags(p, required=False)
@@ -397,6 +439,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def add_verify(sub: argparse._SubParsersAction) -> None:
     """Register ``verify ID``: ``sessions verify`` at the top level, where the engine commands are."""
-    p = sub.add_parser("verify", help="re-hash a session's journal; report the first bad turn (exit 1)")
-    _on_data(p)
+    _verify_options(sub.add_parser("verify", help="re-hash a session's journal; report the first bad turn (exit 1)"))
+
+
+def _verify_options(p: argparse.ArgumentParser) -> None:
+    """``verify [ID] [--repair]``, the same under ``sessions`` and at the top level."""
+    _on_data(p, session=False)
+    p.add_argument("id", nargs="?", help="session id (optional with --repair)")
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="first reconcile the data folder and print what was done: lock files of sessions that no longer "
+        "exist, symbolic links where lock files belong and temporary files no writer holds removed; damaged "
+        "sessions whose files are sound again (present, same model, every turn re-hashing) restored",
+    )
     p.set_defaults(func=cmd_verify)

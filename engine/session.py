@@ -204,7 +204,8 @@ class TextDeltas:
 
 
 # The state a live cache is known to hold: (session id, created, n_records, watermark,
-# fingerprint key, last turn hash) at the moment this engine restored or appended it.
+# fingerprint key, last turn hash, owner) at the moment this engine restored or appended it
+# (ids are per owner: two owners' "chat-1" are two sessions).
 _Key = tuple
 
 
@@ -252,7 +253,7 @@ class SessionEngine:
         bits: int | None = None,
         device: "torch.device | str" = "cpu",
         dtype: "torch.dtype | str | None" = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> "SessionEngine":
         """Load a model folder (and its tokenizer) with a ``tier`` cache on ``device``.
 
@@ -298,9 +299,9 @@ class SessionEngine:
 
     def _state_key(self, info: SessionInfo) -> _Key:
         with self.store.index.read() as txn:
-            turns = self.store.index.turns(txn, info.id)
+            turns = self.store.index.turns(txn, info.key)  # the store keys a session by id and owner
         last = turns[-1].digest if turns else b""
-        return (info.id, info.created, info.n_records, info.watermark, info.fingerprint_key, last)
+        return (info.id, info.created, info.n_records, info.watermark, info.fingerprint_key, last, info.owner)
 
     def _check(self, info: SessionInfo, override: frozenset[str]) -> frozenset[str]:
         """Refuse a session this engine must not continue; returns the fields not compared."""
@@ -336,11 +337,9 @@ class SessionEngine:
         skip = check_override(override)
         with self._lock:
             info = self.store.get(session_id, owner=owner)
-            return self._bring(info, owner, verify, self._check(info, skip), allow_requantize="tier" in skip)
+            return self._bring(info, verify, self._check(info, skip), allow_requantize="tier" in skip)
 
-    def _bring(
-        self, info: SessionInfo, owner: str | None, verify: bool, skip: frozenset[str], *, allow_requantize: bool
-    ) -> ResumeReport:
+    def _bring(self, info: SessionInfo, verify: bool, skip: frozenset[str], *, allow_requantize: bool) -> ResumeReport:
         """Make the live cache hold the session's served rows (lock held)."""
         began = time.perf_counter()
         key = self._state_key(info)
@@ -355,12 +354,14 @@ class SessionEngine:
             return ResumeReport(info.id, "new", 0, 0, None, info.n_records, time.perf_counter() - began)
         served = 0
         try:
+            # info.owner, not owner: ids are per owner, so with owner None another owner's session
+            # of the same id, created meanwhile, would make the id ambiguous (or be read instead)
             with self.store.reader(
-                info.id, owner=owner, verify=verify, expect=self.fingerprint, override=skip
+                info.id, owner=info.owner, verify=verify, expect=self.fingerprint, override=skip
             ) as reader:
                 served, damaged_from = reader.n_records, reader.damaged_from
                 key = self._state_key(reader.info)
-                records = reader.load()
+                records = reader.load(strict=True)  # a scale no encoder writes: SessionDamaged, not zeros
             # The device restore path: records split and sanitized on the engine's device, straight
             # into new capacity buffers, swapped in only once complete.
             self.engine.restore_records(records, allow_requantize=allow_requantize)
@@ -423,7 +424,8 @@ class SessionEngine:
         prompt : the new turn only — text (the folder must carry a tokenizer) or token ids
         owner : act as this owner (another owner's session is missing); None: any owner
         create : create a missing session with this engine's fingerprint (owner ``owner`` or
-            ``default``)
+            ``default``); a turn refused before it begins (an empty prompt, ids out of the
+            vocabulary) creates nothing — no session, no journal, no lock file
         max_new_tokens, temperature, top_p, top_k, seed, stop_tokens : see ``Engine.stream``
         verify : re-hash the turns before restoring; a bad turn is a miss
         override : fingerprint fields not to compare (``model.<field>``, ``tier``)
@@ -446,8 +448,8 @@ class SessionEngine:
         if not isinstance(prompt, str):
             self._new_tokens(prompt, first=True)  # refuse bad ids before anything is read
         self._lock.acquire()
+        created = False
         try:
-            created = False
             try:
                 info = self.store.get(session_id, owner=owner)
             except SessionNotFound:
@@ -455,15 +457,32 @@ class SessionEngine:
                     raise SessionNotFound(
                         f"no session {session_id!r} (create it to start a conversation with this model: create=true)"
                     ) from None
+                # A refused turn leaves no trace: the new turn (a first turn, on a new session) is
+                # checked before the session exists, so an empty prompt creates nothing.
+                self._new_tokens(prompt, first=True)
                 info = self.create_session(owner or DEFAULT_OWNER, session_id, tags=tags)
                 created = True
             full_skip = self._check(info, skip)
-            report = self._bring(info, owner, verify, full_skip, allow_requantize="tier" in skip)
+            report = self._bring(info, verify, full_skip, allow_requantize="tier" in skip)
             ids = self._new_tokens(prompt, first=report.reused_tokens == 0)
-            return Turn(self, info, self._live.key, owner, report, ids, created, params, max_new_tokens, stop_tokens)
+            # the turn is stored on the session it began on, even when found for any owner (owner None)
+            return Turn(
+                self, info, self._live.key, info.owner, report, ids, created, params, max_new_tokens, stop_tokens
+            )
         except BaseException:
-            self._lock.release()
+            try:
+                if created:  # nothing was appended yet: the session this call created goes again
+                    self._discard_created(session_id, owner or DEFAULT_OWNER)
+            finally:
+                self._lock.release()
             raise
+
+    def _discard_created(self, session_id: str, owner: str) -> None:
+        """Remove an empty session :meth:`begin` created for a turn that then could not begin."""
+        try:
+            self.store.delete(session_id, owner=owner)
+        except KVStoreError as exc:  # the turn's own error is the one to report
+            log.warning("session %s was created for a turn that failed; removing it failed too: %s", session_id, exc)
 
     def run(self, session_id: str, prompt: str | Sequence[int], **options) -> TurnResult:
         """:meth:`begin` and generate to the end; returns the :class:`TurnResult`."""

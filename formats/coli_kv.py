@@ -32,8 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.formats import fp8, tiers, tq
-from kvstore.formats.errors import BadHeader, BadMagic, CodecMismatch, FormatError, GeometryMismatch, TruncatedHeader
+from kvstore.formats import fp8, tiers
+from kvstore.formats.errors import (
+    BadHeader,
+    BadMagic,
+    BadScale,
+    CodecMismatch,
+    FormatError,
+    GeometryMismatch,
+    TruncatedHeader,
+)
 from kvstore.formats.tiers import Tier
 
 HEADER_BYTES = 40
@@ -117,28 +125,48 @@ def record_bytes(geometry: Geometry, tier: Tier) -> int:
     return 4 + geometry.n_layers * per_layer + geometry.nic * geometry.index_hd * 4
 
 
+#: The header's int32 words h0..h7 in order; word ``i`` is at bytes ``8 + 4 * i``.
+HEADER_WORDS = ("n_layers", "kv_lora", "qk_rope", "index_hd", "nic", "vocab", "nrec", "tag")
+
+
+def field_problem(name: str, value: object, expected: str) -> str:
+    """``kv_lora (h1, header bytes 12..15) is -5, expected 1..1048576``: one header word at fault.
+
+    Every header refusal names the word, where it is and what it may hold, so a damaged file can
+    be judged (and a hand-written header fixed) from the message alone.
+    """
+    word = HEADER_WORDS.index(name)
+    start = 8 + 4 * word
+    return f"{name} (h{word}, header bytes {start}..{start + 3}) is {value}, expected {expected}"
+
+
 def check_geometry(geometry: Geometry, tier: Tier) -> None:
     """Refuse header words no model has, before anything is sized from them."""
     g = geometry
     if not 1 <= g.n_layers <= MAX_LAYERS:
-        raise BadHeader(f"n_layers {g.n_layers} out of range 1..{MAX_LAYERS}")
+        raise BadHeader(field_problem("n_layers", g.n_layers, f"1..{MAX_LAYERS}"))
     for name in ("kv_lora", "qk_rope"):
         width = getattr(g, name)
         if not 1 <= width <= MAX_WIDTH:
-            raise BadHeader(f"{name} {width} out of range 1..{MAX_WIDTH}")
+            raise BadHeader(field_problem(name, width, f"1..{MAX_WIDTH}"))
     if not 0 <= g.nic <= g.n_layers:
-        raise BadHeader(f"nic {g.nic} out of range 0..n_layers ({g.n_layers})")
-    if not 0 <= g.index_hd <= MAX_WIDTH or (g.nic > 0) != (g.index_hd > 0):
-        raise BadHeader(f"index_hd {g.index_hd} inconsistent with nic {g.nic}")
+        raise BadHeader(field_problem("nic", g.nic, f"0..n_layers ({g.n_layers})"))
+    if not 0 <= g.index_hd <= MAX_WIDTH:
+        raise BadHeader(field_problem("index_hd", g.index_hd, f"0..{MAX_WIDTH}"))
+    if g.nic > 0 and g.index_hd == 0:
+        raise BadHeader(field_problem("index_hd", 0, f"1..{MAX_WIDTH} when nic is {g.nic} (the indexer rows' width)"))
+    if g.nic == 0 and g.index_hd > 0:
+        raise BadHeader(field_problem("index_hd", g.index_hd, "0 when nic is 0 (no indexer rows)"))
     if g.vocab < 1:
-        raise BadHeader(f"vocab {g.vocab} must be positive")
+        raise BadHeader(field_problem("vocab", g.vocab, "1 or more"))
     if tier.file_tier.version == 3:
         for name in ("kv_lora", "qk_rope"):
             if getattr(g, name) < 2:
-                raise BadHeader(f"v3 rows need a width of at least 2, {name} is {getattr(g, name)}")
+                raise BadHeader(field_problem(name, getattr(g, name), f"2..{MAX_WIDTH} in a v3 (TurboQuant) file"))
     if record_bytes(g, tier) > MAX_RECORD_BYTES:
         raise BadHeader(
-            f"a record of this geometry is {record_bytes(g, tier)} bytes; the format's records are under 2 GiB"
+            f"n_layers, kv_lora, qk_rope, index_hd and nic (h0..h4, header bytes 8..27) give records of "
+            f"{record_bytes(g, tier)} bytes, expected at most {MAX_RECORD_BYTES} (the format's records are under 2 GiB)"
         )
 
 
@@ -174,23 +202,54 @@ def parse_header(buf: bytes | bytearray | memoryview | np.ndarray) -> Header:
     """
     view = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(buf.reshape(-1).view(np.uint8))
     if len(view) < HEADER_BYTES:
-        raise TruncatedHeader(f"file is {len(view)} bytes, shorter than the 40-byte .coli_kv header")
+        raise TruncatedHeader(
+            f"file is {len(view)} bytes, shorter than the 40-byte .coli_kv header (expected 40 header bytes, then records)"
+        )
     raw = np.frombuffer(view, dtype=HEADER_DTYPE, count=1)[0]
     magic = bytes(view[:8])  # not raw["magic"]: numpy's S8 strips the trailing NUL
     if magic not in MAGICS:
-        raise BadMagic(f"not a .coli_kv file: magic {magic!r} (expected COLIKV1/2/3)")
+        raise BadMagic(
+            f"not a .coli_kv file: magic (header bytes 0..7) is {magic!r}, expected "
+            + ", ".join(repr(m) for m in MAGICS)
+        )
     words = [int(w) for w in raw["words"]]
-    tier = tiers.from_header(MAGICS[magic], words[7])
+    version = MAGICS[magic]
+    try:
+        tier = tiers.from_header(version, words[7])
+    except BadHeader as exc:
+        detail = f" ({exc.reason})" if version == 3 else ""  # which of codec and bits is wrong
+        raise BadHeader(field_problem("tag", _tag_text(version, words[7]), _TAG_EXPECTED[version]) + detail) from None
     geometry = Geometry(*words[:6])
     check_geometry(geometry, tier)
     if words[6] < 0:
-        raise BadHeader(f"nrec {words[6]} is negative")
+        raise BadHeader(field_problem("nrec", words[6], "0 or more (the committed record count)"))
     return Header(geometry, tier, words[6])
+
+
+_TAG_EXPECTED = {
+    1: "0 in a v1 file",
+    2: "1 in a v2 file",
+    3: "(codec << 8) | bits in a v3 file: 0x104 (int4) or 0x002..0x006 (polar2..polar6)",
+}
+
+
+def _tag_text(version: int, tag: int) -> str:
+    """A v3 tag in hex (its codec and bits show), other tags in decimal."""
+    return f"{tag:#x}" if version == 3 and tag >= 0 else str(tag)
 
 
 @dataclass
 class Problems:
-    """What a loader found and neutralized (sanitize-on-load, FORMAT.md section 4)."""
+    """What a loader found and neutralized (sanitize-on-load, FORMAT.md section 4).
+
+    Everything but ``uncommitted`` is *damage* (:attr:`damaged`): the committed records are not all
+    there or not all valid (``overclaim``, bad scales/radii, NaN codes, non-finite values), or the
+    file ends in bytes that are not a whole record (``torn_tail_bytes``: a write cut mid-record, or a
+    file cut short). Whole records past the commit point (``uncommitted``) are not damage: the
+    durability protocol itself leaves them (an append killed after its data fsync, before the count;
+    a truncate killed after publishing the lower count), every committed record is whole, and the
+    next append overwrites them — they are reported as a note (:meth:`notes`).
+    """
 
     torn_tail_bytes: int = 0
     overclaim: int = 0  # records the header claims beyond what is physically present
@@ -200,7 +259,31 @@ class Problems:
     nan_codes: int = 0  # v2 code bytes 0x7F/0xFF, read as 0
     nan_values: int = 0  # v1 f32 elements (and index rows) that are NaN or infinite
 
+    @property
+    def damaged(self) -> bool:
+        """Any damage (everything counted here but ``uncommitted``)."""
+        return bool(
+            self.overclaim
+            or self.torn_tail_bytes
+            or self.bad_scales
+            or self.bad_radii
+            or self.nan_codes
+            or self.nan_values
+        )
+
+    def damage(self) -> list[str]:
+        """One line per kind of damage (:meth:`messages` without the uncommitted-records note)."""
+        note = self.notes()
+        return [line for line in self.messages() if line not in note]
+
+    def notes(self) -> list[str]:
+        """What is found but is not damage: whole records past the commit point."""
+        if not self.uncommitted:
+            return []
+        return [f"{self.uncommitted} complete records past the commit point (nrec) are not loaded"]
+
     def messages(self) -> list[str]:
+        """Every finding, one line each (damage and notes)."""
         out = []
         if self.overclaim:
             out.append(f"header claims {self.overclaim} more records than the file holds; they are not loaded")
@@ -261,7 +344,7 @@ class KVRecords:
         """[n, n_layers] masks of rows whose scale/radius is corrupt (L, R); None for v1."""
         if self.tier.version == 1:
             return None
-        check = fp8.bad_scales if self.tier.version == 2 else (lambda r: tq.sanitize_radii(r)[1])
+        check = self.tier.corrupt_scales  # the one bound every reader applies
         return check(self._layer_field("Ls")), check(self._layer_field("Rs"))
 
     @cached_property
@@ -286,6 +369,35 @@ class KVRecords:
                 found.nan_values += int(np.count_nonzero(~np.isfinite(self._layer_field(name))))
         if h.nic:
             found.nan_values += int(np.count_nonzero(~np.isfinite(self.records["index"])))
+        return found
+
+    def damaged_records(self) -> dict[str, np.ndarray]:
+        """Which of the ``n`` records hold each kind of row damage :attr:`problems` counts.
+
+        Returns
+        -------
+        dict
+            ``bad_scales`` (v2), ``bad_radii`` (v3), ``nan_codes`` (v2), ``nan_values`` (v1 rows,
+            and indexer rows of any version) -> bool[n]: the record holds at least one. Kinds the
+            tier cannot hold are absent. A full scan of the rows, like :attr:`problems`.
+        """
+        found: dict[str, np.ndarray] = {}
+        version = self.tier.version
+        masks = self._bad_row_masks
+        if masks is not None:
+            found["bad_scales" if version == 2 else "bad_radii"] = masks[0].any(axis=1) | masks[1].any(axis=1)
+        if version == 2:
+            found["nan_codes"] = fp8.nan_codes(self._layer_field("Lc")).any(axis=(1, 2)) | fp8.nan_codes(
+                self._layer_field("Rc")
+            ).any(axis=(1, 2))
+        nonfinite = np.zeros(self.n, dtype=bool)
+        if version == 1:
+            for name in ("Lc", "Rc"):
+                nonfinite |= ~np.isfinite(self._layer_field(name)).all(axis=(1, 2))
+        if self.geometry.nic:
+            nonfinite |= ~np.isfinite(self.records["index"]).all(axis=(1, 2))
+        if version == 1 or self.geometry.nic:
+            found["nan_values"] = nonfinite
         return found
 
     def quantized(self, which: str) -> tuple[np.ndarray, np.ndarray]:
@@ -372,6 +484,14 @@ class KVRecords:
         part = self.records[start:stop]
         return KVRecords(self.header.with_nrec(part.shape[0]), part, HEADER_BYTES + part.nbytes)
 
+    def check_scales(self, source: str) -> None:
+        """Refuse these records if one holds a scale/radius no encoder writes (:func:`check_scales`).
+
+        For callers that want strictness; without it the loader makes such rows inert and counts
+        them (:attr:`problems`, ``damaged_records()``). ``source`` names the file in the reason.
+        """
+        check_scales(self.records, self.tier, source=source)
+
     def record_bytes(self, start: int = 0, stop: int | None = None) -> bytes:
         """The raw bytes of records ``start .. stop`` (no header), as stored."""
         return self.records[start:stop].tobytes()
@@ -413,10 +533,89 @@ def read_header(path: str | os.PathLike) -> tuple[Header, int]:
         return parse_header(f.read(HEADER_BYTES)), size
 
 
-def load(path: str | os.PathLike, *, expect: Geometry | None = None, tier: Tier | None = None) -> KVRecords:
+#: What :func:`check_scales` tells the reader of a damaged file to do (a store names its own tools).
+FILE_ADVICE = (
+    "the file is damaged: kvstore inspect shows where, kvstore repair neutralizes it, a load without strict "
+    "reads such rows as zeros"
+)
+
+
+def check_scales(
+    records: np.ndarray, tier: Tier, *, source: str, first_record: int = 0, advice: str = FILE_ADVICE
+) -> None:
+    """Raise :class:`BadScale` if a record holds a stored scale (fp8) or radius (int4, polarB) that
+    :meth:`Tier.corrupt_scales` calls corrupt — the one bound of every reader, applied strictly.
+
+    Parameters
+    ----------
+    records : structured array [n] of :func:`record_dtype` (``tier``'s)
+    source : what the records are read from (a path), named in the reason
+    first_record : the index of ``records[0]`` in its file (for a chunk of a longer file)
+    advice : what the reason tells the user to do (default :data:`FILE_ADVICE`)
+
+    >>> import numpy as np
+    >>> g = Geometry(1, 4, 2, 0, 0, 10)
+    >>> rows = encode_records(g, tiers.FP8, [1, 2], np.ones((1, 2, 4)), np.ones((1, 2, 2)))
+    >>> rows["layers"]["Rs"][1, 0] = 1e37
+    >>> check_scales(rows, tiers.FP8, source="chat.coli_kv", first_record=40)
+    Traceback (most recent call last):
+    ...
+    kvstore.formats.errors.BadScale: chat.coli_kv: record 41 (token 2), layer 0: the R row's scale 1e+37 is outside (0, 7.589e+35], the range every encoder writes (1 of these 2 records holds one); the file is damaged: kvstore inspect shows where, kvstore repair neutralizes it, a load without strict reads such rows as zeros
+    """
+    if tier.file_tier.version == 1 or records.shape[0] == 0:
+        return
+    layers = records["layers"]
+    check_row_scales(
+        tier,
+        layers["Ls"],
+        layers["Rs"],
+        source=source,
+        first_record=first_record,
+        tokens=records["token"],
+        advice=advice,
+    )
+
+
+def check_row_scales(
+    tier: Tier,
+    l_scales: np.ndarray,
+    r_scales: np.ndarray,
+    *,
+    source: str,
+    first_record: int = 0,
+    first_layer: int = 0,
+    tokens: np.ndarray | None = None,
+    advice: str = FILE_ADVICE,
+) -> None:
+    """:func:`check_scales` on the scales alone: ``l_scales``/``r_scales`` f32[n, layers] (record
+    ``first_record + i``, layer ``first_layer + j``), as a device upload holds them."""
+    tier = tier.file_tier
+    bad = {"L": tier.corrupt_scales(l_scales), "R": tier.corrupt_scales(r_scales)}  # bool[n, layers]
+    hit = bad["L"].any(axis=1) | bad["R"].any(axis=1)
+    if not hit.any():
+        return
+    record = int(np.argmax(hit))
+    which = "L" if bad["L"][record].any() else "R"
+    layer = int(np.argmax(bad[which][record]))
+    value = float((l_scales if which == "L" else r_scales)[record, layer])
+    token = f" (token {int(tokens[record])})" if tokens is not None else ""
+    kind = "scale" if tier.version == 2 else "radius"
+    count = int(np.count_nonzero(hit))
+    raise BadScale(
+        f"{source}: record {first_record + record}{token}, layer {first_layer + layer}: the {which} row's {kind} "
+        f"{value:g} is outside {tier.scale_range}, the range every encoder writes ({count} of these {hit.shape[0]} "
+        f"records hold{'s' * (count == 1)} one); {advice}"
+    )
+
+
+def load(
+    path: str | os.PathLike, *, expect: Geometry | None = None, tier: Tier | None = None, strict: bool = False
+) -> KVRecords:
     """Load a ``.coli_kv`` file with one read and array operations.
 
-    See :func:`parse` for ``expect``/``tier`` and what ``n`` means.
+    See :func:`parse` for ``expect``/``tier`` and what ``n`` means. By default a row whose stored
+    scale/radius no encoder writes is made inert and counted (sanitize-on-load, FORMAT.md section
+    4); ``strict`` refuses the file instead (:class:`BadScale`, naming the file and the record).
     """
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
@@ -428,7 +627,111 @@ def load(path: str | os.PathLike, *, expect: Geometry | None = None, tier: Tier 
             if not n:  # the file shrank under us: parse the prefix that was read
                 break
             got += n
-    return parse(view[:got], expect=expect, tier=tier)
+    records = parse(view[:got], expect=expect, tier=tier)
+    if strict:
+        records.check_scales(source=os.fspath(path))
+    return records
+
+
+@dataclass(frozen=True)
+class Sanitized:
+    """Non-finite values (NaN, +inf, -inf) in rows to store, and what storing them does.
+
+    No tier stores them as given: f32 rows (v1) and the indexer's f32 rows (every version) store
+    each as 0, the other values of its row kept; fp8 (FORMAT.md section 3) stores a NaN as code 0
+    but a row holding an infinity as all zeros (inert, scale 1); int4/polar (section 5) store a row
+    holding either as all zeros (radius 0).
+
+    Attributes
+    ----------
+    values : the non-finite values
+    rows_zeroed : L/R rows (one layer of one token) stored as all zeros because they held one
+    first : ``(record, field, layer, element)`` of the first one in record order (``field`` is
+        ``"L"``, ``"R"`` or ``"I"``; ``layer`` counts indexer layers for ``"I"``), or None
+
+    >>> Sanitized(3, 1, (0, "L", 1, 5)).describe()
+    '3 non-finite values (NaN or infinity), the first at record 0, L layer 1, element 5; 1 row stored as zeros'
+    """
+
+    values: int = 0
+    rows_zeroed: int = 0
+    first: tuple[int, str, int, int] | None = None
+
+    def describe(self) -> str:
+        if not self.values or self.first is None:
+            return "no non-finite values"
+        record, field, layer, element = self.first
+        text = (
+            f"{self.values} non-finite value{'s' * (self.values != 1)} (NaN or infinity), the first at record "
+            f"{record}, {field} layer {layer}, element {element}"
+        )
+        if self.rows_zeroed:
+            text += f"; {self.rows_zeroed} row{'s' * (self.rows_zeroed != 1)} stored as zeros"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"values": self.values, "rows_zeroed": self.rows_zeroed}
+
+
+def _nonfinite(version: int, fields: dict[str, np.ndarray]) -> tuple[Sanitized, dict[str, np.ndarray]]:
+    """Count the non-finite values of f32 fields in record order (``field -> [n, layers, width]``).
+
+    Returns the count and, for each field holding any, its mask (same shape).
+    """
+    masks: dict[str, np.ndarray] = {}
+    values = zeroed = 0
+    first: tuple[int, str, int, int] | None = None
+    for field, rows in fields.items():
+        bad = ~np.isfinite(rows)
+        hits = int(np.count_nonzero(bad))
+        if not hits:
+            continue
+        masks[field] = bad
+        values += hits
+        if field != "I" and version == 2:
+            zeroed += int(np.count_nonzero(np.isinf(rows).any(axis=-1)))
+        elif field != "I" and version == 3:
+            zeroed += int(np.count_nonzero(bad.any(axis=-1)))
+        record, layer, element = (int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+        if first is None or record < first[0]:
+            first = (record, field, layer, element)
+    return Sanitized(values, zeroed, first), masks
+
+
+def encode_records_counted(geometry: Geometry, tier: Tier, tokens, L, R, I=None) -> tuple[np.ndarray, Sanitized]:
+    """:func:`encode_records`, and what it did with non-finite values (:class:`Sanitized`).
+
+    f32 rows (a v1 tier's L and R, every tier's indexer rows) store a non-finite value as 0; the
+    quantized tiers encode them by their codec's rule (see :class:`Sanitized`). This is what the
+    journal and the store write: a row they acknowledge never loads as damaged.
+    """
+    return _encode(geometry, tier, tokens, L, R, I, zero_f32=True)
+
+
+def sanitize_records(records: np.ndarray, tier: Tier) -> tuple[np.ndarray, Sanitized]:
+    """Already-encoded records with their non-finite f32 values (v1 rows, indexer rows) set to 0.
+
+    The codes of the quantized tiers are not values (a corrupt scale or NaN code is refused by the
+    journal, never guessed); ``records`` is returned as is when it holds no non-finite value, else
+    a copy.
+
+    Returns
+    -------
+    (records, :class:`Sanitized`)
+    """
+    fields = {}
+    if tier.file_tier.version == 1:
+        fields = {"L": records["layers"]["Lc"], "R": records["layers"]["Rc"]}
+    if records.dtype.names is not None and "index" in records.dtype.names:
+        fields["I"] = records["index"]
+    found, masks = _nonfinite(tier.file_tier.version, fields)
+    if not masks:
+        return records, found
+    fixed = np.array(records, copy=True)
+    for field, bad in masks.items():
+        target = fixed["index"] if field == "I" else fixed["layers"][field + "c"]
+        target[bad] = 0.0
+    return fixed, found
 
 
 def encode_records(geometry: Geometry, tier: Tier, tokens, L, R, I=None) -> np.ndarray:
@@ -443,8 +746,15 @@ def encode_records(geometry: Geometry, tier: Tier, tokens, L, R, I=None) -> np.n
 
     Returns
     -------
-    structured array [n] of :func:`record_dtype` (``.tobytes()`` is the body)
+    structured array [n] of :func:`record_dtype` (``.tobytes()`` is the body). This is the spec's
+    encoder, byte for byte with the C engine: f32 fields (v1 rows, indexer rows) keep their values,
+    NaN included; the quantized codecs apply their own rule. The journal and the store write
+    through :func:`encode_records_counted`, which stores a non-finite f32 value as 0 and counts it.
     """
+    return _encode(geometry, tier, tokens, L, R, I, zero_f32=False)[0]
+
+
+def _encode(geometry: Geometry, tier: Tier, tokens, L, R, I, *, zero_f32: bool) -> tuple[np.ndarray, Sanitized]:
     tokens = np.asarray(tokens)
     n = tokens.shape[0] if tokens.ndim == 1 else -1
     g = geometry
@@ -466,19 +776,26 @@ def encode_records(geometry: Geometry, tier: Tier, tokens, L, R, I=None) -> np.n
             raise GeometryMismatch(f"I has shape {I.shape}, expected {(g.nic, n, g.index_hd)}")
     elif I is not None and np.size(I):
         raise GeometryMismatch("the model has no indexer layers (nic = 0) but I rows were given")
+    tier = tier.file_tier
+    # [n_layers, n, w] -> [n, n_layers, w]: the record order
+    fields = {"L": L.transpose(1, 0, 2), "R": R.transpose(1, 0, 2)}
+    if g.nic:
+        fields["I"] = I.transpose(1, 0, 2)
+    found, masks = _nonfinite(tier.version, fields)
+    for field, bad in masks.items() if zero_f32 else ():
+        if field == "I" or tier.version == 1:  # f32 fields: the value becomes 0 (the codecs have their own rule)
+            fields[field] = np.where(bad, np.float32(0.0), fields[field])
     records = np.zeros(n, dtype=record_dtype(g, tier))
     records["token"] = tokens
     layers = records["layers"]
-    tier = tier.file_tier
-    for which, rows in (("L", L), ("R", R)):
-        # [n_layers, n, w] -> [n, n_layers, w]: the record order
-        codes, scales = tier.quantize(rows.transpose(1, 0, 2))
+    for which in ("L", "R"):
+        codes, scales = tier.quantize(fields[which])
         layers[which + "c"] = codes
         if scales is not None:
             layers[which + "s"] = scales
     if g.nic:
-        records["index"] = I.transpose(1, 0, 2)
-    return records
+        records["index"] = fields["I"]
+    return records, found
 
 
 def encode_file(

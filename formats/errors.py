@@ -13,11 +13,13 @@ from __future__ import annotations
 
 __all__ = [
     "BadHeader",
+    "BadScale",
     "BadMagic",
     "CodecMismatch",
     "FormatError",
     "GeometryMismatch",
     "KVStoreError",
+    "NonFiniteValues",
     "TruncatedHeader",
 ]
 
@@ -68,6 +70,24 @@ class UnknownTier(FormatError):
     """A tier name (or file version/codec/bits) that is not in the vocabulary of ``kvstore.tiers``.
 
     The reason lists the known names: ``f32``, ``bf16``, ``fp8``, ``int4``, ``polar2`` .. ``polar6``, ``q8``.
+    """
+
+
+class BadScale(FormatError):
+    """A stored row's fp8 scale or TurboQuant radius is one no encoder writes (the file is damaged),
+    and the reader was asked to be strict. The reason names the file, the record, the layer and row.
+
+    Read without ``strict``, such a row is made inert (zeros, never infinities) and counted in
+    ``KVRecords.problems``; ``kvstore inspect`` shows where, ``kvstore repair`` neutralizes it.
+    """
+
+
+class NonFiniteValues(FormatError):
+    """Rows to store hold NaN or infinite values, and the store was asked to refuse them
+    (``reject_nonfinite``; ``kvstore serve --reject-nonfinite``). Nothing was written.
+
+    The reason counts them and names the first (record, L/R/I, layer, element). Send finite rows,
+    or let the store keep them as the tier's rule says (the default), which the append counts.
     """
 
 

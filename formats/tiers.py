@@ -198,6 +198,35 @@ class Tier:
         return None
 
     # ---- codes and scales -----------------------------------------------------------------------
+    def corrupt_scales(self, scales: np.ndarray) -> np.ndarray:
+        """Mask of stored per-row scales (fp8) or radii (int4, polarB) that no encoder writes.
+
+        The one bound every reader applies (FORMAT.md section 4): fp8 ``fp8.bad_scales`` (not in
+        ``(0, 3.4e38/448]``, NaN included, so ``lut[0x7E] * scale`` stays finite), TQ
+        ``tq.sanitize_radii`` (not in ``[0, 3.4e38)``). The file loader makes those rows inert,
+        ``gpu.codecs.sanitize_fp8_``/``sanitize_tq_`` do the same on a device, and strict readers
+        refuse them (``coli_kv.check_scales``). All False for tiers without a per-row scale.
+
+        >>> FP8.corrupt_scales(np.array([1.0, 1e37, 0.0, np.nan], np.float32)).tolist()
+        [False, True, True, True]
+        """
+        scales = np.asarray(scales, dtype=np.float32)
+        tier = self.file_tier
+        if tier.version == 2:
+            return fp8.bad_scales(scales)
+        if tier.version == 3:
+            return tq.sanitize_radii(scales)[1]
+        return np.zeros(scales.shape, dtype=bool)
+
+    @property
+    def scale_range(self) -> str:
+        """The stored scales/radii :meth:`corrupt_scales` accepts, for messages (``(0, 7.589e+35]``)."""
+        if self.file_tier.version == 2:
+            return f"(0, {float(fp8.MAX_SCALE):.4g}]"
+        if self.file_tier.version == 3:
+            return f"[0, {float(tq.RADIUS_CEIL):.4g})"
+        return "none (no per-row scale)"
+
     def quantize(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Encode f32 rows into this tier's fields.
 

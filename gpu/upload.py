@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from kvstore import tiers
+from kvstore.formats import coli_kv
+from kvstore.gpu import codecs
 from kvstore.gpu.errors import AttentionInputError
 from kvstore.gpu.inputs import as_tier
 
@@ -128,8 +130,19 @@ def restore_quantized_rows(
     *,
     capacity: int | None = None,
     uploader: PinnedUploader | None = None,
+    strict: bool = False,
+    source: str = "the uploaded rows",
+    first_record: int = 0,
+    layer: int = 0,
 ) -> QuantizedRows:
     """Upload a session's quantized rows (one layer) into new device tensors.
+
+    Stored rows may come from a damaged file: as every reader does (FORMAT.md section 4, the one
+    bound of ``Tier.corrupt_scales``), a row whose scale/radius no encoder writes is made inert on
+    the device and NaN fp8 codes read 0 (``kvstore.gpu.codecs.sanitize_fp8_``/``sanitize_tq_``), so
+    a scale of 1e37 on code 0x7E never decodes to inf. ``strict`` refuses such rows instead,
+    before anything is allocated (:class:`~kvstore.formats.errors.BadScale` naming ``source`` and
+    the record: row ``i`` is record ``first_record + i`` of layer ``layer``).
 
     Parameters
     ----------
@@ -141,6 +154,7 @@ def restore_quantized_rows(
     device : target device
     capacity : rows to allocate (>= N) so that decoding can append without reallocating
     uploader : a :class:`PinnedUploader` to reuse (its pinned ring); one is made when omitted
+    strict, source, first_record, layer : see above
 
     Returns
     -------
@@ -162,6 +176,10 @@ def restore_quantized_rows(
     capacity = n_rows if capacity is None else int(capacity)
     if capacity < n_rows:
         raise AttentionInputError(f"capacity {capacity} is below the {n_rows} rows to restore")
+    if strict:
+        coli_kv.check_row_scales(
+            tier, lc_scales[:, None], rc_scales[:, None], source=source, first_record=first_record, first_layer=layer
+        )
     device = torch.device(device)
     uploader = uploader or PinnedUploader(device)
     if uploader.device.type != device.type or (device.index is not None and uploader.device != device):
@@ -178,6 +196,10 @@ def restore_quantized_rows(
     for dst, src in zip(tensors, (lc_codes, lc_scales, rc_codes, rc_scales)):
         uploader.copy_into(dst, src)
     uploader.finish()
+    # on the caller's stream, which now waits for the copies: the same sanitize as every reader
+    sanitize = codecs.sanitize_fp8_ if tier.version == 2 else codecs.sanitize_tq_
+    sanitize(tensors[0][:n_rows], tensors[1][:n_rows])
+    sanitize(tensors[2][:n_rows], tensors[3][:n_rows])
     if device.type == "cuda":
         consumer = torch.cuda.current_stream(device)
         for t in tensors:

@@ -16,10 +16,12 @@ from __future__ import annotations
 from kvstore.formats.errors import (
     BadHeader,
     BadMagic,
+    BadScale,
     CodecMismatch,
     FormatError,
     GeometryMismatch,
     KVStoreError,
+    NonFiniteValues,
     TruncatedHeader,
     UnknownTier,
 )
@@ -29,6 +31,7 @@ __all__ = [
     # re-exported from kvstore.formats.errors and kvstore.migrations.errors
     "BadHeader",
     "BadMagic",
+    "BadScale",
     "CodecMismatch",
     "FormatError",
     "GeometryMismatch",
@@ -36,13 +39,17 @@ __all__ = [
     "KVStoreError",
     "MigrationError",
     "NoMigrationPath",
+    "NonFiniteValues",
     "TruncatedHeader",
     "UnknownTier",
     # defined here
     "BudgetExceeded",
     "ConfigError",
+    "FileDamaged",
+    "FileUnreadable",
     "FingerprintMismatch",
     "IndexFull",
+    "IndexIOError",
     "IntegrityError",
     "InvalidRequest",
     "InvalidSessionId",
@@ -62,6 +69,24 @@ class JournalWriteError(KVStoreError, OSError):
 
     Committed records are intact and nothing after them was acknowledged; free space or fix the
     disk and send the rows again (the next append rewrites the torn tail).
+    """
+
+
+class FileUnreadable(KVStoreError, OSError):
+    """A file named by the caller cannot be read: it does not exist, is a folder (or a device, a
+    FIFO), or may not be read.
+
+    The reason names the path, what is wrong and what was expected there; nothing was read or written.
+    """
+
+
+class FileDamaged(FormatError):
+    """A ``.coli_kv`` file is damaged (committed records missing or invalid, or a partial record at
+    its end), and the command would have read it as if it were whole.
+
+    The reason names each damage and where it is. ``kvstore repair`` keeps a ``.bak`` and fixes what
+    can be fixed; ``--allow-damaged`` goes on with the records that are whole (and says how many were
+    dropped). The CLI exits 1 (damaged) for it, not 2.
     """
 
 
@@ -145,7 +170,20 @@ class SessionDamaged(IntegrityError):
 
 
 class IndexFull(KVStoreError, OSError):
-    """The index's LMDB map is full; nothing was changed. Reopen the store with a larger ``map_size``."""
+    """The index cannot grow: its LMDB map is full, or the disk holding it is. Nothing was changed.
+
+    The reason says which: reopen the store with a larger ``map_size`` (``kvstore serve
+    --index-size``), or free space on that disk. Reads keep working meanwhile.
+    """
+
+
+class IndexIOError(KVStoreError, OSError):
+    """LMDB could not open or write the index for another reason than space (an I/O error, a file
+    under ``index/`` that is not an LMDB environment).
+
+    A failed write was rolled back, so the index holds what it held before the call; check the disk
+    and the files under ``index/``, then retry.
+    """
 
 
 # ---- configuration ----------------------------------------------------------------------------

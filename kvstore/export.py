@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.errors import FormatError
+from kvstore.errors import FormatError, InvalidRequest
+from kvstore.filetools import check_output
 from kvstore.formats.coli_kv import KVRecords
 from kvstore.journal import AtomicFile, write_errors
 
@@ -90,25 +91,33 @@ def to_arrow_table(records: KVRecords, rows: tuple | None = None):
     return pa.table(columns).replace_schema_metadata(metadata)
 
 
-def export(records: KVRecords, out: str | os.PathLike) -> Path:
+def export(records: KVRecords, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``records`` to ``out`` (format by suffix), atomically; returns the path.
 
     Parameters
     ----------
     records : the safe records of a file (dequantized and sanitized on the way out)
     out : ``OUT.npz`` (``tokens`` int32[n], ``L``, ``R``, ``I``), ``OUT.arrow`` or ``OUT.parquet``
+    overwrite : replace an existing ``out`` (otherwise it is refused, even when it appears while
+        the export runs: the file is published with a link that never clobbers)
 
     Raises
     ------
     FormatError
         Another suffix.
+    InvalidRequest
+        ``out`` exists (without ``overwrite``), is a folder, or its folder does not exist; checked
+        before any row is decoded.
     JournalWriteError
         The file could not be written (no partial export is left).
     """
     out = Path(out)
     suffix = out.suffix.lower()
     if suffix not in SUFFIXES:
-        raise FormatError(f"cannot export to {out.name!r}: use one of {', '.join(SUFFIXES)}")
+        raise FormatError(
+            f"{out}: cannot export to a {suffix or 'suffix-less'} file; expected one of {', '.join(SUFFIXES)}"
+        )
+    check_output(out, overwrite=overwrite, what="the export")
     L, R, index = records.dequantize()
     sink = io.BytesIO()
     if suffix == ".npz":
@@ -127,7 +136,10 @@ def export(records: KVRecords, out: str | os.PathLike) -> Path:
             import pyarrow.parquet as pq
 
             pq.write_table(table, sink)
-    with write_errors(f"writing {out.name}", "no partial export was left"):
-        with AtomicFile(out) as handle:
-            handle.write(sink.getbuffer())
+    try:
+        with write_errors(f"writing {out}", "no partial export was left"):
+            with AtomicFile(out, replace=overwrite) as handle:
+                handle.write(sink.getbuffer())
+    except FileExistsError:  # created by someone else while the rows were encoded
+        raise InvalidRequest(f"{out}: exists; pass --force to replace it (nothing was written)") from None
     return out

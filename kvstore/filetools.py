@@ -3,37 +3,260 @@
 Each function returns a plain dict report (JSON-ready) and raises a typed ``KVStoreError`` on bad
 input. Rewrites go through ``kvstore.journal`` (atomic, under the writer lock), so a crash at any
 instant leaves the old file or the new one.
+
+Files named by a user are read through :func:`read_source` / :func:`load_source`: every refusal
+names the path, the field at fault and what was expected there (:func:`naming` puts the path in
+front of the formats layer's reasons, which know no paths). A file is *damaged* when
+``KVRecords.problems.damaged`` (committed records missing or invalid, a partial record at the end;
+whole records past the commit point are a crash leftover, not damage): :func:`check_damage`
+refuses it (:class:`FileDamaged`, exit 1) unless the caller allows it, and a damaged file is never
+rewritten without a ``.bak`` first (:func:`keep_backup`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import stat
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
-from kvstore.errors import MigrationError
+from kvstore.errors import FileDamaged, FileUnreadable, InvalidRequest, KVStoreError, MigrationError
 from kvstore.formats import coli_kv, fp8, tq
-from kvstore.formats.coli_kv import HEADER_BYTES, Header, KVRecords, Tier
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords, Tier
 from kvstore.journal import AtomicFile, read_whole, write_atomic, write_errors, writer_lock
 from kvstore.migrations import formats as format_migrations
 
 Progress = Callable[[int, int], None]
 
+COLI_KV_FILE = "a .coli_kv file"
+#: Records named one by one in a damage line before the rest are counted ("and 12 more").
+SHOWN_RECORDS = 5
 
-def _load_raw(path: Path) -> tuple[memoryview, KVRecords]:
-    fd = os.open(path, os.O_RDONLY)
+
+# ---------------------------------------------------------------------------- reading what a user names
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """Put ``path`` (as the user wrote it) in front of the reason of a ``KVStoreError`` raised inside.
+
+    The formats layer knows no paths and the journal names files by their base name; a reason that
+    already starts with the path is left alone, one that starts with its base name gets the path
+    instead.
+    """
     try:
-        raw = read_whole(fd)
+        yield
+    except KVStoreError as exc:
+        shown, name = str(path), Path(path).name
+        if not exc.reason.startswith(shown):
+            rest = exc.reason[len(name) :] if exc.reason.startswith(name + " ") else f": {exc.reason}"
+            exc.reason = shown + rest
+            exc.args = (exc.reason,)
+        raise
+
+
+def _unreadable(path: str | os.PathLike, exc: OSError, what: str) -> FileUnreadable:
+    problem = {
+        errno.ENOENT: "no such file",
+        errno.EISDIR: "is a folder",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+        errno.ENOTDIR: "a part of the path before it is not a folder",
+        errno.ELOOP: "too many levels of symbolic links",
+        errno.ENAMETOOLONG: "the name is too long",
+    }.get(exc.errno or 0, exc.strerror or type(exc).__name__)
+    return FileUnreadable(f"{path}: {problem}; expected {what}")
+
+
+def read_source(path: str | os.PathLike, what: str = COLI_KV_FILE, *, limit: int | None = None) -> memoryview:
+    """The bytes of a file the user named (at most ``limit`` of them), or one line saying why not.
+
+    Opened without blocking (a FIFO or a device is refused, not waited on) and checked to be a
+    regular file before anything is read.
+
+    Raises
+    ------
+    FileUnreadable
+        Missing, a folder, not a regular file, not readable, or a read error: the reason names
+        ``path``, what is wrong and ``what`` was expected.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _unreadable(path, exc, what) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise FileUnreadable(f"{path}: is a folder; expected {what}")
+        if not stat.S_ISREG(mode):
+            raise FileUnreadable(f"{path}: is not a regular file (a device, FIFO or socket); expected {what}")
+        if limit is not None:
+            return memoryview(os.pread(fd, limit, 0))
+        return read_whole(fd)
+    except OSError as exc:
+        if isinstance(exc, KVStoreError):
+            raise
+        raise FileUnreadable(f"{path}: reading failed ({exc.strerror or exc}); expected {what}") from None
     finally:
         os.close(fd)
-    return raw, coli_kv.parse(raw)
+
+
+def load_source(
+    path: str | os.PathLike, *, expect: Geometry | None = None, tier: Tier | None = None
+) -> tuple[memoryview, KVRecords]:
+    """Read and parse a ``.coli_kv`` file the user named (one read); every error names ``path``.
+
+    See :func:`kvstore.formats.coli_kv.parse` for ``expect`` and ``tier``.
+    """
+    raw = read_source(path)
+    with naming(path):
+        return raw, coli_kv.parse(raw, expect=expect, tier=tier)
+
+
+def source_header(path: str | os.PathLike) -> Header:
+    """Only the header of a ``.coli_kv`` file the user named (40 bytes read); errors name ``path``."""
+    raw = read_source(path, limit=HEADER_BYTES)
+    with naming(path):
+        return coli_kv.parse_header(raw)
+
+
+def check_output(path: str | os.PathLike, *, overwrite: bool, what: str) -> Path:
+    """Refuse an output path that cannot take a new file, before any work is done.
+
+    Raises
+    ------
+    InvalidRequest
+        ``path`` is a folder, its folder does not exist, or it exists and ``overwrite`` is False
+        (the reason says to pass ``--force``).
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise InvalidRequest(f"{path}: is a folder; expected the path of {what} to write")
+    folder = out.parent
+    if not folder.is_dir():
+        problem = "is not a folder" if folder.exists() else "does not exist"
+        raise InvalidRequest(f"{path}: its folder {folder} {problem}; expected an existing folder to write {what} in")
+    if not overwrite and (out.exists() or out.is_symlink()):
+        raise InvalidRequest(f"{path}: exists; pass --force to replace it (nothing was written)")
+    return out
+
+
+# ---------------------------------------------------------------------------- damage
+def _records_text(mask: np.ndarray, rec_bytes: int) -> str:
+    """``records 0, 3, 9 and 12 more (first at byte 40)``: where a per-record mask is set."""
+    where = np.flatnonzero(mask)
+    shown = ", ".join(str(int(i)) for i in where[:SHOWN_RECORDS])
+    more = f" and {where.size - SHOWN_RECORDS} more" if where.size > SHOWN_RECORDS else ""
+    noun = "record" if where.size == 1 else "records"
+    return f"{noun} {shown}{more} (first at byte {HEADER_BYTES + int(where[0]) * rec_bytes})"
+
+
+def damage_lines(records: KVRecords) -> list[str]:
+    """One line per kind of damage in ``records``, each saying what and where (empty: not damaged).
+
+    The per-record scan runs only when the counters (:attr:`KVRecords.problems`) found row damage.
+    """
+    h, found = records.header, records.problems
+    rec = h.rec_bytes
+    complete = records.complete_records
+    lines = []
+    if found.overclaim:
+        lines.append(
+            f"records {complete}..{h.nrec - 1}: the header claims nrec {h.nrec} but the file holds "
+            f"{complete} whole records ({found.overclaim} committed records are missing: the file was cut short)"
+        )
+    if found.torn_tail_bytes:
+        start = HEADER_BYTES + complete * rec
+        lines.append(
+            f"bytes {start}..{start + found.torn_tail_bytes - 1}: {found.torn_tail_bytes} bytes of a partial "
+            f"{rec}-byte record after the last whole one (torn tail: a write cut mid-record, or a file cut short)"
+        )
+    if found.bad_scales or found.bad_radii or found.nan_codes or found.nan_values:
+        masks = records.damaged_records()
+        kinds = (
+            ("bad_scales", found.bad_scales, "rows with an fp8 scale out of range (read as zeros)"),
+            ("bad_radii", found.bad_radii, "rows with a TQ radius out of range (read as zeros)"),
+            ("nan_codes", found.nan_codes, "fp8 NaN codes 0x7F/0xFF (read as 0)"),
+            ("nan_values", found.nan_values, "non-finite f32 values (NaN/inf)"),
+        )
+        for kind, count, text in kinds:
+            if count and kind in masks and masks[kind].any():
+                lines.append(f"{_records_text(masks[kind], rec)}: {text}: {count}")
+    return lines
+
+
+def leftover_notes(records: KVRecords) -> list[str]:
+    """What is not damage but is more than the committed records: whole records past nrec."""
+    h, found = records.header, records.problems
+    if not found.uncommitted:
+        return []
+    start = HEADER_BYTES + h.nrec * h.rec_bytes
+    return [
+        f"records {h.nrec}..{h.nrec + found.uncommitted - 1} (bytes {start}..{start + found.uncommitted * h.rec_bytes - 1}): "
+        f"{found.uncommitted} whole records past the commit point (nrec {h.nrec}) are not loaded — a crash leftover "
+        f"(an append killed before its commit, or a truncate before it cut them); the next append or "
+        f"`kvstore repair` removes them"
+    ]
+
+
+def records_dropped(records: KVRecords) -> int:
+    """Committed records a reader of the damaged file does not get: those the header claims but the
+    file does not hold whole (the partial record of a torn tail past nrec was never committed)."""
+    return records.problems.overclaim
+
+
+def check_damage(path: str | os.PathLike, records: KVRecords, *, allow: bool, doing: str) -> str | None:
+    """Refuse a damaged file, or the warning to print when the caller allows it (None when not damaged).
+
+    Parameters
+    ----------
+    path : the file as the user named it
+    records : its parsed records
+    allow : ``--allow-damaged`` was given
+    doing : what was about to happen (``"export"``, ``"migrate"``, ...), for the refusal
+
+    Raises
+    ------
+    FileDamaged
+        ``records`` are damaged and ``allow`` is False; the reason names each damage and where.
+    """
+    if not records.problems.damaged:
+        return None
+    lines = damage_lines(records)
+    if not allow:
+        raise FileDamaged(
+            f"{path}: damaged, {doing} refused: {'; '.join(lines)}. Run `kvstore repair {path}` (keeps a .bak), "
+            f"or pass --allow-damaged to go on with the {records.n} whole records"
+        )
+    return (
+        f"{path} is damaged ({'; '.join(lines)}); --allow-damaged: {doing} goes on with {records.n} records, "
+        f"{records_dropped(records)} committed records dropped"
+    )
+
+
+def keep_backup(path: str | os.PathLike, raw: bytes | memoryview) -> Path:
+    """Write ``raw`` (the file's bytes as read) next to ``path`` as ``<name>.bak`` — or ``.bak.1``,
+    ``.bak.2`` ... when older backups exist: a backup is never overwritten. Atomic and fsynced."""
+    path = Path(path)
+    for attempt in range(1000):
+        backup = path.with_name(path.name + ".bak" + (f".{attempt}" if attempt else ""))
+        if backup.exists() or backup.is_symlink():
+            continue
+        try:
+            with write_errors(f"writing {backup.name}", f"{path.name} is unchanged"):
+                with AtomicFile(backup, replace=False) as out:
+                    out.write(raw)
+        except FileExistsError:  # another writer took this name meanwhile: the next one
+            continue
+        return backup
+    raise InvalidRequest(f"{path}: 1000 backups ({path.name}.bak ...) exist already; remove old ones")
 
 
 def inspect_file(path: str | os.PathLike) -> dict:
-    """Everything a user needs to judge a file: header, counts, damage found.
+    """Everything a user needs to judge a file: header, counts, damage found and where.
 
     Parameters
     ----------
@@ -45,16 +268,21 @@ def inspect_file(path: str | os.PathLike) -> dict:
         ``tier`` (its description, canonical name first), ``version``/``codec``/``bits``, the
         geometry, ``nrec`` (the header's count) against ``complete_records`` and ``records_safe``,
         the damage counters (torn tail bytes, bad scales/radii, NaN codes/values), ``problems``
-        (one line each) and ``clean``.
+        (every finding, one line each), ``damaged`` with ``damage`` (what and where, one line per
+        kind), ``notes`` (whole records past the commit point: a crash leftover, not damage) and
+        ``clean`` (not damaged). ``kvstore inspect`` exits 0 clean, 1 damaged.
 
     Raises
     ------
+    FileUnreadable
+        Missing, a folder, not readable.
     FormatError
-        Not a ``.coli_kv`` file (short, bad magic, inconsistent header).
+        Not a ``.coli_kv`` file (short, bad magic, a header field out of range): the reason names
+        the path and the field.
     """
-    path = Path(path)
-    raw, records = _load_raw(path)
+    raw, records = load_source(path)
     h, found = records.header, records.problems
+    damage = damage_lines(records)
     return {
         "path": str(path),
         "file_bytes": len(raw),
@@ -84,7 +312,10 @@ def inspect_file(path: str | os.PathLike) -> dict:
         "nan_codes": found.nan_codes,
         "nan_values": found.nan_values,
         "problems": found.messages(),
-        "clean": not found.messages(),
+        "damaged": found.damaged,
+        "damage": damage,
+        "notes": leftover_notes(records),
+        "clean": not found.damaged,
     }
 
 
@@ -112,65 +343,95 @@ def _sanitized(records: KVRecords) -> tuple[np.ndarray, list[str]]:
                 layers[which + "c"][bad] = 0
                 layers[which + "s"][bad] = 0.0
                 actions.append(f"made {int(bad.sum())} {which}c rows with a bad radius inert")
+    else:  # f32 rows: a non-finite value is zeroed, as the fp8 and TQ encoders zero it (FORMAT.md)
+        for which in ("L", "R"):
+            values = layers[which + "c"]
+            bad = ~np.isfinite(values)
+            if bad.any():
+                values[bad] = 0.0
+                actions.append(f"zeroed {int(bad.sum())} non-finite f32 values in {which}c rows")
+    if records.geometry.nic:
+        index = fixed["index"]
+        bad = ~np.isfinite(index)
+        if bad.any():
+            index[bad] = 0.0
+            actions.append(f"zeroed {int(bad.sum())} non-finite f32 values in indexer rows")
     return fixed, actions
+
+
+def sanitized_records(records: KVRecords) -> np.ndarray:
+    """A copy of the safe records with corrupt rows neutralized (what :func:`repair_file` writes)."""
+    return _sanitized(records)[0]
+
+
+def repaired(records: KVRecords) -> KVRecords:
+    """``records`` as :func:`repair_file` would leave them (a sanitized copy): what a command that
+    goes on with a damaged file (``--allow-damaged``) reads, so its output is never damaged."""
+    fixed = sanitized_records(records)
+    return KVRecords(records.header.with_nrec(records.n), fixed, HEADER_BYTES + fixed.nbytes)
 
 
 def repair_file(path: str | os.PathLike, *, dry_run: bool = False, backup: bool = True) -> dict:
     """Clamp nrec to what is physically there, drop the torn tail, sanitize rows in place.
 
-    The original is kept as ``<name>.bak`` unless ``backup`` is False. Runs under the journal's
-    writer lock; the rewrite is atomic.
+    Sanitizing stores what a reader already sees: rows with a bad fp8 scale or TQ radius become
+    inert (zeros), fp8 NaN codes and non-finite f32 values become 0. The repaired file is clean.
+
+    The original is kept as ``<name>.bak`` (``.bak.1`` ... when older backups exist) unless
+    ``backup`` is False. The file is read and judged first, without the lock (a file that cannot be
+    repaired leaves nothing behind, not even a lock sidecar); the repair itself runs under the
+    journal's writer lock and the rewrite is atomic.
 
     Parameters
     ----------
     path : the ``.coli_kv`` file to repair
-    dry_run : report the actions, change nothing
+    dry_run : report the actions, change nothing (no lock is taken)
     backup : keep the original bytes as ``<name>.bak``
 
     Returns
     -------
     dict
-        ``records`` kept, ``actions`` (one line each; "left ..." lines change nothing), ``changed``,
+        ``records`` kept, ``actions`` (one line each), ``changed``,
         ``dry_run`` and ``backup`` (its path, or None).
 
     Raises
     ------
-    FormatError
-        Not a ``.coli_kv`` file: nothing is written.
+    FileUnreadable, FormatError
+        Not a readable ``.coli_kv`` file: nothing is written.
     """
-    path = Path(path)
-    with writer_lock(path):
-        raw, records = _load_raw(path)
-        h, found = records.header, records.problems
-        actions = []
-        if h.nrec != records.n:
-            actions.append(f"clamped nrec from {h.nrec} to {records.n} (records physically complete)")
-        tail = len(raw) - HEADER_BYTES - records.n * h.rec_bytes
-        if tail > 0:
-            actions.append(f"dropped {tail} bytes past the last committed record")
-        fixed, sanitize_actions = _sanitized(records)
-        actions += sanitize_actions
-        if found.nan_values:
-            actions.append(f"left {found.nan_values} non-finite f32 values in place (v1 rows are stored as written)")
-        changes = [a for a in actions if not a.startswith("left ")]
-        report = {
-            "path": str(path),
-            "records": records.n,
-            "actions": actions,
-            "changed": bool(changes),
-            "dry_run": dry_run,
-            "backup": None,
-        }
-        if dry_run or not changes:
+    raw, records = load_source(path)  # refused here leaves no trace
+    report = _repair_plan(path, raw, records, dry_run)
+    if dry_run or not report["changed"]:
+        return report
+    with naming(path), writer_lock(path):
+        raw, records = load_source(path)  # again, under the lock: what is rewritten is what was judged
+        report = _repair_plan(path, raw, records, dry_run)
+        if not report["changed"]:
             return report
         if backup:
-            backup_path = path.with_name(path.name + ".bak")
-            with write_errors(f"writing {backup_path.name}", f"{path.name} is unchanged"):
-                with AtomicFile(backup_path) as out:
-                    out.write(raw)
-            report["backup"] = str(backup_path)
-        write_atomic(path, h.with_nrec(records.n), [fixed])
+            report["backup"] = str(keep_backup(path, raw))
+        fixed, _ = _sanitized(records)
+        write_atomic(path, records.header.with_nrec(records.n), [fixed])
     return report
+
+
+def _repair_plan(path: str | os.PathLike, raw: memoryview, records: KVRecords, dry_run: bool) -> dict:
+    h = records.header
+    actions = []
+    if h.nrec != records.n:
+        actions.append(f"clamped nrec from {h.nrec} to {records.n} (records physically complete)")
+    tail = len(raw) - HEADER_BYTES - records.n * h.rec_bytes
+    if tail > 0:
+        actions.append(f"dropped {tail} bytes past the last committed record")
+    actions += _sanitized(records)[1]
+    return {
+        "path": str(path),
+        "records": records.n,
+        "actions": actions,
+        "changed": bool(actions),
+        "dry_run": dry_run,
+        "backup": None,
+    }
 
 
 def _cumulative(progress: Progress | None) -> Progress | None:
@@ -193,6 +454,7 @@ def migrate_file(
     target: Tier,
     *,
     overwrite: bool = False,
+    allow_damaged: bool = False,
     progress: Progress | None = None,
 ) -> dict:
     """Convert ``src`` into a new file ``dst`` in ``target``; ``src`` is never modified.
@@ -202,33 +464,48 @@ def migrate_file(
     src, dst : the file to read and the file to write (atomically)
     target : a file tier (``tiers.get("int4")``, ...)
     overwrite : replace an existing ``dst``
+    allow_damaged : convert a damaged ``src`` instead of refusing it: its whole records, sanitized as
+        ``repair`` would (the report's ``warning`` says what was dropped); ``dst`` is clean
     progress : ``progress(records_done, total)``, called after each converted chunk
 
     Returns
     -------
     dict
-        ``from``/``to`` (tier descriptions), the migration ``steps``, ``lossy``, ``records``, the
-        sizes before and after, ``seconds`` and ``mb_per_s``.
+        ``from``/``to`` (tier descriptions), the migration ``steps``, ``lossy`` and ``conversion``
+        (what the steps do to the values, in one line), ``records``, ``records_dropped``, the sizes
+        before and after, ``seconds``, ``mb_per_s`` and ``warning`` (None unless ``src`` was damaged).
 
     Raises
     ------
+    FileUnreadable, FormatError
+        ``src`` is not a readable ``.coli_kv`` file (the reason names it and the field at fault).
+    FileDamaged
+        ``src`` is damaged and ``allow_damaged`` is False: nothing was written.
     MigrationError
         ``dst`` is ``src`` (or a link to it), or exists without ``overwrite``.
+    InvalidRequest
+        ``dst`` is a folder, or its folder does not exist.
     NoMigrationPath
         No step leads from the source's tier to ``target``.
     """
     src, dst = Path(src), Path(dst)
-    if not src.is_file():
-        raise MigrationError(f"{src} is not a file")
-    if dst.exists() and (os.path.samefile(src, dst) or dst.resolve() == src.resolve()):
-        raise MigrationError(f"{dst} is the source file: a migration never overwrites its source")
-    if dst.exists() and not overwrite:
-        raise MigrationError(f"{dst} exists; pass --force to replace it")
     started = time.perf_counter()
-    records = coli_kv.load(src)
+    _, records = load_source(src)
+    if dst.exists() and (os.path.samefile(src, dst) or dst.resolve() == src.resolve()):
+        raise MigrationError(f"{dst}: is the source file; a migration never overwrites its source")
+    if dst.exists() and not dst.is_dir() and not overwrite:
+        raise MigrationError(f"{dst}: exists; pass --force to replace it (nothing was written)")
+    check_output(dst, overwrite=True, what="the migrated .coli_kv file")
+    warning = check_damage(src, records, allow=allow_damaged, doing="migrate")
     steps = format_migrations.plan(records.tier, target)
+    # Converted rows are sanitized by the conversion (dequantize, then the encoders zero non-finite
+    # values as FORMAT.md says: the bytes the reference encoders write). What a conversion copies
+    # as stored — every record of a same-tier copy, the indexer rows of any — is sanitized as
+    # repair would, so the destination is never damaged.
+    copies_damage = not steps or (records.geometry.nic > 0 and not np.isfinite(records.records["index"]).all())
+    source = repaired(records) if warning and copies_damage else records
     header = Header(records.geometry, target, records.n)
-    write_atomic(dst, header, format_migrations.convert_chunks(records, target, _cumulative(progress)), replace=True)
+    write_atomic(dst, header, format_migrations.convert_chunks(source, target, _cumulative(progress)), replace=True)
     seconds = time.perf_counter() - started
     src_bytes = HEADER_BYTES + records.n * records.header.rec_bytes
     return {
@@ -238,9 +515,12 @@ def migrate_file(
         "to": target.describe(),
         "steps": [step.name for step in steps],
         "lossy": any(step.lossy for step in steps),
+        "conversion": format_migrations.conversion(records.tier, target),
         "records": records.n,
+        "records_dropped": records_dropped(records) if warning else 0,
         "source_bytes": src_bytes,
         "destination_bytes": dst.stat().st_size,
         "seconds": seconds,
         "mb_per_s": src_bytes / 1e6 / seconds if seconds > 0 else None,
+        "warning": warning,
     }

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import struct
 import time
 from pathlib import Path
@@ -33,10 +34,19 @@ from typing import Iterable
 
 import numpy as np
 
-from kvstore.errors import CodecMismatch, FormatError, GeometryMismatch, JournalClosed, JournalWriteError
-from kvstore.formats import coli_kv, fp8, tq
+from kvstore.errors import (
+    BadScale,
+    CodecMismatch,
+    FormatError,
+    GeometryMismatch,
+    JournalClosed,
+    JournalWriteError,
+    KVStoreError,
+    PathRefused,
+)
+from kvstore.formats import coli_kv, fp8
 from kvstore.formats.coli_kv import HEADER_BYTES, NREC_OFFSET, Geometry, Header, KVRecords, Tier
-from kvstore.locks import FileLock
+from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S, FileLock
 from kvstore.migrations import formats as format_migrations
 
 FILE_MODE = 0o600  # conversations are private: owner-only files
@@ -66,11 +76,12 @@ def _pwrite_all(fd: int, payload: bytes | memoryview, offset: int) -> None:
 def write_errors(what: str, keeps: str):
     """Turn an OSError from a write path into a typed JournalWriteError saying what survived.
 
-    ``FileExistsError`` passes through: refusing to clobber is an answer, not a failure.
+    ``FileExistsError`` passes through: refusing to clobber is an answer, not a failure; so do
+    errors already typed (a ``PathRefused`` is an ``OSError`` too).
     """
     try:
         yield
-    except FileExistsError:
+    except (FileExistsError, KVStoreError):
         raise
     except OSError as exc:
         raise JournalWriteError(f"{what} failed ({exc.strerror or exc}); {keeps}") from exc
@@ -149,17 +160,42 @@ class AtomicFile:
             pass
 
 
-def _writer_lock(target: Path, timeout: float) -> FileLock:
+def open_regular(path: Path, flags: int, dir_fd: int | None = None, what: str = "a journal") -> int:
+    """``os.open`` of a regular file that never follows a symbolic link at ``path``.
+
+    A link, a folder, a FIFO or a device in its place is :class:`PathRefused` naming ``what`` the
+    file should be (a FIFO is not waited on: the open does not block, and the file is checked before
+    anything reads it). With ``dir_fd`` (an open descriptor of ``path``'s folder) the name is opened
+    relative to it (``openat``). A missing file is ``FileNotFoundError``.
+    """
+    try:
+        name = path.name if dir_fd is not None else path
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PathRefused(f"{path.name} is a symbolic link; {what} is opened only as a regular file") from None
+        if exc.errno == errno.EISDIR:
+            raise PathRefused(f"{path.name} is a folder; {what} is a regular file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PathRefused(f"{path.name} is not a regular file; {what} is opened only as one")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _writer_lock(target: Path, timeout: float, dir_fd: int | None = None) -> FileLock:
     """The journal's writer lock, held: ``flock`` on the ``<file>.lock`` sidecar (it survives renames)."""
     return FileLock(
         target.with_name(target.name + ".lock"),
         timeout=timeout,
         busy_reason=f"{target.name} is being written by another writer; try again later",
+        dir_fd=dir_fd,
     ).acquire()
 
 
 @contextlib.contextmanager
-def writer_lock(path: str | os.PathLike, timeout: float = 5.0):
+def writer_lock(path: str | os.PathLike, timeout: float = DEFAULT_LOCK_TIMEOUT_S):
     """Hold the journal's writer lock (e.g. while a tool rewrites the file)."""
     lock = _writer_lock(Path(path), timeout)
     try:
@@ -174,11 +210,22 @@ class KVFile:
     Open with :meth:`create` or :meth:`open`. ``tier`` is the *active* cache tier: a v1 file opened
     under a quantized tier is upgraded lazily (rows quantized in memory on :meth:`load`; the file is
     rewritten atomically on the first :meth:`append`). Any other tier difference is refused with
-    :class:`CodecMismatch` — use ``kvstore.migrations`` for an explicit (lossy) conversion.
+    :class:`CodecMismatch` — use ``kvstore.migrations`` for an explicit conversion (lossy unless the target
+    is f32: ``migrations.formats.conversion`` says which).
     """
 
-    def __init__(self, path: Path, fd: int, header: Header, committed: int, tier: Tier, lock: FileLock | None):
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        header: Header,
+        committed: int,
+        tier: Tier,
+        lock: FileLock | None,
+        dir_fd: int | None = None,
+    ):
         self.path = path
+        self._dir_fd = dir_fd  # the folder's descriptor the file is (re)opened relative to, if given
         self._fd = fd
         self._header = header  # as stored on disk (its tier may differ from the active tier)
         self._committed: int | None = committed
@@ -187,21 +234,30 @@ class KVFile:
 
     # ---------------------------------------------------------------- opening
     @classmethod
-    def create(cls, path: str | os.PathLike, geometry: Geometry, tier: Tier, *, lock_timeout: float = 5.0) -> "KVFile":
-        """Create a new, empty journal (refuses to overwrite an existing file)."""
+    def create(
+        cls,
+        path: str | os.PathLike,
+        geometry: Geometry,
+        tier: Tier,
+        *,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+        dir_fd: int | None = None,
+    ) -> "KVFile":
+        """Create a new, empty journal (refuses to overwrite an existing file); ``dir_fd`` as in :meth:`open`."""
         path = Path(path)
         coli_kv.check_geometry(geometry, tier)
-        lock = _writer_lock(path, lock_timeout)
+        lock = _writer_lock(path, lock_timeout, dir_fd)
         try:
             header = Header(geometry, tier, 0)
             with write_errors(f"creating {path.name}", "no file was created"):
                 with AtomicFile(path, replace=False) as out:
                     out.write(header.to_bytes())
-                fd = os.open(path, os.O_RDWR)
+                # the file just linked there, never a link put in its place
+                fd = open_regular(path, os.O_RDWR, dir_fd)
         except BaseException:
             lock.release()
             raise
-        return cls(path, fd, header, 0, tier, lock)
+        return cls(path, fd, header, 0, tier, lock, dir_fd)
 
     @classmethod
     def open(
@@ -211,7 +267,9 @@ class KVFile:
         geometry: Geometry | None = None,
         tier: Tier | None = None,
         writable: bool = False,
-        lock_timeout: float = 5.0,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+        follow_symlinks: bool = True,
+        dir_fd: int | None = None,
     ) -> "KVFile":
         """Open an existing journal.
 
@@ -220,11 +278,21 @@ class KVFile:
         geometry : the model fingerprint the caller expects (refused with GeometryMismatch if not)
         tier : the active cache tier (default: the file's own)
         writable : take the writer lock (waits up to ``lock_timeout`` seconds)
+        follow_symlinks : False refuses a ``path`` that is a symbolic link (:class:`PathRefused`):
+            the session store's journals are regular files in its folder, never links out of it
+        dir_fd : an open descriptor of ``path``'s folder: the journal and its lock sidecar are opened
+            relative to it (``openat``, never following a link), so a folder replaced by a link after
+            the caller checked it cannot redirect them (the session store passes its ``journals/``)
+
+        Raises
+        ------
+        PathRefused : ``path`` (with ``follow_symlinks=False``) or its lock sidecar is a symbolic link
         """
         path = Path(path)
-        lock = _writer_lock(path, lock_timeout) if writable else None
+        lock = _writer_lock(path, lock_timeout, dir_fd) if writable else None
         try:
-            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+            flags = os.O_RDWR if writable else os.O_RDONLY
+            fd = os.open(path, flags) if follow_symlinks and dir_fd is None else open_regular(path, flags, dir_fd)
             try:
                 header, committed = cls._read_commit(fd)
                 if geometry is not None and header.geometry != geometry:
@@ -235,9 +303,10 @@ class KVFile:
                 if header.tier != active and not (header.tier.version == 1 and active.version != 1):
                     raise CodecMismatch(
                         f"{path.name} is {header.tier.describe()} but the active tier is {active.describe()}; "
-                        f"migrate it explicitly (kvstore migrate) — the conversion is lossy"
+                        f"migrate it explicitly (kvstore migrate --tier {active.name}): "
+                        + format_migrations.conversion(header.tier, active)
                     )
-                return cls(path, fd, header, committed, active, lock)
+                return cls(path, fd, header, committed, active, lock, dir_fd)
             except BaseException:
                 os.close(fd)
                 raise
@@ -277,6 +346,12 @@ class KVFile:
         """Records committed and physically complete."""
         return self._commit_point()
 
+    @property
+    def size_bytes(self) -> int:
+        """The open file's size in bytes (``fstat``: never through the path, where a link may stand now)."""
+        self._check_open()
+        return os.fstat(self._fd).st_size
+
     def _check_open(self) -> None:
         if self._fd < 0:
             raise JournalClosed(f"{self.path.name} is closed")
@@ -305,8 +380,9 @@ class KVFile:
             raise JournalClosed(f"{self.path.name} was opened read-only")
 
     def encode(self, tokens, L, R, I=None) -> np.ndarray:
-        """Encode rows as records of the active tier (see ``coli_kv.encode_records``)."""
-        return coli_kv.encode_records(self.geometry, self.tier, tokens, L, R, I)
+        """Encode rows as records of the active tier (``coli_kv.encode_records_counted``: a non-finite
+        f32 value is stored as 0, so a journal never holds one)."""
+        return coli_kv.encode_records_counted(self.geometry, self.tier, tokens, L, R, I)[0]
 
     def append(self, tokens, L, R, I=None) -> int:
         """Append rows (tokens int32[k], L f32[n_layers,k,kv_lora], R f32[n_layers,k,qk_rope],
@@ -384,14 +460,17 @@ class KVFile:
         if self.tier.version == 1:
             if not (np.isfinite(layers["Lc"]).all() and np.isfinite(layers["Rc"]).all()):
                 raise FormatError("rows hold NaN or infinite values")
-        elif self.tier.version == 2:
-            if fp8.bad_scales(layers["Ls"]).any() or fp8.bad_scales(layers["Rs"]).any():
-                raise FormatError("rows hold an fp8 scale that is not finite and positive")
-            if fp8.nan_codes(layers["Lc"]).any() or fp8.nan_codes(layers["Rc"]).any():
-                raise FormatError("rows hold fp8 NaN codes (0x7F/0xFF), which no encoder writes")
         else:
-            if tq.sanitize_radii(layers["Ls"])[1].any() or tq.sanitize_radii(layers["Rs"])[1].any():
-                raise FormatError("rows hold a TQ radius that is not finite and non-negative")
+            # the one bound of every reader (Tier.corrupt_scales), naming the record and layer; a
+            # FormatError as before (the API's error name for refused bytes), not its BadScale subclass
+            try:
+                coli_kv.check_scales(
+                    records, self.tier, source="the rows to append", advice="no encoder writes it: nothing was written"
+                )
+            except BadScale as exc:
+                raise FormatError(exc.reason) from None
+            if self.tier.version == 2 and (fp8.nan_codes(layers["Lc"]).any() or fp8.nan_codes(layers["Rc"]).any()):
+                raise FormatError("rows hold fp8 NaN codes (0x7F/0xFF), which no encoder writes")
         if self.geometry.nic and not np.isfinite(records["index"]).all():
             raise FormatError("indexer rows hold NaN or infinite values")
         return records
@@ -449,7 +528,7 @@ class KVFile:
             if extra is not None:
                 out.write(extra)
         # Swap the handle to the new inode (the lock is on the sidecar, unaffected).
-        new_fd = os.open(self.path, os.O_RDWR)
+        new_fd = open_regular(self.path, os.O_RDWR, self._dir_fd)
         os.close(self._fd)
         self._fd = new_fd
         self._header = header
@@ -498,6 +577,60 @@ def write_atomic(path: str | os.PathLike, header: Header, chunks: Iterable[np.nd
     return written
 
 
+class PreviousImage:
+    """The file ``path`` names now, kept under a temporary hard link while a rewrite replaces it.
+
+    For a rewrite whose own commit point is elsewhere (the session store's index): if that commit
+    fails after the rename, :meth:`restore` puts the previous file back (an atomic rename, the
+    folder fsynced), so the file and its index entry agree again. Once that commit is made,
+    :meth:`discard` drops the link; leaving the block drops it too, quietly (an error there must not
+    hide the one that ended the block). The link is named like an :class:`AtomicFile` temporary
+    (``.<name>.tmp-<pid>-<ns>``): one that could not be removed, or that a killed process left, is
+    removed by the store's reconcile as a leftover temporary file of that journal.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._link = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+        self._kept = False
+
+    def __enter__(self) -> "PreviousImage":
+        with write_errors(f"keeping the previous {self.path.name}", "nothing was changed"):
+            os.link(self.path, self._link, follow_symlinks=False)
+        self._kept = True
+        return self
+
+    def restore(self) -> None:
+        """Put the previous file back under its name (durable when it returns)."""
+        if not self._kept:
+            return
+        with write_errors(f"putting the previous {self.path.name} back", f"{self.path.name} holds the rewritten image"):
+            os.replace(self._link, self.path)
+            self._kept = False
+            fsync_dir(self.path.parent)
+
+    def discard(self) -> None:
+        """Drop the kept link (the rewrite is committed). One try: on an ``OSError`` the link stays
+        (the caller reports it; the store's reconcile removes it)."""
+        if self._kept:
+            self._kept = False
+            try:
+                os.unlink(self._link)
+            except FileNotFoundError:
+                pass
+
+    @property
+    def link_name(self) -> str:
+        return self._link.name
+
+    def __exit__(self, *exc) -> None:
+        if self._kept:
+            try:
+                self.discard()
+            except OSError:
+                pass  # a leftover temporary file, not a failure of the block (see the class docstring)
+
+
 def move_durably(source: str | os.PathLike, destination: str | os.PathLike) -> None:
     """Rename ``source`` to ``destination`` (never clobbering) and make it survive a power loss.
 
@@ -506,7 +639,7 @@ def move_durably(source: str | os.PathLike, destination: str | os.PathLike) -> N
     its two names, never none.
     """
     source, destination = Path(source), Path(destination)
-    os.link(source, destination)  # fails if the destination exists
+    os.link(source, destination, follow_symlinks=False)  # fails if the destination exists; a link moves as itself
     fsync_dir(destination.parent)
     os.unlink(source)
     fsync_dir(source.parent)

@@ -66,6 +66,28 @@ def is_lossy(source: Tier, target: Tier) -> bool:
     return any(step.lossy for step in plan(source, target))
 
 
+def conversion(source: Tier, target: Tier) -> str:
+    """What converting ``source`` to ``target`` does to the values, in one line.
+
+    The one description of a conversion: ``kvstore migrate`` prints it, its report carries it and
+    the journal's refusal of a file in another tier quotes it, so a step is never called lossy in
+    one place and exact in another.
+
+    >>> conversion(tiers.FP8, tiers.F32)
+    'fp8 -> f32, exact: the values a reader of the fp8 file sees are stored as f32 (store the dequantized (sanitized) fp8 rows as f32)'
+    >>> conversion(tiers.F32, tiers.INT4).split(" (")[0]
+    'f32 -> int4, lossy: the values are re-quantized'
+    """
+    steps = plan(source, target)
+    if not steps:
+        return f"{source.name} -> {target.name}: the same tier, the records are copied unchanged"
+    if any(step.lossy for step in steps):
+        kind = "lossy: the values are re-quantized"
+    else:
+        kind = f"exact: the values a reader of the {source.name} file sees are stored as f32"
+    return f"{source.name} -> {target.name}, {kind} ({'; '.join(step.description for step in steps)})"
+
+
 def convert_chunks(records: KVRecords, target: Tier, progress: Progress | None = None) -> Iterator[np.ndarray]:
     """Yield the records of ``records`` re-encoded in ``target``, ``CHUNK_RECORDS`` at a time.
 

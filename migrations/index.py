@@ -21,9 +21,19 @@ History (what each version holds):
    flight; records gain ``fingerprint`` (hex) and ``prefix_blocks``. The chain hash of block k
    covers tokens ``[0, (k+1)*PREFIX_BLOCK_TOKENS)`` of a session, seeded by its owner and model
    fingerprint, so a prefix lookup is a few key probes instead of a scan of every journal.
+4. ``owner-scoped-ids`` — session ids are per owner: a session is stored under its **storage key**
+   ``<id>~<owner>`` (:func:`storage_key`) everywhere an id was used (``sessions``, the prefix of its
+   ``turns`` and ``prefix_of`` entries, ``by_owner``, ``lru``, ``prefix``; the record's ``id`` and
+   ``parent`` fields hold keys), and its files are named by it (``journals/<id>~<owner>.coli_kv``,
+   ``archive/<id>~<owner>.coli_kv.zst``): two owners may both have ``chat-1``, and another owner's id
+   is simply a key that does not exist. The step renames the files (through the store, see
+   :class:`MigrationContext`) before its transaction commits; a crash in between leaves files
+   already renamed, which the step, run again on the next open, finds in place.
 
 >>> [step.name for step in plan(1)]
-['owner-and-lru-indexes', 'prefix-blocks']
+['owner-and-lru-indexes', 'prefix-blocks', 'owner-scoped-ids']
+>>> storage_key("chat-1", "alice"), public_id("chat-1~alice"), key_owner("chat-1~alice")
+('chat-1~alice', 'chat-1', 'alice')
 >>> plan(CURRENT_VERSION)
 []
 """
@@ -40,7 +50,7 @@ import numpy as np
 
 from kvstore.migrations.errors import IndexSchemaError
 
-CURRENT_VERSION = 3
+CURRENT_VERSION = 4
 SCHEMA_KEY = b"schema_version"
 USAGE_KEY = b"usage_bytes"  # sum of size_bytes over the sessions (journal + archive bytes)
 PREFIX_BLOCK_KEY = b"prefix_block_tokens"
@@ -61,16 +71,35 @@ DATABASES_BY_VERSION = {
     1: (DB_META, DB_SESSIONS, DB_TURNS),
     2: (DB_META, DB_SESSIONS, DB_TURNS, DB_BY_OWNER, DB_LRU),
     3: (DB_META, DB_SESSIONS, DB_TURNS, DB_BY_OWNER, DB_LRU, DB_PREFIX, DB_PREFIX_OF, DB_RESERVATIONS),
+    4: (DB_META, DB_SESSIONS, DB_TURNS, DB_BY_OWNER, DB_LRU, DB_PREFIX, DB_PREFIX_OF, DB_RESERVATIONS),
 }
 MAX_DBS = 16
 
 SEP = b"\0"  # ids and owners never hold NUL, so "a\0" sorts apart from "ab\0"
+KEY_SEP = "~"  # between a session's id and its owner in its storage key: neither ever holds it
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _TURN = struct.Struct(">IIB")
 
 
-# ------------------------------------------------------------------ key layouts (version 3)
+# ------------------------------------------------------------------ key layouts (version 4)
+# The ``session_id`` of the functions below is a storage key (``<id>~<owner>``) from version 4 on.
+def storage_key(session_id: str, owner: str) -> str:
+    """The key a session is stored under: its id is unique per owner, not per store."""
+    return f"{session_id}{KEY_SEP}{owner}"
+
+
+def public_id(key: str) -> str:
+    """The id a storage key's owner knows the session by (the key itself before version 4)."""
+    return key.split(KEY_SEP, 1)[0]
+
+
+def key_owner(key: str) -> str | None:
+    """The owner part of a storage key (None for an id of an index before version 4)."""
+    _, sep, owner = key.partition(KEY_SEP)
+    return owner if sep else None
+
+
 def session_key(session_id: str) -> bytes:
     return session_id.encode()
 
@@ -179,6 +208,10 @@ class MigrationContext(Protocol):
     def tokens_of(self, record: dict[str, Any], n_records: int) -> np.ndarray | None:
         """The first ``n_records`` tokens of a session from its journal or archive (None if lost)."""
 
+    def move_files(self, old_key: str, new_key: str) -> None:
+        """Rename a session's journal and archive from ``old_key`` to ``new_key`` (durably; a file
+        already renamed, or missing, is left as it is)."""
+
 
 @dataclass(frozen=True)
 class SchemaStep:
@@ -226,6 +259,50 @@ def _add_prefix_blocks(ctx: MigrationContext) -> None:
         ctx.txn.put(key, encode_record(record), db=sessions)
 
 
+def _move_scoped(ctx: MigrationContext, db: Any, old: str, new: str) -> list[tuple[bytes, bytes]]:
+    """Re-key the entries of ``db`` under ``scoped(old)`` to ``scoped(new)``; returns the old
+    (suffix, value) pairs."""
+    start = scoped(old)
+    moved = []
+    with ctx.txn.cursor(db=db) as cursor:
+        if cursor.set_range(start):
+            for key, value in cursor:
+                if not bytes(key).startswith(start):
+                    break
+                moved.append((bytes(key)[len(start) :], bytes(value)))
+    for suffix, value in moved:
+        ctx.txn.delete(start + suffix, db=db)
+        ctx.txn.put(scoped(new) + suffix, value, db=db)
+    return moved
+
+
+def _scope_ids_by_owner(ctx: MigrationContext) -> None:
+    sessions, turns, by_owner = ctx.db(DB_SESSIONS), ctx.db(DB_TURNS), ctx.db(DB_BY_OWNER)
+    lru, prefix, prefix_of = ctx.db(DB_LRU), ctx.db(DB_PREFIX), ctx.db(DB_PREFIX_OF)
+    for key, record in _each_record(ctx):
+        old = record["id"]
+        if key_owner(old) is not None:
+            continue
+        owner = record["owner"]
+        new = storage_key(old, owner)
+        ctx.move_files(old, new)
+        record["id"] = new
+        if record.get("parent") and key_owner(record["parent"]) is None:
+            record["parent"] = storage_key(record["parent"], owner)  # a fork's source has its owner
+        ctx.txn.delete(key, db=sessions)
+        ctx.txn.put(session_key(new), encode_record(record), db=sessions)
+        _move_scoped(ctx, turns, old, new)
+        for _, chain in _move_scoped(ctx, prefix_of, old, new):
+            blocks = ctx.txn.get(prefix_key(chain, old), db=prefix)
+            if blocks is not None:
+                ctx.txn.delete(prefix_key(chain, old), db=prefix)
+                ctx.txn.put(prefix_key(chain, new), blocks, db=prefix)
+        if ctx.txn.delete(owner_key(owner, old), db=by_owner):
+            ctx.txn.put(owner_key(owner, new), b"", db=by_owner)
+        if "last_used_ns" in record and ctx.txn.delete(lru_key(record["last_used_ns"], old), db=lru):
+            ctx.txn.put(lru_key(record["last_used_ns"], new), b"", db=lru)
+
+
 STEPS: dict[int, SchemaStep] = {}
 
 
@@ -237,6 +314,11 @@ def register(step: SchemaStep) -> SchemaStep:
 register(SchemaStep(1, "owner-and-lru-indexes", "index sessions by owner and by last use", _add_owner_and_lru))
 register(
     SchemaStep(2, "prefix-blocks", "index block-aligned token prefix hashes; space reservations", _add_prefix_blocks)
+)
+register(
+    SchemaStep(
+        3, "owner-scoped-ids", "session ids per owner: store every session under <id>~<owner>", _scope_ids_by_owner
+    )
 )
 
 

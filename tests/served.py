@@ -37,6 +37,7 @@ class ServeProcess:
         self.cwd = cwd
         self.start_timeout = start_timeout
         self.process: subprocess.Popen | None = None
+        self.launcher: tuple[str, ...] = ()  # a command the server runs under (it execs the rest)
         self.url = ""
         self.output = ""
 
@@ -50,6 +51,7 @@ class ServeProcess:
         env = {k: v for k, v in os.environ.items() if k != "KVSTORE_API_KEYS"}
         env.update(self.env)
         command = [
+            *self.launcher,
             sys.executable,
             "-m",
             "kvstore.cli",

@@ -6,31 +6,35 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
 
-from kvstore.api.dependencies import Jobs, Owner, SessionId, Store
+from kvstore.api.dependencies import Gates, Jobs, Owner, SessionId, Store
+from kvstore.api.json_body import StrictJSONRoute
 from kvstore.api.schemas import ErrorBody, JobOut, MigrateIn, RepairOut
 from kvstore.api.tier_fields import mark_deprecated
 
 router = APIRouter(
     prefix="/sessions/{session_id}/file",
     tags=["files"],
-    responses={status: {"model": ErrorBody} for status in (400, 401, 404, 409, 422, 507)},
+    route_class=StrictJSONRoute,
+    responses={status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 422, 429, 507)},
 )
 
 
 @router.get("/inspect", response_model=dict[str, Any], summary="Header, sizes and what a loader would neutralize")
-def inspect(session_id: SessionId, owner: Owner, store: Store) -> dict:
-    return store.inspect(session_id, owner=owner)
+async def inspect(session_id: SessionId, owner: Owner, store: Store, gates: Gates) -> dict:
+    return await gates.call(owner, session_id, store.inspect, session_id, owner=owner, exclusive=False)
 
 
 @router.post("/repair", response_model=RepairOut, summary="Drop torn, unacknowledged or damaged tails")
-def repair(
+async def repair(
     session_id: SessionId,
     *,
     dry_run: Annotated[bool, Query(description="report what would be done, change nothing")] = False,
     owner: Owner,
     store: Store,
+    gates: Gates,
 ) -> dict:
-    return store.repair(session_id, owner=owner, dry_run=dry_run).to_dict()
+    report = await gates.call(owner, session_id, store.repair, session_id, owner=owner, dry_run=dry_run)
+    return report.to_dict()
 
 
 @router.post("/migrate", status_code=202, response_model=JobOut, summary="Convert the journal to another tier (a job)")

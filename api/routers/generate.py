@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvstore.api.dependencies import LoadedEngine, Owner, SessionId
+from kvstore.api.json_body import StrictJSONRoute
 from kvstore.api.routers.metrics import Counters, Metrics
 from kvstore.api.schemas import EngineOut, ErrorBody, GenerateIn, GenerateOut
 from kvstore.errors import InvalidRequest, KVStoreError
@@ -40,7 +41,9 @@ from kvstore.errors import InvalidRequest, KVStoreError
 log = logging.getLogger("kvstore.api")
 
 router = APIRouter(
-    tags=["generate"], responses={status: {"model": ErrorBody} for status in (400, 401, 404, 409, 422, 503, 507)}
+    tags=["generate"],
+    responses={status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 422, 503, 507)},
+    route_class=StrictJSONRoute,
 )
 
 EVENT_STREAM = "text/event-stream"

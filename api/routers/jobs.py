@@ -5,11 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from kvstore.api.dependencies import Jobs, Owner
+from kvstore.api.json_body import StrictJSONRoute
 from kvstore.api.schemas import ErrorBody, JobOut
 
 router = APIRouter(
     prefix="/jobs",
     tags=["jobs"],
+    route_class=StrictJSONRoute,
     responses={401: {"model": ErrorBody}, 404: {"model": ErrorBody}},
 )
 

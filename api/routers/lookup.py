@@ -6,12 +6,14 @@ from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 
 from kvstore.api.dependencies import Owner, Store
-from kvstore.api.schemas import ErrorBody, LookupIn, LookupMatch, LookupOut
+from kvstore.api.json_body import StrictJSONRoute
+from kvstore.api.schemas import ErrorBody, LookupIn, LookupMatch, LookupOut, token_array
 from kvstore.api.tier_fields import mark_deprecated
 
 router = APIRouter(
     prefix="/lookup",
     tags=["lookup"],
+    route_class=StrictJSONRoute,
     responses={400: {"model": ErrorBody}, 401: {"model": ErrorBody}, 413: {"model": ErrorBody}},
 )
 
@@ -21,6 +23,7 @@ async def lookup(body: LookupIn, response: Response, owner: Owner, store: Store)
     """Sessions match when model, geometry and tier are all equal; the match is capped at the
     session's watermark and is at least one 64-token block (else ``match`` is null)."""
     tier, note = body.read_tier()
-    found = await run_in_threadpool(store.lookup, owner, body.fingerprint(tier), body.tokens)
+    tokens = await run_in_threadpool(token_array, body.tokens)
+    found = await run_in_threadpool(store.lookup, owner, body.fingerprint(tier), tokens)
     mark_deprecated(response, note)
     return LookupOut(match=LookupMatch(**found.to_dict()) if found is not None else None)

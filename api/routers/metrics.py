@@ -32,8 +32,9 @@ from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvstore.api.dependencies import Store, get_metrics
+from kvstore.api.json_body import StrictJSONRoute
 
-router = APIRouter(tags=["metrics"])
+router = APIRouter(tags=["metrics"], route_class=StrictJSONRoute)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

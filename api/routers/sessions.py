@@ -26,7 +26,17 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvstore.api import arrow
-from kvstore.api.dependencies import AppSettings, Jobs, Owner, SessionId, Store, read_body, require_media_type
+from kvstore.api.dependencies import (
+    AppSettings,
+    Gates,
+    Jobs,
+    Owner,
+    SessionId,
+    Store,
+    read_body,
+    require_media_type,
+)
+from kvstore.api.json_body import StrictJSONRoute
 from kvstore.api.schemas import (
     ARROW_MEDIA_TYPE,
     COLI_KV_MEDIA_TYPE,
@@ -54,10 +64,10 @@ from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
 from kvstore.store import Fingerprint, ModelInfo, SessionReader
 
-ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 415, 422, 507)}
+ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 415, 422, 429, 507)}
 ARROW_BATCH_RECORDS = 256
 
-router = APIRouter(prefix="/sessions", tags=["sessions"], responses=ERRORS)
+router = APIRouter(prefix="/sessions", tags=["sessions"], responses=ERRORS, route_class=StrictJSONRoute)
 
 _BINARY_BODY = {
     "requestBody": {
@@ -85,10 +95,18 @@ def _out(info) -> dict[str, Any]:
 
 
 @router.post("", status_code=201, response_model=SessionOut, summary="Create a session")
-def create_session(body: CreateSession, response: Response, owner: Owner, store: Store) -> dict:
+async def create_session(body: CreateSession, response: Response, owner: Owner, store: Store, gates: Gates) -> dict:
     tier, note = body.read_tier()
-    info = store.create(
-        owner, body.geometry.to_geometry(), tier, body.model.to_model(), session_id=body.id, tags=body.tags
+    info = await gates.call(
+        owner,
+        body.id,
+        store.create,
+        owner,
+        body.geometry.to_geometry(),
+        tier,
+        body.model.to_model(),
+        session_id=body.id,
+        tags=body.tags,
     )
     mark_deprecated(response, note)
     return _out(info)
@@ -117,8 +135,8 @@ def set_tags(body: TagsIn, session_id: SessionId, owner: Owner, store: Store) ->
 
 
 @router.delete("/{session_id}", status_code=204, response_class=Response, summary="Delete a session and its files")
-def delete_session(session_id: SessionId, owner: Owner, store: Store) -> Response:
-    store.delete(session_id, owner=owner)
+async def delete_session(session_id: SessionId, owner: Owner, store: Store, gates: Gates) -> Response:
+    await gates.call(owner, session_id, store.delete, session_id, owner=owner)
     return Response(status_code=204)
 
 
@@ -136,26 +154,49 @@ async def append_rows(
     owner: Owner,
     store: Store,
     settings: AppSettings,
+    gates: Gates,
 ) -> dict:
     """Raw bytes are validated (whole records, tokens in the vocabulary, no corrupt scale or NaN
     code) before anything is written; Arrow rows are encoded into the session's tier. The call
-    returns after the rows and the index are both durable."""
+    returns after the rows and the index are both durable.
+
+    NaN and infinite values are stored by the tier's rule (f32 and indexer values become 0; fp8
+    stores a NaN as 0 and a row holding an infinity as zeros; int4/polar a row holding either as
+    zeros) and counted in ``sanitized``; a server started with ``--reject-nonfinite`` refuses them
+    instead (422 ``NonFiniteValues`` naming the count and the first one, nothing written)."""
     kind = require_media_type(request, RAW_MEDIA_TYPE, ARROW_MEDIA_TYPE)
     info = await run_in_threadpool(store.get, session_id, owner=owner)  # 404 before reading a big body
-    body = await read_body(request, settings.max_body_bytes)
-    if kind == RAW_MEDIA_TYPE:
-        result = await run_in_threadpool(
-            store.append_records, session_id, body, complete_turn=complete_turn, owner=owner
-        )
-    else:
-        tokens, L, R, I = await run_in_threadpool(arrow.rows_from_stream, body, info.geometry)
-        result = await run_in_threadpool(
-            store.append, session_id, tokens, L, R, I, complete_turn=complete_turn, owner=owner
-        )
+    async with gates.admitted(owner, session_id) as admission:  # 429 before reading it, too
+        body = await read_body(request, settings.max_body_bytes)
+        if kind == RAW_MEDIA_TYPE:
+            result = await admission.call(
+                store.append_records,
+                session_id,
+                body,
+                complete_turn=complete_turn,
+                owner=owner,
+                reject_nonfinite=settings.reject_nonfinite,
+            )
+        else:
+            tokens, L, R, I = await run_in_threadpool(
+                lambda: arrow.rows_from_stream(body, info.geometry, max_decoded_bytes=settings.max_body_bytes)
+            )
+            result = await admission.call(
+                store.append,
+                session_id,
+                tokens,
+                L,
+                R,
+                I,
+                complete_turn=complete_turn,
+                owner=owner,
+                reject_nonfinite=settings.reject_nonfinite,
+            )
     return {
         "session": _out(result.info),
         "appended": result.appended,
         "turn": list(result.turn) if result.turn else None,
+        "sanitized": result.sanitized.to_dict(),
     }
 
 
@@ -230,6 +271,7 @@ async def resume(
     owner: Owner,
     store: Store,
     settings: AppSettings,
+    gates: Gates,
 ) -> Response:
     """Fingerprint fields given as query parameters are compared with the session's; a difference
     is refused (409) naming the field, unless listed in ``override``."""
@@ -252,8 +294,11 @@ async def resume(
         geometry,
     )
     skip = [field.strip() for field in (override or "").split(",") if field.strip()]
-    reader = await run_in_threadpool(
-        lambda: store.reader(session_id, owner=owner, verify=verify, expect=expect, override=skip)
+    reader = await gates.call(
+        owner,
+        session_id,
+        lambda: store.reader(session_id, owner=owner, verify=verify, expect=expect, override=skip),
+        exclusive=False,
     )
     try:
         headers = {
@@ -294,18 +339,31 @@ def _with_header(reader: SessionReader, chunk_bytes: int):
 
 
 @router.post("/{session_id}/truncate", response_model=SessionOut, summary="Keep the first n records")
-def truncate(body: TruncateIn, session_id: SessionId, owner: Owner, store: Store) -> dict:
-    return _out(store.truncate(session_id, body.n_records, owner=owner))
+async def truncate(body: TruncateIn, session_id: SessionId, owner: Owner, store: Store, gates: Gates) -> dict:
+    return _out(await gates.call(owner, session_id, store.truncate, session_id, body.n_records, owner=owner))
 
 
 @router.post("/{session_id}/fork", status_code=201, response_model=SessionOut, summary="A new session sharing a prefix")
-def fork(body: ForkIn, session_id: SessionId, owner: Owner, store: Store) -> dict:
-    return _out(store.fork(session_id, at=body.at, new_id=body.id, owner=owner, tags=body.tags))
+async def fork(body: ForkIn, session_id: SessionId, owner: Owner, store: Store, gates: Gates) -> dict:
+    # a reader of the source (its appends go on meanwhile); the new id is the store's to lock
+    info = await gates.call(
+        owner,
+        session_id,
+        store.fork,
+        session_id,
+        at=body.at,
+        new_id=body.id,
+        owner=owner,
+        tags=body.tags,
+        exclusive=False,
+    )
+    return _out(info)
 
 
 @router.get("/{session_id}/verify", response_model=VerifyOut, summary="Re-hash every turn; report the first bad one")
-def verify_session(session_id: SessionId, owner: Owner, store: Store) -> dict:
-    return store.verify(session_id, owner=owner).to_dict()
+async def verify_session(session_id: SessionId, owner: Owner, store: Store, gates: Gates) -> dict:
+    report = await gates.call(owner, session_id, store.verify, session_id, owner=owner, exclusive=False)
+    return report.to_dict()
 
 
 @router.post("/{session_id}/park", status_code=202, response_model=JobOut, summary="Compress into the archive (a job)")

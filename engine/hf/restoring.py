@@ -60,7 +60,7 @@ def _read_session(store, session_id, model, *, owner, upto, verify, tier: Tier |
     with store.reader(session_id, owner=owner, verify=verify, expect=expected, override=override) as reader:
         n = reader.n_records if upto is None else min(int(upto), reader.n_records)
         if n:
-            records = next(reader.iter_batches(n))
+            records = next(reader.iter_batches(n, strict=True))  # a corrupt scale: SessionDamaged, not zeros
         else:
             geometry, stored_tier = reader.info.geometry, reader.info.tier
             records = KVRecords(

@@ -79,7 +79,7 @@ def _stored_tokens(store, info: "SessionInfo", owner: str | None) -> np.ndarray:
     if n == 0:
         return np.empty(0, np.int32)
     with store.reader(info.id, owner=owner):  # nothing shrinks or replaces the journal meanwhile
-        path = store.journal_path(info.id)
+        path = store.journal_path(info.id, owner=info.owner)
         body = np.memmap(path, dtype=np.uint8, mode="r", offset=coli_kv.HEADER_BYTES, shape=(n * info.record_bytes,))
         try:
             return np.ndarray((n,), "<i4", body, 0, (info.record_bytes,)).astype(np.int32)

@@ -28,13 +28,23 @@ once in ``SessionStore.__init__`` (integrity <- removal <- recovery <- parking <
 dependencies have no cycle. The state they share is small (the context); none keeps its own,
 except the evictor's one-evicting-thread lock.
 
+Session ids are per owner: a session is stored under its **key** ``<id>~<owner>``
+(``values.storage_key``; index schema 4). The facade turns a request's id and owner into the key
+before anything else (``StoreContext.resolve``: one index read, no lock, no file), so another
+owner's session is a key that does not exist; every concern below the facade speaks in keys.
+
 Layout under ``data_dir`` (folders 0700, files 0600)::
 
-    index/                    the LMDB environment (index.py)
-    journals/<id>.coli_kv     one journal per active session (kvstore.journal.KVFile)
-    archive/<id>.coli_kv.zst  parked sessions (archive.py)
-    locks/<id>.write|.read    per-session locks (kvstore.locks.FileLock); locks/evict.lock
-    lost+found/               journals found without an index entry on open (never deleted)
+    index/                         the LMDB environment (index.py)
+    journals/<id>~<owner>.coli_kv  one journal per active session (kvstore.journal.KVFile)
+    archive/<id>~<owner>.coli_kv.zst  parked sessions (archive.py)
+    locks/<id>~<owner>.write|.read per-session locks (kvstore.locks.FileLock); locks/evict.lock
+    lost+found/                    journals found without an index entry on open (never deleted)
+
+Nothing in it is followed through a symbolic link: the folders are opened once with ``O_NOFOLLOW``
+and kept open, lock files and journals are opened relative to them (``openat``, ``O_NOFOLLOW``), the
+index's two files are checked before LMDB opens them, and a link, folder or FIFO where a store file
+belongs is a typed ``PathRefused`` (a link where a lock file belongs is removed on open).
 
 The index is the store's commit record, the journal holds the rows. Appends are durable in the
 journal first, then committed by one index transaction; cuts and deletes commit in the index
@@ -45,12 +55,12 @@ index (``integrity``).
 
 Locks, always taken in this order (never the reverse, so they cannot deadlock):
 
-1. ``locks/<id>.write`` exclusive — one mutation of a session at a time (append, truncate,
+1. ``locks/<key>.write`` exclusive — one mutation of a session at a time (append, truncate,
    park, unpark, fork into it, migrate, repair, delete; eviction and reconcile try it without
    waiting and skip a session they cannot lock).
-2. the journal's own writer lock (``journals/<id>.coli_kv.lock``, taken by ``KVFile`` when the
+2. the journal's own writer lock (``journals/<key>.coli_kv.lock``, taken by ``KVFile`` when the
    store opens a journal to write it), which also keeps tools outside the store off it.
-3. ``locks/<id>.read`` — shared by readers that hold a journal or archive open (resume streams,
+3. ``locks/<key>.read`` — shared by readers that hold a journal or archive open (resume streams,
    verify, inspect, fork sources, prefix confirmation); exclusive for the operations that
    shrink, remove or replace the files, so a reader never sees bytes vanish under it.
 4. the index's write transaction (LMDB's writer lock), never held while waiting for a file lock.
@@ -60,12 +70,12 @@ Locks, always taken in this order (never the reverse, so they cannot deadlock):
 Index layout (LMDB named databases, versioned by ``kvstore.migrations.index``)::
 
     meta          schema_version, prefix block size, usage (bytes of journals + archives)
-    sessions      id -> JSON record (values.SessionInfo is its typed view)
-    turns         id \\0 end:u32be -> start, end, complete, blake2b-256 of the records' bytes
-    by_owner      owner \\0 id -> b""                  (an owner's sessions without a scan)
-    lru           last_used_ns:u64be id -> b""         (eviction order)
-    prefix        chain_hash[16] id -> blocks:u32be     (lookup: sessions holding a chain hash)
-    prefix_of     id \\0 block:u32be -> chain_hash[16]  (a session's chain, to extend or drop)
+    sessions      key -> JSON record (values.SessionInfo is its typed view; "id" holds the key)
+    turns         key \\0 end:u32be -> start, end, complete, blake2b-256 of the records' bytes
+    by_owner      owner \\0 key -> b""                 (an owner's sessions without a scan)
+    lru           last_used_ns:u64be key -> b""        (eviction order)
+    prefix        chain_hash[16] key -> blocks:u32be    (lookup: sessions holding a chain hash)
+    prefix_of     key \\0 block:u32be -> chain_hash[16] (a session's chain, to extend or drop)
     reservations  token -> pid:u64be bytes:u64be        (hard-limit bytes of writers in flight)
 """
 

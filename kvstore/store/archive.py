@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import zstandard
 
 from kvstore.errors import IntegrityError
-from kvstore.journal import AtomicFile
+from kvstore.journal import AtomicFile, open_regular
 
 CHUNK_BYTES = 8 << 20
 COMPRESSION_LEVEL = 3  # the cheap end: parking is I/O-bound, fp8/TQ codes compress little anyway
@@ -45,11 +45,20 @@ def compress_journal(source_fd: int, length: int, destination: Path, *, progress
     return size
 
 
+def _no_follow(path: str, flags: int) -> int:
+    """``open``'s opener for archives: a symbolic link, folder or FIFO in an archive's place is
+    refused (:class:`PathRefused`), never read or waited on."""
+    return open_regular(Path(path), flags, what="an archive")
+
+
 def stream_archive(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The decompressed bytes of an archive, in chunks; raises IntegrityError if it is damaged."""
     decompressor = zstandard.ZstdDecompressor()
     try:
-        with open(path, "rb") as raw, decompressor.stream_reader(raw, read_size=chunk_bytes) as reader:
+        with (
+            open(path, "rb", opener=_no_follow) as raw,
+            decompressor.stream_reader(raw, read_size=chunk_bytes) as reader,
+        ):
             while True:
                 chunk = reader.read(chunk_bytes)
                 if not chunk:
@@ -61,7 +70,7 @@ def stream_archive(path: Path, *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[by
 
 def content_size(path: Path) -> int:
     """The journal size recorded in the archive's frame header."""
-    with open(path, "rb") as raw:
+    with open(path, "rb", opener=_no_follow) as raw:
         head = raw.read(18)  # a zstd frame header is at most 18 bytes
     try:
         params = zstandard.get_frame_parameters(head)

@@ -18,7 +18,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from kvstore.errors import BudgetExceeded, IntegrityError, JournalLocked, SessionNotFound
+from kvstore.errors import (
+    BudgetExceeded,
+    IndexFull,
+    IndexIOError,
+    IntegrityError,
+    JournalLocked,
+    JournalWriteError,
+    SessionNotFound,
+)
 from kvstore.locks import FileLock
 from kvstore.store.context import StoreContext
 from kvstore.store.values import Progress
@@ -113,12 +121,20 @@ class Evictor:
         self._evicting = threading.Lock()
 
     def after_write(self, keep: str) -> list[Eviction]:
-        """Evict if a write took the store over its budget (never the session just written)."""
+        """Evict if a write took the store over its budget (never the session just written).
+
+        The write has committed when this runs: an eviction the disk or the index has no room for
+        now is left to the next write, never reported as the committed write's failure (a client
+        told so would send its rows again).
+        """
         if self.ctx.budget_bytes is None:
             return []
         with self.ctx.index.read() as txn:
             over = self.ctx.index.usage(txn) > self.ctx.budget_bytes
-        return self.enforce(keep=(keep,)) if over else []
+        try:
+            return self.enforce(keep=(keep,)) if over else []
+        except (IndexFull, IndexIOError, JournalWriteError):
+            return []
 
     def enforce(self, *, keep: Iterable[str] = (), progress: Progress | None = None) -> list[Eviction]:
         """Evict until the store fits its budget; returns what was evicted, in order."""
@@ -127,7 +143,7 @@ class Evictor:
         if not self._evicting.acquire(blocking=False):
             return []  # another thread of this process is evicting
         try:
-            with FileLock(self.ctx.locks / "evict.lock", timeout=0):
+            with FileLock(self.ctx.locks / "evict.lock", timeout=0, dir_fd=self.ctx.dir_fd(self.ctx.locks)):
                 return self._evict(set(keep), progress, self.ctx.budget_bytes)
         except JournalLocked:
             return []  # another process is evicting

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 import uuid
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import lmdb
 import numpy as np
 
-from kvstore.errors import IndexFull, IndexSchemaError
+from kvstore.errors import IndexFull, IndexIOError, IndexSchemaError, KVStoreError, PathRefused
 from kvstore.locks import pid_alive
 from kvstore.migrations import index as schema
 from kvstore.migrations.index import (
@@ -36,11 +37,54 @@ from kvstore.migrations.index import (
 )
 
 DEFAULT_MAP_SIZE = 1 << 30  # a sparse file: the map only reserves address space
+_LMDB_FILES = ("data.mdb", "lock.mdb")
+_LOW_DISK_BYTES = 16 << 20  # below this, an LMDB write failure is taken for a full disk
 _ALL_DBS = schema.DATABASES_BY_VERSION[schema.CURRENT_VERSION]
 
 # LMDB must not be opened twice by one process: stores on the same folder share one environment.
 _ENVIRONMENTS: dict[str, list] = {}
 _ENVIRONMENTS_LOCK = threading.Lock()
+
+
+def lmdb_files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Check LMDB's two files in ``folder`` before LMDB opens them; ``{name: (device, inode)}``.
+
+    A missing file is created here (empty, 0600, never through a link: LMDB starts a new
+    environment in an empty file); one that exists must be a regular file, not a symbolic link.
+
+    Raises
+    ------
+    PathRefused : a file is a symbolic link (dangling or a loop included) or not a regular file
+    """
+    found = {}
+    for name in _LMDB_FILES:
+        path = folder / name
+        try:
+            status = os.lstat(path)
+        except FileNotFoundError:
+            try:  # O_EXCL never follows a link, not even a dangling one
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            except FileExistsError:
+                pass  # another process opening the store made it meanwhile: check what is there
+            status = os.lstat(path)
+        if stat.S_ISLNK(status.st_mode):
+            raise PathRefused(
+                f"{folder.name}/{name} is a symbolic link; the index's files must be regular files in {folder} "
+                f"(nothing was opened through it: remove the link)"
+            )
+        if not stat.S_ISREG(status.st_mode):
+            raise PathRefused(f"{folder.name}/{name} is not a regular file; the index cannot use it")
+        found[name] = (status.st_dev, status.st_ino)
+    return found
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the disk holding ``folder`` (None: unknown)."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
 
 
 class Turn(NamedTuple):
@@ -55,16 +99,22 @@ class Turn(NamedTuple):
 class _Context:
     """The ``MigrationContext`` the schema steps run with."""
 
-    def __init__(self, index: "Index", txn, tokens_of):
+    def __init__(self, index: "Index", txn, tokens_of, move_files):
         self.txn = txn
         self._index = index
         self._tokens_of = tokens_of
+        self._move_files = move_files
 
     def db(self, name: bytes):
         return self._index._db(name, self.txn)
 
     def tokens_of(self, record, n_records):
         return self._tokens_of(record, n_records)
+
+    def move_files(self, old_key, new_key):
+        if self._move_files is None:
+            raise IndexSchemaError("this index's upgrade renames session files: open it through a SessionStore")
+        self._move_files(old_key, new_key)
 
 
 class Index:
@@ -76,10 +126,17 @@ class Index:
     map_size : bytes of address space LMDB may use (the upper bound of the index's size)
     tokens_of : ``(record, n_records) -> int32 array | None``, used by schema upgrades that need
         a session's tokens
+    move_files : ``(old_key, new_key) -> None``, used by schema upgrades that rename session files
     """
 
     def __init__(
-        self, path: Path, *, map_size: int = DEFAULT_MAP_SIZE, tokens_of: Callable | None = None, progress=None
+        self,
+        path: Path,
+        *,
+        map_size: int = DEFAULT_MAP_SIZE,
+        tokens_of: Callable | None = None,
+        move_files: Callable[[str, str], None] | None = None,
+        progress=None,
     ):
         self.path = Path(path)
         self._key = str(self.path.resolve())
@@ -87,16 +144,30 @@ class Index:
             shared = _ENVIRONMENTS.get(self._key)
             if shared is None:
                 self.path.mkdir(mode=0o700, exist_ok=True)
-                env = lmdb.open(
-                    str(self.path),
-                    map_size=map_size,
-                    max_dbs=schema.MAX_DBS,
-                    subdir=True,
-                    mode=0o600,
-                    sync=True,
-                    metasync=True,
-                    max_readers=512,
-                )
+                # LMDB opens its files itself, following links and creating what is missing: it
+                # only ever gets files checked (or made) here, and they are checked again after.
+                made = lmdb_files(self.path)
+                try:
+                    env = lmdb.open(
+                        str(self.path),
+                        map_size=map_size,
+                        max_dbs=schema.MAX_DBS,
+                        subdir=True,
+                        mode=0o600,
+                        sync=True,
+                        metasync=True,
+                        max_readers=512,
+                    )
+                except lmdb.Error as exc:
+                    raise IndexIOError(f"the session index in {self.path} cannot be opened (LMDB: {exc})") from None
+                try:
+                    if lmdb_files(self.path) != made:
+                        raise PathRefused(
+                            f"the files in {self.path} were replaced while the index opened; nothing was written"
+                        )
+                except BaseException:
+                    env.close()
+                    raise
                 shared = [env, 0, {}]
                 _ENVIRONMENTS[self._key] = shared
             shared[1] += 1
@@ -104,7 +175,7 @@ class Index:
         self._handles: dict[bytes, Any] = shared[2]
         self._closed = False
         try:
-            self._upgrade(tokens_of, progress)
+            self._upgrade(tokens_of, move_files, progress)
         except BaseException:
             self.close()
             raise
@@ -136,14 +207,35 @@ class Index:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Any]:
-        """A write transaction, committed when the block exits cleanly (durable on return)."""
+        """A write transaction, committed when the block exits cleanly (durable on return).
+
+        Raises
+        ------
+        IndexFull : the map or the disk holding the index is full; the transaction was rolled back
+        IndexIOError : LMDB failed otherwise (an I/O error); the transaction was rolled back
+        """
         try:
             with self.env.begin(write=True) as txn:
                 yield txn
-        except lmdb.MapFullError:
-            raise IndexFull(
-                f"the session index is full ({self.env.info()['map_size']} bytes); reopen the store with a larger map_size"
-            ) from None
+        except lmdb.Error as exc:
+            raise self._write_failure(exc) from None
+
+    def _write_failure(self, exc: lmdb.Error) -> KVStoreError:
+        """The typed error for an LMDB failure inside a write transaction (which LMDB rolled back)."""
+        if isinstance(exc, lmdb.MapFullError):
+            return IndexFull(
+                f"the session index is full (its map holds {self.env.info()['map_size']} bytes); nothing was "
+                f"changed. Reopen the store with a larger map_size (kvstore serve --index-size)"
+            )
+        free = _free_bytes(self.path)
+        # LMDB reports a disk that ran out while it wrote its pages as EIO, not ENOSPC: the free
+        # space left on the index's disk tells the two apart.
+        if isinstance(exc, lmdb.DiskError) or (free is not None and free < _LOW_DISK_BYTES):
+            return IndexFull(
+                f"the disk holding the session index ({self.path}) is full ({free} bytes free; LMDB: {exc}); "
+                f"nothing was changed. Free space on it, then retry"
+            )
+        return IndexIOError(f"writing the session index failed (LMDB: {exc}); nothing was changed. Check the disk")
 
     def version(self) -> int:
         """The schema version the index is at."""
@@ -153,7 +245,7 @@ class Index:
             raise IndexSchemaError("the index records no schema version")
         return int(stored)
 
-    def _upgrade(self, tokens_of, progress) -> None:
+    def _upgrade(self, tokens_of, move_files, progress) -> None:
         with self.write() as txn:
             meta = self._db(DB_META, txn)
             stored = txn.get(schema.SCHEMA_KEY, db=meta)
@@ -173,7 +265,7 @@ class Index:
             with self.write() as txn:  # one step + its version bump commit together
                 if int(txn.get(schema.SCHEMA_KEY, db=self._db(DB_META, txn))) != step.source:
                     continue  # another process upgraded this step meanwhile
-                step.apply(_Context(self, txn, tokens_of))
+                step.apply(_Context(self, txn, tokens_of, move_files))
                 txn.put(schema.SCHEMA_KEY, str(step.target).encode(), db=self._db(DB_META, txn))
             if progress is not None:
                 progress(done, len(steps))
@@ -222,6 +314,18 @@ class Index:
     def records(self, txn) -> list[dict]:
         with txn.cursor(db=self._db(DB_SESSIONS)) as cursor:
             return [schema.decode_record(value) for _, value in cursor]
+
+    def keys_of_id(self, txn, session_id: str) -> list[tuple[str, dict]]:
+        """(storage key, record) of every owner's session with the public id ``session_id``."""
+        start = schema.session_key(schema.storage_key(session_id, ""))
+        out = []
+        with txn.cursor(db=self._db(DB_SESSIONS)) as cursor:
+            if cursor.set_range(start):
+                for key, value in cursor:
+                    if not key.startswith(start):
+                        break
+                    out.append((bytes(key).decode(), schema.decode_record(value)))
+        return out
 
     def owner_sessions(self, txn, owner: str) -> list[str]:
         start = owner.encode() + schema.SEP

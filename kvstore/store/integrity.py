@@ -21,7 +21,7 @@ from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
 from kvstore.store.index import Turn
 from kvstore.store.records import bytes_view, record_chunks
-from kvstore.store.values import record_bytes_of, refuse_damaged
+from kvstore.store.values import public_id, record_bytes_of, refuse_damaged
 
 
 def turn_digest(payload) -> bytes:
@@ -146,7 +146,7 @@ class Integrity:
                 remaining_part -= min(remaining_part, len(chunk))
         if whole.digest() != turn.digest:
             raise IntegrityError(
-                f"records {turn.start}..{turn.end} of session {record['id']!r} do not match their hash; "
+                f"records {turn.start}..{turn.end} of session {public_id(record['id'])!r} do not match their hash; "
                 f"cut at or before record {turn.start}, or run repair"
             )
         return Turn(turn.start, keep, complete, part.digest())
@@ -162,7 +162,7 @@ class Integrity:
                 record = ctx.index.get(txn, session_id)
                 turns = ctx.index.turns(txn, session_id)
             if not ctx.visible(record, owner):
-                raise SessionNotFound(f"no session {session_id!r}")
+                raise SessionNotFound(f"no session {public_id(session_id)!r}")
             refuse_damaged(record)
             checked, bad = self.check_turns(record, turns, record["n_records"])
         covered = turns[-1].end if turns else 0

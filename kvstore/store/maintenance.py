@@ -19,7 +19,7 @@ from typing import Any
 from kvstore.errors import IntegrityError, JournalWriteError
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Header
-from kvstore.journal import write_atomic
+from kvstore.journal import PreviousImage, write_atomic
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations import index as schema
 from kvstore.store import archive
@@ -36,9 +36,10 @@ from kvstore.store.values import (
     SessionInfo,
     check_record_size,
     geometry_of,
+    public_id,
     tier_of,
     tier_record,
-    validate_session_id,
+    validate_key,
 )
 from kvstore.tiers import Tier
 
@@ -120,7 +121,7 @@ class Maintenance:
     def repair(self, session_id: str, owner: str | None, dry_run: bool) -> RepairReport:
         """Drop a torn or unacknowledged tail and every record from the first bad turn on."""
         ctx = self.ctx
-        validate_session_id(session_id)
+        validate_key(session_id)
         with ctx.writing(session_id):
             record = self._parking.active_locked(session_id, owner)
             with ctx.open_journal(record, writable=True) as journal, ctx.reading(session_id, exclusive=True):
@@ -132,7 +133,7 @@ class Maintenance:
                     actions.append(f"drop {on_disk - indexed} unacknowledged records past record {indexed}")
                 elif on_disk < indexed:
                     actions.append(f"the journal holds {on_disk} of the {indexed} indexed records: shorten the index")
-                extra = os.stat(journal.path).st_size - HEADER_BYTES - on_disk * rec_bytes
+                extra = journal.size_bytes - HEADER_BYTES - on_disk * rec_bytes
                 if extra > 0:
                     actions.append(f"cut {extra} bytes past the last committed record")
                 with ctx.index.read() as txn:
@@ -161,14 +162,14 @@ class Maintenance:
                     else:
                         journal.truncate(indexed)  # also cuts a torn tail
                         with ctx.index.write() as txn:
-                            record = ctx.update(txn, session_id, size_bytes=os.stat(journal.path).st_size)
+                            record = ctx.update(txn, session_id, size_bytes=journal.size_bytes)
         dropped = (indexed - keep) + max(on_disk - indexed, 0)
         return RepairReport(session_id, dry_run, actions, keep, dropped, first_bad)
 
     def migrate(self, session_id: str, tier: Tier, owner: str | None, progress: Progress | None) -> SessionInfo:
         """Convert a session's journal to another tier (see the module docstring)."""
         ctx = self.ctx
-        validate_session_id(session_id)
+        validate_key(session_id)
         with ctx.writing(session_id):
             record = self._parking.active_locked(session_id, owner)
             source_tier, geometry = tier_of(record), geometry_of(record)
@@ -183,7 +184,7 @@ class Maintenance:
                 _, bad = self._integrity.check_turns(record, turns, record["n_records"])
                 if bad is not None:
                     raise IntegrityError(
-                        f"turn {bad} of session {session_id!r} does not match its hash; repair the session before migrating"
+                        f"turn {bad} of session {public_id(session_id)!r} does not match its hash; repair the session before migrating"
                     )
                 records = journal.load().slice(0, record["n_records"])
                 new_rec_bytes = coli_kv.record_bytes(geometry, tier)
@@ -198,7 +199,11 @@ class Maintenance:
                 hasher = TurnHasher(turns, new_rec_bytes)
                 chunks = hasher.wrap(format_migrations.convert_chunks(records, tier, progress=step))
                 size = HEADER_BYTES + total * new_rec_bytes
-                with self._reservations.reserve(size) as reservation, ctx.reading(session_id, exclusive=True):
+                with (
+                    self._reservations.reserve(size) as reservation,
+                    ctx.reading(session_id, exclusive=True),
+                    PreviousImage(journal.path) as previous,
+                ):
                     unsynced = None
                     try:
                         write_atomic(journal.path, Header(geometry, tier, total), chunks, replace=True)
@@ -215,26 +220,40 @@ class Maintenance:
                     hashes = schema.chain_hashes(
                         schema.chain_seed(record["owner"], key), records.tokens[: record["watermark"]]
                     )
-                    with ctx.index.write() as txn:
-                        ctx.index.drop_turns_after(txn, session_id, -1)
-                        for turn in new_turns:
-                            ctx.index.put_turn(txn, session_id, turn)
-                        ctx.index.drop_prefix_blocks_from(txn, session_id, 0)
-                        ctx.index.put_prefix_blocks(txn, session_id, 0, hashes)
-                        record = ctx.update(
-                            txn,
-                            session_id,
-                            tier=tier_record(tier),
-                            fingerprint=key,
-                            prefix_blocks=len(hashes),
-                            size_bytes=os.stat(journal.path).st_size,
-                            updated=time.time(),
-                        )
-                        self._reservations.settle(txn, reservation)
+                    try:
+                        with ctx.index.write() as txn:
+                            ctx.index.drop_turns_after(txn, session_id, -1)
+                            for turn in new_turns:
+                                ctx.index.put_turn(txn, session_id, turn)
+                            ctx.index.drop_prefix_blocks_from(txn, session_id, 0)
+                            ctx.index.put_prefix_blocks(txn, session_id, 0, hashes)
+                            record = ctx.update(
+                                txn,
+                                session_id,
+                                tier=tier_record(tier),
+                                fingerprint=key,
+                                prefix_blocks=len(hashes),
+                                size_bytes=size,  # what write_atomic wrote (``journal`` holds the old file)
+                                updated=time.time(),
+                            )
+                            self._reservations.settle(txn, reservation)
+                    except BaseException:
+                        # The index (full, failing) still describes the old journal: put it back,
+                        # or the next call would find a journal in a tier its entry does not name.
+                        previous.restore()
+                        raise
                     if unsynced is not None:
                         raise JournalWriteError(
-                            f"session {session_id!r} was migrated to {tier.describe()}, but syncing the journal's folder failed "
+                            f"session {public_id(session_id)!r} was migrated to {tier.describe()}, but syncing the journal's folder failed "
                             f"({unsynced.__cause__}); a power loss now may bring the old journal back (the store follows whichever it finds)"
                         ) from unsynced
+                    try:
+                        previous.discard()
+                    except OSError as exc:  # committed: the call took effect, and says what is left over
+                        raise JournalWriteError(
+                            f"session {public_id(session_id)!r} was migrated to {tier.describe()}, but removing the previous "
+                            f"journal kept during the rewrite (journals/{previous.link_name}) failed ({exc.strerror or exc}); "
+                            f"`kvstore verify --repair` or the next start of the store removes it"
+                        ) from exc
         self._evictor.after_write(session_id)
         return SessionInfo.from_record(record)

@@ -23,7 +23,7 @@ from kvstore.store import archive
 from kvstore.store.budget import Reservations
 from kvstore.store.context import StoreContext
 from kvstore.store.recovery import Recovery
-from kvstore.store.values import Progress, geometry_of, refuse_damaged, tier_of
+from kvstore.store.values import Progress, geometry_of, public_id, refuse_damaged, tier_of
 
 
 class Parking:
@@ -55,10 +55,10 @@ class Parking:
         with ctx.open_journal(record, writable=True) as journal:  # also keeps outside writers off
             record = self._recovery.match_journal(record, journal)
             length = HEADER_BYTES + record["n_records"] * coli_kv.record_bytes(journal.geometry, journal.tier)
-            fd = os.open(journal_path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = ctx.open_journal_fd(session_id)
             try:
                 with write_errors(
-                    f"parking session {session_id!r}", "the session is still active and its journal intact"
+                    f"parking session {public_id(session_id)!r}", "the session is still active and its journal intact"
                 ):
                     archive_path.unlink(missing_ok=True)  # a leftover of a park that crashed before its commit
                     size = archive.compress_journal(fd, length, archive_path, progress=progress)
@@ -69,7 +69,7 @@ class Parking:
                     with ctx.index.write() as txn:
                         record = ctx.update(txn, session_id, state="parked", size_bytes=size, updated=time.time())
                     with write_errors(
-                        f"session {session_id!r} was parked, but removing its journal",
+                        f"session {public_id(session_id)!r} was parked, but removing its journal",
                         "its archive holds every record; the journal left behind is removed on the next unpark or store open",
                     ):
                         journal_path.unlink()
@@ -93,16 +93,18 @@ class Parking:
         try:
             size = archive.content_size(archive_path)
         except FileNotFoundError:
-            reason = f"the archive of parked session {session_id!r} is missing"
+            reason = f"the archive of parked session {public_id(session_id)!r} is missing"
             ctx.mark_damaged(session_id, reason)
             raise SessionDamaged(reason) from None
         geometry, tier = geometry_of(record), tier_of(record)
         expected = HEADER_BYTES + record["n_records"] * coli_kv.record_bytes(geometry, tier)
         if size != expected:
-            raise IntegrityError(f"the archive of {session_id!r} holds {size} bytes, the index expects {expected}")
+            raise IntegrityError(
+                f"the archive of {public_id(session_id)!r} holds {size} bytes, the index expects {expected}"
+            )
         with self._reservations.reserve(size) as reservation:
             with write_errors(
-                f"unparking session {session_id!r}", "the session is still parked and its archive intact"
+                f"unparking session {public_id(session_id)!r}", "the session is still parked and its archive intact"
             ):
                 journal_path.unlink(missing_ok=True)  # a leftover of an unpark that crashed before its commit
                 archive.restore_journal(archive_path, journal_path, progress=progress)
@@ -111,7 +113,7 @@ class Parking:
                 header, _ = coli_kv.read_header(journal_path)
                 if header.geometry != geometry or header.tier != tier or header.nrec != record["n_records"]:
                     raise IntegrityError(
-                        f"the archive of {session_id!r} does not hold the journal its index entry describes"
+                        f"the archive of {public_id(session_id)!r} does not hold the journal its index entry describes"
                     )
                 # Readers of a parked session (verify, lookup) stream its archive under the read
                 # lock: switch to the journal and remove the archive only when none is reading.
@@ -121,7 +123,7 @@ class Parking:
                         self._reservations.settle(txn, reservation)
                     committed = True
                     with write_errors(
-                        f"session {session_id!r} was unparked, but removing its archive",
+                        f"session {public_id(session_id)!r} was unparked, but removing its archive",
                         "its journal holds every record; the archive left behind is removed on the next park or store open",
                     ):
                         archive_path.unlink()

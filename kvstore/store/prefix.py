@@ -25,6 +25,8 @@ from kvstore.store.context import StoreContext
 from kvstore.store.records import read_tokens, tokens_of
 from kvstore.store.values import Fingerprint, validate_owner
 
+CONFIRM_WAIT_S = 1.0  # the longest a lookup waits for one candidate's read lock
+
 
 @dataclass(frozen=True)
 class LookupResult:
@@ -66,7 +68,7 @@ class Prefixes:
         start, stop = have * block, want * block
         old_count = record["n_records"]
         rec_bytes = coli_kv.record_bytes(journal.geometry, journal.tier)
-        fd = os.open(journal.path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = self.ctx.open_journal_fd(record["id"])
         try:
             parts = [read_tokens(fd, rec_bytes, start, min(stop, old_count))]
         finally:
@@ -118,7 +120,9 @@ class Prefixes:
         ctx = self.ctx
         upto = min(record["watermark"], tokens.shape[0])
         try:
-            with ctx.reading(record["id"], timeout=1.0):
+            # a candidate busy being cut or parked is skipped after a short wait (never past the
+            # store's lock timeout, the one setting): a lookup must not queue behind one session
+            with ctx.reading(record["id"], timeout=min(CONFIRM_WAIT_S, ctx.lock_timeout)):
                 current = ctx.record(record["id"])
                 upto = min(upto, current["watermark"])
                 stored = tokens_of(ctx, current, upto)

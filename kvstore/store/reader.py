@@ -14,14 +14,14 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from kvstore.errors import FingerprintMismatch, IntegrityError, InvalidRequest, SessionDamaged
+from kvstore.errors import BadScale, FingerprintMismatch, IntegrityError, InvalidRequest, SessionDamaged
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Header, KVRecords
 from kvstore.locks import FileLock
 from kvstore.store.context import StoreContext
 from kvstore.store.integrity import Integrity
 from kvstore.store.records import COPY_CHUNK_BYTES, pread_exact
-from kvstore.store.values import MODEL_FIELDS, Fingerprint, SessionInfo, geometry_of, tier_of
+from kvstore.store.values import MODEL_FIELDS, Fingerprint, SessionInfo, geometry_of, public_id, tier_of
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def check_fingerprint(record: dict, expect: Fingerprint, override: Iterable[str]
     blocking = [m for m in found if m.split(":")[0] not in skip]
     if blocking:
         raise FingerprintMismatch(
-            f"session {record['id']!r} was written by another model or cache tier: "
+            f"session {public_id(record['id'])!r} was written by another model or cache tier: "
             + "; ".join(blocking)
             + " (pass an override only if you know the caches are interchangeable)"
         )
@@ -80,11 +80,11 @@ class SessionReader:
         self._fd = -1
         sid = record["id"]
         try:
-            self._fd = os.open(ctx.journal_path(sid), os.O_RDONLY | os.O_NOFOLLOW)
+            self._fd = ctx.open_journal_fd(sid)
             header = coli_kv.parse_header(os.pread(self._fd, HEADER_BYTES, 0))
             if header.geometry != geometry_of(record) or header.tier != tier_of(record):
                 raise IntegrityError(
-                    f"the journal of {sid!r} no longer matches its index entry; reopen the store to reconcile it"
+                    f"the journal of {public_id(sid)!r} no longer matches its index entry; reopen the store to reconcile it"
                 )
             self.info = SessionInfo.from_record(record)
             self.record_bytes = header.rec_bytes
@@ -104,7 +104,7 @@ class SessionReader:
             ctx.touch(sid)
         except FileNotFoundError:
             self.close()
-            raise SessionDamaged(f"the journal of session {sid!r} is missing") from None
+            raise SessionDamaged(f"the journal of session {public_id(sid)!r} is missing") from None
         except BaseException:
             self.close()
             raise
@@ -132,8 +132,9 @@ class SessionReader:
             yield chunk
             offset += len(chunk)
 
-    def load(self) -> KVRecords:
-        """All served records with one read (KVRecords, ``n = n_records``)."""
+    def load(self, *, strict: bool = False) -> KVRecords:
+        """All served records with one read (KVRecords, ``n = n_records``); ``strict``: see
+        :meth:`check_scales`."""
         body = bytearray(self.body_bytes)
         view = memoryview(body)
         got = 0
@@ -144,10 +145,13 @@ class SessionReader:
             got += n
         dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
         records = np.frombuffer(body, dtype=dtype, count=self.n_records)
+        if strict:
+            self.check_scales(records, 0)
         return KVRecords(Header(self.info.geometry, self.info.tier, self.n_records), records, HEADER_BYTES + len(body))
 
-    def iter_batches(self, batch_records: int) -> Iterator[KVRecords]:
-        """Served records as KVRecords batches of at most ``batch_records``."""
+    def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
+        """Served records as KVRecords batches of at most ``batch_records``; ``strict``: see
+        :meth:`check_scales`."""
         dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
         for start in range(0, self.n_records, batch_records):
             stop = min(start + batch_records, self.n_records)
@@ -157,7 +161,30 @@ class SessionReader:
                     f"the journal of {self.info.id!r} ended inside record {start + len(raw) // self.record_bytes}"
                 )
             records = np.frombuffer(raw, dtype=dtype)
+            if strict:
+                self.check_scales(records, start)
             yield KVRecords(Header(self.info.geometry, self.info.tier, stop - start), records, HEADER_BYTES + len(raw))
+
+    def check_scales(self, records: np.ndarray, first_record: int) -> None:
+        """Refuse served records holding a scale/radius no encoder writes (``Tier.corrupt_scales``).
+
+        The store validated every row it acknowledged, so such a row is damage on disk. The byte
+        streams serve records as stored (a client's loader makes such rows inert, FORMAT.md section
+        4); a restore into a cache reads with ``strict`` and gets :class:`SessionDamaged` naming the
+        session, its journal and the record instead of a row of zeros.
+        """
+        info = self.info
+        try:
+            coli_kv.check_scales(
+                records,
+                info.tier,
+                source=f"session {info.id!r} (journals/{info.key}.coli_kv)",
+                first_record=first_record,
+                advice="the session is damaged: `kvstore verify` names the turn, a resume with verify serves "
+                "the turns before it, `kvstore sessions repair` drops it",
+            )
+        except BadScale as exc:
+            raise SessionDamaged(exc.reason) from None
 
     def close(self) -> None:
         if self._fd >= 0:

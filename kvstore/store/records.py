@@ -16,7 +16,7 @@ import numpy as np
 from kvstore.errors import IntegrityError
 from kvstore.formats.coli_kv import HEADER_BYTES
 from kvstore.store import archive
-from kvstore.store.values import record_bytes_of
+from kvstore.store.values import public_id, record_bytes_of
 
 if TYPE_CHECKING:
     from kvstore.store.context import StoreContext
@@ -41,13 +41,13 @@ def record_chunks(
     rec_bytes = record_bytes_of(record)
     first, last = HEADER_BYTES + start * rec_bytes, HEADER_BYTES + stop * rec_bytes
     if record["state"] == "active":
-        fd = os.open(ctx.journal_path(record["id"]), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = ctx.open_journal_fd(record["id"])
         try:
             offset = first
             while offset < last:
                 chunk = os.pread(fd, min(chunk_bytes, last - offset), offset)
                 if not chunk:
-                    raise IntegrityError(f"the journal of {record['id']!r} ends before record {stop}")
+                    raise IntegrityError(f"the journal of {public_id(record['id'])!r} ends before record {stop}")
                 yield chunk
                 offset += len(chunk)
         finally:
@@ -61,7 +61,7 @@ def record_chunks(
         offset += len(chunk)
         if offset >= last:
             return
-    raise IntegrityError(f"the archive of {record['id']!r} ends before record {stop}")
+    raise IntegrityError(f"the archive of {public_id(record['id'])!r} ends before record {stop}")
 
 
 def read_tokens(fd: int, rec_bytes: int, start: int, stop: int) -> np.ndarray:
@@ -90,7 +90,7 @@ def tokens_of(ctx: StoreContext, record: dict, n_records: int) -> np.ndarray | N
     session, from its journal or, when parked, its archive; None for a session in another state."""
     rec_bytes = record_bytes_of(record)
     if record["state"] == "active":
-        fd = os.open(ctx.journal_path(record["id"]), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = ctx.open_journal_fd(record["id"])
         try:
             complete = (os.fstat(fd).st_size - HEADER_BYTES) // rec_bytes
             return read_tokens(fd, rec_bytes, 0, min(n_records, complete))

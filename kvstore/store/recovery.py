@@ -11,9 +11,20 @@ each write (``match_journal``). The index is the commit record; what it settles:
 - park/unpark interrupted: the index's state says which file is the truth, the other one goes; a
   missing file marks the session ``damaged`` with the reason;
 - an interrupted delete is finished; space reservations of dead writers are released;
-- files without an index entry: temporary files of dead writers are removed, empty unindexed
-  journals (a creation that did not finish) removed, anything else moved to ``lost+found``;
+- files without an index entry: temporary files of dead writers are removed (and a running
+  process's temporary file of a journal nobody holds: the previous journal a migrate kept and could
+  not remove), empty unindexed journals (a creation that did not finish) removed, anything else
+  moved to ``lost+found``;
+- stale sidecars (``sweep_sidecars``) are never damage: a symbolic link where a lock file belongs
+  is removed (the link only; nothing is opened through it), and so are the lock files of sessions
+  that no longer exist, their journals' included (each unlinked while held, so a waiter locks a
+  fresh file);
+- a session marked ``damaged`` is looked at again (``recheck_damaged``): when the file its state
+  needs is there again, regular, for the same model, and every hashed turn re-hashes, it is
+  ``active`` (or ``parked``) again — damage is never "forever" for a cause that went away;
 - the usage counter is recounted from the records.
+
+``kvstore verify --repair`` runs the same reconcile on demand and prints what it did.
 """
 
 from __future__ import annotations
@@ -23,19 +34,21 @@ import re
 import time
 from pathlib import Path
 
-from kvstore.errors import FormatError, JournalLocked
+from kvstore.errors import FormatError, JournalLocked, PathRefused
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES
 from kvstore.journal import KVFile, fsync_dir, move_durably
-from kvstore.locks import pid_alive
+from kvstore.locks import FileLock, pid_alive
 from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
-from kvstore.store.integrity import TurnHasher, complete_end
-from kvstore.store.removal import Removal
-from kvstore.store.values import ID_PATTERN, Fingerprint, ModelInfo, geometry_of, tier_of, tier_record
+from kvstore.store.integrity import Integrity, TurnHasher, complete_end
+from kvstore.store.removal import Removal, unlink_quietly
+from kvstore.store.values import KEY_PATTERN, Fingerprint, ModelInfo, geometry_of, tier_of, tier_record
 
 # kvstore.journal.AtomicFile names its temporary files so: the pid tells whether the writer still runs.
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\d+$")
+JOURNAL_LOCK_SUFFIX = ".coli_kv.lock"  # kvstore.journal's writer lock beside each journal
+SESSION_LOCK_SUFFIXES = (".write", ".read")  # StoreContext.writing / reading, in locks/
 
 
 class Recovery:
@@ -44,12 +57,13 @@ class Recovery:
     def __init__(self, ctx: StoreContext, removal: Removal):
         self.ctx = ctx
         self._removal = removal
+        self._integrity = Integrity(ctx)  # stateless over the context: re-hashes a file that came back
 
     # ------------------------------------------------------------------ one session, before a write
     def match_journal(self, record: dict, journal: KVFile) -> dict:
         """Reconcile one session whose journal count differs from the index (under its write lock)."""
         expected_size = HEADER_BYTES + record["n_records"] * coli_kv.record_bytes(journal.geometry, journal.tier)
-        if journal.n_records == record["n_records"] and os.stat(journal.path).st_size == expected_size:
+        if journal.n_records == record["n_records"] and journal.size_bytes == expected_size:
             return record
         record, _ = self.reconcile_journal(record, journal)
         return record
@@ -81,13 +95,13 @@ class Recovery:
                 record, journal, keep, complete=False, watermark=complete_end(turns, keep, record), problem=why
             )
             actions.append(f"{sid}: {why}")
-        elif on_disk > indexed or os.stat(journal.path).st_size != HEADER_BYTES + indexed * rec_bytes:
+        elif on_disk > indexed or journal.size_bytes != HEADER_BYTES + indexed * rec_bytes:
             if on_disk > indexed:
                 actions.append(f"{sid}: rolled back {on_disk - indexed} unacknowledged records")
             else:
                 actions.append(f"{sid}: cut a torn tail")
             journal.truncate(indexed)
-        size = os.stat(journal.path).st_size
+        size = journal.size_bytes
         if size != record["size_bytes"]:
             with ctx.index.write() as txn:
                 record = ctx.update(txn, sid, size_bytes=size)
@@ -133,6 +147,7 @@ class Recovery:
             purged = ctx.index.purge_dead_reservations(txn)
         if purged:
             actions.append(f"released {purged} space reservations of writers that no longer run")
+        actions.extend(self.sweep_sidecars())
         with ctx.index.read() as txn:
             ids = [r["id"] for r in ctx.index.records(txn)]
         for sid in ids:
@@ -141,6 +156,8 @@ class Recovery:
                     actions.extend(self._reconcile_locked(sid))
             except JournalLocked:
                 continue
+            except PathRefused as exc:  # one session's hostile file never keeps the store from opening
+                actions.append(f"{sid}: left alone: {exc.reason}")
         actions.extend(self._sweep_orphans())
         actions.extend(self._recount_usage())
         return actions
@@ -151,9 +168,16 @@ class Recovery:
             record = ctx.index.get(txn, sid)
         if record is None:
             return []
-        journal_path, archive_path = ctx.journal_path(sid), ctx.archive_path(sid)
-        has_journal, has_archive = journal_path.exists(), archive_path.exists()
         state = record["state"]
+        try:
+            journal_path, archive_path = ctx.journal_path(sid), ctx.archive_path(sid)
+        except PathRefused as exc:  # a link where the session's file belongs: never followed
+            if state in ("active", "parked"):
+                return [self._mark_damaged(sid, exc.reason)]
+            return [f"{sid}: left alone: {exc.reason}"] if state == "deleting" else []
+        if state == "damaged":
+            return self.recheck_damaged(record)
+        has_journal, has_archive = journal_path.exists(), archive_path.exists()
         actions: list[str] = []
         if state == "deleting":  # a delete that crashed after hiding the session: finish it
             self._removal.remove_files(sid)
@@ -190,15 +214,179 @@ class Recovery:
             if not has_journal:
                 return actions + [self._mark_damaged(sid, "the journal is missing")]
             try:
-                journal = KVFile.open(journal_path, writable=True, lock_timeout=0)
+                journal = KVFile.open(journal_path, writable=True, lock_timeout=0, dir_fd=ctx.dir_fd(ctx.journals))
             except JournalLocked:
                 return actions  # an outside tool is writing it; settle next time
             except (FormatError, OSError) as exc:
+                if self._sidecar_failed(journal_path, exc):  # the lock, not the journal: no damage
+                    return actions + [f"{sid}: left alone: {getattr(exc, 'reason', exc)}"]
                 return actions + [self._mark_damaged(sid, f"the journal cannot be read: {getattr(exc, 'reason', exc)}")]
             with journal:
                 _, more = self.reconcile_journal(record, journal)
             actions.extend(more)
         return actions
+
+    @staticmethod
+    def _sidecar_failed(journal_path: Path, exc: BaseException) -> bool:
+        """Whether opening a journal failed on its lock sidecar rather than on the journal itself."""
+        sidecar = journal_path.with_name(journal_path.name + ".lock")
+        if isinstance(exc, PathRefused):
+            sidecar_refused = os.path.islink(sidecar) or (os.path.lexists(sidecar) and not os.path.isfile(sidecar))
+            return sidecar_refused and os.path.isfile(journal_path) and not os.path.islink(journal_path)
+        return getattr(exc, "filename", None) in (str(sidecar), sidecar.name)  # opened by path or by name (openat)
+
+    # ------------------------------------------------------------------ damaged sessions, again
+    def recheck_damaged(self, record: dict) -> list[str]:
+        """Give a damaged session back the state its files show, when they are sound again (its
+        write lock held). Returns the action taken, or nothing when it stays damaged.
+
+        The file must be there, a regular file, alone (a journal *and* an archive leave it unknown
+        which is the truth), for the session's model, and every hashed turn it holds must re-hash:
+        a file that came back is never served on trust.
+        """
+        ctx = self.ctx
+        sid = record["id"]
+        journal_path, archive_path = ctx.journal_path(sid), ctx.archive_path(sid)
+        has_journal, has_archive = journal_path.is_file(), archive_path.is_file()
+        if has_journal == has_archive:
+            return []
+        with ctx.index.read() as txn:
+            turns = ctx.index.turns(txn, sid)
+        if has_archive:
+            return self._readmit(record, "parked", turns, record["n_records"], journal=None)
+        try:
+            journal = KVFile.open(journal_path, writable=True, lock_timeout=0, dir_fd=ctx.dir_fd(ctx.journals))
+        except (FormatError, OSError):  # still unreadable, or its lock busy: stays damaged
+            return []
+        with journal:
+            if journal.geometry != geometry_of(record):
+                return []
+            return self._readmit(record, "active", turns, min(journal.n_records, record["n_records"]), journal)
+
+    def _readmit(self, record: dict, state: str, turns: list, stop: int, journal: KVFile | None) -> list[str]:
+        ctx = self.ctx
+        sid = record["id"]
+        candidate = {**record, "state": state}
+        if journal is None or journal.stored_tier == tier_of(record):  # else reconcile adopts the new tier
+            _, bad = self._integrity.check_turns(candidate, turns, stop)
+            if bad is not None:
+                return []
+        with ctx.index.write() as txn:
+            current = ctx.update(txn, sid, state=state, problem=None)
+        what = "journal" if journal is not None else "archive"
+        actions = [f"{sid}: its {what} is sound again (it was damaged: {record.get('problem')}); {state} again"]
+        if journal is not None:
+            _, more = self.reconcile_journal(current, journal)
+            actions.extend(more)
+        return actions
+
+    # ------------------------------------------------------------------ sidecars
+    def sweep_sidecars(self) -> list[str]:
+        """Remove lock files that lock nothing; never count them as damage. Returns one line each.
+
+        - a symbolic link where a lock file belongs (``locks/``, ``journals/*.coli_kv.lock``): the
+          link goes (its target is neither opened nor touched);
+        - ``locks/<key>.write`` / ``.read`` of a session the index does not hold;
+        - ``journals/<key>.coli_kv.lock`` whose journal is gone with its session;
+        - temporary files of writers that no longer run, in ``locks/`` and the data folder itself.
+
+        A lock file is unlinked only while this process holds it (without waiting: a busy one is
+        someone's, and stays), so whoever waits on it finds the name gone and locks a fresh file.
+        """
+        ctx = self.ctx
+        actions: list[str] = []
+        stale_sessions: set[str] = set()
+        for entry in os.scandir(ctx.locks):
+            stem, _, kind = entry.name.rpartition(".")
+            if f".{kind}" not in SESSION_LOCK_SUFFIXES or not KEY_PATTERN.fullmatch(stem):
+                continue  # evict.lock, temporary files (below), names the store never makes
+            if entry.is_symlink():
+                actions.append(self._remove_link(ctx.locks, entry.name))
+            elif not entry.is_file(follow_symlinks=False):
+                actions.append(self._not_a_file(ctx.locks, entry.name))
+            else:
+                stale_sessions.add(stem)
+        for key in sorted(stale_sessions):
+            if self._remove_session_locks(key):
+                actions.append(f"removed the lock files of {key!r} in locks/: no such session")
+        for entry in os.scandir(ctx.journals):
+            if not entry.name.endswith(JOURNAL_LOCK_SUFFIX):
+                continue
+            if entry.is_symlink():
+                actions.append(self._remove_link(ctx.journals, entry.name))
+            elif not entry.is_file(follow_symlinks=False):
+                actions.append(self._not_a_file(ctx.journals, entry.name))
+            elif self._remove_journal_lock(ctx.journals / entry.name):
+                actions.append(f"removed journals/{entry.name}: the lock of a journal that no longer exists")
+        for folder in (ctx.locks, ctx.data_dir):
+            for entry in os.scandir(folder):
+                temp = TEMP_NAME.match(entry.name)
+                if temp is not None and entry.is_file(follow_symlinks=False) and not pid_alive(int(temp["pid"])):
+                    os.unlink(entry.path)
+                    where = "the data folder" if folder == ctx.data_dir else f"{folder.name}/"
+                    actions.append(f"removed {entry.name} in {where}, left by a writer that no longer runs")
+        return actions
+
+    @staticmethod
+    def _remove_link(folder: Path, name: str) -> str:
+        os.unlink(folder / name)  # unlink never follows: the link goes, its target stays as it was
+        fsync_dir(folder)
+        return f"removed {folder.name}/{name}: a symbolic link where a lock file belongs (its target was not touched)"
+
+    @staticmethod
+    def _not_a_file(folder: Path, name: str) -> str:
+        """A folder, FIFO, socket or device where a lock file belongs: none can be locked. The name
+        goes (an empty folder's too; unlinking a FIFO or device node opens nothing); a folder with
+        something in it is left to the operator."""
+        path = folder / name
+        try:
+            if os.path.isdir(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            return f"left {folder.name}/{name} alone: not a regular file, so its session cannot be locked; remove it"
+        fsync_dir(folder)
+        return f"removed {folder.name}/{name}: not a regular file where a lock file belongs"
+
+    def _remove_session_locks(self, key: str) -> bool:
+        """Unlink ``locks/<key>.write`` and ``.read`` of a session the index does not hold."""
+        ctx = self.ctx
+        paths = [ctx.locks / f"{key}{suffix}" for suffix in SESSION_LOCK_SUFFIXES]
+        try:
+            folder = ctx.dir_fd(ctx.locks)
+            with FileLock(paths[0], timeout=0, dir_fd=folder), FileLock(paths[1], timeout=0, dir_fd=folder):
+                with ctx.index.read() as txn:
+                    if ctx.index.get(txn, key) is not None:
+                        return False
+                for path in paths:
+                    path.unlink(missing_ok=True)
+        except (JournalLocked, OSError):
+            return False  # someone holds it (a create in flight), or it changed meanwhile: next time
+        return True
+
+    def _remove_journal_lock(self, path: Path) -> bool:
+        """Unlink a journal's lock sidecar whose journal does not exist, of a session the index
+        does not hold (a parked session keeps its own: unpark writes beside it again)."""
+        journal = path.with_name(path.name[: -len(".lock")])
+        key = journal.name[: -len(".coli_kv")]
+
+        def gone() -> bool:
+            if os.path.lexists(journal) or not KEY_PATTERN.fullmatch(key):
+                return False
+            with self.ctx.index.read() as txn:
+                return self.ctx.index.get(txn, key) is None
+
+        if not gone():
+            return False
+        try:
+            with FileLock(path, timeout=0, dir_fd=self.ctx.dir_fd(self.ctx.journals)):
+                if not gone():  # created meanwhile: the lock is its writer's
+                    return False
+                path.unlink()
+        except (JournalLocked, OSError):
+            return False
+        return True
 
     def _mark_damaged(self, sid: str, reason: str) -> str:
         with self.ctx.index.write() as txn:
@@ -216,11 +404,13 @@ class Recovery:
                     if not pid_alive(int(temp["pid"])):
                         os.unlink(entry.path)
                         actions.append(f"removed {folder.name}/{entry.name}, left by a writer that no longer runs")
+                    elif folder == ctx.journals and self._remove_unowned_temp(entry.name, temp["name"]):
+                        actions.append(f"removed {folder.name}/{entry.name}: a temporary file no writer holds")
                     continue
                 if not entry.name.endswith(suffix):
                     continue
                 sid = entry.name[: -len(suffix)]
-                if not ID_PATTERN.fullmatch(sid) or entry.is_symlink():
+                if not KEY_PATTERN.fullmatch(sid) or entry.is_symlink():
                     continue
                 try:
                     with ctx.writing(sid, timeout=0):
@@ -228,9 +418,30 @@ class Recovery:
                             if ctx.index.get(txn, sid) is not None:
                                 continue
                         actions.append(self._orphan(folder, entry.name, suffix))
-                except JournalLocked:
+                except (JournalLocked, PathRefused):  # busy, or its lock file is not a file (reported above)
                     continue
         return actions
+
+    def _remove_unowned_temp(self, temp_name: str, journal_name: str) -> bool:
+        """Unlink ``journals/<temp_name>``, a temporary file of ``journal_name`` whose writer still
+        runs, if nobody is writing it: e.g. the previous journal a migrate kept and then could not
+        remove. Every writer of a journal's temporary file (a create, a rewrite, a migrate, a file
+        tool) holds the session's write lock or the journal's writer lock; both free means none."""
+        ctx = self.ctx
+        key = journal_name[: -len(".coli_kv")] if journal_name.endswith(".coli_kv") else ""
+        if not KEY_PATTERN.fullmatch(key):
+            return False
+        sidecar = ctx.journals / f"{journal_name}.lock"
+        made = not os.path.lexists(sidecar)
+        try:
+            with ctx.writing(key, timeout=0):
+                with FileLock(sidecar, timeout=0, dir_fd=ctx.dir_fd(ctx.journals)):
+                    os.unlink(ctx.journals / temp_name)
+                if made and not ctx.indexed(key):
+                    unlink_quietly(sidecar)  # the lock taken just now leaves no sidecar behind
+        except (JournalLocked, PathRefused, FileNotFoundError):
+            return False  # busy, a lock file that is not one (reported by sweep_sidecars), or gone
+        return True
 
     def _orphan(self, folder: Path, name: str, suffix: str) -> str:
         path = folder / name

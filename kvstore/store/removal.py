@@ -22,6 +22,7 @@ from kvstore.journal import KVFile, fsync_dir, write_errors
 from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
 from kvstore.store.integrity import Integrity
+from kvstore.store.values import public_id
 
 
 def unlink_quietly(path: Path) -> None:
@@ -90,12 +91,12 @@ class Removal:
                 record = ctx.index.get(txn, session_id)
             # A session a failed delete already hid ("deleting") is finished by deleting it again.
             if record is None or (owner is not None and record["owner"] != owner):
-                raise SessionNotFound(f"no session {session_id!r}")
+                raise SessionNotFound(f"no session {public_id(session_id)!r}")
             if record["state"] != "deleting":
                 with ctx.index.write() as txn:
                     ctx.update(txn, session_id, state="deleting")  # invisible from here on
             with write_errors(
-                f"deleting session {session_id!r}",
+                f"deleting session {public_id(session_id)!r}",
                 "the session is hidden; deleting it again (or reopening the store) removes what is left",
             ):
                 self.remove_files(session_id)

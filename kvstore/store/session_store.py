@@ -8,8 +8,10 @@ the package docstring (``kvstore.store``) is the map.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -17,6 +19,7 @@ import numpy as np
 
 from kvstore.errors import InvalidRequest, JournalLocked
 from kvstore.formats.coli_kv import Geometry
+from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
 from kvstore.store.budget import Eviction, Evictor, Reservations
 from kvstore.store.context import StoreContext
 from kvstore.store.index import DEFAULT_MAP_SIZE, Index
@@ -33,8 +36,9 @@ from kvstore.store.values import (
     ModelInfo,
     Progress,
     SessionInfo,
+    public_id,
     refuse_damaged,
-    validate_session_id,
+    storage_key,
     validate_tags,
 )
 from kvstore.store.writes import AppendResult, Writes
@@ -54,8 +58,12 @@ class SessionStore:
     reconcile : repair the index from the journals on open (see ``kvstore.store.recovery``)
     progress : callback ``(done, total)`` for index schema upgrades on open
 
-    Every method that takes ``owner`` treats another owner's session as missing
-    (:class:`SessionNotFound`, the same reason as for an id that does not exist).
+    Session ids are per owner: two owners may both have ``chat-1`` (the store keeps each under
+    ``<id>~<owner>``, :attr:`SessionInfo.key`). Every method that takes ``owner`` looks up that
+    owner's session only, before taking any lock or touching any file, so another owner's session
+    is simply missing (:class:`SessionNotFound`, the same reason as for an id nobody has);
+    ``owner=None`` acts as any owner, and refuses an id several owners have (:class:`InvalidRequest`)
+    rather than pick one.
     """
 
     def __init__(
@@ -65,7 +73,7 @@ class SessionStore:
         budget_bytes: int | None = None,
         hard_limit_bytes: int | None = None,
         map_size: int = DEFAULT_MAP_SIZE,
-        lock_timeout: float = 10.0,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
         reconcile: bool = True,
         progress: Progress | None = None,
     ):
@@ -156,18 +164,22 @@ class SessionStore:
     def lock_timeout(self) -> float:
         return self._ctx.lock_timeout
 
-    def journal_path(self, session_id: str) -> Path:
-        """``journals/<id>.coli_kv`` (PathRefused if it is a symbolic link)."""
-        return self._ctx.journal_path(session_id)
+    def journal_path(self, session_id: str, *, owner: str | None = None) -> Path:
+        """``journals/<id>~<owner>.coli_kv`` (PathRefused if it is a symbolic link). With ``owner`` the
+        path whether or not the session exists; without, the path of the one session of that id."""
+        return self._ctx.journal_path(self._key(session_id, owner))
 
-    def archive_path(self, session_id: str) -> Path:
-        """``archive/<id>.coli_kv.zst`` (PathRefused if it is a symbolic link)."""
-        return self._ctx.archive_path(session_id)
+    def archive_path(self, session_id: str, *, owner: str | None = None) -> Path:
+        """``archive/<id>~<owner>.coli_kv.zst`` (PathRefused if it is a symbolic link); see :meth:`journal_path`."""
+        return self._ctx.archive_path(self._key(session_id, owner))
+
+    def _key(self, session_id: str, owner: str | None) -> str:
+        return storage_key(session_id, owner) if owner is not None else self._ctx.resolve(session_id, None, hidden=True)
 
     # ------------------------------------------------------------------ reading the index
     def get(self, session_id: str, *, owner: str | None = None) -> SessionInfo:
         """The session's index record."""
-        return SessionInfo.from_record(self._ctx.record(session_id, owner))
+        return SessionInfo.from_record(self._ctx.record(self._ctx.resolve(session_id, owner), owner))
 
     def list(
         self,
@@ -238,6 +250,7 @@ class SessionStore:
         *,
         complete_turn: bool = True,
         owner: str | None = None,
+        reject_nonfinite: bool = False,
     ) -> AppendResult:
         """Append rows, encoded in the session's tier.
 
@@ -248,8 +261,15 @@ class SessionStore:
         R : f32[n_layers, k, qk_rope]
         I : f32[nic, k, index_hd], required when the model has indexer layers
         complete_turn : the rows end a turn: the watermark moves to the new count
+        reject_nonfinite : refuse rows holding NaN or infinity (:class:`NonFiniteValues`, nothing
+            written) instead of storing them by the tier's rule (f32 values and indexer values
+            become 0; fp8 stores a NaN as 0 and a row with an infinity as zeros; int4/polar a row
+            with either as zeros) and counting them in ``AppendResult.sanitized``
         """
-        return self._writes.append(session_id, tokens, L, R, I, complete_turn=complete_turn, owner=owner)
+        key = self._ctx.resolve(session_id, owner)
+        return self._writes.append(
+            key, tokens, L, R, I, complete_turn=complete_turn, owner=owner, reject_nonfinite=reject_nonfinite
+        )
 
     def append_records(
         self,
@@ -258,25 +278,31 @@ class SessionStore:
         *,
         complete_turn: bool = True,
         owner: str | None = None,
+        reject_nonfinite: bool = False,
     ) -> AppendResult:
         """Append already-encoded records of the session's tier (raw ``.coli_kv`` record bytes, no header).
 
         The bytes are validated before anything is written (whole records, token ids in the
-        vocabulary, no corrupt scale/radius or NaN code). An empty call with ``complete_turn``
-        marks the rows appended so far as a complete turn.
+        vocabulary, no corrupt scale/radius or NaN code). Non-finite f32 values (v1 rows, indexer
+        rows) are stored as 0 and counted in ``AppendResult.sanitized``, or refused with
+        ``reject_nonfinite`` (see :meth:`append`). An empty call with ``complete_turn`` marks the
+        rows appended so far as a complete turn.
 
         Returns
         -------
         AppendResult — acknowledged only after the journal and the index both committed.
         """
-        return self._writes.append_records(session_id, records, complete_turn=complete_turn, owner=owner)
+        key = self._ctx.resolve(session_id, owner)
+        return self._writes.append_records(
+            key, records, complete_turn=complete_turn, owner=owner, reject_nonfinite=reject_nonfinite
+        )
 
     def truncate(self, session_id: str, n_records: int, *, owner: str | None = None) -> SessionInfo:
         """Keep the first ``n_records`` records (the watermark becomes ``min(watermark, n)``).
 
         The index commits first, then the journal is cut (see ``kvstore.store.removal``).
         """
-        return self._writes.truncate(session_id, n_records, owner)
+        return self._writes.truncate(self._ctx.resolve(session_id, owner), n_records, owner)
 
     def fork(
         self,
@@ -291,22 +317,24 @@ class SessionStore:
 
         The copy is published atomically, then indexed with the source's turn hashes (a turn cut
         by ``at`` is checked, then re-hashed) and prefix blocks. The fork's watermark is
-        ``min(source watermark, at)``.
+        ``min(source watermark, at)``. The fork belongs to the source's owner.
         """
-        return self._writes.fork(session_id, at, new_id, owner, tags)
+        source = self._ctx.resolve(session_id, owner)
+        new_key = storage_key(new_id if new_id is not None else uuid.uuid4().hex, self._ctx.owner_of(source))
+        return self._writes.fork(source, at, new_key, owner, tags)
 
     def delete(self, session_id: str, *, owner: str | None = None) -> None:
-        """Remove a session, its files and its index entries."""
-        validate_session_id(session_id)
-        with self._ctx.writing(session_id):
-            self._removal.delete_locked(session_id, owner)
+        """Remove a session, its files and its index entries (also one a failed delete hid)."""
+        key = self._ctx.resolve(session_id, owner, hidden=True)
+        with self._ctx.writing(key):
+            self._removal.delete_locked(key, owner)
 
     def set_tags(self, session_id: str, tags: Iterable[str], *, owner: str | None = None) -> SessionInfo:
         """Replace a session's tags."""
         checked = validate_tags(tags)
-        self._ctx.record(session_id, owner)
+        key = self._ctx.resolve(session_id, owner)
         with self._ctx.index.write() as txn:
-            record = self._ctx.update(txn, session_id, tags=checked, updated=time.time())
+            record = self._ctx.update(txn, key, tags=checked, updated=time.time())
         return SessionInfo.from_record(record)
 
     # ------------------------------------------------------------------ resuming (kvstore.store.reader)
@@ -334,18 +362,18 @@ class SessionStore:
         nothing that shrinks or replaces the journal runs until the reader is closed.
         """
         ctx = self._ctx
-        validate_session_id(session_id)
+        key = ctx.resolve(session_id, owner)
         for _ in range(3):  # a parked session is unparked, then read; eviction may race us once
-            record = ctx.record(session_id, owner)
+            record = ctx.record(key, owner)
             if expect is not None:
                 check_fingerprint(record, expect, override)
             if record["state"] == "parked":
                 self.unpark(session_id, owner=owner)
                 continue
             refuse_damaged(record)
-            lock = ctx.reading(session_id).acquire()
+            lock = ctx.reading(key).acquire()
             try:
-                record = ctx.record(session_id, owner)
+                record = ctx.record(key, owner)
                 if record["state"] != "active":
                     lock.release()
                     continue
@@ -382,7 +410,8 @@ class SessionStore:
         VerifyReport with the first turn whose bytes differ (a silent bit flip the format cannot
         see), or ``ok=True``.
         """
-        return self._integrity.verify(session_id, owner)
+        report = self._integrity.verify(self._ctx.resolve(session_id, owner), owner)
+        return dataclasses.replace(report, session_id=public_id(report.session_id))
 
     # ------------------------------------------------------------------ prefix lookup (kvstore.store.prefix)
     def lookup(self, owner: str, fingerprint: Fingerprint, tokens) -> LookupResult | None:
@@ -393,7 +422,8 @@ class SessionStore:
         the match extended past the last whole block. Matches are capped at each session's
         watermark; a query sharing fewer than one block (64 tokens) with every session finds none.
         """
-        return self._prefixes.lookup(owner, fingerprint, tokens)
+        found = self._prefixes.lookup(owner, fingerprint, tokens)
+        return dataclasses.replace(found, session_id=public_id(found.session_id)) if found is not None else None
 
     # ------------------------------------------------------------------ parking and budget (parking, budget)
     def park(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> SessionInfo:
@@ -402,28 +432,32 @@ class SessionStore:
         ``progress(bytes_done, bytes_total)`` is called as the journal is compressed. Parking a
         parked session does nothing.
         """
-        validate_session_id(session_id)
-        with self._ctx.writing(session_id):
-            return SessionInfo.from_record(self._parking.park_locked(session_id, owner, progress))
+        key = self._ctx.resolve(session_id, owner)
+        with self._ctx.writing(key):
+            return SessionInfo.from_record(self._parking.park_locked(key, owner, progress))
 
     def unpark(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> SessionInfo:
         """Restore a parked session's journal from its archive (byte for byte) and free the archive."""
-        validate_session_id(session_id)
-        with self._ctx.writing(session_id):
-            record = self._parking.unpark_locked(session_id, owner, progress)
-        self._evictor.after_write(session_id)
+        key = self._ctx.resolve(session_id, owner)
+        with self._ctx.writing(key):
+            record = self._parking.unpark_locked(key, owner, progress)
+        self._evictor.after_write(key)
         return SessionInfo.from_record(record)
 
     def enforce_budget(self, *, keep: Iterable[str] = (), progress: Progress | None = None) -> list[Eviction]:
         """Evict until the store fits ``budget_bytes``: park the least recently used active sessions,
         then delete the least recently used parked ones. Sessions in ``keep`` and sessions another
-        request is using are skipped. Returns what was evicted, in order."""
-        return self._evictor.enforce(keep=keep, progress=progress)
+        request is using are skipped (every owner's session of an id in ``keep``). Returns what was
+        evicted, in order."""
+        with self._ctx.index.read() as txn:
+            kept = [key for sid in keep for key, _ in self._ctx.index.keys_of_id(txn, sid)]
+        evicted = self._evictor.enforce(keep=kept, progress=progress)
+        return [dataclasses.replace(e, session_id=public_id(e.session_id)) for e in evicted]
 
     # ------------------------------------------------------------------ file tools (kvstore.store.maintenance)
     def inspect(self, session_id: str, *, owner: str | None = None) -> dict[str, Any]:
         """What the session's file holds: header fields, sizes and what a loader would neutralize."""
-        return self._maintenance.inspect(session_id, owner)
+        return self._maintenance.inspect(self._ctx.resolve(session_id, owner), owner)
 
     def repair(self, session_id: str, *, owner: str | None = None, dry_run: bool = False) -> RepairReport:
         """Make a session's journal and index agree and drop what cannot be trusted.
@@ -433,7 +467,8 @@ class SessionStore:
         served); the watermark falls back to the last complete turn kept. ``dry_run`` reports
         without changing anything.
         """
-        return self._maintenance.repair(session_id, owner, dry_run)
+        report = self._maintenance.repair(self._ctx.resolve(session_id, owner), owner, dry_run)
+        return dataclasses.replace(report, session_id=public_id(report.session_id))
 
     def migrate(
         self,
@@ -450,7 +485,7 @@ class SessionStore:
         fingerprint, turn hashes and prefix blocks in one transaction. ``progress(records_done,
         records_total)``.
         """
-        return self._maintenance.migrate(session_id, tier, owner, progress)
+        return self._maintenance.migrate(self._ctx.resolve(session_id, owner), tier, owner, progress)
 
     # ------------------------------------------------------------------ recovery (kvstore.store.recovery)
     def reconcile(self) -> list[str]:

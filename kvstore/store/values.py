@@ -20,6 +20,9 @@ from kvstore.tiers import Tier
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 OWNER_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
+# A storage key (kvstore.migrations.index, schema 4): "<id>~<owner>"; a bare id is a key of an index
+# before schema 4 (the upgrade steps before it read journals under those names).
+KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}(~[A-Za-z0-9][A-Za-z0-9_.@-]{0,127})?$")
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:=@/-]{0,63}$")
 MAX_TAGS = 32
 STATES = ("active", "parked", "damaged")
@@ -44,6 +47,26 @@ def validate_session_id(session_id: Any) -> str:
             f"invalid session id {shown!r}: use 1-64 letters, digits, '_' or '-', starting with a letter or digit"
         )
     return session_id
+
+
+def validate_key(key: Any) -> str:
+    """Return ``key`` if it is a storage key (``<id>~<owner>``), else raise :class:`InvalidSessionId`.
+
+    Keys name a session's files, so a path built from one never leaves its folder either.
+    """
+    if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
+        raise InvalidSessionId(f"invalid session key {key if isinstance(key, str) else type(key).__name__!r}")
+    return key
+
+
+def storage_key(session_id: Any, owner: Any) -> str:
+    """The storage key of ``owner``'s session ``session_id`` (both validated): ids are per owner."""
+    return schema.storage_key(validate_session_id(session_id), validate_owner(owner))
+
+
+def public_id(key: str) -> str:
+    """The id a storage key's owner knows the session by."""
+    return schema.public_id(key)
 
 
 def validate_owner(owner: Any) -> str:
@@ -79,7 +102,7 @@ def check_record_size(geometry: Geometry, tier: Tier) -> None:
 def refuse_damaged(record: dict[str, Any]) -> None:
     """Raise :class:`SessionDamaged` (with the recorded problem) for a session marked damaged."""
     if record["state"] == "damaged":
-        raise SessionDamaged(f"session {record['id']!r} is damaged: {record.get('problem')}")
+        raise SessionDamaged(f"session {public_id(record['id'])!r} is damaged: {record.get('problem')}")
 
 
 # ---------------------------------------------------------------------------- index record fields
@@ -180,7 +203,12 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class SessionInfo:
-    """One session as the index records it (times are seconds since the epoch)."""
+    """One session as the index records it (times are seconds since the epoch).
+
+    ``id`` is the id its owner knows it by (ids are per owner); ``key`` is the store's own name for
+    it (``<id>~<owner>``: its files and index entries), ``parent`` the id of the session it was
+    forked from (same owner).
+    """
 
     id: str
     owner: str
@@ -200,11 +228,13 @@ class SessionInfo:
     problem: str | None
     fingerprint_key: str
     prefix_blocks: int
+    key: str
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "SessionInfo":
+        parent = record.get("parent")
         return cls(
-            id=record["id"],
+            id=public_id(record["id"]),
             owner=record["owner"],
             model=ModelInfo.from_dict(record["model"]),
             geometry=geometry_of(record),
@@ -217,11 +247,12 @@ class SessionInfo:
             size_bytes=record["size_bytes"],
             tags=tuple(record["tags"]),
             state=record["state"],
-            parent=record.get("parent"),
+            parent=public_id(parent) if parent is not None else None,
             fork_point=record.get("fork_point"),
             problem=record.get("problem"),
             fingerprint_key=record["fingerprint"],
             prefix_blocks=record.get("prefix_blocks", 0),
+            key=record["id"],
         )
 
     @property

@@ -14,7 +14,6 @@ transaction that commits it (``budget``).
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,9 +22,9 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from kvstore.errors import FormatError, InvalidRequest, SessionExists
+from kvstore.errors import FormatError, InvalidRequest, JournalWriteError, NonFiniteValues, SessionExists
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, Sanitized
 from kvstore.journal import KVFile, write_atomic
 from kvstore.migrations import index as schema
 from kvstore.store.budget import Evictor, Reservations
@@ -43,11 +42,13 @@ from kvstore.store.values import (
     SessionInfo,
     check_record_size,
     geometry_of,
+    public_id,
     refuse_damaged,
+    storage_key,
     tier_of,
     tier_record,
+    validate_key,
     validate_owner,
-    validate_session_id,
     validate_tags,
 )
 from kvstore.tiers import Tier
@@ -58,6 +59,16 @@ class AppendResult:
     info: SessionInfo
     appended: int  # records written by this call
     turn: tuple[int, int] | None  # the record range hashed as this call's turn (None for an empty call)
+    sanitized: Sanitized = Sanitized()  # non-finite values in the rows, stored as the tier's rule says
+
+
+def refuse_nonfinite(found: Sanitized) -> None:
+    """Raise :class:`NonFiniteValues` when ``found`` counts any (the caller asked for refusal)."""
+    if found.values:
+        raise NonFiniteValues(
+            f"the rows hold {found.describe()}; this store refuses non-finite values (reject_nonfinite, "
+            "kvstore serve --reject-nonfinite): nothing was written"
+        )
 
 
 class Writes:
@@ -93,22 +104,30 @@ class Writes:
         session_id: str | None,
         tags: Iterable[str],
     ) -> SessionInfo:
-        """Create an empty session (its journal holds only the header)."""
+        """Create an empty session (its journal holds only the header), keyed ``<id>~<owner>``."""
         ctx = self.ctx
         validate_owner(owner)
         model = ModelInfo.from_dict(model)
         tags = validate_tags(tags)
-        session_id = validate_session_id(session_id) if session_id is not None else uuid.uuid4().hex
+        session_id = storage_key(session_id if session_id is not None else uuid.uuid4().hex, owner)
         check_record_size(geometry, tier)
+        exists = f"session {public_id(session_id)!r} already exists"  # only ever the caller's own
         with ctx.writing(session_id):
             path = ctx.journal_path(session_id)
             self._removal.finish_interrupted_delete(session_id)
             with ctx.index.read() as txn:
                 if ctx.index.get(txn, session_id) is not None:
-                    raise SessionExists(f"session {session_id!r} already exists")
+                    raise SessionExists(exists)
             self._clear_orphan(session_id, path)
             with self._reservations.reserve(HEADER_BYTES) as reservation:
-                KVFile.create(path, geometry, tier, lock_timeout=ctx.lock_timeout).close()
+                sidecar = path.with_name(path.name + ".lock")  # the journal's writer lock (kvstore.journal)
+                try:
+                    KVFile.create(
+                        path, geometry, tier, lock_timeout=ctx.lock_timeout, dir_fd=ctx.dir_fd(ctx.journals)
+                    ).close()
+                except JournalWriteError:
+                    unlink_quietly(sidecar)  # we held it: a refused create leaves no file behind
+                    raise
                 now_ns = time.time_ns()
                 record = {
                     "id": session_id,
@@ -122,7 +141,7 @@ class Writes:
                     "updated": now_ns / 1e9,
                     "last_used": now_ns / 1e9,
                     "last_used_ns": now_ns,
-                    "size_bytes": os.stat(path).st_size,
+                    "size_bytes": HEADER_BYTES,  # the empty journal just created (never re-read by path)
                     "tags": tags,
                     "state": "active",
                     "parent": None,
@@ -134,11 +153,12 @@ class Writes:
                 try:
                     with ctx.index.write() as txn:
                         if ctx.index.get(txn, session_id) is not None:
-                            raise SessionExists(f"session {session_id!r} already exists")
+                            raise SessionExists(exists)
                         ctx.index.put(txn, record)
                         self._reservations.settle(txn, reservation)
                 except BaseException:
                     path.unlink(missing_ok=True)  # never indexed: nobody was told it exists
+                    unlink_quietly(sidecar)
                     raise
         self._evictor.after_write(session_id)
         return SessionInfo.from_record(record)
@@ -154,16 +174,25 @@ class Writes:
             empty = False
         if not empty:
             raise SessionExists(
-                f"a journal for {session_id!r} exists without an index entry; reopen the store to move it to lost+found"
+                f"a journal for {public_id(session_id)!r} exists without an index entry; reopen the store to move it "
+                "to lost+found"
             )
         path.unlink()
 
     # ------------------------------------------------------------------ append
-    def append(self, session_id: str, tokens, L, R, I, *, complete_turn: bool, owner: str | None) -> AppendResult:
-        """Encode rows in the session's tier (``coli_kv.encode_records``), then append them."""
+    def append(
+        self, session_id: str, tokens, L, R, I, *, complete_turn: bool, owner: str | None, reject_nonfinite: bool
+    ) -> AppendResult:
+        """Encode rows in the session's tier (``coli_kv.encode_records_counted``), then append them.
+
+        Non-finite values are stored by the tier's rule and counted (``AppendResult.sanitized``), or
+        refused with ``reject_nonfinite`` (:class:`NonFiniteValues`, before anything is written).
+        """
         record = self.ctx.record(session_id, owner)
-        encoded = coli_kv.encode_records(geometry_of(record), tier_of(record), tokens, L, R, I)
-        return self.append_records(session_id, encoded, complete_turn=complete_turn, owner=owner)
+        encoded, found = coli_kv.encode_records_counted(geometry_of(record), tier_of(record), tokens, L, R, I)
+        if reject_nonfinite:
+            refuse_nonfinite(found)
+        return self.append_records(session_id, encoded, complete_turn=complete_turn, owner=owner, counted=found)
 
     def append_records(
         self,
@@ -172,24 +201,35 @@ class Writes:
         *,
         complete_turn: bool,
         owner: str | None,
+        reject_nonfinite: bool = False,
+        counted: Sanitized | None = None,
     ) -> AppendResult:
-        """Validate, then append: journal durable first, then one index transaction."""
+        """Validate, then append: journal durable first, then one index transaction.
+
+        Non-finite f32 values (v1 rows, indexer rows) are stored as 0 and counted, or refused with
+        ``reject_nonfinite``; ``counted`` is the count of rows :meth:`append` encoded (already clean).
+        """
         ctx = self.ctx
-        validate_session_id(session_id)
+        validate_key(session_id)
         with ctx.writing(session_id):
             record = self._parking.active_locked(session_id, owner)
             with ctx.open_journal(record, writable=True) as journal:
                 record = self._recovery.match_journal(record, journal)
+                found = counted
+                if found is None:
+                    records, found = self._sanitized(records, journal)
+                    if reject_nonfinite:
+                        refuse_nonfinite(found)
                 rows = journal.validate_records(records)
                 count = record["n_records"]
                 if rows.shape[0] == 0:
                     record = self._mark_complete(record, journal) if complete_turn else record
-                    return AppendResult(SessionInfo.from_record(record), 0, None)
+                    return AppendResult(SessionInfo.from_record(record), 0, None, found)
                 payload = bytes_view(rows)
                 digest = turn_digest(payload)
                 with self._reservations.reserve(len(payload)) as reservation:
                     total = journal.append_records(rows, validate=False)  # validated above
-                    size = os.stat(journal.path).st_size
+                    size = journal.size_bytes
                     new_wm = total if complete_turn else record["watermark"]
                     hashes, first_block = self._prefixes.new_blocks(record, journal, rows, new_wm)
                     now_ns = time.time_ns()
@@ -210,7 +250,23 @@ class Writes:
                         )
                         self._reservations.settle(txn, reservation)
         self._evictor.after_write(session_id)
-        return AppendResult(SessionInfo.from_record(record), total - count, (count, total))
+        return AppendResult(SessionInfo.from_record(record), total - count, (count, total), found)
+
+    @staticmethod
+    def _sanitized(
+        records: np.ndarray | bytes | bytearray | memoryview, journal: KVFile
+    ) -> tuple[np.ndarray | bytes | bytearray | memoryview, Sanitized]:
+        """Raw records with their non-finite f32 values set to 0 (``coli_kv.sanitize_records``).
+        Bytes that are not whole records are passed on for the journal's validation to refuse."""
+        dtype = coli_kv.record_dtype(journal.geometry, journal.tier)
+        if not isinstance(records, np.ndarray):
+            raw = memoryview(records).cast("B")
+            if len(raw) % dtype.itemsize:
+                return records, Sanitized()
+            records = np.frombuffer(raw, dtype=dtype)
+        elif records.dtype != dtype:
+            return records, Sanitized()
+        return coli_kv.sanitize_records(records, journal.tier)
 
     def _mark_complete(self, record: dict, journal: KVFile) -> dict:
         """Mark the rows appended so far as a complete turn (the watermark moves to the count)."""
@@ -237,7 +293,7 @@ class Writes:
     def truncate(self, session_id: str, n_records: int, owner: str | None) -> SessionInfo:
         """Keep the first ``n_records`` records (the index commits first, then the journal is cut)."""
         ctx = self.ctx
-        validate_session_id(session_id)
+        validate_key(session_id)
         if not isinstance(n_records, (int, np.integer)) or isinstance(n_records, bool) or n_records < 0:
             raise InvalidRequest("n_records must be a non-negative integer")
         n_records = int(n_records)
@@ -245,7 +301,8 @@ class Writes:
             record = self._parking.active_locked(session_id, owner)
             if n_records > record["n_records"]:
                 raise InvalidRequest(
-                    f"session {session_id!r} holds {record['n_records']} records; cannot truncate to {n_records}"
+                    f"session {public_id(session_id)!r} holds {record['n_records']} records; "
+                    f"cannot truncate to {n_records}"
                 )
             with ctx.open_journal(record, writable=True) as journal:
                 record = self._recovery.match_journal(record, journal)
@@ -257,19 +314,21 @@ class Writes:
 
     # ------------------------------------------------------------------ fork
     def fork(
-        self, session_id: str, at: int | None, new_id: str | None, owner: str | None, tags: Iterable[str] | None
+        self, session_id: str, at: int | None, new_id: str, owner: str | None, tags: Iterable[str] | None
     ) -> SessionInfo:
-        """Copy the first ``at`` records into a new session, published atomically, then indexed."""
+        """Copy the first ``at`` records into a new session (key ``new_id``, the source owner's),
+        published atomically, then indexed."""
         ctx = self.ctx
-        validate_session_id(session_id)
-        new_id = validate_session_id(new_id) if new_id is not None else uuid.uuid4().hex
+        validate_key(session_id)
+        validate_key(new_id)
+        exists = f"session {public_id(new_id)!r} already exists"  # only ever the caller's own
         if new_id == session_id:
-            raise SessionExists(f"session {new_id!r} already exists")
+            raise SessionExists(exists)
         with ctx.writing(new_id):
             self._removal.finish_interrupted_delete(new_id)
             with ctx.index.read() as txn:
                 if ctx.index.get(txn, new_id) is not None:
-                    raise SessionExists(f"session {new_id!r} already exists")
+                    raise SessionExists(exists)
             path = ctx.journal_path(new_id)
             self._clear_orphan(new_id, path)
             with ctx.reading(session_id):
@@ -311,7 +370,7 @@ class Writes:
                         "updated": now_ns / 1e9,
                         "last_used": now_ns / 1e9,
                         "last_used_ns": now_ns,
-                        "size_bytes": os.stat(path).st_size,
+                        "size_bytes": size,  # the copy write_atomic just wrote, header and records
                         "tags": validate_tags(source["tags"] if tags is None else tags),
                         "state": "active",
                         "parent": session_id,

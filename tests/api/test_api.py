@@ -126,10 +126,18 @@ def test_owner_isolation(alice, bob, keys):
     assert_error(bob.get(f"/jobs/{job['id']}"), 404, "JobNotFound")
     wait_job(alice, job)
     assert [s["id"] for s in alice.get("/sessions").json()["sessions"]] == ["secret"]
-    # bob may use the same id for his own session: ids are per store, so it is taken
-    assert_error(
-        bob.post("/sessions", json={"id": "secret", "model": MODEL, "geometry": GEOMETRY_JSON}), 409, "SessionExists"
-    )
+    # Ids are per owner: bob may have a "secret" of his own (created, never told alice's exists),
+    # and each owner's calls reach only their own.
+    mine = create(bob, "secret", tier="int4")
+    assert (mine["owner"], mine["n_records"], mine["tier"]["name"]) == ("bob", 0, "int4")
+    assert append_raw(bob, "secret", Rows(2).encode(tiers.INT4, Rows(2).make(2))).json()["session"]["n_records"] == 2
+    assert bob.post("/sessions/secret/fork", json={"id": "copy"}).status_code == 201
+    assert bob.delete("/sessions/secret").status_code == 204
+    theirs = alice.get("/sessions/secret").json()
+    assert (theirs["owner"], theirs["n_records"], theirs["tier"]["name"]) == ("alice", 3, "fp8")
+    assert [s["id"] for s in alice.get("/sessions").json()["sessions"]] == ["secret"]
+    assert [s["id"] for s in bob.get("/sessions").json()["sessions"]] == ["copy"]
+    assert alice.get("/sessions/copy").status_code == 404
 
 
 @pytest.mark.parametrize("bad", ["a.b", "...", "-x", "x" * 65, "%00", "caf%C3%A9", "a%20b", ".hidden"])
@@ -373,7 +381,7 @@ def test_verify_and_repair_over_http(server, alice):
     rows = Rows(10)
     append_raw(alice, "chat", rows.encode(tiers.FP8, rows.make(4)))
     append_raw(alice, "chat", rows.encode(tiers.FP8, rows.make(4)))
-    path = server.data / "journals" / "chat.coli_kv"
+    path = server.data / "journals" / "chat~alice.coli_kv"  # ids are per owner: <id>~<owner>
     with open(path, "r+b") as f:  # a silent bit flip in record 5's codes
         f.seek(HEADER_BYTES + 5 * 116 + 10)
         byte = f.read(1)[0]

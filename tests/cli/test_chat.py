@@ -43,7 +43,7 @@ def test_chat_turns_in_new_processes_prefill_only_the_new_tokens_and_verify_find
     )
     assert report["session"]["n_records"] == 11 + 3 + 6
 
-    journal = tmp_path / "data" / "journals" / "chat-1.coli_kv"
+    journal = tmp_path / "data" / "journals" / "chat-1~default.coli_kv"  # <id>~<owner>
     offset = HEADER_BYTES + 13 * report["session"]["record_bytes"] + 4 + 3  # inside turn 1 (records 11..19)
     with open(journal, "r+b") as f:
         f.seek(offset)
@@ -62,3 +62,29 @@ def test_chat_turns_in_new_processes_prefill_only_the_new_tokens_and_verify_find
     ), third.stderr
     healed = kvstore("verify", "chat-1", "--data", "data", cwd=tmp_path)
     assert healed.returncode == 0 and "chat-1: ok (2 turns, 18 records)" in healed.stdout
+
+
+def _traces(data, session_id: str) -> list[str]:
+    """Every file or folder under the data folder whose name mentions the session id."""
+    return sorted(str(p.relative_to(data)) for p in data.rglob("*") if session_id in p.name)
+
+
+def test_a_refused_turn_creates_nothing(tmp_path, model_dir, capsys):
+    # Issue 15, item 15: an empty prompt (text, ids, or ids out of the vocabulary) with the default
+    # create is refused before the session exists: no session, no journal, no lock file.
+    from kvstore.cli import main
+
+    data = tmp_path / "data"
+    base = ["chat", str(model_dir), "--session", "ghost", "--data", str(data), "--max-new-tokens", "2"]
+    for turn in (["--prompt", ""], ["--ids", ""], ["--ids", "99999"]):
+        assert main([*base, *turn]) == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvstore: error: "), lines
+        assert _traces(data, "ghost") == [], turn
+        assert main(["sessions", "list", "--data", str(data), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == []
+    assert "the new turn is empty" in kvstore("chat", *base[1:], "--prompt", "", cwd=tmp_path).stderr
+    # the same session is created by the first turn that runs
+    assert main([*base, "--prompt", "Hi"]) == 0
+    assert "[created session ghost" in capsys.readouterr().err
+    assert any(name.startswith("journals/") and name.endswith(".coli_kv") for name in _traces(data, "ghost"))

@@ -96,10 +96,20 @@ def test_hf_chat_owner_defaults_to_any_owner_and_creates_as_default(hf_folder, t
     assert main([*base, "--session", "hers", "--ids", "7"]) == 0  # no --owner: any owner's session continues
     turn = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert turn["reused_tokens"] == 4 and turn["records"] == 7
-    assert (
-        main([*base, "--session", "hers", "--ids", "8", "--owner", "bob"]) == 2
-    )  # invisible to bob: not his to create
-    capsys.readouterr()
+    # Ids are per owner: alice's "hers" is invisible to bob, who gets a new "hers" of his own.
+    assert main([*base, "--session", "hers", "--ids", "8", "--owner", "bob"]) == 0
+    turn = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (turn["reused_tokens"], turn["records"]) == (0, 3)
+    with SessionStore(data) as store:
+        assert store.get("hers", owner="bob").n_records == 3 and store.get("hers", owner="alice").n_records == 7
+    # Now two owners have "hers": without --owner the command refuses to pick one, naming them.
+    assert main([*base, "--session", "hers", "--ids", "9"]) == 2
+    assert "2 owners have a session 'hers' (alice, bob); name the owner (--owner)" in capsys.readouterr().err
+    assert main([*base, "--session", "hers", "--ids", "9", "--owner", "alice"]) == 0
+    turn = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (turn["reused_tokens"], turn["records"]) == (7, 10)
+    with SessionStore(data) as store:
+        assert store.get("hers", owner="bob").n_records == 3
     assert main([*base, "--session", "old", "--ids", "5 6", "--tier", "v2"]) == 0
     assert "kvstore: warning: tier 'v2' is deprecated: use 'fp8'" in capsys.readouterr().err
 

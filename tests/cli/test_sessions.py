@@ -134,7 +134,7 @@ def test_verify_exits_1_on_damage_and_bad_input_exits_2(tmp_path, capsys, geomet
         "fp8",
     )
     run_json(capsys, "sessions", "append", "chat", raw, "--data", data)
-    journal = data / "journals" / "chat.coli_kv"
+    journal = data / "journals" / "chat~default.coli_kv"  # <id>~<owner>
     blob = bytearray(journal.read_bytes())
     blob[coli_kv.HEADER_BYTES + 9] ^= 1
     journal.write_bytes(bytes(blob))
@@ -164,3 +164,65 @@ def test_verify_exits_1_on_damage_and_bad_input_exits_2(tmp_path, capsys, geomet
     half = tmp_path / "half.bin"
     half.write_bytes(raw.read_bytes()[:-1])
     assert main(["sessions", "append", "chat", str(half), "--data", str(data)]) == 2
+
+
+def test_append_refuses_a_damaged_file_unless_allowed_and_then_appends_its_rows_sanitized(tmp_path, vectors, capsys):
+    # Issue 15, item 13 for `sessions append`: a damaged .coli_kv is refused (exit 1, the damage
+    # named, the session unchanged); --allow-damaged appends its whole records as repair would.
+    data = tmp_path / "data"
+    source = tmp_path / "rows.coli_kv"
+    blob = bytearray((vectors / "small.v2.coli_kv").read_bytes())
+    header = coli_kv.parse_header(bytes(blob[:40]))
+    records = np.frombuffer(blob, coli_kv.record_dtype(header.geometry, header.tier), 7, 40)
+    records["layers"]["Ls"][2, 1] = np.nan
+    source.write_bytes(bytes(blob))
+    create = ["sessions", "create", "--id", "s", "--like", source, "--model-name", "m", "--model-revision", "r"]
+    assert run(capsys, *create, "--data", data)[0] == 0
+    assert main(["sessions", "append", "s", str(source), "--data", str(data)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kvstore: error: {source}: damaged, append refused: record 2 ")
+    assert run_json(capsys, "sessions", "show", "s", "--data", data)["n_records"] == 0
+    assert main(["sessions", "append", "s", str(source), "--data", str(data), "--allow-damaged"]) == 0
+    assert capsys.readouterr().err.startswith(f"kvstore: warning: {source} is damaged (record 2 ")
+    out = tmp_path / "back.coli_kv"
+    assert run(capsys, "sessions", "resume", "s", out, "--data", data)[0] == 0
+    stored = coli_kv.load(out)
+    assert stored.n == 7 and not stored.problems.damaged  # the bad row went in inert, as repair writes it
+
+
+def test_ids_are_per_owner_on_the_command_line(tmp_path, capsys, geometry, make_rows):
+    # Two owners may both have "chat". Without --owner a command takes the one session of an id and
+    # refuses (exit 2, naming the owners) an id several owners have; --owner picks that owner's.
+    data = tmp_path / "data"
+    chunks = {"alice": make_rows(70, seed=1), "bob": make_rows(66, seed=2)}
+    for owner, rows in chunks.items():
+        source = tmp_path / f"{owner}.coli_kv"
+        coli_kv.write(source, *rows, vocab=geometry.vocab, version=2)
+        create = ["sessions", "create", "--data", data, "--id", "chat", "--owner", owner, "--like", source]
+        assert run_json(capsys, *create, "--model-name", "m", "--model-revision", "r")["owner"] == owner
+        run_json(capsys, "sessions", "append", "chat", source, "--data", data, "--owner", owner)
+    for command in (["show", "chat"], ["truncate", "chat", "1"], ["delete", "chat"], ["park", "chat"]):
+        code = main(["sessions", *command, "--data", str(data)])
+        assert code == 2 and "2 owners have a session 'chat' (alice, bob); name the owner (--owner)" in (
+            capsys.readouterr().err
+        ), command
+    shown = {o: run_json(capsys, "sessions", "show", "chat", "--data", data, "--owner", o) for o in chunks}
+    assert {o: (s["owner"], s["n_records"]) for o, s in shown.items()} == {"alice": ("alice", 70), "bob": ("bob", 66)}
+    alices = ",".join(map(str, chunks["alice"][0][:66]))
+    lookup = ["sessions", "lookup", "--data", data, "--like-session", "chat", "--tokens", alices]
+    assert run_json(capsys, *lookup, "--owner", "alice")["match"]["matched_tokens"] == 66
+    assert run_json(capsys, *lookup, "--owner", "bob")["match"] is None  # bob's "chat" holds other tokens
+    fork = run_json(capsys, "sessions", "fork", "chat", "--data", data, "--owner", "bob", "--new-id", "branch")
+    assert (fork["owner"], fork["parent"], fork["n_records"]) == ("bob", "chat", 66)
+    assert run_json(capsys, "sessions", "park", "chat", "--data", data, "--owner", "bob")["state"] == "parked"
+    out = tmp_path / "bob.npz"
+    run_json(capsys, "sessions", "resume", "chat", out, "--data", data, "--owner", "bob")  # unparks bob's
+    with np.load(out) as arrays:
+        assert arrays["tokens"].tolist() == chunks["bob"][0].tolist()
+    assert main(["sessions", "delete", "chat", "--data", str(data), "--owner", "bob"]) == 0
+    capsys.readouterr()
+    # one "chat" is left: commands without --owner reach it again
+    assert run_json(capsys, "sessions", "show", "chat", "--data", data)["owner"] == "alice"
+    assert run_json(capsys, "sessions", "verify", "chat", "--data", data)["ok"] is True
+    listed = run_json(capsys, "sessions", "list", "--data", data)
+    assert sorted((s["id"], s["owner"]) for s in listed) == [("branch", "bob"), ("chat", "alice")]

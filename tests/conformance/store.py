@@ -28,6 +28,7 @@ from kvstore.errors import (
     IntegrityError,
     InvalidRequest,
     InvalidSessionId,
+    NonFiniteValues,
     SessionExists,
     SessionNotFound,
 )
@@ -60,9 +61,10 @@ class StoreConformance(abc.ABC):
         """Open (or create) the store kept under ``path``; ``limits``: ``budget_bytes``, ``hard_limit_bytes``."""
 
     @abc.abstractmethod
-    def stored_image(self, store: SessionStore, session_id: str) -> bytes | None:
-        """The ``.coli_kv`` image (header + records) the backend holds for a session, whether active
-        or parked, as stored (records past the index's count included); None if it holds none."""
+    def stored_image(self, store: SessionStore, session_id: str, owner: str | None = None) -> bytes | None:
+        """The ``.coli_kv`` image (header + records) the backend holds for ``owner``'s session (ids are
+        per owner; None: the one owner's that has it), whether active or parked, as stored (records
+        past the index's count included); None if it holds none."""
 
     @abc.abstractmethod
     def flip_stored_byte(self, store: SessionStore, session_id: str, offset: int) -> None:
@@ -83,8 +85,8 @@ class StoreConformance(abc.ABC):
     def rows(self):
         return Rows(1)
 
-    def body(self, store: SessionStore, session_id: str) -> bytes:
-        image = self.stored_image(store, session_id)
+    def body(self, store: SessionStore, session_id: str, owner: str | None = None) -> bytes:
+        image = self.stored_image(store, session_id, owner)
         assert image is not None, f"no stored image for {session_id!r}"
         return image[HEADER_BYTES:]
 
@@ -156,6 +158,43 @@ class StoreConformance(abc.ABC):
         assert store.list(owner="mallory") == []
         assert store.get("mine").n_records == 4 and store.get("mine").state == "active"
         assert store.get("mine").tags == ()
+
+    def test_ids_are_per_owner(self, store, rows):
+        # Two owners may both have "chat": each sees, changes, forks and deletes only their own.
+        mine, theirs = rows.make(4), rows.make(2)
+        new_session(store, "chat", owner="alice")
+        new_session(store, "chat", owner="bob", tier=tiers.INT4)
+        store.append("chat", *mine, owner="alice")
+        store.append("chat", *theirs, owner="bob")
+        alice, bob = store.get("chat", owner="alice"), store.get("chat", owner="bob")
+        assert (alice.id, alice.owner, alice.n_records, alice.tier) == ("chat", "alice", 4, tiers.FP8)
+        assert (bob.id, bob.owner, bob.n_records, bob.tier) == ("chat", "bob", 2, tiers.INT4)
+        assert alice.key != bob.key
+        assert self.body(store, "chat", "alice") == rows.encode(tiers.FP8, mine)
+        assert self.body(store, "chat", "bob") == rows.encode(tiers.INT4, theirs)
+        assert store.resume("chat", owner="bob").tokens.tolist() == theirs[0].tolist()
+        with pytest.raises(SessionExists, match="'chat' already exists"):
+            new_session(store, "chat", owner="bob")
+        # A fork belongs to its source's owner, whatever id the other owner holds.
+        assert store.fork("chat", new_id="branch", owner="bob").parent == "chat"
+        assert store.fork("chat", new_id="branch", owner="alice").n_records == 4
+        assert [(s.id, s.owner) for s in store.list(owner="bob")] == [("chat", "bob"), ("branch", "bob")]
+        # Acting as any owner (owner=None), an id two owners have is refused, never guessed.
+        for call in (
+            lambda: store.get("chat"),
+            lambda: store.append("chat", *rows.make(1)),
+            lambda: store.truncate("chat", 0),
+            lambda: store.delete("chat"),
+        ):
+            with pytest.raises(InvalidRequest, match=r"2 owners have a session .chat. \(alice, bob\)"):
+                call()
+        store.truncate("chat", 0, owner="bob")
+        store.delete("chat", owner="bob")
+        assert store.get("chat", owner="alice").n_records == 4 and store.verify("chat").ok  # one left: no owner needed
+        with pytest.raises(SessionNotFound, match="no session 'chat'"):
+            store.get("chat", owner="bob")
+        fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
+        assert store.lookup("bob", fingerprint, mine[0]) is None
 
     def test_set_tags_replaces_them(self, store):
         new_session(store, tags=["old"])
@@ -239,6 +278,28 @@ class StoreConformance(abc.ABC):
         info = store.get("chat")
         assert (info.n_records, info.watermark) == (3, 3)
         assert store.verify("chat").ok
+
+    @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())
+    def test_nonfinite_rows_are_counted_the_same_in_every_tier_or_refused(self, store, rows, tier):
+        new_session(store, tier=tier)
+        tokens, L, R, I = rows.make(4)
+        L[1, 2, 3], I[0, 1, 0] = np.nan, np.inf
+        result = store.append("chat", tokens, L, R, I)
+        assert (result.appended, result.sanitized.values, result.sanitized.first) == (4, 2, (1, "I", 0, 0))
+        assert result.sanitized.rows_zeroed == (1 if tier.version == 3 else 0)  # fp8: NaN alone is a 0 code
+        dL, dR, dI = store.resume("chat").arrays()
+        assert np.isfinite(dL).all() and np.isfinite(dI).all() and dI[0, 1, 0] == 0
+        before = self.stored_image(store, "chat")
+        with pytest.raises(NonFiniteValues, match="2 non-finite values .*first at record 1, I layer 0, element 0"):
+            store.append("chat", tokens, L, R, I, reject_nonfinite=True)
+        raw = coli_kv.encode_records(GEOMETRY, tier, *rows.make(2))
+        raw["index"][1, 0, 2] = np.nan  # raw records: the indexer rows are f32 in every tier
+        with pytest.raises(NonFiniteValues, match="1 non-finite value "):
+            store.append_records("chat", raw.tobytes(), reject_nonfinite=True)
+        assert self.stored_image(store, "chat") == before and store.get("chat").n_records == 4
+        counted = store.append_records("chat", raw.tobytes())
+        assert (counted.appended, counted.sanitized.values, counted.sanitized.first) == (2, 1, (1, "I", 0, 2))
+        assert store.append("chat", *rows.make(1)).sanitized.values == 0 and store.verify("chat").ok
 
     def test_fingerprint_is_checked_on_resume(self, store, rows):
         new_session(store, tier=tiers.FP8)

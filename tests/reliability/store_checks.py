@@ -20,26 +20,27 @@ def snapshot(store: SessionStore) -> dict[str, Session]:
     out = {}
     journals = {n for n in listing(store.journals) if n.endswith(".coli_kv")}
     archives = {n for n in listing(store.archives) if n.endswith(".coli_kv.zst")}
+    keys = set()
     for info in store.list():
         sid = info.id
+        keys.add(info.key)  # files are named by the storage key, <id>~<owner>
         assert info.state in ("active", "parked"), (sid, info.state, info.problem)
         assert 0 <= info.watermark <= info.n_records, (sid, info.watermark, info.n_records)
-        has_journal, has_archive = f"{sid}.coli_kv" in journals, f"{sid}.coli_kv.zst" in archives
+        has_journal, has_archive = f"{info.key}.coli_kv" in journals, f"{info.key}.coli_kv.zst" in archives
         if info.state == "active":
             assert has_journal and not has_archive, (sid, has_journal, has_archive)
-            image = store.journal_path(sid).read_bytes()
+            image = store.journal_path(sid, owner=info.owner).read_bytes()
             assert info.size_bytes == len(image)
         else:
             assert has_archive and not has_journal, (sid, has_journal, has_archive)
-            image = b"".join(archive.stream_archive(store.archive_path(sid)))
-            assert info.size_bytes == store.archive_path(sid).stat().st_size
+            image = b"".join(archive.stream_archive(store.archive_path(sid, owner=info.owner)))
+            assert info.size_bytes == store.archive_path(sid, owner=info.owner).stat().st_size
         header = coli_kv.parse_header(image)
         assert header.nrec == info.n_records and header.tier == info.tier, (sid, header.nrec, info.n_records)
         assert len(image) == HEADER_BYTES + info.n_records * info.record_bytes, (sid, "a torn or unacknowledged tail")
         out[sid] = Session(info.tier, image[HEADER_BYTES:], info.watermark, info.state)
-    indexed = set(out)
-    assert {n[: -len(".coli_kv")] for n in journals} <= indexed, "a journal without an index entry"
-    assert {n[: -len(".coli_kv.zst")] for n in archives} <= indexed, "an archive without an index entry"
+    assert {n[: -len(".coli_kv")] for n in journals} <= keys, "a journal without an index entry"
+    assert {n[: -len(".coli_kv.zst")] for n in archives} <= keys, "an archive without an index entry"
     leftovers = [n for n in listing(store.journals) | listing(store.archives) if ".tmp-" in n]
     assert leftovers == [], leftovers
     usage = store.usage()
@@ -62,13 +63,13 @@ def visible(store: SessionStore) -> dict[str, Session]:
     for info in store.list():
         assert 0 <= info.watermark <= info.n_records, (info.id, info.watermark, info.n_records)
         if info.state == "active":
-            image = store.journal_path(info.id).read_bytes()
+            image = store.journal_path(info.id, owner=info.owner).read_bytes()
             assert coli_kv.parse_header(image).nrec >= info.n_records, (
                 info.id,
                 "the index counts records the journal lost",
             )
         elif info.state == "parked":
-            image = b"".join(archive.stream_archive(store.archive_path(info.id)))
+            image = b"".join(archive.stream_archive(store.archive_path(info.id, owner=info.owner)))
         else:
             raise AssertionError(f"{info.id} is {info.state}: {info.problem}")
         body = image[HEADER_BYTES : HEADER_BYTES + info.n_records * info.record_bytes]

@@ -308,7 +308,7 @@ def test_another_owners_session_is_missing_on_every_route(service, openapi, figu
         assert "alices" not in {s["id"] for s in bob.get("/sessions").json()["sessions"]}
         tried += 3
     assert state_of(service, "alices") == before
-    assert not (service.data / "journals" / "bob-copy.coli_kv").exists()
+    assert not list((service.data / "journals").glob("bob-copy~*"))
     figures.add("api_abuse", "another_owners_ids", inputs=tried, leaked=0, changed=0)
 
 
@@ -358,13 +358,13 @@ def test_traversal_looking_ids_on_every_route(service, openapi, figures):
             assert assert_error(fork, 400, 422)["error"] in ("InvalidSessionId", "InvalidRequest")
             tried += 2
     assert store_files(service.data) == before_files, "a refused id left a file"
-    locks = {p.name.rsplit(".", 1)[0] for p in (service.data / "locks").iterdir()}
-    assert all(name.replace("-", "").replace("_", "").isalnum() for name in locks), locks
+    locks = {p.name.rsplit(".", 1)[0] for p in (service.data / "locks").iterdir()}  # <id>~<owner>.write
+    assert all(name.replace("-", "").replace("_", "").replace("~", "").isalnum() for name in locks), locks
     assert state_of(service, "trav") == before
     # Ids that only look like the store's own folders are ordinary sessions, kept in journals/.
     for sid in VALID_BUT_SUSPICIOUS:
         rows = make_session(service, sid, turns=1)
-        assert (service.data / "journals" / f"{sid}.coli_kv").read_bytes()[coli_kv.HEADER_BYTES :] == rows
+        assert (service.data / "journals" / f"{sid}~alice.coli_kv").read_bytes()[coli_kv.HEADER_BYTES :] == rows
         tried += 1
     assert (service.data / "index").is_dir() and (service.data / "keys.json").is_file()
     figures.add("api_abuse", "traversal_looking_ids", inputs=tried, escaped=0, server_errors=0)

@@ -23,7 +23,7 @@ from kvstore.api.errors import http_status
 from kvstore.errors import JournalLocked, JournalWriteError, SessionNotFound
 from kvstore.store import SessionStore
 from reliability.store_checks import check_served, snapshot, visible
-from reliability.store_workload import TIER_NAMES, StoreModel, perform
+from reliability.store_workload import OWNER, TIER_NAMES, StoreModel, perform
 from reliability.workload import turn_rows
 
 SEED = 88
@@ -79,7 +79,7 @@ def test_delete_that_cannot_remove_files_is_finished_by_the_next_call(store_and_
     with pytest.raises(SessionNotFound):
         store.get("s")
     store.delete("s")  # the same call again finishes it
-    assert not store.journal_path("s").exists()
+    assert not store.journal_path("s", owner=OWNER).exists()
     # and after another failed delete, the id can be created again at once
     model = perform(store, model.apply("delete", ["s"]), "create", ["s", "v2"])
     model = perform(store, model, "append", ["s", "3", "1"])
@@ -98,7 +98,7 @@ def test_fork_whose_folder_sync_fails_leaves_no_unindexed_copy(store_and_model, 
         with pytest.raises(JournalWriteError):
             store.fork("s", at=5, new_id="f")
     assert fault.failed
-    assert not store.journal_path("f").exists() and [i.id for i in store.list()] == ["s"]
+    assert not store.journal_path("f", owner=OWNER).exists() and [i.id for i in store.list()] == ["s"]
     model = perform(store, model, "fork", ["s", "f", "5"])  # the same fork again completes
     assert snapshot(store) == model.sessions
 
@@ -122,7 +122,7 @@ def test_park_and_unpark_failures_are_typed(store_and_model, monkeypatch, kind):
     store, model = store_and_model
     if kind == "unpark":
         model = perform(store, model, "park", ["s"])
-    old_file = "journals/s.coli_kv" if kind == "park" else "archive/s.coli_kv.zst"
+    old_file = f"journals/s~{OWNER}.coli_kv" if kind == "park" else f"archive/s~{OWNER}.coli_kv.zst"
     with monkeypatch.context() as m:
         fault = FailAfter(m, "unlink", path=old_file)  # committed: the new file is the truth, the old one cannot go
         with pytest.raises(JournalWriteError) as raised:
@@ -169,7 +169,8 @@ def test_verify_during_an_append_reads_one_snapshot(tmp_path, monkeypatch):
         def read_then_an_append():
             txn = real_read()
             reads.append(txn)
-            if len(reads) == 2:  # verify's read under its lock has begun: another request appends now
+            # reads: the facade resolving the id, verify's own check, then its read under the lock
+            if len(reads) == 3:  # verify's read under its lock has begun: another request appends now
                 appended.append(_in_a_thread(lambda: other.append("s", *turn_rows(SEED, 3))))
             return txn
 

@@ -148,7 +148,7 @@ def test_refusals_are_clear_and_change_nothing(make_server, model_dir):
         )
 
         # a journal cut behind the store's back: the restore fails with the reason, nothing changes
-        journal = server.data / "journals" / "ours.coli_kv"
+        journal = server.data / "journals" / "ours~alice.coli_kv"  # <id>~<owner>
         size = journal.stat().st_size
         with open(journal, "r+b") as f:
             f.truncate(size - 100)
@@ -210,3 +210,19 @@ def test_without_a_model_generation_answers_503_with_the_reason(make_server):
         page = anonymous.get("/metrics")  # no credentials: process totals only
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
         assert re.search(r"^kvstore_engine_loaded 0$", page.text, re.MULTILINE)
+
+
+def test_a_refused_generate_with_create_leaves_no_trace(make_server, model_dir):
+    # Issue 15, item 15: an empty turn with create (text "", tokens []), streamed or not, is refused
+    # before the session exists: no session for anyone, no journal, no lock file.
+    server = make_server("--model", str(model_dir))
+    with server.client() as alice:
+        for body in ({"text": ""}, {"tokens": []}, {"text": "", "stream": True}, {"tokens": [99999]}):
+            refused = alice.post("/sessions/ghost/generate", json={**TURN, **body, "create": True})
+            assert refused.status_code == 422 and refused.headers["content-type"].startswith("application/json")
+            assert refused.json()["error"] in ("GenerationError", "RequestValidationError"), refused.text
+            assert alice.get("/sessions/ghost").status_code == 404
+            assert [s["id"] for s in alice.get("/sessions").json()["sessions"]] == []
+            assert sorted(p.name for p in server.data.rglob("*") if "ghost" in p.name) == [], body
+        created = _generate(alice, "ghost", text="Hi", create=True)  # the first turn that runs creates it
+        assert created["created"] and created["session"]["n_records"] == 2 + 4

@@ -58,7 +58,7 @@ def test_crash_after_journal_append_before_index_commit_rolls_back(tmp_path):
     )
     rows = Rows(1)
     first, second = rows.make(5), rows.make(3)
-    assert coli_kv.load(data / "journals" / "chat.coli_kv").n == 8  # the journal committed the 3 records
+    assert coli_kv.load(data / "journals" / "chat~alice.coli_kv").n == 8  # the journal committed the 3 records
     with SessionStore(data) as store:
         assert any("rolled back 3 unacknowledged records" in line for line in store.reconcile_actions)
         info = store.get("chat")
@@ -125,8 +125,8 @@ def test_crash_during_park(tmp_path, patch, expected_state):
     with SessionStore(data) as store:
         info = store.get("chat")
         assert info.state == expected_state
-        assert store.journal_path("chat").exists() == (expected_state == "active")
-        assert store.archive_path("chat").exists() == (expected_state == "parked")
+        assert store.journal_path("chat", owner="alice").exists() == (expected_state == "active")
+        assert store.archive_path("chat", owner="alice").exists() == (expected_state == "parked")
         assert store.usage()["used_bytes"] == info.size_bytes
         assert store.resume("chat").records.record_bytes() == expected
         assert store.verify("chat").ok
@@ -149,7 +149,7 @@ def test_crash_during_unpark_before_commit(tmp_path):
     rows = Rows(1)
     with SessionStore(data) as store:
         assert any("interrupted park/unpark" in line for line in store.reconcile_actions)
-        assert store.get("chat").state == "parked" and not store.journal_path("chat").exists()
+        assert store.get("chat").state == "parked" and not store.journal_path("chat", owner="alice").exists()
         assert store.unpark("chat").state == "active"
         assert journal_body(store, "chat") == rows.encode(tiers.FP8, rows.make(30))
 
@@ -170,7 +170,7 @@ def test_crash_during_delete_is_finished_on_open(tmp_path):
         assert any("interrupted delete" in line for line in store.reconcile_actions)
         with pytest.raises(SessionNotFound):
             store.get("chat")
-        assert not store.journal_path("chat").exists() and store.usage()["used_bytes"] == 0
+        assert not store.journal_path("chat", owner="alice").exists() and store.usage()["used_bytes"] == 0
 
 
 def test_unindexed_journals_are_removed_when_empty_and_kept_otherwise(tmp_path):
@@ -183,14 +183,14 @@ def test_unindexed_journals_are_removed_when_empty_and_kept_otherwise(tmp_path):
         new_session(store)
         """,
     )
-    assert (data / "journals" / "chat.coli_kv").exists()
+    assert (data / "journals" / "chat~alice.coli_kv").exists()
     rows = Rows(1)
     stray = data / "journals" / "stray.coli_kv"
     with KVFile.create(stray, rows.geometry, tiers.FP8) as journal:
         journal.append(*rows.make(2))
     (data / "journals" / ".chat.coli_kv.tmp-999999999-1").write_bytes(b"partial")
     with SessionStore(data) as store:
-        assert not store.journal_path("chat").exists() and not stray.exists()
+        assert not store.journal_path("chat", owner="alice").exists() and not stray.exists()
         kept = list((data / "lost+found").iterdir())
         assert len(kept) == 1 and coli_kv.load(kept[0]).n == 2
         assert not (data / "journals" / ".chat.coli_kv.tmp-999999999-1").exists()
@@ -205,7 +205,7 @@ def test_a_journal_that_lost_its_tail_clamps_the_index_to_whole_turns(tmp_path):
         new_session(store)
         for chunk in chunks:
             store.append("chat", *chunk)
-    with KVFile.open(data / "journals" / "chat.coli_kv", writable=True) as journal:
+    with KVFile.open(data / "journals" / "chat~alice.coli_kv", writable=True) as journal:
         journal.truncate(12)  # outside kvstore: the third turn is now partial
     with SessionStore(data) as store:
         info = store.get("chat")
@@ -219,7 +219,7 @@ def test_a_missing_journal_marks_the_session_damaged(tmp_path):
     with SessionStore(data) as store:
         new_session(store)
         store.append("chat", *Rows(1).make(3))
-    (data / "journals" / "chat.coli_kv").unlink()
+    (data / "journals" / "chat~alice.coli_kv").unlink()
     with SessionStore(data) as store:
         info = store.get("chat")
         assert info.state == "damaged" and "missing" in info.problem

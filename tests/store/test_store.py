@@ -34,13 +34,15 @@ class TestEmbeddedStore(StoreConformance):
     def make_store(self, path, **limits) -> SessionStore:
         return SessionStore(path, **limits)
 
-    def stored_image(self, store, session_id):
-        journal, parked = store.journal_path(session_id), store.archive_path(session_id)
-        if journal.exists():
-            assert not parked.exists(), "a session with both a journal and an archive"
-            return journal.read_bytes()
-        if parked.exists():
-            return b"".join(archive.stream_archive(parked))
+    def stored_image(self, store, session_id, owner=None):
+        # Whatever files the folder holds for that id (indexed or not), named <id>~<owner>.
+        journals = list(store.journals.glob(f"{session_id}~{owner or '*'}.coli_kv"))
+        parked = list(store.archives.glob(f"{session_id}~{owner or '*'}.coli_kv.zst"))
+        assert len(journals) + len(parked) <= 1, f"more than one file for {session_id!r}: {journals + parked}"
+        if journals:
+            return journals[0].read_bytes()
+        if parked:
+            return b"".join(archive.stream_archive(parked[0]))
         return None
 
     def flip_stored_byte(self, store, session_id, offset):
@@ -68,11 +70,11 @@ def test_park_moves_the_journal_into_an_owner_only_archive(store, rows):
     assert not store.journal_path("chat").exists()
     assert parked.size_bytes == store.archive_path("chat").stat().st_size == store.usage()["used_bytes"]
     assert stat.S_IMODE(store.archive_path("chat").stat().st_mode) == 0o600
-    assert store.inspect("chat")["file"]["path"] == "archive/chat.coli_kv.zst"
+    assert store.inspect("chat")["file"]["path"] == "archive/chat~alice.coli_kv.zst"
     store.unpark("chat")
     assert not store.archive_path("chat").exists()
     assert store.journal_path("chat").read_bytes() == journal_bytes
-    assert store.inspect("chat")["file"] == {"path": "journals/chat.coli_kv", "bytes": len(journal_bytes)}
+    assert store.inspect("chat")["file"] == {"path": "journals/chat~alice.coli_kv", "bytes": len(journal_bytes)}
 
 
 def test_a_damaged_archive_is_refused_and_kept(store, rows):
@@ -104,7 +106,7 @@ def test_symlinks_out_of_the_store_are_refused(tmp_path, rows):
         new_session(store)
         store.append("chat", *rows.make(2))
         os.replace(store.journal_path("chat"), outside)
-        os.symlink(outside, tmp_path / "data" / "journals" / "chat.coli_kv")
+        os.symlink(outside, tmp_path / "data" / "journals" / "chat~alice.coli_kv")
         with pytest.raises(PathRefused):
             store.append("chat", *rows.make(1))
         with pytest.raises(PathRefused):
@@ -121,7 +123,7 @@ def test_a_symlinked_lock_file_is_refused(store, tmp_path):
     new_session(store)
     target = tmp_path / "elsewhere"
     target.write_bytes(b"")
-    os.symlink(target, store.locks / "linked.write")
+    os.symlink(target, store.locks / "linked~alice.write")
     with pytest.raises(PathRefused, match="symbolic link"):
         new_session(store, "linked")
     assert [s.id for s in store.list()] == ["chat"] and target.read_bytes() == b""

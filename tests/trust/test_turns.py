@@ -54,3 +54,18 @@ def test_a_turn_closed_before_it_ran_stores_nothing_and_releases_the_engine(chat
         assert turn.reused_tokens == before and turn.prefilled_tokens == 2
     assert turn.result is None and store.get("s").n_records == before
     assert chat.run("s", [9, 10], **TURN).source == "live"  # the lock was released, the cache still the session's
+
+
+def test_a_turn_found_for_any_owner_is_stored_on_that_owners_session(chat, store):
+    # Ids are per owner. A turn begun without an owner continues the one session of that id; if
+    # another owner creates the same id meanwhile, the turn still goes to the session it began on
+    # (looked up again by id alone, the id would now name two sessions and the turn be lost).
+    chat.run("s", [5, 6, 7, 8], create=True, **TURN)
+    before = store.get("s")
+    with chat.begin("s", [9, 10], **TURN) as turn:
+        chat.create_session("bob", "s")  # another owner's "s", mid-turn
+        tokens = list(turn)
+    assert turn.result.session.owner == before.owner == "default"
+    assert store.get("s", owner="default").n_records == before.n_records + 2 + len(tokens)
+    assert store.get("s", owner="bob").n_records == 0
+    assert store.verify("s", owner="default").ok

@@ -1,0 +1,80 @@
+"""Non-finite input rows: never stored as given, always counted, the first one named (issue 15, item 8)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore import tiers
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Geometry, Sanitized
+
+GEOMETRY = Geometry(n_layers=2, kv_lora=32, qk_rope=8, index_hd=4, nic=1, vocab=1000)
+TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(3)]
+
+
+def rows(n: int = 5, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    g = GEOMETRY
+    return (
+        rng.integers(0, g.vocab, n).astype(np.int32),
+        rng.standard_normal((g.n_layers, n, g.kv_lora)).astype(np.float32),
+        rng.standard_normal((g.n_layers, n, g.qk_rope)).astype(np.float32),
+        rng.standard_normal((g.nic, n, g.index_hd)).astype(np.float32),
+    )
+
+
+def poisoned():
+    """Rows with a NaN in L (record 3, layer 1, element 7), +inf in R (record 2, layer 0, element 1),
+    -inf in I (record 4) and a NaN in I (record 2): 4 values, the first at record 2 (R before I)."""
+    tokens, L, R, I = rows()
+    L[1, 3, 7] = np.nan
+    R[0, 2, 1] = np.inf
+    I[0, 4, 2] = -np.inf
+    I[0, 2, 3] = np.nan
+    return tokens, L, R, I
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.name)
+def test_every_tier_counts_the_same_values_and_stores_none_of_them(tier):
+    tokens, L, R, I = poisoned()
+    records, found = coli_kv.encode_records_counted(GEOMETRY, tier, tokens, L, R, I)
+    # f32 keeps the rest of each row; fp8 zeroes a row holding an infinity, int4/polar any row holding one
+    zeroed = {1: 0, 2: 1, 3: 2}[tier.version]
+    assert found == Sanitized(4, zeroed, (2, "R", 0, 1))
+    assert "4 non-finite values (NaN or infinity), the first at record 2, R layer 0, element 1" in found.describe()
+    spec = coli_kv.encode_records(GEOMETRY, tier, tokens, L, R, I)  # the C engine's encoder: f32 values as given
+    assert np.isnan(spec["index"][2, 0, 3]) and not np.isnan(records["index"][2, 0, 3])
+    assert (spec["layers"]["Lc"] == records["layers"]["Lc"]).all() == (tier.version != 1)
+    image = coli_kv.Header(GEOMETRY, tier, 5).to_bytes() + records.tobytes()
+    loaded = coli_kv.parse(image)
+    assert loaded.problems.nan_values == 0 and loaded.problems.nan_codes == 0
+    dL, dR, dI = loaded.dequantize()
+    assert np.isfinite(dL).all() and np.isfinite(dR).all() and np.isfinite(dI).all()
+    assert dI[0, 4, 2] == 0 and dI[0, 2, 3] == 0 and dI[0, 4, 1] == I[0, 4, 1]  # f32 values: one by one
+    if tier.version == 1:
+        assert dL[1, 3, 7] == 0 and dR[0, 2, 1] == 0 and dL[1, 3, 6] == L[1, 3, 6]
+    else:
+        assert not dR[0, 2].any()  # the row with +inf is stored as zeros by every quantized tier
+    clean = coli_kv.encode_records_counted(GEOMETRY, tier, *rows())[1]
+    assert clean == Sanitized() and clean.describe() == "no non-finite values"
+
+
+def test_raw_f32_records_are_sanitized_on_a_copy():
+    tokens, L, R, I = rows()
+    good = coli_kv.encode_records(GEOMETRY, tiers.F32, tokens, L, R, I)
+    raw = np.frombuffer(good.tobytes(), dtype=good.dtype).copy()
+    raw["layers"]["Rc"][1, 0, 5] = -np.inf
+    raw["index"][3, 0, 0] = np.nan
+    frozen = np.frombuffer(raw.tobytes(), dtype=raw.dtype)  # read-only, like a request body
+    fixed, found = coli_kv.sanitize_records(frozen, tiers.F32)
+    assert found == Sanitized(2, 0, (1, "R", 0, 5)) and fixed is not frozen
+    assert fixed["layers"]["Rc"][1, 0, 5] == 0 and fixed["index"][3, 0, 0] == 0
+    assert not np.isfinite(frozen["layers"]["Rc"][1, 0, 5])  # the caller's bytes are untouched
+    same, nothing = coli_kv.sanitize_records(good, tiers.F32)
+    assert same is good and nothing == Sanitized()
+    # quantized records: only the indexer rows are values; their codes are the journal's to refuse
+    v2 = coli_kv.encode_records(GEOMETRY, tiers.FP8, tokens, L, R, I)
+    v2["index"][0, 0, 1] = np.inf
+    fixed, found = coli_kv.sanitize_records(v2, tiers.FP8)
+    assert found == Sanitized(1, 0, (0, "I", 0, 1)) and fixed["index"][0, 0, 1] == 0
