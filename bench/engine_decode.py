@@ -16,6 +16,11 @@ Usage::
     python bench/engine_decode.py --device cuda --preset v2-lite            # H200 figures
     python bench/engine_decode.py --preset tiny --lengths 256 1024 --tokens 8   # CPU smoke
     python bench/engine_decode.py ... --profile                             # torch.profiler top 10
+    python bench/engine_decode.py --device cuda --preset v2-lite --batch 16  # + 16 sessions together
+
+With ``--batch B``, B sessions of different context lengths (``--batch-lengths``, default spread
+from 1k to 32k) decode together through ``Engine.generate_batch`` — one forward per step for all of
+them — and the aggregate tokens/s is printed beside the single-sequence rows, plain and replayed.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from kvstore.engine import CacheGeometry, Engine, preset, random_model
+from kvstore.engine import BatchSequence, CacheGeometry, Engine, preset, random_model
 from kvstore.engine.graphs import bucket
 
 DEFAULT_TIERS = ("f32", "fp8", "int4")
@@ -99,6 +104,66 @@ def _token_bytes(model, cfg, cache_bytes_per_token: int, length: int) -> int:
     return total + cache_bytes_per_token * length
 
 
+def _batch_bytes(model, cfg, cache_bytes_per_token: int, lengths: list[int]) -> float:
+    """Bytes a batched step must read at least: every weight once (routed experts: the expected
+    number hit by ``len(lengths)`` tokens choosing ``num_experts_per_tok`` each), plus every row."""
+    b, e, k = len(lengths), cfg.n_routed_experts, cfg.num_experts_per_tok
+    hit = e * (1 - (1 - k / e) ** b)  # expected distinct experts of B independent uniform choices
+    total = 0.0
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            total += p.numel() * p.element_size() * hit / e
+        elif "embed_tokens" not in name:
+            total += p.numel() * p.element_size()
+    return total + cache_bytes_per_token * sum(lengths)
+
+
+def _batched(
+    model, cfg, tier: str, lengths: list[int], steps: int, graphs: bool, profile: bool = False
+) -> tuple[float, float, list]:
+    """B sessions decoding ``steps`` tokens together: (seconds per step, seconds of the first batch
+    — its capture included —, the tokens of the timed batch)."""
+    engine = Engine(model, tier=tier, cuda_graphs=graphs)
+    sessions = []
+    for i, length in enumerate(lengths):
+        holder = Engine(model, cache=engine.new_cache(), cuda_graphs=False)
+        context = _fill(holder, length, seed=1000 + i)
+        sessions.append((holder.cache, int(context[-1])))
+    timings = []
+    for _ in range(2):  # the first batch captures the graph (when on); the second is timed
+        batch = [BatchSequence(cache, [token]) for cache, token in sessions]
+        _sync(engine.device)
+        began = time.perf_counter()
+        result = engine.generate_batch(batch, max_new_tokens=steps, stop_tokens=())
+        _sync(engine.device)
+        timings.append(time.perf_counter() - began)
+        for (cache, _), length in zip(sessions, lengths):
+            cache.truncate(length)  # back to the restored context for the next batch
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+        with profiler(activities=activities) as prof:
+            engine.generate_batch([BatchSequence(c, [t]) for c, t in sessions], max_new_tokens=8, stop_tokens=())
+            _sync(engine.device)
+        key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+        print(f"\n-- {tier}, {len(lengths)} sessions, {'graphs' if graphs else 'plain'}: top 10 of 8 batched steps")
+        print(prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=60))
+        for (cache, _), length in zip(sessions, lengths):
+            cache.truncate(length)
+    return timings[1] / result.steps, timings[0], result.tokens
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    """How far two runs' greedy tokens agree: sequences identical, and the mean common prefix
+    (random weights give near-flat logits, where a rounding difference may flip one argmax and
+    everything after it)."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x)) for x, y in zip(a, b)]
+    return f"{same}/{len(a)} same, common prefix {np.mean(prefix):.1f}/{len(a[0])}"
+
+
 def _profile(engine: Engine, first: int, steps: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -121,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per measurement")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top 10 of a decode step")
     parser.add_argument("--profile-prefill", type=int, metavar="N", help="also profile a cold prefill of N tokens")
+    parser.add_argument("--batch", type=int, default=0, help="also decode this many sessions together")
+    parser.add_argument("--batch-lengths", type=int, nargs="+", help="their context lengths (default 1k..32k)")
+    parser.add_argument("--batch-only", action="store_true", help="skip the single-sequence rows")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -154,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         print(f"device copy bandwidth: {bandwidth:.0f} GB/s")
     rows = []
-    for tier in args.tiers:
+    for tier in args.tiers if not args.batch_only else ():
         for length in args.lengths:
             results = {}
             for graphs in (False, True) if device.type == "cuda" else (False,):
@@ -171,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 del engine
             plain = results[False]
             graph = results.get(True)
-            same = "-" if graph is None else ("same" if graph[0] == plain[0] else "DIFFER")
+            same = "-" if graph is None else _agreement([graph[0]], [plain[0]])
             need = _token_bytes(model, cfg, CacheGeometry.of(cfg).bytes_per_token(tier), length)
             bound = bandwidth * 1e9 / need if bandwidth == bandwidth else float("nan")
             rows.append((tier, length, plain, graph, same, bound))
@@ -190,6 +258,35 @@ def main(argv: list[str] | None = None) -> int:
             f"{tier:6s} {length:7d}  {plain_rate:11.1f}  {graph_rate:11.1f}  {graph_rate / plain_rate:7.1f}x  "
             f"{graph[1] * 1e3:10.1f} ms  {graph_rate / bound:9.1%} of {bound:7.0f}  {graph[4]:9.2f}  {graph[3]:8.2f}  {same}"
         )
+    if args.batch:
+        lengths = args.batch_lengths or [int(n) for n in np.linspace(1024, 32768, args.batch)]
+        if len(lengths) != args.batch:
+            parser.error(f"--batch-lengths gives {len(lengths)} lengths for --batch {args.batch}")
+        print(
+            f"\n{args.batch} sessions together, contexts {min(lengths)}..{max(lengths)} "
+            f"({sum(lengths)} rows), {args.tokens} tokens each"
+        )
+        print("tier   mode    step ms  aggregate tok/s  per session tok/s  first batch s  vs HBM bound (tok/s)  tokens")
+        for tier in args.tiers:
+            need = _batch_bytes(model, cfg, CacheGeometry.of(cfg).bytes_per_token(tier), lengths)
+            bound = bandwidth * 1e9 / need * args.batch if bandwidth == bandwidth else float("nan")
+            outputs = {}
+            for graphs in (False, True) if device.type == "cuda" else (False,):
+                step, first, outputs[graphs] = _batched(
+                    model,
+                    cfg,
+                    tier,
+                    lengths,
+                    args.tokens,
+                    graphs,
+                    profile=args.profile and graphs and tier == args.tiers[0],
+                )
+                rate = args.batch / step
+                same = "-" if graphs is False else _agreement(outputs[True], outputs[False])
+                print(
+                    f"{tier:6s} {'graphs' if graphs else 'plain':6s}  {step * 1e3:7.2f}  {rate:15.1f}  {1 / step:17.1f}  "
+                    f"{first:13.2f}  {rate / bound:9.1%} of {bound:7.0f}  {same}"
+                )
     return 0
 
 

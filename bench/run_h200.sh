@@ -4,7 +4,8 @@
 #   1. the gpu-marked tests (kernels vs float64, engine on CUDA vs CPU token for token);
 #   2. the kernel table (bench/gpu_attention.py) and where the kernel's time goes (bench/gpu_stages.py);
 #   3. engine resume vs re-prefill on a random-weight DeepSeek-V2-Lite-geometry model;
-#   4. transformers restore + first token vs re-running the prompt, same geometry.
+#   4. transformers restore + first token vs re-running the prompt, same geometry;
+#   5. decode speed: plain vs CUDA-graph steps per tier and context, 16 sessions batched, peak memory.
 # Usage: OUT=/some/dir bench/run_h200.sh [engine-tiers...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,13 +15,14 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
-STEPS="${STEPS:-tests kernels stages engine hf}"  # a subset fits one call's time limit
+STEPS="${STEPS:-tests kernels stages engine hf decode}"  # a subset fits one call's time limit
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "== $1 ($(date +%T))"; }
 
 if want tests; then
 step "gpu tests"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/engine/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/engine/test_gpu.py tests/engine/test_graphs.py \
+    tests/engine/test_batch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
 fi
 
 if want kernels; then
@@ -43,5 +45,10 @@ fi
 if want hf; then
 step "transformers restore vs re-run (v2-lite, bf16)"
 python3 bench/hf_resume.py --device cuda --preset v2-lite --tiers v1,v2,int4 2>&1 | tee "$OUT/hf.log" | tail -n 30
+fi
+if want decode; then
+step "engine decode: plain vs graphs, 1k/32k/128k, 16 sessions batched (v2-lite, bf16)"
+python3 bench/engine_decode.py --device cuda --preset v2-lite --lengths 1024 32768 131072 \
+    --tiers ${ENGINE_TIERS:-fp8 int4 f32} --tokens 32 --batch 16 ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tail -n 30
 fi
 step "done"

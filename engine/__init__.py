@@ -7,6 +7,7 @@ the rows of any ``kvstore.tiers`` tier on any device; its codecs are ``kvstore.g
 decode attention is chosen by ``kvstore.gpu.registry.select``), :mod:`~kvstore.engine.rows`
 (``StoredRows``: rows as a journal holds them), :mod:`~kvstore.engine.restore` (``.coli_kv`` records
 into a cache on the device), :mod:`~kvstore.engine.generate` (``Engine``: prefix reuse, sampling, streaming),
+:mod:`~kvstore.engine.batch` (several sessions decoding together, one forward per step),
 :mod:`~kvstore.engine.session` (``SessionEngine``: conversation turns on stored sessions),
 :mod:`~kvstore.engine.hf` (transformers interop). The commands that drive it (``kvstore new-model``,
 ``generate``, ``chat``, ``hf-chat``) live in ``kvstore.cli``.
@@ -27,6 +28,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "BatchResult": "batch",
+    "BatchSequence": "batch",
     "CacheGeometry": "cache",
     "LatentCache": "cache",
     "StoredRows": "rows",

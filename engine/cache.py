@@ -307,6 +307,12 @@ class LatentCache:
         tokens[: self._length] = self._tokens[: self._length]
         self._fields, self._tokens, self._capacity = fields, tokens, capacity
 
+    def reserve_restore(self, n: int, headroom: int = _MIN_CAPACITY) -> None:
+        """Allocate, and free at once, the buffers :meth:`restore_body` builds for ``n`` rows: the
+        device's caching allocator keeps the block for the first restore of that size."""
+        full = self._allocate(n + max(0, headroom), zeros=False)
+        del full
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions (a no-op when ``n >= length``)."""
         if n < 0:
@@ -470,6 +476,18 @@ class LatentCache:
         tokens = np.zeros(capacity, dtype=np.int32)
         tokens[:n] = stored_tokens[:n]
         self._fields, self._tokens, self._capacity, self._length = full, tokens, capacity, n
+
+    def copy_rows(self, src: "LatentCache", src_start: int, dst_start: int, n: int) -> None:
+        """Copy ``n`` rows of every layer from ``src`` (same tier and geometry) as stored, codes and
+        scales alike (no requantization); tokens and lengths are the caller's to commit."""
+        if src.tier is not self.tier or src.geometry != self.geometry:
+            raise CacheError(
+                f"rows of a {src.tier.name} cache cannot be copied into a {self.tier.name} cache as stored"
+            )
+        if src_start + n > src.capacity or dst_start + n > self._capacity:
+            raise CacheError(f"copying {n} rows from {src_start} to {dst_start} passes a capacity")
+        for name, field in self._fields.items():
+            field[:, dst_start : dst_start + n].copy_(src._fields[name][:, src_start : src_start + n])
 
     def copy(self) -> "LatentCache":
         """An independent cache with the same rows (e.g. to fork a conversation)."""

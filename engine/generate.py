@@ -179,6 +179,7 @@ class Engine:
             raise GenerationError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self._graphs = None
+        self._batches = None  # kvstore.engine.batch.DecodeBatches, made on the first batch
         if cuda_graphs and self.cache.device.type == "cuda":
             from kvstore.engine.graphs import DecodeGraphs
 
@@ -231,21 +232,35 @@ class Engine:
         self._check_tokens(rows.tokens)
         self.cache.restore(rows, allow_requantize=allow_requantize)
 
-    def restore_file(self, path: str | os.PathLike, *, allow_requantize: bool = False) -> int:
-        """Load a ``.coli_kv`` file into the cache; returns the positions restored.
+    def restore_file(
+        self,
+        path: str | os.PathLike,
+        *,
+        allow_requantize: bool = False,
+        strict: bool = False,
+        into: LatentCache | None = None,
+    ) -> int:
+        """Load a ``.coli_kv`` file into the cache (or ``into``, e.g. one of :meth:`new_cache`'s for a
+        batch); returns the positions restored.
+
+        A row whose stored scale/radius no encoder writes is made inert (zeros), as the file loader
+        does; ``strict`` refuses the file instead, leaving the cache as it was.
 
         Raises
         ------
         GeometryMismatch
             The file is for another model (h0..h5 differ), with the differing fields.
+        BadScale
+            ``strict``, and a row's scale/radius is corrupt: the file and the record are named.
         """
         from kvstore.engine.restore import FileBody
 
         # The body is read straight into pinned memory and split on the device (engine/restore.py);
         # the token check runs before the new rows replace the cache's.
-        with FileBody(path, expect=self.config.coli_geometry()) as body:
-            self.cache.restore_body(body, allow_requantize=allow_requantize, check_tokens=self._check_tokens)
-        return self.cache.length
+        cache = self.cache if into is None else into
+        with FileBody(path, expect=self.config.coli_geometry(), strict=strict) as body:
+            cache.restore_body(body, allow_requantize=allow_requantize, check_tokens=self._check_tokens)
+        return cache.length
 
     def restore_records(self, records, *, allow_requantize: bool = False) -> int:
         """Load records already read (``KVRecords``, e.g. from a session reader) into the cache on
@@ -288,8 +303,8 @@ class Engine:
         self._check_tokens(ids)
         return ids
 
-    def _run(self, ids: np.ndarray, start: int, *, absorbed: bool, logits: str):
-        cache = self.cache
+    def _run(self, ids: np.ndarray, start: int, *, absorbed: bool, logits: str, cache: LatentCache | None = None):
+        cache = self.cache if cache is None else cache
         cache.prepare(start, ids.shape[0])
         tensor = torch.from_numpy(ids).to(self.device)
         out = self.model.forward_tokens(tensor, cache, start, absorbed=absorbed, logits=logits)
@@ -297,12 +312,20 @@ class Engine:
         return out
 
     def warm_graphs(self, max_context: int) -> int:
-        """On CUDA: reserve the cache for ``max_context`` positions and capture the decode graph of
-        every context bucket up to it (a server's start-up), so no step after a resume pays for a
-        capture. Returns the graphs captured (0 where graphs are off)."""
+        """On CUDA: reserve the cache for ``max_context`` positions, capture the decode graph of every
+        context bucket up to it and allocate once the buffers a restore of that size uses (a
+        server's start-up), so no resume pays for a capture or an allocation. Returns the graphs
+        captured (0 where graphs are off)."""
         if self._graphs is None or self._graphs.cache is not self.cache:
             return 0
-        return self._graphs.warm(max_context)
+        made = self._graphs.warm(max_context)
+        # and the buffers a restore of that many rows uses, so the first resume pays no allocation
+        from kvstore.engine.restore import RecordLayout, reserve_buffers
+
+        layout = RecordLayout.of(self.config.coli_geometry(), self.cache.tier.file_tier)
+        reserve_buffers(layout.rec_bytes, max_context, self.cache.device)
+        self.cache.reserve_restore(max_context)
+        return made
 
     def decode_logits(self, token: int, position: int) -> torch.Tensor:
         """Run one generated ``token`` at ``position`` (the cache's length) and commit its rows.
@@ -365,6 +388,51 @@ class Engine:
         return self._run(ids, start, absorbed=absorbed, logits="all")
 
     # -- generation ---------------------------------------------------------------------------------------
+    def new_cache(self) -> LatentCache:
+        """An empty cache of this engine's tier on its device: one session of a batch
+        (:meth:`generate_batch`); fill it with ``cache.restore(rows)`` or :meth:`restore_file`."""
+        return make_cache(self.cache.tier, self.config, self.cache.device)
+
+    def generate_batch(
+        self,
+        sequences,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float | None = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_tokens: Sequence[int] | None = None,
+    ):
+        """Decode several sessions together: one forward per step runs a token of each.
+
+        Parameters
+        ----------
+        sequences : :class:`kvstore.engine.batch.BatchSequence` (a cache and the new tokens to run
+            after its rows, e.g. a resumed session and its next turn), one per session
+        max_new_tokens, temperature, top_p, top_k, seed, stop_tokens : as :meth:`stream`, for each
+
+        Returns
+        -------
+        :class:`kvstore.engine.batch.BatchResult`; each cache then holds its context and the tokens
+        generated but the last, ready to export or to continue.
+        """
+        from kvstore.engine.batch import DecodeBatches
+
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        params.validate()
+        for seq in sequences:
+            self._check_tokens(np.asarray(seq.tokens, dtype=np.int64).reshape(-1))
+        if self._batches is None:
+            self._batches = DecodeBatches(self.model, self._prefill_into, cuda_graphs=self._graphs is not None)
+        stops = frozenset(int(t) for t in (self.config.eos_token_id if stop_tokens is None else stop_tokens))
+        return self._batches.run(sequences, max_new_tokens=max_new_tokens, params=params, stops=stops)
+
+    def _prefill_into(self, cache: LatentCache, ids: np.ndarray, start: int) -> None:
+        for a in range(0, ids.shape[0], self.prefill_chunk):
+            chunk = ids[a : a + self.prefill_chunk]
+            self._run(chunk, start + a, absorbed=chunk.shape[0] == 1, logits="none", cache=cache)
+
     def stream(
         self,
         tokens,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MIN_BUCKET", "DecodeGraphs", "bucket"]
+__all__ = ["MIN_BUCKET", "DecodeGraphs", "bucket", "capture"]
 
 #: Fewest rows a captured step reads: below this, one graph serves every short context.
 MIN_BUCKET = 1024
@@ -112,20 +112,31 @@ class DecodeGraphs:
         device = self.device
         token_in = torch.full((1,), token, dtype=torch.int64, device=device)
         position_in = torch.full((1,), position, dtype=torch.int64, device=device)
-        # Warm-up on a side stream (allocations and lazy initialisations happen outside the
-        # capture). It writes the step's real rows, which the replays write again identically.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.model.decode_step(token_in, position_in, self.cache, n_rows)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.model.decode_step(token_in, position_in, self.cache, n_rows)
+        graph, logits = capture(
+            lambda: self.model.decode_step(token_in, position_in, self.cache, n_rows), device, self._pool
+        )
         if replay:
             graph.replay()  # the capture only recorded the step: run it for this token
         self.captures += 1
         return _Captured(graph, token_in, position_in, logits)
+
+
+def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture ``step()`` (a decode step reading its inputs from device tensors) into a graph using
+    the memory ``pool``; returns the graph and the step's output buffer.
+
+    The step runs twice on a side stream first, so allocations and lazy initialisations happen
+    outside the capture; it writes the step's real rows, which the replays write again identically.
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out

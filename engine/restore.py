@@ -18,7 +18,10 @@ records stay as they are stored until they reach the device:
 4. v2/v3 rows are sanitized in place there, exactly as ``KVRecords.quantized`` does on the host
    (FORMAT.md section 4), by the one sanitize of :mod:`kvstore.gpu.codecs`: a v2 scale that
    ``fp8.bad_scales`` calls corrupt makes the row inert (codes 0, scale 1) and NaN codes read 0; a
-   v3 radius not in [0, 3.4e38) becomes 0 with codes 0.
+   v3 radius not in [0, 3.4e38) becomes 0 with codes 0. A body opened with ``strict=True`` is
+   refused instead, before any of it is placed: each chunk's scales are checked on the host by the
+   format's own check (``coli_kv.check_scales``: :class:`~kvstore.formats.errors.BadScale` naming
+   the file and the record), so a scale of 1e37 on code 0x7E never restores as inf either way.
 
 Rows of another representation are converted per chunk on the device: v1 rows into a quantized
 tier through the device codecs (``kvstore.gpu.codecs.encode_tier``, which on the CPU is the
@@ -54,7 +57,16 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
 from kvstore.gpu import codecs
 from kvstore.tiers import Tier
 
-__all__ = ["CHUNK_BYTES", "FileBody", "MemoryBody", "Placement", "RecordLayout", "fill", "read_threads"]
+__all__ = [
+    "CHUNK_BYTES",
+    "FileBody",
+    "MemoryBody",
+    "Placement",
+    "RecordLayout",
+    "fill",
+    "read_threads",
+    "reserve_buffers",
+]
 
 # Big enough that the per-chunk device ops (a few per field) are noise next to the copy, small
 # enough that several chunks in flight cost little pinned memory.
@@ -241,9 +253,15 @@ class Placement:
 
 
 class MemoryBody:
-    """Records already in host memory (a loaded ``KVRecords``)."""
+    """Records already in host memory (a loaded ``KVRecords``).
 
-    def __init__(self, records: KVRecords):
+    ``strict``: refuse records holding a scale/radius no encoder writes (``source`` is named in the
+    :class:`~kvstore.formats.errors.BadScale`) instead of sanitizing them on the device.
+    """
+
+    def __init__(self, records: KVRecords, *, strict: bool = False, source: str = "the loaded records"):
+        self.strict = strict
+        self.source = source
         self.header: Header = records.header
         self.n = records.n
         self.layout = RecordLayout.of(records.geometry, records.tier)
@@ -282,13 +300,18 @@ class FileBody:
     ``n = min(nrec, complete records present)``, as ``coli_kv.load``; a file that shrinks while it
     is read stops at the last complete record read, never an error and never garbage.
 
+    ``strict``: refuse a file whose rows hold a scale/radius no encoder writes (:class:`BadScale`
+    naming the file and the record, raised by :func:`fill`) instead of sanitizing them.
+
     Raises
     ------
     TruncatedHeader, BadMagic, BadHeader, GeometryMismatch (with ``expect``), OSError
     """
 
-    def __init__(self, path: str | os.PathLike, *, expect: Geometry | None = None):
+    def __init__(self, path: str | os.PathLike, *, expect: Geometry | None = None, strict: bool = False):
         self.path = os.fspath(path)
+        self.strict = strict
+        self.source = self.path
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             size = os.fstat(self._fd).st_size
@@ -331,6 +354,13 @@ class FileBody:
         self.close()
 
 
+def _check_strict(body, host: np.ndarray, first_record: int) -> None:
+    """For a strict body: refuse host rows (u8[rows, rec_bytes]) holding a corrupt scale/radius."""
+    if getattr(body, "strict", False) and body.tier.version != 1 and host.shape[0]:
+        records = host.reshape(-1).view(coli_kv.record_dtype(body.geometry, body.tier))
+        coli_kv.check_scales(records, body.tier, source=body.source, first_record=first_record)
+
+
 def _tokens_of(host: np.ndarray) -> np.ndarray:
     """int32[rows] from the first 4 bytes of each record of u8[rows, rec_bytes]."""
     return np.ascontiguousarray(host[:, :4]).view("<i4").reshape(-1).astype(np.int32, copy=False)
@@ -369,6 +399,11 @@ def fill(
     Returns
     -------
     (rows filled, tokens int32[rows]) — fewer rows than ``body.n`` only when the file ended early.
+
+    Raises
+    ------
+    BadScale : a ``strict`` body holds a row whose scale/radius no encoder writes (checked on the
+        host before that chunk is placed; ``fields`` may hold earlier chunks: the caller drops them)
     """
     device = torch.device(device)
     rec = body.layout.rec_bytes
@@ -378,6 +413,7 @@ def fill(
     if device.type == "cpu" and isinstance(body, MemoryBody):
         # Records already in host memory are split where they lie: no ring, no copy.
         host = body.host_rows()
+        _check_strict(body, host, 0)
         whole = _from_numpy(host)
         for a in range(0, host.shape[0], per_chunk):
             placement.apply(whole[a : a + per_chunk], fields, a)
@@ -386,6 +422,23 @@ def fill(
         with torch.cuda.device(device):
             return _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
     return _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
+
+
+def reserve_buffers(rec_bytes: int, n: int, device: torch.device | str, *, threads: int | None = None) -> None:
+    """Allocate, and free at once, the pinned ring and the device staging buffer a restore of ``n``
+    records of ``rec_bytes`` uses on CUDA (a server's start-up): torch's caching allocators keep the
+    blocks, so the first restore pays no ``cudaHostAlloc``/``cudaMalloc`` (tens of milliseconds at
+    32k rows); every later restore reuses them. Elsewhere nothing is done."""
+    device = torch.device(device)
+    if device.type != "cuda" or n < 1:
+        return
+    per_chunk = max(1, CHUNK_BYTES // rec_bytes)
+    slots = min(-(-n // per_chunk), 2 * (threads or read_threads()))
+    slot_bytes = min(per_chunk, n) * rec_bytes
+    ring = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+    with torch.cuda.device(device):
+        stage = torch.empty(slot_bytes, dtype=torch.uint8, device=torch.cuda.current_device())
+    del ring, stage
 
 
 def _pipeline(
@@ -440,6 +493,7 @@ def _pipeline(
             slot = i % slots
             if got:
                 size = got * rec
+                _check_strict(body, views[slot][:size].reshape(got, rec), a)
                 tokens[a : a + got] = _tokens_of(views[slot][:size].reshape(got, rec))
                 if cuda:
                     raw = stage[:size]

@@ -112,7 +112,11 @@ def _experts_and_routes(device, dtype, tokens=37, seed=1):
 
 def test_grouped_experts_equal_the_per_expert_loop_on_the_cpu():
     experts, x, routes, weights = _experts_and_routes("cpu", "bfloat16")
-    torch.testing.assert_close(experts._grouped(x, routes, weights), experts._segmented(x, routes, weights))
+    got = experts._grouped(x, routes, weights).float()
+    want = copy.deepcopy(experts).float()._segmented(x.float(), routes, weights)  # f32: no rounding of its own
+    assert _relative(got, want) <= 1e-2
+    # no worse than the bf16 loop: one rounding of the weighted sum instead of one per expert
+    assert _relative(got, want) <= _relative(experts._segmented(x, routes, weights), want)
 
 
 @pytest.mark.gpu
