@@ -371,10 +371,7 @@ class Engine:
         """Run ``tokens`` after the cached ones without sampling (e.g. the last generated token of a
         turn, so a journal holds the whole conversation); returns how many were run."""
         ids = self._context(tokens)
-        start = self.cache.length
-        for a in range(0, ids.shape[0], self.prefill_chunk):
-            chunk = ids[a : a + self.prefill_chunk]
-            self._run(chunk, start + a, absorbed=chunk.shape[0] == 1, logits="none")
+        self._prefill_into(self.cache, ids, self.cache.length)
         return int(ids.shape[0])
 
     def score(self, tokens, *, start: int = 0, absorbed: bool = True) -> torch.Tensor:
@@ -425,10 +422,15 @@ class Engine:
             self._check_tokens(np.asarray(seq.tokens, dtype=np.int64).reshape(-1))
         if self._batches is None:
             self._batches = DecodeBatches(self.model, self._prefill_into, cuda_graphs=self._graphs is not None)
-        stops = frozenset(int(t) for t in (self.config.eos_token_id if stop_tokens is None else stop_tokens))
+        stops = self._stops(stop_tokens)
         return self._batches.run(sequences, max_new_tokens=max_new_tokens, params=params, stops=stops)
 
+    def _stops(self, stop_tokens: Sequence[int] | None) -> frozenset[int]:
+        """The ids that end generation: ``stop_tokens``, or the model's ``eos_token_id`` when None."""
+        return frozenset(int(t) for t in (self.config.eos_token_id if stop_tokens is None else stop_tokens))
+
     def _prefill_into(self, cache: LatentCache, ids: np.ndarray, start: int) -> None:
+        """Run ``ids`` into ``cache`` from ``start`` in prefill chunks, computing no logits."""
         for a in range(0, ids.shape[0], self.prefill_chunk):
             chunk = ids[a : a + self.prefill_chunk]
             self._run(chunk, start + a, absorbed=chunk.shape[0] == 1, logits="none", cache=cache)
@@ -459,7 +461,7 @@ class Engine:
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids = self._context(tokens)
-        stops = frozenset(int(t) for t in (self.config.eos_token_id if stop_tokens is None else stop_tokens))
+        stops = self._stops(stop_tokens)
         result = GenerationResult()
         return GenerationStream(self._steps(ids, params, max_new_tokens, stops, result), result)
 
