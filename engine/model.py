@@ -304,12 +304,13 @@ class Router(nn.Module):
         t = x.shape[0]
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
-        per_group = self.n_experts // self.n_group
-        group_scores = choice.view(t, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        expert_mask = group_mask[:, :, None].expand(t, self.n_group, per_group).reshape(t, self.n_experts)
-        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        if self.topk_group < self.n_group:  # otherwise every group is kept and the mask is a no-op
+            per_group = self.n_experts // self.n_group
+            group_scores = choice.view(t, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+            expert_mask = group_mask[:, :, None].expand(t, self.n_group, per_group).reshape(t, self.n_experts)
+            choice = choice.masked_fill(expert_mask == 0, float("-inf"))
         top_idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, top_idx)
         if self.norm_topk_prob:
@@ -489,8 +490,8 @@ class MLAForCausalLM(nn.Module):
         t = token_ids.shape[0]
         positions = torch.arange(start, start + t, device=token_ids.device)
         rotary = self.model.rotary
-        cos, sin = rotary(positions)
         x = self.model.embed_tokens(token_ids)
+        cos, sin = (c.to(x.dtype) for c in rotary(positions))  # cast once, not in every layer
         for layer in self.model.layers:
             x = layer(x, cos, sin, rotary, cache, start, absorbed)
         if logits == "none":
@@ -525,8 +526,8 @@ class MLAForCausalLM(nn.Module):
         if slots is None:
             slots = StepSlots.single(positions)
         rotary = self.model.rotary
-        cos, sin = rotary(positions)
         x = self.model.embed_tokens(token_ids)
+        cos, sin = (c.to(x.dtype) for c in rotary(positions))  # cast once, not in every layer
         for layer in self.model.layers:
             x = layer.step(x, cos, sin, rotary, cache, slots, n_rows)
         return self.lm_head(self.model.norm(x)).float()
