@@ -1,0 +1,43 @@
+"""The package a user installs with ``pip install .`` (not editable): every part of the import
+namespace and the CUDA kernel sources are in the wheel, and building it prints no deprecation or
+"would be ignored" warning (issue 19)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_holds_every_part_and_the_kernel_sources_and_builds_without_warnings(tmp_path):
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-w", str(tmp_path), "-v"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    log = built.stdout + built.stderr
+    for warning in ("BuildBackendWarning", "SetuptoolsDeprecationWarning", "would be ignored"):
+        assert warning not in log, warning
+    (wheel,) = tmp_path.glob("kvstore-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    # every source module of the repository's parts, at its place in the kvstore namespace
+    parts = {
+        "formats": "formats",
+        "migrations": "migrations",
+        "engine": "engine",
+        "gpu": "gpu",
+        "api": "api",
+        "cli": "cli",
+    }
+    expected = {f"kvstore/{p.relative_to(ROOT / 'kvstore').as_posix()}" for p in (ROOT / "kvstore").rglob("*.py")}
+    for folder, name in parts.items():
+        expected |= {f"kvstore/{name}/{p.relative_to(ROOT / folder).as_posix()}" for p in (ROOT / folder).rglob("*.py")}
+    expected = {n for n in expected if "/tests/" not in n and "__pycache__" not in n}
+    assert expected - names == set()
+    kernels = {f"kvstore/gpu/kernels/{p.name}" for p in (ROOT / "gpu" / "kernels").glob("*.cu*")}
+    assert kernels and kernels <= names
