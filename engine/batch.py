@@ -19,7 +19,6 @@ step's shapes, and its graph, never change mid-batch.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -146,10 +145,7 @@ class DecodeBatches:
         positions_in = torch.tensor(lengths, dtype=torch.int64, device=device)
         offsets_in = torch.from_numpy(offsets).to(device)
         step = self._step(pool, b, tokens_in, positions_in, offsets_in)
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-            generator = torch.Generator().manual_seed(seed)
+        generator, _ = params.generator()
         ran = [[int(s.tokens[-1])] for s in sequences]  # tokens whose rows each step wrote
         live = np.ones(b, dtype=bool)
         for s in range(max_new):
@@ -181,36 +177,26 @@ class DecodeBatches:
         """A callable running one batched step from the input tensors, returning logits f32[B, vocab]."""
         n_rows = pool.capacity
 
-        def forward():
-            slots = StepSlots.packed(offsets_in, positions_in)
-            return self.model.decode_step(tokens_in, positions_in, pool, n_rows, slots)
+        def forward_from(tokens, positions, offsets):
+            return lambda: self.model.decode_step(tokens, positions, pool, n_rows, StepSlots.packed(offsets, positions))
 
         if not (self.cuda_graphs and pool.device.type == "cuda"):
-            return forward
+            return forward_from(tokens_in, positions_in, offsets_in)
         key = (*pool.storage_key, b)
-        captured = self._graphs.get(key)
-        if captured is None:
+        if key not in self._graphs:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            # the graph reads these exact tensors: keep them, and refill them for each batch
+            # the graph reads these exact tensors: kept with it, refilled for each batch
             inputs = (tokens_in.clone(), positions_in.clone(), offsets_in.clone())
-            held = inputs
-
-            def captured_forward():
-                slots = StepSlots.packed(held[2], held[1])
-                return self.model.decode_step(held[0], held[1], pool, n_rows, slots)
-
-            graph, logits = capture(captured_forward, pool.device, self._graph_pool)
+            graph, logits = capture(forward_from(*inputs), pool.device, self._graph_pool)
             self.captures += 1
-            captured = (graph, inputs, logits)
-            self._graphs[key] = captured
-        graph, inputs, logits = captured
+            self._graphs[key] = (graph, inputs, logits)
+        graph, inputs, logits = self._graphs[key]
 
         # The caller updates its own tensors between steps: copy them in before each replay.
         def replay():
-            inputs[0].copy_(tokens_in)
-            inputs[1].copy_(positions_in)
-            inputs[2].copy_(offsets_in)
+            for held, current in zip(inputs, (tokens_in, positions_in, offsets_in)):
+                held.copy_(current)
             graph.replay()
             return logits
 

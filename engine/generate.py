@@ -73,6 +73,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return not self.temperature
 
+    def generator(self) -> tuple[torch.Generator | None, int | None]:
+        """The CPU generator sampling draws from, and its seed (``seed``, or a random one when
+        None); ``(None, None)`` when greedy."""
+        if self.greedy:
+            return None, None
+        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(4), "little")
+        return torch.Generator().manual_seed(seed), seed
+
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Choose one token id from logits f32[vocab] (on any device)."""
@@ -475,10 +483,8 @@ class Engine:
     def _steps(
         self, ids: np.ndarray, params: SamplingParams, max_new: int, stops: frozenset[int], result: GenerationResult
     ):
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-            generator = torch.Generator().manual_seed(seed)
+        generator, seed = params.generator()
+        if seed is not None:
             result.seed = seed
         began = time.perf_counter()
         logits, result.prefilled_tokens, result.reused_tokens = self.prefill(ids)
