@@ -23,8 +23,9 @@ from typing import Any, Iterable
 import numpy as np
 
 from kvstore.errors import FormatError, InvalidRequest, JournalWriteError, NonFiniteValues, SessionExists
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, Sanitized
+from kvstore.formats import coli_kv, nonfinite
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
+from kvstore.formats.nonfinite import Sanitized
 from kvstore.journal import KVFile, write_atomic
 from kvstore.migrations import index as schema
 from kvstore.store.budget import Evictor, Reservations
@@ -256,7 +257,7 @@ class Writes:
     def _sanitized(
         records: np.ndarray | bytes | bytearray | memoryview, journal: KVFile
     ) -> tuple[np.ndarray | bytes | bytearray | memoryview, Sanitized]:
-        """Raw records with their non-finite f32 values set to 0 (``coli_kv.sanitize_records``).
+        """Raw records with their non-finite f32 values set to 0 (``formats.nonfinite.sanitize_records``).
         Bytes that are not whole records are passed on for the journal's validation to refuse."""
         dtype = coli_kv.record_dtype(journal.geometry, journal.tier)
         if not isinstance(records, np.ndarray):
@@ -266,7 +267,7 @@ class Writes:
             records = np.frombuffer(raw, dtype=dtype)
         elif records.dtype != dtype:
             return records, Sanitized()
-        return coli_kv.sanitize_records(records, journal.tier)
+        return nonfinite.sanitize_records(records, journal.tier)
 
     def _mark_complete(self, record: dict, journal: KVFile) -> dict:
         """Mark the rows appended so far as a complete turn (the watermark moves to the count)."""

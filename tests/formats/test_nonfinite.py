@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from kvstore import tiers
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import Geometry, Sanitized
+from kvstore.formats import coli_kv, nonfinite
+from kvstore.formats.coli_kv import Geometry
+from kvstore.formats.nonfinite import Sanitized
 
 GEOMETRY = Geometry(n_layers=2, kv_lora=32, qk_rope=8, index_hd=4, nic=1, vocab=1000)
 TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(3)]
@@ -67,14 +68,14 @@ def test_raw_f32_records_are_sanitized_on_a_copy():
     raw["layers"]["Rc"][1, 0, 5] = -np.inf
     raw["index"][3, 0, 0] = np.nan
     frozen = np.frombuffer(raw.tobytes(), dtype=raw.dtype)  # read-only, like a request body
-    fixed, found = coli_kv.sanitize_records(frozen, tiers.F32)
+    fixed, found = nonfinite.sanitize_records(frozen, tiers.F32)
     assert found == Sanitized(2, 0, (1, "R", 0, 5)) and fixed is not frozen
     assert fixed["layers"]["Rc"][1, 0, 5] == 0 and fixed["index"][3, 0, 0] == 0
     assert not np.isfinite(frozen["layers"]["Rc"][1, 0, 5])  # the caller's bytes are untouched
-    same, nothing = coli_kv.sanitize_records(good, tiers.F32)
+    same, nothing = nonfinite.sanitize_records(good, tiers.F32)
     assert same is good and nothing == Sanitized()
     # quantized records: only the indexer rows are values; their codes are the journal's to refuse
     v2 = coli_kv.encode_records(GEOMETRY, tiers.FP8, tokens, L, R, I)
     v2["index"][0, 0, 1] = np.inf
-    fixed, found = coli_kv.sanitize_records(v2, tiers.FP8)
+    fixed, found = nonfinite.sanitize_records(v2, tiers.FP8)
     assert found == Sanitized(1, 0, (0, "I", 0, 1)) and fixed["index"][0, 0, 1] == 0

@@ -1,0 +1,110 @@
+"""Non-finite values (NaN, ±inf) in rows to store: what each tier does with them, counted.
+
+FORMAT.md's encoders never store a non-finite value: the fp8 and TurboQuant codecs have their own
+rule (sections 3 and 5), and the store writes a non-finite f32 value (v1 rows, indexer rows) as 0.
+This module counts them and names the first, so an upload can say what was changed
+(``AppendResult.sanitized``) or be refused (``--reject-nonfinite``). The spec encoder itself,
+``coli_kv.encode_records``, keeps f32 values as given (byte for byte with the C engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.formats.tiers import Tier
+
+__all__ = ["Sanitized", "count", "sanitize_records"]
+
+
+@dataclass(frozen=True)
+class Sanitized:
+    """Non-finite values (NaN, +inf, -inf) in rows to store, and what storing them does.
+
+    No tier stores them as given: f32 rows (v1) and the indexer's f32 rows (every version) store
+    each as 0, the other values of its row kept; fp8 (FORMAT.md section 3) stores a NaN as code 0
+    but a row holding an infinity as all zeros (inert, scale 1); int4/polar (section 5) store a row
+    holding either as all zeros (radius 0).
+
+    Attributes
+    ----------
+    values : the non-finite values
+    rows_zeroed : L/R rows (one layer of one token) stored as all zeros because they held one
+    first : ``(record, field, layer, element)`` of the first one in record order (``field`` is
+        ``"L"``, ``"R"`` or ``"I"``; ``layer`` counts indexer layers for ``"I"``), or None
+
+    >>> Sanitized(3, 1, (0, "L", 1, 5)).describe()
+    '3 non-finite values (NaN or infinity), the first at record 0, L layer 1, element 5; 1 row stored as zeros'
+    """
+
+    values: int = 0
+    rows_zeroed: int = 0
+    first: tuple[int, str, int, int] | None = None
+
+    def describe(self) -> str:
+        if not self.values or self.first is None:
+            return "no non-finite values"
+        record, field, layer, element = self.first
+        text = (
+            f"{self.values} non-finite value{'s' * (self.values != 1)} (NaN or infinity), the first at record "
+            f"{record}, {field} layer {layer}, element {element}"
+        )
+        if self.rows_zeroed:
+            text += f"; {self.rows_zeroed} row{'s' * (self.rows_zeroed != 1)} stored as zeros"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"values": self.values, "rows_zeroed": self.rows_zeroed}
+
+
+def count(version: int, fields: dict[str, np.ndarray]) -> tuple[Sanitized, dict[str, np.ndarray]]:
+    """Count the non-finite values of f32 fields in record order (``field -> [n, layers, width]``).
+
+    Returns the count and, for each field holding any, its mask (same shape).
+    """
+    masks: dict[str, np.ndarray] = {}
+    values = zeroed = 0
+    first: tuple[int, str, int, int] | None = None
+    for field, rows in fields.items():
+        bad = ~np.isfinite(rows)
+        hits = int(np.count_nonzero(bad))
+        if not hits:
+            continue
+        masks[field] = bad
+        values += hits
+        if field != "I" and version == 2:
+            zeroed += int(np.count_nonzero(np.isinf(rows).any(axis=-1)))
+        elif field != "I" and version == 3:
+            zeroed += int(np.count_nonzero(bad.any(axis=-1)))
+        record, layer, element = (int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+        if first is None or record < first[0]:
+            first = (record, field, layer, element)
+    return Sanitized(values, zeroed, first), masks
+
+
+def sanitize_records(records: np.ndarray, tier: Tier) -> tuple[np.ndarray, Sanitized]:
+    """Already-encoded records with their non-finite f32 values (v1 rows, indexer rows) set to 0.
+
+    The codes of the quantized tiers are not values (a corrupt scale or NaN code is refused by the
+    journal, never guessed); ``records`` is returned as is when it holds no non-finite value, else
+    a copy.
+
+    Returns
+    -------
+    (records, :class:`Sanitized`)
+    """
+    fields = {}
+    if tier.file_tier.version == 1:
+        fields = {"L": records["layers"]["Lc"], "R": records["layers"]["Rc"]}
+    if records.dtype.names is not None and "index" in records.dtype.names:
+        fields["I"] = records["index"]
+    found, masks = count(tier.file_tier.version, fields)
+    if not masks:
+        return records, found
+    fixed = np.array(records, copy=True)
+    for field, bad in masks.items():
+        target = fixed["index"] if field == "I" else fixed["layers"][field + "c"]
+        target[bad] = 0.0
+    return fixed, found
