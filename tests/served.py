@@ -125,3 +125,18 @@ def servers_on_demand(build):
     for running in started:
         if running.running():
             running.stop()
+
+
+def wait_job(client: httpx.Client, job: dict, *, expect: str | None = None, timeout: float = 60.0) -> dict:
+    """Poll ``GET /jobs/{id}`` until the job ends (within ``timeout`` seconds); with ``expect``, it
+    must end in that state (e.g. ``"done"``). Returns the job's last answer."""
+    deadline = time.monotonic() + timeout
+    while job["state"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.02)
+        response = client.get(f"/jobs/{job['id']}")
+        assert response.status_code == 200, response.text
+        job = response.json()
+    if expect is not None:
+        assert job["state"] == expect, job
+    return job

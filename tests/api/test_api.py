@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import time
 from urllib.parse import unquote
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 from kvstore import tiers
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry
+from served import wait_job
 from store.support import GEOMETRY, MODEL, Rows
 
 RAW = "application/octet-stream"
@@ -59,17 +59,6 @@ def arrow_body(tokens, L, R, I, *, l_width=None):
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=max(1, n // 2))
     return sink.getvalue().to_pybytes()
-
-
-def wait_job(client, job):
-    deadline = time.monotonic() + 60
-    while job["state"] in ("queued", "running"):
-        assert time.monotonic() < deadline, job
-        time.sleep(0.02)
-        response = client.get(f"/jobs/{job['id']}")
-        assert response.status_code == 200
-        job = response.json()
-    return job
 
 
 def assert_error(response, status, error):

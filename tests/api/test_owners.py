@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 from kvstore import tiers
 from kvstore.formats import coli_kv
 from kvstore.locks import FileLock
+from served import wait_job
 from store.support import GEOMETRY, MODEL, Rows
 
 RAW = {"Content-Type": "application/octet-stream"}
@@ -77,16 +77,6 @@ def test_another_owners_id_answers_like_a_missing_one_without_waiting_for_its_lo
     assert alice.get("/sessions/chat/verify").json()["ok"] is True
 
 
-def wait_job(client, job: dict) -> dict:
-    deadline = time.monotonic() + 60
-    while job["state"] in ("queued", "running"):
-        assert time.monotonic() < deadline, job
-        time.sleep(0.02)
-        job = client.get(f"/jobs/{job['id']}").json()
-    assert job["state"] == "done", job
-    return job
-
-
 def test_two_owners_use_the_same_ids_and_never_meet(server, alice, bob):
     # Ids are per owner: a create or fork never tells one owner that another holds the id, and every
     # call of each owner reaches their own session only.
@@ -116,12 +106,12 @@ def test_two_owners_use_the_same_ids_and_never_meet(server, alice, bob):
         fork = client.post("/sessions/chat-1/fork", json={"id": "branch", "at": 64})
         assert (fork.status_code, fork.json()["owner"], fork.json()["parent"]) == (201, owner, "chat-1")
         assert client.post("/sessions/chat-1/fork", json={"id": "chat-1"}).status_code == 409  # their own id
-    wait_job(alice, alice.post("/sessions/chat-1/park").json())
+    wait_job(alice, alice.post("/sessions/chat-1/park").json(), expect="done")
     assert (alice.get("/sessions/chat-1").json()["state"], bob.get("/sessions/chat-1").json()["state"]) == (
         "parked",
         "active",
     )
-    wait_job(alice, alice.post("/sessions/chat-1/unpark").json())
+    wait_job(alice, alice.post("/sessions/chat-1/unpark").json(), expect="done")
     assert bob.delete("/sessions/chat-1").status_code == 204
     assert bob.get("/sessions/chat-1").status_code == 404
     kept = alice.get("/sessions/chat-1").json()

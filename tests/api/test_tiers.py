@@ -10,7 +10,6 @@ the pieces without HTTP (headers, notes, settings) are checked directly too.
 from __future__ import annotations
 
 import re
-import time
 import warnings
 
 import pytest
@@ -19,6 +18,7 @@ from kvstore import tiers
 from kvstore.api.settings import Settings
 from kvstore.api.tier_fields import SESSION_TIERS, TierObject, deprecation_headers, read_tier
 from kvstore.errors import ConfigError
+from served import wait_job
 from store.support import MODEL
 
 GEOMETRY_JSON = {"n_layers": 2, "kv_lora": 32, "qk_rope": 8, "index_hd": 4, "nic": 1, "vocab": 1000}
@@ -61,15 +61,6 @@ def assert_deprecated(response, name: str) -> str:
 
 def assert_current(response) -> None:
     assert "deprecation" not in response.headers and "warning" not in response.headers, dict(response.headers)
-
-
-def wait_job(client, job):
-    deadline = time.monotonic() + 60
-    while job["state"] in ("queued", "running"):
-        assert time.monotonic() < deadline, job
-        time.sleep(0.02)
-        job = client.get(f"/jobs/{job['id']}").json()
-    return job
 
 
 # ------------------------------------------------------------------ over HTTP

@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from reliability.service import ALICE_KEY, Service
 from reliability.store_checks import turn_bytes
 from reliability.store_workload import MODEL, TIER_NAMES
 from reliability.workload import GEOMETRY
+from served import wait_job
 
 RAW = "application/octet-stream"
 ARROW = "application/vnd.apache.arrow.stream"
@@ -122,15 +122,6 @@ def no_server_error(ctx, response, case):
             error = None
         if (response.status_code, error) != NO_ENGINE:
             raise AssertionError(f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:500]}")
-
-
-def wait_job(client, job: dict) -> dict:
-    """Poll a job until it ends; it must end done."""
-    while job["state"] in ("queued", "running"):
-        time.sleep(0.01)
-        job = client.get(f"/jobs/{job['id']}").json()
-    assert job["state"] == "done", job
-    return job
 
 
 def store_files(data: Path) -> set[str]:
@@ -280,8 +271,8 @@ def test_every_route_refuses_missing_forged_and_malformed_keys(service, openapi,
 def test_another_owners_session_is_missing_on_every_route(service, openapi, figures):
     make_session(service, "alices")
     with service.client() as alice:
-        job = wait_job(alice, alice.post("/sessions/alices/park").json())["id"]
-        wait_job(alice, alice.post("/sessions/alices/unpark").json())
+        job = wait_job(alice, alice.post("/sessions/alices/park").json(), expect="done")["id"]
+        wait_job(alice, alice.post("/sessions/alices/unpark").json(), expect="done")
     before = state_of(service, "alices")
     session_routes = [(p, m) for p, m in routes(openapi) if p.startswith("/sessions/{session_id}")]
     covered = {(p[len("/sessions/{session_id}") :], m) for p, m in session_routes}

@@ -30,6 +30,7 @@ from kvstore import tiers
 from kvstore.formats import coli_kv
 from reliability.service import Service
 from reliability.workload import GEOMETRY, turn_rows
+from served import wait_job
 
 RAW = {"Content-Type": "application/octet-stream"}
 KINDS = ("out", "loop", "folder", "fifo")
@@ -46,15 +47,6 @@ def create(client: httpx.Client, sid: str) -> None:
     body = {"id": sid, "model": {"name": "hostile-dir", "revision": "r1"}, "geometry": geometry, "tier": "fp8"}
     answer = client.post("/sessions", json=body)
     assert answer.status_code == 201, answer.text
-
-
-def wait_job(client: httpx.Client, job: dict) -> dict:
-    deadline = time.monotonic() + 60
-    while job["state"] in ("queued", "running"):
-        assert time.monotonic() < deadline, job
-        time.sleep(0.02)
-        job = client.get(f"/jobs/{job['id']}").json()
-    return job
 
 
 def file_of(data: Path, place: str, sid: str) -> Path:
