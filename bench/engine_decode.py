@@ -2,9 +2,12 @@
 
 For each tier and context length the cache is filled with the context's rows (random rows written
 through the tier's encoder: decode time does not depend on their values) and the engine generates
-``--tokens`` greedy tokens after it, twice: every kernel launched from Python (``cuda_graphs=False``)
-and replayed from CUDA graphs (the default on CUDA). The first graph step of a bucket includes its
-capture, reported apart ("capture"); tokens/s is measured over the steps after it.
+``--tokens`` greedy tokens after it, three ways on CUDA: every kernel launched from Python
+(``cuda_graphs=False``, "plain"), replayed from CUDA graphs of the eager step ("graphs"), and
+replayed from CUDA graphs of the step whose elementwise regions ``torch.compile`` fused
+("compiled", the engine's default on CUDA). The first graph step of a bucket includes its capture
+(and, compiled, the first compilation of each shape), reported apart ("capture"); tokens/s is
+measured over the steps after it.
 
 Also printed: the bound of the hardware — reading the weights a token touches once (attention,
 dense and shared layers, ``num_experts_per_tok`` routed experts, the LM head) plus the context's
@@ -33,8 +36,20 @@ import torch
 
 from kvstore.engine import BatchSequence, CacheGeometry, Engine, preset, random_model
 from kvstore.engine.graphs import bucket
+from kvstore.engine.model import StepRegions
 
 DEFAULT_TIERS = ("f32", "fp8", "int4")
+#: How a step runs: kernels from Python, CUDA graphs of the eager step, of the compiled step.
+MODES = ("plain", "graphs", "compiled")
+
+
+def _engine(model, mode: str, **kwargs) -> Engine:
+    """An engine decoding in ``mode`` (the regions are the model's: set them for this mode)."""
+    if mode == "compiled":
+        model.compile_decode()
+    else:
+        model.regions = StepRegions.eager()
+    return Engine(model, cuda_graphs=mode != "plain", compile_step=mode == "compiled", **kwargs)
 
 
 def _sync(device: torch.device) -> None:
@@ -59,8 +74,9 @@ def _fill(engine: Engine, length: int, seed: int) -> np.ndarray:
     return tokens
 
 
-def _decode(engine: Engine, first: int, n: int) -> tuple[list[int], float, float]:
-    """Greedy steps after the cache: (tokens, seconds of the first step, seconds per later step)."""
+def _decode(engine: Engine, first: int, n: int) -> tuple[list[int], float, float, torch.Tensor]:
+    """Greedy steps after the cache: (tokens, seconds of the first step, seconds per later step,
+    the first step's logits)."""
     device = engine.device
     token, tokens = first, []
     _sync(device)
@@ -68,13 +84,20 @@ def _decode(engine: Engine, first: int, n: int) -> tuple[list[int], float, float
     logits = engine.decode_logits(token, engine.cache.length)
     token = int(torch.argmax(logits))
     first_seconds = time.perf_counter() - began
+    first_logits = logits.float().cpu()
     tokens.append(token)
     began = time.perf_counter()
     for _ in range(n - 1):
         logits = engine.decode_logits(token, engine.cache.length)
         token = int(torch.argmax(logits))  # the host needs each token: a sync per step, as a user sees
         tokens.append(token)
-    return tokens, first_seconds, (time.perf_counter() - began) / max(1, n - 1)
+    return tokens, first_seconds, (time.perf_counter() - began) / max(1, n - 1), first_logits
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> str:
+    """max |a - b| and KL(softmax b || softmax a) of two logit vectors (b the reference)."""
+    kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="sum")
+    return f"max|d| {float((a - b).abs().max()):.3g} KL {float(kl):.2g}"
 
 
 def _copy_bandwidth(device: torch.device) -> float:
@@ -119,11 +142,11 @@ def _batch_bytes(model, cfg, cache_bytes_per_token: int, lengths: list[int]) -> 
 
 
 def _batched(
-    model, cfg, tier: str, lengths: list[int], steps: int, graphs: bool, profile: bool = False
+    model, cfg, tier: str, lengths: list[int], steps: int, mode: str, profile: bool = False
 ) -> tuple[float, float, list]:
     """B sessions decoding ``steps`` tokens together: (seconds per step, seconds of the first batch
     — its capture included —, the tokens of the timed batch)."""
-    engine = Engine(model, tier=tier, cuda_graphs=graphs)
+    engine = _engine(model, mode, tier=tier)
     sessions = []
     for i, length in enumerate(lengths):
         holder = Engine(model, cache=engine.new_cache(), cuda_graphs=False)
@@ -148,7 +171,7 @@ def _batched(
             engine.generate_batch([BatchSequence(c, [t]) for c, t in sessions], max_new_tokens=8, stop_tokens=())
             _sync(engine.device)
         key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
-        print(f"\n-- {tier}, {len(lengths)} sessions, {'graphs' if graphs else 'plain'}: top 10 of 8 batched steps")
+        print(f"\n-- {tier}, {len(lengths)} sessions, {mode}: top 10 of 8 batched steps")
         print(prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=60))
         for (cache, _), length in zip(sessions, lengths):
             cache.truncate(length)
@@ -221,42 +244,43 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = _copy_bandwidth(device)
     if device.type == "cuda":
         print(f"device copy bandwidth: {bandwidth:.0f} GB/s")
+    modes = MODES if device.type == "cuda" else ("plain",)
     rows = []
     for tier in args.tiers if not args.batch_only else ():
         for length in args.lengths:
             results = {}
-            for graphs in (False, True) if device.type == "cuda" else (False,):
-                engine = Engine(model, tier=tier, cuda_graphs=graphs)
+            for mode in modes:
+                engine = _engine(model, mode, tier=tier)
                 context = _fill(engine, length, seed=length)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
-                tokens, first, per_step = _decode(engine, int(context[-1]) % cfg.vocab_size, args.tokens)
+                tokens, first, per_step, logits = _decode(engine, int(context[-1]) % cfg.vocab_size, args.tokens)
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-                results[graphs] = (tokens, first, per_step, peak, engine.cache.nbytes / 2**30)
+                results[mode] = (tokens, first, per_step, peak, engine.cache.nbytes / 2**30, logits)
                 if args.profile and length == args.lengths[0]:
-                    print(f"\n-- {tier}, {length} rows, {'graphs' if graphs else 'plain'}: top 10 of 8 decode steps")
+                    print(f"\n-- {tier}, {length} rows, {mode}: top 10 of 8 decode steps")
                     print(_profile(engine, tokens[-1], 8))
                 del engine
-            plain = results[False]
-            graph = results.get(True)
-            same = "-" if graph is None else _agreement([graph[0]], [plain[0]])
             need = _token_bytes(model, cfg, CacheGeometry.of(cfg).bytes_per_token(tier), length)
             bound = bandwidth * 1e9 / need if bandwidth == bandwidth else float("nan")
-            rows.append((tier, length, plain, graph, same, bound))
+            rows.append((tier, length, results, bound))
     print(
-        "\ntier   context  plain tok/s  graph tok/s  speed-up  graph capture  vs HBM bound (tok/s)  cache GiB  peak GiB  tokens"
+        "\ntier   context  "
+        + "  ".join(f"{m + ' tok/s':>15s}" for m in modes)
+        + "  first step (capture) ms  best vs HBM bound (tok/s)  cache GiB  peak GiB  tokens vs plain"
     )
-    for tier, length, plain, graph, same, bound in rows:
-        plain_rate = 1 / plain[2]
-        if graph is None:
-            print(
-                f"{tier:6s} {length:7d}  {plain_rate:11.1f}  {'-':>11s}  {'-':>8s}  {'-':>13s}  {'-':>20s}  {plain[4]:9.2f}  {'-':>8s}  {same}"
-            )
-            continue
-        graph_rate = 1 / graph[2]
+    for tier, length, results, bound in rows:
+        rates = {m: 1 / results[m][2] for m in modes}
+        last = results[modes[-1]]
+        same = "; ".join(
+            f"{m}: {_agreement([results[m][0]], [results['plain'][0]])}, {_distance(results[m][5], results['plain'][5])}"
+            for m in modes[1:]
+        )
+        same = same or "-"
         print(
-            f"{tier:6s} {length:7d}  {plain_rate:11.1f}  {graph_rate:11.1f}  {graph_rate / plain_rate:7.1f}x  "
-            f"{graph[1] * 1e3:10.1f} ms  {graph_rate / bound:9.1%} of {bound:7.0f}  {graph[4]:9.2f}  {graph[3]:8.2f}  {same}"
+            f"{tier:6s} {length:7d}  "
+            + "  ".join(f"{rates[m]:15.1f}" for m in modes)
+            + f"  {last[1] * 1e3:23.1f}  {rates[modes[-1]] / bound:9.1%} of {bound:7.0f}  {last[4]:9.2f}  {last[3]:8.2f}  {same}"
         )
     if args.batch:
         lengths = args.batch_lengths or [int(n) for n in np.linspace(1024, 32768, args.batch)]
@@ -266,25 +290,27 @@ def main(argv: list[str] | None = None) -> int:
             f"\n{args.batch} sessions together, contexts {min(lengths)}..{max(lengths)} "
             f"({sum(lengths)} rows), {args.tokens} tokens each"
         )
-        print("tier   mode    step ms  aggregate tok/s  per session tok/s  first batch s  vs HBM bound (tok/s)  tokens")
+        print(
+            "tier   mode      step ms  aggregate tok/s  per session tok/s  first batch s  vs HBM bound (tok/s)  tokens"
+        )
         for tier in args.tiers:
             need = _batch_bytes(model, cfg, CacheGeometry.of(cfg).bytes_per_token(tier), lengths)
             bound = bandwidth * 1e9 / need * args.batch if bandwidth == bandwidth else float("nan")
             outputs = {}
-            for graphs in (False, True) if device.type == "cuda" else (False,):
-                step, first, outputs[graphs] = _batched(
+            for mode in modes:
+                step, first, outputs[mode] = _batched(
                     model,
                     cfg,
                     tier,
                     lengths,
                     args.tokens,
-                    graphs,
-                    profile=args.profile and graphs and tier == args.tiers[0],
+                    mode,
+                    profile=args.profile and mode != "plain" and tier == args.tiers[0],
                 )
                 rate = args.batch / step
-                same = "-" if graphs is False else _agreement(outputs[True], outputs[False])
+                same = "-" if mode == "plain" else _agreement(outputs[mode], outputs["plain"])
                 print(
-                    f"{tier:6s} {'graphs' if graphs else 'plain':6s}  {step * 1e3:7.2f}  {rate:15.1f}  {1 / step:17.1f}  "
+                    f"{tier:6s} {mode:8s}  {step * 1e3:7.2f}  {rate:15.1f}  {1 / step:17.1f}  "
                     f"{first:13.2f}  {rate / bound:9.1%} of {bound:7.0f}  {same}"
                 )
     return 0

@@ -102,6 +102,14 @@ class LatentCache:
             problem = tier.width_problem(width)
             if problem is not None:
                 raise TierUnsupported(f"{name}: {problem}")
+        if self.device.type != "cpu":
+            # Build the codec's device tables (signs, levels, ...) now, outside any compiled region:
+            # torch.compile cannot trace their numpy construction.
+            encode_fields(
+                tier,
+                torch.zeros(1, self.geometry.kv_lora, device=self.device),
+                torch.zeros(1, self.geometry.qk_rope, device=self.device),
+            )
         self._length = 0
         self._tokens = np.zeros(capacity, dtype=np.int32)
         self._fields = self._allocate(capacity)
@@ -126,12 +134,7 @@ class LatentCache:
 
     def _encode(self, lc: torch.Tensor, rc: torch.Tensor) -> dict[str, torch.Tensor]:
         """f32 rows [..., K] / [..., R] -> field tensors with the same leading shape."""
-        fields = {}
-        for prefix, rows in (("lc", lc), ("rc", rc)):
-            fields[prefix], scales = codecs.encode_tier(self.tier, rows)
-            if scales is not None:
-                fields[f"{prefix}_scales"] = scales
-        return fields
+        return encode_fields(self.tier, lc, rc)
 
     def _decode(self, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Field tensors (leading shape [...]) -> f32 rows ([..., K], [..., R])."""
@@ -253,8 +256,12 @@ class LatentCache:
         """:meth:`write` at device positions int64[T] (one row each): no host value decides where, so a
         CUDA graph can capture it. The positions must lie below the capacity (not checked: that would
         read them back to the host)."""
-        encoded = self._encode(lc.to(torch.float32), rc.to(torch.float32))
-        for name, value in encoded.items():
+        self.store_at(layer, positions, self._encode(lc.to(torch.float32), rc.to(torch.float32)))
+
+    def store_at(self, layer: int, positions: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
+        """Put rows already encoded in this cache's tier (:func:`encode_fields`) at device positions
+        int64[T] of ``layer``; as :meth:`write_at`, nothing is read back to the host."""
+        for name, value in fields.items():
             self._fields[name][layer].index_copy_(0, positions, value.to(self._fields[name].dtype))
 
     @property
@@ -513,6 +520,17 @@ class LatentCache:
 
 
 _RECORD_FIELD = {"lc": "Lc", "lc_scales": "Ls", "rc": "Rc", "rc_scales": "Rs"}
+
+
+def encode_fields(tier: tiers.Tier, lc: torch.Tensor, rc: torch.Tensor) -> dict[str, torch.Tensor]:
+    """f32 rows [..., K] / [..., R] -> a cache's field tensors in ``tier`` (``lc``, ``rc`` and, for a
+    quantized tier, ``lc_scales``, ``rc_scales``) with the same leading shape."""
+    fields = {}
+    for prefix, rows in (("lc", lc), ("rc", rc)):
+        fields[prefix], scales = codecs.encode_tier(tier, rows)
+        if scales is not None:
+            fields[f"{prefix}_scales"] = scales
+    return fields
 
 
 def _to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -164,6 +164,9 @@ class Engine:
         :data:`PREFILL_CHUNKS` of the cache's device
     cuda_graphs : on a CUDA device, replay each decode step from a CUDA graph
         (:mod:`kvstore.engine.graphs`); False runs every step's kernels from Python
+    compile_step : with CUDA graphs, fuse each step's elementwise work with ``torch.compile``
+        (:meth:`MLAForCausalLM.compile_decode`; the first step of each new shape compiles, tens of
+        seconds once per process, then replays); False keeps the eager kernels
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class Engine:
         bits: int | None = None,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         cuda_graphs: bool = True,
+        compile_step: bool = True,
     ):
         self.model = model
         self.config: ModelConfig = model.config
@@ -192,6 +196,8 @@ class Engine:
             from kvstore.engine.graphs import DecodeGraphs
 
             self._graphs = DecodeGraphs(model, self.cache)
+            if compile_step and model.regions.compiled is False:
+                model.compile_decode()
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from kvstore import tiers
+from kvstore.engine.cache import encode_fields
 from kvstore.engine.config import ModelConfig
 
 __all__ = ["MLAForCausalLM", "rope_inv_freq"]
@@ -201,13 +203,17 @@ class MLAttention(nn.Module):
             out = self._plain(q_nope, q_rope, cache, start)
         return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.v_dim))
 
-    def step(self, x, cos, sin, rotary, cache, slots: StepSlots, n_rows: int) -> torch.Tensor:
-        """One token per sequence, placed by ``slots`` (device tensors): the absorbed form with no
-        host value deciding anything, so a CUDA graph can capture it (``n_rows``: rows readable)."""
-        q_nope, q_rope, lc, rc = self.project(x, cos, sin, rotary)
-        cache.write_at(self.layer, slots.rows, lc, rc)
-        out = self._absorbed(q_nope, q_rope, cache, slots.seq_len, n_rows=n_rows, seq_start=slots.seq_start)
-        return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.v_dim))
+    def latent_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_lat[t, h] = q_nope[t, h] @ W_UK[h]: the query in latent space, f32[T, H, kv_lora]."""
+        w_uk, _ = self._uk_uv()
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).float().contiguous()
+
+    def latent_output(self, ctx_lat: torch.Tensor) -> torch.Tensor:
+        """out[t, h] = ctx_lat[t, h] @ W_UV[h]^T, through ``o_proj``: [T, hidden]."""
+        _, w_uv = self._uk_uv()
+        ctx_lat = ctx_lat.to(w_uv.dtype)
+        out = torch.bmm(ctx_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return self.o_proj(out.reshape(ctx_lat.shape[0], self.n_heads * self.v_dim))
 
     def _absorbed(
         self, q_nope, q_rope, cache, seq_len: torch.Tensor, n_rows: int, seq_start: torch.Tensor | None = None
@@ -215,14 +221,12 @@ class MLAttention(nn.Module):
         """Attention over the cached rows with kv_b_proj folded in; token t sees rows
         ``seq_start[t] .. seq_start[t] + seq_len[t] - 1`` (``seq_start`` default 0)."""
         t = q_nope.shape[0]
-        w_uk, w_uv = self._uk_uv()
-        # q_lat[t, h] = q_nope[t, h] @ W_UK[h]: the query in latent space
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        _, w_uv = self._uk_uv()
         if seq_start is None:
             seq_start = torch.zeros(t, dtype=torch.int32, device=q_nope.device)
         ctx_lat = cache.attend(
             self.layer,
-            q_lat.float().contiguous(),
+            self.latent_query(q_nope),
             q_rope.float().contiguous(),
             seq_start,
             seq_len,
@@ -333,9 +337,11 @@ class RoutedExperts(nn.Module):
         n_experts = self.gate_proj.shape[0]
         if _GROUPED_MM is not None and x.device.type == "cuda" and x.dtype == torch.bfloat16:
             return self._grouped(x, top_idx, weights)
-        if x.device.type != "cpu" and (t * k <= n_experts or torch.cuda.is_current_stream_capturing()):
-            # few pairs, or a step being captured in a CUDA graph (the per-expert loop reads counts
-            # back to the host, which a capture cannot): gather the chosen experts' weights
+        if x.device.type != "cpu" and (
+            t * k <= n_experts or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+        ):
+            # few pairs, or a step compiled for (or captured in) a CUDA graph (the per-expert loop
+            # reads counts back to the host, which a capture cannot): gather the chosen experts' weights
             return self._gathered(x, top_idx, weights)
         return self._segmented(x, top_idx, weights)
 
@@ -425,8 +431,28 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, rotary, cache, start, absorbed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def step(self, x, cos, sin, rotary, cache, slots: StepSlots, n_rows: int) -> torch.Tensor:
-        x = x + self.self_attn.step(self.input_layernorm(x), cos, sin, rotary, cache, slots, n_rows)
+    def step(self, x, cos, sin, rotary, cache, slots: StepSlots, n_rows: int, regions: "StepRegions") -> torch.Tensor:
+        """One decode step of this layer: ``regions.inputs`` (norm, projections, rotary, the rows'
+        encoding), the cache write and the attention call, then ``regions.outputs`` (output
+        projection, MLP or experts). The two regions are what ``torch.compile`` fuses on CUDA; the
+        attention kernels and the write into the cache's buffers stay between them."""
+        attn = self.self_attn
+        q_lat, q_rope, fields = regions.inputs_for(cache.tier.name)(self, x, cos, sin, rotary, cache.tier.name)
+        cache.store_at(attn.layer, slots.rows, fields)
+        ctx_lat = cache.attend(attn.layer, q_lat, q_rope, slots.seq_start, slots.seq_len, attn.softmax_scale, n_rows)
+        return regions.outputs(self, x, ctx_lat)
+
+    def step_inputs(self, x, cos, sin, rotary, tier: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(q_lat f32[B, H, kv_lora], q_rope f32[B, H, qk_rope], the new rows encoded in the tier
+        named ``tier``). The tier comes by name: a compiled region guards on a string's value, so
+        each tier gets its own graph (a frozen Tier object is not guarded that finely)."""
+        attn = self.self_attn
+        q_nope, q_rope, lc, rc = attn.project(self.input_layernorm(x), cos, sin, rotary)
+        fields = encode_fields(tiers.TIERS[tier], lc.float(), rc.float())
+        return attn.latent_query(q_nope), q_rope.float().contiguous(), fields
+
+    def step_outputs(self, x, ctx_lat) -> torch.Tensor:
+        x = x + self.self_attn.latent_output(ctx_lat)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -451,6 +477,7 @@ class MLAForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.regions = StepRegions.eager()
 
     @property
     def device(self) -> torch.device:
@@ -529,8 +556,68 @@ class MLAForCausalLM(nn.Module):
         x = self.model.embed_tokens(token_ids)
         cos, sin = (c.to(x.dtype) for c in rotary(positions))  # cast once, not in every layer
         for layer in self.model.layers:
-            x = layer.step(x, cos, sin, rotary, cache, slots, n_rows)
+            x = layer.step(x, cos, sin, rotary, cache, slots, n_rows, self.regions)
+        return self.regions.head(self, x)
+
+    def logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: f32[B, vocab]."""
         return self.lm_head(self.model.norm(x)).float()
+
+    def compile_decode(self) -> bool:
+        """Fuse the elementwise work of every decode step with ``torch.compile`` (CUDA with triton).
+
+        A step is ~1,500 small kernels otherwise (norms, rotary, router, the rows' encoding), and on
+        a GPU their launches and memory round trips, not the weights' one read, bound the step. The
+        regions are compiled once for all layers (every layer runs the same code on its own
+        parameters: dense and MoE layers give two graphs) and run inside the step's CUDA graph. The
+        CPU keeps the eager step, whose operation order the transformers oracle tests pin.
+
+        Returns True when the regions are compiled (False: not CUDA, or no triton).
+        """
+        if self.device.type != "cuda" or not _has_triton():
+            return False
+        # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
+        # step computes what the eager one does (not a more precise, different answer).
+        options = {"emulate_precision_casts": True}
+        self.regions = StepRegions(
+            torch.compile(DecoderLayer.step_inputs, options=options),
+            torch.compile(DecoderLayer.step_outputs, options=options),
+            torch.compile(MLAForCausalLM.logits_of, options=options),
+            compiled=True,
+        )
+        return True
+
+
+def _has_triton() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return bool(has_triton())
+
+
+@dataclass(frozen=True)
+class StepRegions:
+    """The two halves of a layer's decode step around its attention call, and the model's head:
+    the plain methods, or their ``torch.compile`` versions (:meth:`MLAForCausalLM.compile_decode`)."""
+
+    inputs: object = None
+    outputs: object = None
+    head: object = None
+    compiled: bool = False
+
+    #: Tiers whose encoders the compiled input region traces (pure torch, checked byte for byte on
+    #: the H200); the others encode in the eager region.
+    COMPILED_TIERS = frozenset({"f32", "bf16", "fp8", "int4"})
+
+    @classmethod
+    def eager(cls) -> "StepRegions":
+        return cls(DecoderLayer.step_inputs, DecoderLayer.step_outputs, MLAForCausalLM.logits_of)
+
+    def inputs_for(self, tier: str):
+        if self.compiled and tier not in self.COMPILED_TIERS:
+            return DecoderLayer.step_inputs
+        return self.inputs
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,10 @@ _F32_2POW_M6_BITS = int(np.float32(2.0**-6).view(np.uint32))  # below 2^-6 the e
 _REBIAS = (127 - 7) << 3  # f32 exponent bias -> e4m3 bias, in (exp << 3 | mant) units
 _ANCHOR = 16384.0  # 2^14: its f32 ulp is 2^-9, the e4m3 subnormal step
 _ANCHOR_BITS = int(np.float32(_ANCHOR).view(np.uint32))
+# Python floats, not numpy scalars: torch.compile traces these codecs (the engine's compiled decode
+# step), and numpy scalars there become tensors it guards on.
+_RADIUS_FLOOR = float(tq.RADIUS_FLOOR)
+_RADIUS_CEIL = float(tq.RADIUS_CEIL)
 
 # Small per-device tables (LUT, sign vectors, level tables), built once per (kind, width, device).
 _tables: dict[tuple, object] = {}
@@ -167,11 +171,22 @@ def fp8_quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     live = (amax > _AMAX_FLOOR) & ~(amax > _AMAX_CEIL)
     one = torch.ones_like(amax)
     safe = torch.where(live, amax, one)
-    inv = torch.full_like(safe, FP8_MAX) / safe
+    inv = _f32_quotient(FP8_MAX, safe)
     codes = fp8_encode(x * inv[..., None])
     codes = torch.where(live[..., None], codes, torch.zeros_like(codes))
-    scales = torch.where(live, safe / torch.full_like(safe, FP8_MAX), one)
+    scales = torch.where(live, _f32_quotient(safe, FP8_MAX), one)
     return codes, scales
+
+
+def _f32_quotient(a, b) -> torch.Tensor:
+    """The correctly rounded f32 quotient ``a / b`` of f32 values (tensors or floats), also inside
+    ``torch.compile``: there a float division becomes a multiply by a reciprocal (divisor constant)
+    or triton's approximate ``div.full.f32`` (2 ulp), either of which moves a scale's last bit off
+    the format's. In f64 and rounded once to f32 the result is exact: an f32 quotient is never
+    within f64 precision of an f32 rounding midpoint, so the double rounding cannot differ."""
+    a = a.double() if isinstance(a, torch.Tensor) else float(a)
+    b = b.double() if isinstance(b, torch.Tensor) else float(b)
+    return (a / b).float()
 
 
 def fp8_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -287,7 +302,7 @@ def _radii(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         radius = radius.to(x.device)
     else:
         radius = torch.sqrt(torch.sum(torch.square(x.double()), dim=-1)).float()
-    live = (radius > float(tq.RADIUS_FLOOR)) & ~(radius > float(tq.RADIUS_CEIL))
+    live = (radius > _RADIUS_FLOOR) & ~(radius > _RADIUS_CEIL)
     return radius, live
 
 
@@ -303,7 +318,7 @@ def sanitize_tq_(codes: torch.Tensor, radii: torch.Tensor) -> tuple[torch.Tensor
     -------
     (codes, radii), the same tensors.
     """
-    bad = ~((radii >= 0) & (radii < float(tq.RADIUS_CEIL)))
+    bad = ~((radii >= 0) & (radii < _RADIUS_CEIL))
     _fill_where(codes, bad.unsqueeze(-1), 0)
     _fill_where(radii, bad, 0.0)
     return codes, radii
@@ -326,7 +341,7 @@ def int4_quantize_rows(rows: torch.Tensor, chunk_rows: int = 4096) -> tuple[torc
     codes = torch.empty(flat.shape[0], n // 2, dtype=torch.uint8, device=x.device)
     levels = int4_levels(x.device)
     safe = torch.where(live, radius, torch.ones_like(radius))
-    invstd = _sqrt(n, x.device) / safe
+    invstd = _f32_quotient(_sqrt(n, x.device), safe)
     for a in range(0, flat.shape[0], chunk_rows):  # bounds the [rows, n, 16] distance tensor
         b = min(flat.shape[0], a + chunk_rows)
         z = rotate(flat[a:b]) * invstd[a:b, None]
@@ -597,18 +612,21 @@ def encode_tier(tier: tiers.Tier | str, rows: torch.Tensor) -> tuple[torch.Tenso
     deltas f16[..., n/32]) for q8.
     """
     tier = as_tier(tier)
-    if tier is tiers.F32:
+    # By name, not identity: inside torch.compile a frozen Tier is rebuilt as a constant, and an
+    # ``is`` against the module's instance is then False (every tier would fall to the last branch).
+    name = tier.name
+    if name == tiers.F32.name:
         return rows.to(torch.float32), None
-    if tier is tiers.BF16:
+    if name == tiers.BF16.name:
         return rows.to(torch.bfloat16), None
     if rows.device.type == "cpu":
         codes, scales = tier.quantize(rows.detach().to(torch.float32).numpy())
         return torch.from_numpy(codes), torch.from_numpy(scales)
-    if tier is tiers.FP8:
+    if name == tiers.FP8.name:
         return fp8_quantize_rows(rows)
-    if tier is tiers.INT4:
+    if name == tiers.INT4.name:
         return int4_quantize_rows(rows)
-    if tier is tiers.Q8:
+    if name == tiers.Q8.name:
         return q8_quantize_blocks(rows)
     return polar_quantize_rows(rows, tier.bits)
 

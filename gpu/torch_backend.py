@@ -174,7 +174,10 @@ def decode_torch(
             return lat, rope, (position < lo) | (position >= hi)
 
         n_cols = stop - first
-        step = max(1, min(CHUNK_ROWS, SCORE_ELEMENTS // (batch * heads)))
+        # f32 rows on a device are read in place (no decoded copy per chunk): one chunk as wide as
+        # the score budget allows, so a long context costs a few kernels, not a few per 8k rows.
+        widest = max(CHUNK_ROWS, n_cols) if tier is tiers.F32 and dev.type != "cpu" else CHUNK_ROWS
+        step = max(1, min(widest, SCORE_ELEMENTS // (batch * heads)))
     else:
         # Columns are selection slots, each query gathering its own rows: [B, C, width].
         n_cols = problem.selected if problem.n_rows else 0

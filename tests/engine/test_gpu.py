@@ -52,6 +52,59 @@ def test_int4_encoder_on_cuda_matches_formats_tq():
     assert same.mean() >= 0.9999
 
 
+def test_compiled_encoders_write_the_format_bytes():
+    """The decode step's rows are encoded inside ``torch.compile``d regions on CUDA: fused by
+    inductor, the encoders must still give ``kvstore.formats``' bytes (a file the C engine reads)."""
+    from kvstore.engine.cache import encode_fields
+    from kvstore.tiers import FP8, INT4, TIERS
+
+    x = _rows(4096, 512, 3)
+    r = _rows(4096, 64, 4)
+    fused = torch.compile(lambda name, lc, rc: encode_fields(TIERS[name], lc, rc))
+    for tier in (FP8, INT4):
+        lc, rc = torch.from_numpy(x).to(CUDA), torch.from_numpy(r).to(CUDA)
+        want = {name: t.cpu().numpy() for name, t in encode_fields(tier, lc, rc).items()}  # builds the tables
+        got = {name: t.cpu().numpy() for name, t in fused(tier.name, lc, rc).items()}
+        for name in want:
+            same = (got[name] == want[name]).reshape(len(x), -1).all(axis=-1)
+            assert same.mean() >= (1.0 if tier is FP8 else 0.9999), (tier.name, name, same.mean())
+
+
+@pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
+def test_the_compiled_step_is_the_eager_step(tier):
+    """bf16 V2-style layers (grouped experts) on CUDA: the compiled regions give the eager step's
+    logits up to bf16 rounding and write the same rows."""
+    from kvstore.engine.model import StepRegions
+
+    cfg = preset("tiny-512")
+    model = random_model(cfg, seed=7, device=CUDA, dtype="bfloat16")
+    prompt = np.random.default_rng(2).integers(2, cfg.vocab_size, 300)
+    engine = Engine(model, tier=tier, cuda_graphs=False)
+    engine.prefill(prompt[:-1])
+    caches, logits = [], []
+    for compiled in (False, True):
+        if compiled:
+            assert model.compile_decode()
+        else:
+            model.regions = StepRegions.eager()
+        cache = engine.cache.copy()
+        cache.prepare(len(prompt) - 1, 1)
+        cache.reserve(1024)
+        step = model.decode_step(
+            torch.tensor([int(prompt[-1])], device=CUDA), torch.tensor([len(prompt) - 1], device=CUDA), cache, 1024
+        )
+        logits.append(step[0].float())
+        caches.append(cache)
+    model.regions = StepRegions.eager()
+    scale = float(logits[0].abs().max())
+    assert float((logits[1] - logits[0]).abs().max()) <= 0.02 * scale
+    n = len(prompt)
+    for layer in range(cfg.num_hidden_layers):
+        for eager, fused in zip(caches[0].read(layer, n), caches[1].read(layer, n)):
+            assert torch.equal(eager[:-1], fused[:-1])  # the step wrote only its own row
+            assert float((fused[-1] - eager[-1]).abs().max()) <= 0.1 * float(eager[-1].abs().max())
+
+
 @pytest.mark.parametrize("tier", ["fp8", "int4", "polar4", "q8", "bf16"])
 def test_selected_decode_backend_agrees_with_the_torch_path(tier):
     geometry = CacheGeometry.of(preset("v2-lite"))
