@@ -32,12 +32,14 @@ from kvstore import tiers
 from kvstore.gpu import codecs, inputs
 from kvstore.gpu.registry import AttentionBackend, spec_of
 
-__all__ = ["CHUNK_ROWS", "MpsBackend", "TorchBackend", "decode_torch"]
+__all__ = ["CHUNK_ROWS", "ONE_PASS_ELEMENTS", "SPLIT_ROWS", "MpsBackend", "TorchBackend", "decode_torch"]
 
 #: Rows decoded per step (fewer when the batch is wide: see :data:`SCORE_ELEMENTS`).
 CHUNK_ROWS = 8192
 #: Most f32 elements of one step's scores ([B, H, rows]) or per-query gathered rows ([B, rows, K + R]).
 SCORE_ELEMENTS = 1 << 24
+#: Most f32 scores ([B, H, rows]) the one-pass f32 path on CUDA materializes (256 MiB).
+ONE_PASS_ELEMENTS = 1 << 26
 
 # (lc rows, rc rows, hidden) of columns a..z: rows [C, w] shared by every query or [B, C, w] per
 # query, and a mask broadcastable to [B, H, C] of the columns a query may not see.
@@ -69,6 +71,60 @@ def _online_softmax(
         acc = acc * rescale + torch.matmul(weights, lat)
         running_max = new_max
     return acc / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+#: Rows per slice of the context product's reduction in :func:`_dense_one_pass` (a split K).
+SPLIT_ROWS = 1024
+
+
+def _dense_one_pass(q_lat, q_rope, lat, rope, lo, hi, softmax_scale: float) -> torch.Tensor:
+    """Softmax attention of queries f32[B, H, K] / [B, H, R] over f32 rows [N, K] / [N, R] read in
+    place, query b seeing rows ``lo[b] .. hi[b]-1`` (int64[B, 1, 1]): one pass, no chunk loop.
+
+    The context product ``weights @ rows`` reduces over N with only B*H output rows: as one GEMM
+    it runs on a handful of thread blocks, so the rows are cut into slices of
+    :data:`SPLIT_ROWS` multiplied as a batch and summed (a split K).
+    """
+    n, k = lat.shape
+    scores = (torch.matmul(q_lat, lat.mT) + torch.matmul(q_rope, rope.mT)) * softmax_scale  # [B, H, N]
+    position = torch.arange(n, device=lat.device)
+    scores = scores.masked_fill((position < lo) | (position >= hi), float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)  # no visible row: exp() gives 0
+    weights = torch.exp(scores - peak)
+    denom = weights.sum(dim=-1, keepdim=True)
+    b, h = weights.shape[:2]
+    whole = n - n % SPLIT_ROWS
+    flat = weights.reshape(b * h, n)
+    ctx = torch.zeros(b * h, k, device=lat.device, dtype=torch.float32)
+    if whole:
+        slices = whole // SPLIT_ROWS
+        parts = torch.bmm(
+            flat[:, :whole].reshape(b * h, slices, SPLIT_ROWS).transpose(0, 1),
+            lat[:whole].reshape(slices, SPLIT_ROWS, k),
+        )
+        ctx = ctx + parts.sum(dim=0)
+    if whole < n:
+        ctx = ctx + flat[:, whole:] @ lat[whole:]
+    return ctx.reshape(b, h, k) / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+_compiled_one_pass = None
+
+
+def _one_pass_function():
+    """:func:`_dense_one_pass`, fused by ``torch.compile`` where triton is available (masking,
+    softmax and the split sums become a few kernels), else as is."""
+    global _compiled_one_pass
+    if _compiled_one_pass is None:
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:  # pragma: no cover - every supported torch has it
+            has_triton = None
+        # dynamic: a plain (uncaptured) step attends a different number of rows every token
+        fused = has_triton is not None and has_triton()
+        _compiled_one_pass = torch.compile(_dense_one_pass, dynamic=True) if fused else _dense_one_pass
+    return _compiled_one_pass
 
 
 def _row_decoder(tier: tiers.Tier, lc, lc_scales, rc, rc_scales, kv_lora: int, qk_rope: int):
@@ -174,10 +230,14 @@ def decode_torch(
             return lat, rope, (position < lo) | (position >= hi)
 
         n_cols = stop - first
-        # f32 rows on a device are read in place (no decoded copy per chunk): one chunk as wide as
-        # the score budget allows, so a long context costs a few kernels, not a few per 8k rows.
-        widest = max(CHUNK_ROWS, n_cols) if tier is tiers.F32 and dev.type != "cpu" else CHUNK_ROWS
-        step = max(1, min(widest, SCORE_ELEMENTS // (batch * heads)))
+        if tier is tiers.F32 and dev.type == "cuda" and 0 < batch * heads * n_cols <= ONE_PASS_ELEMENTS:
+            # f32 rows are read in place, with no decoded copy: one pass over every row, fused.
+            ctx = _one_pass_function()(
+                q_l, q_r, lc_codes[first:stop], rc_codes[first:stop], lo - first, hi - first, float(softmax_scale)
+            )
+            result.copy_(ctx)
+            return result
+        step = max(1, min(CHUNK_ROWS, SCORE_ELEMENTS // (batch * heads)))
     else:
         # Columns are selection slots, each query gathering its own rows: [B, C, width].
         n_cols = problem.selected if problem.n_rows else 0

@@ -93,3 +93,24 @@ def test_streaming_over_many_chunks_matches_one_pass(monkeypatch):
     bound = 2 * (m * eps / (1 - m * eps)) * float(lc.abs().max())
     assert float((chunked - whole).abs().max()) <= bound
     assert torch.equal(chunked[3], torch.zeros(heads, k))  # the query that sees no row
+
+
+@pytest.mark.parametrize("n", [50, 3000])
+def test_the_one_pass_f32_path_is_the_streamed_one(n):
+    """The f32 path a CUDA device takes (one pass over the rows read in place, the context product
+    split along the rows) gives the streamed result, here run on the CPU; a query that sees no
+    row gets zeros, and rows past a whole slice are summed too (3000 = 2 slices + 952)."""
+    gen = torch.Generator().manual_seed(5)
+    heads, k, r = 4, 64, 32
+    q_lat, q_rope = torch.randn(3, heads, k, generator=gen), torch.randn(3, heads, r, generator=gen)
+    lc, rc = torch.randn(n, k, generator=gen), torch.randn(n, r, generator=gen)
+    seq_start = torch.tensor([0, n // 3, n - 1], dtype=torch.int32)
+    seq_len = torch.tensor([n, n // 2, 0], dtype=torch.int32)
+    streamed = torch_backend.TorchBackend(torch.device("cpu")).mla_decode_dense(
+        q_lat, q_rope, lc, rc, seq_start, seq_len, 0.11
+    )
+    lo = seq_start.long()[:, None, None]
+    hi = (seq_start + seq_len).long()[:, None, None]
+    one_pass = torch_backend._dense_one_pass(q_lat, q_rope, lc, rc, lo, hi, 0.11)
+    torch.testing.assert_close(one_pass, streamed, rtol=1e-5, atol=1e-5)
+    assert torch.equal(one_pass[2], torch.zeros(heads, k))
