@@ -38,10 +38,18 @@ class Job:
     state: str = "queued"
     done: int = 0
     total: int = 0
+    bytes_per_unit: int = 1  # bytes per unit of done/total (a record's bytes for migrate)
     result: dict[str, Any] | None = None
     error: dict[str, str] | None = None
     created: float = field(default_factory=time.time)
     finished: float | None = None
+
+    @property
+    def fraction(self) -> float:
+        """Share of the work done, 0 to 1 (1 once done, also for work that had nothing to do)."""
+        if self.state == "done":
+            return 1.0
+        return min(1.0, self.done / self.total) if self.total > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +59,9 @@ class Job:
             "state": self.state,
             "done": self.done,
             "total": self.total,
+            "fraction": self.fraction,
+            "bytes_done": self.done * self.bytes_per_unit,
+            "bytes_total": self.total * self.bytes_per_unit,
             "result": self.result,
             "error": self.error,
             "created": self.created,
@@ -119,14 +130,23 @@ class JobRunner:
             if job.finished is not None:
                 self._durations = [*self._durations[-(_RECENT - 1) :], job.finished - job.created]
 
-    def submit(self, owner: str, kind: str, session_id: str, work: Callable[[Callable[[int, int], None]], dict]) -> Job:
-        """Queue ``work`` as a job of ``owner``.
+    def submit(
+        self,
+        owner: str,
+        kind: str,
+        session_id: str,
+        work: Callable[[Callable[[int, int], None]], dict],
+        *,
+        bytes_per_unit: int = 1,
+    ) -> Job:
+        """Queue ``work`` as a job of ``owner``; ``work(progress)`` calls ``progress(done, total)``
+        in units of ``bytes_per_unit`` bytes (1: it counts bytes).
 
         Raises
         ------
         JobQueueFull : the queue is at ``max_pending`` (or the owner at ``max_pending_per_owner``)
         """
-        job = Job(uuid.uuid4().hex, owner, kind, session_id)
+        job = Job(uuid.uuid4().hex, owner, kind, session_id, bytes_per_unit=bytes_per_unit)
         with self._lock:
             self._admit(owner)
             self._jobs[job.id] = job

@@ -1,153 +1,88 @@
 """API keys: which owner a request acts for.
 
-Keys come from ``<data>/keys.json`` and from the ``KVSTORE_API_KEYS`` variable (``key:owner,...``).
-``keys.json`` holds ``{"keys": [{"owner": "alice", "sha256": "<hex of the key>"}, ...]}`` (a
-``"key"`` entry with the plain key is accepted too, for hand-written files). When the file is
-missing it is created (0600) with one fresh random key for owner ``default``, stored only as its
-hash: the key is shown once, by whoever created the file. The file is re-read when it changes.
+Keys are the records of ``<data>/keys.json`` (:mod:`kvstore.keys`, managed with ``kvstore keys
+create|list|revoke``) and the keys of the ``KVSTORE_API_KEYS`` variable (``key:owner,...``). When the
+file is missing it is created (0600) with one fresh key for owner ``default``, stored only as a
+salted digest: the key is shown once, by whoever created the file (``kvstore serve`` prints it once
+it listens). The file is re-read when it changes, so a new key works and a revoked one is refused
+from the next request on. An expired or revoked key gets the same 401 as an unknown one; the log
+says why at debug level.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
-import os
-import re
-import secrets
 import threading
 from pathlib import Path
 
-from kvstore import DEFAULT_OWNER
+from kvstore import keys as store_keys
 from kvstore.errors import ConfigError, PathRefused
-from kvstore.journal import AtomicFile
-from kvstore.store.values import OWNER_PATTERN
+from kvstore.keys import KEYS_FILE, KeyFile, Keyring
 
-KEYS_FILE = "keys.json"
-MIN_KEY_CHARS = 16
+__all__ = ["KEYS_FILE", "KeyTable", "ensure_keys_file", "key_digest"]
+
 log = logging.getLogger("kvstore.api")
 
 
 def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def new_key() -> str:
-    return "kvs_" + secrets.token_urlsafe(32)
-
-
-def _check_owner(owner, where: str) -> str:
-    if not isinstance(owner, str) or not OWNER_PATTERN.fullmatch(owner):
-        raise ConfigError(f"{where}: invalid owner {owner!r} (letters, digits, '_', '.', '@', '-')")
-    return owner
-
-
-def parse_env_keys(value: str | None) -> dict[str, str]:
-    """``key:owner,key:owner`` -> {sha256(key): owner}."""
-    table: dict[str, str] = {}
-    for item in (value or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, owner = item.rpartition(":")
-        if not sep or len(key) < MIN_KEY_CHARS:
-            raise ConfigError(
-                f"KVSTORE_API_KEYS entries are key:owner with keys of at least {MIN_KEY_CHARS} characters"
-            )
-        table[key_digest(key)] = _check_owner(owner, "KVSTORE_API_KEYS")
-    return table
-
-
-def _parse_file(path: Path) -> dict[str, str]:
-    try:
-        document = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path} is not readable JSON ({exc})") from None
-    entries = document.get("keys") if isinstance(document, dict) else None
-    if not isinstance(entries, list):
-        raise ConfigError(f'{path} must hold {{"keys": [{{"owner": ..., "sha256": ...}}, ...]}}')
-    table: dict[str, str] = {}
-    for entry in entries:
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{path}: every key entry is an object")
-        owner = _check_owner(entry.get("owner"), str(path))
-        if isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]):
-            table[entry["sha256"]] = owner
-        elif isinstance(entry.get("key"), str) and len(entry["key"]) >= MIN_KEY_CHARS:
-            table[key_digest(entry["key"])] = owner
-        else:
-            raise ConfigError(
-                f"{path}: an entry needs a 64-hex 'sha256' or a 'key' of at least {MIN_KEY_CHARS} characters"
-            )
-    return table
+    """The hex SHA-256 of a whole key: the ``sha256`` of a hand-written ``keys.json`` entry."""
+    return store_keys.plain_digest(key).hex()
 
 
 def ensure_keys_file(data_dir: Path) -> str | None:
-    """Create ``keys.json`` with a fresh key if it is missing; returns that key (else None)."""
-    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = data_dir / KEYS_FILE
-    if path.is_symlink():
-        raise PathRefused(f"{path} is a symbolic link; keys.json must be a regular file in the data folder")
-    if path.exists():
-        return None
-    key = new_key()
-    document = {"keys": [{"owner": DEFAULT_OWNER, "sha256": key_digest(key)}]}
-    try:
-        with AtomicFile(path, replace=False) as out:
-            out.write((json.dumps(document, indent=2) + "\n").encode())
-    except FileExistsError:  # another process created it first: its key, not ours
-        return None
-    return key
+    """Create ``keys.json`` with a fresh key for owner ``default`` if it is missing; returns that key
+    (else None: the file exists, or another process made it first)."""
+    created = KeyFile(data_dir).first_key()
+    return None if created is None else created[1]
 
 
 class KeyTable:
-    """Maps a presented key to its owner (keys are compared by SHA-256, never stored in clear).
-
-    A presented key's digest is compared with every known digest by ``hmac.compare_digest``, none
-    skipped and none looked up by hash: how long the check takes does not depend on which key
-    matches, whether one does, or how many leading bytes a guess shares with a real digest.
-    """
+    """Maps a presented key to its owner (keys are compared by digest, never stored in clear; see
+    :class:`kvstore.keys.Keyring` for why the check takes the same time whatever the key)."""
 
     def __init__(self, data_dir: Path, env_value: str | None):
-        self.path = Path(data_dir) / KEYS_FILE
-        self._env = parse_env_keys(env_value)
+        self.file = KeyFile(data_dir)
+        self.path = self.file.path
+        self._env = store_keys.env_records(env_value)
         self._lock = threading.Lock()
-        self._stamp: tuple[int, int] | None = None
-        self._file: dict[str, str] = {}
+        self._stamp: tuple[int, int, int, int] | None = None
+        self._read_once = False
+        self._ring = Keyring(self._env)
         self._reload()
 
     def _reload(self) -> None:
-        try:
-            st = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            self._stamp, self._file = None, {}
+        stamp = self.file.stamp()
+        if self._read_once and stamp == self._stamp:
             return
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp == self._stamp:
-            return
-        if not os.path.isfile(self.path) or os.path.islink(self.path):
-            raise PathRefused(f"{self.path} must be a regular file")
         try:
-            self._file = _parse_file(self.path)
-        except ConfigError as exc:
-            if self._stamp is None:
+            records = self.file.records()
+        except (ConfigError, PathRefused) as exc:
+            if not self._read_once:
                 raise  # at startup a broken file is an error to fix, not something to serve with
             # A half-edited file must not lock every owner out: keep the keys read last time.
             log.warning("keeping the previous API keys: %s", exc.reason)
+        else:
+            self._ring = Keyring([*self._env, *records])  # a key given by environment first
+            self._read_once = True
         self._stamp = stamp
 
     def owner_for(self, key: str) -> str | None:
-        """The owner of ``key`` (a key given by environment first), or None; constant time in the key."""
-        digest = key_digest(key).encode()
+        """The owner of ``key``, or None (unknown, expired or revoked: the caller cannot tell which)."""
         with self._lock:
             self._reload()
-            known = [*self._env.items(), *self._file.items()]
-        owner = None
-        for stored, who in known:
-            if hmac.compare_digest(digest, stored.encode()) and owner is None:
-                owner = who
-        return owner
+            ring = self._ring
+        record = ring.match(key)
+        if record is None:
+            log.debug("refused an API key: no key matches it")
+            return None
+        state = record.state()
+        if state != "active":
+            when = record.revoked if state == "revoked" else record.expires
+            log.debug(
+                "refused API key %s of owner %r: %s at %s", record.id, record.owner, state, store_keys.format_time(when)
+            )
+            return None
+        return record.owner
 
     def __len__(self) -> int:
-        return len(set(self._env) | set(self._file))
+        return len(self._ring)

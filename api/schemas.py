@@ -264,8 +264,11 @@ class JobOut(BaseModel):
     kind: Literal["park", "unpark", "migrate"]
     session_id: str
     state: Literal["queued", "running", "done", "failed"]
-    done: int
+    done: int = Field(description="work done, in the job's units (bytes; records for migrate)")
     total: int
+    fraction: float = Field(ge=0, le=1, description="share of the work done (1 when done)")
+    bytes_done: int = Field(description="bytes processed so far (journal bytes read or written)")
+    bytes_total: int
     result: dict[str, Any] | None
     error: ErrorBody | None
     created: float

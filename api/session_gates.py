@@ -63,6 +63,10 @@ class SessionGates:
         self.lock_timeout = lock_timeout
         self.max_waiters = max_waiters
         self._gates: dict[tuple[str, str], _Gate] = {}
+        # GET /metrics: calls that met a busy session and waited, and those that then gave up
+        # (changed on the event loop only, so plain ints)
+        self.lock_waits = 0
+        self.lock_timeouts = 0
 
     def waiting(self, owner: str, session_id: str) -> int:
         """Requests of ``owner`` in flight for ``session_id`` (for tests and metrics)."""
@@ -90,7 +94,7 @@ class SessionGates:
             )
         gate.admitted += 1
         try:
-            yield Admission(session_id, gate, self.lock_timeout)
+            yield Admission(session_id, gate, self.lock_timeout, self)
         finally:
             gate.admitted -= 1
             if gate.admitted == 0 and self._gates.get(key) is gate:
@@ -117,7 +121,7 @@ class SessionGates:
         JournalLocked : the session stayed busy for ``lock_timeout`` seconds (409)
         """
         if session_id is None:
-            return await _retrying(fn, args, kwargs, asyncio.get_running_loop().time() + self.lock_timeout)
+            return await _retrying(fn, args, kwargs, asyncio.get_running_loop().time() + self.lock_timeout, self)
         async with self.admitted(owner, session_id) as admission:
             return await admission.call(fn, *args, exclusive=exclusive, **kwargs)
 
@@ -129,6 +133,7 @@ class Admission:
     session_id: str
     gate: _Gate
     lock_timeout: float
+    counts: SessionGates | None = None  # where lock waits and timeouts are counted
 
     async def call(self, fn: Callable[..., T], /, *args: Any, exclusive: bool = True, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` as :meth:`SessionGates.call` does, within this admission.
@@ -139,14 +144,19 @@ class Admission:
         """
         deadline = asyncio.get_running_loop().time() + self.lock_timeout
         if not exclusive:
-            return await _retrying(fn, args, kwargs, deadline)
+            return await _retrying(fn, args, kwargs, deadline, self.counts)
+        waiting = self.gate.writer.locked()
+        if waiting and self.counts is not None:
+            self.counts.lock_waits += 1
         try:
             # at least a moment, so that a free lock is taken even with lock_timeout 0
             await asyncio.wait_for(self.gate.writer.acquire(), timeout=max(_left(deadline), 0.001))
         except asyncio.TimeoutError:
+            if waiting and self.counts is not None:
+                self.counts.lock_timeouts += 1
             raise JournalLocked(f"session {self.session_id!r} is being changed by other requests; try again") from None
         try:
-            return await _retrying(fn, args, kwargs, deadline)
+            return await _retrying(fn, args, kwargs, deadline, self.counts, waited=waiting)
         finally:
             self.gate.writer.release()
 
@@ -155,13 +165,27 @@ def _left(deadline: float) -> float:
     return max(0.0, deadline - asyncio.get_running_loop().time())
 
 
-async def _retrying(fn: Callable[..., T], args: tuple, kwargs: dict, deadline: float) -> T:
+async def _retrying(
+    fn: Callable[..., T],
+    args: tuple,
+    kwargs: dict,
+    deadline: float,
+    counts: SessionGates | None,
+    *,
+    waited: bool = False,
+) -> T:
+    """``waited``: the call already waited (for the session's writer turn) and was counted."""
     pause = _FIRST_PAUSE_S
     while True:
         try:
             return await run_in_threadpool(_try_once, fn, args, kwargs)
         except JournalLocked:
             if _left(deadline) < pause:
+                if waited and counts is not None:
+                    counts.lock_timeouts += 1
                 raise
+        if not waited and counts is not None:
+            counts.lock_waits += 1  # counted as the wait begins, so a scrape sees a call still waiting
+        waited = True
         await asyncio.sleep(pause)
         pause = min(pause * 2, _LONGEST_PAUSE_S)

@@ -36,11 +36,11 @@ def add_decode_options(p: argparse.ArgumentParser, dtypes: tuple[str, ...]) -> N
     options.add_tier(p, files_only=False, default="f32", what="latent-cache tier")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, mps)")
     p.add_argument("--dtype", choices=dtypes, help="weights dtype (default float32)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: random, reported)")
     p.add_argument(
         "--stop", type=int, nargs="*", help="stop token ids (default: the model's eos; give none to disable)"
     )
@@ -249,8 +249,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("new-model", help="write a random-weight DeepSeek-V3-architecture model folder")
     p.add_argument("path", help="folder to create")
     p.add_argument("--preset", choices=tuple(PRESETS), default="tiny", help="geometry (default: tiny)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype (default float32)"
+    )
     p.add_argument("--no-tokenizer", action="store_true", help="do not write the byte-level tokenizer")
     options.add_json(p)
     p.set_defaults(func=cmd_new_model)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvstore.cli import options
-from kvstore.cli.output import emit, progress, table, warn
-from kvstore.errors import InvalidRequest
+from kvstore.cli import options, progress
+from kvstore.cli.output import emit, table, warn
+from kvstore.errors import InvalidRequest, KVStoreError
 
 EXIT_DAMAGED = 1  # kvstore.cli.EXIT_DAMAGED (not imported: that package imports this module)
 _LISTS = ("problems", "damage", "notes", "damaged", "clean")
@@ -53,7 +53,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         check_output(args.out, overwrite=args.force, what="the export")
     _, records = load_source(args.path)
     warning = check_damage(args.path, records, allow=args.allow_damaged, doing="export")
-    out = export(repaired(records) if warning else records, args.out, overwrite=args.force)
+    with progress.bar("export", enabled=not args.json and not args.quiet) as update:
+        out = export(repaired(records) if warning else records, args.out, overwrite=args.force, progress=update)
     report = {"source": args.path, "out": str(out), "records": records.n, "tier": records.tier.name}
     if warning:
         warn(warning)
@@ -63,12 +64,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record_bytes(path: str) -> int:
+    """Bytes per record of ``path`` for a progress bar (1 when no bar is drawn, or when the header
+    cannot be read: the command itself then reports why, as it does without a bar)."""
+    if not progress.wanted():
+        return 1
+    from kvstore.filetools import source_header
+
+    try:
+        return source_header(path).rec_bytes
+    except (KVStoreError, OSError):
+        return 1
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     from kvstore.filetools import migrate_file
 
     if args.tier is None:
         raise InvalidRequest(f"give the target with --tier NAME ({options.listing(args.tier_option.choices())})")
-    with progress("migrate", enabled=not args.json) as update:
+    with progress.bar("migrate", enabled=not args.json, bytes_per_unit=_record_bytes(args.src)) as update:
         report = migrate_file(
             args.src, args.dst, args.tier, overwrite=args.force, allow_damaged=args.allow_damaged, progress=update
         )
@@ -83,7 +97,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_repair(args: argparse.Namespace) -> int:
     from kvstore.filetools import repair_file
 
-    report = repair_file(args.path, dry_run=args.dry_run, backup=not args.no_backup)
+    with progress.bar("repair", enabled=not args.json, bytes_per_unit=_record_bytes(args.path)) as update:
+        report = repair_file(args.path, dry_run=args.dry_run, backup=not args.no_backup, progress=update)
     if args.json or not report["actions"]:
         emit(args, report, f"{args.path}: clean, nothing to repair ({report['records']} records)")
         return 0
@@ -106,12 +121,12 @@ def _allow_damaged(parser: argparse.ArgumentParser, doing: str) -> None:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register the file tools on the ``kvstore`` parser's subparsers."""
     p = sub.add_parser("inspect", help="show a .coli_kv file's header, counts and damage (exit 1: damaged)")
-    p.add_argument("path")
+    p.add_argument("path", help="the .coli_kv file")
     options.add_json(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("export", help="export rows to .npz, .arrow or .parquet")
-    p.add_argument("path")
+    p.add_argument("path", help="the .coli_kv file to read")
     p.add_argument("out", help="OUT.npz | OUT.arrow | OUT.parquet")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -120,8 +135,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("migrate", help="convert a file to another tier (never overwrites SRC)")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p.add_argument("src", help="the .coli_kv file to convert (left as it is)")
+    p.add_argument("dst", help="the file to write")
     options.add_tier(p, files_only=True, default=None, what="the tier to convert to", aliases=("--to",))
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     _allow_damaged(p, "migrate")
@@ -129,7 +144,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("repair", help="clamp nrec, drop a torn tail, sanitize rows (keeps PATH.bak)")
-    p.add_argument("path")
+    p.add_argument("path", help="the .coli_kv file to repair in place")
     p.add_argument("--dry-run", action="store_true", help="report what would change, change nothing")
     p.add_argument("--no-backup", action="store_true", help="do not keep PATH.bak")
     options.add_json(p)

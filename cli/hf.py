@@ -149,9 +149,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     given = p.add_mutually_exclusive_group()
     given.add_argument("--prompt", help="one turn of text (the folder must carry a tokenizer)")
     given.add_argument("--ids", help="one turn of token ids, comma or space separated")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per turn (default 32)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, mps)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights dtype (default float32)"
+    )
     p.add_argument("--verify", action="store_true", help="re-hash the stored turns before resuming")
     p.add_argument(
         "--override",

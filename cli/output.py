@@ -1,16 +1,12 @@
-"""How every command prints: a report as text or as JSON (``--json``), a stream of JSON lines, and
-progress bars on stderr (stdout carries only the answer, so it can be piped)."""
+"""How every command prints: a report as text or as JSON (``--json``) and a stream of JSON lines
+(stdout carries only the answer, so it can be piped; progress bars are ``kvstore.cli.progress``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
-
-Progress = Callable[[int, int], None]
 
 
 def emit(args: argparse.Namespace, payload: Any, text: str) -> None:
@@ -44,25 +40,3 @@ def table(report: dict[str, Any]) -> str:
             value = f"{value:.3f}"
         lines.append(f"{key:<{width}}  {value}")
     return "\n".join(lines)
-
-
-@contextmanager
-def progress(label: str, *, unit: str = "rec", enabled: bool = True) -> Iterator[Progress | None]:
-    """A ``(done, total)`` callback drawing a bar on stderr; the bar is silent when stderr is not a
-    terminal, and absent (None) when not ``enabled`` (``--json`` runs)."""
-    if not enabled:
-        yield None
-        return
-    from tqdm import tqdm
-
-    bar = tqdm(desc=label, unit=unit, unit_scale=unit == "B", disable=None, file=sys.stderr, leave=False)
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
-
-    try:
-        yield update
-    finally:
-        bar.close()

@@ -1,6 +1,10 @@
 """``kvstore serve``: the HTTP service (FastAPI under uvicorn) over a data folder, optionally with the
 bundled engine (``--model DIR``) behind ``POST /sessions/{id}/generate``.
 
+A data folder without ``keys.json`` gets one with a first key for owner ``default``, printed once —
+only after the server listens: a start that fails (the port is taken, the store cannot be opened)
+creates no key and prints none, and exits 2.
+
 The only command that imports :mod:`kvstore.api` (when it runs): the CLI is the one part above it.
 """
 
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from kvstore.cli import options
@@ -40,7 +45,6 @@ def _log_to_stderr(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvstore.api.keys import KEYS_FILE, ensure_keys_file
     from kvstore.api.main import create_app
     from kvstore.api.settings import DEFAULT_MAX_BODY_BYTES, Settings
     from kvstore.store.index import DEFAULT_MAP_SIZE
@@ -67,25 +71,64 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
     )
     _log_to_stderr(args.log_level)
-    created = ensure_keys_file(settings.data_dir)
-    if created is not None:
-        print(f"Created {settings.data_dir / KEYS_FILE} with an API key for owner 'default' (shown once, keep it):")
-        print(f"  {created}", flush=True)
-    app = create_app(settings)
+    app = create_app(settings, first_key=False)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
-    server = uvicorn.Server(config)
-    if args.fd is not None:  # a socket bound by the caller (tests, socket activation)
-        server.run(sockets=[socket.socket(fileno=args.fd)])
-    else:
-        server.run()
+    server = _listening_server(config, on_listening=lambda: _print_first_key(settings.data_dir))
+    try:
+        if args.fd is not None:  # a socket bound by the caller (tests, socket activation)
+            server.run(sockets=[socket.socket(fileno=args.fd)])
+        else:
+            server.run()
+    except SystemExit as exc:  # uvicorn's way out of a failed startup; it logged the cause
+        if server.started or exc.code in (None, 0):
+            raise
+        where = f"socket {args.fd}" if args.fd is not None else f"http://{args.host}:{args.port}"
+        raise InvalidRequest(f"the service did not start on {where} (the log above says why)") from None
+    if server.failure is not None:
+        raise server.failure
     return 0
+
+
+def _print_first_key(data_dir: Path) -> None:
+    """Create ``keys.json`` with a first key if it is missing, and print that key (once, on stdout)."""
+    from kvstore.keys import KEYS_FILE, KeyFile
+
+    created = KeyFile(data_dir).first_key()
+    if created is not None:
+        record, key = created
+        print(
+            f"Created {data_dir / KEYS_FILE} with an API key for owner {record.owner!r} "
+            f"(id {record.id}; shown once, keep it):"
+        )
+        print(f"  {key}", flush=True)
+
+
+def _listening_server(config, on_listening: Callable[[], None]):
+    """A uvicorn server that calls ``on_listening()`` once it has started and listens (uvicorn runs
+    the app's startup before it binds, so the app itself cannot know). An exception from it stops
+    the server and is kept in ``failure``."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        failure: BaseException | None = None
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)  # SystemExit when the app's startup or the bind fails
+            if not self.started or self.should_exit:
+                return
+            try:
+                on_listening()
+            except Exception as exc:  # e.g. keys.json cannot be written: stop, and say why
+                self.failure, self.should_exit = exc, True
+
+    return Server(config)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``serve`` on the ``kvstore`` parser's subparsers."""
     p = sub.add_parser("serve", help="run the HTTP service")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     options.add_data(p)
     p.add_argument("--budget", help="soft disk budget, e.g. 50G (LRU sessions are parked, then deleted)")
     p.add_argument("--hard-limit", help="hard disk limit, e.g. 60G (writes past it are refused)")
@@ -107,7 +150,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="the most the session index (LMDB) may grow to, e.g. 4G (default 1G; a sparse file): past it, "
         "writes answer 507 IndexFull until the service restarts with a larger size",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="least severe log lines shown (default info)"
+    )
     p.add_argument(
         "--model",
         help="model folder to generate with (POST /sessions/{id}/generate); without it that endpoint answers 503",

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.cli import options
-from kvstore.cli.output import emit, progress, warn
+from kvstore.cli import options, progress
+from kvstore.cli.output import emit, warn
 from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
@@ -224,14 +224,14 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_park(args: argparse.Namespace) -> int:
-    with _store(args) as store, progress("park", unit="B", enabled=not args.json) as update:
+    with _store(args) as store, progress.bar("park", enabled=not args.json) as update:
         info = store.park(args.id, owner=args.owner, progress=update)
     emit(args, info.to_dict(), _summary(info))
     return 0
 
 
 def cmd_unpark(args: argparse.Namespace) -> int:
-    with _store(args) as store, progress("unpark", unit="B", enabled=not args.json) as update:
+    with _store(args) as store, progress.bar("unpark", enabled=not args.json) as update:
         info = store.unpark(args.id, owner=args.owner, progress=update)
     emit(args, info.to_dict(), _summary(info))
     return 0
@@ -249,7 +249,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _store(args) as store:
         # opening reconciled already; a second pass settles what a busy session made it skip
         repaired = [*store.reconcile_actions, *store.reconcile()] if args.repair else []
-        report = store.verify(args.id, owner=args.owner) if args.id is not None else None
+        report = None
+        if args.id is not None:
+            with progress.bar("verify", enabled=not args.json) as update:
+                report = store.verify(args.id, owner=args.owner, progress=update)
     lines = [f"repaired: {line}" for line in repaired] or (["nothing to repair"] if args.repair else [])
     if report is None:
         emit(args, {"repaired": repaired}, "\n".join(lines))
@@ -276,8 +279,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    with _store(args) as store:
-        report = store.repair(args.id, owner=args.owner, dry_run=args.dry_run)
+    with _store(args) as store, progress.bar("repair", enabled=not args.json) as update:
+        report = store.repair(args.id, owner=args.owner, dry_run=args.dry_run, progress=update)
     text = "\n".join(report.actions) or "nothing to repair"
     emit(args, report.to_dict(), text + (" (dry run)" if args.dry_run and report.actions else ""))
     return 0
@@ -286,8 +289,10 @@ def cmd_repair(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     if args.tier is None:
         raise InvalidRequest(f"give the target with --tier NAME ({options.listing(args.tier_option.choices())})")
-    with _store(args) as store, progress("migrate", enabled=not args.json) as update:
-        info = store.migrate(args.id, args.tier, owner=args.owner, progress=update)
+    with _store(args) as store:
+        per_record = store.get(args.id, owner=args.owner).record_bytes if progress.wanted(not args.json) else 1
+        with progress.bar("migrate", enabled=not args.json, bytes_per_unit=per_record) as update:
+            info = store.migrate(args.id, args.tier, owner=args.owner, progress=update)
     emit(args, info.to_dict(), _summary(info))
     return 0
 
@@ -330,10 +335,13 @@ def _on_data(parser: argparse.ArgumentParser, *, session: bool = True, owner: op
 
 
 def _model_flags(parser: argparse.ArgumentParser, required: bool) -> None:
-    parser.add_argument("--model-name", required=required)
-    parser.add_argument("--model-revision", required=required)
+    parser.add_argument("--model-name", required=required, help="the model's name (fingerprint: model.name)")
+    parser.add_argument(
+        "--model-revision", required=required, help="the model's revision (fingerprint: model.revision)"
+    )
     for name in ("--weights-hash", "--tokenizer-hash", "--chat-template-hash", "--attention-variant"):
-        parser.add_argument(name)
+        field = name.removeprefix("--").replace("-", "_")
+        parser.add_argument(name, help=f"fingerprint field model.{field} (default: not recorded)")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -345,7 +353,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _on_data(p, session=False)
     p.add_argument("--model", help="model name")
     p.add_argument("--tag", action="append", help="sessions holding this tag (repeatable)")
-    p.add_argument("--state", choices=["active", "parked", "damaged"])
+    p.add_argument("--state", choices=["active", "parked", "damaged"], help="sessions in this state only")
     p.set_defaults(func=cmd_list)
 
     p = commands.add_parser("show", help="one session")
@@ -360,7 +368,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--geometry", help=GEOMETRY_WORDS)
     p.add_argument("--like", help="take geometry and tier from this .coli_kv file")
     options.add_tier(p, files_only=True, default="fp8", what="record format (ignored with --like)")
-    p.add_argument("--tag", action="append")
+    p.add_argument("--tag", action="append", help="a tag for the session (repeatable)")
     p.add_argument("--hard-limit", help="refuse the write past this store size")
     p.set_defaults(func=cmd_create)
 
@@ -368,7 +376,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "append", help="append rows from a .coli_kv file, an .npz (tokens, L, R, I) or raw record bytes"
     )
     _on_data(p)
-    p.add_argument("file")
+    p.add_argument("file", help="FILE.coli_kv, FILE.npz or raw record bytes of the session's tier")
     p.add_argument("--partial", action="store_true", help="the rows do not end a turn (resume will not serve them yet)")
     p.add_argument(
         "--allow-damaged",
@@ -380,20 +388,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = commands.add_parser("resume", help="write the rows to restore: OUT.coli_kv, OUT.npz (dequantized) or raw bytes")
     _on_data(p)
-    p.add_argument("out")
+    p.add_argument("out", help="OUT.coli_kv, OUT.npz or any other name for raw record bytes")
     p.add_argument("--verify", action="store_true", help="re-hash the turns; damage is not served")
     p.set_defaults(func=cmd_resume)
 
     p = commands.add_parser("truncate", help="keep the first N records")
     _on_data(p)
-    p.add_argument("n_records", type=int)
+    p.add_argument("n_records", type=int, help="records to keep")
     p.set_defaults(func=cmd_truncate)
 
     p = commands.add_parser("fork", help="a new session sharing a prefix")
     _on_data(p)
     p.add_argument("--at", type=int, help="records to copy (default: the watermark)")
-    p.add_argument("--new-id")
-    p.add_argument("--tag", action="append")
+    p.add_argument("--new-id", help="id of the new session (generated if absent)")
+    p.add_argument("--tag", action="append", help="a tag for the new session (repeatable)")
     p.add_argument("--hard-limit", help="refuse the write past this store size")
     p.set_defaults(func=cmd_fork)
 
@@ -411,7 +419,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = commands.add_parser("repair", help="drop torn, unacknowledged or damaged tails")
     _on_data(p)
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="report what would change, change nothing")
     p.set_defaults(func=cmd_repair)
 
     p = commands.add_parser("migrate", help="convert a session to another tier (lossy unless f32)")

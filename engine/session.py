@@ -60,7 +60,7 @@ from kvstore import DEFAULT_OWNER
 from kvstore.engine.errors import CacheError, ConversationMismatch, GenerationError, RestoreFailed
 from kvstore.engine.fingerprint import check_override, folder_model_info, refuse_mismatch
 from kvstore.engine.generate import DEFAULT_PREFILL_CHUNK, Engine, SamplingParams
-from kvstore.errors import KVStoreError, SessionDamaged, SessionNotFound
+from kvstore.errors import FingerprintMismatch, KVStoreError, SessionDamaged, SessionNotFound
 from kvstore.store import Fingerprint, ModelInfo, SessionInfo, SessionStore, validate_session_id
 
 if TYPE_CHECKING:
@@ -462,7 +462,18 @@ class SessionEngine:
                 self._new_tokens(prompt, first=True)
                 info = self.create_session(owner or DEFAULT_OWNER, session_id, tags=tags)
                 created = True
-            full_skip = self._check(info, skip)
+            try:
+                full_skip = self._check(info, skip)
+            except FingerprintMismatch as exc:
+                if not create or created:
+                    raise
+                # create=true met an older session under this id: say so, or the mismatch reads as
+                # if the new conversation's own session were wrong
+                raise FingerprintMismatch(
+                    f"{exc.reason}; session {session_id!r} was already there ({info.n_records} records, model "
+                    f"{info.model.name!r}), not created by this turn: continue it with that model, or start this "
+                    "conversation under a new id"
+                ) from None
             report = self._bring(info, verify, full_skip, allow_requantize="tier" in skip)
             ids = self._new_tokens(prompt, first=report.reused_tokens == 0)
             # the turn is stored on the session it began on, even when found for any owner (owner None)

@@ -16,10 +16,22 @@ Rows are processed feature-major in cache-sized chunks: a chunk of rows is trans
 vector operation over the chunk's rows. All arithmetic is f32 with one rounding per operation in
 the order the spec gives, so int4 files are reproduced byte for byte.
 
+The public API is symmetric: :func:`encode` returns an :class:`Encoded` (packed codes, radii, and
+the width, codec and bits they were made with) and :func:`decode` takes it back with nothing else.
+Non-finite input is never stored (FORMAT.md section 5: a row holding NaN or an infinity has no
+finite radius and is stored as zeros); :func:`encode` counts it (``nonfinite``, ``rows_zeroed``),
+warns (:class:`NonFiniteRows`) or refuses it (``nonfinite="raise"``). :func:`quantize_rows` and
+:func:`dequantize_rows` are the spec's row kernels underneath, as the file layouts use them.
+
 Examples
 --------
 >>> import numpy as np
 >>> rows = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+>>> encoded = encode(rows)                     # rotated int4; encode(rows, CODEC_POLAR, 3): PolarQuant
+>>> encoded.codes.shape, encoded.radii.shape, encoded.n, encoded.nonfinite
+((4, 256), (4,), 512, 0)
+>>> bool((np.linalg.norm(decode(encoded) - rows, axis=1) / encoded.radii < 0.12).all())
+True
 >>> codes, radii = quantize_rows(rows, CODEC_INT4, 4)
 >>> codes.shape, codes.dtype.name, radii.shape
 ((4, 256), 'uint8', (4,))
@@ -42,10 +54,12 @@ True
 from __future__ import annotations
 
 import functools
+import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.formats.errors import FormatError
+from kvstore.formats.errors import FormatError, NonFiniteValues
 
 CODEC_POLAR = 0
 CODEC_INT4 = 1
@@ -641,11 +655,12 @@ def _polar_unpack(packed: np.ndarray, n: int, bits: int) -> np.ndarray:
 
 
 def quantize_rows(x: np.ndarray, codec: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize rows to packed TQ codes and one f32 radius per row.
+    """Quantize rows to packed TQ codes and one f32 radius per row (the spec's kernel; :func:`encode`
+    is the same with the width kept for :func:`decode` and non-finite input reported).
 
     A row whose width is not a power of two in 2..2048, or whose radius is not above 1e-35
     (zero, subnormal, holding a NaN) or is above 3.4e38 (holding an infinity), is stored inert:
-    all-zero bytes and radius 0.
+    all-zero bytes and radius 0, as FORMAT.md section 5 says, without a word.
 
     Parameters
     ----------
@@ -691,7 +706,7 @@ def quantize_rows(x: np.ndarray, codec: int, bits: int) -> tuple[np.ndarray, np.
 def dequantize_rows(
     codes: np.ndarray, radii: np.ndarray, n: int, codec: int, bits: int, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """Inverse of :func:`quantize_rows`.
+    """Inverse of :func:`quantize_rows` (:func:`decode` needs no width: :class:`Encoded` carries it).
 
     Rows whose radius is not above 1e-35, is above 3.4e38 or is NaN decode as zeros, and so do
     all rows of a width the codecs do not encode. A radius within a factor sqrt(n) of f32's
@@ -755,3 +770,179 @@ def dequantize_rows(
             rows[:, ~live] = 0
             out_rows[start : start + step] = rows.T
     return out
+
+
+# ---------------------------------------------------------------- the symmetric public API
+
+
+class NonFiniteRows(UserWarning):
+    """:func:`encode` met NaN or infinite values: the rows holding them are stored as zeros
+    (FORMAT.md section 5). Send finite rows, or pass ``nonfinite="zero"`` (count quietly) or
+    ``"raise"`` (refuse)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Encoded:
+    """Rows encoded by :func:`encode`: all :func:`decode` needs, and what encoding had to change.
+
+    Attributes
+    ----------
+    codes : u8[..., row_bytes(n, codec, bits)], read-only
+        Packed codes, one row of bytes per input row (the bytes a v3 record holds).
+    radii : f32[...], read-only
+        Each row's L2 norm; 0 for a row stored as zeros.
+    n : int
+        Row width.
+    codec, bits : int
+        ``CODEC_INT4`` with 4, or ``CODEC_POLAR`` with 2..6.
+    nonfinite : int
+        NaN and infinite values in the input (none is stored).
+    rows_zeroed : int
+        Rows stored as zeros because they held one.
+    first_nonfinite : tuple of int or None
+        Index of the first non-finite value in the input, in row-major order.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rows = np.ones((3, 8), np.float32)
+    >>> rows[1, 2] = np.nan
+    >>> encoded = encode(rows, CODEC_POLAR, 3, nonfinite="zero")
+    >>> encoded.describe()
+    '1 non-finite value (NaN or infinity), the first at (1, 2); 1 row stored as zeros'
+    >>> decode(encoded)[1].tolist()
+    [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    """
+
+    codes: np.ndarray
+    radii: np.ndarray
+    n: int
+    codec: int
+    bits: int
+    nonfinite: int = 0
+    rows_zeroed: int = 0
+    first_nonfinite: tuple[int, ...] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the rows encoded (and decoded): ``(*radii.shape, n)``."""
+        return (*self.radii.shape, self.n)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: the codes and one f32 radius per row."""
+        return int(self.codes.nbytes + self.radii.nbytes)
+
+    def describe(self) -> str:
+        """One line on the non-finite input, as the store's appends report it."""
+        if not self.nonfinite:
+            return "no non-finite values"
+        return (
+            f"{self.nonfinite} non-finite value{'s' * (self.nonfinite != 1)} (NaN or infinity), the first at "
+            f"{self.first_nonfinite}; {self.rows_zeroed} row{'s' * (self.rows_zeroed != 1)} stored as zeros"
+        )
+
+
+_NONFINITE_POLICIES = ("warn", "zero", "raise")
+
+
+def encode(rows: np.ndarray, codec: int = CODEC_INT4, bits: int = 4, *, nonfinite: str = "warn") -> Encoded:
+    """Encode rows for :func:`decode`: packed codes, radii, and the geometry to decode them.
+
+    Parameters
+    ----------
+    rows : f32[..., n], n a power of two in 2..2048
+        Other dtypes are converted to f32 first.
+    codec, bits : int
+        ``CODEC_INT4`` with 4 (the default), or ``CODEC_POLAR`` with 2..6.
+    nonfinite : {"warn", "zero", "raise"}
+        A row holding NaN or an infinity is stored as zeros (FORMAT.md section 5), counted in the
+        result, and: ``"warn"`` (default) warns with :class:`NonFiniteRows`; ``"zero"`` does not;
+        ``"raise"`` refuses the rows instead (:class:`~kvstore.formats.errors.NonFiniteValues`).
+
+    Returns
+    -------
+    Encoded
+
+    Raises
+    ------
+    FormatError
+        A width the codecs do not encode (the spec would store such rows as zeros: refused here),
+        a codec/bits pair that does not exist, an unknown ``nonfinite``.
+    NonFiniteValues
+        ``nonfinite="raise"`` and the rows hold NaN or infinity.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rows = np.arange(32, dtype=np.float32).reshape(2, 16)
+    >>> encoded = encode(rows, CODEC_POLAR, 4)
+    >>> encoded.shape, encoded.codes.shape, encoded.nbytes
+    ((2, 16), (2, 7), 22)
+    >>> decode(encoded).shape
+    (2, 16)
+    >>> rows[0, 3] = np.inf
+    >>> encode(rows, nonfinite="raise")
+    Traceback (most recent call last):
+    ...
+    kvstore.formats.errors.NonFiniteValues: 1 non-finite value (NaN or infinity), the first at (0, 3); refused, nothing encoded
+    >>> encode(np.ones(6, np.float32))
+    Traceback (most recent call last):
+    ...
+    kvstore.formats.errors.FormatError: TQ encodes rows whose width is a power of two in 2..2048, got 6
+    """
+    if nonfinite not in _NONFINITE_POLICIES:
+        raise FormatError(f"nonfinite must be one of {', '.join(_NONFINITE_POLICIES)}, got {nonfinite!r}")
+    _check_codec(codec, bits)
+    rows = _as_rows(rows, "encode")
+    n = rows.shape[-1]
+    if not encodable(n):
+        raise FormatError(f"TQ encodes rows whose width is a power of two in {MIN_WIDTH}..{MAX_WIDTH}, got {n}")
+    bad = ~np.isfinite(rows)
+    count = int(np.count_nonzero(bad))
+    first = zeroed = None
+    if count:
+        first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+        zeroed = int(np.count_nonzero(bad.any(axis=-1)))
+        found = f"{count} non-finite value{'s' * (count != 1)} (NaN or infinity), the first at {first}"
+        if nonfinite == "raise":
+            raise NonFiniteValues(f"{found}; refused, nothing encoded")
+        if nonfinite == "warn":
+            warnings.warn(
+                f"{found}: {zeroed} row{'s' * (zeroed != 1)} stored as zeros (FORMAT.md section 5)",
+                NonFiniteRows,
+                stacklevel=2,
+            )
+    codes, radii = quantize_rows(rows, codec, bits)
+    codes.setflags(write=False)
+    radii.setflags(write=False)
+    return Encoded(codes, radii, int(n), int(codec), int(bits), count, zeroed or 0, first)
+
+
+def decode(encoded: Encoded, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode what :func:`encode` returned: ``f32[..., n]``, rows stored as zeros decode to zeros.
+
+    Parameters
+    ----------
+    encoded : Encoded
+    out : f32[..., n], optional
+        Written in place and returned.
+
+    Returns
+    -------
+    f32[..., n]
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rows = np.random.default_rng(1).standard_normal((2, 3, 64)).astype(np.float32)
+    >>> back = decode(encode(rows))
+    >>> back.shape, back.dtype.name
+    ((2, 3, 64), 'float32')
+    """
+    if not isinstance(encoded, Encoded):
+        raise FormatError(
+            f"decode takes what encode returned (an Encoded), got {type(encoded).__name__}; "
+            "for codes and radii alone use dequantize_rows(codes, radii, n, codec, bits)"
+        )
+    return dequantize_rows(encoded.codes, encoded.radii, encoded.n, encoded.codec, encoded.bits, out=out)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ from kvstore.formats.coli_kv import KVRecords
 from kvstore.journal import AtomicFile, write_errors
 
 SUFFIXES = (".npz", ".arrow", ".parquet")
+EXPORT_WRITE_BYTES = 4 << 20
 
 
 def to_arrow_table(records: KVRecords, rows: tuple | None = None):
@@ -91,7 +93,13 @@ def to_arrow_table(records: KVRecords, rows: tuple | None = None):
     return pa.table(columns).replace_schema_metadata(metadata)
 
 
-def export(records: KVRecords, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
+def export(
+    records: KVRecords,
+    out: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Write ``records`` to ``out`` (format by suffix), atomically; returns the path.
 
     Parameters
@@ -100,6 +108,7 @@ def export(records: KVRecords, out: str | os.PathLike, *, overwrite: bool = Fals
     out : ``OUT.npz`` (``tokens`` int32[n], ``L``, ``R``, ``I``), ``OUT.arrow`` or ``OUT.parquet``
     overwrite : replace an existing ``out`` (otherwise it is refused, even when it appears while
         the export runs: the file is published with a link that never clobbers)
+    progress : ``progress(bytes_written, bytes_total)`` of the output file, called as it is written
 
     Raises
     ------
@@ -139,7 +148,12 @@ def export(records: KVRecords, out: str | os.PathLike, *, overwrite: bool = Fals
     try:
         with write_errors(f"writing {out}", "no partial export was left"):
             with AtomicFile(out, replace=overwrite) as handle:
-                handle.write(sink.getbuffer())
+                encoded = sink.getbuffer()
+                # written in pieces only so that a progress bar moves; one fsync at the end as before
+                for start in range(0, max(len(encoded), 1), EXPORT_WRITE_BYTES):
+                    handle.write(encoded[start : start + EXPORT_WRITE_BYTES])
+                    if progress is not None:
+                        progress(min(start + EXPORT_WRITE_BYTES, len(encoded)), len(encoded))
     except FileExistsError:  # created by someone else while the rows were encoded
         raise InvalidRequest(f"{out}: exists; pass --force to replace it (nothing was written)") from None
     return out

@@ -371,7 +371,9 @@ def repaired(records: KVRecords) -> KVRecords:
     return KVRecords(records.header.with_nrec(records.n), fixed, HEADER_BYTES + fixed.nbytes)
 
 
-def repair_file(path: str | os.PathLike, *, dry_run: bool = False, backup: bool = True) -> dict:
+def repair_file(
+    path: str | os.PathLike, *, dry_run: bool = False, backup: bool = True, progress: Progress | None = None
+) -> dict:
     """Clamp nrec to what is physically there, drop the torn tail, sanitize rows in place.
 
     Sanitizing stores what a reader already sees: rows with a bad fp8 scale or TQ radius become
@@ -387,6 +389,7 @@ def repair_file(path: str | os.PathLike, *, dry_run: bool = False, backup: bool 
     path : the ``.coli_kv`` file to repair
     dry_run : report the actions, change nothing (no lock is taken)
     backup : keep the original bytes as ``<name>.bak``
+    progress : ``progress(records_written, records_total)`` as the repaired file is written
 
     Returns
     -------
@@ -411,8 +414,18 @@ def repair_file(path: str | os.PathLike, *, dry_run: bool = False, backup: bool 
         if backup:
             report["backup"] = str(keep_backup(path, raw))
         fixed, _ = _sanitized(records)
-        write_atomic(path, records.header.with_nrec(records.n), [fixed])
+        write_atomic(path, records.header.with_nrec(records.n), _in_pieces(fixed, progress))
     return report
+
+
+def _in_pieces(records: np.ndarray, progress: Progress | None) -> Iterator[np.ndarray]:
+    """``records`` as views of about 4 MiB, calling ``progress(done, total)`` after each is written."""
+    total = records.shape[0]
+    step = total if progress is None else max(1, (4 << 20) // max(records.dtype.itemsize, 1))
+    for start in range(0, total, max(step, 1)):
+        yield records[start : start + step]
+        if progress is not None:
+            progress(min(start + step, total), total)
 
 
 def _repair_plan(path: str | os.PathLike, raw: memoryview, records: KVRecords, dry_run: bool) -> dict:

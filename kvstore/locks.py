@@ -95,6 +95,7 @@ class FileLock:
         self.timeout = timeout
         self.busy_reason = busy_reason or f"{self.path.name} is held by another operation; try again later"
         self._fd = -1
+        self.waited = False  # the last acquire found the lock busy and waited (counted by the store)
 
     @property
     def held(self) -> bool:
@@ -105,6 +106,7 @@ class FileLock:
         cap = _wait_cap.get()
         deadline = time.monotonic() + (self.timeout if cap is None else min(self.timeout, cap))
         pause = _FIRST_PAUSE_S
+        self.waited = False
         while True:
             fd = self._open()
             try:
@@ -113,6 +115,7 @@ class FileLock:
                 os.close(fd)
                 if time.monotonic() >= deadline:
                     raise JournalLocked(self.busy_reason) from None
+                self.waited = True
                 time.sleep(pause)
                 pause = min(pause * 2, _LONGEST_PAUSE_S)
                 continue

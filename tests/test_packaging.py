@@ -1,6 +1,6 @@
 """The package a user installs with ``pip install .`` (not editable): every part of the import
-namespace and the CUDA kernel sources are in the wheel, and building it prints no deprecation or
-"would be ignored" warning (issue 19)."""
+namespace, the CUDA kernel sources and the web console's files are in the wheel, and building it
+prints no deprecation or "would be ignored" warning (issue 19)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,6 @@ def test_the_wheel_holds_every_part_and_the_kernel_sources_and_builds_without_wa
     assert expected - names == set()
     kernels = {f"kvstore/gpu/kernels/{p.name}" for p in (ROOT / "gpu" / "kernels").glob("*.cu*")}
     assert kernels and kernels <= names
+    # the web console's static files (served at /), every one of them
+    console = {f"kvstore/api/console/{p.name}" for p in (ROOT / "api" / "console").iterdir() if p.is_file()}
+    assert "kvstore/api/console/index.html" in console and console <= names, console - names

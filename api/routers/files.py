@@ -42,11 +42,12 @@ def migrate(body: MigrateIn, response: Response, session_id: SessionId, owner: O
     """``{"tier": "int4"}``: lossy unless the target is ``f32``. The turns are verified first; a
     damaged session fails the job with IntegrityError (repair it first)."""
     tier, note = body.read_tier()
-    store.get(session_id, owner=owner)
+    info = store.get(session_id, owner=owner)
 
     def work(progress):
         return store.migrate(session_id, tier, owner=owner, progress=progress).to_dict()
 
-    job = jobs.submit(owner, "migrate", session_id, work)
+    # migrate counts records: its progress in bytes is of the journal it reads
+    job = jobs.submit(owner, "migrate", session_id, work, bytes_per_unit=info.record_bytes)
     mark_deprecated(response, note)
     return job.to_dict()

@@ -1,144 +1,254 @@
-"""``GET /metrics``: Prometheus text-format counters of generation and reuse, and the store's disk use.
+"""``GET /metrics``: the service's Prometheus metrics, through ``prometheus_client``.
 
 Served **without credentials**, like ``/health``: a scraper usually has no API key, and the page
-holds process-wide totals only — no session id, owner, token or text appears in it. Counters start
-at 0 when the process starts (Prometheus handles the reset).
+holds process-wide totals only — no label carries a session id, an owner, a key, a token or text
+(an owner label would tell anyone who uses the service and how much). Counters start at 0 when the
+process starts (Prometheus handles the reset). Each app has its own registry (:class:`Metrics`), so
+several apps in one process never share or clash.
 
-=========================================== ==========================================================
-``kvstore_generate_requests_total{outcome}`` generate calls, ``ok`` or ``error``
-``kvstore_generate_errors_total{error}``     failed calls by error type (``FingerprintMismatch``, ...)
-``kvstore_prefilled_tokens_total``           context tokens run through the model (the new turns)
-``kvstore_reused_tokens_total``              context tokens whose stored rows were reused
-``kvstore_generated_tokens_total``           tokens generated
-``kvstore_restores_total{source}``           turns by where the reused rows came from: ``live`` cache,
-                                             ``journal`` (restored) or ``new`` (nothing stored)
-``kvstore_restored_tokens_total``            rows read from journals into the cache
-``kvstore_appended_records_total``           records appended by generate calls
-``kvstore_turns_cancelled_total``            streams the client left early
-``kvstore_store_used_bytes`` (gauge)         journal + archive bytes; also ``reserved``, ``budget``
-                                             and ``hard_limit`` (when set)
-``kvstore_engine_loaded`` (gauge)            1 when the server runs with ``--model``
-=========================================== ==========================================================
+Generation (``kvstore serve --model``), counted by the generate route:
+
+============================================== =======================================================
+``kvstore_generate_requests_total{outcome}``   generate calls, ``ok`` or ``error``
+``kvstore_generate_errors_total{error}``       failed calls by error type (``FingerprintMismatch``, ...)
+``kvstore_prefilled_tokens_total``             context tokens run through the model (the new turns)
+``kvstore_reused_tokens_total``                context tokens whose stored rows were reused
+``kvstore_generated_tokens_total``             tokens generated
+``kvstore_restores_total{source}``             turns by where the reused rows came from: ``live`` cache,
+                                               ``journal`` (restored) or ``new`` (nothing stored)
+``kvstore_restored_tokens_total``              rows read from journals into the cache
+``kvstore_appended_records_total``             records appended by generate calls
+``kvstore_turns_cancelled_total``              streams the client left early
+``kvstore_turn_seconds{phase}`` (histogram)    seconds of a turn's ``restore``, ``prefill``, ``decode``
+                                               and ``append``
+``kvstore_engine_loaded`` (gauge)              1 when the server runs with ``--model``
+============================================== =======================================================
+
+The store (read from :class:`kvstore.store.stats.StoreStats` and the index at each scrape):
+
+============================================== =======================================================
+``kvstore_lookups_total``                      prefix lookups answered; ``kvstore_lookup_hits_total``
+                                               + ``kvstore_lookup_misses_total`` equals it
+``kvstore_restore_bytes`` (histogram)          record bytes read per restore (resume, download, turn)
+``kvstore_restore_seconds`` (histogram)        seconds per restore (open, unpark, verify and reads)
+``kvstore_append_seconds`` (histogram)         seconds per acknowledged append (fsyncs and commit)
+``kvstore_lock_waits_total``                   calls that found their session busy and waited for it
+``kvstore_lock_timeouts_total``                of those, the ones that gave up (409 JournalLocked)
+``kvstore_evictions_total{action}``            sessions ``parked`` or ``deleted`` by the soft budget
+``kvstore_evicted_bytes_total``                bytes those evictions freed
+``kvstore_store_used_bytes`` (gauge)           journal + archive bytes; also ``reserved``, ``budget``
+                                               and ``hard_limit`` (when set)
+``kvstore_store_tier_bytes{tier}`` (gauge)     journal + archive bytes per tier (``fp8``, ``int4``, ...)
+``kvstore_store_tier_sessions{tier}`` (gauge)  sessions per tier
+============================================== =======================================================
+
+Plus the process's own (``process_cpu_seconds_total``, ``process_resident_memory_bytes``,
+``process_open_fds``, ...) and ``python_info``.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import defaultdict
-from typing import Annotated
+from typing import Annotated, Any, Iterator
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse
+from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import CollectorRegistry, Counter, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from starlette.concurrency import run_in_threadpool
 
-from kvstore.api.dependencies import Store, get_metrics
+from kvstore.api.dependencies import get_metrics
 from kvstore.api.json_body import StrictJSONRoute
+from kvstore.store.stats import EVICTION_ACTIONS, Distribution
 
 router = APIRouter(tags=["metrics"], route_class=StrictJSONRoute)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-# name -> (type, help, the label sets shown even at 0)
-FAMILIES: dict[str, tuple[str, str, list[dict[str, str]]]] = {
-    "kvstore_generate_requests_total": (
-        "counter",
-        "Generate calls by outcome.",
-        [{"outcome": "ok"}, {"outcome": "error"}],
-    ),
-    "kvstore_generate_errors_total": ("counter", "Failed generate calls by error type.", []),
-    "kvstore_prefilled_tokens_total": ("counter", "Context tokens run through the model by generate calls.", [{}]),
-    "kvstore_reused_tokens_total": (
-        "counter",
-        "Context tokens whose stored rows generate calls reused (not prefilled).",
-        [{}],
-    ),
-    "kvstore_generated_tokens_total": ("counter", "Tokens generated.", [{}]),
-    "kvstore_restores_total": (
-        "counter",
-        "Generate calls by where the reused rows came from.",
-        [{"source": "live"}, {"source": "journal"}, {"source": "new"}],
-    ),
-    "kvstore_restored_tokens_total": ("counter", "Rows read from session journals into the engine's cache.", [{}]),
-    "kvstore_appended_records_total": ("counter", "Records appended to sessions by generate calls.", [{}]),
-    "kvstore_turns_cancelled_total": ("counter", "Streamed turns the client left before the end.", [{}]),
-}
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{str(v)}"' for k, v in sorted(labels.items()))
-    return "{" + inner + "}"
+RESTORE_SOURCES = ("live", "journal", "new")
+TURN_PHASES = ("restore", "prefill", "decode", "append")
+# A turn's phases span a millisecond restore to a minute of CPU decoding.
+TURN_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Metrics:
-    """Process-wide counters (thread-safe)."""
+    """The metrics of one app, on its own :class:`CollectorRegistry`.
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._values: dict[tuple[str, tuple], float] = defaultdict(float)
+    Parameters
+    ----------
+    state : the app's ``state``; the store, the engine and the session gates are read from it at
+        each scrape (the store opens in the lifespan, after this is built)
+    """
 
-    def add(self, name: str, value: float = 1, **labels: str) -> None:
-        if name not in FAMILIES:
-            raise KeyError(f"unknown metric {name}")
-        with self._lock:
-            self._values[(name, tuple(sorted(labels.items())))] += value
-
-    def value(self, name: str, **labels: str) -> float:
-        with self._lock:
-            return self._values.get((name, tuple(sorted(labels.items()))), 0.0)
+    def __init__(self, state: Any):
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "kvstore_generate_requests", "Generate calls by outcome.", ["outcome"], registry=registry
+        )
+        self.errors = Counter(
+            "kvstore_generate_errors", "Failed generate calls by error type.", ["error"], registry=registry
+        )
+        self.prefilled = Counter(
+            "kvstore_prefilled_tokens", "Context tokens run through the model by generate calls.", registry=registry
+        )
+        self.reused = Counter(
+            "kvstore_reused_tokens",
+            "Context tokens whose stored rows generate calls reused (not prefilled).",
+            registry=registry,
+        )
+        self.generated = Counter("kvstore_generated_tokens", "Tokens generated.", registry=registry)
+        self.restores = Counter(
+            "kvstore_restores", "Generate calls by where the reused rows came from.", ["source"], registry=registry
+        )
+        self.restored = Counter(
+            "kvstore_restored_tokens", "Rows read from session journals into the engine's cache.", registry=registry
+        )
+        self.appended = Counter(
+            "kvstore_appended_records", "Records appended to sessions by generate calls.", registry=registry
+        )
+        self.cancelled = Counter(
+            "kvstore_turns_cancelled", "Streamed turns the client left before the end.", registry=registry
+        )
+        self.turn_seconds = Histogram(
+            "kvstore_turn_seconds",
+            "Seconds a generate turn spent per phase.",
+            ["phase"],
+            buckets=TURN_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        # label sets shown at 0 before anything happened, so dashboards and alerts see the series
+        for outcome in ("ok", "error"):
+            self.requests.labels(outcome=outcome)
+        for source in RESTORE_SOURCES:
+            self.restores.labels(source=source)
+        for phase in TURN_PHASES:
+            self.turn_seconds.labels(phase=phase)
+        registry.register(ServiceCollector(state))
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
 
     def record_turn(self, result) -> None:
         """Count one finished turn (a :class:`kvstore.engine.session.TurnResult`)."""
-        self.add("kvstore_generate_requests_total", outcome="ok")
-        self.add("kvstore_prefilled_tokens_total", result.prefilled_tokens)
-        self.add("kvstore_reused_tokens_total", result.reused_tokens)
-        self.add("kvstore_generated_tokens_total", len(result.tokens))
-        self.add("kvstore_restores_total", source=result.source)
-        self.add("kvstore_restored_tokens_total", result.restored_tokens)
-        self.add("kvstore_appended_records_total", result.appended)
+        self.requests.labels(outcome="ok").inc()
+        self.prefilled.inc(result.prefilled_tokens)
+        self.reused.inc(result.reused_tokens)
+        self.generated.inc(len(result.tokens))
+        self.restores.labels(source=result.source).inc()
+        self.restored.inc(result.restored_tokens)
+        self.appended.inc(result.appended)
         if result.finish_reason == "cancelled":
-            self.add("kvstore_turns_cancelled_total")
+            self.cancelled.inc()
+        for phase in TURN_PHASES:
+            if phase in result.timings:
+                self.turn_seconds.labels(phase=phase).observe(result.timings[phase])
 
     def record_failure(self, error: str) -> None:
-        self.add("kvstore_generate_requests_total", outcome="error")
-        self.add("kvstore_generate_errors_total", error=error)
+        self.requests.labels(outcome="error").inc()
+        self.errors.labels(error=error).inc()
 
-    def render(self, gauges: dict[str, tuple[str, float]]) -> str:
-        """The exposition text: every counter family (declared label sets at 0 included), then ``gauges``."""
-        with self._lock:
-            values = dict(self._values)
-        lines = []
-        for name, (kind, text, shown) in FAMILIES.items():
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            series = {tuple(sorted(labels.items())): 0.0 for labels in shown}
-            series.update({labels: v for (n, labels), v in values.items() if n == name})
-            for labels, v in sorted(series.items()):
-                lines.append(f"{name}{_labels(dict(labels))} {v:g}")
-        for name, (text, v) in gauges.items():
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {v:g}"]
-        return "\n".join(lines) + "\n"
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition page and its content type: Prometheus text (0.0.4), or OpenMetrics when
+        ``accept`` (the request's Accept header) asks for it. Blocking: the store's index is read."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+def _histogram(name: str, text: str, values: Distribution) -> HistogramMetricFamily:
+    buckets = [("+Inf" if bound == float("inf") else repr(float(bound)), n) for bound, n in values.cumulative()]
+    return HistogramMetricFamily(name, text, buckets=buckets, sum_value=values.total)
+
+
+class ServiceCollector:
+    """The store's counts and sizes, the engine flag and the service's lock waits, read at each scrape."""
+
+    def __init__(self, state: Any):
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        engine_loaded = GaugeMetricFamily(
+            "kvstore_engine_loaded", "1 when the service runs a model (kvstore serve --model)."
+        )
+        engine_loaded.add_metric([], 1 if getattr(self.state, "engine", None) is not None else 0)
+        yield engine_loaded
+        store = getattr(self.state, "store", None)
+        if store is None or not hasattr(store, "stats"):  # before the lifespan opened the store, or after it closed
+            return
+        stats = store.stats.snapshot()
+        gates = getattr(self.state, "gates", None)
+        # The service waits for busy sessions itself (kvstore.api.session_gates); the store counts
+        # the waits of calls that wait in a thread (jobs, eviction's neighbours, the CLI in-process).
+        waits = stats.lock_waits + (gates.lock_waits if gates is not None else 0)
+        timeouts = stats.lock_timeouts + (gates.lock_timeouts if gates is not None else 0)
+        yield CounterMetricFamily("kvstore_lookups", "Prefix lookups answered (hits + misses).", value=stats.lookups)
+        yield CounterMetricFamily(
+            "kvstore_lookup_hits", "Prefix lookups that found a session sharing a prefix.", value=stats.lookup_hits
+        )
+        yield CounterMetricFamily(
+            "kvstore_lookup_misses", "Prefix lookups that found no session sharing a block.", value=stats.lookup_misses
+        )
+        yield _histogram("kvstore_restore_bytes", "Record bytes read per session restore.", stats.restore_bytes)
+        yield _histogram(
+            "kvstore_restore_seconds",
+            "Seconds per session restore: open (unpark, verify) and reads.",
+            stats.restore_seconds,
+        )
+        yield _histogram(
+            "kvstore_append_seconds",
+            "Seconds per acknowledged append (journal fsyncs, index commit).",
+            stats.append_seconds,
+        )
+        yield CounterMetricFamily(
+            "kvstore_lock_waits", "Calls that found their session busy and waited for its lock.", value=waits
+        )
+        yield CounterMetricFamily(
+            "kvstore_lock_timeouts", "Calls that gave up waiting for a busy session (JournalLocked).", value=timeouts
+        )
+        evictions = CounterMetricFamily(
+            "kvstore_evictions", "Sessions evicted to keep the soft budget, by action.", labels=["action"]
+        )
+        for action in EVICTION_ACTIONS:
+            evictions.add_metric([action], stats.evictions.get(action, 0))
+        yield evictions
+        yield CounterMetricFamily("kvstore_evicted_bytes", "Bytes freed by evictions.", value=stats.evicted_bytes)
+
+        usage = store.usage()
+        yield GaugeMetricFamily(
+            "kvstore_store_used_bytes", "Bytes the store holds (journals and archives).", value=usage["used_bytes"]
+        )
+        yield GaugeMetricFamily(
+            "kvstore_store_reserved_bytes", "Bytes reserved by writers in progress.", value=usage["reserved_bytes"]
+        )
+        if usage["budget_bytes"] is not None:
+            yield GaugeMetricFamily(
+                "kvstore_store_budget_bytes",
+                "The soft disk budget (LRU eviction above it).",
+                value=usage["budget_bytes"],
+            )
+        if usage["hard_limit_bytes"] is not None:
+            yield GaugeMetricFamily(
+                "kvstore_store_hard_limit_bytes",
+                "The hard disk limit (writes past it are refused).",
+                value=usage["hard_limit_bytes"],
+            )
+        by_tier = store.usage_by_tier()
+        tier_bytes = GaugeMetricFamily(
+            "kvstore_store_tier_bytes", "Journal and archive bytes of the sessions of each tier.", labels=["tier"]
+        )
+        tier_sessions = GaugeMetricFamily("kvstore_store_tier_sessions", "Sessions of each tier.", labels=["tier"])
+        for tier, entry in sorted(by_tier.items()):
+            tier_bytes.add_metric([tier], entry["bytes"])
+            tier_sessions.add_metric([tier], entry["sessions"])
+        yield tier_bytes
+        yield tier_sessions
 
 
 Counters = Annotated[Metrics, Depends(get_metrics)]
 
 
-@router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (no credentials; totals only)")
-async def metrics(request: Request, store: Store, counters: Counters) -> PlainTextResponse:
-    usage = await run_in_threadpool(store.usage)
-    gauges = {
-        "kvstore_store_used_bytes": ("Bytes the store holds (journals and archives).", usage["used_bytes"]),
-        "kvstore_store_reserved_bytes": ("Bytes reserved by writers in progress.", usage["reserved_bytes"]),
-        "kvstore_engine_loaded": (
-            "1 when the service runs a model (kvstore serve --model).",
-            1 if getattr(request.app.state, "engine", None) else 0,
-        ),
-    }
-    if usage["budget_bytes"] is not None:
-        gauges["kvstore_store_budget_bytes"] = ("The soft disk budget (LRU eviction above it).", usage["budget_bytes"])
-    if usage["hard_limit_bytes"] is not None:
-        gauges["kvstore_store_hard_limit_bytes"] = (
-            "The hard disk limit (writes past it are refused).",
-            usage["hard_limit_bytes"],
-        )
-    return PlainTextResponse(counters.render(gauges), media_type=CONTENT_TYPE)
+@router.get(
+    "/metrics",
+    response_class=Response,
+    summary="Prometheus metrics (no credentials; totals only)",
+    responses={200: {"content": {"text/plain": {}}}},
+)
+async def metrics(request: Request, counters: Counters) -> Response:
+    page, content_type = await run_in_threadpool(counters.render, request.headers.get("accept"))
+    return Response(page, media_type=content_type)

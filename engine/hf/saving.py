@@ -66,8 +66,13 @@ def _session_for_save(
             return store.create(
                 owner, expected.geometry, expected.tier, expected.model, session_id=session_id, tags=tags
             )
-        except SessionExists:  # created meanwhile by another writer: check it like any other
-            info = store.get(session_id, owner=owner)
+        except SessionExists as exists:  # created meanwhile by another writer: check it like any other
+            try:
+                info = store.get(session_id, owner=owner)
+            except SessionNotFound:
+                # not created meanwhile: the id is taken by something the index does not list (a
+                # journal left without an index entry); its reason says what to do, not "no session"
+                raise exists from None
     expected = session_fingerprint(model, tier if tier is not None else info.tier, model_info_)
     refuse_mismatch(info, expected, override)
     return info

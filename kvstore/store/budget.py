@@ -182,3 +182,4 @@ class Evictor:
             except (JournalLocked, SessionNotFound, IntegrityError):
                 continue  # in use, gone, or damaged: try the next one
             evictions.append(Eviction(sid, action, before - after))
+            ctx.stats.evicted(action, before - after)

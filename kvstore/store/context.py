@@ -25,6 +25,7 @@ from kvstore.errors import (
     IndexIOError,
     IntegrityError,
     InvalidRequest,
+    JournalLocked,
     PathRefused,
     SessionDamaged,
     SessionNotFound,
@@ -34,6 +35,7 @@ from kvstore.locks import FileLock
 from kvstore.migrations import index as schema
 from kvstore.store import records
 from kvstore.store.index import Index
+from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
     Progress,
     geometry_of,
@@ -62,6 +64,18 @@ class SessionLock(FileLock):
         super().__init__(path, **options)
         self._ctx = ctx
         self._session_id = session_id
+
+    def acquire(self) -> "SessionLock":
+        try:
+            super().acquire()
+        except JournalLocked:
+            if self.waited:  # a single try (timeout 0) that met a busy lock is not a timeout
+                self._ctx.stats.lock_waited()
+                self._ctx.stats.lock_timed_out()
+            raise
+        if self.waited:
+            self._ctx.stats.lock_waited()
+        return self
 
     def release(self) -> None:
         if self.held and self._sole_holder():
@@ -126,6 +140,7 @@ class StoreContext:
         self.budget_bytes = budget_bytes
         self.hard_limit_bytes = hard_limit_bytes
         self.lock_timeout = lock_timeout
+        self.stats = StoreStats()  # what operators see in GET /metrics (kvstore.store.stats)
         root = Path(data_dir)
         try:
             root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
 from kvstore.store.index import Turn
 from kvstore.store.records import bytes_view, record_chunks
-from kvstore.store.values import public_id, record_bytes_of, refuse_damaged
+from kvstore.store.values import Progress, public_id, record_bytes_of, refuse_damaged
 
 
 def turn_digest(payload) -> bytes:
@@ -93,10 +93,13 @@ class Integrity:
     def __init__(self, ctx: StoreContext):
         self.ctx = ctx
 
-    def check_turns(self, record: dict, turns: list[Turn], stop: int) -> tuple[int, int | None]:
+    def check_turns(
+        self, record: dict, turns: list[Turn], stop: int, progress: Progress | None = None
+    ) -> tuple[int, int | None]:
         """Re-hash the turns ending at or before ``stop``; returns (turns checked, first bad index).
 
-        The caller holds the session's read or write lock.
+        The caller holds the session's read or write lock. ``progress(bytes_hashed, bytes_total)``
+        is called after each chunk read.
         """
         rec_bytes = record_bytes_of(record)
         checked = [t for t in turns if t.end <= stop]
@@ -109,9 +112,13 @@ class Integrity:
             expected_start = turn.end
         hasher = _hasher()
         turn_index, remaining = 0, (checked[0].end - checked[0].start) * rec_bytes
+        hashed, to_hash = 0, checked[-1].end * rec_bytes
         try:
             for chunk in record_chunks(self.ctx, record, 0, checked[-1].end):
                 view = memoryview(chunk)
+                if progress is not None:
+                    hashed += len(view)
+                    progress(min(hashed, to_hash), to_hash)
                 while len(view):
                     take = min(remaining, len(view))
                     hasher.update(view[:take])
@@ -151,7 +158,7 @@ class Integrity:
             )
         return Turn(turn.start, keep, complete, part.digest())
 
-    def verify(self, session_id: str, owner: str | None) -> VerifyReport:
+    def verify(self, session_id: str, owner: str | None, progress: Progress | None = None) -> VerifyReport:
         """Re-hash every turn of a session (journal or archive) against the hashes in the index."""
         ctx = self.ctx
         ctx.record(session_id, owner)
@@ -164,7 +171,7 @@ class Integrity:
             if not ctx.visible(record, owner):
                 raise SessionNotFound(f"no session {public_id(session_id)!r}")
             refuse_damaged(record)
-            checked, bad = self.check_turns(record, turns, record["n_records"])
+            checked, bad = self.check_turns(record, turns, record["n_records"], progress)
         covered = turns[-1].end if turns else 0
         first_bad = None
         if bad is not None:

@@ -118,7 +118,9 @@ class Maintenance:
         out["problems"] = records.problems.messages()
         return out
 
-    def repair(self, session_id: str, owner: str | None, dry_run: bool) -> RepairReport:
+    def repair(
+        self, session_id: str, owner: str | None, dry_run: bool, progress: Progress | None = None
+    ) -> RepairReport:
         """Drop a torn or unacknowledged tail and every record from the first bad turn on."""
         ctx = self.ctx
         validate_key(session_id)
@@ -138,7 +140,7 @@ class Maintenance:
                     actions.append(f"cut {extra} bytes past the last committed record")
                 with ctx.index.read() as txn:
                     whole = [t for t in ctx.index.turns(txn, session_id) if t.end <= limit]
-                _, bad = self._integrity.check_turns(record, whole, limit)
+                _, bad = self._integrity.check_turns(record, whole, limit, progress)
                 keep = whole[bad].start if bad is not None else (whole[-1].end if whole else 0)
                 first_bad = {"turn": bad, "start": whole[bad].start, "end": whole[bad].end} if bad is not None else None
                 why = None

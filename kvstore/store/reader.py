@@ -9,6 +9,7 @@ restore). :class:`Resumed` is a whole load with what the caller needs to restore
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -75,9 +76,23 @@ class SessionReader:
     damaged_from : first record of the first bad turn, when verify found one
     """
 
-    def __init__(self, ctx: StoreContext, integrity: Integrity, record: dict, lock: FileLock, verify: bool):
+    def __init__(
+        self,
+        ctx: StoreContext,
+        integrity: Integrity,
+        record: dict,
+        lock: FileLock,
+        verify: bool,
+        *,
+        started: float | None = None,
+    ):
         self._lock = lock
         self._fd = -1
+        self._stats = ctx.stats
+        # a restore (kvstore.store.stats): bytes read, and seconds spent opening and reading only
+        self._read_bytes: int | None = None  # None until a read starts
+        self._busy_s = time.perf_counter() - (started if started is not None else time.perf_counter())
+        opened = time.perf_counter()
         sid = record["id"]
         try:
             self._fd = ctx.open_journal_fd(sid)
@@ -102,6 +117,7 @@ class SessionReader:
                     served = max((t.end for t in turns if t.end <= limit and t.complete), default=0)
             self.n_records = served
             ctx.touch(sid)
+            self._busy_s += time.perf_counter() - opened
         except FileNotFoundError:
             self.close()
             raise SessionDamaged(f"the journal of session {public_id(sid)!r} is missing") from None
@@ -125,16 +141,20 @@ class SessionReader:
         """The served records' raw bytes, in chunks (a whole number of records each, when it fits)."""
         chunk_bytes = max(self.record_bytes, chunk_bytes - chunk_bytes % self.record_bytes)
         offset, end = HEADER_BYTES, HEADER_BYTES + self.body_bytes
+        self._count_read(0, 0.0)
         while offset < end:
+            started = time.perf_counter()
             chunk = os.pread(self._fd, min(chunk_bytes, end - offset), offset)
             if not chunk:
                 raise IntegrityError(f"the journal of {self.info.id!r} ended at byte {offset} of {end}")
+            self._count_read(len(chunk), time.perf_counter() - started)
             yield chunk
             offset += len(chunk)
 
     def load(self, *, strict: bool = False) -> KVRecords:
         """All served records with one read (KVRecords, ``n = n_records``); ``strict``: see
         :meth:`check_scales`."""
+        started = time.perf_counter()
         body = bytearray(self.body_bytes)
         view = memoryview(body)
         got = 0
@@ -147,13 +167,16 @@ class SessionReader:
         records = np.frombuffer(body, dtype=dtype, count=self.n_records)
         if strict:
             self.check_scales(records, 0)
+        self._count_read(len(body), time.perf_counter() - started)
         return KVRecords(Header(self.info.geometry, self.info.tier, self.n_records), records, HEADER_BYTES + len(body))
 
     def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
         """Served records as KVRecords batches of at most ``batch_records``; ``strict``: see
         :meth:`check_scales`."""
         dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
+        self._count_read(0, 0.0)
         for start in range(0, self.n_records, batch_records):
+            started = time.perf_counter()
             stop = min(start + batch_records, self.n_records)
             raw = pread_exact(self._fd, (stop - start) * self.record_bytes, HEADER_BYTES + start * self.record_bytes)
             if len(raw) != (stop - start) * self.record_bytes:
@@ -163,6 +186,7 @@ class SessionReader:
             records = np.frombuffer(raw, dtype=dtype)
             if strict:
                 self.check_scales(records, start)
+            self._count_read(len(raw), time.perf_counter() - started)
             yield KVRecords(Header(self.info.geometry, self.info.tier, stop - start), records, HEADER_BYTES + len(raw))
 
     def check_scales(self, records: np.ndarray, first_record: int) -> None:
@@ -186,7 +210,14 @@ class SessionReader:
         except BadScale as exc:
             raise SessionDamaged(exc.reason) from None
 
+    def _count_read(self, nbytes: int, seconds: float) -> None:
+        self._read_bytes = (self._read_bytes or 0) + nbytes
+        self._busy_s += seconds
+
     def close(self) -> None:
+        if self._read_bytes is not None:  # records were read: one restore, counted once
+            nbytes, self._read_bytes = self._read_bytes, None
+            self._stats.restored(nbytes, self._busy_s)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -154,6 +154,9 @@ def test_slashes_never_reach_the_store(server, alice):
         "/sessions/%2Fetc%2Fpasswd",
     ):
         response = alice.get(path)
+        if response.url.path == "/":  # "/sessions/.." resolved by the client: the console's page
+            assert response.headers["content-type"].startswith("text/html")
+            continue
         assert response.status_code in (400, 404) and set(response.json()) == {"error", "reason"}
     assert sorted(p.name for p in (server.data / "journals").iterdir()) == []
 

@@ -88,3 +88,22 @@ def test_a_refused_turn_creates_nothing(tmp_path, model_dir, capsys):
     assert main([*base, "--prompt", "Hi"]) == 0
     assert "[created session ghost" in capsys.readouterr().err
     assert any(name.startswith("journals/") and name.endswith(".coli_kv") for name in _traces(data, "ghost"))
+
+
+def test_a_turn_that_would_create_a_taken_id_says_the_session_was_already_there(tmp_path, model_dir, capsys):
+    # Issue 19: an id an earlier walkthrough used for another model; the mismatch must not read as
+    # if the new conversation's own session were wrong.
+    from kvstore.cli import main
+
+    data = str(tmp_path / "data")
+    created = ["sessions", "create", "--data", data, "--id", "chat-1", "--model-name", "tiny-mla"]
+    assert main([*created, "--model-revision", "r1", "--geometry", "2,64,16,0,0,1000", "--tier", "fp8"]) == 0
+    capsys.readouterr()
+    assert main(["chat", str(model_dir), "--session", "chat-1", "--data", data, "--prompt", "Hi"]) == 2
+    reason = capsys.readouterr().err
+    assert "model.name: session 'tiny-mla'" in reason  # the mismatch itself, as before
+    assert "session 'chat-1' was already there (0 records, model 'tiny-mla'), not created by this turn" in reason
+    assert "or start this conversation under a new id" in reason
+    # without create, a session of another model is the plain mismatch
+    assert main(["chat", str(model_dir), "--session", "chat-1", "--data", data, "--prompt", "Hi", "--no-create"]) == 2
+    assert "already there" not in capsys.readouterr().err

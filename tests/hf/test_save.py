@@ -9,7 +9,7 @@ import torch
 from kvstore import tiers
 from kvstore.engine import hf
 from kvstore.engine.errors import ConversationMismatch
-from kvstore.errors import FingerprintMismatch, GeometryMismatch, InvalidRequest
+from kvstore.errors import FingerprintMismatch, GeometryMismatch, InvalidRequest, SessionExists
 from kvstore.formats import coli_kv
 
 OWNER = "alice"
@@ -152,3 +152,18 @@ def test_a_coli_kv_file_loads_into_a_transformers_cache(tiny_model, tmp_path, ve
     )
     with pytest.raises(GeometryMismatch, match="vocab: file 600, expected 512"):
         hf.cache_from_records(model, coli_kv.load(other))
+
+
+def test_an_id_taken_by_a_journal_the_index_does_not_list_is_refused_with_that_reason(tiny_model, store):
+    """The id is taken by a journal without an index entry (a crash between the two): ``save``
+    answers with the reason that says so, not ``SessionNotFound`` chained to ``SessionExists`` for
+    the same step (issue 19)."""
+    model = tiny_model
+    cache = hf.new_cache(model)
+    out = _generate(model, torch.arange(2, 12)[None], cache)
+    hf.save(store, "kept", model, cache, out[0], owner=OWNER)
+    kept = store.journal_path("kept", owner=OWNER)
+    kept.with_name(kept.name.replace("kept", "taken", 1)).write_bytes(kept.read_bytes())
+    with pytest.raises(SessionExists, match="exists without an index entry") as refused:
+        hf.save(store, "taken", model, cache, out[0], owner=OWNER)
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__

@@ -1,6 +1,7 @@
 """docs/ENGINE.md runs as written: new-model, serve, chat with curl and httpx, stop, start again,
 continue with no re-prefill — in fp8 (the documented outputs are checked line for line) and in f32
-(the same steps, the same split)."""
+(the same steps, the same split), in a new terminal (nothing of kvstore on PATH until the document
+activates it) and the folder the document says to work in."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_the_documented_chat_restart_and_continue_runs_as_written(tmp_path, tier
     serve_args = shlex.split(serve.split("kvstore serve", 1)[1])
     assert serve_args[serve_args.index("--tier") + 1] == "fp8"
     serve_args[serve_args.index("--tier") + 1] = tier
-    terminal = Terminal(tmp_path)
+    terminal = Terminal(tmp_path / "home")
     server: Server | None = None
     logs, outputs = [], []
     try:
@@ -42,9 +43,10 @@ def test_the_documented_chat_restart_and_continue_runs_as_written(tmp_path, tier
                 logs.append(server.stop())
                 server = None
             if server is None and "127.0.0.1:8000" in code:
-                server = Server(
-                    tmp_path / "data", *serve_args, env={"KVSTORE_API_KEYS": env_keys}, cwd=tmp_path
-                ).start()
+                # started where the document says: its --model and ./data are in the walkthrough's folder
+                folder = terminal.cwd
+                assert folder.is_relative_to(terminal.home), folder
+                server = Server(folder / "data", *serve_args, env={"KVSTORE_API_KEYS": env_keys}, cwd=folder).start()
             if server is not None:
                 code = code.replace("http://127.0.0.1:8000", server.url)
             done = terminal.run(language, code, timeout=180)
@@ -65,7 +67,8 @@ def test_the_documented_chat_restart_and_continue_runs_as_written(tmp_path, tier
         if server is not None and server.running():  # a failed step: never leave a server behind
             server.kill()
 
-    first, streamed, resumed = outputs[1], outputs[2], outputs[3]
+    # outputs: the set-up, new-model, then the three turns
+    first, streamed, resumed = outputs[2], outputs[3], outputs[4]
     assert _split(first) == {"x-kv-reused-tokens": "0", "x-kv-prefilled-tokens": "15", "x-kv-source": "new"}
     live = re.search(r"^live: reused (\d+), prefilled 13, (\d+) records stored$", streamed, re.MULTILINE)
     assert live, streamed
@@ -76,5 +79,5 @@ def test_the_documented_chat_restart_and_continue_runs_as_written(tmp_path, tier
         "x-kv-prefilled-tokens": "13",
         "x-kv-source": "journal",
     }
-    assert f"kvstore_prefilled_tokens_total 13\nkvstore_reused_tokens_total {stored}\n" in resumed
+    assert f"kvstore_prefilled_tokens_total 13.0\nkvstore_reused_tokens_total {stored}.0\n" in resumed
     assert f"turn session=chat-1 source=journal reused={stored} prefilled=13" in logs[-1]
