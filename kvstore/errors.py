@@ -60,6 +60,16 @@ __all__ = [
     "SessionDamaged",
     "SessionExists",
     "SessionNotFound",
+    # the shared backend (kvstore.store.shared, docs/SCALE.md)
+    "BlobStoreError",
+    "BlobStoreUnavailable",
+    "IndexUnavailable",
+    "LeaseExpired",
+    "LeaseHeld",
+    "RecordCountMismatch",
+    "SegmentLost",
+    "StaleLease",
+    "Unavailable",
 ]
 
 
@@ -184,6 +194,69 @@ class IndexIOError(KVStoreError, OSError):
     A failed write was rolled back, so the index holds what it held before the call; check the disk
     and the files under ``index/``, then retry.
     """
+
+
+# ---- the shared backend (kvstore.store.shared: PostgreSQL index + S3 objects, docs/SCALE.md) ----
+class Unavailable(KVStoreError, ConnectionError):
+    """A server the shared store needs cannot be reached now; nothing acknowledged was lost.
+
+    Retry after :attr:`retry_after` seconds (the API answers 503 with ``Retry-After``); the store
+    reconnects by itself.
+    """
+
+    def __init__(self, reason: str, retry_after: float = 1.0):
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
+class IndexUnavailable(Unavailable):
+    """PostgreSQL (the shared index) is down, restarting or unreachable; the call changed nothing
+    that was acknowledged. Retry after ``retry_after`` seconds."""
+
+
+class BlobStoreUnavailable(Unavailable):
+    """The S3-compatible object store kept failing (5xx, timeouts, dropped connections) after the
+    retries; no segment was committed. Retry after ``retry_after`` seconds."""
+
+
+class BlobStoreError(KVStoreError, OSError):
+    """The object store refused a request for a reason a retry cannot fix (no such bucket, access
+    denied, an object that must not exist already does). The reason names the call and the answer."""
+
+
+class LeaseHeld(KVStoreError, BlockingIOError):
+    """Another replica holds the session's write lease; :attr:`retry_after` is the seconds left on it.
+
+    Nothing was changed; retry then (a dead holder's lease expires by itself).
+    """
+
+    def __init__(self, reason: str, retry_after: float = 1.0):
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
+class StaleLease(KVStoreError, PermissionError):
+    """This writer's fencing token is no longer the session's lease token: another replica took the
+    session over. The commit was refused and nothing was published; acquire the lease again."""
+
+
+class LeaseExpired(StaleLease):
+    """This writer's lease expired before it committed; nothing was published. Acquire it again."""
+
+
+class RecordCountMismatch(KVStoreError, ValueError):
+    """An append expected the session to hold another number of records than it does (another
+    writer appended, or an earlier attempt of this one was committed). :attr:`current` is the count;
+    nothing was written."""
+
+    def __init__(self, reason: str, current: int):
+        super().__init__(reason)
+        self.current = current
+
+
+class SegmentLost(KVStoreError, RuntimeError):
+    """A segment's upload intent was collected as garbage before its commit (the writer was slower
+    than the GC grace); nothing was published. Upload the rows again."""
 
 
 # ---- configuration ----------------------------------------------------------------------------

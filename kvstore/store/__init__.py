@@ -21,6 +21,8 @@ sharing one :class:`~kvstore.store.context.StoreContext`)::
     budget.py         hard limit (reservations) and soft budget (LRU eviction, Eviction)
     maintenance.py    inspect, repair (RepairReport), migrate
     index.py          Index: the embedded backend's LMDB index (schema: kvstore.migrations.index)
+    shared/           the shared backend's protocol: PostgreSQL index, S3 segments, leases and
+                      fencing tokens (docs/SCALE.md; not yet behind this facade)
 
 Why composition: each concern is an object holding the context and the concerns it calls, wired
 once in ``SessionStore.__init__`` (integrity <- removal <- recovery <- parking <- budget's evictor

@@ -1,0 +1,45 @@
+"""The shared backend: one session store for many replicas, on PostgreSQL and S3-compatible objects.
+
+The protocol (tables, leases and fencing tokens, the commit point, reads, GC, failures) is
+docs/SCALE.md; this package is its implementation. It needs the ``shared`` extra
+(``pip install 'kvstore[shared]'``: psycopg 3 and boto3) and is imported only when a shared store
+is configured, so the embedded store never loads either.
+
+Where each concern lives::
+
+    schema.py  the PostgreSQL tables and their ordered upgrade steps (kv_meta.schema_version)
+    index.py   SharedIndex: sessions, leases with fencing tokens, the fenced commit, read plans,
+               GC's queries; PostgreSQL down -> IndexUnavailable (retry_after)
+    blobs.py   BlobStore: segment objects through standard S3 calls, retries with backoff;
+               BlobStoreUnavailable when they run out
+    store.py   SharedStore: create, acquire/renew/release, append (intent, upload, commit),
+               read_records / file_bytes (the .coli_kv image), gc
+    transfer.py  push / pull: sessions between an embedded SessionStore and a SharedStore, turn by
+               turn (``kvstore store push|pull``); imported by its users only
+
+API keys in the index (table ``kv_keys``) are ``kvstore.keys.IndexKeys``, over ``SharedIndex``.
+
+Not yet here (docs/SCALE.md, "What remains"): the SessionStore facade over it, the replica's local
+cache, prefix lookup, fork and truncate.
+"""
+
+from kvstore.store.shared.blobs import BlobStore, ObjectInfo, parse_blobs_url
+from kvstore.store.shared.index import Grant, ReadPlan, Segment, SharedIndex
+from kvstore.store.shared.store import AppendAck, GCReport, Lease, Prepared, SharedStore, default_holder, digest_of
+
+__all__ = [
+    "AppendAck",
+    "BlobStore",
+    "GCReport",
+    "Grant",
+    "Lease",
+    "ObjectInfo",
+    "Prepared",
+    "ReadPlan",
+    "Segment",
+    "SharedIndex",
+    "SharedStore",
+    "default_holder",
+    "digest_of",
+    "parse_blobs_url",
+]

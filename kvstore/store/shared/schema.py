@@ -1,0 +1,79 @@
+"""The shared index's PostgreSQL schema (docs/SCALE.md, "Tables") and its ordered upgrade steps.
+
+Each step is SQL run in one transaction together with the bump of ``kv_meta.schema_version``, under
+a transaction-level advisory lock, so replicas starting at once upgrade the schema exactly once.
+"""
+
+from __future__ import annotations
+
+#: ``pg_advisory_xact_lock`` key serializing schema creation and upgrades across replicas.
+SCHEMA_LOCK = 0x6B7673_0001
+
+CURRENT_VERSION = 1
+
+#: version reached -> the statements that reach it from the version before.
+STEPS: dict[int, tuple[str, ...]] = {
+    1: (
+        """CREATE TABLE IF NOT EXISTS kv_sessions (
+            key text PRIMARY KEY,
+            owner text NOT NULL,
+            header bytea NOT NULL CHECK (length(header) = 40),
+            rec_bytes integer NOT NULL CHECK (rec_bytes > 0),
+            n_records bigint NOT NULL DEFAULT 0 CHECK (n_records >= 0),
+            size_bytes bigint NOT NULL DEFAULT 40,
+            watermark bigint NOT NULL DEFAULT 0,
+            record jsonb NOT NULL DEFAULT '{}',
+            state text NOT NULL DEFAULT 'active',
+            created_ns bigint NOT NULL,
+            updated_ns bigint NOT NULL,
+            last_used_ns bigint NOT NULL
+        )""",
+        # the global LRU (eviction across replicas) and an owner's sessions without a scan
+        "CREATE INDEX IF NOT EXISTS kv_sessions_lru ON kv_sessions (last_used_ns)",
+        "CREATE INDEX IF NOT EXISTS kv_sessions_owner ON kv_sessions (owner, key)",
+        "CREATE SEQUENCE IF NOT EXISTS kv_fencing AS bigint",
+        """CREATE TABLE IF NOT EXISTS kv_leases (
+            key text PRIMARY KEY REFERENCES kv_sessions (key) ON DELETE CASCADE,
+            holder text NOT NULL,
+            token bigint NOT NULL,
+            expires_at timestamptz NOT NULL
+        )""",
+        """CREATE TABLE IF NOT EXISTS kv_segments (
+            key text NOT NULL REFERENCES kv_sessions (key) ON DELETE CASCADE,
+            first_record bigint NOT NULL CHECK (first_record >= 0),
+            n_records bigint NOT NULL CHECK (n_records > 0),
+            object text NOT NULL UNIQUE,
+            nbytes bigint NOT NULL,
+            digest bytea NOT NULL,
+            token bigint NOT NULL,
+            complete boolean NOT NULL DEFAULT true,
+            committed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+            PRIMARY KEY (key, first_record)
+        )""",
+        # intents carry no foreign key: an intent outlives a deleted session until GC removes its object
+        """CREATE TABLE IF NOT EXISTS kv_pending (
+            object text PRIMARY KEY,
+            key text NOT NULL,
+            token bigint NOT NULL,
+            nbytes bigint NOT NULL,
+            created_at timestamptz NOT NULL DEFAULT clock_timestamp()
+        )""",
+        "CREATE INDEX IF NOT EXISTS kv_pending_age ON kv_pending (created_at)",
+        # API keys as kvstore.keys.KeyRecord holds them (never a key: a salted digest, or the plain
+        # SHA-256 of a key that has no salt)
+        """CREATE TABLE IF NOT EXISTS kv_keys (
+            id text PRIMARY KEY,
+            owner text NOT NULL,
+            salt bytea,
+            digest bytea NOT NULL CHECK (length(digest) = 32),
+            created timestamptz,
+            expires timestamptz,
+            revoked timestamptz,
+            hint text,
+            position bigserial
+        )""",
+        "CREATE INDEX IF NOT EXISTS kv_keys_owner ON kv_keys (owner, position)",
+    ),
+}
+
+META_TABLE = "CREATE TABLE IF NOT EXISTS kv_meta (name text PRIMARY KEY, value text NOT NULL)"

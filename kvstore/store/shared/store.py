@@ -1,0 +1,367 @@
+"""Sessions on the shared backend: create, lease, append (upload then fenced commit), read, GC.
+
+The protocol is docs/SCALE.md's: an append writes its records to a new immutable object, then one
+PostgreSQL transaction (``SharedIndex.commit``) publishes it, checked against the lease's fencing
+token. A session's bytes are the embedded store's ``.coli_kv`` image: the 40-byte header (kept in
+the index, ``nrec`` set to the committed count) followed by the committed segments in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from kvstore.errors import InvalidRequest, RecordCountMismatch, SegmentLost, SessionDamaged, Unavailable
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, check_geometry, record_bytes
+from kvstore.store.shared.blobs import BlobStore
+from kvstore.store.shared.index import Segment, SharedIndex
+from kvstore.store.values import ModelInfo, public_id, storage_key, validate_key, validate_owner, validate_tags
+from kvstore.tiers import Tier
+
+DEFAULT_TTL_S = 30.0
+DEFAULT_GC_GRACE_S = 3600.0
+_READ_THREADS = 8  # segments fetched in parallel by one read (one S3 stream is far below a NIC)
+
+
+def digest_of(payload: bytes | memoryview) -> bytes:
+    """blake2b-256 of a segment's bytes (kept in the index, checked on whole-segment reads)."""
+    return hashlib.blake2b(payload, digest_size=32).digest()
+
+
+@dataclass
+class _InDoubt:
+    """An attempt whose commit got no answer: committed or not is found out on the next append."""
+
+    object: str
+    start: int
+    n_records: int
+    digest: bytes
+
+
+@dataclass
+class Lease:
+    """A writer's hold on one session: its fencing token and the count it appends after."""
+
+    key: str
+    holder: str
+    token: int
+    n_records: int  # the committed count as this writer knows it (exact while the lease holds)
+    ttl: float
+    in_doubt: _InDoubt | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class AppendAck:
+    """An acknowledged append: records ``[start, end)`` are committed under ``token``."""
+
+    start: int
+    end: int
+    token: int
+    object: str | None  # None for an empty append
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An uploaded segment waiting for its commit (:meth:`SharedStore.commit`)."""
+
+    object: str
+    start: int
+    n_records: int
+    digest: bytes
+    payload: memoryview = field(repr=False)
+    complete: bool = True
+
+
+@dataclass(frozen=True)
+class GCReport:
+    intents: int  # stale intents dropped (their objects deleted)
+    swept: int  # unreferenced objects deleted by the listing sweep
+    uploads_aborted: int
+
+
+def default_holder() -> str:
+    """A holder name unique to this writer: host, process, random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class SharedStore:
+    """Sessions in a shared index (:class:`SharedIndex`) with rows in objects (:class:`BlobStore`).
+
+    Parameters
+    ----------
+    index, blobs : the two servers' clients (closed by :meth:`close`)
+    ttl : seconds a lease lasts without a commit or renewal
+    """
+
+    def __init__(self, index: SharedIndex, blobs: BlobStore, *, ttl: float = DEFAULT_TTL_S):
+        self.index = index
+        self.blobs = blobs
+        self.ttl = ttl
+        self._pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="kvstore-s3")
+
+    @classmethod
+    def connect(cls, index_url: str, blobs_url: str, **options: Any) -> "SharedStore":
+        return cls(SharedIndex(index_url), BlobStore(blobs_url), **options)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.index.close()
+
+    def __enter__(self) -> "SharedStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ sessions
+    def create(
+        self,
+        owner: str,
+        geometry: Geometry,
+        tier: Tier,
+        model: ModelInfo | dict[str, Any] | None = None,
+        session_id: str | None = None,
+        tags: Iterable[str] = (),
+        *,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """Create an empty session; returns its key ``<id>~<owner>``.
+
+        ``extra``: more fields of the session's record (what ``store push`` carries over: parent,
+        fork point, fingerprint, the embedded state).
+        """
+        validate_owner(owner)
+        check_geometry(geometry, tier)
+        key = storage_key(session_id if session_id is not None else uuid.uuid4().hex, owner)
+        header = Header(geometry, tier, 0).to_bytes()
+        record = {
+            "model": ModelInfo.from_dict(model).to_dict() if model is not None else None,
+            "tags": validate_tags(tags),
+            **(extra or {}),
+        }
+        self.index.create_session(key, owner, header, record_bytes(geometry, tier), record, time.time_ns())
+        return key
+
+    def delete(self, key: str) -> None:
+        """Drop a session from the index, then its objects (a crash in between leaves them to GC)."""
+        for name in self.index.delete_session(validate_key(key)):
+            self.blobs.delete(name)
+
+    def n_records(self, key: str) -> int:
+        return int(self.index.session(key)["n_records"])
+
+    # ------------------------------------------------------------------ leases
+    def acquire(
+        self, key: str, holder: str | None = None, ttl: float | None = None, *, carry: Lease | None = None
+    ) -> Lease:
+        """Take the session's write lease (``LeaseHeld`` while another writer's is live).
+
+        ``carry``: this writer's previous lease on the session (fenced or expired); an append it left
+        in doubt is settled by the new lease's next append, so a retry still appends it once.
+        """
+        ttl = self.ttl if ttl is None else ttl
+        grant = self.index.acquire(validate_key(key), holder or default_holder(), ttl)
+        lease = Lease(grant.key, grant.holder, grant.token, grant.n_records, ttl)
+        if carry is not None and carry.key == lease.key:
+            lease.in_doubt = carry.in_doubt
+        return lease
+
+    def renew(self, lease: Lease) -> None:
+        self.index.renew(lease.key, lease.token, lease.ttl)
+
+    def release(self, lease: Lease) -> None:
+        self.index.release(lease.key, lease.token)
+
+    # ------------------------------------------------------------------ append
+    def segment_name(self, key: str, start: int, token: int) -> str:
+        # a hash first spreads sessions over the store's partitions (docs/SCALE.md, 1 PB)
+        spread = hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
+        return self.blobs.object_name("seg", spread, key, f"{start:012d}-{token}-{uuid.uuid4().hex}")
+
+    def append(
+        self,
+        lease: Lease,
+        records: bytes | bytearray | memoryview | np.ndarray,
+        *,
+        at: int | None = None,
+        complete: bool = True,
+    ) -> AppendAck:
+        """Append whole records (raw ``.coli_kv`` record bytes) under ``lease``; acknowledged once committed.
+
+        ``at``: the count the caller expects the session to hold (``RecordCountMismatch`` otherwise).
+        ``complete``: the records end a turn (the watermark moves to the new count).
+        Retrying the same bytes after an unanswered commit (``Unavailable``) appends them once.
+        :meth:`prepare` then :meth:`commit` are the same in two steps.
+
+        Raises
+        ------
+        InvalidRequest : not whole records of this session
+        StaleLease, LeaseExpired : fenced; acquire the lease again (``acquire(..., carry=lease)``)
+        IndexUnavailable, BlobStoreUnavailable : a server is down; retry the same call later
+        """
+        prepared = self.prepare(lease, records, at=at, complete=complete)
+        return prepared if isinstance(prepared, AppendAck) else self.commit(lease, prepared)
+
+    def prepare(
+        self,
+        lease: Lease,
+        records: bytes | bytearray | memoryview | np.ndarray,
+        *,
+        at: int | None = None,
+        complete: bool = True,
+    ) -> "Prepared | AppendAck":
+        """Steps 1-2 of an append: the intent, then the upload. An :class:`AppendAck` instead when
+        there is nothing to commit (no records, or the same bytes an unanswered commit did commit)."""
+        payload = memoryview(records.tobytes() if isinstance(records, np.ndarray) else records).cast("B")
+        digest = digest_of(payload)
+        if lease.in_doubt is not None:
+            done = self._settle_doubt(lease, digest)
+            if done is not None:
+                return done
+        if at is not None and at != lease.n_records:
+            raise RecordCountMismatch(
+                f"session {public_id(lease.key)!r} holds {lease.n_records} records, the append expected {at}; "
+                "nothing was written",
+                current=lease.n_records,
+            )
+        rec_bytes = self._rec_bytes(lease.key)
+        if len(payload) % rec_bytes:
+            raise InvalidRequest(
+                f"{len(payload)} bytes are not whole records of session {public_id(lease.key)!r} "
+                f"({rec_bytes} bytes each); nothing was written"
+            )
+        n = len(payload) // rec_bytes
+        start = lease.n_records
+        if n == 0:
+            return AppendAck(start, start, lease.token, None)
+        doubt = lease.in_doubt
+        name = doubt.object if doubt is not None else self._upload(lease, start, payload)
+        return Prepared(name, start, n, digest, payload, complete)
+
+    def commit(self, lease: Lease, prepared: "Prepared") -> AppendAck:
+        """Step 3, the commit point: publish a prepared segment, fenced by ``lease.token``."""
+        name = prepared.object
+        for _ in range(2):  # a second upload only when GC took the first one's intent
+            try:
+                segment, _ = self.index.commit(
+                    lease.key, lease.token, prepared.start, prepared.n_records, name, prepared.digest, lease.ttl,
+                    time.time_ns(), prepared.complete,
+                )  # fmt: skip
+            except Unavailable:
+                lease.in_doubt = _InDoubt(name, prepared.start, prepared.n_records, prepared.digest)
+                raise
+            except SegmentLost:
+                lease.in_doubt = None
+                name = self._upload(lease, prepared.start, prepared.payload)
+                continue
+            lease.in_doubt = None
+            lease.n_records = segment.first_record + segment.n_records
+            return AppendAck(segment.first_record, lease.n_records, lease.token, name)
+        raise SegmentLost(f"the uploads for session {public_id(lease.key)!r} keep being collected before commit")
+
+    def _upload(self, lease: Lease, start: int, payload: memoryview) -> str:
+        name = self.segment_name(lease.key, start, lease.token)
+        self.index.add_intent(lease.key, lease.token, name, len(payload))  # before the object exists: GC sees it
+        self.blobs.put(name, payload)
+        return name
+
+    def _settle_doubt(self, lease: Lease, digest: bytes) -> AppendAck | None:
+        """Find out whether the unanswered attempt was committed; an ack when it was this same append."""
+        doubt = lease.in_doubt
+        if doubt is None:
+            return None
+        segment = self.index.committed(doubt.object)
+        if segment is not None:
+            lease.in_doubt = None
+            lease.n_records = max(lease.n_records, segment.first_record + segment.n_records)
+            if doubt.digest == digest:
+                return AppendAck(
+                    segment.first_record, segment.first_record + segment.n_records, segment.token, doubt.object
+                )
+            return None
+        if doubt.digest != digest or doubt.start != lease.n_records:
+            lease.in_doubt = None  # another append now: the old intent is left to GC
+        return None  # the same bytes again: committed below from the same object
+
+    def _rec_bytes(self, key: str) -> int:
+        return int(self.index.session(key)["rec_bytes"])
+
+    # ------------------------------------------------------------------ reads
+    def segments(self, key: str) -> list[Segment]:
+        return self.index.read_plan(validate_key(key)).segments
+
+    def read_records(self, key: str, start: int = 0, stop: int | None = None) -> tuple[int, bytes]:
+        """``(n_records, bytes of records [start, min(stop, n_records)))`` as committed at one instant.
+
+        Raises
+        ------
+        SessionDamaged : an object is missing or its bytes do not match the index
+        """
+        if start < 0 or (stop is not None and stop < start):
+            raise InvalidRequest(f"records [{start}, {stop}) is not a range of records (0 <= start <= stop)")
+        plan = self.index.read_plan(validate_key(key), start, stop)
+        if start > plan.n_records:
+            raise InvalidRequest(f"session {public_id(key)!r} holds {plan.n_records} records; cannot read from {start}")
+        end = plan.n_records if stop is None else min(stop, plan.n_records)
+        out = bytearray((end - start) * plan.rec_bytes)
+        view = memoryview(out)
+        jobs = []
+        for segment in plan.segments:
+            lo, hi = max(start, segment.first_record), min(end, segment.first_record + segment.n_records)
+            if lo >= hi:
+                continue
+            into = view[(lo - start) * plan.rec_bytes : (hi - start) * plan.rec_bytes]
+            offset = (lo - segment.first_record) * plan.rec_bytes
+            jobs.append(self._pool.submit(self._fetch, key, segment, offset, into))
+        covered = sum(len(job.result()) for job in jobs)  # result() re-raises a failed fetch
+        if covered != len(out):
+            raise SessionDamaged(
+                f"session {public_id(key)!r}: the committed segments cover {covered} of {len(out)} bytes"
+            )
+        return plan.n_records, bytes(out)
+
+    def _fetch(self, key: str, segment: Segment, offset: int, into: memoryview) -> memoryview:
+        whole = offset == 0 and len(into) == segment.nbytes
+        for _ in range(2):  # one more GET if a whole segment's digest does not match
+            body = self.blobs.get(segment.object, offset, offset + len(into))
+            if len(body) == len(into) and (not whole or digest_of(body) == segment.digest):
+                into[:] = body
+                return into
+        raise SessionDamaged(
+            f"session {public_id(key)!r}: object {segment.object} does not hold the bytes its commit recorded "
+            f"(records {segment.first_record}..); it is not served"
+        )
+
+    def file_bytes(self, key: str) -> bytes:
+        """The session as a ``.coli_kv`` file image: header with ``nrec`` = the committed count, then records."""
+        n_records, rows = self.read_records(key)
+        header = bytearray(self.index.session(key)["header"])
+        header[32:36] = np.int32(n_records).tobytes()  # h6 nrec, little-endian (FORMAT.md section 1)
+        if len(header) != HEADER_BYTES:
+            raise SessionDamaged(f"session {public_id(key)!r}: its header in the index is {len(header)} bytes")
+        return bytes(header) + rows
+
+    # ------------------------------------------------------------------ garbage collection
+    def gc(self, grace: float = DEFAULT_GC_GRACE_S) -> GCReport:
+        """Delete objects no commit refers to that are older than ``grace`` seconds (docs/SCALE.md)."""
+        stale = self.index.take_stale_intents(grace)
+        for name in stale:
+            self.blobs.delete(name)
+        # the sweep: objects left by a GC that died between its steps, or by deleted sessions
+        cutoff = self.index.now() - grace
+        old = [info.name for info in self.blobs.list("seg") if info.modified <= cutoff]
+        swept = 0
+        for chunk in range(0, len(old), 1000):
+            for name in self.index.unreferenced(old[chunk : chunk + 1000]):
+                self.blobs.delete(name)
+                swept += 1
+        aborted = self.blobs.abort_stale_uploads(cutoff)
+        return GCReport(len(stale), swept, aborted)
