@@ -25,6 +25,7 @@ from kvstore.engine.errors import (
     WeightsError,
 )
 from kvstore.errors import (
+    BlobStoreError,
     BudgetExceeded,
     CodecMismatch,
     ConfigError,
@@ -42,11 +43,16 @@ from kvstore.errors import (
     JournalLocked,
     JournalWriteError,
     KVStoreError,
+    LeaseHeld,
     MigrationError,
     NonFiniteValues,
     PathRefused,
+    RecordCountMismatch,
+    SegmentLost,
     SessionExists,
     SessionNotFound,
+    StaleLease,
+    Unavailable,
 )
 
 __all__ = [
@@ -159,9 +165,18 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     IndexIOError: 507,  # LMDB's I/O error: a write rolled back, like a journal's EIO
     ConfigError: 400,
     FileUnreadable: 400,  # a path the caller named (the CLI's file tools); FileDamaged is a FormatError (422)
+    # the shared backend (docs/SCALE.md)
+    Unavailable: 503,  # PostgreSQL or the object store down: IndexUnavailable, BlobStoreUnavailable (retry_after)
+    BlobStoreError: 502,  # the object store refused a request a retry cannot fix
+    LeaseHeld: 409,  # another replica writes the session now
+    StaleLease: 409,  # fenced: another replica took the session over (LeaseExpired too)
+    RecordCountMismatch: 409,
+    SegmentLost: 503,  # the upload was collected before its commit: sending it again works
     # gpu (by name: importing kvstore.gpu imports torch)
     "kvstore.gpu.errors.AttentionInputError": 422,
     "kvstore.gpu.errors.BackendUnavailable": 503,
+    # raised inside a serving engine's connector (stored rows it cannot load: it recomputes them)
+    "kvstore.connectors.prefix_cache.LoadFailed": 409,
     # engine
     ModelConfigError: 422,
     WeightsError: 422,

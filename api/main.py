@@ -3,7 +3,8 @@
 Every error is JSON ``{"error": <type>, "reason": <text>}`` with the HTTP status
 ``kvstore.api.errors`` maps the error's class to; bodies
 over the configured limit are refused (413) before they are read; every route but ``/health``,
-``/metrics`` (process totals only) and the docs needs an API key (see ``kvstore.api.keys``).
+``/metrics`` (process totals only), the docs and the console's page (``/``, whose data calls carry
+the key) needs an API key (see ``kvstore.api.keys``).
 With ``Settings.model_dir`` the bundled engine is loaded at startup and ``POST
 /sessions/{id}/generate`` runs turns on it (``kvstore.api.routers.generate``).
 """
@@ -28,7 +29,7 @@ import kvstore
 from kvstore.api.errors import BodyTooLarge, ServiceBusy, http_status
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
-from kvstore.api.routers import files, generate, health, jobs, lookup, metrics, sessions
+from kvstore.api.routers import console, files, generate, health, jobs, lookup, metrics, sessions
 from kvstore.api.routers.metrics import Metrics
 from kvstore.api.session_gates import SessionGates
 from kvstore.api.settings import Settings
@@ -142,7 +143,9 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | None = None) -> FastAPI:
+def create_app(
+    store_or_settings: SessionStore | Settings | str | os.PathLike | None = None, *, first_key: bool = True
+) -> FastAPI:
     """Build the service.
 
     Parameters
@@ -151,6 +154,8 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
         :class:`Settings` / a data folder path (the app opens the store at startup and closes it
         at shutdown). ``keys.json`` is created in the data folder if missing; its fresh key is
         printed once to stderr.
+    first_key : False leaves a missing ``keys.json`` to the caller (``kvstore serve`` creates it,
+        and prints its key, only once the server listens); the file is read when it appears.
     """
     if isinstance(store_or_settings, SessionStore):
         given_store: SessionStore | None = store_or_settings
@@ -161,7 +166,7 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
             settings = store_or_settings
         else:
             settings = Settings(data_dir=Path(store_or_settings) if store_or_settings is not None else Path("./data"))
-    created_key = ensure_keys_file(settings.data_dir)
+    created_key = ensure_keys_file(settings.data_dir) if first_key else None
     if created_key is not None:
         print(
             f"kvstore: created {settings.data_dir / KEYS_FILE} with an API key for owner 'default' "
@@ -207,11 +212,13 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
         version=kvstore.__version__,
         description="Resumable LLM conversations: MLA latent KV rows journaled as .coli_kv, indexed, served.",
         lifespan=lifespan,
+        docs_url=None,  # served by kvstore.api.routers.console with local Swagger UI files
+        redoc_url=None,  # ReDoc would load its script from a CDN
         dependencies=[Depends(_single_valued_query)],
     )
     app.state.settings = settings
     app.state.keys = keys
-    app.state.metrics = Metrics()
+    app.state.metrics = Metrics(app.state)
     app.state.engine = None
     app.state.generate_gate = asyncio.Lock()  # generate calls queue here for the one engine
     app.state.gates = SessionGates(settings.lock_timeout, settings.session_waiters)
@@ -224,6 +231,7 @@ def create_app(store_or_settings: SessionStore | Settings | str | os.PathLike | 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     for module in (health, sessions, files, lookup, jobs, generate, metrics):
         app.include_router(module.router)
+    console.install(app)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -5,11 +5,14 @@ module                 commands
 =====================  ===================================================================
 ``cli/files.py``       ``inspect``, ``export``, ``migrate``, ``repair`` (one ``.coli_kv`` file)
 ``cli/serve.py``       ``serve`` (the HTTP service)
+``cli/keys.py``        ``keys create|list|revoke`` (the service's API keys)
+``cli/store_cmd.py``   ``store push|pull`` (copy sessions to and from a shared store)
 ``cli/sessions.py``    ``sessions ...``, ``verify`` (the session store, no server)
 ``cli/engine.py``      ``new-model``, ``generate``, ``chat`` (the bundled engine)
 ``cli/hf.py``          ``hf-chat`` (transformers models)
 ``cli/options.py``     the shared options: ``--tier``, ``--owner``, ``--data``, ``--json``, ids
-``cli/output.py``      reports as text or JSON, JSON lines, progress bars
+``cli/output.py``      reports as text or JSON, JSON lines
+``cli/progress.py``    the progress bar of long commands (a terminal's stderr only)
 =====================  ===================================================================
 
 Exit codes: 0 done (``inspect``: the file is clean); 1 damage found — ``inspect`` and ``verify``
@@ -34,7 +37,7 @@ import warnings
 from typing import NoReturn
 
 from kvstore import __version__, tiers
-from kvstore.cli import engine, files, hf, options, serve, sessions
+from kvstore.cli import engine, files, hf, keys, options, serve, sessions, store_cmd
 from kvstore.errors import FileDamaged, KVStoreError
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_DAMAGED", "EXIT_INTERRUPTED", "EXIT_OK", "build_parser", "fail", "main"]
@@ -65,10 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     files.add_commands(sub)
     serve.add_commands(sub)
+    keys.add_commands(sub)
     sessions.add_commands(sub)
     engine.add_commands(sub)
     sessions.add_verify(sub)
     hf.add_commands(sub)
+    store_cmd.add_commands(sub)
     return parser
 
 

@@ -1,0 +1,375 @@
+"""A prefix cache of MLA latent rows over the session store, for serving engines' KV connectors.
+
+An engine that keeps one latent row per token and layer (vLLM's MLA paged cache holds exactly a
+``.coli_kv`` row: ``kv_lora`` latent values then ``qk_rope`` rope-key values) asks three things:
+
+- :meth:`PrefixCache.lookup` — how many leading tokens of a prompt the store holds for this model
+  (the store's prefix index: block-aligned chain hashes seeded with the owner and the fingerprint,
+  confirmed against the stored tokens). Every call is counted as a hit or a miss; a prompt whose
+  prefix is stored only under another fingerprint (another model, weights, dtype, geometry or tier)
+  is a miss counted as ``refused`` too: it is never loaded.
+- :meth:`PrefixCache.load` — the rows of tokens ``[start, stop)`` of a session that lookup found,
+  re-hashed against the index first (``verify``): damaged, missing or refused rows raise, so the
+  engine recomputes instead of attending to wrong KV.
+- :meth:`PrefixCache.save` — a prompt's rows as a new session (one per distinct prompt, its id
+  derived from the fingerprint and the tokens, so the same prompt saved twice is stored once).
+
+Rows are handed over as f32 ``[n_layers, n, kv_lora + qk_rope]``; the store encodes them in the
+cache's tier (f32, fp8, int4, ...) and dequantizes them on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore import tiers
+from kvstore.errors import ConfigError, KVStoreError, SessionExists
+from kvstore.formats.coli_kv import Geometry
+from kvstore.store import Fingerprint, ModelInfo, SessionStore, validate_owner
+from kvstore.tiers import Tier
+
+# The bytes of each weight file that the sampled hash reads: its head, its tail and this many
+# evenly spaced windows, so two checkpoints of one shape (another seed, another fine-tune) differ
+# without reading hundreds of gigabytes at every engine start.
+SAMPLE_WINDOWS = 16
+SAMPLE_BYTES = 1 << 20
+
+
+class LoadFailed(KVStoreError, LookupError):
+    """Stored rows could not be served (missing, damaged, refused): the engine must recompute them."""
+
+
+# ---------------------------------------------------------------------------- fingerprint
+def sampled_weights_hash(folder: str | os.PathLike) -> str | None:
+    """``sampled-blake2b:<hex>`` over a model folder's ``*.safetensors`` files: names, sizes, and the
+    first, last and :data:`SAMPLE_WINDOWS` evenly spaced windows of :data:`SAMPLE_BYTES` bytes.
+
+    None when ``folder`` is not a folder holding weights (a hub id: the revision names it instead).
+    Unlike the bundled engine's full ``blake2b:`` hash it does not read every byte; pass
+    ``weights_hash`` in the connector's configuration to pin a full one.
+    """
+    path = Path(folder)
+    files = sorted(p for p in path.glob("*.safetensors") if p.is_file()) if path.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.blake2b(digest_size=32)
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        starts = {0, max(size - SAMPLE_BYTES, 0)}
+        starts |= {int(size * k / (SAMPLE_WINDOWS + 1)) for k in range(1, SAMPLE_WINDOWS + 1)}
+        with open(file, "rb") as f:
+            for start in sorted(starts):
+                f.seek(start)
+                digest.update(f.read(SAMPLE_BYTES))
+    return "sampled-blake2b:" + digest.hexdigest()
+
+
+def model_fingerprint(
+    *,
+    name: str,
+    revision: str,
+    geometry: Geometry,
+    tier: Tier,
+    attention_variant: str,
+    weights_hash: str | None = None,
+) -> Fingerprint:
+    """The fingerprint a connector's rows are stored and looked up under."""
+    model = ModelInfo.from_dict(
+        {"name": name, "revision": revision, "weights_hash": weights_hash, "attention_variant": attention_variant}
+    )
+    return Fingerprint(model, geometry, tier)
+
+
+# ---------------------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class CacheConfig:
+    """What a connector's ``kv_connector_extra_config`` may hold (every key optional but ``store``).
+
+    store : the store's folder (embedded mode)
+    owner : whose sessions these are; another owner never sees them (default ``vllm``)
+    tier : how rows are stored: ``f32`` (default, exact), ``fp8``, ``int4``, ``polar2``..``polar6``
+    model_name, revision, weights_hash : the model part of the fingerprint (defaults: the engine's
+        model path or id, its revision or ``main``, the sampled hash of the folder's weights)
+    verify : re-hash the stored turns before each load (default true)
+    min_tokens : prompts shorter than this are neither looked up nor saved (default 64, the
+        store's prefix block)
+    stats_dir : a folder where each connector process keeps its counters as JSON (optional)
+    """
+
+    store: str
+    owner: str = "vllm"
+    tier: Tier = tiers.F32
+    model_name: str | None = None
+    revision: str | None = None
+    weights_hash: str | None = None
+    verify: bool = True
+    min_tokens: int = 64
+    stats_dir: str | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "CacheConfig":
+        """Validate a connector's extra configuration (raises :class:`ConfigError` naming the key)."""
+        extra = dict(extra or {})
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"unknown kvstore connector settings {unknown}; known: {sorted(known)}")
+        store = extra.get("store")
+        if not isinstance(store, str) or not store:
+            raise ConfigError("kv_connector_extra_config needs 'store': the kvstore folder to use")
+        try:
+            owner = validate_owner(extra.get("owner", "vllm"))
+            tier = tiers.get(str(extra.get("tier", "f32")))
+        except KVStoreError as exc:
+            raise ConfigError(f"kvstore connector: {exc}") from exc
+        if not tier.in_file:
+            raise ConfigError(f"kvstore connector: tier {tier.name!r} is not stored in files; use f32, fp8 or int4")
+        for key in ("model_name", "revision", "weights_hash", "stats_dir"):
+            if extra.get(key) is not None and not isinstance(extra[key], str):
+                raise ConfigError(f"kvstore connector: {key!r} must be a string")
+        verify = extra.get("verify", True)
+        min_tokens = extra.get("min_tokens", 64)
+        if not isinstance(verify, bool):
+            raise ConfigError("kvstore connector: 'verify' must be true or false")
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
+            raise ConfigError("kvstore connector: 'min_tokens' must be a positive integer")
+        return cls(
+            store=store,
+            owner=owner,
+            tier=tier,
+            model_name=extra.get("model_name"),
+            revision=extra.get("revision"),
+            weights_hash=extra.get("weights_hash"),
+            verify=verify,
+            min_tokens=min_tokens,
+            stats_dir=extra.get("stats_dir"),
+        )
+
+
+# ---------------------------------------------------------------------------- counters
+@dataclass
+class CacheStats:
+    """A connector process's counters. Every lookup is a hit or a miss (``hits + misses ==
+    lookups``); ``refused`` counts the misses whose prefix was stored under another fingerprint."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    refused: int = 0
+    matched_tokens: int = 0  # tokens the hits offered to the engine
+    loads: int = 0
+    loaded_tokens: int = 0  # rows written into the engine's cache
+    load_errors: int = 0
+    saves: int = 0
+    saved_tokens: int = 0
+    save_errors: int = 0
+    errors: list[str] = field(default_factory=list)  # the last few reasons, newest last
+
+    def note_error(self, reason: str) -> None:
+        self.errors = (self.errors + [reason])[-8:]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------- the cache
+_stores: dict[str, SessionStore] = {}
+_stores_lock = threading.Lock()
+
+
+def open_store(folder: str) -> SessionStore:
+    """One :class:`SessionStore` per folder and process (LMDB must not be opened twice in a process;
+    a scheduler and a worker may share one)."""
+    key = os.path.realpath(folder)
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = SessionStore(key)
+        return store
+
+
+@dataclass(frozen=True)
+class Match:
+    """A stored session sharing ``tokens`` leading tokens with a prompt."""
+
+    session_id: str
+    tokens: int
+
+
+class PrefixCache:
+    """Prefix lookup, load and save of one model's rows in one owner's part of a store.
+
+    Parameters
+    ----------
+    store : the session store (see :func:`open_store`)
+    owner : the owner the sessions belong to
+    fingerprint : the model, geometry and tier rows are stored and looked up under
+    verify : re-hash stored turns before a load
+    min_tokens : prompts shorter than this are not looked up (a miss) nor saved
+    stats_path : a JSON file the counters are written to after each change (optional)
+    """
+
+    def __init__(
+        self,
+        store: SessionStore,
+        owner: str,
+        fingerprint: Fingerprint,
+        *,
+        verify: bool = True,
+        min_tokens: int = 64,
+        stats_path: str | os.PathLike | None = None,
+    ):
+        self.store = store
+        self.owner = validate_owner(owner)
+        self.fingerprint = fingerprint
+        self.verify = verify
+        self.min_tokens = min_tokens
+        self.stats = CacheStats()
+        self.stats_path = Path(stats_path) if stats_path is not None else None
+        self._lock = threading.Lock()
+        self._key = fingerprint.key()
+        g = fingerprint.geometry
+        self.row_width = g.kv_lora + g.qk_rope
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, tokens) -> Match | None:
+        """The stored session sharing the longest prefix with ``tokens`` (int[n]), counted as a hit
+        or a miss; a prefix stored only under another fingerprint is a refused miss."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        found = None
+        refused = False
+        if tokens.size >= self.min_tokens:
+            try:
+                result = self.store.lookup(self.owner, self.fingerprint, tokens)
+                if result is not None:
+                    found = Match(result.session_id, result.matched_tokens)
+                else:
+                    refused = self._stored_elsewhere(tokens)
+            except (KVStoreError, OSError) as exc:
+                self._count(error=f"lookup: {exc}")
+        with self._lock:
+            self.stats.lookups += 1
+            if found is not None:
+                self.stats.hits += 1
+                self.stats.matched_tokens += found.tokens
+            else:
+                self.stats.misses += 1
+                self.stats.refused += int(refused)
+        self._write_stats()
+        return found
+
+    def _stored_elsewhere(self, tokens: np.ndarray) -> bool:
+        """Whether the owner holds this prefix under another fingerprint (one lookup per distinct
+        fingerprint of the owner's sessions: a miss's extra cost)."""
+        others = {}
+        for info in self.store.list(owner=self.owner):
+            if info.fingerprint_key != self._key:
+                others.setdefault(info.fingerprint_key, info.fingerprint)
+        for other in others.values():
+            try:
+                if self.store.lookup(self.owner, other, tokens) is not None:
+                    return True
+            except KVStoreError:  # e.g. token ids beyond the other model's vocabulary
+                continue
+        return False
+
+    # ------------------------------------------------------------------ load
+    def load(self, session_id: str, start: int, stop: int) -> np.ndarray:
+        """Rows of tokens ``[start, stop)`` of a session, f32 ``[n_layers, stop - start, kv_lora + qk_rope]``.
+
+        Raises
+        ------
+        LoadFailed
+            The session is gone, was written under another fingerprint, failed verification before
+            ``stop``, or holds fewer rows; counted in ``load_errors``. Nothing partial is returned.
+        """
+        try:
+            resumed = self.store.resume(session_id, owner=self.owner, verify=self.verify, expect=self.fingerprint)
+            if resumed.reused_tokens < stop:
+                damaged = f" (damaged from record {resumed.damaged_from})" if resumed.damaged_from is not None else ""
+                raise LoadFailed(f"session {session_id!r} serves {resumed.reused_tokens} rows, {stop} needed{damaged}")
+            L, R, _ = resumed.records.slice(start, stop).dequantize()
+        except (KVStoreError, OSError) as exc:
+            reason = f"load {session_id}[{start}:{stop}]: {exc}"
+            self._count(load_errors=1, error=reason)
+            if isinstance(exc, LoadFailed):
+                raise
+            raise LoadFailed(reason) from exc
+        rows = np.concatenate([L, R], axis=-1)
+        self._count(loads=1, loaded_tokens=stop - start)
+        return rows
+
+    # ------------------------------------------------------------------ save
+    def session_id_for(self, tokens: np.ndarray) -> str:
+        """The id a prompt's rows are saved under: the same prompt of the same model, one session."""
+        digest = hashlib.blake2b(self._key.encode() + b"\0" + tokens.astype("<i4").tobytes(), digest_size=16)
+        return "vllm-" + digest.hexdigest()
+
+    def save(self, tokens, rows: np.ndarray) -> str | None:
+        """Store a prompt's rows (``tokens`` int[n], ``rows`` f32 ``[n_layers, n, kv_lora + qk_rope]``)
+        as one complete turn of a new session; None when it was stored already or could not be
+        (the reason is counted in ``save_errors``: a failed save is a future miss, never an error
+        for the request)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        g = self.fingerprint.geometry
+        if tokens.size < self.min_tokens:
+            return None
+        if rows.shape != (g.n_layers, tokens.size, self.row_width):
+            raise ValueError(f"rows must be [{g.n_layers}, {tokens.size}, {self.row_width}], got {list(rows.shape)}")
+        session_id = self.session_id_for(tokens)
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        try:
+            self.store.create(self.owner, g, self.fingerprint.tier, self.fingerprint.model, session_id=session_id)
+        except SessionExists:
+            return None
+        except (KVStoreError, OSError) as exc:
+            self._count(save_errors=1, error=f"save: {exc}")
+            return None
+        try:
+            self.store.append(session_id, tokens, rows[..., : g.kv_lora], rows[..., g.kv_lora :], owner=self.owner)
+        except (KVStoreError, OSError) as exc:
+            self._count(save_errors=1, error=f"save: {exc}")
+            try:  # an empty session would only shadow a later save of the same prompt
+                self.store.delete(session_id, owner=self.owner)
+            except (KVStoreError, OSError):
+                pass
+            return None
+        self._count(saves=1, saved_tokens=int(tokens.size))
+        return session_id
+
+    # ------------------------------------------------------------------ counters
+    def _count(self, *, error: str | None = None, **increments: int) -> None:
+        with self._lock:
+            for name, amount in increments.items():
+                setattr(self.stats, name, getattr(self.stats, name) + amount)
+            if error is not None:
+                self.stats.note_error(error)
+        self._write_stats()
+
+    def _write_stats(self) -> None:
+        """The counters as JSON, replaced atomically (a reader never sees half a file)."""
+        if self.stats_path is None:
+            return
+        with self._lock:
+            text = json.dumps(self.stats.to_dict())
+        folder = self.stats_path.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".stats-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.stats_path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise

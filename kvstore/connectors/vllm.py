@@ -1,0 +1,318 @@
+"""kvstore as a vLLM KV connector (``KVConnectorBase_V1``, vLLM 0.32; the API is experimental).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "kvstore.connectors.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"store": "/var/lib/kvstore"}}'
+
+For an MLA model vLLM's paged cache is ``[blocks, block_size, kv_lora + qk_rope]`` per layer:
+one ``.coli_kv`` row per token. The scheduler side asks the store for the longest stored prefix of
+each new prompt (:class:`~kvstore.connectors.prefix_cache.PrefixCache`; whole vLLM blocks, at
+least one prompt token left to compute) and plans the load; the worker side writes the stored rows
+into the request's blocks before the forward pass, and gathers each prompt's rows, layer by
+layer, in the step that completes its prefill, then saves them as one session. A load that fails
+(missing, damaged, another fingerprint) marks its blocks through
+:meth:`KVStoreConnector.get_block_ids_with_load_errors`, so vLLM recomputes them
+(``kv_load_failure_policy: "recompute"``) rather than attend to wrong KV.
+
+Only the prompt's rows are stored (not the generated tokens'); embedded mode only (a store folder
+every vLLM process on the machine may share). See docs/VLLM.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # pyright: ignore[reportMissingImports]
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.connectors.prefix_cache import CacheConfig, LoadFailed, PrefixCache, model_fingerprint, open_store
+from kvstore.connectors.prefix_cache import sampled_weights_hash as _sampled_weights_hash
+from kvstore.errors import ConfigError
+from kvstore.formats.coli_kv import Geometry
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig  # pyright: ignore[reportMissingImports]
+
+logger = logging.getLogger(__name__)
+
+# What the rows are: vLLM's MLA cache entries (normed latent, then the roped key as vLLM's rope
+# lays it out), in the engine's cache dtype. The bundled engine records "transformers-latent".
+ATTENTION_VARIANT = "vllm-mla"
+
+
+@dataclass
+class LoadSpec:
+    """Rows ``[start, stop)`` of a stored session into the request's blocks."""
+
+    req_id: str
+    session_id: str
+    start: int
+    stop: int
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """A prompt whose prefill completes this step: its tokens and the blocks holding their rows."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """A running request, scheduler side: its prompt and blocks, until its prefill is saved."""
+
+    prompt: list[int]
+    block_ids: list[int]
+    stored_tokens: int  # the stored prefix the lookup found (0: none)
+    saved: bool = False
+
+
+def _geometry(vllm_config: "VllmConfig") -> Geometry:
+    hf = vllm_config.model_config.hf_text_config
+    kv_lora = getattr(hf, "kv_lora_rank", None)
+    qk_rope = getattr(hf, "qk_rope_head_dim", None)
+    if not vllm_config.model_config.use_mla or not kv_lora or not qk_rope:
+        raise ConfigError("the kvstore connector stores MLA latent rows: the model must use MLA (DeepSeek-V2/V3 style)")
+    return Geometry(int(hf.num_hidden_layers), int(kv_lora), int(qk_rope), 0, 0, int(hf.vocab_size))
+
+
+def _layer_number(name: str) -> int:
+    found = re.findall(r"\d+", name)
+    return int(found[0]) if found else -1
+
+
+def _slots(block_ids: list[int], block_size: int, start: int, stop: int) -> torch.Tensor:
+    """Cache slots (block * block_size + offset) of token positions ``[start, stop)``."""
+    positions = torch.arange(start, stop)
+    blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """Stores prompts' MLA rows in a kvstore and loads the longest stored prefix into vLLM's cache."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = CacheConfig.from_extra(transfer.kv_connector_extra_config)
+        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning(
+                "kvstore connector: kv_load_failure_policy is %r; with 'recompute' a failed load is recomputed "
+                "instead of failing the request",
+                transfer.kv_load_failure_policy,
+            )
+        self.block_size = vllm_config.cache_config.block_size
+        self.geometry = _geometry(vllm_config)
+        model = vllm_config.model_config
+        weights = self.config.weights_hash or _sampled_weights_hash(model.model)
+        self.cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        if self.cache_dtype == "auto":
+            self.cache_dtype = str(model.dtype).removeprefix("torch.")
+        fingerprint = model_fingerprint(
+            name=self.config.model_name or str(model.model),
+            revision=self.config.revision or model.revision or "main",
+            geometry=self.geometry,
+            tier=self.config.tier,
+            attention_variant=f"{ATTENTION_VARIANT}:{self.cache_dtype}",
+            weights_hash=weights,
+        )
+        role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        stats_path = None
+        if self.config.stats_dir:
+            stats_path = Path(self.config.stats_dir) / f"{role_name}-{os.getpid()}.json"
+        self.cache = PrefixCache(
+            open_store(self.config.store),
+            self.config.owner,
+            fingerprint,
+            verify=self.config.verify,
+            min_tokens=self.config.min_tokens,
+            stats_path=stats_path,
+        )
+        # scheduler side
+        self._planned: dict[str, tuple[str, int, int]] = {}  # req -> (session, start, stop), lookup done
+        self._tracked: dict[str, _Tracked] = {}
+        self._to_load: dict[str, LoadSpec] = {}
+        # worker side
+        self._caches: dict[str, torch.Tensor] = {}
+        self._layer_of: dict[str, int] = {}
+        self._gathered: dict[str, np.ndarray] = {}  # req -> f32[n_layers, n, width] being filled
+        self._filled: dict[str, set[int]] = {}  # req -> the layers gathered so far
+        self._failed_blocks: set[int] = set()
+        logger.info(
+            "kvstore connector (%s): store %s, owner %s, tier %s, fingerprint %s",
+            role_name,
+            self.config.store,
+            self.config.owner,
+            self.config.tier.name,
+            fingerprint.key()[:16],
+        )
+
+    # ================================================================== scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        plan = self._planned.get(request.request_id)
+        if plan is None:  # vLLM may ask again for the same request: one lookup, one count
+            prompt = list(request.prompt_token_ids or [])
+            found = self.cache.lookup(prompt)
+            # whole blocks only, and at least one prompt token left for vLLM to compute
+            usable = min(found.tokens, len(prompt) - 1) if found is not None else 0
+            usable -= usable % self.block_size
+            plan = (found.session_id if found is not None else "", num_computed_tokens, usable)
+            self._planned[request.request_id] = plan
+        _, _, usable = plan
+        return max(usable - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        session_id, _, usable = self._planned[request.request_id]
+        start = usable - num_external_tokens
+        self._to_load[request.request_id] = LoadSpec(request.request_id, session_id, start, usable, [])
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = KVStoreMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            block_ids = list(new.block_ids[0])
+            prompt = list(new.prompt_token_ids or [])
+            plan = self._planned.get(new.req_id)
+            self._tracked[new.req_id] = _Tracked(prompt, block_ids, plan[2] if plan else 0)
+            load = self._to_load.pop(new.req_id, None)
+            if load is not None:
+                load.block_ids = block_ids
+                meta.loads.append(load)
+            self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # preempted and resumed: its blocks are all new, its earlier load is gone
+                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                load = self._to_load.pop(req_id, None)
+                if load is not None:
+                    load.block_ids = tracked.block_ids
+                    meta.loads.append(load)
+            elif new_blocks:
+                tracked.block_ids.extend(new_blocks[0])
+            self._maybe_save(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
+        return meta
+
+    def _maybe_save(self, meta: KVStoreMetadata, req_id: str, computed: int, scheduler_output: Any) -> None:
+        """Plan the save of a prompt whose prefill completes in this step (once, if not stored yet)."""
+        tracked = self._tracked[req_id]
+        if tracked.saved:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        n = len(tracked.prompt)
+        if computed + scheduled < n:
+            return
+        tracked.saved = True
+        if n >= self.config.min_tokens and tracked.stored_tokens < n:
+            meta.saves.append(SaveSpec(req_id, tracked.prompt, list(tracked.block_ids)))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return False, None
+
+    def _forget(self, req_id: str) -> None:
+        self._planned.pop(req_id, None)
+        self._tracked.pop(req_id, None)
+        self._to_load.pop(req_id, None)
+
+    def get_stats(self) -> dict[str, Any]:
+        """This process's counters (lookups, hits, misses, refused, loaded and saved tokens, errors)."""
+        return self.cache.stats.to_dict()
+
+    # ================================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_number)
+        if len(names) != self.geometry.n_layers:
+            raise ConfigError(
+                f"kvstore connector: vLLM has {len(names)} attention layers, the model config {self.geometry.n_layers}"
+            )
+        width = self.geometry.kv_lora + self.geometry.qk_rope
+        for i, name in enumerate(names):
+            cache = kv_caches[name]
+            if cache.shape[-1] != width:
+                raise ConfigError(
+                    f"kvstore connector: layer {name} caches rows of {cache.shape[-1]} values, not {width}"
+                )
+            self._caches[name] = cache
+            self._layer_of[name] = i
+
+    def _rows_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """A layer's cache as ``[slots, width]`` (a view: writes land in the cache)."""
+        return cache.view(-1, cache.shape[-1])
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVStoreMetadata):
+            return
+        for load in meta.loads:
+            try:
+                rows = self.cache.load(load.session_id, load.start, load.stop)
+            except LoadFailed as exc:
+                first, last = load.start // self.block_size, (load.stop - 1) // self.block_size
+                self._failed_blocks.update(load.block_ids[first : last + 1])
+                logger.warning("kvstore connector: %s; vLLM recomputes those tokens", exc)
+                continue
+            slots = _slots(load.block_ids, self.block_size, load.start, load.stop)
+            for name, cache in self._caches.items():
+                layer_rows = torch.from_numpy(rows[self._layer_of[name]]).to(device=cache.device, dtype=cache.dtype)
+                self._rows_view(cache)[slots.to(cache.device)] = layer_rows
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVStoreMetadata) or not meta.saves or layer_name not in self._layer_of:
+            return
+        width = self.geometry.kv_lora + self.geometry.qk_rope
+        for save in meta.saves:
+            n = len(save.tokens)
+            rows = self._gathered.get(save.req_id)
+            if rows is None:
+                rows = self._gathered[save.req_id] = np.empty((self.geometry.n_layers, n, width), dtype=np.float32)
+            slots = _slots(save.block_ids, self.block_size, 0, n).to(kv_layer.device)
+            picked = self._rows_view(kv_layer)[slots]
+            rows[self._layer_of[layer_name]] = picked.to(device="cpu", dtype=torch.float32).numpy()
+            self._filled.setdefault(save.req_id, set()).add(self._layer_of[layer_name])
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVStoreMetadata):
+            return
+        for save in meta.saves:
+            rows = self._gathered.pop(save.req_id, None)
+            filled = self._filled.pop(save.req_id, set())
+            # a prompt some layer did not hand over is not saved: a partial row set would be wrong KV
+            if rows is not None and len(filled) == self.geometry.n_layers:
+                self.cache.save(save.tokens, rows)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed

