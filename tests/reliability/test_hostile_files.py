@@ -40,7 +40,7 @@ def exercise(blob: bytes) -> None:
         records.quantized("L")
 
 
-@settings(max_examples=EXAMPLES, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(TIERS), st.lists(st.integers(0, 10**6), max_size=12), st.integers(0, 10**6))
 def test_bit_flips_and_truncations(figures, tier, flips, cut):
     figures.add("hostile_files", "bit_flips_and_truncations", inputs=1)
@@ -54,7 +54,7 @@ def test_bit_flips_and_truncations(figures, tier, flips, cut):
 HEADER_WORDS = st.sampled_from([0, 1, 2, 3, 7, 64, 512, 2048, 2**20, 2**30, 2**31 - 1, -1, -(2**31)])
 
 
-@settings(max_examples=EXAMPLES, deadline=2000)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(st.sampled_from(TIERS), st.lists(st.tuples(st.integers(0, 7), HEADER_WORDS), min_size=1, max_size=4))
 def test_absurd_header_words_allocate_nothing(figures, tier, edits):
     figures.add("hostile_files", "absurd_header_words", inputs=1)
