@@ -50,6 +50,10 @@ class Settings:
     bits : deprecated (one release): PolarQuant bits for the old ``tq-polar`` spelling; folded
         into ``tier`` (then None)
     device, dtype : where the engine runs (``cpu``, ``cuda``, ``mps``) and its weights dtype
+    index_url, blobs_url : a shared store (``postgresql://...`` and ``s3://BUCKET/PREFIX``, both or
+        neither): this service is then one replica of it (``kvstore.store.shared``, docs/SCALE.md)
+        and reads its API keys from the index; ``data_dir`` is only the replica's local folder
+    lease_ttl : seconds a replica's write lease on a session lasts (shared store only)
     """
 
     data_dir: Path = Path("./data")
@@ -70,6 +74,9 @@ class Settings:
     bits: int | None = None
     device: str = "cpu"
     dtype: str | None = None
+    index_url: str | None = None
+    blobs_url: str | None = None
+    lease_ttl: float = 30.0
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -84,6 +91,34 @@ class Settings:
         if not isinstance(self.lock_timeout, (int, float)) or not 0 <= self.lock_timeout <= 3600:
             raise ConfigError(f"lock_timeout must be 0 to 3600 seconds, not {self.lock_timeout!r}")
         self.tier, self.bits = self._engine_tier().name, None
+        self._check_shared()
+
+    @property
+    def shared(self) -> bool:
+        """Whether the sessions live in a shared store (PostgreSQL + S3) rather than in ``data_dir``."""
+        return self.index_url is not None
+
+    def _check_shared(self) -> None:
+        if (self.index_url is None) != (self.blobs_url is None):
+            raise ConfigError(
+                "a shared store needs both its index (--index postgresql://..., KVSTORE_INDEX_URL) and its object "
+                "store (--blobs s3://BUCKET/PREFIX, KVSTORE_BLOBS_URL)"
+            )
+        if not isinstance(self.lease_ttl, (int, float)) or not 0.5 <= self.lease_ttl <= 3600:
+            raise ConfigError(f"lease_ttl must be 0.5 to 3600 seconds, not {self.lease_ttl!r}")
+        if self.index_url is None:
+            return
+        unsupported = [
+            name
+            for name, value in (
+                ("--model", self.model_dir),
+                ("--budget", self.budget_bytes),
+                ("--hard-limit", self.hard_limit_bytes),
+            )
+            if value is not None
+        ]
+        if unsupported:
+            raise ConfigError(f"{', '.join(unsupported)}: not yet on the shared store (docs/SCALE.md, what is served)")
 
     def _engine_tier(self) -> tiers.Tier:
         spelled = self.tier.name if isinstance(self.tier, tiers.Tier) else self.tier

@@ -11,12 +11,13 @@ The only command that imports :mod:`kvstore.api` (when it runs): the CLI is the 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.cli import options
+from kvstore.cli import options, store_cmd
 from kvstore.errors import InvalidRequest
 from kvstore.units import parse_size
 
@@ -57,6 +58,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if args.model is not None:
         options.require_model_folder(args.model)
+    index_url = store_cmd.optional_index_url(args)
+    blobs_url = getattr(args, "blobs", None) or os.environ.get(store_cmd.BLOBS_ENV) or None
+    if index_url is not None or blobs_url is not None:
+        store_cmd.shared_modules()
     settings = Settings(
         data_dir=options.data_folder(args.data),
         budget_bytes=parse_size(args.budget),
@@ -69,11 +74,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tier=args.tier.name if args.tier is not None else "f32",
         device=args.device or "cpu",
         dtype=args.dtype,
+        index_url=index_url,
+        blobs_url=blobs_url,
+        **({"lease_ttl": args.lease_ttl} if args.lease_ttl is not None else {}),
     )
     _log_to_stderr(args.log_level)
     app = create_app(settings, first_key=False)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
-    server = _listening_server(config, on_listening=lambda: _print_first_key(settings.data_dir))
+    # a replica's keys are the shared index's (kvstore keys create --index): no keys.json to start
+    listening = (lambda: None) if settings.shared else (lambda: _print_first_key(settings.data_dir))
+    server = _listening_server(config, on_listening=listening)
     try:
         if args.fd is not None:  # a socket bound by the caller (tests, socket activation)
             server.run(sockets=[socket.socket(fileno=args.fd)])
@@ -130,6 +140,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     options.add_data(p)
+    store_cmd.add_shared(p)
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        help="with --index: seconds a replica's write lease on a session lasts; a replica that dies mid-append "
+        "holds the session that long (default 30)",
+    )
     p.add_argument("--budget", help="soft disk budget, e.g. 50G (LRU sessions are parked, then deleted)")
     p.add_argument("--hard-limit", help="hard disk limit, e.g. 60G (writes past it are refused)")
     p.add_argument(

@@ -66,6 +66,7 @@ __all__ = [
     "IndexUnavailable",
     "LeaseExpired",
     "LeaseHeld",
+    "NotOnSharedStore",
     "RecordCountMismatch",
     "SegmentLost",
     "StaleLease",
@@ -257,6 +258,11 @@ class RecordCountMismatch(KVStoreError, ValueError):
 class SegmentLost(KVStoreError, RuntimeError):
     """A segment's upload intent was collected as garbage before its commit (the writer was slower
     than the GC grace); nothing was published. Upload the rows again."""
+
+
+class NotOnSharedStore(KVStoreError, NotImplementedError):
+    """The operation exists on the embedded store but not yet on the shared one (PostgreSQL + S3);
+    nothing was done. The reason names it; docs/SCALE.md lists what a replica serves."""
 
 
 # ---- configuration ----------------------------------------------------------------------------

@@ -133,6 +133,8 @@ class FaultProxy:
     answer, before forwarding), ``"drop-after"`` (forwarded — it took effect — then closed without
     an answer), ``"truncate"`` (the answer's headers and half its body, then closed).
     ``counts`` tallies what happened, by kind (``"ok"`` for forwarded requests).
+    :meth:`hold` makes every PUT wait at the proxy (its body read, nothing forwarded) until
+    :meth:`release`; ``held`` counts those that arrived: a writer caught mid-upload.
     """
 
     def __init__(self, upstream_port: int, *, seed: int = 0):
@@ -142,6 +144,9 @@ class FaultProxy:
         self.counts: dict[str, int] = {}
         self._random = random.Random(seed)
         self._lock = threading.Lock()
+        self._holding = False
+        self._released = threading.Event()
+        self.held = 0
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -153,6 +158,8 @@ class FaultProxy:
             def _handle(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                if self.command == "PUT" and proxy._caught():
+                    proxy._released.wait(timeout=300)
                 fault = proxy._choose()
                 if fault in ("500", "503"):
                     reply = b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
@@ -208,6 +215,22 @@ class FaultProxy:
         self._thread = threading.Thread(target=self.server.serve_forever, name="fault-proxy", daemon=True)
         self._thread.start()
 
+    def hold(self) -> None:
+        with self._lock:
+            self._released.clear()
+            self._holding = True
+
+    def release(self) -> None:
+        with self._lock:
+            self._holding = False
+            self._released.set()
+
+    def _caught(self) -> bool:
+        with self._lock:
+            if self._holding:
+                self.held += 1
+            return self._holding
+
     def _choose(self) -> str:
         with self._lock:
             fault = self._random.choice(self.kinds) if self.rate and self._random.random() < self.rate else "ok"
@@ -215,6 +238,7 @@ class FaultProxy:
             return fault
 
     def close(self) -> None:
+        self.release()
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(timeout=10)

@@ -16,11 +16,14 @@ Where each concern lives::
                read_records / file_bytes (the .coli_kv image), gc
     transfer.py  push / pull: sessions between an embedded SessionStore and a SharedStore, turn by
                turn (``kvstore store push|pull``); imported by its users only
+    sessions.py  SharedSessionStore: the methods the service's routes call on a SessionStore, over
+               a SharedStore (``kvstore serve --index --blobs``: leases per append, committed
+               snapshots for resume); imported by its users only
 
 API keys in the index (table ``kv_keys``) are ``kvstore.keys.IndexKeys``, over ``SharedIndex``.
 
-Not yet here (docs/SCALE.md, "What remains"): the SessionStore facade over it, the replica's local
-cache, prefix lookup, fork and truncate.
+Not yet here (docs/SCALE.md, "What remains"): the replica's local cache, prefix lookup, fork and
+truncate (a replica answers those routes 501 ``NotOnSharedStore``).
 """
 
 from kvstore.store.shared.blobs import BlobStore, ObjectInfo, parse_blobs_url

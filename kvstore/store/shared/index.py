@@ -72,6 +72,7 @@ class ReadPlan:
     rec_bytes: int
     n_records: int
     segments: list[Segment]
+    watermark: int = 0  # records of complete turns (what a resume serves), same snapshot
 
 
 def redacted_url(url: str) -> str:
@@ -290,6 +291,43 @@ class SharedIndex:
 
         self.run("updating a session's metadata", body)
 
+    def set_tags(self, key: str, tags: list[str], now_ns: int) -> None:
+        """Replace a session's tags (metadata only: no lease, a commit never writes ``record``)."""
+
+        def body(conn: psycopg.Connection) -> None:
+            row = conn.execute(
+                "UPDATE kv_sessions SET record = jsonb_set(record, '{tags}', %s), updated_ns = %s WHERE key = %s "
+                "RETURNING key",
+                (Jsonb(tags), now_ns, key),
+            ).fetchone()
+            if row is None:
+                raise SessionNotFound(f"no session {public_id(key)!r}")
+
+        self.run("setting a session's tags", body)
+
+    def keys_of_id(self, session_id: str) -> list[str]:
+        """The keys of every owner's session named ``session_id``."""
+
+        def body(conn: psycopg.Connection) -> list[str]:
+            prefix = session_id + "~"  # keys are <id>~<owner>; an id holds no '~'
+            rows = conn.execute(
+                "SELECT key FROM kv_sessions WHERE left(key, %s) = %s ORDER BY key", (len(prefix), prefix)
+            )
+            return [r[0] for r in rows]
+
+        return self.run("looking up a session id", body)
+
+    def usage(self) -> list[tuple[bytes, int, int]]:
+        """``(header, sessions, bytes)`` per distinct header geometry and tier (40-byte header with nrec 0)."""
+
+        def body(conn: psycopg.Connection) -> list[tuple[bytes, int, int]]:
+            rows = conn.execute(
+                "SELECT header, count(*), coalesce(sum(size_bytes), 0) FROM kv_sessions GROUP BY header"
+            ).fetchall()
+            return [(bytes(r[0]), int(r[1]), int(r[2])) for r in rows]
+
+        return self.run("summing the store's use", body)
+
     def least_recently_used(self, limit: int = 100) -> list[str]:
         """Session keys, least recently used first, across every replica (the global LRU)."""
 
@@ -491,7 +529,7 @@ class SharedIndex:
             with conn.transaction():
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 row = conn.execute(
-                    "SELECT header, rec_bytes, n_records FROM kv_sessions WHERE key = %s", (key,)
+                    "SELECT header, rec_bytes, n_records, watermark FROM kv_sessions WHERE key = %s", (key,)
                 ).fetchone()
                 if row is None:
                     raise SessionNotFound(f"no session {public_id(key)!r}")
@@ -502,7 +540,7 @@ class SharedIndex:
                     "WHERE key = %s AND first_record < %s AND first_record + n_records > %s ORDER BY first_record",
                     (key, end, start),
                 ).fetchall()
-            return ReadPlan(bytes(row[0]), int(row[1]), n_records, [_segment(r) for r in rows])
+            return ReadPlan(bytes(row[0]), int(row[1]), n_records, [_segment(r) for r in rows], int(row[3]))
 
         return self.run("reading a session's segments", body)
 

@@ -22,7 +22,7 @@ import numpy as np
 from kvstore.errors import InvalidRequest, RecordCountMismatch, SegmentLost, SessionDamaged, Unavailable
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, check_geometry, record_bytes
 from kvstore.store.shared.blobs import BlobStore
-from kvstore.store.shared.index import Segment, SharedIndex
+from kvstore.store.shared.index import ReadPlan, Segment, SharedIndex
 from kvstore.store.values import ModelInfo, public_id, storage_key, validate_key, validate_owner, validate_tags
 from kvstore.tiers import Tier
 
@@ -311,6 +311,13 @@ class SharedStore:
         if start > plan.n_records:
             raise InvalidRequest(f"session {public_id(key)!r} holds {plan.n_records} records; cannot read from {start}")
         end = plan.n_records if stop is None else min(stop, plan.n_records)
+        return plan.n_records, self.read_planned(key, plan, start, end)
+
+    def read_planned(self, key: str, plan: ReadPlan, start: int, end: int) -> bytes:
+        """Bytes of records ``[start, end)`` from the segments of ``plan`` (one snapshot, taken once
+        by a reader that then streams its records in several reads); ``end <= plan.n_records``."""
+        if not 0 <= start <= end <= plan.n_records:
+            raise InvalidRequest(f"records [{start}, {end}) are not within the {plan.n_records} committed")
         out = bytearray((end - start) * plan.rec_bytes)
         view = memoryview(out)
         jobs = []
@@ -326,7 +333,24 @@ class SharedStore:
             raise SessionDamaged(
                 f"session {public_id(key)!r}: the committed segments cover {covered} of {len(out)} bytes"
             )
-        return plan.n_records, bytes(out)
+        return bytes(out)
+
+    def first_damaged(self, key: str, plan: ReadPlan, end: int) -> int | None:
+        """Re-hash every segment of ``plan`` that starts before ``end`` (whole-object GETs checked
+        against their digest, in parallel); the first record of the first one whose bytes do not
+        match, or None when all do."""
+        jobs = [
+            (segment, self._pool.submit(self._fetch, key, segment, 0, memoryview(bytearray(segment.nbytes))))
+            for segment in plan.segments
+            if segment.first_record < end
+        ]
+        bad = None
+        for segment, job in jobs:
+            try:
+                job.result()
+            except SessionDamaged:
+                bad = segment.first_record if bad is None else min(bad, segment.first_record)
+        return bad
 
     def _fetch(self, key: str, segment: Segment, offset: int, into: memoryview) -> memoryview:
         whole = offset == 0 and len(into) == segment.nbytes

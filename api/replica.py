@@ -1,0 +1,139 @@
+"""The service as one replica of a shared store (``kvstore serve --index postgresql://... --blobs s3://...``).
+
+With ``Settings.index_url`` the app's store is a
+:class:`~kvstore.store.shared.sessions.SharedSessionStore` (sessions in PostgreSQL + S3, the same
+for every replica) instead of the embedded ``SessionStore``; the routes call the same methods on
+either. This module holds what differs for a replica:
+
+- :func:`open_store`: the shared store from the settings (psycopg and boto3 are imported only here);
+- :class:`IndexKeyTable`: the API keys of the index (``kv_keys``), re-read at most every second, so
+  every replica accepts the same keys and a revocation reaches all of them (an unknown key re-reads
+  them sooner, so a new key works at once); while PostgreSQL is
+  down the keys read last keep working (the request itself then answers 503);
+- :class:`RefuseUnserved`: the routes the shared backend does not serve yet answer 501
+  ``NotOnSharedStore`` before doing anything (:data:`NOT_SERVED`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from fastapi.responses import JSONResponse
+from starlette.routing import compile_path
+
+from kvstore import keys as store_keys
+from kvstore.api.keys import KeyTable
+from kvstore.api.settings import Settings
+from kvstore.errors import NotOnSharedStore, Unavailable
+from kvstore.keys import Keyring
+
+log = logging.getLogger("kvstore.api")
+
+KEYS_REFRESH_S = 1.0  # a revoked key is refused by every replica within this
+MISS_REFRESH_S = 0.2  # an unknown key re-reads keys older than this (a new key works at once)
+
+#: (method, route path) of the routes a replica answers with 501 for now (docs/SCALE.md).
+NOT_SERVED: dict[tuple[str, str], str] = {
+    ("POST", "/sessions/{session_id}/truncate"): "truncate",
+    ("POST", "/sessions/{session_id}/fork"): "fork",
+    ("GET", "/sessions/{session_id}/verify"): "verify",
+    ("POST", "/sessions/{session_id}/park"): "park",
+    ("POST", "/sessions/{session_id}/unpark"): "unpark",
+    ("GET", "/sessions/{session_id}/file/inspect"): "inspect",
+    ("POST", "/sessions/{session_id}/file/repair"): "repair",
+    ("POST", "/sessions/{session_id}/file/migrate"): "migrate",
+    ("POST", "/lookup"): "prefix lookup",
+    ("POST", "/sessions/{session_id}/generate"): "generate",
+}
+
+
+def open_store(settings: Settings):
+    """The shared store the settings name (a :class:`SharedSessionStore`)."""
+    from kvstore.store.shared.sessions import SharedSessionStore
+
+    assert settings.index_url is not None and settings.blobs_url is not None  # Settings checks both or neither
+    return SharedSessionStore(
+        settings.index_url,
+        settings.blobs_url,
+        data_dir=settings.data_dir,
+        lease_ttl=settings.lease_ttl,
+        lock_timeout=settings.lock_timeout,
+    )
+
+
+class RefuseUnserved:
+    """ASGI middleware of a replica: a request for a route of :data:`NOT_SERVED` answers 501
+    ``NotOnSharedStore`` before anything else runs (its body is not read or validated)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.refused = [(method, compile_path(path)[0], path, what) for (method, path), what in NOT_SERVED.items()]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            for method, pattern, path, what in self.refused:
+                if scope["method"] == method and pattern.match(scope["path"]):
+                    reason = NotOnSharedStore(
+                        f"{method} {path} ({what}) is not yet on the shared store (PostgreSQL + S3); a replica "
+                        "serves create, list, get, tags, append, resume and delete (docs/SCALE.md)"
+                    ).reason
+                    answer = JSONResponse({"error": "NotOnSharedStore", "reason": reason}, status_code=501)
+                    return await answer(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class IndexKeyTable(KeyTable):
+    """:class:`KeyTable` over the keys of the shared index (and ``KVSTORE_API_KEYS``).
+
+    No keys are read until :meth:`attach` (the app's startup) names the index.
+    """
+
+    def __init__(self, env_value: str | None, *, refresh_s: float = KEYS_REFRESH_S):
+        # not KeyTable.__init__: there is no keys.json to read
+        self.path = "the shared index"
+        self._env = store_keys.env_records(env_value)
+        self._lock = threading.Lock()
+        self._ring = Keyring(self._env)
+        self._keys = None  # a kvstore.keys.IndexKeys (its own connection: key checks never wait on the store's)
+        self._refresh_s = refresh_s
+        self._read_at = float("-inf")
+
+    def attach(self, index_url: str) -> None:
+        from kvstore.keys import IndexKeys
+
+        self._keys = IndexKeys(index_url)
+        self.path = self._keys.path
+        self._read_at = float("-inf")
+        self._reload()
+        if len(self._ring) == 0:
+            log.warning(
+                "%s holds no API key and KVSTORE_API_KEYS is not set: every request will be refused until one is "
+                "made (kvstore keys create --owner NAME --index URL)",
+                self.path,
+            )
+
+    def close(self) -> None:
+        if self._keys is not None:
+            self._keys.close()
+
+    def owner_for(self, key: str) -> str | None:
+        owner = super().owner_for(key)
+        if owner is None and self._keys is not None:  # perhaps a key made since the last read
+            with self._lock:
+                self._reload(MISS_REFRESH_S)
+            owner = super().owner_for(key)
+        return owner
+
+    def _reload(self, max_age: float | None = None) -> None:
+        age = time.monotonic() - self._read_at
+        if self._keys is None or age < (self._refresh_s if max_age is None else max_age):
+            return
+        self._read_at = time.monotonic()
+        try:
+            records = self._keys.records()
+        except Unavailable as exc:
+            log.warning("keeping the API keys read last: %s", exc.reason)
+            return
+        self._ring = Keyring([*self._env, *records])

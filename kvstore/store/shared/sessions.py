@@ -1,0 +1,584 @@
+"""The session interface the service calls, over the shared backend (``kvstore serve --index --blobs``).
+
+:class:`SharedSessionStore` answers the calls the HTTP routes make on the embedded
+:class:`~kvstore.store.SessionStore` — create, get, list, set_tags, delete, append (raw records or
+arrays), reader / resume, usage, stats — with the same value types (:class:`SessionInfo`,
+:class:`AppendResult`, a reader with :class:`~kvstore.store.SessionReader`'s attributes), so the
+routes do not know which backend they talk to. What it does not serve yet (truncate, fork, park,
+unpark, prefix lookup, inspect, repair, migrate, verify as a report) raises
+:class:`NotOnSharedStore`, naming the operation.
+
+Writes follow docs/SCALE.md: every append takes the session's lease (waiting up to
+``lock_timeout`` while another replica holds it), uploads a segment, commits it fenced by the
+lease's token, then releases the lease so the next append may come through any replica. An append
+whose commit got no answer (PostgreSQL down) keeps its lease and the attempt in doubt: the
+client's retry of the same bytes settles it, so it is appended exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from kvstore.errors import (
+    BadScale,
+    FormatError,
+    InvalidRequest,
+    LeaseHeld,
+    NotOnSharedStore,
+    SessionDamaged,
+    SessionNotFound,
+    StaleLease,
+    Unavailable,
+)
+from kvstore.formats import coli_kv, fp8, nonfinite
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
+from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
+from kvstore.store.reader import Resumed, check_fingerprint
+from kvstore.store.shared.index import ReadPlan, SharedIndex
+from kvstore.store.shared.store import DEFAULT_TTL_S, Lease, SharedStore, default_holder
+from kvstore.store.stats import StoreStats
+from kvstore.store.values import (
+    STATES,
+    Fingerprint,
+    ModelInfo,
+    SessionInfo,
+    public_id,
+    storage_key,
+    tier_record,
+    validate_session_id,
+    validate_tags,
+)
+from kvstore.store.writes import AppendResult, refuse_nonfinite
+from kvstore.tiers import Tier
+
+_READ_CHUNK_BYTES = 4 << 20
+_UNKNOWN_MODEL = ModelInfo(name="unknown", revision="unknown")  # a session pushed or made without one
+
+
+class SharedSessionStore:
+    """Sessions of the shared store, through the interface the service uses.
+
+    Parameters
+    ----------
+    index_url : ``postgresql://USER@HOST:PORT/DB``
+    blobs_url : ``s3://BUCKET/PREFIX`` (endpoint and credentials from ``AWS_*``)
+    data_dir : the replica's local folder (created 0700; the segment cache of a later milestone:
+        nothing in it is needed to serve, so a replica may start with it empty)
+    lease_ttl : seconds a write lease lasts; a replica killed mid-append holds a session that long
+    lock_timeout : seconds an append waits for a lease another replica holds (then 409 LeaseHeld)
+    """
+
+    def __init__(
+        self,
+        index_url: str,
+        blobs_url: str,
+        *,
+        data_dir: str | os.PathLike = "./data",
+        lease_ttl: float = DEFAULT_TTL_S,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+    ):
+        self._data_dir = Path(data_dir)
+        self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.shared = SharedStore.connect(index_url, blobs_url, ttl=lease_ttl)
+        self.lock_timeout = lock_timeout
+        self.holder = default_holder()  # this replica, as the leases name it
+        self.stats = StoreStats()
+        self.reconcile_actions: list[str] = []  # what the embedded store repairs on open: nothing here
+        self.budget_bytes = None
+        self.hard_limit_bytes = None
+        self._writers: dict[str, list] = {}  # key -> [lock, users]: one append per session at a time here
+        self._writers_lock = threading.Lock()
+        self._in_doubt: dict[str, Lease] = {}  # leases kept by an append whose commit got no answer
+
+    def close(self) -> None:
+        self.shared.close()
+
+    def __enter__(self) -> "SharedSessionStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def data_dir(self) -> Path:
+        return self._data_dir
+
+    @property
+    def index(self) -> SharedIndex:
+        return self.shared.index
+
+    # ------------------------------------------------------------------ reading the index
+    def _key(self, session_id: str, owner: str | None) -> str:
+        if owner is not None:
+            return storage_key(session_id, owner)
+        keys = self.index.keys_of_id(validate_session_id(session_id))
+        if not keys:
+            raise SessionNotFound(f"no session {session_id!r}")
+        if len(keys) > 1:
+            raise InvalidRequest(f"several owners have a session {session_id!r}: name the owner")
+        return keys[0]
+
+    def _record(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A shared index row as the embedded index's record (what :class:`SessionInfo` reads)."""
+        header = coli_kv.parse_header(row["header"])
+        stored = row["record"] or {}
+        model = ModelInfo.from_dict(stored["model"]) if stored.get("model") else _UNKNOWN_MODEL
+        fingerprint = stored.get("fingerprint") or Fingerprint(model, header.geometry, header.tier).key()
+        return {
+            "id": row["key"],
+            "owner": row["owner"],
+            "model": model.to_dict(),
+            "geometry": list(header.geometry.words()),
+            "tier": tier_record(header.tier),
+            "n_records": int(row["n_records"]),
+            "watermark": int(row["watermark"]),
+            "created": row["created_ns"] / 1e9,
+            "updated": row["updated_ns"] / 1e9,
+            "last_used": row["last_used_ns"] / 1e9,
+            "size_bytes": int(row["size_bytes"]),
+            "tags": list(stored.get("tags") or ()),
+            "state": "active",  # every committed segment is in the object store: nothing is parked
+            "parent": stored.get("parent"),
+            "fork_point": stored.get("fork_point"),
+            "problem": None,
+            "fingerprint": fingerprint,
+            "prefix_blocks": 0,
+        }
+
+    def get(self, session_id: str, *, owner: str | None = None) -> SessionInfo:
+        """The session as the shared index holds it now."""
+        return SessionInfo.from_record(self._record(self.index.session(self._key(session_id, owner))))
+
+    def list(
+        self,
+        *,
+        owner: str | None = None,
+        model_name: str | None = None,
+        tags: Iterable[str] = (),
+        state: str | None = None,
+        fingerprint: Fingerprint | None = None,
+    ) -> list[SessionInfo]:
+        """Sessions matching every filter given, oldest first (one query)."""
+        if state is not None and state not in STATES:
+            raise InvalidRequest(f"unknown state {state!r}: use one of {list(STATES)}")
+        wanted = set(tags)
+        key = fingerprint.key() if fingerprint is not None else None
+        out = []
+        for row in self.index.sessions(owner):
+            record = self._record(row)
+            if model_name is not None and record["model"]["name"] != model_name:
+                continue
+            if state is not None and record["state"] != state:
+                continue
+            if not wanted <= set(record["tags"]) or (key is not None and record["fingerprint"] != key):
+                continue
+            out.append(SessionInfo.from_record(record))
+        out.sort(key=lambda info: (info.created, info.id))
+        return out
+
+    def usage(self) -> dict[str, int | None]:
+        """Bytes of every session's records and headers in the shared store (all replicas)."""
+        used = sum(nbytes for _, _, nbytes in self.index.usage())
+        return {"used_bytes": used, "reserved_bytes": 0, "budget_bytes": None, "hard_limit_bytes": None}
+
+    def usage_by_tier(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for header, sessions, nbytes in self.index.usage():
+            entry = out.setdefault(coli_kv.parse_header(header).tier.name, {"bytes": 0, "sessions": 0})
+            entry["bytes"] += nbytes
+            entry["sessions"] += sessions
+        return out
+
+    # ------------------------------------------------------------------ writing
+    def create(
+        self,
+        owner: str,
+        geometry: Geometry,
+        tier: Tier,
+        model: ModelInfo | dict[str, Any],
+        *,
+        session_id: str | None = None,
+        tags: Iterable[str] = (),
+    ) -> SessionInfo:
+        """Create an empty session (``SessionExists`` when the owner has one of that id)."""
+        checked = ModelInfo.from_dict(model)
+        if session_id is not None:
+            validate_session_id(session_id)
+        extra = {"fingerprint": Fingerprint(checked, geometry, tier).key(), "parent": None, "fork_point": None}
+        key = self.shared.create(owner, geometry, tier, checked, session_id, tags, extra=extra)
+        return SessionInfo.from_record(self._record(self.index.session(key)))
+
+    def set_tags(self, session_id: str, tags: Iterable[str], *, owner: str | None = None) -> SessionInfo:
+        """Replace a session's tags."""
+        key = self._key(session_id, owner)
+        self.index.set_tags(key, validate_tags(tags), time.time_ns())
+        return SessionInfo.from_record(self._record(self.index.session(key)))
+
+    def delete(self, session_id: str, *, owner: str | None = None) -> None:
+        """Drop the session from the index (its lease too: a writer's commit is then refused), then
+        its objects."""
+        self.shared.delete(self._key(session_id, owner))
+
+    def append(
+        self,
+        session_id: str,
+        tokens,
+        L,
+        R,
+        I=None,
+        *,
+        complete_turn: bool = True,
+        owner: str | None = None,
+        reject_nonfinite: bool = False,
+    ) -> AppendResult:
+        """Rows encoded in the session's tier, then appended (:meth:`SessionStore.append`'s contract)."""
+        info = self.get(session_id, owner=owner)
+        encoded, found = coli_kv.encode_records_counted(info.geometry, info.tier, tokens, L, R, I)
+        if reject_nonfinite:
+            refuse_nonfinite(found)
+        return self._append(info.key, info, encoded, complete_turn, found)
+
+    def append_records(
+        self,
+        session_id: str,
+        records: np.ndarray | bytes | bytearray | memoryview,
+        *,
+        complete_turn: bool = True,
+        owner: str | None = None,
+        reject_nonfinite: bool = False,
+    ) -> AppendResult:
+        """Validate raw records of the session's tier, then append them as one segment.
+
+        Acknowledged (returned) only after the commit transaction in PostgreSQL returned.
+
+        Raises
+        ------
+        FormatError : not whole records, a token outside the vocabulary, a corrupt scale or NaN code
+        NonFiniteValues : with ``reject_nonfinite``, rows holding NaN or infinity
+        LeaseHeld : another replica kept the session's lease for ``lock_timeout`` seconds
+        IndexUnavailable, BlobStoreUnavailable : a server is down; send the same rows again later
+        """
+        info = self.get(session_id, owner=owner)
+        rows, found = _validated(info.geometry, info.tier, records)
+        if reject_nonfinite:
+            refuse_nonfinite(found)
+        return self._append(info.key, info, rows, complete_turn, found)
+
+    def _append(self, key: str, info: SessionInfo, rows: np.ndarray, complete_turn: bool, found) -> AppendResult:
+        started = time.perf_counter()
+        if rows.shape[0] == 0:
+            if complete_turn and info.watermark < info.n_records:
+                self._under_lease(key, self._mark_complete)
+            return AppendResult(self.get(public_id(key), owner=info.owner), 0, None, found)
+        ack = self._under_lease(key, lambda lease: self.shared.append(lease, rows, complete=complete_turn))
+        self.stats.appended(time.perf_counter() - started)
+        return AppendResult(
+            self.get(public_id(key), owner=info.owner), ack.end - ack.start, (ack.start, ack.end), found
+        )
+
+    def _mark_complete(self, lease: Lease) -> None:
+        """An empty append ending a turn: the watermark moves to the count, fenced like a commit."""
+        row = self.index.session(lease.key)
+        segments = self.shared.segments(lease.key)
+        self.index.update_meta(
+            lease.key,
+            lease.token,
+            record=row["record"],
+            watermark=lease.n_records,
+            created_ns=row["created_ns"],
+            updated_ns=time.time_ns(),
+            last_used_ns=time.time_ns(),
+            complete=[segments[-1].first_record] if segments else [],
+        )
+
+    @contextmanager
+    def _writing(self, key: str) -> Iterator[None]:
+        """One append of ``key`` at a time in this replica (the entry goes with its last user)."""
+        with self._writers_lock:
+            entry = self._writers.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._writers_lock:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._writers[key]
+
+    def _under_lease(self, key: str, body):
+        """``body(lease)`` holding the session's lease; released after, so any replica may write next.
+
+        A commit fenced because the lease ran out or was taken over published nothing: the lease is
+        taken again and the body runs again (at the session's new end). A commit left without an
+        answer keeps the lease (and the attempt in doubt) for the retry that settles it.
+        """
+        with self._writing(key):
+            deadline = time.monotonic() + self.lock_timeout
+            lease = self._in_doubt.pop(key, None)
+            carry = lease
+            for _ in range(3):
+                try:
+                    if lease is None:
+                        lease = self._acquire(key, deadline, carry)
+                    result = body(lease)
+                except StaleLease:
+                    carry, lease = lease, None
+                    continue
+                except BaseException as exc:
+                    kept = lease if lease is not None else carry
+                    if kept is not None and (isinstance(exc, Unavailable) or kept.in_doubt is not None):
+                        self._in_doubt[key] = kept  # the attempt in doubt is settled by the next append
+                    elif lease is not None:
+                        self._release(key, lease)
+                    raise
+                self._release(key, lease)
+                return result
+            if carry is not None and carry.in_doubt is not None:
+                self._in_doubt[key] = carry
+            raise LeaseHeld(
+                f"session {public_id(key)!r} was taken over by other replicas three times during one append; retry",
+                retry_after=1.0,
+            )
+
+    def _acquire(self, key: str, deadline: float, carry: Lease | None) -> Lease:
+        waited = False
+        while True:
+            try:
+                return self.shared.acquire(key, self.holder, carry=carry)
+            except LeaseHeld as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.stats.lock_timed_out()
+                    raise
+                if not waited:
+                    self.stats.lock_waited()
+                    waited = True
+                # poll: the holder releases after each append; a dead one's lease runs out by itself
+                time.sleep(min(left, max(0.005, min(exc.retry_after, 0.02 + 0.03 * random.random()))))
+
+    def _release(self, key: str, lease: Lease) -> None:
+        try:
+            self.shared.release(lease)
+        except Unavailable:
+            self._in_doubt[key] = lease  # reused by the next append; it runs out by itself otherwise
+
+    # ------------------------------------------------------------------ reading
+    def reader(
+        self,
+        session_id: str,
+        *,
+        owner: str | None = None,
+        verify: bool = False,
+        expect: Fingerprint | None = None,
+        override: Iterable[str] = (),
+    ) -> "SharedReader":
+        """Open a session for resuming: records ``[0, watermark)`` of one committed snapshot.
+
+        ``verify`` re-hashes every segment served first (whole-object reads against the digests
+        in the index); a mismatch is a miss from that segment on, as on the embedded store.
+        """
+        started = time.perf_counter()
+        key = self._key(session_id, owner)
+        plan = self.index.read_plan(key)
+        row = self.index.session(key)
+        record = self._record(row)
+        if expect is not None:
+            check_fingerprint(record, expect, override)
+        served = min(plan.watermark, plan.n_records)
+        damaged_from = None
+        if verify:
+            bad = self.shared.first_damaged(key, plan, served)
+            if bad is not None:
+                damaged_from = bad
+                served = max((s.end for s in plan.segments if s.end <= bad and s.complete), default=0)
+        self.index.touch(key, time.time_ns())  # the global LRU
+        info = SessionInfo.from_record(record)
+        return SharedReader(self, info, plan, served, verify, damaged_from, time.perf_counter() - started)
+
+    def resume(
+        self,
+        session_id: str,
+        *,
+        owner: str | None = None,
+        verify: bool = False,
+        expect: Fingerprint | None = None,
+        override: Iterable[str] = (),
+    ) -> Resumed:
+        """The served records in one load (see :meth:`reader`)."""
+        with self.reader(session_id, owner=owner, verify=verify, expect=expect, override=override) as reader:
+            return Resumed(reader.info, reader.load(), reader.n_records, reader.verified, reader.damaged_from)
+
+    # ------------------------------------------------------------------ not on the shared store yet
+    def _missing(self, what: str) -> NotOnSharedStore:
+        return NotOnSharedStore(
+            f"{what} is not yet on the shared store (PostgreSQL + S3); this replica serves create, list, get, "
+            "tags, append, resume and delete (docs/SCALE.md)"
+        )
+
+    def truncate(self, *args: Any, **kwargs: Any) -> SessionInfo:
+        raise self._missing("truncate")
+
+    def fork(self, *args: Any, **kwargs: Any) -> SessionInfo:
+        raise self._missing("fork")
+
+    def verify(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._missing("verify (resume with verify=true re-hashes the segments it serves)")
+
+    def park(self, *args: Any, **kwargs: Any) -> SessionInfo:
+        raise self._missing("park")
+
+    def unpark(self, *args: Any, **kwargs: Any) -> SessionInfo:
+        raise self._missing("unpark")
+
+    def lookup(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._missing("prefix lookup")
+
+    def inspect(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise self._missing("inspect")
+
+    def repair(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._missing("repair")
+
+    def migrate(self, *args: Any, **kwargs: Any) -> SessionInfo:
+        raise self._missing("migrate")
+
+    def enforce_budget(self, *args: Any, **kwargs: Any) -> list:
+        raise self._missing("the budget and eviction")
+
+
+class SharedReader:
+    """A session's served records from one committed snapshot (the attributes of
+    :class:`~kvstore.store.SessionReader`): segments are immutable and only added after the served
+    range, so the bytes read later are those of the snapshot."""
+
+    def __init__(
+        self,
+        store: SharedSessionStore,
+        info: SessionInfo,
+        plan: ReadPlan,
+        served: int,
+        verified: bool,
+        damaged_from: int | None,
+        opened_s: float,
+    ):
+        self._store = store
+        self._plan = plan
+        self.info = info
+        self.n_records = served
+        self.record_bytes = plan.rec_bytes
+        self.verified = verified
+        self.damaged_from = damaged_from
+        self._busy_s = opened_s
+        self._read_bytes: int | None = None
+
+    def __enter__(self) -> "SharedReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._read_bytes is not None:
+            self._store.stats.restored(self._read_bytes, self._busy_s)
+            self._read_bytes = None
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.n_records
+
+    @property
+    def body_bytes(self) -> int:
+        return self.n_records * self.record_bytes
+
+    def header_bytes(self) -> bytes:
+        return Header(self.info.geometry, self.info.tier, self.n_records).to_bytes()
+
+    def _read(self, start: int, stop: int) -> bytes:
+        started = time.perf_counter()
+        body = self._store.shared.read_planned(self.info.key, self._plan, start, stop)
+        self._busy_s += time.perf_counter() - started
+        self._read_bytes = (self._read_bytes or 0) + len(body)
+        return body
+
+    def iter_bytes(self, chunk_bytes: int = _READ_CHUNK_BYTES) -> Iterator[bytes]:
+        """The served records' raw bytes in chunks of whole records."""
+        per = max(1, chunk_bytes // self.record_bytes)
+        self._read_bytes = self._read_bytes or 0
+        for start in range(0, self.n_records, per):
+            yield self._read(start, min(start + per, self.n_records))
+
+    def load(self, *, strict: bool = False) -> KVRecords:
+        body = self._read(0, self.n_records)
+        records = np.frombuffer(body, dtype=coli_kv.record_dtype(self.info.geometry, self.info.tier))
+        if strict:
+            self._check_scales(records, 0)
+        return KVRecords(Header(self.info.geometry, self.info.tier, self.n_records), records, HEADER_BYTES + len(body))
+
+    def _check_scales(self, records: np.ndarray, first_record: int) -> None:
+        """A scale no encoder writes in served records is damage (``SessionDamaged``), never a row of zeros."""
+        try:
+            coli_kv.check_scales(
+                records,
+                self.info.tier,
+                source=f"session {self.info.id!r} (shared store)",
+                first_record=first_record,
+                advice="the session is damaged: a resume with verify serves the turns before it",
+            )
+        except BadScale as exc:
+            raise SessionDamaged(exc.reason) from None
+
+    def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
+        dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
+        self._read_bytes = self._read_bytes or 0
+        for start in range(0, self.n_records, batch_records):
+            stop = min(start + batch_records, self.n_records)
+            body = self._read(start, stop)
+            records = np.frombuffer(body, dtype=dtype)
+            if strict:
+                self._check_scales(records, start)
+            yield KVRecords(Header(self.info.geometry, self.info.tier, stop - start), records, HEADER_BYTES + len(body))
+
+
+def _validated(geometry: Geometry, tier: Tier, records) -> tuple[np.ndarray, nonfinite.Sanitized]:
+    """Raw records as an array, non-finite f32 values set to 0 and counted, then the checks every
+    journal append makes (``KVFile.validate_records``): whole records, tokens in the vocabulary, no
+    corrupt scale or NaN code. A :class:`FormatError` names the first problem; nothing is written."""
+    dtype = coli_kv.record_dtype(geometry, tier)
+    if isinstance(records, np.ndarray):
+        if records.dtype != dtype:
+            raise FormatError("records were encoded for another geometry or tier")
+        rows = records
+    else:
+        raw = memoryview(records).cast("B")
+        if len(raw) % dtype.itemsize:
+            raise FormatError(
+                f"{len(raw)} bytes is not a whole number of {dtype.itemsize}-byte records for this session"
+            )
+        rows = np.frombuffer(raw, dtype=dtype)
+    if rows.shape[0] == 0:
+        return rows, nonfinite.Sanitized()
+    rows, found = nonfinite.sanitize_records(rows, tier)
+    tokens = rows["token"]
+    if tokens.min() < 0 or tokens.max() >= geometry.vocab:
+        raise FormatError(f"token ids must be in [0, {geometry.vocab})")
+    layers = rows["layers"]
+    if tier.version != 1:
+        try:
+            coli_kv.check_scales(
+                rows, tier, source="the rows to append", advice="no encoder writes it: nothing was written"
+            )
+        except BadScale as exc:
+            raise FormatError(exc.reason) from None
+        if tier.version == 2 and (fp8.nan_codes(layers["Lc"]).any() or fp8.nan_codes(layers["Rc"]).any()):
+            raise FormatError("rows hold fp8 NaN codes (0x7F/0xFF), which no encoder writes")
+    return rows, found
