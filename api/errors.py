@@ -14,6 +14,8 @@ Every error response is ``{"error": <class name>, "reason": <what happened and w
 
 from __future__ import annotations
 
+import math
+
 from kvstore.engine.errors import (
     CacheError,
     CacheLayoutUnsupported,
@@ -46,6 +48,7 @@ from kvstore.errors import (
     LeaseHeld,
     MigrationError,
     NonFiniteValues,
+    NotOnSharedStore,
     PathRefused,
     RecordCountMismatch,
     SegmentLost,
@@ -67,6 +70,7 @@ __all__ = [
     "Unauthorized",
     "UnsupportedMediaType",
     "http_status",
+    "retry_after",
 ]
 
 
@@ -172,11 +176,13 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     StaleLease: 409,  # fenced: another replica took the session over (LeaseExpired too)
     RecordCountMismatch: 409,
     SegmentLost: 503,  # the upload was collected before its commit: sending it again works
+    NotOnSharedStore: 501,  # a route the shared backend does not serve yet (docs/SCALE.md)
     # gpu (by name: importing kvstore.gpu imports torch)
     "kvstore.gpu.errors.AttentionInputError": 422,
     "kvstore.gpu.errors.BackendUnavailable": 503,
     # raised inside a serving engine's connector (stored rows it cannot load: it recomputes them)
     "kvstore.connectors.prefix_cache.LoadFailed": 409,
+    "kvstore.connectors.store_client.ServiceError": 502,  # the kvstore service it calls refused or is down
     # engine
     ModelConfigError: 422,
     WeightsError: 422,
@@ -197,6 +203,15 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     JobNotFound: 404,
     EngineNotLoaded: 503,
 }
+
+
+def retry_after(error: KVStoreError) -> int | None:
+    """The ``Retry-After`` seconds of an answer to ``error`` (None: the header is not sent): a capacity
+    limit (429), a server of the shared store down (503) or another replica's write lease (409)."""
+    seconds = getattr(error, "retry_after", None)
+    if not isinstance(error, (ServiceBusy, Unavailable, LeaseHeld)) or seconds is None:
+        return None
+    return max(1, math.ceil(seconds))
 
 
 def dotted_name(cls: type) -> str:

@@ -26,9 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import kvstore
-from kvstore.api.errors import BodyTooLarge, ServiceBusy, http_status
+from kvstore.api.errors import BodyTooLarge, http_status, retry_after
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
+from kvstore.api.replica import IndexKeyTable, RefuseUnserved, open_store
 from kvstore.api.routers import console, files, generate, health, jobs, lookup, metrics, sessions
 from kvstore.api.routers.metrics import Metrics
 from kvstore.api.session_gates import SessionGates
@@ -54,8 +55,9 @@ def _error(status: int, error: str, reason: str, headers: dict[str, str] | None 
 async def _kvstore_error(request: Request, exc: KVStoreError) -> JSONResponse:
     status = http_status(exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    if isinstance(exc, ServiceBusy):  # 429: when to try again
-        headers = {"Retry-After": str(exc.retry_after)}
+    wait = retry_after(exc)  # 429 busy, 503 a shared store's server down, 409 another replica's lease
+    if wait is not None:
+        headers = {"Retry-After": str(wait)}
     if isinstance(exc, BodyTooLarge):
         # the rest of the body is never read: closing stops the server draining it for keep-alive
         headers = {"Connection": "close"}
@@ -166,7 +168,8 @@ def create_app(
             settings = store_or_settings
         else:
             settings = Settings(data_dir=Path(store_or_settings) if store_or_settings is not None else Path("./data"))
-    created_key = ensure_keys_file(settings.data_dir) if first_key else None
+    # a replica of a shared store reads its keys from the index (kvstore keys create --index ...)
+    created_key = ensure_keys_file(settings.data_dir) if first_key and not settings.shared else None
     if created_key is not None:
         print(
             f"kvstore: created {settings.data_dir / KEYS_FILE} with an API key for owner 'default' "
@@ -174,17 +177,27 @@ def create_app(
             file=sys.stderr,
             flush=True,
         )
-    keys = KeyTable(settings.data_dir, settings.api_keys_env)
+    keys = (
+        IndexKeyTable(settings.api_keys_env) if settings.shared else KeyTable(settings.data_dir, settings.api_keys_env)
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        store = given_store or SessionStore(
-            settings.data_dir,
-            budget_bytes=settings.budget_bytes,
-            hard_limit_bytes=settings.hard_limit_bytes,
-            map_size=settings.map_size,
-            lock_timeout=settings.lock_timeout,
-        )
+        if given_store is None and isinstance(keys, IndexKeyTable) and settings.index_url is not None:
+            store = open_store(settings)
+            try:
+                keys.attach(settings.index_url)
+            except BaseException:
+                store.close()
+                raise
+        else:
+            store = given_store or SessionStore(
+                settings.data_dir,
+                budget_bytes=settings.budget_bytes,
+                hard_limit_bytes=settings.hard_limit_bytes,
+                map_size=settings.map_size,
+                lock_timeout=settings.lock_timeout,
+            )
         for line in store.reconcile_actions:
             log.warning("reconcile: %s", line)
         runner = JobRunner(
@@ -206,6 +219,8 @@ def create_app(
             runner.shutdown()
             if given_store is None:
                 store.close()
+            if isinstance(keys, IndexKeyTable):
+                keys.close()
 
     app = FastAPI(
         title="kvstore",
@@ -229,6 +244,8 @@ def create_app(
     app.add_exception_handler(ClientDisconnect, _disconnected)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.shared:
+        app.add_middleware(RefuseUnserved)
     for module in (health, sessions, files, lookup, jobs, generate, metrics):
         app.include_router(module.router)
     console.install(app)

@@ -1,6 +1,7 @@
 """Connectors that put kvstore behind serving engines.
 
 ``kvstore.connectors.prefix_cache`` is the engine-independent part (lookup, load and save of a
-model's latent rows by prompt prefix, with counters); ``kvstore.connectors.vllm`` is vLLM's
+model's latent rows by prompt prefix, with counters) over ``kvstore.connectors.store_client`` (a
+local store folder, or a running ``kvstore serve`` with an API key); ``kvstore.connectors.vllm`` is vLLM's
 ``KVConnectorBase_V1`` over it, imported only inside vLLM (it needs vLLM and torch).
 """

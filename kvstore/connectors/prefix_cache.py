@@ -15,11 +15,14 @@ An engine that keeps one latent row per token and layer (vLLM's MLA paged cache 
   derived from the fingerprint and the tokens, so the same prompt saved twice is stored once).
 
 Rows are handed over as f32 ``[n_layers, n, kv_lora + qk_rope]``; the store encodes them in the
-cache's tier (f32, fp8, int4, ...) and dequantizes them on load.
+cache's tier (f32, fp8, int4, ...) and dequantizes them on load. The store is a local folder
+(embedded mode) or a running ``kvstore serve`` reached with an API key (service mode): one code
+path over :mod:`kvstore.connectors.store_client`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import tiers
+from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient
 from kvstore.errors import ConfigError, KVStoreError, SessionExists
 from kvstore.formats.coli_kv import Geometry
 from kvstore.store import Fingerprint, ModelInfo, SessionStore, validate_owner
@@ -93,10 +97,12 @@ def model_fingerprint(
 # ---------------------------------------------------------------------------- configuration
 @dataclass(frozen=True)
 class CacheConfig:
-    """What a connector's ``kv_connector_extra_config`` may hold (every key optional but ``store``).
+    """What a connector's ``kv_connector_extra_config`` may hold (every key optional but ``store`` or ``url``).
 
-    store : the store's folder (embedded mode)
-    owner : whose sessions these are; another owner never sees them (default ``vllm``)
+    store : the store's folder (embedded mode); or
+    url : a running ``kvstore serve`` (service mode), with ``api_key`` (or the variable named by
+        ``api_key_env``, default ``KVSTORE_API_KEY``): the key decides the owner
+    owner : embedded mode: whose sessions these are; another owner never sees them (default ``vllm``)
     tier : how rows are stored: ``f32`` (default, exact), ``fp8``, ``int4``, ``polar2``..``polar6``
     model_name, revision, weights_hash : the model part of the fingerprint (defaults: the engine's
         model path or id, its revision or ``main``, the sampled hash of the folder's weights)
@@ -106,7 +112,10 @@ class CacheConfig:
     stats_dir : a folder where each connector process keeps its counters as JSON (optional)
     """
 
-    store: str
+    store: str | None = None
+    url: str | None = None
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    api_key_env: str = "KVSTORE_API_KEY"
     owner: str = "vllm"
     tier: Tier = tiers.F32
     model_name: str | None = None
@@ -124,9 +133,25 @@ class CacheConfig:
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"unknown kvstore connector settings {unknown}; known: {sorted(known)}")
-        store = extra.get("store")
-        if not isinstance(store, str) or not store:
-            raise ConfigError("kv_connector_extra_config needs 'store': the kvstore folder to use")
+        store, url = extra.get("store"), extra.get("url")
+        if (store is None) == (url is None):
+            raise ConfigError(
+                "kv_connector_extra_config needs either 'store' (a kvstore folder: embedded mode) "
+                "or 'url' (a running kvstore serve: service mode)"
+            )
+        for key in ("store", "url", "api_key", "api_key_env"):
+            if key in extra and (not isinstance(extra[key], str) or not extra[key]):
+                raise ConfigError(f"kvstore connector: {key!r} must be a non-empty string")
+        api_key = None
+        if url is not None:
+            if "owner" in extra:
+                raise ConfigError("kvstore connector: in service mode the API key decides the owner; drop 'owner'")
+            env_name = extra.get("api_key_env", "KVSTORE_API_KEY")
+            api_key = extra.get("api_key") or os.environ.get(env_name)
+            if not api_key:
+                raise ConfigError(f"kvstore connector: service mode needs 'api_key' or the variable {env_name}")
+        elif "api_key" in extra or "api_key_env" in extra:
+            raise ConfigError("kvstore connector: 'api_key' is for service mode ('url'), not a store folder")
         try:
             owner = validate_owner(extra.get("owner", "vllm"))
             tier = tiers.get(str(extra.get("tier", "f32")))
@@ -145,6 +170,9 @@ class CacheConfig:
             raise ConfigError("kvstore connector: 'min_tokens' must be a positive integer")
         return cls(
             store=store,
+            url=url,
+            api_key=api_key,
+            api_key_env=extra.get("api_key_env", "KVSTORE_API_KEY"),
             owner=owner,
             tier=tier,
             model_name=extra.get("model_name"),
@@ -198,6 +226,15 @@ def open_store(folder: str) -> SessionStore:
         return store
 
 
+def open_client(config: CacheConfig) -> StoreClient:
+    """The store a configuration names: a folder (embedded) or a service (with its key)."""
+    if config.url is not None:
+        assert config.api_key is not None  # from_extra requires one
+        return ServiceClient(config.url, config.api_key)
+    assert config.store is not None
+    return LocalClient(open_store(config.store), config.owner)
+
+
 @dataclass(frozen=True)
 class Match:
     """A stored session sharing ``tokens`` leading tokens with a prompt."""
@@ -211,8 +248,9 @@ class PrefixCache:
 
     Parameters
     ----------
-    store : the session store (see :func:`open_store`)
-    owner : the owner the sessions belong to
+    store : a :class:`StoreClient` (see :func:`open_client`), or a session store (see
+        :func:`open_store`) used for ``owner``
+    owner : the owner the sessions belong to (a client's own owner when None)
     fingerprint : the model, geometry and tier rows are stored and looked up under
     verify : re-hash stored turns before a load
     min_tokens : prompts shorter than this are not looked up (a miss) nor saved
@@ -221,16 +259,22 @@ class PrefixCache:
 
     def __init__(
         self,
-        store: SessionStore,
-        owner: str,
+        store: StoreClient | SessionStore,
+        owner: str | None,
         fingerprint: Fingerprint,
         *,
         verify: bool = True,
         min_tokens: int = 64,
         stats_path: str | os.PathLike | None = None,
     ):
-        self.store = store
-        self.owner = validate_owner(owner)
+        if isinstance(store, SessionStore):
+            if owner is None:
+                raise ValueError("a session store needs the owner the cache acts for")
+            store = LocalClient(store, owner)
+        elif owner is not None and owner != store.owner:
+            raise ValueError(f"the client acts for {store.owner!r}, not {owner!r}")
+        self.client: StoreClient = store
+        self.owner = validate_owner(store.owner)
         self.fingerprint = fingerprint
         self.verify = verify
         self.min_tokens = min_tokens
@@ -250,9 +294,9 @@ class PrefixCache:
         refused = False
         if tokens.size >= self.min_tokens:
             try:
-                result = self.store.lookup(self.owner, self.fingerprint, tokens)
+                result = self.client.lookup(self.fingerprint, tokens)
                 if result is not None:
-                    found = Match(result.session_id, result.matched_tokens)
+                    found = Match(result.session_id, result.tokens)
                 else:
                     refused = self._stored_elsewhere(tokens)
             except (KVStoreError, OSError) as exc:
@@ -270,14 +314,12 @@ class PrefixCache:
 
     def _stored_elsewhere(self, tokens: np.ndarray) -> bool:
         """Whether the owner holds this prefix under another fingerprint (one lookup per distinct
-        fingerprint of the owner's sessions: a miss's extra cost)."""
-        others = {}
-        for info in self.store.list(owner=self.owner):
-            if info.fingerprint_key != self._key:
-                others.setdefault(info.fingerprint_key, info.fingerprint)
-        for other in others.values():
+        fingerprint of the owner's sessions: a miss's extra cost; in service mode the server counts
+        these lookups too)."""
+        others = [f for f in self.client.fingerprints() if f.key() != self._key]
+        for other in others:
             try:
-                if self.store.lookup(self.owner, other, tokens) is not None:
+                if self.client.lookup(other, tokens) is not None:
                     return True
             except KVStoreError:  # e.g. token ids beyond the other model's vocabulary
                 continue
@@ -294,11 +336,11 @@ class PrefixCache:
             ``stop``, or holds fewer rows; counted in ``load_errors``. Nothing partial is returned.
         """
         try:
-            resumed = self.store.resume(session_id, owner=self.owner, verify=self.verify, expect=self.fingerprint)
-            if resumed.reused_tokens < stop:
-                damaged = f" (damaged from record {resumed.damaged_from})" if resumed.damaged_from is not None else ""
-                raise LoadFailed(f"session {session_id!r} serves {resumed.reused_tokens} rows, {stop} needed{damaged}")
-            L, R, _ = resumed.records.slice(start, stop).dequantize()
+            served = self.client.resume(session_id, self.fingerprint, self.verify)
+            if served.records.n < stop:
+                damaged = f" (damaged from record {served.damaged_from})" if served.damaged_from is not None else ""
+                raise LoadFailed(f"session {session_id!r} serves {served.records.n} rows, {stop} needed{damaged}")
+            L, R, _ = served.records.slice(start, stop).dequantize()
         except (KVStoreError, OSError) as exc:
             reason = f"load {session_id}[{start}:{stop}]: {exc}"
             self._count(load_errors=1, error=reason)
@@ -329,18 +371,18 @@ class PrefixCache:
         session_id = self.session_id_for(tokens)
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         try:
-            self.store.create(self.owner, g, self.fingerprint.tier, self.fingerprint.model, session_id=session_id)
+            self.client.create(session_id, self.fingerprint)
         except SessionExists:
             return None
         except (KVStoreError, OSError) as exc:
             self._count(save_errors=1, error=f"save: {exc}")
             return None
         try:
-            self.store.append(session_id, tokens, rows[..., : g.kv_lora], rows[..., g.kv_lora :], owner=self.owner)
+            self.client.append(session_id, self.fingerprint, tokens, rows[..., : g.kv_lora], rows[..., g.kv_lora :])
         except (KVStoreError, OSError) as exc:
             self._count(save_errors=1, error=f"save: {exc}")
             try:  # an empty session would only shadow a later save of the same prompt
-                self.store.delete(session_id, owner=self.owner)
+                self.client.delete(session_id)
             except (KVStoreError, OSError):
                 pass
             return None

@@ -17,8 +17,9 @@ layer, in the step that completes its prefill, then saves them as one session. A
 :meth:`KVStoreConnector.get_block_ids_with_load_errors`, so vLLM recomputes them
 (``kv_load_failure_policy: "recompute"``) rather than attend to wrong KV.
 
-Only the prompt's rows are stored (not the generated tokens'); embedded mode only (a store folder
-every vLLM process on the machine may share). See docs/VLLM.md.
+Only the prompt's rows are stored (not the generated tokens'). The store is a folder every vLLM
+process on the machine may share (``store``: embedded mode) or a running ``kvstore serve``
+(``url`` and an API key: service mode, shared across machines). See docs/VLLM.md.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # pyright: igno
     KVConnectorRole,
 )
 
-from kvstore.connectors.prefix_cache import CacheConfig, LoadFailed, PrefixCache, model_fingerprint, open_store
+from kvstore.connectors.prefix_cache import CacheConfig, LoadFailed, PrefixCache, model_fingerprint, open_client
 from kvstore.connectors.prefix_cache import sampled_weights_hash as _sampled_weights_hash
 from kvstore.errors import ConfigError
 from kvstore.formats.coli_kv import Geometry
@@ -143,8 +144,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.config.stats_dir:
             stats_path = Path(self.config.stats_dir) / f"{role_name}-{os.getpid()}.json"
         self.cache = PrefixCache(
-            open_store(self.config.store),
-            self.config.owner,
+            open_client(self.config),
+            None,
             fingerprint,
             verify=self.config.verify,
             min_tokens=self.config.min_tokens,
@@ -163,8 +164,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         logger.info(
             "kvstore connector (%s): store %s, owner %s, tier %s, fingerprint %s",
             role_name,
-            self.config.store,
-            self.config.owner,
+            self.config.store or self.config.url,
+            self.cache.owner,
             self.config.tier.name,
             fingerprint.key()[:16],
         )

@@ -2,7 +2,7 @@
 
 Run with vLLM's venv: ``python run_vllm.py SPEC.json OUT.json``. SPEC holds ``model`` (a folder),
 ``prompts`` (lists of token ids, run one after another so each sees what the previous stored),
-``max_tokens`` and ``connector`` (the ``kv_connector_extra_config``, or null for no connector).
+``max_tokens`` (one for all, or one per prompt) and ``connector`` (the ``kv_connector_extra_config``, or null for no connector).
 OUT gets, per prompt, the generated token ids and the first generated token's top logprobs.
 vLLM spawns workers, so everything runs under the ``__main__`` guard.
 """
@@ -45,9 +45,12 @@ def main(spec_path: str, out_path: str) -> None:
         gpu_memory_utilization=spec.get("memory_share", 0.1),
         kv_transfer_config=transfer,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=5)
+    limits = spec["max_tokens"]
+    if isinstance(limits, int):
+        limits = [limits] * len(spec["prompts"])
     results = []
-    for tokens in spec["prompts"]:
+    for tokens, limit in zip(spec["prompts"], limits, strict=True):
+        params = SamplingParams(temperature=0.0, max_tokens=limit, logprobs=5)
         started = time.perf_counter()
         (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
         seconds = time.perf_counter() - started

@@ -29,9 +29,10 @@ python3 -m venv "$VENV"
 # Their builds do not match vLLM's torch and break `import transformers`; vLLM does not need them
 # for text models.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-# The project itself, without its dependencies (the connector imports only numpy and the store,
-# which needs lmdb); vLLM's transformers/tokenizers make the tiny test model.
+# The project itself, without its dependencies (the connector imports numpy, the store, which needs
+# lmdb, and httpx for service mode, which vLLM already brings); vLLM's transformers/tokenizers make
+# the tiny test model.
 "$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/pip" install -q "lmdb>=1.4" "zstandard>=0.22"
+"$VENV/bin/pip" install -q "lmdb>=1.4" "zstandard>=0.22" "httpx>=0.27"
 "$VENV/bin/python" -c "import vllm, transformers, kvstore; print('vllm', vllm.__version__)"
 touch "$stamp"

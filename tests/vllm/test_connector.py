@@ -1,13 +1,18 @@
 """The kvstore connector inside real vLLM processes (vLLM's own venv, CPU, a tiny random DeepSeek-V3).
 
-Three vLLM processes share one model folder (float32, so equal inputs give equal tokens):
+Four vLLM processes share one model folder (float32, so equal inputs give equal tokens):
 
-1. ``first``: an empty store; prompt A (300 tokens) is computed and saved, then prompt B (A's first
-   256 tokens, another suffix) loads A's stored prefix and computes the rest.
-2. ``second``: a **new process** on the same store: A and B each load 288 stored tokens.
-3. ``altered``: a copy of that store whose rows were changed on disk, plus rows of prompt C stored
-   under another model's fingerprint. Verification refuses the changed rows, so vLLM recomputes
-   A and B (the computed reference for both), and C's rows are refused by fingerprint.
+1. ``first`` (embedded mode): an empty store folder; prompt A (300 tokens) is computed and saved,
+   then prompt B (A's first 256 tokens, another suffix) loads A's stored prefix and computes the rest.
+2. ``second`` (service mode): a **new process** reaching that store through ``kvstore serve`` with
+   the key of the same owner (``vllm``): A and B each load 288 stored tokens.
+3. ``bob`` (service mode, another key and owner, same server): A is a miss (owner isolation), is
+   computed and saved as bob's; A again, in the same process, loads bob's own 288 tokens. The
+   server's ``/metrics`` lookups, hits and misses equal the two processes' counters.
+4. ``altered`` (embedded mode): a copy of the store whose rows were changed on disk, plus rows of
+   prompt C stored under another model's fingerprint. Verification refuses the changed rows, so
+   vLLM recomputes A and B (the computed reference for both), and C's rows are refused by
+   fingerprint.
 
 vLLM's venv comes from tests/vllm/setup_venv.sh (``.vllm-venv``, or ``$KVSTORE_VLLM_VENV``); without
 it these tests skip, except in CI (``KVSTORE_CI=1``), where they fail.
@@ -18,12 +23,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+
+from served import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("KVSTORE_VLLM_VENV") or ROOT / ".vllm-venv")
@@ -73,6 +82,18 @@ def stats(folder: Path) -> dict[str, dict]:
     return total
 
 
+def lookup_metrics(url: str) -> tuple[int, int, int]:
+    """The server's (lookups, hits, misses) from ``GET /metrics``."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = [
+        re.search(rf"^kvstore_{name}_total (\S+)$", text, re.MULTILINE)
+        for name in ("lookups", "lookup_hits", "lookup_misses")
+    ]
+    assert all(found), text[:2000]
+    lookups, hits, misses = (int(float(m.group(1))) for m in found if m is not None)
+    return lookups, hits, misses
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     # by path: this folder is not a package (a package named vllm would shadow vLLM itself)
@@ -96,14 +117,30 @@ def first(tmp_path_factory, model, store):
 
 
 @pytest.fixture(scope="module")
-def second(tmp_path_factory, model, store, first):
-    tmp = tmp_path_factory.mktemp("second")
-    results = run_vllm(tmp, model, [PROMPT_A, PROMPT_B], {"store": str(store), "stats_dir": str(tmp / "stats")})
-    return results, stats(tmp / "stats")
+def served(tmp_path_factory, model, store, first):
+    """``second`` and ``bob``: two vLLM processes, one after the other, against one ``kvstore serve``
+    over the store ``first`` filled; and the server's lookup counters after them."""
+    key_vllm, key_bob = "vllm-test-key-0123456789abcdef", "bob-test-key-0123456789abcdefgh"
+    server = ServeProcess(store, env={"KVSTORE_API_KEYS": f"{key_vllm}:vllm,{key_bob}:bob"}).start()
+    try:
+        out = {}
+        for name, key, prompts in (("second", key_vllm, [PROMPT_A, PROMPT_B]), ("bob", key_bob, [PROMPT_A, PROMPT_A])):
+            tmp = tmp_path_factory.mktemp(name)
+            connector = {"url": server.url, "api_key": key, "stats_dir": str(tmp / "stats")}
+            out[name] = (run_vllm(tmp, model, prompts, connector), stats(tmp / "stats"))
+        out["metrics"] = lookup_metrics(server.url)
+    finally:
+        server.stop_cleanly()
+    return out
 
 
 @pytest.fixture(scope="module")
-def altered(tmp_path_factory, model, store, second):
+def second(served):
+    return served["second"]
+
+
+@pytest.fixture(scope="module")
+def altered(tmp_path_factory, model, store, served):
     """A copy of the store with one value of every stored row set changed, and C under another model."""
     from kvstore import tiers
     from kvstore.connectors.prefix_cache import PrefixCache, model_fingerprint
@@ -114,7 +151,7 @@ def altered(tmp_path_factory, model, store, second):
     copy = tmp / "kv"
     shutil.copytree(store, copy)
     journals = sorted((copy / "journals").glob("*.coli_kv"))
-    assert len(journals) == 2  # A and B
+    assert len(journals) == 3  # A and B of owner vllm, A of bob
     for path in journals:
         header, _ = read_header(path)
         with open(path, "r+b") as f:  # record 100, layer 0, latent value 3: a plausible, wrong value
@@ -165,6 +202,21 @@ def test_altered_rows_are_refused_by_verification_and_recomputed(altered):
     sched, worker = counts["scheduler"], counts["worker"]
     # the index still finds A and B (their tokens are intact); their rows fail the turn hashes
     assert sched["hits"] == 2 and worker["load_errors"] == 2 and worker["loaded_tokens"] == 0
+
+
+def test_another_owner_never_loads_the_prefix_and_the_server_counts_every_lookup(first, served):
+    (computed_a, _), _ = first
+    (bob_computed, bob_loaded), bob = served["bob"]
+    sched, worker = bob["scheduler"], bob["worker"]
+    # bob's first A missed (vllm's A is not his); his second A found his own save
+    assert (sched["lookups"], sched["hits"], sched["misses"], sched["refused"]) == (2, 1, 1, 0)
+    assert worker["saves"] == 1 and worker["loads"] == 1 and worker["loaded_tokens"] == 288
+    assert bob_computed["tokens"] == bob_loaded["tokens"] == computed_a["tokens"]
+    # the server answered exactly the two service-mode processes' lookups
+    mine = [served[name][1]["scheduler"] for name in ("second", "bob")]
+    lookups, hits, misses = served["metrics"]
+    assert (lookups, hits, misses) == tuple(sum(s[k] for s in mine) for k in ("lookups", "hits", "misses"))
+    assert lookups == hits + misses == 4
 
 
 def test_rows_of_another_model_are_refused_by_fingerprint(altered):

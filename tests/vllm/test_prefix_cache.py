@@ -129,7 +129,12 @@ def test_the_configuration_is_checked_with_typed_errors():
     config = CacheConfig.from_extra({"store": "/srv/kv", "tier": "fp8", "owner": "team-a"})
     assert (config.tier, config.owner, config.verify, config.min_tokens) == (tiers.FP8, "team-a", True, 64)
     for extra, reason in [
-        ({}, "needs 'store'"),
+        ({}, "needs either 'store'"),
+        ({"store": "/srv/kv", "url": "http://127.0.0.1:1"}, "needs either 'store'"),
+        ({"url": "http://127.0.0.1:1", "api_key_env": "KVSTORE_TEST_NO_SUCH_VARIABLE"}, "needs 'api_key'"),
+        ({"url": "http://127.0.0.1:1", "api_key": "k" * 24, "owner": "a"}, "the API key decides the owner"),
+        ({"store": "/srv/kv", "api_key": "k" * 24}, "is for service mode"),
+        ({"url": 7}, "'url' must be a non-empty string"),
         ({"store": "/srv/kv", "tier": "f33"}, "unknown tier"),
         ({"store": "/srv/kv", "tier": "q8"}, "not stored in files"),
         ({"store": "/srv/kv", "owner": "a b"}, "invalid owner"),

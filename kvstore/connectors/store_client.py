@@ -1,0 +1,211 @@
+"""The few store calls a KV connector makes, over a local store folder or a running ``kvstore serve``.
+
+:class:`~kvstore.connectors.prefix_cache.PrefixCache` runs one code path over either:
+
+- :class:`LocalClient` (embedded mode): a :class:`SessionStore` opened in the engine's process,
+  acting for one owner;
+- :class:`ServiceClient` (service mode): the kvstore HTTP API with an API key (the key decides the
+  owner), so engine processes on several machines share one store. Lookups are ``POST /lookup``,
+  saves ``POST /sessions`` then ``POST /sessions/{id}/append`` (raw ``.coli_kv`` records of the
+  session's tier), loads ``GET /sessions/{id}/resume?format=coli_kv`` with the fingerprint stated,
+  so the server refuses rows of another fingerprint (409) and, with ``verify``, serves no damaged
+  turn.
+
+Both raise kvstore's typed errors: :class:`SessionExists` when a save finds the prompt stored
+already, :class:`ServiceError` for any other refusal or an unreachable service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+import numpy as np
+
+from kvstore import tiers
+from kvstore.errors import ConfigError, KVStoreError, SessionExists
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import KVRecords
+from kvstore.store import Fingerprint, ModelInfo, SessionStore, validate_owner
+
+
+class ServiceError(KVStoreError, RuntimeError):
+    """The kvstore service refused a call or could not be reached (the reason carries its answer)."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A stored session sharing ``tokens`` leading tokens with a prompt."""
+
+    session_id: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a load read: the served records (up to the watermark, verified when asked) and, when a
+    verify found a bad turn, the first damaged record."""
+
+    records: KVRecords
+    damaged_from: int | None
+
+
+class StoreClient(Protocol):
+    """One owner's view of a store, as a connector uses it."""
+
+    owner: str
+
+    def lookup(self, fingerprint: Fingerprint, tokens: np.ndarray) -> Found | None: ...
+
+    def fingerprints(self) -> list[Fingerprint]:
+        """The distinct fingerprints of the owner's sessions."""
+        ...
+
+    def resume(self, session_id: str, expect: Fingerprint, verify: bool) -> Served: ...
+
+    def create(self, session_id: str, fingerprint: Fingerprint) -> None: ...
+
+    def append(self, session_id: str, fingerprint: Fingerprint, tokens: np.ndarray, L, R) -> None: ...
+
+    def delete(self, session_id: str) -> None: ...
+
+
+class LocalClient:
+    """A store folder opened in this process (embedded mode)."""
+
+    def __init__(self, store: SessionStore, owner: str):
+        self.store = store
+        self.owner = validate_owner(owner)
+
+    def lookup(self, fingerprint: Fingerprint, tokens: np.ndarray) -> Found | None:
+        found = self.store.lookup(self.owner, fingerprint, tokens)
+        return Found(found.session_id, found.matched_tokens) if found is not None else None
+
+    def fingerprints(self) -> list[Fingerprint]:
+        seen: dict[str, Fingerprint] = {}
+        for info in self.store.list(owner=self.owner):
+            seen.setdefault(info.fingerprint_key, info.fingerprint)
+        return list(seen.values())
+
+    def resume(self, session_id: str, expect: Fingerprint, verify: bool) -> Served:
+        resumed = self.store.resume(session_id, owner=self.owner, verify=verify, expect=expect)
+        return Served(resumed.records, resumed.damaged_from)
+
+    def create(self, session_id: str, fingerprint: Fingerprint) -> None:
+        self.store.create(self.owner, fingerprint.geometry, fingerprint.tier, fingerprint.model, session_id=session_id)
+
+    def append(self, session_id: str, fingerprint: Fingerprint, tokens: np.ndarray, L, R) -> None:
+        self.store.append(session_id, tokens, L, R, owner=self.owner)
+
+    def delete(self, session_id: str) -> None:
+        self.store.delete(session_id, owner=self.owner)
+
+
+def _fingerprint_json(fingerprint: Fingerprint) -> dict:
+    return {
+        "model": fingerprint.model.to_dict(),
+        "geometry": dataclasses.asdict(fingerprint.geometry),
+        "tier": fingerprint.tier.name,
+    }
+
+
+class ServiceClient:
+    """A running ``kvstore serve`` (service mode): ``url`` and an API key; the key's owner is asked
+    from the service once (``GET /console/me``), so a wrong key stops the engine at start."""
+
+    def __init__(self, url: str, api_key: str, *, timeout: float = 60.0):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"kvstore connector: 'url' must start with http:// or https://, got {url!r}")
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout)
+        try:
+            me = self.http.get("/console/me")
+        except httpx.HTTPError as exc:
+            raise ConfigError(f"kvstore connector: the service at {self.url} cannot be reached: {exc}") from exc
+        if me.status_code == 401:
+            raise ConfigError(f"kvstore connector: the service at {self.url} refused the API key (401)")
+        self.owner = str(self._checked(me, "who am I").json()["owner"])
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, what: str, **kwargs) -> httpx.Response:
+        try:
+            answer = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ServiceError(f"{what}: the service at {self.url} did not answer: {exc}") from exc
+        return answer
+
+    @staticmethod
+    def _checked(answer: httpx.Response, what: str) -> httpx.Response:
+        if answer.status_code < 400:
+            return answer
+        try:
+            body = answer.json()
+            name, reason = body.get("error", ""), body.get("reason", answer.text)
+        except ValueError:
+            name, reason = "", answer.text[:500]
+        if name == "SessionExists":
+            raise SessionExists(reason)
+        raise ServiceError(f"{what}: {answer.status_code} {name or 'error'}: {reason}")
+
+    def lookup(self, fingerprint: Fingerprint, tokens: np.ndarray) -> Found | None:
+        body = {**_fingerprint_json(fingerprint), "tokens": np.asarray(tokens).tolist()}
+        answer = self._checked(self._call("POST", "/lookup", "lookup", json=body), "lookup")
+        match = answer.json()["match"]
+        return Found(match["session_id"], int(match["matched_tokens"])) if match is not None else None
+
+    def fingerprints(self) -> list[Fingerprint]:
+        answer = self._checked(self._call("GET", "/sessions", "list"), "list")
+        seen: dict[str, Fingerprint] = {}
+        for s in answer.json()["sessions"]:
+            if s["fingerprint"] not in seen:
+                geometry = coli_kv.Geometry(**s["geometry"])
+                seen[s["fingerprint"]] = Fingerprint(
+                    ModelInfo.from_dict(s["model"]), geometry, tiers.get(s["tier"]["name"])
+                )
+        return list(seen.values())
+
+    def resume(self, session_id: str, expect: Fingerprint, verify: bool) -> Served:
+        model = expect.model
+        params = {
+            "format": "coli_kv",
+            "verify": "true" if verify else "false",
+            "model_name": model.name,
+            "model_revision": model.revision,
+            "tier": expect.tier.name,
+            "geometry": ",".join(str(w) for w in expect.geometry.words()),
+        }
+        # the optional model fields too, so the server compares every part of the fingerprint
+        for field in ("weights_hash", "tokenizer_hash", "chat_template_hash", "attention_variant"):
+            value = getattr(model, field)
+            if value is not None:
+                params[field] = value
+        what = f"resume {session_id}"
+        answer = self._checked(self._call("GET", f"/sessions/{session_id}/resume", what, params=params), what)
+        records = coli_kv.parse(answer.content, expect=expect.geometry, tier=expect.tier)
+        damaged = answer.headers.get("X-KV-Damaged-From")
+        return Served(records, int(damaged) if damaged is not None else None)
+
+    def create(self, session_id: str, fingerprint: Fingerprint) -> None:
+        body = {"id": session_id, **_fingerprint_json(fingerprint)}
+        self._checked(self._call("POST", "/sessions", "create", json=body), "create")
+
+    def append(self, session_id: str, fingerprint: Fingerprint, tokens: np.ndarray, L, R) -> None:
+        rows = coli_kv.encode_records(fingerprint.geometry, fingerprint.tier, tokens, L, R)
+        what = f"append {session_id}"
+        answer = self._call(
+            "POST",
+            f"/sessions/{session_id}/append",
+            what,
+            params={"complete_turn": "true"},
+            content=rows.tobytes(),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        self._checked(answer, what)
+
+    def delete(self, session_id: str) -> None:
+        what = f"delete {session_id}"
+        self._checked(self._call("DELETE", f"/sessions/{session_id}", what), what)
