@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=0, help="also decode this many sessions together")
     parser.add_argument("--batch-lengths", type=int, nargs="+", help="their context lengths (default 1k..32k)")
     parser.add_argument("--batch-only", action="store_true", help="skip the single-sequence rows")
+    parser.add_argument("--modes", nargs="+", choices=MODES, help="on CUDA, a subset of the modes (default all)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = _copy_bandwidth(device)
     if device.type == "cuda":
         print(f"device copy bandwidth: {bandwidth:.0f} GB/s")
-    modes = MODES if device.type == "cuda" else ("plain",)
+    modes = tuple(args.modes or MODES) if device.type == "cuda" else ("plain",)
     rows = []
     for tier in args.tiers if not args.batch_only else ():
         for length in args.lengths:
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         last = results[modes[-1]]
         same = "; ".join(
             f"{m}: {_agreement([results[m][0]], [results['plain'][0]])}, {_distance(results[m][5], results['plain'][5])}"
-            for m in modes[1:]
+            for m in modes
+            if m != "plain" and "plain" in results
         )
         same = same or "-"
         print(
@@ -308,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     profile=args.profile and mode != "plain" and tier == args.tiers[0],
                 )
                 rate = args.batch / step
-                same = "-" if mode == "plain" else _agreement(outputs[mode], outputs["plain"])
+                same = "-" if mode == "plain" or "plain" not in outputs else _agreement(outputs[mode], outputs["plain"])
                 print(
                     f"{tier:6s} {mode:8s}  {step * 1e3:7.2f}  {rate:15.1f}  {1 / step:17.1f}  "
                     f"{first:13.2f}  {rate / bound:9.1%} of {bound:7.0f}  {same}"

@@ -81,6 +81,8 @@ def test_the_compiled_step_is_the_eager_step(tier):
     prompt = np.random.default_rng(2).integers(2, cfg.vocab_size, 300)
     engine = Engine(model, tier=tier, cuda_graphs=False)
     engine.prefill(prompt[:-1])
+    experts = model.model.layers[1].mlp.experts
+    before = (experts.gate_proj.detach().clone(), experts.up_proj.detach().clone())
     caches, logits = [], []
     for compiled in (False, True):
         if compiled:
@@ -96,6 +98,9 @@ def test_the_compiled_step_is_the_eager_step(tier):
         logits.append(step[0].float())
         caches.append(cache)
     model.regions = StepRegions.eager()
+    assert experts._gate_up is not None  # compile_decode fused gate and up: the values are kept
+    assert torch.equal(experts.gate_proj, before[0]) and torch.equal(experts.up_proj, before[1])
+    assert experts.gate_proj.data_ptr() == experts._gate_up.data_ptr()
     scale = float(logits[0].abs().max())
     assert float((logits[1] - logits[0]).abs().max()) <= 0.02 * scale
     n = len(prompt)

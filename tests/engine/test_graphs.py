@@ -127,3 +127,18 @@ def test_grouped_experts_on_cuda_agree_with_the_loop(tokens):
     # the reference in f32 (bf16 per-expert sums would carry their own rounding)
     want = copy.deepcopy(experts).float()._segmented(x.float(), routes, weights)
     assert _relative(got, want) <= 1e-2
+
+
+def test_fused_gate_and_up_keep_the_values_and_the_output():
+    """``fuse_gate_up`` (what ``compile_decode`` does to every MoE layer on CUDA) makes gate and up
+    views of one tensor and runs one grouped GEMM for both: same parameters, same experts' output,
+    and still the same after the module is converted."""
+    experts, x, routes, weights = _experts_and_routes("cpu", "bfloat16")
+    gate, up = experts.gate_proj.detach().clone(), experts.up_proj.detach().clone()
+    want = experts._grouped(x, routes, weights).float()
+    experts.fuse_gate_up()
+    assert torch.equal(experts.gate_proj, gate) and torch.equal(experts.up_proj, up)
+    assert "_gate_up" not in experts.state_dict()
+    assert _relative(experts._grouped(x, routes, weights).float(), want) <= 1e-2
+    converted = copy.deepcopy(experts).float()
+    assert torch.equal(converted._gate_up[:, : gate.shape[1]], gate.float())
