@@ -225,12 +225,19 @@ def browser():
             launched.close()
 
 
+#: How long the browser waits for an element or an expectation before failing (default 5 s, short
+#: for a job that runs beside the rest of the suite on two cores).
+WAIT_MS = 60_000
+
+
 class Watched:
     """A page that may talk to the server under test only, and must log no error."""
 
     def __init__(self, browser, base: str, viewport: dict[str, int]):
         self.context = browser.new_context(viewport=viewport, accept_downloads=True)
         self.page = self.context.new_page()
+        # waits, not timings: a park job or a page load may take seconds on a loaded 2-core runner
+        self.page.set_default_timeout(WAIT_MS)
         self.elsewhere: list[str] = []
         self.errors: list[str] = []
         self.page.on("pageerror", lambda exc: self.errors.append(str(exc)))
@@ -257,6 +264,8 @@ class Watched:
 
 def test_the_console_in_a_browser(browser, make_server, keys):
     from playwright.sync_api import expect
+
+    expect.set_options(timeout=WAIT_MS)  # how long an expectation waits (a bound, not a timing)
 
     server = make_server("--budget", "1M", "--hard-limit", "4M")
     with server.client(keys["alice"]) as alice, server.client(keys["bob"]) as bob:
