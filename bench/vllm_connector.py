@@ -19,9 +19,20 @@ the cache, the computed one within the prefill).
 ``--service`` adds the f32 tier in service mode: the same process against a ``kvstore serve`` on
 127.0.0.1 (rows over HTTP, verified by the server).
 
+``--sglang`` measures the SGLang backend (``kvstore.connectors.sglang``) instead, against SGLang's
+own file backend (``HiCacheFile``: one raw file per page, renamed into place, no fsync) as the peer:
+in one process of vLLM's venv with SGLang's package (tests/vllm/setup_venv.sh), both backends made
+by SGLang's factory store the same pages (DeepSeek-V3's geometry by default: 61 layers, 64-token
+pages, bf16, 4.5 MB a page) with ``batch_set``, find them with ``batch_exists`` and read them back
+with ``batch_get`` (best of 3; the files are in the page cache for both). Printed per backend and
+tier: seconds and MB/s of page data (bf16 bytes) for each call, bytes on disk per page, and the
+pages read back equal to the written ones (f32: bit for bit) or their relative error; f32 once more
+with ``verify`` off, to show what re-hashing each page before handing it back costs.
+
 Needs vLLM's venv (tests/vllm/setup_venv.sh). Usage::
 
     python bench/vllm_connector.py [--tiers f32,fp8,int4] [--prompt-tokens 2000] [--service]
+    python bench/vllm_connector.py --sglang [--tiers f32,fp8,int4] [--pages 16] [--layers 61]
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -92,13 +104,149 @@ def stored_bytes_per_token(store: Path) -> float:
     return body / tokens
 
 
+def sglang_pages(spec: dict) -> dict:
+    """Inside vLLM's venv with SGLang's package: the page calls of each backend, timed."""
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import (  # pyright: ignore[reportMissingImports]
+        HiCacheStorageConfig,
+        HiCacheStorageExtraInfo,
+    )
+    from sglang.srt.mem_cache.storage.backend_factory import (  # pyright: ignore[reportMissingImports]
+        StorageBackendFactory,
+    )
+
+    host_spec = importlib.util.spec_from_file_location(
+        "kvstore_sglang_host", ROOT / "tests" / "vllm" / "sglang_host.py"
+    )
+    assert host_spec is not None and host_spec.loader is not None
+    host = importlib.util.module_from_spec(host_spec)
+    host_spec.loader.exec_module(host)
+    layers, page, n = spec["layers"], spec["page_size"], spec["pages"]
+    pool = host.HostPages(layer_num=layers, page_size=page, pages=1, dtype=torch.bfloat16)
+    rng = np.random.default_rng(64)
+    values = [
+        torch.from_numpy(rng.standard_normal(layers * page * 576).astype(np.float32)).to(torch.bfloat16)
+        for _ in range(n)
+    ]
+    keys = [f"{i:064x}" for i in range(1, n + 1)]
+    page_mb = values[0].numel() * 2 / 1e6
+    out = {}
+    for label, name, extra in spec["backends"]:
+        config = HiCacheStorageConfig(
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=True,
+            enable_storage_metrics=False,
+            is_page_first_layout=False,
+            model_name="bench-mla",
+            extra_config=extra,
+        )
+        storage = StorageBackendFactory.create_backend(name, config, pool)
+        storage.register_mem_pool_host(pool)
+        started = time.perf_counter()
+        assert storage.batch_set(keys, values)
+        set_s = time.perf_counter() - started
+        started = time.perf_counter()
+        found = storage.batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys=None))
+        exists_s = time.perf_counter() - started
+        get_s, pages = float("inf"), []
+        for _ in range(3):
+            targets = [pool.get_dummy_flat_data_page() for _ in range(n)]
+            started = time.perf_counter()
+            pages = storage.batch_get(keys, targets)
+            get_s = min(get_s, time.perf_counter() - started)
+        equal = sum(bool(p is not None and torch.equal(p, v)) for p, v in zip(pages, values))
+        error = max(
+            float(torch.linalg.norm(p.float() - v.float()) / torch.linalg.norm(v.float()))
+            for p, v in zip(pages, values)
+            if p is not None
+        )
+        folder = Path(extra.get("store") or extra["file_storage_path"])
+        disk = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.suffix in (".bin", ".coli_kv"))
+        out[label] = {
+            "set_s": set_s,
+            "exists_s": exists_s,
+            "get_s": get_s,
+            "found": found,
+            "equal": equal,
+            "error": error,
+            "disk_per_page": disk / n,
+            "page_mb": page_mb,
+        }
+    return out
+
+
+def sglang_main(args: argparse.Namespace) -> None:
+    sglang = VENV / "sglang-0.5.23"
+    if not (sglang / ".kvstore-sglang").exists():
+        raise SystemExit(f"SGLang's package is missing at {sglang}: run tests/vllm/setup_venv.sh")
+    with tempfile.TemporaryDirectory(prefix="kvstore-sglang-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        backends = [("HiCacheFile (SGLang)", "file", {"file_storage_path": str(tmp / "hicache")})]
+        for tier in args.tiers.split(","):
+            extra = {
+                "backend_name": "kvstore",
+                "module_path": "kvstore.connectors.sglang",
+                "class_name": "KVStoreHiCacheStorage",
+                "store": str(tmp / f"kv-{tier}"),
+                "tier": tier,
+            }
+            backends.append((f"kvstore {tier}", "dynamic", extra))
+        if "f32" in args.tiers.split(","):  # what verification costs: the same without the re-hash
+            f32 = next(extra for label, _, extra in backends if label == "kvstore f32")
+            extra = {**f32, "store": str(tmp / "kv-f32-noverify"), "verify": False}
+            backends.append(("kvstore f32 no verify", "dynamic", extra))
+        spec = {"layers": args.layers, "page_size": args.page_size, "pages": args.pages, "backends": backends}
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        env = dict(os.environ, PYTHONPATH=str(sglang))
+        done = subprocess.run(
+            [str(VENV / "bin" / "python"), __file__, "--sglang-inner", str(tmp / "spec.json"), str(tmp / "out.json")],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        if done.returncode != 0:
+            raise SystemExit((done.stdout + done.stderr)[-4000:])
+        results = json.loads((tmp / "out.json").read_text())
+    page_mb = next(iter(results.values()))["page_mb"]
+    print(
+        f"SGLang HiCache storage, {args.pages} pages of {args.page_size} tokens x {args.layers} layers x 576 bf16 "
+        f"({page_mb:.2f} MB a page), one process, CPU"
+    )
+    print(
+        "backend               | batch_set s (MB/s) | batch_exists ms | batch_get s (MB/s) | found | equal | max rel. error | disk/page MB"
+    )
+    for label, r in results.items():
+        total = page_mb * args.pages
+        print(
+            f"{label:21} | {r['set_s']:7.3f} ({total / r['set_s']:6.0f}) | {r['exists_s'] * 1e3:15.1f} "
+            f"| {r['get_s']:7.3f} ({total / r['get_s']:6.0f}) | {r['found']:5} | {r['equal']:5} | {r['error']:.2e} "
+            f"| {r['disk_per_page'] / 1e6:.2f}"
+        )
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--sglang-inner":
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        Path(sys.argv[3]).write_text(json.dumps(sglang_pages(spec)))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiers", default="f32,fp8,int4", help="comma-separated tiers to run")
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="the timed prompt's length")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens generated for the agreement check")
     parser.add_argument("--service", action="store_true", help="also f32 through a kvstore serve (service mode)")
+    parser.add_argument("--sglang", action="store_true", help="the SGLang backend against SGLang's HiCacheFile")
+    parser.add_argument("--pages", type=int, default=16, help="--sglang: pages stored and read")
+    parser.add_argument("--layers", type=int, default=61, help="--sglang: layers per page")
+    parser.add_argument("--page-size", type=int, default=64, help="--sglang: tokens per page")
     args = parser.parse_args()
+    if args.sglang:
+        sglang_main(args)
+        return
     if not (VENV / "bin" / "python").exists():
         raise SystemExit(f"vLLM's venv is missing at {VENV}: run tests/vllm/setup_venv.sh")
     rng = np.random.default_rng(2000)

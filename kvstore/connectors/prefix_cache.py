@@ -369,27 +369,37 @@ class PrefixCache:
         if rows.shape != (g.n_layers, tokens.size, self.row_width):
             raise ValueError(f"rows must be [{g.n_layers}, {tokens.size}, {self.row_width}], got {list(rows.shape)}")
         session_id = self.session_id_for(tokens)
+        return session_id if self._store(session_id, tokens, rows) == "saved" else None
+
+    def _store(self, session_id: str, tokens: np.ndarray, rows: np.ndarray) -> str:
+        """Rows as one complete turn of a new session: ``"saved"``, ``"exists"`` (stored already) or
+        ``"failed"`` (the reason counted in ``save_errors``; nothing is left behind)."""
+        g = self.fingerprint.geometry
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         try:
             self.client.create(session_id, self.fingerprint)
         except SessionExists:
-            return None
+            return "exists"
         except (KVStoreError, OSError) as exc:
             self._count(save_errors=1, error=f"save: {exc}")
-            return None
+            return "failed"
         try:
             self.client.append(session_id, self.fingerprint, tokens, rows[..., : g.kv_lora], rows[..., g.kv_lora :])
         except (KVStoreError, OSError) as exc:
             self._count(save_errors=1, error=f"save: {exc}")
-            try:  # an empty session would only shadow a later save of the same prompt
+            try:  # an empty session would only shadow a later save of the same rows
                 self.client.delete(session_id)
             except (KVStoreError, OSError):
                 pass
-            return None
+            return "failed"
         self._count(saves=1, saved_tokens=int(tokens.size))
-        return session_id
+        return "saved"
 
     # ------------------------------------------------------------------ counters
+    def count_save_error(self, reason: str) -> None:
+        """A save that failed before reaching :meth:`save` (e.g. reading the engine's cache)."""
+        self._count(save_errors=1, error=f"save: {reason}")
+
     def _count(self, *, error: str | None = None, **increments: int) -> None:
         with self._lock:
             for name, amount in increments.items():

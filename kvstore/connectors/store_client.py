@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 
 from kvstore import tiers
-from kvstore.errors import ConfigError, KVStoreError, SessionExists
+from kvstore.errors import ConfigError, KVStoreError, SessionExists, SessionNotFound
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import KVRecords
 from kvstore.store import Fingerprint, ModelInfo, SessionStore, validate_owner
@@ -41,6 +41,14 @@ class Found:
 
     session_id: str
     tokens: int
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What the index says of one stored session: its fingerprint and the rows a resume serves."""
+
+    fingerprint_key: str
+    watermark: int
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,10 @@ class StoreClient(Protocol):
         ...
 
     def resume(self, session_id: str, expect: Fingerprint, verify: bool) -> Served: ...
+
+    def stored(self, session_id: str) -> Stored | None:
+        """The owner's session ``session_id`` as the index has it (no journal read), None when missing."""
+        ...
 
     def create(self, session_id: str, fingerprint: Fingerprint) -> None: ...
 
@@ -92,6 +104,13 @@ class LocalClient:
     def resume(self, session_id: str, expect: Fingerprint, verify: bool) -> Served:
         resumed = self.store.resume(session_id, owner=self.owner, verify=verify, expect=expect)
         return Served(resumed.records, resumed.damaged_from)
+
+    def stored(self, session_id: str) -> Stored | None:
+        try:
+            info = self.store.get(session_id, owner=self.owner)
+        except SessionNotFound:
+            return None
+        return Stored(info.fingerprint_key, info.watermark)
 
     def create(self, session_id: str, fingerprint: Fingerprint) -> None:
         self.store.create(self.owner, fingerprint.geometry, fingerprint.tier, fingerprint.model, session_id=session_id)
@@ -188,6 +207,14 @@ class ServiceClient:
         records = coli_kv.parse(answer.content, expect=expect.geometry, tier=expect.tier)
         damaged = answer.headers.get("X-KV-Damaged-From")
         return Served(records, int(damaged) if damaged is not None else None)
+
+    def stored(self, session_id: str) -> Stored | None:
+        what = f"get {session_id}"
+        answer = self._call("GET", f"/sessions/{session_id}", what)
+        if answer.status_code == 404:
+            return None
+        session = self._checked(answer, what).json()
+        return Stored(str(session["fingerprint"]), int(session["watermark"]))
 
     def create(self, session_id: str, fingerprint: Fingerprint) -> None:
         body = {"id": session_id, **_fingerprint_json(fingerprint)}

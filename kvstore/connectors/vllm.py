@@ -12,14 +12,17 @@ one ``.coli_kv`` row per token. The scheduler side asks the store for the longes
 each new prompt (:class:`~kvstore.connectors.prefix_cache.PrefixCache`; whole vLLM blocks, at
 least one prompt token left to compute) and plans the load; the worker side writes the stored rows
 into the request's blocks before the forward pass, and gathers each prompt's rows, layer by
-layer, in the step that completes its prefill, then saves them as one session. A load that fails
+layer, in the step that completes its prefill, then saves them as one session; when the request
+finishes, the whole conversation so far (prompt and generated tokens) is saved too, so a next turn
+that continues it loads the previous answer's rows as well. A load that fails
 (missing, damaged, another fingerprint) marks its blocks through
 :meth:`KVStoreConnector.get_block_ids_with_load_errors`, so vLLM recomputes them
 (``kv_load_failure_policy: "recompute"``) rather than attend to wrong KV.
 
-Only the prompt's rows are stored (not the generated tokens'). The store is a folder every vLLM
-process on the machine may share (``store``: embedded mode) or a running ``kvstore serve``
-(``url`` and an API key: service mode, shared across machines). See docs/VLLM.md.
+The counters reach vLLM's own metrics (``get_kv_connector_stats``: the ``vllm:kvstore_*`` counters
+of its Prometheus ``/metrics`` and its periodic "KV Transfer metrics" log line). The store is a
+folder every vLLM process on the machine may share (``store``: embedded mode) or a running
+``kvstore serve`` (``url`` and an API key: service mode, shared across machines). See docs/VLLM.md.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # pyright: igno
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # pyright: ignore[reportMissingImports]
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from kvstore.connectors.prefix_cache import CacheConfig, LoadFailed, PrefixCache, model_fingerprint, open_client
 from kvstore.connectors.prefix_cache import sampled_weights_hash as _sampled_weights_hash
@@ -52,6 +59,20 @@ logger = logging.getLogger(__name__)
 # What the rows are: vLLM's MLA cache entries (normed latent, then the roped key as vLLM's rope
 # lays it out), in the engine's cache dtype. The bundled engine records "transformers-latent".
 ATTENTION_VARIANT = "vllm-mla"
+# The counters handed to vLLM's metrics (CacheStats' numeric fields); each side reports its own.
+COUNTERS = (
+    "lookups",
+    "hits",
+    "misses",
+    "refused",
+    "matched_tokens",
+    "loads",
+    "loaded_tokens",
+    "load_errors",
+    "saves",
+    "saved_tokens",
+    "save_errors",
+)
 
 
 @dataclass
@@ -78,6 +99,50 @@ class SaveSpec:
 class KVStoreMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # finished requests whose conversation (prompt + generated tokens) is saved this step; vLLM
+    # keeps their blocks until the worker reports them through get_finished
+    finished: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """Increments of the connector's counters since the last report (``data``: name -> count);
+    the scheduler's and the workers' add up."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVStoreConnectorStats":
+        for name, count in other.data.items():
+            self.data[name] = self.data.get(name, 0) + count
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: self.data.get(name, 0) for name in COUNTERS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """The counters as Prometheus counters ``vllm:kvstore_<name>_total`` of vLLM's ``/metrics``."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:kvstore_{name}",
+                documentation=f"kvstore connector: {name.replace('_', ' ')} (docs/VLLM.md)",
+                labelnames=labelnames,
+            )
+            for name in COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, count in transfer_stats_data.items():
+            if name in self._counters and count:
+                self._counters[name].labels(*labels).inc(count)
 
 
 @dataclass
@@ -155,12 +220,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._planned: dict[str, tuple[str, int, int]] = {}  # req -> (session, start, stop), lookup done
         self._tracked: dict[str, _Tracked] = {}
         self._to_load: dict[str, LoadSpec] = {}
+        self._finished_saves: list[SaveSpec] = []
+        self._reported: dict[str, int] = {}  # the counters at the last get_kv_connector_stats
         # worker side
         self._caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
         self._gathered: dict[str, np.ndarray] = {}  # req -> f32[n_layers, n, width] being filled
         self._filled: dict[str, set[int]] = {}  # req -> the layers gathered so far
         self._failed_blocks: set[int] = set()
+        self._sent: set[str] = set()  # finished requests whose conversation save is done
         logger.info(
             "kvstore connector (%s): store %s, owner %s, tier %s, fingerprint %s",
             role_name,
@@ -192,7 +260,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._to_load[request.request_id] = LoadSpec(request.request_id, session_id, start, usable, [])
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        meta = KVStoreMetadata()
+        meta = KVStoreMetadata(finished=self._finished_saves)
+        self._finished_saves = []
         for new in scheduler_output.scheduled_new_reqs:
             block_ids = list(new.block_ids[0])
             prompt = list(new.prompt_token_ids or [])
@@ -235,8 +304,31 @@ class KVStoreConnector(KVConnectorBase_V1):
             meta.saves.append(SaveSpec(req_id, tracked.prompt, list(tracked.block_ids)))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Plan the save of the conversation so far (prompt + generated tokens whose rows exist);
+        True keeps the request's blocks until the worker has saved them (get_finished)."""
         self._forget(request.request_id)
-        return False, None
+        save = self._conversation(request, block_ids)
+        if save is None:
+            return False, None
+        self._finished_saves.append(save)
+        return True, None
+
+    def _conversation(self, request: Any, block_ids: list[int]) -> SaveSpec | None:
+        prompt = len(request.prompt_token_ids or [])
+        tokens = list(request.all_token_ids)
+        # rows exist for the computed tokens: the last sampled token was never fed back; tokens
+        # still in flight (async scheduling) are not in the cache yet
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        n = min(computed, len(tokens) - 1, len(block_ids) * self.block_size)
+        if n <= prompt or n < self.config.min_tokens:
+            return None  # nothing generated has rows: the prompt's save covers it
+        tokens = tokens[:n]
+        try:  # stored already (the same conversation, another process): not again
+            if self.cache.client.stored(self.cache.session_id_for(np.asarray(tokens, dtype=np.int32))) is not None:
+                return None
+        except Exception as exc:  # the store unreachable: the save would fail too; counted there
+            logger.debug("kvstore connector: could not check %s: %s", request.request_id, exc)
+        return SaveSpec(request.request_id, tokens, list(block_ids))
 
     def _forget(self, req_id: str) -> None:
         self._planned.pop(req_id, None)
@@ -246,6 +338,25 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_stats(self) -> dict[str, Any]:
         """This process's counters (lookups, hits, misses, refused, loaded and saved tokens, errors)."""
         return self.cache.stats.to_dict()
+
+    # ================================================================== vLLM's metrics (both sides)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's counter increments since the last call (vLLM sums the sides and workers)."""
+        now = self.cache.stats.to_dict()
+        delta = {name: now[name] - self._reported.get(name, 0) for name in COUNTERS}
+        self._reported = {name: now[name] for name in COUNTERS}
+        delta = {name: count for name, count in delta.items() if count}
+        return KVStoreConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -307,12 +418,32 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, KVStoreMetadata):
             return
+        for save in meta.finished:
+            try:  # the blocks are held for this save: read every layer straight from the cache
+                self.cache.save(save.tokens, self._gather(save.block_ids, len(save.tokens)))
+            except Exception as exc:  # never keep vLLM's blocks: a failed save is a future miss
+                self.cache.count_save_error(f"{save.req_id}: {exc}")
+            self._sent.add(save.req_id)
         for save in meta.saves:
             rows = self._gathered.pop(save.req_id, None)
             filled = self._filled.pop(save.req_id, set())
             # a prompt some layer did not hand over is not saved: a partial row set would be wrong KV
             if rows is not None and len(filled) == self.geometry.n_layers:
                 self.cache.save(save.tokens, rows)
+
+    def _gather(self, block_ids: list[int], n: int) -> np.ndarray:
+        """Rows of token positions ``[0, n)`` of every layer, f32 ``[n_layers, n, width]``."""
+        rows = np.empty((self.geometry.n_layers, n, self.geometry.kv_lora + self.geometry.qk_rope), dtype=np.float32)
+        slots = _slots(block_ids, self.block_size, 0, n)
+        for name, cache in self._caches.items():
+            picked = self._rows_view(cache)[slots.to(cache.device)]
+            rows[self._layer_of[name]] = picked.to(device="cpu", dtype=torch.float32).numpy()
+        return rows
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose conversation is saved: vLLM frees their blocks now."""
+        sent, self._sent = self._sent, set()
+        return (sent or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -1,9 +1,12 @@
 """Runs prompts through one vLLM process (offline ``LLM``) with the kvstore connector, for the tests.
 
 Run with vLLM's venv: ``python run_vllm.py SPEC.json OUT.json``. SPEC holds ``model`` (a folder),
-``prompts`` (lists of token ids, run one after another so each sees what the previous stored),
-``max_tokens`` (one for all, or one per prompt) and ``connector`` (the ``kv_connector_extra_config``, or null for no connector).
-OUT gets, per prompt, the generated token ids and the first generated token's top logprobs.
+``prompts`` (lists of token ids, run one after another so each sees what the previous stored; an
+entry ``{"after": i, "extra": [...]}`` continues prompt ``i``'s conversation: its tokens, the
+tokens generated for it, then ``extra``), ``max_tokens`` (one for all, or one per prompt),
+``connector`` (the ``kv_connector_extra_config``, or null for no connector) and ``metrics`` (true:
+vLLM's stats on, and OUT gets vLLM's own ``vllm:kvstore_*`` counters).
+OUT gets, per prompt, the prompt, the generated token ids and the first generated token's top logprobs.
 vLLM spawns workers, so everything runs under the ``__main__`` guard.
 """
 
@@ -44,12 +47,18 @@ def main(spec_path: str, out_path: str) -> None:
         # on CPU this is the share of the machine's memory vLLM reserves: the tiny model needs little
         gpu_memory_utilization=spec.get("memory_share", 0.1),
         kv_transfer_config=transfer,
+        disable_log_stats=not spec.get("metrics", False),
     )
     limits = spec["max_tokens"]
     if isinstance(limits, int):
         limits = [limits] * len(spec["prompts"])
     results = []
-    for tokens, limit in zip(spec["prompts"], limits, strict=True):
+    for entry, limit in zip(spec["prompts"], limits, strict=True):
+        if isinstance(entry, dict):  # a next turn of an earlier prompt's conversation
+            earlier = results[entry["after"]]
+            tokens = earlier["prompt"] + earlier["tokens"] + entry["extra"]
+        else:
+            tokens = entry
         params = SamplingParams(temperature=0.0, max_tokens=limit, logprobs=5)
         started = time.perf_counter()
         (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
@@ -58,13 +67,20 @@ def main(spec_path: str, out_path: str) -> None:
         first = completion.logprobs[0] if completion.logprobs else {}
         results.append(
             {
+                "prompt": list(tokens),
                 "tokens": list(completion.token_ids),
                 "first_logprobs": {str(k): v.logprob for k, v in first.items()},
                 "seconds": seconds,
             }
         )
+    counters = {}
+    if spec.get("metrics"):
+        for metric in llm.get_metrics():
+            if metric.name.startswith("vllm:kvstore_"):
+                name = metric.name.removeprefix("vllm:kvstore_")
+                counters[name] = counters.get(name, 0) + int(getattr(metric, "value", 0))
     with open(out_path, "w") as f:
-        json.dump({"results": results}, f)
+        json.dump({"results": results, "vllm_metrics": counters}, f)
 
 
 if __name__ == "__main__":

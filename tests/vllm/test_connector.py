@@ -2,8 +2,12 @@
 
 Four vLLM processes share one model folder (float32, so equal inputs give equal tokens):
 
-1. ``first`` (embedded mode): an empty store folder; prompt A (300 tokens) is computed and saved,
-   then prompt B (A's first 256 tokens, another suffix) loads A's stored prefix and computes the rest.
+1. ``first`` (embedded mode, vLLM's own metrics on): an empty store folder; prompt A (300 tokens)
+   is computed and saved, and when it finishes, its conversation (A and the tokens generated for
+   it); prompt B (A's first 256 tokens, another suffix) loads A's stored prefix and computes the
+   rest; F, the next turn of A's conversation (A, A's answer, 40 new tokens), loads the previous
+   turn whole, answer included (304 tokens, not only the prompt's 288: the very rows of A's prefill
+   and of its answer). vLLM's ``vllm:kvstore_*`` counters equal the connector's.
 2. ``second`` (service mode): a **new process** reaching that store through ``kvstore serve`` with
    the key of the same owner (``vllm``): A and B each load 288 stored tokens.
 3. ``bob`` (service mode, another key and owner, same server): A is a miss (owner isolation), is
@@ -12,7 +16,8 @@ Four vLLM processes share one model folder (float32, so equal inputs give equal 
 4. ``altered`` (embedded mode): a copy of the store whose rows were changed on disk, plus rows of
    prompt C stored under another model's fingerprint. Verification refuses the changed rows, so
    vLLM recomputes A and B (the computed reference for both), and C's rows are refused by
-   fingerprint.
+   fingerprint. (F has no computed reference: vLLM's CPU prefill of a prompt of another length
+   does not give bit-equal rows for the same leading tokens, so F's tokens are not compared.)
 
 vLLM's venv comes from tests/vllm/setup_venv.sh (``.vllm-venv``, or ``$KVSTORE_VLLM_VENV``); without
 it these tests skip, except in CI (``KVSTORE_CI=1``), where they fail.
@@ -49,14 +54,24 @@ RNG = np.random.default_rng(20)
 PROMPT_A = RNG.integers(2, 512, size=300).tolist()
 PROMPT_B = PROMPT_A[:256] + RNG.integers(2, 512, size=44).tolist()
 PROMPT_C = RNG.integers(2, 512, size=200).tolist()
+NEXT_TURN = {"after": 0, "extra": RNG.integers(2, 512, size=40).tolist()}  # F: A's conversation, continued
 
 
-def run_vllm(tmp: Path, model: Path, prompts: list[list[int]], connector: dict | None) -> list[dict]:
-    """Run ``prompts`` one after another in a new vLLM process; each result's tokens and first logprobs."""
+def run_vllm(tmp: Path, model: Path, prompts: list, connector: dict | None, metrics: bool = False) -> list[dict]:
+    """Run ``prompts`` one after another in a new vLLM process; each result's tokens and first logprobs
+    (with ``metrics``, vLLM's own ``vllm:kvstore_*`` counters are in ``tmp/out.json``)."""
     spec = tmp / "spec.json"
     out = tmp / "out.json"
     spec.write_text(
-        json.dumps({"model": str(model), "prompts": prompts, "max_tokens": MAX_TOKENS, "connector": connector})
+        json.dumps(
+            {
+                "model": str(model),
+                "prompts": prompts,
+                "max_tokens": MAX_TOKENS,
+                "connector": connector,
+                "metrics": metrics,
+            }
+        )
     )
     # vLLM on CPU reserves its cache from this (GiB); the tiny model needs little. No network.
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -112,8 +127,9 @@ def store(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def first(tmp_path_factory, model, store):
     tmp = tmp_path_factory.mktemp("first")
-    results = run_vllm(tmp, model, [PROMPT_A, PROMPT_B], {"store": str(store), "stats_dir": str(tmp / "stats")})
-    return results, stats(tmp / "stats")
+    connector = {"store": str(store), "stats_dir": str(tmp / "stats")}
+    results = run_vllm(tmp, model, [PROMPT_A, PROMPT_B, NEXT_TURN], connector, metrics=True)
+    return results, stats(tmp / "stats"), json.loads((tmp / "out.json").read_text())["vllm_metrics"]
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +167,7 @@ def altered(tmp_path_factory, model, store, served):
     copy = tmp / "kv"
     shutil.copytree(store, copy)
     journals = sorted((copy / "journals").glob("*.coli_kv"))
-    assert len(journals) == 3  # A and B of owner vllm, A of bob
+    assert len(journals) == 8  # owner vllm: A, B, F and their conversations; bob: A and its conversation
     for path in journals:
         header, _ = read_header(path)
         with open(path, "r+b") as f:  # record 100, layer 0, latent value 3: a plausible, wrong value
@@ -178,10 +194,12 @@ def altered(tmp_path_factory, model, store, served):
 
 
 def test_a_new_process_loads_the_stored_prefix_and_generates_the_same_tokens(first, second, altered):
-    (computed_a, _), first_stats = first
+    (computed_a, _, _), first_stats, _ = first
     (loaded_a, _), second_stats = second
     (recomputed_a, _, _), _ = altered
-    assert first_stats["scheduler"]["misses"] >= 1 and first_stats["worker"]["saves"] == 2
+    # A, B, F and their three conversations; the new process stores nothing it found stored
+    assert first_stats["scheduler"]["misses"] == 1 and first_stats["worker"]["saves"] == 6
+    assert second_stats["worker"]["saves"] == 0
     sched, worker = second_stats["scheduler"], second_stats["worker"]
     assert sched["hits"] == 2 and sched["lookups"] == sched["hits"] + sched["misses"]
     assert worker["loads"] == 2 and worker["loaded_tokens"] == 288 + 288 and worker["load_errors"] == 0
@@ -190,11 +208,47 @@ def test_a_new_process_loads_the_stored_prefix_and_generates_the_same_tokens(fir
 
 
 def test_a_shared_prefix_with_another_suffix_loads_the_shared_blocks(first, altered):
-    (_, loaded_b), first_stats = first
+    (_, loaded_b, _), first_stats, _ = first
     (_, computed_b, _), _ = altered
-    # B shares A's first 256 tokens: those are loaded, its own 44 computed
-    assert first_stats["scheduler"]["hits"] == 1 and first_stats["worker"]["loaded_tokens"] == 256
+    # B shares A's first 256 tokens: those are loaded, its own 44 computed (F loads 304, below)
+    assert first_stats["scheduler"]["hits"] == 2 and first_stats["worker"]["loaded_tokens"] == 256 + 304
     assert loaded_b["tokens"] == computed_b["tokens"]
+
+
+def test_a_next_turn_loads_the_previous_answers_rows_too(first, store, altered):
+    from kvstore.store import SessionStore
+
+    (a, _, next_turn), first_stats, _ = first
+    assert next_turn["prompt"] == a["prompt"] + a["tokens"] + NEXT_TURN["extra"]
+    assert len(next_turn["tokens"]) == MAX_TOKENS
+    # A's conversation was saved with the rows of A and of its answer but the last token (never fed
+    # back): 311 tokens, whole blocks of 16 of them loaded, past A's prompt of 300
+    assert first_stats["worker"]["saved_tokens"] == 300 + 311 + 300 + 311 + 352 + 363
+    assert first_stats["worker"]["loaded_tokens"] - 256 == (300 + MAX_TOKENS - 1) // 16 * 16 == 304
+    with SessionStore(store) as opened:  # every fixture's process and server has finished with it
+        stored = {}
+        for info in opened.list(owner="vllm"):
+            records = opened.resume(info.id, owner="vllm").records
+            L, R, _ = records.dequantize()
+            stored[tuple(records.tokens.tolist())] = np.concatenate([L, R], axis=-1)
+    prompt = stored[tuple(a["prompt"])]
+    conversation = stored[tuple(a["prompt"] + a["tokens"][:-1])]
+    next_prompt = stored[tuple(next_turn["prompt"])]
+    # the conversation holds the very rows of the prompt's prefill, then the answer's
+    assert np.array_equal(conversation[:, :300], prompt)
+    # and the next turn attended to exactly those rows: its own stored prompt begins with them
+    assert np.array_equal(next_prompt[:, :304], conversation[:, :304])
+
+
+def test_vllms_own_metrics_carry_the_connectors_counters(first):
+    _, counted, in_vllm = first
+    both = {name: counted["scheduler"][name] + counted["worker"][name] for name in counted["scheduler"]}
+    for name in ("lookups", "hits", "misses", "refused", "matched_tokens", "loads", "loaded_tokens", "load_errors"):
+        assert in_vllm.get(name, 0) == both[name], name
+    assert in_vllm["lookups"] == in_vllm["hits"] + in_vllm["misses"] == 3
+    # the last conversation is saved in the step after the last request finished, which vLLM may
+    # not have reported yet when its metrics are read
+    assert both["saves"] - 1 <= in_vllm["saves"] <= both["saves"]
 
 
 def test_altered_rows_are_refused_by_verification_and_recomputed(altered):
@@ -205,12 +259,12 @@ def test_altered_rows_are_refused_by_verification_and_recomputed(altered):
 
 
 def test_another_owner_never_loads_the_prefix_and_the_server_counts_every_lookup(first, served):
-    (computed_a, _), _ = first
+    (computed_a, _, _), _, _ = first
     (bob_computed, bob_loaded), bob = served["bob"]
     sched, worker = bob["scheduler"], bob["worker"]
     # bob's first A missed (vllm's A is not his); his second A found his own save
     assert (sched["lookups"], sched["hits"], sched["misses"], sched["refused"]) == (2, 1, 1, 0)
-    assert worker["saves"] == 1 and worker["loads"] == 1 and worker["loaded_tokens"] == 288
+    assert worker["saves"] == 2 and worker["loads"] == 1 and worker["loaded_tokens"] == 288  # A, its conversation
     assert bob_computed["tokens"] == bob_loaded["tokens"] == computed_a["tokens"]
     # the server answered exactly the two service-mode processes' lookups
     mine = [served[name][1]["scheduler"] for name in ("second", "bob")]
