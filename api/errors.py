@@ -35,6 +35,7 @@ from kvstore.errors import (
     FingerprintMismatch,
     FormatError,
     GeometryMismatch,
+    IdempotencyKeyReused,
     IndexFull,
     IndexIOError,
     IndexSchemaError,
@@ -175,6 +176,7 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     LeaseHeld: 409,  # another replica writes the session now
     StaleLease: 409,  # fenced: another replica took the session over (LeaseExpired too)
     RecordCountMismatch: 409,
+    IdempotencyKeyReused: 422,  # the key came first with another request (as the Idempotency-Key draft says)
     SegmentLost: 503,  # the upload was collected before its commit: sending it again works
     NotOnSharedStore: 501,  # a route the shared backend does not serve yet (docs/SCALE.md)
     # gpu (by name: importing kvstore.gpu imports torch)

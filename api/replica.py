@@ -11,7 +11,9 @@ either. This module holds what differs for a replica:
   them sooner, so a new key works at once); while PostgreSQL is
   down the keys read last keep working (the request itself then answers 503);
 - :class:`RefuseUnserved`: the routes the shared backend does not serve yet answer 501
-  ``NotOnSharedStore`` before doing anything (:data:`NOT_SERVED`).
+  ``NotOnSharedStore`` before doing anything (:data:`NOT_SERVED`);
+- :class:`IdempotencyKeys`: an append's ``Idempotency-Key`` header, handed to the store, which
+  applies the append once across every replica and answers a retry with the first result.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from starlette.routing import compile_path
 from kvstore import keys as store_keys
 from kvstore.api.keys import KeyTable
 from kvstore.api.settings import Settings
-from kvstore.errors import NotOnSharedStore, Unavailable
+from kvstore.errors import InvalidRequest, NotOnSharedStore, Unavailable
 from kvstore.keys import Keyring
 
 log = logging.getLogger("kvstore.api")
@@ -36,15 +38,12 @@ MISS_REFRESH_S = 0.2  # an unknown key re-reads keys older than this (a new key 
 
 #: (method, route path) of the routes a replica answers with 501 for now (docs/SCALE.md).
 NOT_SERVED: dict[tuple[str, str], str] = {
-    ("POST", "/sessions/{session_id}/truncate"): "truncate",
-    ("POST", "/sessions/{session_id}/fork"): "fork",
     ("GET", "/sessions/{session_id}/verify"): "verify",
     ("POST", "/sessions/{session_id}/park"): "park",
     ("POST", "/sessions/{session_id}/unpark"): "unpark",
     ("GET", "/sessions/{session_id}/file/inspect"): "inspect",
     ("POST", "/sessions/{session_id}/file/repair"): "repair",
     ("POST", "/sessions/{session_id}/file/migrate"): "migrate",
-    ("POST", "/lookup"): "prefix lookup",
     ("POST", "/sessions/{session_id}/generate"): "generate",
 }
 
@@ -60,6 +59,8 @@ def open_store(settings: Settings):
         data_dir=settings.data_dir,
         lease_ttl=settings.lease_ttl,
         lock_timeout=settings.lock_timeout,
+        **({"cache_bytes": settings.cache_bytes} if settings.cache_bytes is not None else {}),
+        budget_bytes=settings.budget_bytes,
     )
 
 
@@ -77,11 +78,60 @@ class RefuseUnserved:
                 if scope["method"] == method and pattern.match(scope["path"]):
                     reason = NotOnSharedStore(
                         f"{method} {path} ({what}) is not yet on the shared store (PostgreSQL + S3); a replica "
-                        "serves create, list, get, tags, append, resume and delete (docs/SCALE.md)"
+                        "serves create, list, get, tags, append, resume, truncate, fork, prefix lookup and delete "
+                        "(docs/SCALE.md)"
                     ).reason
                     answer = JSONResponse({"error": "NotOnSharedStore", "reason": reason}, status_code=501)
                     return await answer(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+_APPEND_PATH = compile_path("/sessions/{session_id}/append")[0]
+
+
+class IdempotencyKeys:
+    """ASGI middleware of a replica: an append's ``Idempotency-Key`` header goes to the store
+    (:data:`~kvstore.store.shared.sessions.CURRENT_REQUEST`), which records it with the result in
+    the commit transaction, so a retry through any replica answers the first result instead of
+    appending again; such an answer carries ``Idempotent-Replayed: true``. A malformed key is
+    refused (400) before the body is read; one reused with other rows answers 422
+    ``IdempotencyKeyReused``. Other routes ignore the header."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or not _APPEND_PATH.match(scope["path"]):
+            return await self.app(scope, receive, send)
+        from kvstore.store.shared.sessions import CURRENT_REQUEST, AppendRequest
+        from kvstore.store.shared.store import RequestKey
+
+        values = [v for k, v in scope.get("headers", ()) if k == IDEMPOTENCY_HEADER.lower().encode()]
+        if not values:
+            return await self.app(scope, receive, send)
+        try:
+            if len(values) > 1:
+                raise InvalidRequest(f"{IDEMPOTENCY_HEADER} is given {len(values)} times; send it once")
+            request = AppendRequest(RequestKey(values[0].decode("latin-1")))
+        except InvalidRequest as exc:
+            answer = JSONResponse({"error": "InvalidRequest", "reason": exc.reason}, status_code=400)
+            return await answer(scope, receive, send)
+
+        async def marked(message):
+            if message["type"] == "http.response.start" and request.replayed:
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", ()), (REPLAYED_HEADER.lower().encode(), b"true")],
+                }
+            await send(message)
+
+        token = CURRENT_REQUEST.set(request)
+        try:
+            await self.app(scope, receive, marked)
+        finally:
+            CURRENT_REQUEST.reset(token)
 
 
 class IndexKeyTable(KeyTable):

@@ -28,7 +28,8 @@ class Settings:
     Attributes
     ----------
     data_dir : the store's folder (``keys.json`` lives there too)
-    budget_bytes, hard_limit_bytes : the store's disk budget and hard limit (see SessionStore)
+    budget_bytes, hard_limit_bytes : the store's disk budget and hard limit (see SessionStore); on a
+        replica of a shared store the budget is the whole shared store's (its LRU sessions deleted)
     max_body_bytes : request bodies larger than this are refused with 413 before being read
     api_keys_env : ``key:owner,key:owner`` (the ``KVSTORE_API_KEYS`` variable by default, read
         when the settings are built)
@@ -54,6 +55,8 @@ class Settings:
         neither): this service is then one replica of it (``kvstore.store.shared``, docs/SCALE.md)
         and reads its API keys from the index; ``data_dir`` is only the replica's local folder
     lease_ttl : seconds a replica's write lease on a session lasts (shared store only)
+    cache_bytes : the size budget of a replica's local cache of segment objects in ``data_dir``
+        (shared store only; None: 8 GiB, 0: no cache)
     """
 
     data_dir: Path = Path("./data")
@@ -77,6 +80,7 @@ class Settings:
     index_url: str | None = None
     blobs_url: str | None = None
     lease_ttl: float = 30.0
+    cache_bytes: int | None = None
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -106,13 +110,20 @@ class Settings:
             )
         if not isinstance(self.lease_ttl, (int, float)) or not 0.5 <= self.lease_ttl <= 3600:
             raise ConfigError(f"lease_ttl must be 0.5 to 3600 seconds, not {self.lease_ttl!r}")
+        if self.cache_bytes is not None and (
+            not isinstance(self.cache_bytes, int) or isinstance(self.cache_bytes, bool) or self.cache_bytes < 0
+        ):
+            raise ConfigError(f"cache_bytes must be a number of bytes >= 0, not {self.cache_bytes!r}")
         if self.index_url is None:
+            if self.cache_bytes is not None:
+                raise ConfigError(
+                    "--cache-size: only a replica of a shared store (--index, --blobs) has a segment cache"
+                )
             return
         unsupported = [
             name
             for name, value in (
                 ("--model", self.model_dir),
-                ("--budget", self.budget_bytes),
                 ("--hard-limit", self.hard_limit_bytes),
             )
             if value is not None

@@ -77,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         index_url=index_url,
         blobs_url=blobs_url,
         **({"lease_ttl": args.lease_ttl} if args.lease_ttl is not None else {}),
+        cache_bytes=parse_size(args.cache_size),
     )
     _log_to_stderr(args.log_level)
     app = create_app(settings, first_key=False)
@@ -146,6 +147,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="with --index: seconds a replica's write lease on a session lasts; a replica that dies mid-append "
         "holds the session that long (default 30)",
+    )
+    p.add_argument(
+        "--cache-size",
+        help="with --index: size budget of this replica's local cache of segment objects in --data, e.g. 20G "
+        "(least recently used copies evicted; default 8G, 0 for none)",
     )
     p.add_argument("--budget", help="soft disk budget, e.g. 50G (LRU sessions are parked, then deleted)")
     p.add_argument("--hard-limit", help="hard disk limit, e.g. 60G (writes past it are refused)")

@@ -67,6 +67,7 @@ __all__ = [
     "LeaseExpired",
     "LeaseHeld",
     "NotOnSharedStore",
+    "IdempotencyKeyReused",
     "RecordCountMismatch",
     "SegmentLost",
     "StaleLease",
@@ -258,6 +259,11 @@ class RecordCountMismatch(KVStoreError, ValueError):
 class SegmentLost(KVStoreError, RuntimeError):
     """A segment's upload intent was collected as garbage before its commit (the writer was slower
     than the GC grace); nothing was published. Upload the rows again."""
+
+
+class IdempotencyKeyReused(KVStoreError, ValueError):
+    """An idempotency key was sent again with another request (other rows, or another turn flag)
+    than the one it first came with; nothing was written. Send a new key with a new request."""
 
 
 class NotOnSharedStore(KVStoreError, NotImplementedError):

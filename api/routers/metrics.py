@@ -228,6 +228,23 @@ class ServiceCollector:
                 "The hard disk limit (writes past it are refused).",
                 value=usage["hard_limit_bytes"],
             )
+        cache = store.cache_counts() if hasattr(store, "cache_counts") else None  # a replica's segment cache
+        if cache is not None:
+            yield CounterMetricFamily(
+                "kvstore_cache_hits", "Segment reads served by the local cache.", value=cache.hits
+            )
+            yield CounterMetricFamily(
+                "kvstore_cache_misses", "Segment reads that went to the object store.", value=cache.misses
+            )
+            yield CounterMetricFamily(
+                "kvstore_cache_damaged",
+                "Local copies refused by length or digest (fetched again).",
+                value=cache.damaged,
+            )
+            yield GaugeMetricFamily("kvstore_cache_bytes", "Bytes of the local segment cache.", value=cache.bytes)
+            yield GaugeMetricFamily(
+                "kvstore_cache_budget_bytes", "Size budget of the local segment cache.", value=cache.budget_bytes
+            )
         by_tier = store.usage_by_tier()
         tier_bytes = GaugeMetricFamily(
             "kvstore_store_tier_bytes", "Journal and archive bytes of the sessions of each tier.", labels=["tier"]

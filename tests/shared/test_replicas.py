@@ -318,7 +318,10 @@ def test_retry_after_of_the_errors_that_say_when(tmp_path):
     [
         ({"index_url": "postgresql://kv@127.0.0.1:1/kv"}, "both"),
         ({"blobs_url": "s3://b/p"}, "both"),
-        ({"index_url": "postgresql://kv@127.0.0.1:1/kv", "blobs_url": "s3://b/p", "budget_bytes": 1 << 30}, "--budget"),
+        (
+            {"index_url": "postgresql://kv@127.0.0.1:1/kv", "blobs_url": "s3://b/p", "hard_limit_bytes": 1 << 30},
+            "--hard-limit",
+        ),
         ({"index_url": "postgresql://kv@127.0.0.1:1/kv", "blobs_url": "s3://b/p", "lease_ttl": 0}, "lease_ttl"),
     ],
 )

@@ -12,8 +12,12 @@ Where each concern lives::
                GC's queries; PostgreSQL down -> IndexUnavailable (retry_after)
     blobs.py   BlobStore: segment objects through standard S3 calls, retries with backoff;
                BlobStoreUnavailable when they run out
-    store.py   SharedStore: create, acquire/renew/release, append (intent, upload, commit),
+    store.py   SharedStore: create, acquire/renew/release, append (intent, upload, commit; an
+               idempotency key recorded by the commit), fork (segment rows copied, objects
+               shared), truncate (a fenced commit dropping rows), prefix blocks,
                read_records / file_bytes (the .coli_kv image), gc
+    cache.py   SegmentCache: a replica's local copies of segment objects in --data (checked by
+               length and digest, a size budget, its own LRU)
     transfer.py  push / pull: sessions between an embedded SessionStore and a SharedStore, turn by
                turn (``kvstore store push|pull``); imported by its users only
     sessions.py  SharedSessionStore: the methods the service's routes call on a SessionStore, over
@@ -22,13 +26,22 @@ Where each concern lives::
 
 API keys in the index (table ``kv_keys``) are ``kvstore.keys.IndexKeys``, over ``SharedIndex``.
 
-Not yet here (docs/SCALE.md, "What remains"): the replica's local cache, prefix lookup, fork and
-truncate (a replica answers those routes 501 ``NotOnSharedStore``).
+Not yet here (docs/SCALE.md, "What remains"): the global budget, park/unpark, the verify report
+and the file tools (a replica answers those routes 501 ``NotOnSharedStore``).
 """
 
 from kvstore.store.shared.blobs import BlobStore, ObjectInfo, parse_blobs_url
 from kvstore.store.shared.index import Grant, ReadPlan, Segment, SharedIndex
-from kvstore.store.shared.store import AppendAck, GCReport, Lease, Prepared, SharedStore, default_holder, digest_of
+from kvstore.store.shared.store import (
+    AppendAck,
+    GCReport,
+    Lease,
+    Prepared,
+    RequestKey,
+    SharedStore,
+    default_holder,
+    digest_of,
+)
 
 __all__ = [
     "AppendAck",
@@ -39,6 +52,7 @@ __all__ = [
     "ObjectInfo",
     "Prepared",
     "ReadPlan",
+    "RequestKey",
     "Segment",
     "SharedIndex",
     "SharedStore",

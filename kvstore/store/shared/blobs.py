@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar
 from urllib.parse import urlsplit
 
-import boto3
+import boto3.session
 import botocore.config
 import botocore.exceptions
 

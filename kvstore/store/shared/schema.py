@@ -9,7 +9,7 @@ from __future__ import annotations
 #: ``pg_advisory_xact_lock`` key serializing schema creation and upgrades across replicas.
 SCHEMA_LOCK = 0x6B7673_0001
 
-CURRENT_VERSION = 1
+CURRENT_VERSION = 4
 
 #: version reached -> the statements that reach it from the version before.
 STEPS: dict[int, tuple[str, ...]] = {
@@ -73,6 +73,43 @@ STEPS: dict[int, tuple[str, ...]] = {
             position bigserial
         )""",
         "CREATE INDEX IF NOT EXISTS kv_keys_owner ON kv_keys (owner, position)",
+    ),
+    # idempotency keys: (session, the client's Idempotency-Key) -> the first result, written by the
+    # commit that appended it, so a retry through any replica answers it instead of appending again
+    2: (
+        """CREATE TABLE IF NOT EXISTS kv_idempotency (
+            key text NOT NULL REFERENCES kv_sessions (key) ON DELETE CASCADE,
+            request_key text NOT NULL,
+            request_digest bytea NOT NULL CHECK (length(request_digest) = 32),
+            first_record bigint NOT NULL,
+            end_record bigint NOT NULL,
+            created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+            PRIMARY KEY (key, request_key)
+        )""",
+        "CREATE INDEX IF NOT EXISTS kv_idempotency_age ON kv_idempotency (created_at)",
+    ),
+    # fork: sessions share immutable objects, so an object may be listed by several segment rows;
+    # an object a truncate or delete no longer lists waits in kv_dropped for GC (readers of an
+    # older snapshot may still fetch it during the grace)
+    3: (
+        "ALTER TABLE kv_segments DROP CONSTRAINT IF EXISTS kv_segments_object_key",
+        "CREATE INDEX IF NOT EXISTS kv_segments_object ON kv_segments (object)",
+        """CREATE TABLE IF NOT EXISTS kv_dropped (
+            object text PRIMARY KEY,
+            dropped_at timestamptz NOT NULL DEFAULT clock_timestamp()
+        )""",
+    ),
+    # prefix lookup: the chain hash of every whole 64-token block below a session's watermark
+    # (kvstore.migrations.index.chain_hashes, seeded by owner and fingerprint), written by the
+    # commit that moves the watermark
+    4: (
+        """CREATE TABLE IF NOT EXISTS kv_prefix (
+            key text NOT NULL REFERENCES kv_sessions (key) ON DELETE CASCADE,
+            block integer NOT NULL CHECK (block >= 0),
+            chain bytea NOT NULL,
+            PRIMARY KEY (key, block)
+        )""",
+        "CREATE INDEX IF NOT EXISTS kv_prefix_chain ON kv_prefix (chain, block)",
     ),
 }
 

@@ -4,25 +4,30 @@
 :class:`~kvstore.store.SessionStore` — create, get, list, set_tags, delete, append (raw records or
 arrays), reader / resume, usage, stats — with the same value types (:class:`SessionInfo`,
 :class:`AppendResult`, a reader with :class:`~kvstore.store.SessionReader`'s attributes), so the
-routes do not know which backend they talk to. What it does not serve yet (truncate, fork, park,
-unpark, prefix lookup, inspect, repair, migrate, verify as a report) raises
+routes do not know which backend they talk to — fork, truncate and prefix lookup included. What it
+does not serve yet (park, unpark, inspect, repair, migrate, verify as a report) raises
 :class:`NotOnSharedStore`, naming the operation.
 
 Writes follow docs/SCALE.md: every append takes the session's lease (waiting up to
 ``lock_timeout`` while another replica holds it), uploads a segment, commits it fenced by the
 lease's token, then releases the lease so the next append may come through any replica. An append
 whose commit got no answer (PostgreSQL down) keeps its lease and the attempt in doubt: the
-client's retry of the same bytes settles it, so it is appended exactly once.
+client's retry of the same bytes settles it, so it is appended exactly once; with an idempotency
+key (:data:`CURRENT_REQUEST`) a retry through any other replica answers the first result too.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -35,6 +40,7 @@ from kvstore.errors import (
     LeaseHeld,
     NotOnSharedStore,
     SessionDamaged,
+    SessionExists,
     SessionNotFound,
     StaleLease,
     Unavailable,
@@ -42,9 +48,21 @@ from kvstore.errors import (
 from kvstore.formats import coli_kv, fp8, nonfinite
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
+from kvstore.migrations import index as prefix_schema
+from kvstore.store.budget import Eviction
+from kvstore.store.prefix import LookupResult, common_prefix
 from kvstore.store.reader import Resumed, check_fingerprint
+from kvstore.store.shared.cache import DEFAULT_CACHE_BYTES, CacheCounts, SegmentCache
 from kvstore.store.shared.index import ReadPlan, SharedIndex
-from kvstore.store.shared.store import DEFAULT_TTL_S, Lease, SharedStore, default_holder
+from kvstore.store.shared.store import (
+    DEFAULT_TTL_S,
+    UNKNOWN_MODEL,
+    Lease,
+    RequestKey,
+    SharedStore,
+    default_holder,
+    fingerprint_key_of,
+)
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
     STATES,
@@ -54,6 +72,7 @@ from kvstore.store.values import (
     public_id,
     storage_key,
     tier_record,
+    validate_owner,
     validate_session_id,
     validate_tags,
 )
@@ -61,7 +80,22 @@ from kvstore.store.writes import AppendResult, refuse_nonfinite
 from kvstore.tiers import Tier
 
 _READ_CHUNK_BYTES = 4 << 20
-_UNKNOWN_MODEL = ModelInfo(name="unknown", revision="unknown")  # a session pushed or made without one
+log = logging.getLogger("kvstore.store")
+
+
+@dataclass
+class AppendRequest:
+    """What the service knows of the append request being served: the client's idempotency key and,
+    once answered, whether the answer was replayed from an earlier request with that key."""
+
+    key: RequestKey
+    replayed: bool = False
+
+
+#: The idempotency key of the append request this context serves (set by the replica's HTTP layer
+#: from ``Idempotency-Key``, read by :meth:`SharedSessionStore.append_records` and ``append``):
+#: the routes call the same methods on both backends, so the key travels beside the call.
+CURRENT_REQUEST: ContextVar[AppendRequest | None] = ContextVar("kvstore_append_request", default=None)
 
 
 class SharedSessionStore:
@@ -71,10 +105,14 @@ class SharedSessionStore:
     ----------
     index_url : ``postgresql://USER@HOST:PORT/DB``
     blobs_url : ``s3://BUCKET/PREFIX`` (endpoint and credentials from ``AWS_*``)
-    data_dir : the replica's local folder (created 0700; the segment cache of a later milestone:
-        nothing in it is needed to serve, so a replica may start with it empty)
+    data_dir : the replica's local folder (created 0700): its cache of segment objects
+        (:class:`~kvstore.store.shared.cache.SegmentCache`); nothing in it is needed to serve, so a
+        replica may start with it empty
     lease_ttl : seconds a write lease lasts; a replica killed mid-append holds a session that long
     lock_timeout : seconds an append waits for a lease another replica holds (then 409 LeaseHeld)
+    cache_bytes : the cache's size budget (0: no cache)
+    budget_bytes : the whole shared store's budget (None: none): after each write the least recently
+        used sessions of every replica are deleted until the store fits it (:meth:`enforce_budget`)
     """
 
     def __init__(
@@ -85,15 +123,18 @@ class SharedSessionStore:
         data_dir: str | os.PathLike = "./data",
         lease_ttl: float = DEFAULT_TTL_S,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        budget_bytes: int | None = None,
     ):
         self._data_dir = Path(data_dir)
         self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.shared = SharedStore.connect(index_url, blobs_url, ttl=lease_ttl)
+        cache = SegmentCache(self._data_dir, cache_bytes) if cache_bytes > 0 else None
+        self.shared = SharedStore.connect(index_url, blobs_url, ttl=lease_ttl, cache=cache)
         self.lock_timeout = lock_timeout
         self.holder = default_holder()  # this replica, as the leases name it
         self.stats = StoreStats()
         self.reconcile_actions: list[str] = []  # what the embedded store repairs on open: nothing here
-        self.budget_bytes = None
+        self.budget_bytes = budget_bytes
         self.hard_limit_bytes = None
         self._writers: dict[str, list] = {}  # key -> [lock, users]: one append per session at a time here
         self._writers_lock = threading.Lock()
@@ -131,8 +172,8 @@ class SharedSessionStore:
         """A shared index row as the embedded index's record (what :class:`SessionInfo` reads)."""
         header = coli_kv.parse_header(row["header"])
         stored = row["record"] or {}
-        model = ModelInfo.from_dict(stored["model"]) if stored.get("model") else _UNKNOWN_MODEL
-        fingerprint = stored.get("fingerprint") or Fingerprint(model, header.geometry, header.tier).key()
+        model = ModelInfo.from_dict(stored["model"]) if stored.get("model") else UNKNOWN_MODEL
+        fingerprint = fingerprint_key_of(row)
         return {
             "id": row["key"],
             "owner": row["owner"],
@@ -188,7 +229,12 @@ class SharedSessionStore:
     def usage(self) -> dict[str, int | None]:
         """Bytes of every session's records and headers in the shared store (all replicas)."""
         used = sum(nbytes for _, _, nbytes in self.index.usage())
-        return {"used_bytes": used, "reserved_bytes": 0, "budget_bytes": None, "hard_limit_bytes": None}
+        return {"used_bytes": used, "reserved_bytes": 0, "budget_bytes": self.budget_bytes, "hard_limit_bytes": None}
+
+    def cache_counts(self) -> CacheCounts | None:
+        """This replica's segment cache: hits, misses, damaged copies refused, evictions, size
+        (None without a cache); ``GET /metrics`` reports them."""
+        return self.shared.cache.counts() if self.shared.cache is not None else None
 
     def usage_by_tier(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -279,8 +325,17 @@ class SharedSessionStore:
             if complete_turn and info.watermark < info.n_records:
                 self._under_lease(key, self._mark_complete)
             return AppendResult(self.get(public_id(key), owner=info.owner), 0, None, found)
-        ack = self._under_lease(key, lambda lease: self.shared.append(lease, rows, complete=complete_turn))
+        request = CURRENT_REQUEST.get()
+        ack = self._under_lease(
+            key,
+            lambda lease: self.shared.append(
+                lease, rows, complete=complete_turn, request=request.key if request is not None else None
+            ),
+        )
+        if ack.replayed and request is not None:
+            request.replayed = True  # the HTTP layer says so (Idempotent-Replayed)
         self.stats.appended(time.perf_counter() - started)
+        self._after_write(key)
         return AppendResult(
             self.get(public_id(key), owner=info.owner), ack.end - ack.start, (ack.start, ack.end), found
         )
@@ -298,6 +353,7 @@ class SharedSessionStore:
             updated_ns=time.time_ns(),
             last_used_ns=time.time_ns(),
             complete=[segments[-1].first_record] if segments else [],
+            blocks=self.shared.new_blocks(lease.key, row, lease.n_records, None, lease.n_records),
         )
 
     @contextmanager
@@ -422,14 +478,46 @@ class SharedSessionStore:
     def _missing(self, what: str) -> NotOnSharedStore:
         return NotOnSharedStore(
             f"{what} is not yet on the shared store (PostgreSQL + S3); this replica serves create, list, get, "
-            "tags, append, resume and delete (docs/SCALE.md)"
+            "tags, append, resume, truncate, fork, prefix lookup and delete (docs/SCALE.md)"
         )
 
-    def truncate(self, *args: Any, **kwargs: Any) -> SessionInfo:
-        raise self._missing("truncate")
+    def truncate(self, session_id: str, n_records: int, *, owner: str | None = None) -> SessionInfo:
+        """Keep the first ``n_records`` records (the watermark becomes ``min(watermark, n)``): a
+        commit under the session's lease that drops segment rows (a segment cut by ``n`` gets a new
+        object with its first records); objects no session lists any more go to GC."""
+        key = self._key(session_id, owner)
+        self._under_lease(key, lambda lease: self.shared.truncate(lease, n_records))
+        return self.get(public_id(key), owner=self.index.session(key)["owner"])
 
-    def fork(self, *args: Any, **kwargs: Any) -> SessionInfo:
-        raise self._missing("fork")
+    def fork(
+        self,
+        session_id: str,
+        *,
+        at: int | None = None,
+        new_id: str | None = None,
+        owner: str | None = None,
+        tags: Iterable[str] | None = None,
+    ) -> SessionInfo:
+        """A new session holding the first ``at`` records (default: the watermark), published by one
+        transaction that copies the segment rows (objects shared, immutable). The fork's watermark
+        is ``min(source watermark, at)``; it belongs to the source's owner."""
+        source = self._key(session_id, owner)
+        row = self.index.session(source)
+        new_key = storage_key(new_id if new_id is not None else uuid.uuid4().hex, row["owner"])
+        if new_id is not None:
+            validate_session_id(new_id)
+        if new_key == source:
+            raise SessionExists(f"session {public_id(new_key)!r} already exists")
+        stored = dict(row["record"] or {})
+        record = {
+            **stored,
+            "fingerprint": fingerprint_key_of(row),
+            "tags": validate_tags(stored.get("tags") or () if tags is None else tags),
+            "parent": source,
+        }
+        self.shared.fork(source, new_key, at, record)
+        self._after_write(new_key)
+        return self.get(public_id(new_key), owner=row["owner"])
 
     def verify(self, *args: Any, **kwargs: Any) -> Any:
         raise self._missing("verify (resume with verify=true re-hashes the segments it serves)")
@@ -440,8 +528,48 @@ class SharedSessionStore:
     def unpark(self, *args: Any, **kwargs: Any) -> SessionInfo:
         raise self._missing("unpark")
 
-    def lookup(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._missing("prefix lookup")
+    def lookup(self, owner: str, fingerprint: Fingerprint, tokens) -> LookupResult | None:
+        """The owner's session (same fingerprint) sharing the longest token prefix with ``tokens``.
+
+        The chain hashes of the query's 64-token blocks are matched against ``kv_prefix`` in one
+        query (written by the commits that moved each session's watermark); the deepest sessions'
+        match is extended past their last whole block from their stored tokens (at most 63
+        records read). Capped at each session's watermark; less than one block matches nothing.
+        Ties go to the most recently used session, as on the embedded store.
+        """
+        validate_owner(owner)
+        tokens = np.asarray(tokens)
+        if tokens.size == 0:
+            self.stats.lookup(hit=False)
+            return None
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise InvalidRequest("tokens must be a 1-D list of integers")
+        if tokens.min() < 0 or tokens.max() >= fingerprint.geometry.vocab:
+            raise InvalidRequest(f"token ids must be in [0, {fingerprint.geometry.vocab})")
+        tokens = tokens.astype(np.int32)
+        chains = prefix_schema.chain_hashes(prefix_schema.chain_seed(owner, fingerprint.key()), tokens)
+        candidates = self.index.prefix_matches(owner, chains)
+        block = prefix_schema.PREFIX_BLOCK_TOKENS
+        best: tuple[int, int, dict[str, Any]] | None = None
+        for row in candidates:
+            depth = int(row["depth"])
+            matched = depth * block
+            upto = min(int(row["watermark"]), tokens.shape[0])
+            if upto > matched:
+                try:
+                    _, stored = self.shared.read_records(row["key"], matched, upto)
+                except (SessionNotFound, InvalidRequest, SessionDamaged):
+                    continue  # truncated or deleted since the query: not a match now
+                header = coli_kv.parse_header(row["header"])
+                stored_tokens = np.frombuffer(stored, dtype=coli_kv.record_dtype(header.geometry, header.tier))["token"]
+                matched += common_prefix(stored_tokens, tokens[matched : matched + stored_tokens.shape[0]])
+            if best is None or (matched, int(row["last_used_ns"])) > best[:2]:
+                best = (matched, int(row["last_used_ns"]), row)
+        self.stats.lookup(hit=best is not None)
+        if best is None:
+            return None
+        matched, _, row = best
+        return LookupResult(public_id(row["key"]), matched, "active", int(row["n_records"]), int(row["watermark"]))
 
     def inspect(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         raise self._missing("inspect")
@@ -452,8 +580,32 @@ class SharedSessionStore:
     def migrate(self, *args: Any, **kwargs: Any) -> SessionInfo:
         raise self._missing("migrate")
 
-    def enforce_budget(self, *args: Any, **kwargs: Any) -> list:
-        raise self._missing("the budget and eviction")
+    def enforce_budget(self, *, keep: Iterable[str] = (), progress: Any = None) -> list[Eviction]:
+        """Delete the least recently used sessions of the whole shared store (every replica's, the
+        index's LRU) until it fits ``budget_bytes``; what was evicted, in order. Sessions in
+        ``keep`` (every owner's of those ids), sessions being written (a live lease) and sessions
+        another transaction holds are skipped. There is nothing to park on this backend (the rows
+        are in the object store already), so eviction deletes. ``progress`` is not called."""
+        if self.budget_bytes is None:
+            return []
+        kept = [key for session_id in keep for key in self.index.keys_of_id(session_id)]
+        evicted = []
+        for key, freed, objects in self.index.evict(self.budget_bytes, kept):
+            for name in objects:
+                self.shared.blobs.delete(name)
+            self.stats.evicted("deleted", freed)
+            evicted.append(Eviction(public_id(key), "deleted", freed))
+        return evicted
+
+    def _after_write(self, key: str) -> None:
+        """Keep the store within its budget after a write that grew it (the session written is kept).
+        The write itself is done: a server down now only postpones the eviction to the next write."""
+        if self.budget_bytes is None:
+            return
+        try:
+            self.enforce_budget(keep=[public_id(key)])
+        except Unavailable as exc:
+            log.warning("eviction postponed: %s", exc.reason)
 
 
 class SharedReader:

@@ -14,19 +14,39 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 import numpy as np
 
-from kvstore.errors import InvalidRequest, RecordCountMismatch, SegmentLost, SessionDamaged, Unavailable
+from kvstore.errors import (
+    IdempotencyKeyReused,
+    InvalidRequest,
+    RecordCountMismatch,
+    SegmentLost,
+    SessionDamaged,
+    Unavailable,
+)
+from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, check_geometry, record_bytes
+from kvstore.migrations.index import PREFIX_BLOCK_TOKENS, chain_hashes, chain_seed
 from kvstore.store.shared.blobs import BlobStore
+from kvstore.store.shared.cache import SegmentCache
 from kvstore.store.shared.index import ReadPlan, Segment, SharedIndex
-from kvstore.store.values import ModelInfo, public_id, storage_key, validate_key, validate_owner, validate_tags
+from kvstore.store.values import (
+    Fingerprint,
+    ModelInfo,
+    public_id,
+    storage_key,
+    validate_key,
+    validate_owner,
+    validate_tags,
+)
 from kvstore.tiers import Tier
 
 DEFAULT_TTL_S = 30.0
+REQUEST_KEY_RETENTION_S = 24 * 3600.0  # how long an idempotency key answers a retry (then GC forgets it)
+MAX_REQUEST_KEY_CHARS = 255
 DEFAULT_GC_GRACE_S = 3600.0
 _READ_THREADS = 8  # segments fetched in parallel by one read (one S3 stream is far below a NIC)
 
@@ -65,7 +85,8 @@ class AppendAck:
     start: int
     end: int
     token: int
-    object: str | None  # None for an empty append
+    object: str | None  # None for an empty append (or a replayed one)
+    replayed: bool = False  # answered from the index: an earlier request with this idempotency key did it
 
 
 @dataclass(frozen=True)
@@ -78,6 +99,8 @@ class Prepared:
     digest: bytes
     payload: memoryview = field(repr=False)
     complete: bool = True
+    request: tuple[str, bytes] | None = None  # (idempotency key, request digest), recorded by the commit
+    blocks: tuple[int, list[bytes]] = (0, [])  # prefix blocks the commit's watermark completes
 
 
 @dataclass(frozen=True)
@@ -85,6 +108,44 @@ class GCReport:
     intents: int  # stale intents dropped (their objects deleted)
     swept: int  # unreferenced objects deleted by the listing sweep
     uploads_aborted: int
+    dropped: int = 0  # objects a truncate dropped, deleted once no session lists them
+    requests: int = 0  # idempotency keys older than their retention, forgotten
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """A client's idempotency key for one append (HTTP ``Idempotency-Key``), valid across replicas.
+
+    The commit that applies the append records ``(session, key) -> (digest of the request, result)``;
+    a request with the same key answers that result again instead of appending, whichever replica
+    it reaches; the same key with other rows is refused (:class:`IdempotencyKeyReused`).
+    """
+
+    value: str
+
+    def __post_init__(self):
+        if not 1 <= len(self.value) <= MAX_REQUEST_KEY_CHARS or not all(" " < c <= "~" for c in self.value):
+            raise InvalidRequest(
+                f"an idempotency key is 1 to {MAX_REQUEST_KEY_CHARS} visible ASCII characters (e.g. a UUID)"
+            )
+
+
+UNKNOWN_MODEL = ModelInfo(name="unknown", revision="unknown")  # a session pushed or made without one
+
+
+def fingerprint_key_of(row: dict[str, Any]) -> str:
+    """The fingerprint key of a session's index row (kept in its record; else derived from it)."""
+    stored = row["record"] or {}
+    if stored.get("fingerprint"):
+        return str(stored["fingerprint"])
+    header = coli_kv.parse_header(row["header"])
+    model = ModelInfo.from_dict(stored["model"]) if stored.get("model") else UNKNOWN_MODEL
+    return Fingerprint(model, header.geometry, header.tier).key()
+
+
+def chain_seed_of(row: dict[str, Any]) -> bytes:
+    """The hash before prefix block 0 of a session (owner and fingerprint, as the embedded index seeds it)."""
+    return chain_seed(row["owner"], fingerprint_key_of(row))
 
 
 def default_holder() -> str:
@@ -99,12 +160,16 @@ class SharedStore:
     ----------
     index, blobs : the two servers' clients (closed by :meth:`close`)
     ttl : seconds a lease lasts without a commit or renewal
+    cache : this replica's local copies of segment objects (:class:`SegmentCache`), or None
     """
 
-    def __init__(self, index: SharedIndex, blobs: BlobStore, *, ttl: float = DEFAULT_TTL_S):
+    def __init__(
+        self, index: SharedIndex, blobs: BlobStore, *, ttl: float = DEFAULT_TTL_S, cache: SegmentCache | None = None
+    ):
         self.index = index
         self.blobs = blobs
         self.ttl = ttl
+        self.cache = cache
         self._pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="kvstore-s3")
 
     @classmethod
@@ -193,21 +258,25 @@ class SharedStore:
         *,
         at: int | None = None,
         complete: bool = True,
+        request: RequestKey | None = None,
     ) -> AppendAck:
         """Append whole records (raw ``.coli_kv`` record bytes) under ``lease``; acknowledged once committed.
 
         ``at``: the count the caller expects the session to hold (``RecordCountMismatch`` otherwise).
         ``complete``: the records end a turn (the watermark moves to the new count).
+        ``request``: the client's idempotency key; a request with a key already committed (through
+        any replica) answers that first result (``replayed``) and appends nothing.
         Retrying the same bytes after an unanswered commit (``Unavailable``) appends them once.
         :meth:`prepare` then :meth:`commit` are the same in two steps.
 
         Raises
         ------
         InvalidRequest : not whole records of this session
+        IdempotencyKeyReused : ``request`` was committed with other rows
         StaleLease, LeaseExpired : fenced; acquire the lease again (``acquire(..., carry=lease)``)
         IndexUnavailable, BlobStoreUnavailable : a server is down; retry the same call later
         """
-        prepared = self.prepare(lease, records, at=at, complete=complete)
+        prepared = self.prepare(lease, records, at=at, complete=complete, request=request)
         return prepared if isinstance(prepared, AppendAck) else self.commit(lease, prepared)
 
     def prepare(
@@ -217,22 +286,36 @@ class SharedStore:
         *,
         at: int | None = None,
         complete: bool = True,
+        request: RequestKey | None = None,
     ) -> "Prepared | AppendAck":
         """Steps 1-2 of an append: the intent, then the upload. An :class:`AppendAck` instead when
-        there is nothing to commit (no records, or the same bytes an unanswered commit did commit)."""
+        there is nothing to commit (no records, the same bytes an unanswered commit did commit, or
+        a ``request`` key some replica already committed: its first result, ``replayed``)."""
         payload = memoryview(records.tobytes() if isinstance(records, np.ndarray) else records).cast("B")
         digest = digest_of(payload)
         if lease.in_doubt is not None:
             done = self._settle_doubt(lease, digest)
             if done is not None:
                 return done
+        request_digest = digest_of(digest + bytes([complete])) if request is not None else b""
+        if request is not None:
+            # under the lease no other commit can record this key between here and our commit
+            found = self.index.request_result(lease.key, request.value)
+            if found is not None:
+                if found[0] != request_digest:
+                    raise IdempotencyKeyReused(
+                        f"idempotency key {request.value!r} was used for another append to session "
+                        f"{public_id(lease.key)!r} (other rows or turn flag); nothing was written: use a new key"
+                    )
+                return AppendAck(found[1], found[2], lease.token, None, replayed=True)
         if at is not None and at != lease.n_records:
             raise RecordCountMismatch(
                 f"session {public_id(lease.key)!r} holds {lease.n_records} records, the append expected {at}; "
                 "nothing was written",
                 current=lease.n_records,
             )
-        rec_bytes = self._rec_bytes(lease.key)
+        row = self.index.session(lease.key)
+        rec_bytes = int(row["rec_bytes"])
         if len(payload) % rec_bytes:
             raise InvalidRequest(
                 f"{len(payload)} bytes are not whole records of session {public_id(lease.key)!r} "
@@ -242,9 +325,12 @@ class SharedStore:
         start = lease.n_records
         if n == 0:
             return AppendAck(start, start, lease.token, None)
+        blocks = self.new_blocks(lease.key, row, start, payload, start + n) if complete else (0, [])
         doubt = lease.in_doubt
         name = doubt.object if doubt is not None else self._upload(lease, start, payload)
-        return Prepared(name, start, n, digest, payload, complete)
+        return Prepared(
+            name, start, n, digest, payload, complete, (request.value, request_digest) if request else None, blocks
+        )
 
     def commit(self, lease: Lease, prepared: "Prepared") -> AppendAck:
         """Step 3, the commit point: publish a prepared segment, fenced by ``lease.token``."""
@@ -253,7 +339,7 @@ class SharedStore:
             try:
                 segment, _ = self.index.commit(
                     lease.key, lease.token, prepared.start, prepared.n_records, name, prepared.digest, lease.ttl,
-                    time.time_ns(), prepared.complete,
+                    time.time_ns(), prepared.complete, request=prepared.request, blocks=prepared.blocks,
                 )  # fmt: skip
             except Unavailable:
                 lease.in_doubt = _InDoubt(name, prepared.start, prepared.n_records, prepared.digest)
@@ -278,7 +364,7 @@ class SharedStore:
         doubt = lease.in_doubt
         if doubt is None:
             return None
-        segment = self.index.committed(doubt.object)
+        segment = self.index.committed(lease.key, doubt.object)
         if segment is not None:
             lease.in_doubt = None
             lease.n_records = max(lease.n_records, segment.first_record + segment.n_records)
@@ -291,8 +377,127 @@ class SharedStore:
             lease.in_doubt = None  # another append now: the old intent is left to GC
         return None  # the same bytes again: committed below from the same object
 
-    def _rec_bytes(self, key: str) -> int:
-        return int(self.index.session(key)["rec_bytes"])
+    # ------------------------------------------------------------------ prefix blocks
+    def new_blocks(
+        self, key: str, row: dict[str, Any], start: int, payload: memoryview | None, new_watermark: int
+    ) -> tuple[int, list[bytes]]:
+        """``(first block, chain hashes)`` of the 64-token prefix blocks that a watermark moved to
+        ``new_watermark`` completes: tokens of committed records before ``start`` (read back), then
+        of ``payload`` (the records being appended at ``start``). Called under the session's lease."""
+        have, last = self.index.prefix_tail(key)
+        want = new_watermark // PREFIX_BLOCK_TOKENS
+        if want <= have:
+            return have, []
+        header = coli_kv.parse_header(row["header"])
+        dtype = coli_kv.record_dtype(header.geometry, header.tier)
+        lo, hi = have * PREFIX_BLOCK_TOKENS, want * PREFIX_BLOCK_TOKENS
+        parts = []
+        if lo < start:
+            _, before = self.read_records(key, lo, min(hi, start))
+            parts.append(np.frombuffer(before, dtype=dtype)["token"])
+        if hi > start and payload is not None:
+            parts.append(np.frombuffer(payload, dtype=dtype)["token"][: hi - start])
+        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        if tokens.shape[0] != hi - lo:
+            raise SessionDamaged(f"session {public_id(key)!r}: tokens {lo}..{hi} are not all committed")
+        return have, chain_hashes(last if last is not None else chain_seed_of(row), tokens)
+
+    # ------------------------------------------------------------------ fork and truncate
+    def _cut_copy(self, key: str, segment: Segment, keep: int, rec_bytes: int, token: int, into: str) -> Segment:
+        """A new object holding records ``[segment.first_record, keep)`` of ``segment`` (of session
+        ``key``), uploaded under an intent of session ``into``: the part of a segment a fork or a
+        truncate keeps (objects are immutable, so the kept part is a new one)."""
+        n = keep - segment.first_record
+        # the whole object, checked against its digest: damage is refused, never re-hashed into a copy
+        whole = self._fetch(key, segment, 0, memoryview(bytearray(segment.nbytes)), verify=True)
+        kept = whole[: n * rec_bytes]
+        name = self.segment_name(into, segment.first_record, token)
+        self.index.add_intent(into, token, name, len(kept))
+        self.blobs.put(name, kept)
+        return Segment(segment.first_record, n, name, len(kept), digest_of(kept), token, segment.complete)
+
+    def fork(
+        self, source: str, new_key: str, at: int | None, record: dict[str, Any], *, attempts: int = 3
+    ) -> tuple[int, int]:
+        """A new session ``new_key`` holding the first ``at`` records of ``source`` (default: its
+        watermark), published by one transaction; ``(at, watermark)`` of the fork.
+
+        Segments that end at or before ``at`` are shared (their rows are copied; objects are
+        immutable and only deleted once no row lists them); a segment cut by ``at`` gets a new
+        object with its first records. ``record``: the new session's record fields (tags, parent...).
+
+        Raises
+        ------
+        InvalidRequest : ``at`` outside ``0..n_records``
+        SessionExists : ``new_key`` exists
+        SessionNotFound : no ``source``
+        """
+        for attempt in range(attempts):
+            plan = self.index.read_plan(validate_key(source))
+            point = plan.watermark if at is None else at
+            if isinstance(point, bool) or not isinstance(point, (int, np.integer)) or not 0 <= point <= plan.n_records:
+                raise InvalidRequest(f"fork point must be in 0..{plan.n_records}, got {at!r}")
+            point = int(point)
+            watermark = min(plan.watermark, point)
+            below = [s for s in plan.segments if s.first_record < point]
+            cut = below[-1] if below and below[-1].end > point else None
+            replacement = None
+            if cut is not None:
+                replacement = self._cut_copy(source, cut, point, plan.rec_bytes, 0, new_key)
+                replacement = replace(replacement, complete=point <= plan.watermark)
+            try:
+                self.index.fork_session(
+                    source, new_key, point, [(s.first_record, s.object) for s in below], replacement,
+                    {**record, "fork_point": point}, watermark, time.time_ns(),
+                )  # fmt: skip
+            except RecordCountMismatch:
+                if replacement is not None:
+                    self._abandon(replacement.object)
+                if attempt + 1 == attempts:
+                    raise
+                continue
+            except BaseException:
+                if replacement is not None:
+                    self._abandon(replacement.object)
+                raise
+            return point, watermark
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def truncate(self, lease: Lease, keep: int) -> int:
+        """Shorten the session to ``keep`` records under ``lease`` (a fenced commit, see
+        :meth:`SharedIndex.truncate`); the new watermark. Dropped objects go to GC."""
+        if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 0:
+            raise InvalidRequest("n_records must be a non-negative integer")
+        keep = int(keep)
+        plan = self.index.read_plan(lease.key)
+        if keep > plan.n_records:
+            raise InvalidRequest(
+                f"session {public_id(lease.key)!r} holds {plan.n_records} records; cannot truncate to {keep}"
+            )
+        if keep == plan.n_records:
+            return plan.watermark
+        cut = next((s for s in plan.segments if s.first_record < keep < s.end), None)
+        replacement = None
+        if cut is not None:
+            replacement = self._cut_copy(lease.key, cut, keep, plan.rec_bytes, lease.token, lease.key)
+            replacement = replace(replacement, complete=keep <= plan.watermark)
+        try:
+            self.index.truncate(lease.key, lease.token, keep, replacement, lease.ttl, time.time_ns())
+        except BaseException:
+            if replacement is not None:
+                self._abandon(replacement.object)
+            raise
+        lease.n_records = keep
+        lease.in_doubt = None
+        return min(plan.watermark, keep)
+
+    def _abandon(self, name: str) -> None:
+        """An upload that will not be committed: its intent and object go now (else GC takes them)."""
+        try:
+            if self.index.drop_intent(name):
+                self.blobs.delete(name)
+        except Unavailable:
+            pass  # the intent stays; GC collects it after the grace
 
     # ------------------------------------------------------------------ reads
     def segments(self, key: str) -> list[Segment]:
@@ -340,7 +545,10 @@ class SharedStore:
         against their digest, in parallel); the first record of the first one whose bytes do not
         match, or None when all do."""
         jobs = [
-            (segment, self._pool.submit(self._fetch, key, segment, 0, memoryview(bytearray(segment.nbytes))))
+            (
+                segment,
+                self._pool.submit(self._fetch, key, segment, 0, memoryview(bytearray(segment.nbytes)), verify=True),
+            )
             for segment in plan.segments
             if segment.first_record < end
         ]
@@ -352,7 +560,22 @@ class SharedStore:
                 bad = segment.first_record if bad is None else min(bad, segment.first_record)
         return bad
 
-    def _fetch(self, key: str, segment: Segment, offset: int, into: memoryview) -> memoryview:
+    def _fetch(self, key: str, segment: Segment, offset: int, into: memoryview, *, verify: bool = False) -> memoryview:
+        """Bytes ``[offset, offset + len(into))`` of ``segment`` into ``into``: from the local cache
+        when it holds a sound copy (``verify``: re-hashed now), else from the object store (a cache
+        miss fetches the whole object, checked against its digest, and keeps a copy)."""
+        cache = self.cache
+        if cache is not None:
+            if cache.read(segment, offset, into, verify=verify):
+                return into
+            if cache.fits(segment):
+                whole = self._fetch_remote(key, segment, 0, memoryview(bytearray(segment.nbytes)))
+                cache.put(segment, whole)
+                into[:] = whole[offset : offset + len(into)]
+                return into
+        return self._fetch_remote(key, segment, offset, into)
+
+    def _fetch_remote(self, key: str, segment: Segment, offset: int, into: memoryview) -> memoryview:
         whole = offset == 0 and len(into) == segment.nbytes
         for _ in range(2):  # one more GET if a whole segment's digest does not match
             body = self.blobs.get(segment.object, offset, offset + len(into))
@@ -388,4 +611,8 @@ class SharedStore:
                 self.blobs.delete(name)
                 swept += 1
         aborted = self.blobs.abort_stale_uploads(cutoff)
-        return GCReport(len(stale), swept, aborted)
+        dropped = self.index.take_dropped(grace)
+        for name in dropped:
+            self.blobs.delete(name)
+        forgotten = self.index.forget_requests(max(grace, REQUEST_KEY_RETENTION_S))
+        return GCReport(len(stale), swept, aborted, len(dropped), forgotten)
