@@ -11,7 +11,8 @@ either. This module holds what differs for a replica:
   them sooner, so a new key works at once); while PostgreSQL is
   down the keys read last keep working (the request itself then answers 503);
 - :class:`RefuseUnserved`: the routes the shared backend does not serve yet answer 501
-  ``NotOnSharedStore`` before doing anything (:data:`NOT_SERVED`);
+  ``NotOnSharedStore`` before doing anything (:data:`NOT_SERVED`), with the store's own reason
+  (:func:`~kvstore.store.shared.sessions.not_on_shared_store`);
 - :class:`IdempotencyKeys`: an append's ``Idempotency-Key`` header, handed to the store, which
   applies the append once across every replica and answers a retry with the first result.
 """
@@ -28,7 +29,7 @@ from starlette.routing import compile_path
 from kvstore import keys as store_keys
 from kvstore.api.keys import KeyTable
 from kvstore.api.settings import Settings
-from kvstore.errors import InvalidRequest, NotOnSharedStore, Unavailable
+from kvstore.errors import InvalidRequest, Unavailable
 from kvstore.keys import Keyring
 
 log = logging.getLogger("kvstore.api")
@@ -36,12 +37,11 @@ log = logging.getLogger("kvstore.api")
 KEYS_REFRESH_S = 1.0  # a revoked key is refused by every replica within this
 MISS_REFRESH_S = 0.2  # an unknown key re-reads keys older than this (a new key works at once)
 
-#: (method, route path) of the routes a replica answers with 501 for now (docs/SCALE.md).
+#: (method, route path) of the routes a replica answers with 501 for now (docs/SCALE.md): the store
+#: operations ``SharedSessionStore`` lacks, and the engine.
 NOT_SERVED: dict[tuple[str, str], str] = {
-    ("GET", "/sessions/{session_id}/verify"): "verify",
     ("POST", "/sessions/{session_id}/park"): "park",
     ("POST", "/sessions/{session_id}/unpark"): "unpark",
-    ("GET", "/sessions/{session_id}/file/inspect"): "inspect",
     ("POST", "/sessions/{session_id}/file/repair"): "repair",
     ("POST", "/sessions/{session_id}/file/migrate"): "migrate",
     ("POST", "/sessions/{session_id}/generate"): "generate",
@@ -69,18 +69,18 @@ class RefuseUnserved:
     ``NotOnSharedStore`` before anything else runs (its body is not read or validated)."""
 
     def __init__(self, app):
+        from kvstore.store.shared.sessions import not_on_shared_store
+
         self.app = app
-        self.refused = [(method, compile_path(path)[0], path, what) for (method, path), what in NOT_SERVED.items()]
+        self.refused = [
+            (method, compile_path(path)[0], not_on_shared_store(f"{method} {path} ({what})").reason)
+            for (method, path), what in NOT_SERVED.items()
+        ]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            for method, pattern, path, what in self.refused:
+            for method, pattern, reason in self.refused:
                 if scope["method"] == method and pattern.match(scope["path"]):
-                    reason = NotOnSharedStore(
-                        f"{method} {path} ({what}) is not yet on the shared store (PostgreSQL + S3); a replica "
-                        "serves create, list, get, tags, append, resume, truncate, fork, prefix lookup and delete "
-                        "(docs/SCALE.md)"
-                    ).reason
                     answer = JSONResponse({"error": "NotOnSharedStore", "reason": reason}, status_code=501)
                     return await answer(scope, receive, send)
         await self.app(scope, receive, send)

@@ -57,6 +57,26 @@ class RepairReport:
         return dataclasses.asdict(self)
 
 
+def records_report(records: coli_kv.KVRecords) -> dict[str, Any]:
+    """What a session's ``.coli_kv`` image holds, as ``inspect`` reports it on every backend:
+    header fields, sizes and what a loader would neutralize."""
+    header = records.header
+    return {
+        "header": {
+            "version": header.version,
+            "codec": header.tier.codec_name,
+            "bits": header.bits,
+            "tag": header.tag,
+            "nrec": header.nrec,
+            **dataclasses.asdict(header.geometry),
+        },
+        "record_bytes": header.rec_bytes,
+        "complete_records": records.complete_records,
+        "loadable_records": records.n,
+        "problems": records.problems.messages(),
+    }
+
+
 class Maintenance:
     """Inspect, repair and migrate the sessions of one store."""
 
@@ -103,19 +123,7 @@ class Maintenance:
                 out["file"] = None
                 out["problems"] = [record.get("problem")]
                 return out
-        header = records.header
-        out["header"] = {
-            "version": header.version,
-            "codec": header.tier.codec_name,
-            "bits": header.bits,
-            "tag": header.tag,
-            "nrec": header.nrec,
-            **dataclasses.asdict(header.geometry),
-        }
-        out["record_bytes"] = header.rec_bytes
-        out["complete_records"] = records.complete_records
-        out["loadable_records"] = records.n
-        out["problems"] = records.problems.messages()
+        out.update(records_report(records))
         return out
 
     def repair(

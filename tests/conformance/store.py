@@ -8,6 +8,10 @@ and the hooks that look at what the backend stores (:meth:`stored_image`, :meth:
 create/append/append_records/resume/reader/truncate/fork/lookup/park/unpark/delete/list/get/
 set_tags/verify/inspect/repair/migrate, budgets and eviction, owner visibility and typed errors.
 What only one backend has (LMDB schema upgrades, journal files, lost+found) stays in its own suite.
+
+A backend without some operations names them in :attr:`StoreConformance.lacks`: their tests skip
+with the reason, and ``test_lacked_operations_raise_a_typed_error`` checks that each one raises
+``NotOnSharedStore`` naming it and changes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kvstore.errors import (
     InvalidRequest,
     InvalidSessionId,
     NonFiniteValues,
+    NotOnSharedStore,
     SessionExists,
     SessionNotFound,
 )
@@ -54,6 +59,21 @@ def compressible(n: int, seed: int):
 
 class StoreConformance(abc.ABC):
     """Subclass as ``class Test<Backend>Store(StoreConformance)`` and implement the hooks."""
+
+    #: What the backend does not have, as data: ``"park"`` (park and unpark), ``"repair"``,
+    #: ``"migrate"``, ``"hard_limit"`` (a store opened with ``hard_limit_bytes``), ``"journal_files"``
+    #: (``journal_path``, ``archive_path``: their tests are the backend's own). Their tests skip;
+    #: each raises ``NotOnSharedStore`` instead (``test_lacked_operations_raise_a_typed_error``).
+    lacks: frozenset[str] = frozenset()
+    #: Whether a resume re-hashes the turns it serves even without ``verify`` (it then refuses a
+    #: damaged turn with ``IntegrityError`` instead of serving it unchecked).
+    hashes_every_read: bool = False
+
+    def needs(self, *capabilities: str) -> None:
+        """Skip the calling test, saying why, when the backend lacks one of ``capabilities``."""
+        missing = sorted(set(capabilities) & self.lacks)
+        if missing:
+            pytest.skip(f"{type(self).__name__} lacks {', '.join(missing)} (StoreConformance.lacks)")
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
@@ -137,23 +157,23 @@ class StoreConformance(abc.ABC):
         with pytest.raises(SessionNotFound) as missing:
             store.resume("nothing", owner="mallory")
         assert other.value.reason == "no session 'mine'" and missing.value.reason == "no session 'nothing'"
-        for call in (
-            lambda: store.get("mine", owner="mallory"),
-            lambda: store.append("mine", *rows.make(1), owner="mallory"),
-            lambda: store.append_records("mine", b"", owner="mallory"),
-            lambda: store.truncate("mine", 1, owner="mallory"),
-            lambda: store.fork("mine", owner="mallory"),
-            lambda: store.delete("mine", owner="mallory"),
-            lambda: store.park("mine", owner="mallory"),
-            lambda: store.unpark("mine", owner="mallory"),
-            lambda: store.verify("mine", owner="mallory"),
-            lambda: store.reader("mine", owner="mallory"),
-            lambda: store.set_tags("mine", ["t"], owner="mallory"),
-            lambda: store.inspect("mine", owner="mallory"),
-            lambda: store.repair("mine", owner="mallory"),
-            lambda: store.migrate("mine", tiers.F32, owner="mallory"),
+        for needed, call in (
+            (None, lambda: store.get("mine", owner="mallory")),
+            (None, lambda: store.append("mine", *rows.make(1), owner="mallory")),
+            (None, lambda: store.append_records("mine", b"", owner="mallory")),
+            (None, lambda: store.truncate("mine", 1, owner="mallory")),
+            (None, lambda: store.fork("mine", owner="mallory")),
+            (None, lambda: store.delete("mine", owner="mallory")),
+            ("park", lambda: store.park("mine", owner="mallory")),
+            ("park", lambda: store.unpark("mine", owner="mallory")),
+            (None, lambda: store.verify("mine", owner="mallory")),
+            (None, lambda: store.reader("mine", owner="mallory")),
+            (None, lambda: store.set_tags("mine", ["t"], owner="mallory")),
+            (None, lambda: store.inspect("mine", owner="mallory")),
+            ("repair", lambda: store.repair("mine", owner="mallory")),
+            ("migrate", lambda: store.migrate("mine", tiers.F32, owner="mallory")),
         ):
-            with pytest.raises(SessionNotFound):
+            with pytest.raises(NotOnSharedStore if needed in self.lacks else SessionNotFound):
                 call()
         assert store.list(owner="mallory") == []
         assert store.get("mine").n_records == 4 and store.get("mine").state == "active"
@@ -356,9 +376,14 @@ class StoreConformance(abc.ABC):
         resumed = store.resume("chat", verify=True)
         assert resumed.reused_tokens == 7 and resumed.damaged_from == 7 and resumed.verified
         assert resumed.records.record_bytes() == good_bytes[: 7 * rec_bytes]
-        assert store.resume("chat").reused_tokens == 12  # without verify the hash is not consulted
+        if self.hashes_every_read:
+            with pytest.raises(IntegrityError):
+                store.resume("chat")
+        else:
+            assert store.resume("chat").reused_tokens == 12  # without verify the hash is not consulted
 
     def test_repair_drops_the_damaged_tail(self, store, rows):
+        self.needs("repair")
         new_session(store)
         store.append("chat", *rows.make(3))
         store.append("chat", *rows.make(3))
@@ -429,7 +454,7 @@ class StoreConformance(abc.ABC):
         with pytest.raises(InvalidRequest):
             store.lookup("alice", fingerprint, [1000])
 
-    def test_prefix_lookup_ignores_the_incomplete_tail_and_sees_parked_sessions(self, store, rows):
+    def test_prefix_lookup_ignores_the_incomplete_tail(self, store, rows):
         fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
         tokens = rows.rng.integers(0, 1000, 200).astype(np.int32)
         new_session(store)
@@ -438,6 +463,13 @@ class StoreConformance(abc.ABC):
         assert store.lookup("alice", fingerprint, tokens).matched_tokens == 100
         store.append_records("chat", b"", complete_turn=True)
         assert store.lookup("alice", fingerprint, tokens).matched_tokens == 200
+
+    def test_prefix_lookup_sees_parked_sessions(self, store, rows):
+        self.needs("park")
+        fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
+        tokens = rows.rng.integers(0, 1000, 200).astype(np.int32)
+        new_session(store)
+        store.append("chat", *rows.make(200, tokens))
         store.park("chat")
         hit = store.lookup("alice", fingerprint, tokens)
         assert (hit.matched_tokens, hit.state) == (200, "parked")
@@ -445,6 +477,7 @@ class StoreConformance(abc.ABC):
     # ------------------------------------------------------------------ park / unpark
     @pytest.mark.parametrize("tier", [tiers.F32, tiers.FP8, tiers.polar(4)], ids=lambda t: t.describe())
     def test_park_round_trip_is_byte_exact(self, store, rows, tier):
+        self.needs("park")
         new_session(store, tier=tier)
         store.append("chat", *rows.make(40))
         store.append("chat", *rows.make(9), complete_turn=False)
@@ -465,6 +498,7 @@ class StoreConformance(abc.ABC):
         assert store.unpark("chat").state == "active"
 
     def test_resume_and_append_unpark_transparently(self, store, rows):
+        self.needs("park")
         new_session(store)
         first = rows.make(5)
         store.append("chat", *first)
@@ -476,6 +510,7 @@ class StoreConformance(abc.ABC):
 
     # ------------------------------------------------------------------ migrate / inspect / delete
     def test_migrate_rewrites_the_journal_and_its_hashes(self, store, rows):
+        self.needs("migrate")
         new_session(store, tier=tiers.FP8)
         chunks = [rows.make(700), rows.make(30)]
         for chunk in chunks:
@@ -495,6 +530,7 @@ class StoreConformance(abc.ABC):
         assert store.migrate("chat", tiers.INT4).tier == tiers.INT4  # already there: nothing to do
 
     def test_migrate_refuses_a_damaged_session(self, store, rows):
+        self.needs("migrate")
         new_session(store)
         store.append("chat", *rows.make(4))
         self.flip_stored_byte(store, "chat", code_offset(1, store.get("chat").record_bytes))
@@ -510,6 +546,11 @@ class StoreConformance(abc.ABC):
         assert report["header"]["nrec"] == 3 and report["header"]["version"] == 2
         assert report["loadable_records"] == 3 and report["problems"] == [] and report["turns"] == 1
         assert report["session"] == store.get("chat").to_dict() | {"last_used": report["session"]["last_used"]}
+
+    def test_inspect_reports_a_parked_session(self, store, rows):
+        self.needs("park")
+        new_session(store)
+        store.append("chat", *rows.make(3))
         store.park("chat")
         parked = store.inspect("chat")
         assert parked["loadable_records"] == 3 and parked["session"]["state"] == "parked"
@@ -587,6 +628,7 @@ class StoreConformance(abc.ABC):
 
     # ------------------------------------------------------------------ budget: hard limit and eviction
     def test_hard_limit_refuses_and_writes_nothing(self, tmp_path):
+        self.needs("hard_limit")
         limit = HEADER_BYTES + 10 * REC
         rows = Rows(1)
         with self.make_store(tmp_path / "data", hard_limit_bytes=limit) as store:
@@ -606,6 +648,7 @@ class StoreConformance(abc.ABC):
             assert store.usage()["hard_limit_bytes"] == limit and store.usage()["budget_bytes"] is None
 
     def test_hard_limit_holds_under_concurrent_threads(self, tmp_path):
+        self.needs("hard_limit")
         n_threads, turn = 8, 7
         limit = n_threads * HEADER_BYTES + 61 * turn * REC + REC  # not a multiple of anything the writers write
         with self.make_store(tmp_path / "data", hard_limit_bytes=limit) as store:
@@ -638,6 +681,7 @@ class StoreConformance(abc.ABC):
             assert store.usage()["reserved_bytes"] == 0
 
     def test_budget_parks_least_recently_used_then_deletes_parked(self, tmp_path):
+        self.needs("park")
         data = tmp_path / "data"
         size = HEADER_BYTES + 50 * REC
         with self.make_store(data, budget_bytes=3 * size) as store:
@@ -665,9 +709,56 @@ class StoreConformance(abc.ABC):
             assert store.usage()["used_bytes"] <= size
             assert [s.id for s in store.list()] == ["d"] and store.resume("d").reused_tokens == 50
 
+    def test_budget_evicts_the_least_recently_used_first(self, tmp_path):
+        # What every backend's eviction does, parking first or not: the least recently used session
+        # goes first, the one just resumed and the one just written stay, the store ends in budget.
+        size = HEADER_BYTES + 50 * REC
+        with self.make_store(tmp_path / "data", budget_bytes=3 * size) as store:
+            for seed, sid in enumerate(("a", "b", "c")):
+                new_session(store, sid)
+                store.append(sid, *compressible(50, seed))
+            assert [s.state for s in store.list()] == ["active"] * 3 and store.usage()["used_bytes"] == 3 * size
+            store.resume("a")  # a is now more recent than b and c
+            new_session(store, "d")
+            store.append("d", *compressible(50, 9))
+            states = {s.id: s.state for s in store.list()}
+            assert states.get("b") != "active" and states["a"] == states["d"] == "active"
+            assert store.usage()["used_bytes"] <= 3 * size and store.usage()["used_bytes"] == self.held_bytes(store)
+            assert store.resume("a").reused_tokens == store.resume("d").reused_tokens == 50
+            assert store.enforce_budget() == []  # within budget: nothing more to evict
+
     def test_limits_are_validated(self, tmp_path):
         for limits in ({"budget_bytes": -1}, {"hard_limit_bytes": 1.5}, {"budget_bytes": "1G"}):
             with pytest.raises(InvalidRequest):
                 self.make_store(tmp_path / "data", **limits)
         with self.make_store(tmp_path / "data") as store:
             assert store.enforce_budget() == []  # no budget: nothing to evict
+
+    # ------------------------------------------------------------------ what a backend lacks
+    def test_lacked_operations_raise_a_typed_error(self, store, rows, tmp_path):
+        if not self.lacks:
+            pytest.skip(f"{type(self).__name__} has every operation of the suite")
+        new_session(store)
+        store.append("chat", *rows.make(3))
+        before, info = self.stored_image(store, "chat"), store.get("chat").to_dict()
+        calls = {  # each lacked capability, the calls that need it and the words its error names
+            "park": [("park", lambda: store.park("chat")), ("unpark", lambda: store.unpark("chat"))],
+            "repair": [
+                ("repair", lambda: store.repair("chat")),
+                ("repair", lambda: store.repair("chat", dry_run=True)),
+            ],
+            "migrate": [("migrate", lambda: store.migrate("chat", tiers.INT4))],
+            "hard_limit": [("hard limit", lambda: self.make_store(tmp_path / "limited", hard_limit_bytes=1 << 30))],
+            "journal_files": [
+                ("journal files", lambda: store.journal_path("chat")),
+                ("archive files", lambda: store.archive_path("chat")),
+            ],
+        }
+        assert self.lacks <= set(calls), f"unknown capabilities in lacks: {sorted(self.lacks - set(calls))}"
+        for name in sorted(self.lacks):
+            for words, call in calls[name]:
+                with pytest.raises(NotOnSharedStore, match=words):
+                    call()
+        assert self.stored_image(store, "chat") == before
+        assert store.get("chat").to_dict() | {"last_used": info["last_used"]} == info
+        assert store.verify("chat").ok

@@ -20,14 +20,16 @@ Where each concern lives::
                length and digest, a size budget, its own LRU)
     transfer.py  push / pull: sessions between an embedded SessionStore and a SharedStore, turn by
                turn (``kvstore store push|pull``); imported by its users only
-    sessions.py  SharedSessionStore: the methods the service's routes call on a SessionStore, over
-               a SharedStore (``kvstore serve --index --blobs``: leases per append, committed
-               snapshots for resume); imported by its users only
+    sessions.py  SharedSessionStore: SessionStore's interface over a SharedStore, for the service's
+               routes (``kvstore serve --index --blobs``) and the store conformance suite: leases
+               taken inside each write, committed snapshots for resume, the global budget;
+               imported by its users only
+    reports.py verify and inspect of a shared session, as the embedded store reports them
 
 API keys in the index (table ``kv_keys``) are ``kvstore.keys.IndexKeys``, over ``SharedIndex``.
 
-Not yet here (docs/SCALE.md, "What remains"): the global budget, park/unpark, the verify report
-and the file tools (a replica answers those routes 501 ``NotOnSharedStore``).
+Not yet here (docs/SCALE.md, "What remains"): park/unpark, repair, migrate and the hard limit;
+``SharedSessionStore`` raises ``NotOnSharedStore`` naming each (a replica answers their routes 501).
 """
 
 from kvstore.store.shared.blobs import BlobStore, ObjectInfo, parse_blobs_url

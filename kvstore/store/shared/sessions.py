@@ -4,9 +4,10 @@
 :class:`~kvstore.store.SessionStore` — create, get, list, set_tags, delete, append (raw records or
 arrays), reader / resume, usage, stats — with the same value types (:class:`SessionInfo`,
 :class:`AppendResult`, a reader with :class:`~kvstore.store.SessionReader`'s attributes), so the
-routes do not know which backend they talk to — fork, truncate and prefix lookup included. What it
-does not serve yet (park, unpark, inspect, repair, migrate, verify as a report) raises
-:class:`NotOnSharedStore`, naming the operation.
+routes do not know which backend they talk to — fork, truncate, prefix lookup, verify and inspect
+included (the store conformance suite, ``tests/conformance/store.py``, runs on both). What it does
+not have (park, unpark, repair, migrate, a hard limit) raises :class:`NotOnSharedStore`, naming the
+operation (:func:`not_on_shared_store`).
 
 Writes follow docs/SCALE.md: every append takes the session's lease (waiting up to
 ``lock_timeout`` while another replica holds it), uploads a segment, commits it fenced by the
@@ -50,10 +51,13 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
 from kvstore.migrations import index as prefix_schema
 from kvstore.store.budget import Eviction
+from kvstore.store.integrity import VerifyReport
+from kvstore.store.maintenance import RepairReport
 from kvstore.store.prefix import LookupResult, common_prefix
 from kvstore.store.reader import Resumed, check_fingerprint
 from kvstore.store.shared.cache import DEFAULT_CACHE_BYTES, CacheCounts, SegmentCache
 from kvstore.store.shared.index import ReadPlan, SharedIndex
+from kvstore.store.shared.reports import inspect_session, verify_session
 from kvstore.store.shared.store import (
     DEFAULT_TTL_S,
     UNKNOWN_MODEL,
@@ -68,6 +72,7 @@ from kvstore.store.values import (
     STATES,
     Fingerprint,
     ModelInfo,
+    Progress,
     SessionInfo,
     public_id,
     storage_key,
@@ -97,6 +102,16 @@ class AppendRequest:
 #: the routes call the same methods on both backends, so the key travels beside the call.
 CURRENT_REQUEST: ContextVar[AppendRequest | None] = ContextVar("kvstore_append_request", default=None)
 
+#: What the shared store serves, as :class:`NotOnSharedStore` reasons list it.
+SERVED = "create, list, get, tags, append, resume, truncate, fork, prefix lookup, verify, inspect and delete"
+
+
+def not_on_shared_store(what: str) -> NotOnSharedStore:
+    """The one error for an operation the shared store does not have; ``what`` names it."""
+    return NotOnSharedStore(
+        f"{what} is not yet on the shared store (PostgreSQL + S3); a replica serves {SERVED} (docs/SCALE.md)"
+    )
+
 
 class SharedSessionStore:
     """Sessions of the shared store, through the interface the service uses.
@@ -113,6 +128,11 @@ class SharedSessionStore:
     cache_bytes : the cache's size budget (0: no cache)
     budget_bytes : the whole shared store's budget (None: none): after each write the least recently
         used sessions of every replica are deleted until the store fits it (:meth:`enforce_budget`)
+    hard_limit_bytes : not on this backend yet: a number raises :class:`NotOnSharedStore`
+
+    Raises
+    ------
+    InvalidRequest : a limit that is not a non-negative number of bytes
     """
 
     def __init__(
@@ -125,7 +145,13 @@ class SharedSessionStore:
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         budget_bytes: int | None = None,
+        hard_limit_bytes: int | None = None,
     ):
+        for name, value in (("budget_bytes", budget_bytes), ("hard_limit_bytes", hard_limit_bytes)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise InvalidRequest(f"{name} must be a non-negative number of bytes")
+        if hard_limit_bytes is not None:
+            raise not_on_shared_store("a hard limit (hard_limit_bytes, --hard-limit)")
         self._data_dir = Path(data_dir)
         self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         cache = SegmentCache(self._data_dir, cache_bytes) if cache_bytes > 0 else None
@@ -165,7 +191,10 @@ class SharedSessionStore:
         if not keys:
             raise SessionNotFound(f"no session {session_id!r}")
         if len(keys) > 1:
-            raise InvalidRequest(f"several owners have a session {session_id!r}: name the owner")
+            owners = sorted(self.index.session(key)["owner"] for key in keys)
+            raise InvalidRequest(
+                f"{len(keys)} owners have a session {session_id!r} ({', '.join(owners)}); name the owner (--owner)"
+            )
         return keys[0]
 
     def _record(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -474,13 +503,7 @@ class SharedSessionStore:
         with self.reader(session_id, owner=owner, verify=verify, expect=expect, override=override) as reader:
             return Resumed(reader.info, reader.load(), reader.n_records, reader.verified, reader.damaged_from)
 
-    # ------------------------------------------------------------------ not on the shared store yet
-    def _missing(self, what: str) -> NotOnSharedStore:
-        return NotOnSharedStore(
-            f"{what} is not yet on the shared store (PostgreSQL + S3); this replica serves create, list, get, "
-            "tags, append, resume, truncate, fork, prefix lookup and delete (docs/SCALE.md)"
-        )
-
+    # ------------------------------------------------------------------ truncate, fork, verify, lookup, inspect
     def truncate(self, session_id: str, n_records: int, *, owner: str | None = None) -> SessionInfo:
         """Keep the first ``n_records`` records (the watermark becomes ``min(watermark, n)``): a
         commit under the session's lease that drops segment rows (a segment cut by ``n`` gets a new
@@ -519,14 +542,15 @@ class SharedSessionStore:
         self._after_write(new_key)
         return self.get(public_id(new_key), owner=row["owner"])
 
-    def verify(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._missing("verify (resume with verify=true re-hashes the segments it serves)")
+    def verify(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> VerifyReport:
+        """Re-hash every committed segment (turn) of a session against the digest its commit recorded.
 
-    def park(self, *args: Any, **kwargs: Any) -> SessionInfo:
-        raise self._missing("park")
-
-    def unpark(self, *args: Any, **kwargs: Any) -> SessionInfo:
-        raise self._missing("unpark")
+        Returns
+        -------
+        VerifyReport with the first turn whose bytes differ (a silent bit flip in an object), or
+        ``ok=True``. ``progress(bytes_hashed, bytes_total)`` is called once, at the end.
+        """
+        return verify_session(self.shared, self._key(session_id, owner), progress)
 
     def lookup(self, owner: str, fingerprint: Fingerprint, tokens) -> LookupResult | None:
         """The owner's session (same fingerprint) sharing the longest token prefix with ``tokens``.
@@ -571,14 +595,62 @@ class SharedSessionStore:
         matched, _, row = best
         return LookupResult(public_id(row["key"]), matched, "active", int(row["n_records"]), int(row["watermark"]))
 
-    def inspect(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        raise self._missing("inspect")
+    def inspect(self, session_id: str, *, owner: str | None = None) -> dict[str, Any]:
+        """What the session's ``.coli_kv`` image holds: header fields, sizes, what a loader would
+        neutralize (the embedded store's report; ``file`` names the segment objects' count and bytes)."""
+        key = self._key(session_id, owner)
+        return inspect_session(self.shared, key, SessionInfo.from_record(self._record(self.index.session(key))))
 
-    def repair(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._missing("repair")
+    # ------------------------------------------------------------------ not on the shared store yet
+    def journal_path(self, session_id: str, *, owner: str | None = None) -> Path:
+        """Not on this backend: a session is segment objects, not a journal file (:class:`NotOnSharedStore`)."""
+        raise not_on_shared_store("journal files (journal_path)")
 
-    def migrate(self, *args: Any, **kwargs: Any) -> SessionInfo:
-        raise self._missing("migrate")
+    def archive_path(self, session_id: str, *, owner: str | None = None) -> Path:
+        """Not on this backend: nothing is archived (:class:`NotOnSharedStore`)."""
+        raise not_on_shared_store("archive files (archive_path)")
+
+    @property
+    def journals(self) -> Path:
+        raise not_on_shared_store("journal files (the journals folder)")
+
+    @property
+    def archives(self) -> Path:
+        raise not_on_shared_store("archive files (the archive folder)")
+
+    @property
+    def locks(self) -> Path:
+        raise not_on_shared_store("lock files (the locks folder; writers hold leases in PostgreSQL)")
+
+    @property
+    def lost_found(self) -> Path:
+        raise not_on_shared_store("lost+found (journals are not on this backend)")
+
+    def reconcile(self) -> list[str]:
+        """Nothing to reconcile: a commit is one PostgreSQL transaction, so the index is never behind
+        the objects (uncommitted uploads are GC's); no repair is made, none reported."""
+        return []
+
+    def park(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> SessionInfo:
+        """Not on this backend: the rows are in the object store already (:class:`NotOnSharedStore`)."""
+        raise not_on_shared_store("park")
+
+    def unpark(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> SessionInfo:
+        """Not on this backend: nothing is parked (:class:`NotOnSharedStore`)."""
+        raise not_on_shared_store("unpark")
+
+    def repair(
+        self, session_id: str, *, owner: str | None = None, dry_run: bool = False, progress: Progress | None = None
+    ) -> RepairReport:
+        """Not on this backend yet (:class:`NotOnSharedStore`): a resume with ``verify=True`` serves the
+        turns before a damaged segment."""
+        raise not_on_shared_store("repair")
+
+    def migrate(
+        self, session_id: str, tier: Tier, *, owner: str | None = None, progress: Progress | None = None
+    ) -> SessionInfo:
+        """Not on this backend yet (:class:`NotOnSharedStore`): ``kvstore store pull``, migrate, ``push``."""
+        raise not_on_shared_store("migrate")
 
     def enforce_budget(self, *, keep: Iterable[str] = (), progress: Any = None) -> list[Eviction]:
         """Delete the least recently used sessions of the whole shared store (every replica's, the

@@ -1,0 +1,77 @@
+"""Verify and inspect a session of the shared store, with the embedded store's reports.
+
+A turn of the embedded store (one append, hashed in the index) is a segment here (one append, one
+immutable object whose blake2b-256 the commit recorded), so :func:`verify_session` answers the
+embedded :class:`~kvstore.store.integrity.VerifyReport` over the committed segments, and
+:func:`inspect_session` the embedded ``inspect`` report over the session's ``.coli_kv`` image
+(:func:`kvstore.store.maintenance.records_report`). Both read one committed snapshot
+(``SharedIndex.read_plan``), so an append committed meanwhile is neither half seen nor mistaken
+for damage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvstore.formats import coli_kv
+from kvstore.store.integrity import VerifyReport
+from kvstore.store.maintenance import records_report
+from kvstore.store.shared.store import SharedStore
+from kvstore.store.values import Progress, SessionInfo, public_id
+
+
+def verify_session(shared: SharedStore, key: str, progress: Progress | None = None) -> VerifyReport:
+    """Re-hash every committed segment of ``key`` against the digest its commit recorded.
+
+    The segments are fetched whole and in parallel (``SharedStore.first_damaged``: a replica's
+    cached copy is re-hashed, and one that fails is refetched from the object store), so
+    ``progress(bytes_hashed, bytes_total)`` is called once, when all are checked.
+
+    Returns
+    -------
+    VerifyReport : ``first_bad`` is the first segment (turn) whose bytes differ, or the records the
+        committed segments do not cover; ``good_records`` the records before it.
+    """
+    plan = shared.index.read_plan(key)
+    segments = plan.segments
+    bad_record = shared.first_damaged(key, plan, plan.n_records)
+    first_bad = None
+    expected = 0
+    for turn, segment in enumerate(segments):
+        # a gap or an overlap in the committed list: nothing past it is vouched for
+        if segment.first_record != expected or (bad_record is not None and segment.first_record >= bad_record):
+            first_bad = {"turn": turn, "start": expected, "end": segment.end}
+            break
+        expected = segment.end
+    if first_bad is None and expected != plan.n_records:
+        first_bad = {"turn": len(segments), "start": expected, "end": plan.n_records}
+    if progress is not None:
+        total = sum(segment.nbytes for segment in segments)
+        progress(total, total)
+    good = first_bad["start"] if first_bad is not None else plan.n_records
+    return VerifyReport(public_id(key), first_bad is None, plan.n_records, len(segments), first_bad, good)
+
+
+def inspect_session(shared: SharedStore, key: str, info: SessionInfo) -> dict[str, Any]:
+    """What the session's ``.coli_kv`` image holds (header fields, sizes, what a loader would
+    neutralize), read from one committed snapshot; ``info`` is the session as the index holds it.
+
+    ``file`` says where the image lives: its bytes and the segment objects holding its records.
+
+    Raises
+    ------
+    SessionDamaged : a segment object is missing, or its bytes do not match its digest
+    """
+    plan = shared.index.read_plan(key)
+    header = bytearray(plan.header)
+    header[32:36] = np.int32(plan.n_records).tobytes()  # nrec = the committed count, as file_bytes writes it
+    image = bytes(header) + shared.read_planned(key, plan, 0, plan.n_records)
+    records = coli_kv.parse(image)
+    return {
+        "session": info.to_dict(),
+        "turns": len(plan.segments),
+        "file": {"objects": len(plan.segments), "bytes": len(image)},
+        **records_report(records),
+    }

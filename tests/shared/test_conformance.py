@@ -1,0 +1,155 @@
+"""The store conformance suite (``tests/conformance/store.py``) on the shared backend: a real
+PostgreSQL cluster for the index and moto's standalone S3 server for the segments.
+
+``TestSharedStore`` runs every test of the suite against :class:`SharedSessionStore`, the store a
+``kvstore serve --index --blobs`` replica answers its routes from; what the backend lacks
+(``lacks``) is skipped by the suite, which checks instead that each lacked operation raises
+``NotOnSharedStore``. One cluster and one S3 server serve every test (session fixtures of
+``tests/shared/conftest.py``); each test gets a fresh database and a fresh bucket.
+
+The hooks look at the stored bytes behind the store's back: the ``.coli_kv`` image is the header
+the index keeps followed by the committed segment objects exactly as S3 holds them, and a flipped
+byte is written into a segment object in S3. The replica's local segment cache is off here
+(``cache_bytes=0``): a sound cached copy would rightly be served instead of the flipped object, and
+the cache has its own tests (``test_cache.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from conformance.store import StoreConformance
+from kvstore.api.replica import NOT_SERVED
+from kvstore.formats.coli_kv import HEADER_BYTES
+from kvstore.keys import IndexKeys
+from kvstore.store.shared.sessions import SharedSessionStore
+from kvstore.store.values import storage_key
+from served import ServeProcess
+from shared.rows import GEOMETRY, TIER, rec_bytes, records
+
+
+def flip_object_byte(store: SharedSessionStore, key: str, record_bytes: int, offset: int) -> None:
+    """Flip the low bit of byte ``offset`` of the session's image, in the segment object holding it."""
+    record = (offset - HEADER_BYTES) // record_bytes
+    segment = next(s for s in store.shared.segments(key) if s.first_record <= record < s.end)
+    at = offset - HEADER_BYTES - segment.first_record * record_bytes
+    body = bytearray(store.shared.blobs.get(segment.object, 0, segment.nbytes))
+    body[at] ^= 0x01
+    # a plain overwrite (BlobStore.put never replaces an object): the damage comes from outside
+    blobs = store.shared.blobs
+    blobs.client.put_object(Bucket=blobs.bucket, Key=segment.object, Body=bytes(body))
+
+
+class TestSharedStore(StoreConformance):
+    lacks = frozenset({"park", "repair", "migrate", "hard_limit", "journal_files"})
+    hashes_every_read = True  # a segment read whole is checked against its digest (docs/SCALE.md)
+
+    @pytest.fixture(autouse=True)
+    def _servers(self, index_url, blobs_url, s3_server, monkeypatch):
+        # set up before the suite's ``store`` fixture (autouse fixtures of a scope come first)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)  # as an operator names the server
+        self.index_url, self.blobs_url = index_url, blobs_url
+
+    # the suite types its store as the embedded one: the hooks take and give this backend's
+    def make_store(self, path, **limits) -> Any:
+        return SharedSessionStore(self.index_url, self.blobs_url, data_dir=path, cache_bytes=0, **limits)
+
+    def _keys(self, store: Any, session_id: str, owner: str | None) -> list[str]:
+        if owner is not None:
+            key = storage_key(session_id, owner)
+            return [key] if key in {row["key"] for row in store.index.sessions(owner)} else []
+        return store.index.keys_of_id(session_id)
+
+    def stored_image(self, store: Any, session_id, owner=None):
+        keys = self._keys(store, session_id, owner)
+        assert len(keys) <= 1, f"more than one session {session_id!r}: {keys}"
+        if not keys:
+            return None
+        row = store.index.session(keys[0])
+        header = bytearray(row["header"])
+        header[32:36] = int(row["n_records"]).to_bytes(4, "little")  # nrec, as file_bytes writes it
+        # the objects as S3 holds them, unchecked: a flipped byte must show
+        objects = [store.shared.blobs.get(s.object, 0, s.nbytes) for s in store.shared.segments(keys[0])]
+        return bytes(header) + b"".join(objects)
+
+    def flip_stored_byte(self, store: Any, session_id, offset):
+        (key,) = self._keys(store, session_id, None)
+        flip_object_byte(store, key, store.get(session_id).record_bytes, offset)
+
+    def held_bytes(self, store: Any):
+        # every session's header (kept in the index) plus the segments its rows list
+        return sum(
+            HEADER_BYTES + sum(s.nbytes for s in store.shared.segments(row["key"])) for row in store.index.sessions()
+        )
+
+
+# ------------------------------------------------------------------ the same reports over HTTP
+def test_a_replica_serves_verify_and_inspect(tmp_path, child_env, index_url, monkeypatch):
+    """The verify and inspect routes of a ``kvstore serve --index --blobs`` replica answer from the
+    store above; what the store lacks still answers 501 before anything runs."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", child_env["AWS_ENDPOINT_URL"])  # for the store that damages an object
+    with IndexKeys(index_url) as keys:
+        key = keys.create("alice")[1]
+    server = ServeProcess(tmp_path / "r1", "--cache-size", "0", env=child_env).start()
+    try:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+            created = http.post(
+                "/sessions",
+                json={
+                    "id": "chat",
+                    "model": {"name": "m", "revision": "1"},
+                    "geometry": {
+                        "n_layers": GEOMETRY.n_layers,
+                        "kv_lora": GEOMETRY.kv_lora,
+                        "qk_rope": GEOMETRY.qk_rope,
+                        "vocab": GEOMETRY.vocab,
+                    },
+                    "tier": TIER.name,
+                },
+            )
+            assert created.status_code == 201, created.text
+            for seq, n in enumerate((3, 4, 5)):
+                appended = http.post(
+                    "/sessions/chat/append",
+                    content=records(1, seq, n),
+                    headers={"Content-Type": "application/octet-stream"},
+                )
+                assert appended.status_code == 200, appended.text
+            verified = http.get("/sessions/chat/verify")
+            assert verified.status_code == 200, verified.text
+            assert verified.json() == {
+                "session_id": "chat",
+                "ok": True,
+                "n_records": 12,
+                "turns_checked": 3,
+                "first_bad": None,
+                "good_records": 12,
+            }
+            inspected = http.get("/sessions/chat/file/inspect")
+            assert inspected.status_code == 200, inspected.text
+            report = inspected.json()
+            assert report["header"]["nrec"] == 12 and report["loadable_records"] == 12 and report["problems"] == []
+            assert report["turns"] == 3 and report["file"] == {"objects": 3, "bytes": HEADER_BYTES + 12 * rec_bytes()}
+            with SharedSessionStore(
+                child_env["KVSTORE_INDEX_URL"],
+                child_env["KVSTORE_BLOBS_URL"],
+                data_dir=tmp_path / "local",
+                cache_bytes=0,
+            ) as store:
+                flip_object_byte(store, storage_key("chat", "alice"), rec_bytes(), HEADER_BYTES + 8 * rec_bytes() + 9)
+            damaged = http.get("/sessions/chat/verify").json()
+            assert (damaged["ok"], damaged["first_bad"], damaged["good_records"]) == (
+                False,
+                {"turn": 2, "start": 7, "end": 12},
+                7,
+            )
+            for path in ("/sessions/nothing/verify", "/sessions/nothing/file/inspect"):
+                assert http.get(path).status_code == 404
+            assert ("POST", "/sessions/{session_id}/park") in NOT_SERVED
+            refused = http.post("/sessions/chat/park")
+            assert refused.status_code == 501 and "(park)" in refused.json()["reason"]
+    finally:
+        server.stop_cleanly()
