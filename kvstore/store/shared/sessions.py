@@ -19,6 +19,7 @@ key (:data:`CURRENT_REQUEST`) a retry through any other replica answers the firs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -366,7 +367,27 @@ class SharedSessionStore:
         self.stats.appended(time.perf_counter() - started)
         self._after_write(key)
         return AppendResult(
-            self.get(public_id(key), owner=info.owner), ack.end - ack.start, (ack.start, ack.end), found
+            self._after_commit(key, info, ack, complete_turn), ack.end - ack.start, (ack.start, ack.end), found
+        )
+
+    def _after_commit(self, key: str, before: SessionInfo, ack, complete_turn: bool) -> SessionInfo:
+        """The session after an acknowledged append. The append is committed whatever happens
+        next: a server that stops before the index is read again must not turn it into an error,
+        since the client's retry of the same rows (without an idempotency key) would append them
+        twice. The answer is then built from the commit's own result."""
+        try:
+            return self.get(public_id(key), owner=before.owner)
+        except Unavailable as exc:
+            log.warning("append committed; answering from the commit (index read failed: %s)", exc.reason)
+        grown = ack.end - before.n_records
+        now = time.time()
+        return dataclasses.replace(
+            before,
+            n_records=ack.end,
+            watermark=ack.end if complete_turn else min(before.watermark, ack.end),
+            size_bytes=before.size_bytes + grown * coli_kv.record_bytes(before.geometry, before.tier),
+            updated=now,
+            last_used=now,
         )
 
     def _mark_complete(self, lease: Lease) -> None:
