@@ -270,7 +270,13 @@ def make_backend(spec: str):
 
 
 def compare(
-    specs: list[str], copy_bw: float, l2_bytes: int, seed: int, out_dir: Path | None, head_counts=(16, 64, 128)
+    specs: list[str],
+    copy_bw: float,
+    l2_bytes: int,
+    seed: int,
+    out_dir: Path | None,
+    head_counts=(16, 64, 128),
+    mm_rate: float | None = None,
 ) -> bool:
     """Time every kernel variant on the same inputs; print one row per problem."""
     backends = {spec: make_backend(spec) for spec in specs}
@@ -284,8 +290,9 @@ def compare(
         plan.append((tier, testing.ragged_lengths(131072, 8, seed), h, None))
     plan = [p + (0.0,) for p in plan] + [("fp8", [131072], h, None, 1e-3) for h in head_counts[:2]]
     head = f"{'variant':9s} {'B':>2s} {'H':>4s} {'T':>12s} {'MB':>7s} " + " ".join(
-        f"{spec + ' us':>11s} {'%copy':>6s} {'err':>7s}" for spec in specs
+        f"{spec + ' us':>11s} {'%copy':>6s} {'%floor':>6s} {'err':>7s}" for spec in specs
     )
+    head = head.replace(" MB ", f" MB {'floor':>7s} ", 1)
     print(head, flush=True)
     ok, rows = True, []
     for i, (tier, lengths, heads, selected, nan_rate) in enumerate(plan):
@@ -297,12 +304,15 @@ def compare(
         n_sets = max(1, min(16, math.ceil(3 * l2_bytes / max(cache_bytes, 1))))
         cases = [probe] + _cases(tier, lengths, heads, selected, n_sets - 1, seed + 31 * i + 1, nan_rate)
         ref = testing.reference(probe)
+        flops = 2 * heads * probe.rows_attended() * (2 * probe.q_lat.shape[2] + probe.q_rope.shape[2])
+        floor_us = 1e6 * max(n_bytes / copy_bw, flops / mm_rate if mm_rate else 0.0)
         row = {
             "variant": f"{tier}{'-sel' if selected else ''}{'-nan' if nan_rate else ''}",
             "B": len(lengths),
             "H": heads,
             "T": max(lengths) if not selected else f"{max(lengths)}/{selected}",
             "MB": n_bytes / 1e6,
+            "floor_us": floor_us,
         }
         cells = []
         for spec, backend in backends.items():
@@ -314,11 +324,12 @@ def compare(
                 err, us = math.inf, math.nan
             ok &= err < KERNEL_BOUND
             pct = 100.0 * n_bytes / (us * 1e-6) / copy_bw
-            row[spec] = {"us": us, "pct_copy": pct, "rel_err": err}
-            cells.append(f"{us:11.1f} {pct:6.1f} {err:7.1e}")
+            row[spec] = {"us": us, "pct_copy": pct, "pct_floor": 100.0 * floor_us / us, "rel_err": err}
+            cells.append(f"{us:11.1f} {pct:6.1f} {100.0 * floor_us / us:6.1f} {err:7.1e}")
         rows.append(row)
         print(
-            f"{row['variant']:9s} {row['B']:2d} {heads:4d} {str(row['T']):>12s} {row['MB']:7.1f} " + " ".join(cells),
+            f"{row['variant']:9s} {row['B']:2d} {heads:4d} {str(row['T']):>12s} {row['MB']:7.1f} {floor_us:7.1f} "
+            + " ".join(cells),
             flush=True,
         )
         del cases, probe
@@ -364,9 +375,15 @@ def main() -> int:
 
     copy_bw = copy_bandwidth()
     if args.compare:
-        print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
+        mm_rate = matmul_rate()
+        print(
+            f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write); f16 matmul: {mm_rate / 1e12:.0f} TFLOP/s",
+            flush=True,
+        )
         heads = tuple(int(h) for h in args.heads.split(","))
-        return 0 if compare(args.compare.split(","), copy_bw, props.L2_cache_size, args.seed, args.out, heads) else 1
+        specs = args.compare.split(",")
+        ok = compare(specs, copy_bw, props.L2_cache_size, args.seed, args.out, heads, mm_rate)
+        return 0 if ok else 1
     mm_rate = matmul_rate()
     print(
         f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write); f16 matmul: {mm_rate / 1e12:.0f} TFLOP/s",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -374,7 +375,8 @@ def select(
     device : the device of the rows and queries
     kv_lora, qk_rope : the row widths, for backends that run only some geometries
     prefer : a backend name tried first (e.g. ``"torch"``: skip the CUDA kernels in parity tests
-        and benchmarks); the others still follow when it cannot run
+        and benchmarks); the others still follow when it cannot run. Without one, the environment
+        variable ``KVSTORE_ATTENTION_BACKEND`` names it (an operator's switch, read per call)
     q_dtype : the query dtype
     selected : the selected-rows variant
     trusted : bind ``validate=False`` (see :meth:`AttentionBackend.function`)
@@ -393,6 +395,8 @@ def select(
     tier = as_tier(tier)
     device = _normalized(device)
     order = list(registered())
+    if prefer is None:
+        prefer = os.environ.get("KVSTORE_ATTENTION_BACKEND") or None
     if prefer is not None:
         if prefer not in _REGISTRY:
             raise BackendUnavailable(f"no backend named {prefer!r}; registered: {sorted(_REGISTRY)}")

@@ -12,13 +12,14 @@ Every output is NaN-poisoned before the call, so an element the kernels skip fai
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 
 import pytest
 import torch
 
 from conformance.attention import AttentionConformance
-from kvstore.gpu import testing
+from kvstore.gpu import AttentionInputError, testing
 from kvstore.gpu.cuda_backend import CudaBackend
 from kvstore.gpu.registry import get_backend
 
@@ -176,3 +177,65 @@ def test_whole_rows_of_nan_codes(cuda_backend):
     case.lc_codes[start + 64 : start + 200] = 0xFF
     case.rc_codes[start + 100 : start + 300] = 0x7F
     _check(case, cuda_backend, seed)
+
+
+def _same_shapes_new_values(case):
+    """Another problem with the case's exact shapes (a replayable signature): rows rolled, new queries."""
+    rolled = {name: getattr(case, name).roll(7, 0) for name in ("lc_codes", "lc_scales", "rc_codes", "rc_scales")}
+    return dataclasses.replace(case, q_lat=torch.randn_like(case.q_lat), q_rope=torch.randn_like(case.q_rope), **rolled)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_plain_calls_replay_a_cached_plan_with_new_operands(tier):
+    """A repeated plain call (validate=False) replays its launch plan: it must attend the operands
+    it is given now (new rows, new bounds, a new out), on any stream, and inside a CUDA graph."""
+    seed = RUN_SEED + 41
+    backend = CudaBackend(torch.device("cuda"))
+    first = testing.make_case(tier, [30000, 1000], 16, device="cuda", seed=seed)
+    second = _same_shapes_new_values(first)
+    for case in (first, second, first):
+        out = testing.decode(case, testing.poisoned_out(case), backend=backend, validate=False)
+        assert testing.relative_error(out, testing.reference(case)) < KERNEL_BOUND
+    assert backend.fast_calls == 2, "the second and third calls must replay the first one's plan"
+    fresh = testing.decode(second, None, backend=backend, validate=False)  # out=None: its own signature
+    again = testing.decode(second, None, backend=backend, validate=False)
+    assert backend.fast_calls == 3 and fresh.data_ptr() != again.data_ptr()
+    assert torch.equal(fresh, again)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = testing.decode(first, testing.poisoned_out(first), backend=backend, validate=False)
+    torch.cuda.current_stream().wait_stream(side)
+    assert testing.relative_error(out, testing.reference(first)) < KERNEL_BOUND
+    out = testing.poisoned_out(first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        testing.decode(first, out, backend=backend, validate=False)
+    for mine, theirs in zip(first.args()[:-1], second.args()[:-1]):
+        mine.copy_(theirs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert testing.relative_error(out, testing.reference(second)) < KERNEL_BOUND
+
+
+def test_a_replayed_plan_still_refuses_bad_shapes():
+    """The plan is keyed by every operand's shape, dtype and device: a call that differs runs the
+    checks (and is refused when wrong) instead of replaying."""
+    seed = RUN_SEED + 43
+    backend = CudaBackend(torch.device("cuda"))
+    case = testing.make_case("fp8", [5000], 16, device="cuda", seed=seed)
+    for _ in range(2):
+        testing.decode(case, testing.poisoned_out(case), backend=backend, validate=False)
+    args = list(case.args())
+    args[2] = args[2][:, :100]  # latent codes of the wrong width
+    with pytest.raises(AttentionInputError):
+        backend.mla_decode_fp8(*args, validate=False)
+    misaligned = _same_shapes_new_values(case)
+    before = backend.fast_calls
+    args = list(misaligned.args())
+    shifted = torch.empty(args[2].numel() + 1, dtype=torch.uint8, device="cuda")[1:].view(args[2].shape)
+    shifted.copy_(args[2])
+    args[2] = shifted  # same signature, an address the kernels cannot read as 16-byte vectors
+    out = backend.mla_decode_fp8(*args, validate=False)
+    assert backend.fast_calls == before
+    assert testing.relative_error(out, testing.reference(misaligned)) < KERNEL_BOUND

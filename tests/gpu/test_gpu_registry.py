@@ -228,3 +228,15 @@ def test_prefer_puts_a_backend_first_and_old_tier_names_warn():
             BackendSpec(name="bad", device_types=frozenset({"cpu"}), tiers=frozenset({"tq-int4"})),
             "kvstore.gpu.torch_backend:TorchBackend",
         )
+
+
+def test_the_environment_names_a_preferred_backend(monkeypatch):
+    """KVSTORE_ATTENTION_BACKEND is tried first when the caller names none; a caller's choice wins."""
+    monkeypatch.setenv("KVSTORE_ATTENTION_BACKEND", "torch")
+    assert registry.select("fp8", "cpu", kv_lora=512, qk_rope=64).backend == "torch"
+    monkeypatch.setenv("KVSTORE_ATTENTION_BACKEND", "cuda")  # cannot run here: the next one follows
+    choice = registry.select("fp8", "cpu", kv_lora=512, qk_rope=64)
+    assert choice.backend == "torch" and "cuda" in choice.rejected
+    monkeypatch.setenv("KVSTORE_ATTENTION_BACKEND", "no-such-backend")
+    with pytest.raises(BackendUnavailable, match="no-such-backend"):
+        registry.select("fp8", "cpu")
