@@ -330,7 +330,32 @@ async def resume(
     except BaseException:
         reader.close()
         raise
+    # the first rows are read before the answer starts (after the header or schema in those formats):
+    # a store failing on them (S3 past its retries) answers a typed 503, not a 200 cut short
+    body = await _started(body, 1 if format == "raw" else 2)
     return StreamingResponse(body, media_type=media, headers=headers)
+
+
+async def _started(chunks, n: int):
+    """The first ``n`` items of the async iterator ``chunks`` taken now (an error raises here, and
+    ``_drain`` has closed the reader), then the rest as the response asks for them."""
+    first = []
+    for _ in range(n):
+        try:
+            first.append(await chunks.__anext__())
+        except StopAsyncIteration:
+            break
+
+    async def joined():
+        try:
+            for chunk in first:
+                yield chunk
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    return joined()
 
 
 def _with_header(reader: SessionReader, chunk_bytes: int):

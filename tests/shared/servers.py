@@ -135,6 +135,10 @@ class FaultProxy:
     ``counts`` tallies what happened, by kind (``"ok"`` for forwarded requests).
     :meth:`hold` makes every PUT wait at the proxy (its body read, nothing forwarded) until
     :meth:`release`; ``held`` counts those that arrived: a writer caught mid-upload.
+    :meth:`fail_next` makes the next requests fail with a chosen kind whatever ``rate`` says; it
+    also takes ``"stall"`` / ``"stall-after"``: no answer for ``stall_s`` seconds (longer than the
+    client's read timeout, so the client times out), then the connection closed, before or after
+    forwarding.
     """
 
     def __init__(self, upstream_port: int, *, seed: int = 0):
@@ -147,12 +151,15 @@ class FaultProxy:
         self._holding = False
         self._released = threading.Event()
         self.held = 0
+        self.stall_s = 10.5  # boto3's read timeout in BlobStore is 10 s
+        self._forced: list[str] = []
+        self._closed = threading.Event()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, *args):  # quiet
+            def log_message(self, format, *args):  # quiet
                 pass
 
             def _handle(self):
@@ -171,7 +178,9 @@ class FaultProxy:
                     self.wfile.write(reply)
                     self.close_connection = True
                     return
-                if fault == "drop":
+                if fault in ("drop", "stall"):
+                    if fault == "stall":
+                        proxy._closed.wait(proxy.stall_s)
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
@@ -185,7 +194,9 @@ class FaultProxy:
                     payload = answer.read()
                 finally:
                     upstream.close()
-                if fault == "drop-after":
+                if fault in ("drop-after", "stall-after"):
+                    if fault == "stall-after":
+                        proxy._closed.wait(proxy.stall_s)
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
@@ -231,13 +242,22 @@ class FaultProxy:
                 self.held += 1
             return self._holding
 
+    def fail_next(self, kind: str, n: int = 1) -> None:
+        """The next ``n`` requests fail with ``kind`` (one of ``kinds``, ``"stall"``, ``"stall-after"``)."""
+        with self._lock:
+            self._forced.extend([kind] * n)
+
     def _choose(self) -> str:
         with self._lock:
-            fault = self._random.choice(self.kinds) if self.rate and self._random.random() < self.rate else "ok"
+            if self._forced:
+                fault = self._forced.pop(0)
+            else:
+                fault = self._random.choice(self.kinds) if self.rate and self._random.random() < self.rate else "ok"
             self.counts[fault] = self.counts.get(fault, 0) + 1
             return fault
 
     def close(self) -> None:
+        self._closed.set()
         self.release()
         self.server.shutdown()
         self.server.server_close()
