@@ -209,7 +209,10 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
 
 def retry_after(error: KVStoreError) -> int | None:
     """The ``Retry-After`` seconds of an answer to ``error`` (None: the header is not sent): a capacity
-    limit (429), a server of the shared store down (503) or another replica's write lease (409)."""
+    limit (429), a server of the shared store down (503), another replica's write lease (409), or a
+    session another request is changing past the lock timeout (409, one second: it is busy now)."""
+    if isinstance(error, JournalLocked):
+        return 1
     seconds = getattr(error, "retry_after", None)
     if not isinstance(error, (ServiceBusy, Unavailable, LeaseHeld)) or seconds is None:
         return None

@@ -141,6 +141,7 @@ def test_lock_waits_and_timeouts_are_counted(make_server, tmp_path):
         finally:
             holder.release()
         assert refused.status_code == 409 and refused.json()["error"] == "JournalLocked"
+        assert refused.headers["retry-after"] == "1"  # busy now: a client knows when to come back
         counted = scrape(alice)
         assert (counted["kvstore_lock_waits_total"], counted["kvstore_lock_timeouts_total"]) == (1, 1)
 
