@@ -323,10 +323,7 @@ class SharedIndex:
 
         def body(conn: psycopg.Connection) -> None:
             with conn.transaction():
-                lease = conn.execute(
-                    "SELECT token, expires_at > clock_timestamp() FROM kv_leases WHERE key = %s FOR UPDATE", (key,)
-                ).fetchone()
-                _check_lease(key, token, lease)
+                _hold_lease(conn, key, token)
                 row = conn.execute(
                     "UPDATE kv_sessions SET record = %s, watermark = %s, created_ns = %s, updated_ns = %s, "
                     "last_used_ns = %s WHERE key = %s AND n_records >= %s RETURNING key",
@@ -492,10 +489,7 @@ class SharedIndex:
 
         def body(conn: psycopg.Connection) -> None:
             with conn.transaction():
-                row = conn.execute(
-                    "SELECT token, expires_at > clock_timestamp() FROM kv_leases WHERE key = %s FOR UPDATE", (key,)
-                ).fetchone()
-                _check_lease(key, token, row)
+                _hold_lease(conn, key, token)
                 conn.execute(
                     "UPDATE kv_leases SET expires_at = clock_timestamp() + %s * interval '1 second' WHERE key = %s",
                     (float(ttl), key),
@@ -592,10 +586,7 @@ class SharedIndex:
                 ).fetchone()
                 if row is not None:
                     return _segment(row), False
-                lease = conn.execute(
-                    "SELECT token, expires_at > clock_timestamp() FROM kv_leases WHERE key = %s FOR UPDATE", (key,)
-                ).fetchone()
-                _check_lease(key, token, lease)
+                _hold_lease(conn, key, token)
                 count = conn.execute(
                     "SELECT n_records, rec_bytes FROM kv_sessions WHERE key = %s FOR UPDATE", (key,)
                 ).fetchone()
@@ -750,10 +741,7 @@ class SharedIndex:
 
         def body(conn: psycopg.Connection) -> list[str]:
             with conn.transaction():
-                lease = conn.execute(
-                    "SELECT token, expires_at > clock_timestamp() FROM kv_leases WHERE key = %s FOR UPDATE", (key,)
-                ).fetchone()
-                _check_lease(key, token, lease)
+                _hold_lease(conn, key, token)
                 row = conn.execute(
                     "SELECT n_records, rec_bytes, watermark FROM kv_sessions WHERE key = %s FOR UPDATE", (key,)
                 ).fetchone()
@@ -1036,7 +1024,12 @@ def _key_row(row: Any) -> dict[str, Any]:
     return found
 
 
-def _check_lease(key: str, token: int, row: Any) -> None:
+def _hold_lease(conn: psycopg.Connection, key: str, token: int) -> None:
+    """Lock the session's lease row for this transaction and check that ``token`` still holds it,
+    unexpired on PostgreSQL's clock: the fencing check every write under a lease starts with."""
+    row = conn.execute(
+        "SELECT token, expires_at > clock_timestamp() FROM kv_leases WHERE key = %s FOR UPDATE", (key,)
+    ).fetchone()
     if row is None:
         raise StaleLease(f"session {public_id(key)!r} has no lease (deleted?); nothing was published")
     if int(row[0]) != token:
