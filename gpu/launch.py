@@ -15,8 +15,9 @@ import ctypes
 import threading
 
 import numpy as np
+import torch
 
-__all__ = ["PackedLaunch", "driver_launch"]
+__all__ = ["MAX_PLANS", "PackedLaunch", "ReplayedCall", "driver_launch", "function_pointer", "replayable", "signature"]
 
 _DRIVER = None
 _DRIVER_LOCK = threading.Lock()
@@ -89,3 +90,87 @@ class PackedLaunch:
         status = driver(*self._head, stream, self._params_ptr, None)
         if status != 0:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA driver error {status}")
+
+
+#: Most launch plans one backend keeps.
+MAX_PLANS = 64
+#: Operand slots of mla_decode_v2's parameters (q_lat, q_rope, lc, ls, rc, rs, seq_start, seq_len,
+#: indices, n_selected) and of its workspaces (o_part, o_scale, lse); the merge's workspaces and out.
+_SPLIT_OPERANDS = (0, 1, 4, 5, 6, 7, 8, 9, 10, 11)
+_SPLIT_WORKSPACES = (17, 18, 19)
+_MERGE_WORKSPACES = (0, 1, 2)
+_MERGE_OUT = (6,)
+
+
+def signature(tier, softmax_scale, operands, out) -> tuple | None:
+    """What a launch plan depends on besides addresses: tier, scale, each operand's shape, dtype,
+    device index (-1 on the host) and contiguity; None when an operand is not a tensor."""
+    try:
+        key = (
+            tier,
+            softmax_scale,
+            None if out is None else (out.shape, out.dtype, out.get_device(), out.is_contiguous()),
+            *[None if t is None else (t.shape, t.dtype, t.get_device(), t.is_contiguous()) for t in operands],
+        )
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def replayable(q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len, indices, n_selected):
+    """A plan can be replayed when it used the operands as given (contiguous, int32 bounds on the
+    device: nothing converted per call) and no value read on the host chose it."""
+    for t in (q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales):
+        if not t.is_contiguous():
+            return False
+    for t in (seq_start, seq_len, indices, n_selected):
+        if t is not None and (t.device.type != "cuda" or t.dtype != torch.int32 or not t.is_contiguous()):
+            return False
+    return True
+
+
+def _raw_stream(index: int) -> int:
+    """The current stream's handle on device ``index`` (torch's raw accessor where it has one)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+class ReplayedCall:
+    """A plain call replayed: new addresses in the packed arguments, workspaces kept per stream."""
+
+    def __init__(self, backend, driver, split, merge, workspace, stream: int):
+        self.backend = backend
+        self.driver = driver
+        self.split = split
+        self.merge = merge
+        self.workspaces = {stream: workspace}
+        self.lock = threading.Lock()
+
+    def run(self, operands, out):
+        addresses = [0 if t is None else t.data_ptr() for t in operands]
+        # the kernels read 16-byte vectors from the queries and the row arrays
+        if (addresses[0] | addresses[1] | addresses[2] | addresses[3] | addresses[4] | addresses[5]) & 15:
+            return None
+        index = operands[0].get_device()
+        if torch.cuda.current_device() != index:
+            return None
+        stream = _raw_stream(index)
+        workspace = self.workspaces.get(stream)
+        if workspace is None:
+            if len(self.workspaces) >= 8:
+                return None
+            workspace = tuple(torch.empty_like(w) for w in next(iter(self.workspaces.values())))
+            self.workspaces[stream] = workspace
+        if out is None:
+            out = torch.empty(operands[0].shape, dtype=torch.float32, device=operands[0].device)
+        spaces = [w.data_ptr() for w in workspace]
+        with self.lock:
+            self.split.set_pointers(_SPLIT_OPERANDS, addresses)
+            self.split.set_pointers(_SPLIT_WORKSPACES, spaces)
+            self.merge.set_pointers(_MERGE_WORKSPACES, spaces)
+            self.merge.set_pointers(_MERGE_OUT, (out.data_ptr(),))
+            self.split.launch(self.driver, stream)
+            self.merge.launch(self.driver, stream)
+        self.backend.fast_calls += 1
+        return out
