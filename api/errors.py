@@ -178,7 +178,7 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     RecordCountMismatch: 409,
     IdempotencyKeyReused: 422,  # the key came first with another request (as the Idempotency-Key draft says)
     SegmentLost: 503,  # the upload was collected before its commit: sending it again works
-    NotOnSharedStore: 501,  # a route the shared backend does not serve yet (docs/SCALE.md)
+    NotOnSharedStore: 501,  # what needs journal files, asked of a shared store (docs/SCALE.md)
     # gpu (by name: importing kvstore.gpu imports torch)
     "kvstore.gpu.errors.AttentionInputError": 422,
     "kvstore.gpu.errors.BackendUnavailable": 503,

@@ -29,7 +29,7 @@ import kvstore
 from kvstore.api.errors import BodyTooLarge, http_status, retry_after
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
-from kvstore.api.replica import IdempotencyKeys, IndexKeyTable, RefuseUnserved, open_store
+from kvstore.api.replica import IdempotencyKeys, IndexKeyTable, open_store
 from kvstore.api.routers import console, files, generate, health, jobs, lookup, metrics, sessions
 from kvstore.api.routers.metrics import Metrics
 from kvstore.api.session_gates import SessionGates
@@ -245,7 +245,6 @@ def create_app(
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.shared:
-        app.add_middleware(RefuseUnserved)
         app.add_middleware(IdempotencyKeys)
     for module in (health, sessions, files, lookup, jobs, generate, metrics):
         app.include_router(module.router)

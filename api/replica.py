@@ -10,9 +10,6 @@ either. This module holds what differs for a replica:
   every replica accepts the same keys and a revocation reaches all of them (an unknown key re-reads
   them sooner, so a new key works at once); while PostgreSQL is
   down the keys read last keep working (the request itself then answers 503);
-- :class:`RefuseUnserved`: the routes the shared backend does not serve yet answer 501
-  ``NotOnSharedStore`` before doing anything (:data:`NOT_SERVED`), with the store's own reason
-  (:func:`~kvstore.store.shared.sessions.not_on_shared_store`);
 - :class:`IdempotencyKeys`: an append's ``Idempotency-Key`` header, handed to the store, which
   applies the append once across every replica and answers a retry with the first result.
 """
@@ -37,16 +34,6 @@ log = logging.getLogger("kvstore.api")
 KEYS_REFRESH_S = 1.0  # a revoked key is refused by every replica within this
 MISS_REFRESH_S = 0.2  # an unknown key re-reads keys older than this (a new key works at once)
 
-#: (method, route path) of the routes a replica answers with 501 for now (docs/SCALE.md): the store
-#: operations ``SharedSessionStore`` lacks, and the engine.
-NOT_SERVED: dict[tuple[str, str], str] = {
-    ("POST", "/sessions/{session_id}/park"): "park",
-    ("POST", "/sessions/{session_id}/unpark"): "unpark",
-    ("POST", "/sessions/{session_id}/file/repair"): "repair",
-    ("POST", "/sessions/{session_id}/file/migrate"): "migrate",
-    ("POST", "/sessions/{session_id}/generate"): "generate",
-}
-
 
 def open_store(settings: Settings):
     """The shared store the settings name (a :class:`SharedSessionStore`)."""
@@ -61,29 +48,8 @@ def open_store(settings: Settings):
         lock_timeout=settings.lock_timeout,
         **({"cache_bytes": settings.cache_bytes} if settings.cache_bytes is not None else {}),
         budget_bytes=settings.budget_bytes,
+        hard_limit_bytes=settings.hard_limit_bytes,
     )
-
-
-class RefuseUnserved:
-    """ASGI middleware of a replica: a request for a route of :data:`NOT_SERVED` answers 501
-    ``NotOnSharedStore`` before anything else runs (its body is not read or validated)."""
-
-    def __init__(self, app):
-        from kvstore.store.shared.sessions import not_on_shared_store
-
-        self.app = app
-        self.refused = [
-            (method, compile_path(path)[0], not_on_shared_store(f"{method} {path} ({what})").reason)
-            for (method, path), what in NOT_SERVED.items()
-        ]
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            for method, pattern, reason in self.refused:
-                if scope["method"] == method and pattern.match(scope["path"]):
-                    answer = JSONResponse({"error": "NotOnSharedStore", "reason": reason}, status_code=501)
-                    return await answer(scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"

@@ -29,7 +29,8 @@ class Settings:
     ----------
     data_dir : the store's folder (``keys.json`` lives there too)
     budget_bytes, hard_limit_bytes : the store's disk budget and hard limit (see SessionStore); on a
-        replica of a shared store the budget is the whole shared store's (its LRU sessions deleted)
+        replica of a shared store both are the whole shared store's (its LRU sessions parked, then
+        deleted; a write past the hard limit refused in its commit)
     max_body_bytes : request bodies larger than this are refused with 413 before being read
     api_keys_env : ``key:owner,key:owner`` (the ``KVSTORE_API_KEYS`` variable by default, read
         when the settings are built)
@@ -114,22 +115,8 @@ class Settings:
             not isinstance(self.cache_bytes, int) or isinstance(self.cache_bytes, bool) or self.cache_bytes < 0
         ):
             raise ConfigError(f"cache_bytes must be a number of bytes >= 0, not {self.cache_bytes!r}")
-        if self.index_url is None:
-            if self.cache_bytes is not None:
-                raise ConfigError(
-                    "--cache-size: only a replica of a shared store (--index, --blobs) has a segment cache"
-                )
-            return
-        unsupported = [
-            name
-            for name, value in (
-                ("--model", self.model_dir),
-                ("--hard-limit", self.hard_limit_bytes),
-            )
-            if value is not None
-        ]
-        if unsupported:
-            raise ConfigError(f"{', '.join(unsupported)}: not yet on the shared store (docs/SCALE.md, what is served)")
+        if self.index_url is None and self.cache_bytes is not None:
+            raise ConfigError("--cache-size: only a replica of a shared store (--index, --blobs) has a segment cache")
 
     def _engine_tier(self) -> tiers.Tier:
         spelled = self.tier.name if isinstance(self.tier, tiers.Tier) else self.tier

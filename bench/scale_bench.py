@@ -6,6 +6,7 @@ Starts a throwaway PostgreSQL cluster (Debian package) and moto's standalone S3 
 - restore: the session's bytes from the local disk (journal read; ``SessionStore.resume``) and from
   the shared store (``SharedStore.file_bytes``: one index snapshot, parallel ranged GETs), GB/s,
   same session, same run; ``store push`` and ``store pull`` of it too;
+- park, unpark, migrate (fp8 -> int4 -> fp8) of that session on each backend;
 - append: 1 vs 3 writer processes, each with its own connections (as replicas have), appending
   turns to different sessions, and to one session through its lease (acquire, append, release).
 
@@ -149,6 +150,7 @@ def main() -> int:
             seconds, report = best(lambda: pull(pulled, store), 1)
             print(f"pull   {size / 1e6:8.1f} MB  {size / seconds / 1e9:6.3f} GB/s  ({report.counts()})")
             pulled.close()
+            maintenance(local, index_url, blobs_url, Path(folder) / "replica", size)
             local.close()
             # ---- append: 1 vs 3 writers
             payload = encoded(args.append_tokens, 99)
@@ -177,6 +179,29 @@ def main() -> int:
         moto.close()
         cluster.close()
     return 0
+
+
+def maintenance(local, index_url: str, blobs_url: str, replica_dir: Path, size: int) -> None:
+    """Park, unpark and migrate (fp8 -> int4) of the same session on both backends, GB/s of its image."""
+    from kvstore.store.shared.sessions import SharedSessionStore
+
+    shared = SharedSessionStore(index_url, blobs_url, data_dir=replica_dir, cache_bytes=0)
+    print(f"maintenance of the {size / 1e6:.1f} MB session (one run each; sizes after the operation)")
+    try:
+        for name, store in (("embedded", local), ("shared", shared)):
+            for op, call in (
+                ("park", lambda on=store: on.park("s", owner="bench")),
+                ("unpark", lambda on=store: on.unpark("s", owner="bench")),
+                ("migrate int4", lambda on=store: on.migrate("s", tiers.get("int4"), owner="bench")),
+                ("migrate fp8", lambda on=store: on.migrate("s", TIER, owner="bench")),
+            ):
+                seconds, info = best(call, 1)
+                print(
+                    f"  {name:8s} {op:12s} {size / seconds / 1e9:6.3f} GB/s  {seconds * 1e3:8.1f} ms  "
+                    f"{info.size_bytes / 1e6:8.1f} MB {info.state}"
+                )
+    finally:
+        shared.close()
 
 
 def timed_writers(index_url, blobs_url, keys, payload, appends, leased) -> tuple[float, int]:

@@ -86,8 +86,9 @@ def append_records(session: int, seq: int, n: int) -> bytes:
     """The ``n`` records of append ``seq`` of session ``session`` (deterministic, distinct per append)."""
     rng = np.random.default_rng([session, seq, n])
     tokens = seq * ROWS_PER_SEQ + np.arange(n, dtype=np.int32)
-    L = rng.standard_normal((GEOMETRY.n_layers, n, GEOMETRY.kv_lora), dtype=np.float32)
-    R = rng.standard_normal((GEOMETRY.n_layers, n, GEOMETRY.qk_rope), dtype=np.float32)
+    # values on a coarse grid: the fp8 codes compress, so parking rewrites real objects
+    L = rng.integers(-8, 8, (GEOMETRY.n_layers, n, GEOMETRY.kv_lora)).astype(np.float32) / 4
+    R = rng.integers(-8, 8, (GEOMETRY.n_layers, n, GEOMETRY.qk_rope)).astype(np.float32) / 4
     return coli_kv.encode_records(GEOMETRY, TIER, tokens, L, R).tobytes()
 
 
@@ -299,6 +300,7 @@ class Report:
     resends: int = 0
     reads: int = 0
     metadata_reads: int = 0
+    parks: int = 0
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULTS, 0))
     empty_data_restarts: int = 0
     s3_requests_failed: dict[str, int] = field(default_factory=dict)
@@ -329,7 +331,7 @@ class Report:
             ("rounds", self.rounds),
             ("operations (HTTP requests)", self.operations),
             ("  appends sent / acknowledged / re-sent", f"{self.appends_sent} / {self.appends_acked} / {self.resends}"),
-            ("  resumes / metadata reads", f"{self.reads} / {self.metadata_reads}"),
+            ("  resumes / metadata reads / parks", f"{self.reads} / {self.metadata_reads} / {self.parks}"),
             *((f"faults: {name}", count) for name, count in self.faults.items()),
             ("  restarts with an emptied --data", self.empty_data_restarts),
             ("  S3 requests failed by the proxy", ", ".join(f"{k} {v}" for k, v in sorted(self.s3_requests_failed.items()))),
@@ -520,6 +522,18 @@ class Chaos:
                     "stale_reads", f"{ledger.name}: n_records {answer.json()['n_records']} < {need} acknowledged"
                 )
 
+    def op_park(self, ledger: Ledger) -> None:
+        """Park the session (a job in the replica: objects rewritten and swapped in under the lease);
+        the next resume or append unparks it. Its rows must read the same all along."""
+        alive = self.alive()
+        if not alive:
+            return
+        replica = self.random.choice(sorted(alive))
+        answer = self.request(replica, alive[replica], "POST", f"/sessions/{ledger.name}/park")
+        self.count("parks")
+        if answer is not None and answer.status_code != 202:
+            self.answer_kind(answer, f"park {ledger.name}")
+
     def run_op(self, op, ledger: Ledger) -> None:
         try:
             op(ledger)
@@ -580,6 +594,7 @@ class Chaos:
             self.wait_for_replicas(2)  # one always stays up
         self.s3_faults(kind)
         ops = [self.op_append, self.op_append, self.op_append, self.op_resume, self.op_resume, self.op_metadata]
+        ops += [self.op_park]
         futures = [
             self.pool.submit(self.run_op, self.random.choice(ops), self.random.choice(self.ledgers))
             for _ in range(self.random.randint(4, 8))

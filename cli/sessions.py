@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.cli import options, progress
+from kvstore.cli import options, progress, store_cmd
 from kvstore.cli.output import emit, warn
 from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
@@ -29,6 +29,14 @@ GEOMETRY_WORDS = "n_layers,kv_lora,qk_rope,index_hd,nic,vocab"
 
 # ---------------------------------------------------------------------------- helpers
 def _store(args: argparse.Namespace, **limits):
+    """The embedded store in ``--data``, or the shared one ``--index`` and ``--blobs`` name (also
+    ``KVSTORE_INDEX_URL``, ``KVSTORE_BLOBS_URL``): the same calls on either."""
+    index_url = store_cmd.optional_index_url(args)
+    if index_url is not None:
+        store_cmd.shared_modules()
+        from kvstore.store.shared.sessions import SharedSessionStore
+
+        return SharedSessionStore(index_url, store_cmd.blobs_url(args), data_dir=None, cache_bytes=0, **limits)
     from kvstore.store import SessionStore
 
     return SessionStore(options.data_folder(args.data), **limits)
@@ -326,8 +334,10 @@ def cmd_lookup(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- parsers
 def _on_data(parser: argparse.ArgumentParser, *, session: bool = True, owner: options.OwnerRole = "existing") -> None:
-    """The options every sessions command takes: ``--data``, ``--owner``, ``--json`` (and the id)."""
+    """The options every sessions command takes: ``--data`` (or ``--index`` and ``--blobs``),
+    ``--owner``, ``--json`` (and the id)."""
     options.add_data(parser)
+    store_cmd.add_shared(parser)
     options.add_owner(parser, owner)
     options.add_json(parser)
     if session:
@@ -346,7 +356,9 @@ def _model_flags(parser: argparse.ArgumentParser, required: bool) -> None:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``sessions ...`` on the ``kvstore`` parser's subparsers."""
-    sessions = sub.add_parser("sessions", help="manage sessions directly on a data folder (no server)")
+    sessions = sub.add_parser(
+        "sessions", help="manage sessions directly on a data folder or a shared store (--index, --blobs; no server)"
+    )
     commands = sessions.add_subparsers(dest="sessions_command", required=True, metavar="COMMAND")
 
     p = commands.add_parser("list", help="list sessions")
@@ -429,6 +441,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = commands.add_parser("lookup", help="the session sharing the longest token prefix")
     options.add_data(p)
+    store_cmd.add_shared(p)
     options.add_owner(
         p,
         text="search this owner's sessions; with --like-session, that owner's session of the id (default: the "

@@ -298,9 +298,7 @@ class SessionEngine:
         return self.store.create(owner, self.geometry, self.tier, self.model, session_id=session_id, tags=tags)
 
     def _state_key(self, info: SessionInfo) -> _Key:
-        with self.store.index.read() as txn:
-            turns = self.store.index.turns(txn, info.key)  # the store keys a session by id and owner
-        last = turns[-1].digest if turns else b""
+        last = self.store.last_turn_digest(info)
         return (info.id, info.created, info.n_records, info.watermark, info.fingerprint_key, last, info.owner)
 
     def _check(self, info: SessionInfo, override: frozenset[str]) -> frozenset[str]:

@@ -267,8 +267,9 @@ class IdempotencyKeyReused(KVStoreError, ValueError):
 
 
 class NotOnSharedStore(KVStoreError, NotImplementedError):
-    """The operation exists on the embedded store but not yet on the shared one (PostgreSQL + S3);
-    nothing was done. The reason names it; docs/SCALE.md lists what a replica serves."""
+    """The operation needs what only the embedded store has (journal, archive or lock files), not
+    the shared one (PostgreSQL + S3); nothing was done. The reason names it; docs/SCALE.md lists
+    what a replica serves."""
 
 
 # ---- configuration ----------------------------------------------------------------------------

@@ -447,6 +447,14 @@ class SessionStore:
         with self.reader(session_id, owner=owner, verify=verify, expect=expect, override=override) as reader:
             return Resumed(reader.info, reader.load(), reader.n_records, reader.verified, reader.damaged_from)
 
+    def last_turn_digest(self, info: SessionInfo) -> bytes:
+        """The hash of the session's last turn as the index holds it (b"" before the first): with
+        the count and watermark, it tells whether the rows changed since ``info`` was read (an
+        engine's live cache is then stale)."""
+        with self.index.read() as txn:
+            turns = self.index.turns(txn, info.key)
+        return turns[-1].digest if turns else b""
+
     def verify(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> VerifyReport:
         """Re-hash every turn of a session (journal or archive) against the hashes in the index.
 

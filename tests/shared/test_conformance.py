@@ -20,21 +20,28 @@ from typing import Any
 
 import httpx
 import pytest
+import zstandard
 
 from conformance.store import StoreConformance
-from kvstore.api.replica import NOT_SERVED
 from kvstore.formats.coli_kv import HEADER_BYTES
 from kvstore.keys import IndexKeys
+from kvstore.store.shared.index import Segment
 from kvstore.store.shared.sessions import SharedSessionStore
 from kvstore.store.values import storage_key
-from served import ServeProcess
+from served import ServeProcess, wait_job
 from shared.rows import GEOMETRY, TIER, rec_bytes, records
+
+
+def unpacked(segment: Segment, body: bytes) -> bytes:
+    """A segment object's records: a parked one's object is their zstd frame."""
+    return zstandard.ZstdDecompressor().decompress(body) if segment.codec == "zstd" else body
 
 
 def flip_object_byte(store: SharedSessionStore, key: str, record_bytes: int, offset: int) -> None:
     """Flip the low bit of byte ``offset`` of the session's image, in the segment object holding it."""
     record = (offset - HEADER_BYTES) // record_bytes
     segment = next(s for s in store.shared.segments(key) if s.first_record <= record < s.end)
+    assert segment.codec == "raw", "flip a byte of an active session's object"
     at = offset - HEADER_BYTES - segment.first_record * record_bytes
     body = bytearray(store.shared.blobs.get(segment.object, 0, segment.nbytes))
     body[at] ^= 0x01
@@ -44,7 +51,7 @@ def flip_object_byte(store: SharedSessionStore, key: str, record_bytes: int, off
 
 
 class TestSharedStore(StoreConformance):
-    lacks = frozenset({"park", "repair", "migrate", "hard_limit", "journal_files"})
+    lacks = frozenset({"journal_files"})  # a session is segment objects: their tests are the backend's own
     hashes_every_read = True  # a segment read whole is checked against its digest (docs/SCALE.md)
 
     @pytest.fixture(autouse=True)
@@ -71,8 +78,10 @@ class TestSharedStore(StoreConformance):
         row = store.index.session(keys[0])
         header = bytearray(row["header"])
         header[32:36] = int(row["n_records"]).to_bytes(4, "little")  # nrec, as file_bytes writes it
-        # the objects as S3 holds them, unchecked: a flipped byte must show
-        objects = [store.shared.blobs.get(s.object, 0, s.nbytes) for s in store.shared.segments(keys[0])]
+        # the objects as S3 holds them, unchecked: a flipped byte must show (a parked one's decompressed)
+        objects = [
+            unpacked(s, store.shared.blobs.get(s.object, 0, s.object_bytes)) for s in store.shared.segments(keys[0])
+        ]
         return bytes(header) + b"".join(objects)
 
     def flip_stored_byte(self, store: Any, session_id, offset):
@@ -80,16 +89,18 @@ class TestSharedStore(StoreConformance):
         flip_object_byte(store, key, store.get(session_id).record_bytes, offset)
 
     def held_bytes(self, store: Any):
-        # every session's header (kept in the index) plus the segments its rows list
+        # every session's header (kept in the index) plus the objects its segment rows list, as S3 sizes them
+        blobs = store.shared.blobs
         return sum(
-            HEADER_BYTES + sum(s.nbytes for s in store.shared.segments(row["key"])) for row in store.index.sessions()
+            HEADER_BYTES + sum(blobs.size_of(s.object) or 0 for s in store.shared.segments(row["key"]))
+            for row in store.index.sessions()
         )
 
 
 # ------------------------------------------------------------------ the same reports over HTTP
-def test_a_replica_serves_verify_and_inspect(tmp_path, child_env, index_url, monkeypatch):
-    """The verify and inspect routes of a ``kvstore serve --index --blobs`` replica answer from the
-    store above; what the store lacks still answers 501 before anything runs."""
+def test_a_replica_serves_verify_inspect_and_maintenance(tmp_path, child_env, index_url, monkeypatch):
+    """The verify, inspect, repair, park and migrate routes of a ``kvstore serve --index --blobs``
+    replica answer from the store above, as the embedded service's do."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", child_env["AWS_ENDPOINT_URL"])  # for the store that damages an object
     with IndexKeys(index_url) as keys:
         key = keys.create("alice")[1]
@@ -148,8 +159,20 @@ def test_a_replica_serves_verify_and_inspect(tmp_path, child_env, index_url, mon
             )
             for path in ("/sessions/nothing/verify", "/sessions/nothing/file/inspect"):
                 assert http.get(path).status_code == 404
-            assert ("POST", "/sessions/{session_id}/park") in NOT_SERVED
-            refused = http.post("/sessions/chat/park")
-            assert refused.status_code == 501 and "(park)" in refused.json()["reason"]
+            # the maintenance routes answer as on the embedded store: repair drops the damaged turn,
+            # park and migrate run as jobs, and a resume unparks
+            dry = http.post("/sessions/chat/file/repair", params={"dry_run": "true"}).json()
+            assert (dry["dry_run"], dry["kept_records"], dry["dropped_records"]) == (True, 7, 5)
+            repaired = http.post("/sessions/chat/file/repair").json()
+            assert repaired["kept_records"] == 7 and http.get("/sessions/chat/verify").json()["ok"]
+            assert "repaired" in http.get("/sessions/chat").json()["problem"]
+            parked = wait_job(http, http.post("/sessions/chat/park").json(), expect="done")
+            assert parked["result"]["state"] == "parked" and http.get("/sessions/chat").json()["state"] == "parked"
+            migrated = http.post("/sessions/chat/file/migrate", json={"tier": "int4"})
+            assert migrated.status_code == 202, migrated.text
+            done = wait_job(http, migrated.json(), expect="done")["result"]
+            assert done["tier"]["name"] == "int4" and done["state"] == "active" and done["n_records"] == 7
+            assert http.get("/sessions/chat/verify").json()["ok"]
+            http.post("/sessions/chat/park")
     finally:
         server.stop_cleanly()

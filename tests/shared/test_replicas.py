@@ -1,7 +1,7 @@
 """``kvstore serve --index --blobs``: replica processes over one shared store (a real PostgreSQL
 cluster, a real S3 server), driven over HTTP: concurrent appends to one session through three
 replicas, a replica SIGKILLed mid-append, a replica restarted with an empty --data, PostgreSQL
-stopped and started, keys from the index on every replica, and the routes not served yet."""
+stopped and started, keys from the index on every replica, park, migrate and the hard limit."""
 
 from __future__ import annotations
 
@@ -15,13 +15,12 @@ import psycopg
 import pytest
 
 from kvstore.api.errors import SessionBusy, retry_after
-from kvstore.api.replica import NOT_SERVED
 from kvstore.api.settings import Settings
 from kvstore.errors import ConfigError, IndexUnavailable, LeaseHeld, SessionNotFound
 from kvstore.formats import coli_kv
 from kvstore.keys import IndexKeys
 from kvstore.store.shared import BlobStore, SharedIndex, SharedStore
-from served import ServeProcess
+from served import ServeProcess, wait_job
 from shared.rows import GEOMETRY, TIER, rec_bytes, records
 
 RAW = "application/octet-stream"
@@ -290,20 +289,35 @@ def test_every_replica_accepts_the_index_keys(replicas, api_key, index_url):
         assert answer.status_code == 401
 
 
-def test_routes_not_on_the_shared_store_answer_501(replicas, api_key):
-    server = replicas("r1")
-    with client(server, api_key) as http:
-        create(http, "chat")
-        for (method, path), what in NOT_SERVED.items():
-            answer = http.request(method, path.replace("{session_id}", "chat"), json={} if method == "POST" else None)
-            assert answer.status_code == 501, (method, path, answer.text)
-            assert answer.json()["error"] == "NotOnSharedStore" and "not yet on the shared store" in answer.text
-            assert f"({what})" in answer.json()["reason"]  # the route's operation, named
-        assert http.get("/sessions/chat").status_code == 200  # nothing was done to it
-        tagged = http.patch("/sessions/chat", json={"tags": ["a"]})
-        assert tagged.status_code == 200 and tagged.json()["tags"] == ["a"]
-        assert http.delete("/sessions/chat").status_code == 204
-        assert http.get("/sessions/chat").status_code == 404
+def test_park_migrate_and_the_hard_limit_across_replicas(replicas, api_key):
+    """A session parked through one replica is parked for all; a resume through another unparks it
+    and serves every row. A hard limit given to every replica bounds the whole shared store: a
+    migrate, a create or an append that would take it past answers with BudgetExceeded and writes
+    nothing, whichever replica it reaches."""
+    body = records(1, 0, 6)
+    limit = 2 * coli_kv.HEADER_BYTES + 8 * rec_bytes()  # this session, one more header, two rows to spare
+    r0, r1 = replicas("r0", "--hard-limit", str(limit)), replicas("r1", "--hard-limit", str(limit))
+    with client(r0, api_key) as first, client(r1, api_key) as second:
+        create(first, "chat")
+        assert append(first, "chat", body).status_code == 200
+        wait_job(first, first.post("/sessions/chat/park").json(), expect="done")
+        info = second.get("/sessions/chat").json()
+        assert info["state"] == "parked" and info["size_bytes"] <= coli_kv.HEADER_BYTES + len(body)
+        assert second.get("/sessions/chat/verify").json()["ok"]  # read as it is, still parked
+        assert resume(second, "chat") == body  # unparked by the resume, every row served
+        assert first.get("/sessions/chat").json()["state"] == "active"
+
+        # f32 rows are four times the fp8 ones: past the limit, refused, the session as it was
+        job = second.post("/sessions/chat/file/migrate", json={"tier": "f32"}).json()
+        failed = wait_job(second, job, expect="failed")
+        assert failed["error"]["error"] == "BudgetExceeded", failed
+        assert first.get("/sessions/chat").json()["tier"]["name"] == TIER.name and resume(first, "chat") == body
+        create(second, "other")  # one more header fits
+        refused = append(first, "other", records(1, 1, 3))
+        assert refused.status_code == 507 and refused.json()["error"] == "BudgetExceeded", refused.text
+        assert second.get("/sessions/other").json()["n_records"] == 0
+        assert append(second, "other", records(1, 1, 2)).status_code == 200  # exactly fits
+        assert first.get("/metrics").status_code == 200
 
 
 def test_retry_after_of_the_errors_that_say_when(tmp_path):
@@ -318,10 +332,7 @@ def test_retry_after_of_the_errors_that_say_when(tmp_path):
     [
         ({"index_url": "postgresql://kv@127.0.0.1:1/kv"}, "both"),
         ({"blobs_url": "s3://b/p"}, "both"),
-        (
-            {"index_url": "postgresql://kv@127.0.0.1:1/kv", "blobs_url": "s3://b/p", "hard_limit_bytes": 1 << 30},
-            "--hard-limit",
-        ),
+        ({"cache_bytes": 1 << 30}, "--cache-size"),
         ({"index_url": "postgresql://kv@127.0.0.1:1/kv", "blobs_url": "s3://b/p", "lease_ttl": 0}, "lease_ttl"),
     ],
 )

@@ -7,29 +7,38 @@ is configured, so the embedded store never loads either.
 
 Where each concern lives::
 
-    schema.py  the PostgreSQL tables and their ordered upgrade steps (kv_meta.schema_version)
-    index.py   SharedIndex: sessions, leases with fencing tokens, the fenced commit, read plans,
-               GC's queries; PostgreSQL down -> IndexUnavailable (retry_after)
-    blobs.py   BlobStore: segment objects through standard S3 calls, retries with backoff;
-               BlobStoreUnavailable when they run out
-    store.py   SharedStore: create, acquire/renew/release, append (intent, upload, commit; an
-               idempotency key recorded by the commit), fork (segment rows copied, objects
-               shared), truncate (a fenced commit dropping rows), prefix blocks,
-               read_records / file_bytes (the .coli_kv image), gc
-    cache.py   SegmentCache: a replica's local copies of segment objects in --data (checked by
-               length and digest, a size budget, its own LRU)
+    schema.py    the PostgreSQL tables and their ordered upgrade steps (kv_meta.schema_version)
+    pool.py      ConnectionPool: a few PostgreSQL connections, one transaction per call;
+                 PostgreSQL down -> IndexUnavailable (retry_after)
+    rows.py      the index's row types (Segment, Grant, ReadPlan) and the SQL steps transactions
+                 share: the fencing check, the hard limit, publishing an uploaded object
+    housekeeping.py  idempotency keys, prefix blocks, API keys, GC's queries
+    rewrites.py  fork, truncate and the swap of objects park, unpark and migrate commit
+    index.py     SharedIndex: sessions, leases with fencing tokens, the fenced commit, read plans,
+                 the global LRU and eviction (over the three above)
+    blobs.py     BlobStore: segment objects through standard S3 calls, retries with backoff;
+                 BlobStoreUnavailable when they run out
+    store.py     SharedStore: create, acquire/renew/release, append (intent, upload, commit; an
+                 idempotency key recorded by the commit), fork (segment rows copied, objects
+                 shared), truncate (a fenced commit dropping rows), prefix blocks,
+                 read_records / file_bytes (the .coli_kv image; a parked segment decompressed), gc
+    recode.py    park, unpark, migrate: a session's objects rewritten and swapped in one commit
+    cache.py     SegmentCache: a replica's local copies of segment objects in --data (checked by
+                 length and digest, a size budget, its own LRU)
     transfer.py  push / pull: sessions between an embedded SessionStore and a SharedStore, turn by
-               turn (``kvstore store push|pull``); imported by its users only
+                 turn (``kvstore store push|pull``); imported by its users only
     sessions.py  SharedSessionStore: SessionStore's interface over a SharedStore, for the service's
-               routes (``kvstore serve --index --blobs``) and the store conformance suite: leases
-               taken inside each write, committed snapshots for resume, the global budget;
-               imported by its users only
-    reports.py verify and inspect of a shared session, as the embedded store reports them
+                 routes (``kvstore serve --index --blobs``), the engine and the store conformance
+                 suite: leases taken inside each write, committed snapshots for resume, both
+                 budgets; imported by its users only
+    upkeep.py    park, unpark, repair, migrate and the soft budget of SharedSessionStore
+    reading.py   SharedReader (a resume from one snapshot) and the checks on rows to append
+    reports.py   verify and inspect of a shared session, as the embedded store reports them
 
 API keys in the index (table ``kv_keys``) are ``kvstore.keys.IndexKeys``, over ``SharedIndex``.
 
-Not yet here (docs/SCALE.md, "What remains"): park/unpark, repair, migrate and the hard limit;
-``SharedSessionStore`` raises ``NotOnSharedStore`` naming each (a replica answers their routes 501).
+What a session made of objects does not have — journal, archive and lock files —
+``SharedSessionStore`` refuses with ``NotOnSharedStore`` naming it.
 """
 
 from kvstore.store.shared.blobs import BlobStore, ObjectInfo, parse_blobs_url

@@ -9,7 +9,7 @@ from __future__ import annotations
 #: ``pg_advisory_xact_lock`` key serializing schema creation and upgrades across replicas.
 SCHEMA_LOCK = 0x6B7673_0001
 
-CURRENT_VERSION = 4
+CURRENT_VERSION = 5
 
 #: version reached -> the statements that reach it from the version before.
 STEPS: dict[int, tuple[str, ...]] = {
@@ -110,6 +110,15 @@ STEPS: dict[int, tuple[str, ...]] = {
             PRIMARY KEY (key, block)
         )""",
         "CREATE INDEX IF NOT EXISTS kv_prefix_chain ON kv_prefix (chain, block)",
+    ),
+    # park: a segment's object may hold its records compressed (one zstd frame); the digest and
+    # nbytes stay the records', stored_bytes is the object's own size
+    5: (
+        "ALTER TABLE kv_segments ADD COLUMN IF NOT EXISTS codec text NOT NULL DEFAULT 'raw'",
+        "ALTER TABLE kv_segments ADD COLUMN IF NOT EXISTS stored_bytes bigint",
+        "ALTER TABLE kv_segments DROP CONSTRAINT IF EXISTS kv_segments_codec",
+        "ALTER TABLE kv_segments ADD CONSTRAINT kv_segments_codec CHECK "
+        "(codec IN ('raw', 'zstd') AND (codec = 'raw') = (stored_bytes IS NULL))",
     ),
 }
 

@@ -4,10 +4,11 @@
 :class:`~kvstore.store.SessionStore` — create, get, list, set_tags, delete, append (raw records or
 arrays), reader / resume, usage, stats — with the same value types (:class:`SessionInfo`,
 :class:`AppendResult`, a reader with :class:`~kvstore.store.SessionReader`'s attributes), so the
-routes do not know which backend they talk to — fork, truncate, prefix lookup, verify and inspect
-included (the store conformance suite, ``tests/conformance/store.py``, runs on both). What it does
-not have (park, unpark, repair, migrate, a hard limit) raises :class:`NotOnSharedStore`, naming the
-operation (:func:`not_on_shared_store`).
+routes do not know which backend they talk to — fork, truncate, prefix lookup, verify, inspect,
+park, unpark, repair, migrate and both budgets included (the store conformance suite,
+``tests/conformance/store.py``, runs on both; the maintenance operations are
+:class:`~kvstore.store.shared.upkeep.Upkeep`'s). What it cannot have (journal, archive and lock
+files: a session is objects) raises :class:`NotOnSharedStore`, naming it (:func:`not_on_shared_store`).
 
 Writes follow docs/SCALE.md: every append takes the session's lease (waiting up to
 ``lock_timeout`` while another replica holds it), uploads a segment, commits it fenced by the
@@ -36,8 +37,6 @@ from typing import Any, Iterable
 import numpy as np
 
 from kvstore.errors import (
-    BadScale,
-    FormatError,
     InvalidRequest,
     LeaseHeld,
     NotOnSharedStore,
@@ -47,8 +46,8 @@ from kvstore.errors import (
     StaleLease,
     Unavailable,
 )
-from kvstore.formats import coli_kv, fp8, nonfinite
-from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
 from kvstore.migrations import index as prefix_schema
 from kvstore.store.budget import Eviction
@@ -57,7 +56,8 @@ from kvstore.store.maintenance import RepairReport
 from kvstore.store.prefix import LookupResult, common_prefix
 from kvstore.store.reader import Resumed, check_fingerprint
 from kvstore.store.shared.cache import DEFAULT_CACHE_BYTES, CacheCounts, SegmentCache
-from kvstore.store.shared.index import ReadPlan, SharedIndex
+from kvstore.store.shared.index import SharedIndex
+from kvstore.store.shared.reading import SharedReader, validated
 from kvstore.store.shared.reports import inspect_session, verify_session
 from kvstore.store.shared.store import (
     DEFAULT_TTL_S,
@@ -68,6 +68,7 @@ from kvstore.store.shared.store import (
     default_holder,
     fingerprint_key_of,
 )
+from kvstore.store.shared.upkeep import Upkeep
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
     STATES,
@@ -85,7 +86,6 @@ from kvstore.store.values import (
 from kvstore.store.writes import AppendResult, refuse_nonfinite
 from kvstore.tiers import Tier
 
-_READ_CHUNK_BYTES = 4 << 20
 log = logging.getLogger("kvstore.store")
 
 
@@ -104,13 +104,17 @@ class AppendRequest:
 CURRENT_REQUEST: ContextVar[AppendRequest | None] = ContextVar("kvstore_append_request", default=None)
 
 #: What the shared store serves, as :class:`NotOnSharedStore` reasons list it.
-SERVED = "create, list, get, tags, append, resume, truncate, fork, prefix lookup, verify, inspect and delete"
+SERVED = (
+    "create, list, get, tags, append, resume, truncate, fork, prefix lookup, verify, inspect, park, unpark, "
+    "repair, migrate and delete"
+)
 
 
 def not_on_shared_store(what: str) -> NotOnSharedStore:
     """The one error for an operation the shared store does not have; ``what`` names it."""
     return NotOnSharedStore(
-        f"{what} is not yet on the shared store (PostgreSQL + S3); a replica serves {SERVED} (docs/SCALE.md)"
+        f"{what} are not on the shared store (PostgreSQL + S3: a session is objects); a replica serves {SERVED} "
+        "(docs/SCALE.md)"
     )
 
 
@@ -123,13 +127,15 @@ class SharedSessionStore:
     blobs_url : ``s3://BUCKET/PREFIX`` (endpoint and credentials from ``AWS_*``)
     data_dir : the replica's local folder (created 0700): its cache of segment objects
         (:class:`~kvstore.store.shared.cache.SegmentCache`); nothing in it is needed to serve, so a
-        replica may start with it empty
+        replica may start with it empty; None: no local folder and no cache (a command-line tool's use)
     lease_ttl : seconds a write lease lasts; a replica killed mid-append holds a session that long
     lock_timeout : seconds an append waits for a lease another replica holds (then 409 LeaseHeld)
     cache_bytes : the cache's size budget (0: no cache)
     budget_bytes : the whole shared store's budget (None: none): after each write the least recently
         used sessions of every replica are deleted until the store fits it (:meth:`enforce_budget`)
-    hard_limit_bytes : not on this backend yet: a number raises :class:`NotOnSharedStore`
+    hard_limit_bytes : the whole shared store's hard limit (None: none): a write that would take it
+        past is refused with :class:`BudgetExceeded`, nothing written (checked in the commit
+        transaction, serialized across replicas; give every replica the same limit)
 
     Raises
     ------
@@ -141,7 +147,7 @@ class SharedSessionStore:
         index_url: str,
         blobs_url: str,
         *,
-        data_dir: str | os.PathLike = "./data",
+        data_dir: str | os.PathLike | None = "./data",
         lease_ttl: float = DEFAULT_TTL_S,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
@@ -151,18 +157,19 @@ class SharedSessionStore:
         for name, value in (("budget_bytes", budget_bytes), ("hard_limit_bytes", hard_limit_bytes)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise InvalidRequest(f"{name} must be a non-negative number of bytes")
-        if hard_limit_bytes is not None:
-            raise not_on_shared_store("a hard limit (hard_limit_bytes, --hard-limit)")
-        self._data_dir = Path(data_dir)
-        self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        cache = SegmentCache(self._data_dir, cache_bytes) if cache_bytes > 0 else None
+        self._data_dir = Path(data_dir) if data_dir is not None else None
+        if self._data_dir is not None:
+            self._data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cache = SegmentCache(self._data_dir, cache_bytes) if cache_bytes > 0 and self._data_dir is not None else None
         self.shared = SharedStore.connect(index_url, blobs_url, ttl=lease_ttl, cache=cache)
+        self.shared.hard_limit = hard_limit_bytes
         self.lock_timeout = lock_timeout
         self.holder = default_holder()  # this replica, as the leases name it
         self.stats = StoreStats()
         self.reconcile_actions: list[str] = []  # what the embedded store repairs on open: nothing here
         self.budget_bytes = budget_bytes
-        self.hard_limit_bytes = None
+        self.hard_limit_bytes = hard_limit_bytes
+        self._upkeep = Upkeep(self)
         self._writers: dict[str, list] = {}  # key -> [lock, users]: one append per session at a time here
         self._writers_lock = threading.Lock()
         self._in_doubt: dict[str, Lease] = {}  # leases kept by an append whose commit got no answer
@@ -178,6 +185,8 @@ class SharedSessionStore:
 
     @property
     def data_dir(self) -> Path:
+        if self._data_dir is None:
+            raise not_on_shared_store("a local folder (this store was opened without one: data_dir=None)")
         return self._data_dir
 
     @property
@@ -217,10 +226,10 @@ class SharedSessionStore:
             "last_used": row["last_used_ns"] / 1e9,
             "size_bytes": int(row["size_bytes"]),
             "tags": list(stored.get("tags") or ()),
-            "state": "active",  # every committed segment is in the object store: nothing is parked
+            "state": row["state"],
             "parent": stored.get("parent"),
             "fork_point": stored.get("fork_point"),
-            "problem": None,
+            "problem": stored.get("problem"),
             "fingerprint": fingerprint,
             "prefix_blocks": 0,
         }
@@ -259,7 +268,12 @@ class SharedSessionStore:
     def usage(self) -> dict[str, int | None]:
         """Bytes of every session's records and headers in the shared store (all replicas)."""
         used = sum(nbytes for _, _, nbytes in self.index.usage())
-        return {"used_bytes": used, "reserved_bytes": 0, "budget_bytes": self.budget_bytes, "hard_limit_bytes": None}
+        return {
+            "used_bytes": used,
+            "reserved_bytes": 0,  # the hard limit is checked in the commit transaction: nothing is held before it
+            "budget_bytes": self.budget_bytes,
+            "hard_limit_bytes": self.hard_limit_bytes,
+        }
 
     def cache_counts(self) -> CacheCounts | None:
         """This replica's segment cache: hits, misses, damaged copies refused, evictions, size
@@ -291,6 +305,7 @@ class SharedSessionStore:
             validate_session_id(session_id)
         extra = {"fingerprint": Fingerprint(checked, geometry, tier).key(), "parent": None, "fork_point": None}
         key = self.shared.create(owner, geometry, tier, checked, session_id, tags, extra=extra)
+        self._after_write(key)
         return SessionInfo.from_record(self._record(self.index.session(key)))
 
     def set_tags(self, session_id: str, tags: Iterable[str], *, owner: str | None = None) -> SessionInfo:
@@ -344,7 +359,7 @@ class SharedSessionStore:
         IndexUnavailable, BlobStoreUnavailable : a server is down; send the same rows again later
         """
         info = self.get(session_id, owner=owner)
-        rows, found = _validated(info.geometry, info.tier, records)
+        rows, found = validated(info.geometry, info.tier, records)
         if reject_nonfinite:
             refuse_nonfinite(found)
         return self._append(info.key, info, rows, complete_turn, found)
@@ -356,12 +371,12 @@ class SharedSessionStore:
                 self._under_lease(key, self._mark_complete)
             return AppendResult(self.get(public_id(key), owner=info.owner), 0, None, found)
         request = CURRENT_REQUEST.get()
-        ack = self._under_lease(
-            key,
-            lambda lease: self.shared.append(
-                lease, rows, complete=complete_turn, request=request.key if request is not None else None
-            ),
-        )
+
+        def write(lease: Lease):
+            self._upkeep.unpark_leased(lease)  # a parked session is in use again
+            return self.shared.append(lease, rows, complete=complete_turn, request=request.key if request else None)
+
+        ack = self._under_lease(key, write)
         if ack.replayed and request is not None:
             request.replayed = True  # the HTTP layer says so (Idempotent-Replayed)
         self.stats.appended(time.perf_counter() - started)
@@ -495,6 +510,7 @@ class SharedSessionStore:
         """
         started = time.perf_counter()
         key = self._key(session_id, owner)
+        self._upkeep.unpark_for_reading(key)
         plan = self.index.read_plan(key)
         row = self.index.session(key)
         record = self._record(row)
@@ -530,7 +546,12 @@ class SharedSessionStore:
         commit under the session's lease that drops segment rows (a segment cut by ``n`` gets a new
         object with its first records); objects no session lists any more go to GC."""
         key = self._key(session_id, owner)
-        self._under_lease(key, lambda lease: self.shared.truncate(lease, n_records))
+
+        def cut(lease: Lease) -> None:
+            self._upkeep.unpark_leased(lease)
+            self.shared.truncate(lease, n_records)
+
+        self._under_lease(key, cut)
         return self.get(public_id(key), owner=self.index.session(key)["owner"])
 
     def fork(
@@ -562,6 +583,12 @@ class SharedSessionStore:
         self.shared.fork(source, new_key, at, record)
         self._after_write(new_key)
         return self.get(public_id(new_key), owner=row["owner"])
+
+    def last_turn_digest(self, info: SessionInfo) -> bytes:
+        """The digest of the session's last committed segment (b"" before the first): a truncate
+        and an append of as many rows change it, so an engine's live cache is known to be stale."""
+        segments = self.index.read_plan(info.key, max(info.n_records - 1, 0)).segments  # one row, not every turn's
+        return segments[-1].digest if segments else b""
 
     def verify(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> VerifyReport:
         """Re-hash every committed segment (turn) of a session against the digest its commit recorded.
@@ -614,7 +641,7 @@ class SharedSessionStore:
         if best is None:
             return None
         matched, _, row = best
-        return LookupResult(public_id(row["key"]), matched, "active", int(row["n_records"]), int(row["watermark"]))
+        return LookupResult(public_id(row["key"]), matched, row["state"], int(row["n_records"]), int(row["watermark"]))
 
     def inspect(self, session_id: str, *, owner: str | None = None) -> dict[str, Any]:
         """What the session's ``.coli_kv`` image holds: header fields, sizes, what a loader would
@@ -652,178 +679,43 @@ class SharedSessionStore:
         the objects (uncommitted uploads are GC's); no repair is made, none reported."""
         return []
 
+    # ------------------------------------------------------------------ upkeep (kvstore.store.shared.upkeep)
     def park(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> SessionInfo:
-        """Not on this backend: the rows are in the object store already (:class:`NotOnSharedStore`)."""
-        raise not_on_shared_store("park")
+        """Compress the session's segment objects (state ``parked``; already parked: nothing to do).
+        ``progress(bytes, total)`` counts its ``.coli_kv`` image."""
+        key = self._key(session_id, owner)
+        self._upkeep.park(key, progress)
+        return self.get(public_id(key), owner=self.index.session(key)["owner"])
 
     def unpark(self, session_id: str, *, owner: str | None = None, progress: Progress | None = None) -> SessionInfo:
-        """Not on this backend: nothing is parked (:class:`NotOnSharedStore`)."""
-        raise not_on_shared_store("unpark")
+        """Store a parked session's objects plain again (state ``active``); ``BudgetExceeded`` past the hard limit."""
+        key = self._key(session_id, owner)
+        self._upkeep.unpark(key, progress)
+        return self.get(public_id(key), owner=self.index.session(key)["owner"])
 
     def repair(
         self, session_id: str, *, owner: str | None = None, dry_run: bool = False, progress: Progress | None = None
     ) -> RepairReport:
-        """Not on this backend yet (:class:`NotOnSharedStore`): a resume with ``verify=True`` serves the
-        turns before a damaged segment."""
-        raise not_on_shared_store("repair")
+        """Drop every record from the first segment (turn) whose bytes differ from its digest on,
+        recording the problem (``dry_run``: only report what would be dropped)."""
+        return self._upkeep.repair(self._key(session_id, owner), dry_run, progress)
 
     def migrate(
         self, session_id: str, tier: Tier, *, owner: str | None = None, progress: Progress | None = None
     ) -> SessionInfo:
-        """Not on this backend yet (:class:`NotOnSharedStore`): ``kvstore store pull``, migrate, ``push``."""
-        raise not_on_shared_store("migrate")
+        """Re-encode every record in ``tier`` (new header, fingerprint and prefix blocks, one fenced
+        commit); ``IntegrityError`` for a damaged session. ``progress(records, total)``."""
+        key = self._key(session_id, owner)
+        self._upkeep.migrate(key, tier, progress)
+        return self.get(public_id(key), owner=self.index.session(key)["owner"])
 
     def enforce_budget(self, *, keep: Iterable[str] = (), progress: Any = None) -> list[Eviction]:
-        """Delete the least recently used sessions of the whole shared store (every replica's, the
-        index's LRU) until it fits ``budget_bytes``; what was evicted, in order. Sessions in
-        ``keep`` (every owner's of those ids), sessions being written (a live lease) and sessions
-        another transaction holds are skipped. There is nothing to park on this backend (the rows
-        are in the object store already), so eviction deletes. ``progress`` is not called."""
-        if self.budget_bytes is None:
-            return []
-        kept = [key for session_id in keep for key in self.index.keys_of_id(session_id)]
-        evicted = []
-        for key, freed, objects in self.index.evict(self.budget_bytes, kept):
-            for name in objects:
-                self.shared.blobs.delete(name)
-            self.stats.evicted("deleted", freed)
-            evicted.append(Eviction(public_id(key), "deleted", freed))
-        return evicted
+        """Park the least recently used active sessions of the whole shared store (every replica's,
+        the index's LRU), then delete the least recently used parked ones, until it fits
+        ``budget_bytes``; what was evicted, in order. Sessions in ``keep`` (every owner's of those
+        ids), sessions being written (a live lease) and damaged ones are skipped. ``progress`` is
+        not called."""
+        return self._upkeep.enforce_budget(keep)
 
     def _after_write(self, key: str) -> None:
-        """Keep the store within its budget after a write that grew it (the session written is kept).
-        The write itself is done: a server down now only postpones the eviction to the next write."""
-        if self.budget_bytes is None:
-            return
-        try:
-            self.enforce_budget(keep=[public_id(key)])
-        except Unavailable as exc:
-            log.warning("eviction postponed: %s", exc.reason)
-
-
-class SharedReader:
-    """A session's served records from one committed snapshot (the attributes of
-    :class:`~kvstore.store.SessionReader`): segments are immutable and only added after the served
-    range, so the bytes read later are those of the snapshot."""
-
-    def __init__(
-        self,
-        store: SharedSessionStore,
-        info: SessionInfo,
-        plan: ReadPlan,
-        served: int,
-        verified: bool,
-        damaged_from: int | None,
-        opened_s: float,
-    ):
-        self._store = store
-        self._plan = plan
-        self.info = info
-        self.n_records = served
-        self.record_bytes = plan.rec_bytes
-        self.verified = verified
-        self.damaged_from = damaged_from
-        self._busy_s = opened_s
-        self._read_bytes: int | None = None
-
-    def __enter__(self) -> "SharedReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._read_bytes is not None:
-            self._store.stats.restored(self._read_bytes, self._busy_s)
-            self._read_bytes = None
-
-    @property
-    def reused_tokens(self) -> int:
-        return self.n_records
-
-    @property
-    def body_bytes(self) -> int:
-        return self.n_records * self.record_bytes
-
-    def header_bytes(self) -> bytes:
-        return Header(self.info.geometry, self.info.tier, self.n_records).to_bytes()
-
-    def _read(self, start: int, stop: int) -> bytes:
-        started = time.perf_counter()
-        body = self._store.shared.read_planned(self.info.key, self._plan, start, stop)
-        self._busy_s += time.perf_counter() - started
-        self._read_bytes = (self._read_bytes or 0) + len(body)
-        return body
-
-    def iter_bytes(self, chunk_bytes: int = _READ_CHUNK_BYTES) -> Iterator[bytes]:
-        """The served records' raw bytes in chunks of whole records."""
-        per = max(1, chunk_bytes // self.record_bytes)
-        self._read_bytes = self._read_bytes or 0
-        for start in range(0, self.n_records, per):
-            yield self._read(start, min(start + per, self.n_records))
-
-    def load(self, *, strict: bool = False) -> KVRecords:
-        body = self._read(0, self.n_records)
-        records = np.frombuffer(body, dtype=coli_kv.record_dtype(self.info.geometry, self.info.tier))
-        if strict:
-            self._check_scales(records, 0)
-        return KVRecords(Header(self.info.geometry, self.info.tier, self.n_records), records, HEADER_BYTES + len(body))
-
-    def _check_scales(self, records: np.ndarray, first_record: int) -> None:
-        """A scale no encoder writes in served records is damage (``SessionDamaged``), never a row of zeros."""
-        try:
-            coli_kv.check_scales(
-                records,
-                self.info.tier,
-                source=f"session {self.info.id!r} (shared store)",
-                first_record=first_record,
-                advice="the session is damaged: a resume with verify serves the turns before it",
-            )
-        except BadScale as exc:
-            raise SessionDamaged(exc.reason) from None
-
-    def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
-        dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
-        self._read_bytes = self._read_bytes or 0
-        for start in range(0, self.n_records, batch_records):
-            stop = min(start + batch_records, self.n_records)
-            body = self._read(start, stop)
-            records = np.frombuffer(body, dtype=dtype)
-            if strict:
-                self._check_scales(records, start)
-            yield KVRecords(Header(self.info.geometry, self.info.tier, stop - start), records, HEADER_BYTES + len(body))
-
-
-def _validated(geometry: Geometry, tier: Tier, records) -> tuple[np.ndarray, nonfinite.Sanitized]:
-    """Raw records as an array, non-finite f32 values set to 0 and counted, then the checks every
-    journal append makes (``KVFile.validate_records``): whole records, tokens in the vocabulary, no
-    corrupt scale or NaN code. A :class:`FormatError` names the first problem; nothing is written."""
-    dtype = coli_kv.record_dtype(geometry, tier)
-    if isinstance(records, np.ndarray):
-        if records.dtype != dtype:
-            raise FormatError("records were encoded for another geometry or tier")
-        rows = records
-    else:
-        raw = memoryview(records).cast("B")
-        if len(raw) % dtype.itemsize:
-            raise FormatError(
-                f"{len(raw)} bytes is not a whole number of {dtype.itemsize}-byte records for this session"
-            )
-        rows = np.frombuffer(raw, dtype=dtype)
-    if rows.shape[0] == 0:
-        return rows, nonfinite.Sanitized()
-    rows, found = nonfinite.sanitize_records(rows, tier)
-    tokens = rows["token"]
-    if tokens.min() < 0 or tokens.max() >= geometry.vocab:
-        raise FormatError(f"token ids must be in [0, {geometry.vocab})")
-    layers = rows["layers"]
-    if tier.version != 1:
-        try:
-            coli_kv.check_scales(
-                rows, tier, source="the rows to append", advice="no encoder writes it: nothing was written"
-            )
-        except BadScale as exc:
-            raise FormatError(exc.reason) from None
-        if tier.version == 2 and (fp8.nan_codes(layers["Lc"]).any() or fp8.nan_codes(layers["Rc"]).any()):
-            raise FormatError("rows hold fp8 NaN codes (0x7F/0xFF), which no encoder writes")
-    return rows, found
+        self._upkeep.after_write(key)

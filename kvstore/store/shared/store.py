@@ -18,8 +18,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 import numpy as np
+import zstandard
 
 from kvstore.errors import (
+    BudgetExceeded,
     IdempotencyKeyReused,
     InvalidRequest,
     RecordCountMismatch,
@@ -170,11 +172,19 @@ class SharedStore:
         self.blobs = blobs
         self.ttl = ttl
         self.cache = cache
+        self.hard_limit: int | None = (
+            None  # bytes the whole store may hold (None: no limit); writes past it are refused
+        )
         self._pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="kvstore-s3")
 
     @classmethod
     def connect(cls, index_url: str, blobs_url: str, **options: Any) -> "SharedStore":
         return cls(SharedIndex(index_url), BlobStore(blobs_url), **options)
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The threads that move objects (parallel segment reads and rewrites)."""
+        return self._pool
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -212,7 +222,9 @@ class SharedStore:
             "tags": validate_tags(tags),
             **(extra or {}),
         }
-        self.index.create_session(key, owner, header, record_bytes(geometry, tier), record, time.time_ns())
+        self.index.create_session(
+            key, owner, header, record_bytes(geometry, tier), record, time.time_ns(), hard_limit=self.hard_limit
+        )
         return key
 
     def delete(self, key: str) -> None:
@@ -325,6 +337,7 @@ class SharedStore:
         start = lease.n_records
         if n == 0:
             return AppendAck(start, start, lease.token, None)
+        self.check_fits(len(payload))
         blocks = self.new_blocks(lease.key, row, start, payload, start + n) if complete else (0, [])
         doubt = lease.in_doubt
         name = doubt.object if doubt is not None else self._upload(lease, start, payload)
@@ -340,7 +353,12 @@ class SharedStore:
                 segment, _ = self.index.commit(
                     lease.key, lease.token, prepared.start, prepared.n_records, name, prepared.digest, lease.ttl,
                     time.time_ns(), prepared.complete, request=prepared.request, blocks=prepared.blocks,
+                    hard_limit=self.hard_limit,
                 )  # fmt: skip
+            except BudgetExceeded:
+                lease.in_doubt = None
+                self.abandon(name)  # refused by the commit itself: nothing was published
+                raise
             except Unavailable:
                 lease.in_doubt = _InDoubt(name, prepared.start, prepared.n_records, prepared.digest)
                 raise
@@ -352,6 +370,18 @@ class SharedStore:
             lease.n_records = segment.first_record + segment.n_records
             return AppendAck(segment.first_record, lease.n_records, lease.token, name)
         raise SegmentLost(f"the uploads for session {public_id(lease.key)!r} keep being collected before commit")
+
+    def check_fits(self, grow: int) -> None:
+        """Refuse, before uploading anything, a write of ``grow`` bytes that does not fit the hard
+        limit now (the commit checks again, serialized: a race is refused there)."""
+        if self.hard_limit is None:
+            return
+        used = sum(nbytes for _, _, nbytes in self.index.usage())
+        if used + grow > self.hard_limit:
+            raise BudgetExceeded(
+                f"writing {grow} bytes would take the shared store to {used + grow} bytes, over its hard limit of "
+                f"{self.hard_limit}; nothing was written. Delete or park sessions, or raise the limit"
+            )
 
     def _upload(self, lease: Lease, start: int, payload: memoryview) -> str:
         name = self.segment_name(lease.key, start, lease.token)
@@ -448,24 +478,25 @@ class SharedStore:
             try:
                 self.index.fork_session(
                     source, new_key, point, [(s.first_record, s.object) for s in below], replacement,
-                    {**record, "fork_point": point}, watermark, time.time_ns(),
+                    {**record, "fork_point": point}, watermark, time.time_ns(), hard_limit=self.hard_limit,
                 )  # fmt: skip
             except RecordCountMismatch:
                 if replacement is not None:
-                    self._abandon(replacement.object)
+                    self.abandon(replacement.object)
                 if attempt + 1 == attempts:
                     raise
                 continue
             except BaseException:
                 if replacement is not None:
-                    self._abandon(replacement.object)
+                    self.abandon(replacement.object)
                 raise
             return point, watermark
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def truncate(self, lease: Lease, keep: int) -> int:
+    def truncate(self, lease: Lease, keep: int, *, record_patch: dict[str, Any] | None = None) -> int:
         """Shorten the session to ``keep`` records under ``lease`` (a fenced commit, see
-        :meth:`SharedIndex.truncate`); the new watermark. Dropped objects go to GC."""
+        :meth:`SharedIndex.truncate`, which merges ``record_patch`` into the session's record); the
+        new watermark. Dropped objects go to GC."""
         if isinstance(keep, bool) or not isinstance(keep, (int, np.integer)) or keep < 0:
             raise InvalidRequest("n_records must be a non-negative integer")
         keep = int(keep)
@@ -482,16 +513,18 @@ class SharedStore:
             replacement = self._cut_copy(lease.key, cut, keep, plan.rec_bytes, lease.token, lease.key)
             replacement = replace(replacement, complete=keep <= plan.watermark)
         try:
-            self.index.truncate(lease.key, lease.token, keep, replacement, lease.ttl, time.time_ns())
+            self.index.truncate(
+                lease.key, lease.token, keep, replacement, lease.ttl, time.time_ns(), record_patch=record_patch
+            )
         except BaseException:
             if replacement is not None:
-                self._abandon(replacement.object)
+                self.abandon(replacement.object)
             raise
         lease.n_records = keep
         lease.in_doubt = None
         return min(plan.watermark, keep)
 
-    def _abandon(self, name: str) -> None:
+    def abandon(self, name: str) -> None:
         """An upload that will not be committed: its intent and object go now (else GC takes them)."""
         try:
             if self.index.drop_intent(name):
@@ -560,10 +593,19 @@ class SharedStore:
                 bad = segment.first_record if bad is None else min(bad, segment.first_record)
         return bad
 
+    def whole(self, key: str, segment: Segment) -> memoryview:
+        """Every record byte of ``segment`` (decompressed if it is a parked one's), checked against
+        the digest its commit recorded (:class:`SessionDamaged` if they differ)."""
+        return self._fetch(key, segment, 0, memoryview(bytearray(segment.nbytes)), verify=True)
+
     def _fetch(self, key: str, segment: Segment, offset: int, into: memoryview, *, verify: bool = False) -> memoryview:
         """Bytes ``[offset, offset + len(into))`` of ``segment`` into ``into``: from the local cache
         when it holds a sound copy (``verify``: re-hashed now), else from the object store (a cache
-        miss fetches the whole object, checked against its digest, and keeps a copy)."""
+        miss fetches the whole object, checked against its digest, and keeps a copy). A compressed
+        object (a parked session's) is fetched whole, decompressed and checked every time."""
+        if segment.codec != "raw":
+            into[:] = self._unpacked(key, segment)[offset : offset + len(into)]
+            return into
         cache = self.cache
         if cache is not None:
             if cache.read(segment, offset, into, verify=verify):
@@ -585,6 +627,20 @@ class SharedStore:
         raise SessionDamaged(
             f"session {public_id(key)!r}: object {segment.object} does not hold the bytes its commit recorded "
             f"(records {segment.first_record}..); it is not served"
+        )
+
+    def _unpacked(self, key: str, segment: Segment) -> bytes:
+        for _ in range(2):  # one more GET if the bytes do not decompress to the recorded digest
+            body = self.blobs.get(segment.object, 0, segment.object_bytes)
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=segment.nbytes)
+            except zstandard.ZstdError:
+                continue
+            if len(raw) == segment.nbytes and digest_of(raw) == segment.digest:
+                return raw
+        raise SessionDamaged(
+            f"session {public_id(key)!r}: the compressed object {segment.object} does not hold the bytes its commit "
+            f"recorded (records {segment.first_record}..); it is not served"
         )
 
     def file_bytes(self, key: str) -> bytes:

@@ -1,0 +1,153 @@
+"""Reading a session of the shared store, and checking rows before they are appended.
+
+:class:`SharedReader` serves a resume from one committed snapshot with the attributes of the
+embedded :class:`~kvstore.store.SessionReader`; :func:`validated` makes the checks every journal
+append makes on the embedded store, so both backends refuse the same rows.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from kvstore.errors import BadScale, FormatError, SessionDamaged
+from kvstore.formats import coli_kv, fp8, nonfinite
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
+from kvstore.store.shared.index import ReadPlan
+from kvstore.store.values import SessionInfo
+from kvstore.tiers import Tier
+
+if TYPE_CHECKING:
+    from kvstore.store.shared.sessions import SharedSessionStore
+
+READ_CHUNK_BYTES = 4 << 20
+
+
+class SharedReader:
+    """A session's served records from one committed snapshot (the attributes of
+    :class:`~kvstore.store.SessionReader`): segments are immutable and only added after the served
+    range, so the bytes read later are those of the snapshot."""
+
+    def __init__(
+        self,
+        store: SharedSessionStore,
+        info: SessionInfo,
+        plan: ReadPlan,
+        served: int,
+        verified: bool,
+        damaged_from: int | None,
+        opened_s: float,
+    ):
+        self._store = store
+        self._plan = plan
+        self.info = info
+        self.n_records = served
+        self.record_bytes = plan.rec_bytes
+        self.verified = verified
+        self.damaged_from = damaged_from
+        self._busy_s = opened_s
+        self._read_bytes: int | None = None
+
+    def __enter__(self) -> "SharedReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._read_bytes is not None:
+            self._store.stats.restored(self._read_bytes, self._busy_s)
+            self._read_bytes = None
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.n_records
+
+    @property
+    def body_bytes(self) -> int:
+        return self.n_records * self.record_bytes
+
+    def header_bytes(self) -> bytes:
+        return Header(self.info.geometry, self.info.tier, self.n_records).to_bytes()
+
+    def _read(self, start: int, stop: int) -> bytes:
+        started = time.perf_counter()
+        body = self._store.shared.read_planned(self.info.key, self._plan, start, stop)
+        self._busy_s += time.perf_counter() - started
+        self._read_bytes = (self._read_bytes or 0) + len(body)
+        return body
+
+    def iter_bytes(self, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
+        """The served records' raw bytes in chunks of whole records."""
+        per = max(1, chunk_bytes // self.record_bytes)
+        self._read_bytes = self._read_bytes or 0
+        for start in range(0, self.n_records, per):
+            yield self._read(start, min(start + per, self.n_records))
+
+    def load(self, *, strict: bool = False) -> KVRecords:
+        body = self._read(0, self.n_records)
+        records = np.frombuffer(body, dtype=coli_kv.record_dtype(self.info.geometry, self.info.tier))
+        if strict:
+            self._check_scales(records, 0)
+        return KVRecords(Header(self.info.geometry, self.info.tier, self.n_records), records, HEADER_BYTES + len(body))
+
+    def _check_scales(self, records: np.ndarray, first_record: int) -> None:
+        """A scale no encoder writes in served records is damage (``SessionDamaged``), never a row of zeros."""
+        try:
+            coli_kv.check_scales(
+                records,
+                self.info.tier,
+                source=f"session {self.info.id!r} (shared store)",
+                first_record=first_record,
+                advice="the session is damaged: a resume with verify serves the turns before it",
+            )
+        except BadScale as exc:
+            raise SessionDamaged(exc.reason) from None
+
+    def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
+        dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
+        self._read_bytes = self._read_bytes or 0
+        for start in range(0, self.n_records, batch_records):
+            stop = min(start + batch_records, self.n_records)
+            body = self._read(start, stop)
+            records = np.frombuffer(body, dtype=dtype)
+            if strict:
+                self._check_scales(records, start)
+            yield KVRecords(Header(self.info.geometry, self.info.tier, stop - start), records, HEADER_BYTES + len(body))
+
+
+def validated(geometry: Geometry, tier: Tier, records) -> tuple[np.ndarray, nonfinite.Sanitized]:
+    """Raw records as an array, non-finite f32 values set to 0 and counted, then the checks every
+    journal append makes (``KVFile.validate_records``): whole records, tokens in the vocabulary, no
+    corrupt scale or NaN code. A :class:`FormatError` names the first problem; nothing is written."""
+    dtype = coli_kv.record_dtype(geometry, tier)
+    if isinstance(records, np.ndarray):
+        if records.dtype != dtype:
+            raise FormatError("records were encoded for another geometry or tier")
+        rows = records
+    else:
+        raw = memoryview(records).cast("B")
+        if len(raw) % dtype.itemsize:
+            raise FormatError(
+                f"{len(raw)} bytes is not a whole number of {dtype.itemsize}-byte records for this session"
+            )
+        rows = np.frombuffer(raw, dtype=dtype)
+    if rows.shape[0] == 0:
+        return rows, nonfinite.Sanitized()
+    rows, found = nonfinite.sanitize_records(rows, tier)
+    tokens = rows["token"]
+    if tokens.min() < 0 or tokens.max() >= geometry.vocab:
+        raise FormatError(f"token ids must be in [0, {geometry.vocab})")
+    layers = rows["layers"]
+    if tier.version != 1:
+        try:
+            coli_kv.check_scales(
+                rows, tier, source="the rows to append", advice="no encoder writes it: nothing was written"
+            )
+        except BadScale as exc:
+            raise FormatError(exc.reason) from None
+        if tier.version == 2 and (fp8.nan_codes(layers["Lc"]).any() or fp8.nan_codes(layers["Rc"]).any()):
+            raise FormatError("rows hold fp8 NaN codes (0x7F/0xFF), which no encoder writes")
+    return rows, found

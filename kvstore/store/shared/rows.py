@@ -1,0 +1,150 @@
+"""The shared index's row types, and the SQL steps several of its transactions share.
+
+:class:`Segment` (a committed segment row), :class:`Grant` (a lease as granted) and
+:class:`ReadPlan` (what a read needs, from one snapshot); the steps run inside a caller's
+transaction: the fencing check (:func:`hold_lease`), the hard limit (:func:`fit`), publishing an
+uploaded object (:func:`publish_replacement`), prefix blocks and the objects left unlisted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from kvstore.errors import BudgetExceeded, LeaseExpired, SegmentLost, StaleLease
+from kvstore.store.values import public_id
+
+#: ``pg_advisory_xact_lock`` key serializing eviction across replicas.
+EVICT_LOCK = 0x6B7673_0002
+#: ``pg_advisory_xact_lock`` key serializing the writes that grow the store under a hard limit.
+LIMIT_LOCK = 0x6B7673_0003
+
+#: A segment row's columns, in :class:`Segment`'s order.
+SEGMENT_COLUMNS = "first_record, n_records, object, nbytes, digest, token, complete, codec, stored_bytes"
+#: The bytes a session takes: its header (kept in the index) and its segment objects.
+SIZE_OF = "40 + coalesce((SELECT sum(coalesce(g.stored_bytes, g.nbytes)) FROM kv_segments g WHERE g.key = %s), 0)"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease as granted: its fencing token and the session's committed count at the grant."""
+
+    key: str
+    holder: str
+    token: int
+    n_records: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One committed segment: records ``[first_record, first_record + n_records)`` in ``object``."""
+
+    first_record: int
+    n_records: int
+    object: str
+    nbytes: int
+    digest: bytes
+    token: int
+    complete: bool = True  # the segment ends a complete turn (the watermark moved to its end)
+    codec: str = "raw"  # "zstd": the object is the records compressed (a parked session's)
+    stored_bytes: int | None = None  # the object's own bytes when compressed (``nbytes``: the records')
+
+    @property
+    def end(self) -> int:
+        return self.first_record + self.n_records
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes the object takes in the object store."""
+        return self.nbytes if self.stored_bytes is None else self.stored_bytes
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """What a read needs, from one snapshot: the header, the committed count, the segments."""
+
+    header: bytes
+    rec_bytes: int
+    n_records: int
+    segments: list[Segment]
+    watermark: int = 0  # records of complete turns (what a resume serves), same snapshot
+
+
+def unlisted(conn: psycopg.Connection, objects: list[str]) -> list[str]:
+    """Those of ``objects`` no session's segment row lists (run after deleting the rows that did)."""
+    if not objects:
+        return []
+    rows = conn.execute(
+        "SELECT DISTINCT n FROM unnest(%s::text[]) AS n WHERE NOT EXISTS (SELECT 1 FROM kv_segments s WHERE s.object = n)",
+        (objects,),
+    )
+    return [r[0] for r in rows]
+
+
+def publish_replacement(conn: psycopg.Connection, key: str, segment: Segment) -> None:
+    """Insert a segment uploaded under an intent (the rows of a cut segment), taking its intent."""
+    intent = conn.execute(
+        "DELETE FROM kv_pending WHERE object = %s AND key = %s RETURNING nbytes", (segment.object, key)
+    ).fetchone()
+    if intent is None or int(intent[0]) != segment.object_bytes:
+        raise SegmentLost(
+            f"the upload {segment.object} was collected before its commit (slower than the GC grace); "
+            "nothing was published: try again"
+        )
+    conn.execute(
+        f"INSERT INTO kv_segments (key, {SEGMENT_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        (key, segment.first_record, segment.n_records, segment.object, segment.nbytes, segment.digest,
+         segment.token, segment.complete, segment.codec, segment.stored_bytes),
+    )  # fmt: skip
+
+
+def put_blocks(conn: psycopg.Connection, key: str, first: int, chains: list[bytes]) -> None:
+    if chains:
+        conn.execute(
+            "INSERT INTO kv_prefix (key, block, chain) SELECT %s, %s + i - 1, c "
+            "FROM unnest(%s::bytea[]) WITH ORDINALITY AS q(c, i) ON CONFLICT (key, block) DO UPDATE SET chain = EXCLUDED.chain",
+            (key, first, chains),
+        )
+
+
+def segment_of(row: Any) -> Segment:
+    return Segment(
+        int(row[0]), int(row[1]), str(row[2]), int(row[3]), bytes(row[4]), int(row[5]), bool(row[6]), str(row[7]),
+        None if row[8] is None else int(row[8]),
+    )  # fmt: skip
+
+
+def hold_lease(conn: psycopg.Connection, key: str, token: int) -> None:
+    """Lock the session's lease row for this transaction and check that ``token`` still holds it,
+    unexpired on PostgreSQL's clock: the fencing check every write under a lease starts with."""
+    row = conn.execute(
+        "SELECT token, expires_at > clock_timestamp() FROM kv_leases WHERE key = %s FOR UPDATE", (key,)
+    ).fetchone()
+    if row is None:
+        raise StaleLease(f"session {public_id(key)!r} has no lease (deleted?); nothing was published")
+    if int(row[0]) != token:
+        raise StaleLease(
+            f"fencing token {token} of session {public_id(key)!r} was superseded by {row[0]} (another replica took "
+            "the session over); nothing was published"
+        )
+    if not row[1]:
+        raise LeaseExpired(f"the lease of token {token} on session {public_id(key)!r} expired; nothing was published")
+
+
+def fit(conn: psycopg.Connection, grow: int, limit: int | None) -> None:
+    """Refuse a write that takes the store past ``limit`` bytes (every session's header and
+    objects), run last in the write's transaction, after its rows are written: the advisory lock
+    serializes the writes that grow the store until they commit, so concurrent ones cannot overshoot
+    the limit together, and the sum already counts this write's ``grow`` bytes."""
+    if limit is None or grow <= 0:
+        return
+    conn.execute("SELECT pg_advisory_xact_lock(%s)", (LIMIT_LOCK,))
+    row = conn.execute("SELECT coalesce(sum(size_bytes), 0) FROM kv_sessions").fetchone()
+    used = int(row[0]) if row is not None else 0
+    if used > limit:
+        raise BudgetExceeded(
+            f"writing {grow} bytes would take the shared store to {used} bytes, over its hard limit of {limit}; "
+            "nothing was written. Delete or park sessions, or raise the limit"
+        )
