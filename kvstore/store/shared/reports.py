@@ -1,4 +1,4 @@
-"""Verify and inspect a session of the shared store, with the embedded store's reports.
+"""Verify, inspect and prefix lookup on the shared store, with the embedded store's answers.
 
 A turn of the embedded store (one append, hashed in the index) is a segment here (one append, one
 immutable object whose blake2b-256 the commit recorded), so :func:`verify_session` answers the
@@ -15,11 +15,14 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.errors import InvalidRequest, SessionDamaged, SessionNotFound
 from kvstore.formats import coli_kv
+from kvstore.migrations import index as prefix_schema
 from kvstore.store.integrity import VerifyReport
 from kvstore.store.maintenance import records_report
+from kvstore.store.prefix import LookupResult, common_prefix
 from kvstore.store.shared.store import SharedStore
-from kvstore.store.values import Progress, SessionInfo, public_id
+from kvstore.store.values import Fingerprint, Progress, SessionInfo, public_id, validate_owner
 
 
 def verify_session(shared: SharedStore, key: str, progress: Progress | None = None) -> VerifyReport:
@@ -75,3 +78,43 @@ def inspect_session(shared: SharedStore, key: str, info: SessionInfo) -> dict[st
         "file": {"objects": len(plan.segments), "bytes": len(image)},
         **records_report(records),
     }
+
+
+def longest_prefix(shared: SharedStore, owner: str, fingerprint: Fingerprint, tokens) -> LookupResult | None:
+    """The owner's session (same fingerprint) sharing the longest token prefix with ``tokens``.
+
+    The chain hashes of the query's 64-token blocks are matched against ``kv_prefix`` in one query
+    (written by the commits that moved each session's watermark); the deepest sessions' match is
+    extended past their last whole block from their stored tokens (at most 63 records read).
+    Capped at each session's watermark; less than one block matches nothing. Ties go to the most
+    recently used session, as on the embedded store.
+    """
+    validate_owner(owner)
+    tokens = np.asarray(tokens)
+    if tokens.size == 0:
+        return None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise InvalidRequest("tokens must be a 1-D list of integers")
+    if tokens.min() < 0 or tokens.max() >= fingerprint.geometry.vocab:
+        raise InvalidRequest(f"token ids must be in [0, {fingerprint.geometry.vocab})")
+    tokens = tokens.astype(np.int32)
+    chains = prefix_schema.chain_hashes(prefix_schema.chain_seed(owner, fingerprint.key()), tokens)
+    block = prefix_schema.PREFIX_BLOCK_TOKENS
+    best: tuple[int, int, dict[str, Any]] | None = None
+    for row in shared.index.prefix_matches(owner, chains):
+        matched = int(row["depth"]) * block
+        upto = min(int(row["watermark"]), tokens.shape[0])
+        if upto > matched:
+            try:
+                _, stored = shared.read_records(row["key"], matched, upto)
+            except (SessionNotFound, InvalidRequest, SessionDamaged):
+                continue  # truncated or deleted since the query: not a match now
+            header = coli_kv.parse_header(row["header"])
+            stored_tokens = np.frombuffer(stored, dtype=coli_kv.record_dtype(header.geometry, header.tier))["token"]
+            matched += common_prefix(stored_tokens, tokens[matched : matched + stored_tokens.shape[0]])
+        if best is None or (matched, int(row["last_used_ns"])) > best[:2]:
+            best = (matched, int(row["last_used_ns"]), row)
+    if best is None:
+        return None
+    matched, _, row = best
+    return LookupResult(public_id(row["key"]), matched, row["state"], int(row["n_records"]), int(row["watermark"]))

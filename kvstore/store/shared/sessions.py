@@ -40,7 +40,6 @@ from kvstore.errors import (
     InvalidRequest,
     LeaseHeld,
     NotOnSharedStore,
-    SessionDamaged,
     SessionExists,
     SessionNotFound,
     StaleLease,
@@ -49,16 +48,15 @@ from kvstore.errors import (
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
-from kvstore.migrations import index as prefix_schema
 from kvstore.store.budget import Eviction
 from kvstore.store.integrity import VerifyReport
 from kvstore.store.maintenance import RepairReport
-from kvstore.store.prefix import LookupResult, common_prefix
+from kvstore.store.prefix import LookupResult
 from kvstore.store.reader import Resumed, check_fingerprint
 from kvstore.store.shared.cache import DEFAULT_CACHE_BYTES, CacheCounts, SegmentCache
 from kvstore.store.shared.index import SharedIndex
 from kvstore.store.shared.reading import SharedReader, validated
-from kvstore.store.shared.reports import inspect_session, verify_session
+from kvstore.store.shared.reports import inspect_session, longest_prefix, verify_session
 from kvstore.store.shared.store import (
     DEFAULT_TTL_S,
     UNKNOWN_MODEL,
@@ -79,7 +77,6 @@ from kvstore.store.values import (
     public_id,
     storage_key,
     tier_record,
-    validate_owner,
     validate_session_id,
     validate_tags,
 )
@@ -601,47 +598,11 @@ class SharedSessionStore:
         return verify_session(self.shared, self._key(session_id, owner), progress)
 
     def lookup(self, owner: str, fingerprint: Fingerprint, tokens) -> LookupResult | None:
-        """The owner's session (same fingerprint) sharing the longest token prefix with ``tokens``.
-
-        The chain hashes of the query's 64-token blocks are matched against ``kv_prefix`` in one
-        query (written by the commits that moved each session's watermark); the deepest sessions'
-        match is extended past their last whole block from their stored tokens (at most 63
-        records read). Capped at each session's watermark; less than one block matches nothing.
-        Ties go to the most recently used session, as on the embedded store.
-        """
-        validate_owner(owner)
-        tokens = np.asarray(tokens)
-        if tokens.size == 0:
-            self.stats.lookup(hit=False)
-            return None
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise InvalidRequest("tokens must be a 1-D list of integers")
-        if tokens.min() < 0 or tokens.max() >= fingerprint.geometry.vocab:
-            raise InvalidRequest(f"token ids must be in [0, {fingerprint.geometry.vocab})")
-        tokens = tokens.astype(np.int32)
-        chains = prefix_schema.chain_hashes(prefix_schema.chain_seed(owner, fingerprint.key()), tokens)
-        candidates = self.index.prefix_matches(owner, chains)
-        block = prefix_schema.PREFIX_BLOCK_TOKENS
-        best: tuple[int, int, dict[str, Any]] | None = None
-        for row in candidates:
-            depth = int(row["depth"])
-            matched = depth * block
-            upto = min(int(row["watermark"]), tokens.shape[0])
-            if upto > matched:
-                try:
-                    _, stored = self.shared.read_records(row["key"], matched, upto)
-                except (SessionNotFound, InvalidRequest, SessionDamaged):
-                    continue  # truncated or deleted since the query: not a match now
-                header = coli_kv.parse_header(row["header"])
-                stored_tokens = np.frombuffer(stored, dtype=coli_kv.record_dtype(header.geometry, header.tier))["token"]
-                matched += common_prefix(stored_tokens, tokens[matched : matched + stored_tokens.shape[0]])
-            if best is None or (matched, int(row["last_used_ns"])) > best[:2]:
-                best = (matched, int(row["last_used_ns"]), row)
-        self.stats.lookup(hit=best is not None)
-        if best is None:
-            return None
-        matched, _, row = best
-        return LookupResult(public_id(row["key"]), matched, row["state"], int(row["n_records"]), int(row["watermark"]))
+        """The owner's session (same fingerprint) sharing the longest token prefix with ``tokens``
+        (:func:`~kvstore.store.shared.reports.longest_prefix`: chain hashes matched in the index)."""
+        found = longest_prefix(self.shared, owner, fingerprint, tokens)
+        self.stats.lookup(hit=found is not None)
+        return found
 
     def inspect(self, session_id: str, *, owner: str | None = None) -> dict[str, Any]:
         """What the session's ``.coli_kv`` image holds: header fields, sizes, what a loader would
@@ -649,7 +610,7 @@ class SharedSessionStore:
         key = self._key(session_id, owner)
         return inspect_session(self.shared, key, SessionInfo.from_record(self._record(self.index.session(key))))
 
-    # ------------------------------------------------------------------ not on the shared store yet
+    # ------------------------------------------------------------------ what only the embedded store has
     def journal_path(self, session_id: str, *, owner: str | None = None) -> Path:
         """Not on this backend: a session is segment objects, not a journal file (:class:`NotOnSharedStore`)."""
         raise not_on_shared_store("journal files (journal_path)")
