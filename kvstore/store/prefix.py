@@ -85,15 +85,9 @@ class Prefixes:
     def lookup(self, owner: str, fingerprint: Fingerprint, tokens) -> LookupResult | None:
         """The owner's session (same fingerprint) sharing the longest prefix with ``tokens`` (int[n])."""
         ctx = self.ctx
-        validate_owner(owner)
-        tokens = np.asarray(tokens)
-        if tokens.size == 0:
+        tokens = query_tokens(owner, fingerprint, tokens)
+        if tokens is None:
             return None
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise InvalidRequest("tokens must be a 1-D list of integers")
-        if tokens.min() < 0 or tokens.max() >= fingerprint.geometry.vocab:
-            raise InvalidRequest(f"token ids must be in [0, {fingerprint.geometry.vocab})")
-        tokens = tokens.astype(np.int32)
         hashes = schema.chain_hashes(schema.chain_seed(owner, fingerprint.key()), tokens)
         block = schema.PREFIX_BLOCK_TOKENS
         with ctx.index.read() as txn:
@@ -131,3 +125,17 @@ class Prefixes:
         if stored is None:
             return 0
         return common_prefix(stored, tokens[:upto])
+
+
+def query_tokens(owner: str, fingerprint: Fingerprint, tokens) -> np.ndarray | None:
+    """A lookup's tokens as int32, checked as every backend checks them (None: an empty query,
+    which matches nothing). ``InvalidRequest`` for a bad owner, shape or token id."""
+    validate_owner(owner)
+    tokens = np.asarray(tokens)
+    if tokens.size == 0:
+        return None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise InvalidRequest("tokens must be a 1-D list of integers")
+    if tokens.min() < 0 or tokens.max() >= fingerprint.geometry.vocab:
+        raise InvalidRequest(f"token ids must be in [0, {fingerprint.geometry.vocab})")
+    return tokens.astype(np.int32)

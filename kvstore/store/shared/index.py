@@ -29,6 +29,7 @@ from kvstore.store.shared.rows import (
     Grant,
     ReadPlan,
     Segment,
+    extend_lease,
     fit,
     hold_lease,
     put_blocks,
@@ -327,10 +328,7 @@ class SharedIndex(Rewrites):
         def body(conn: psycopg.Connection) -> None:
             with conn.transaction():
                 hold_lease(conn, key, token)
-                conn.execute(
-                    "UPDATE kv_leases SET expires_at = clock_timestamp() + %s * interval '1 second' WHERE key = %s",
-                    (float(ttl), key),
-                )
+                extend_lease(conn, key, ttl)
 
         self.run("renewing a lease", body)
 
@@ -457,10 +455,7 @@ class SharedIndex(Rewrites):
                     "updated_ns = %(now)s, last_used_ns = %(now)s WHERE key = %(key)s",
                     {"end": start + n_records, "nbytes": nbytes, "complete": complete, "now": now_ns, "key": key},
                 )
-                conn.execute(
-                    "UPDATE kv_leases SET expires_at = clock_timestamp() + %s * interval '1 second' WHERE key = %s",
-                    (float(ttl), key),
-                )
+                extend_lease(conn, key, ttl)
                 if request is not None:
                     # a key already there means two requests raced past request_result under one
                     # lease, which the fence rules out: the unique violation rolls this back

@@ -20,9 +20,9 @@ from kvstore.formats import coli_kv
 from kvstore.migrations import index as prefix_schema
 from kvstore.store.integrity import VerifyReport
 from kvstore.store.maintenance import records_report
-from kvstore.store.prefix import LookupResult, common_prefix
+from kvstore.store.prefix import LookupResult, common_prefix, query_tokens
 from kvstore.store.shared.store import SharedStore
-from kvstore.store.values import Fingerprint, Progress, SessionInfo, public_id, validate_owner
+from kvstore.store.values import Fingerprint, Progress, SessionInfo, public_id
 
 
 def verify_session(shared: SharedStore, key: str, progress: Progress | None = None) -> VerifyReport:
@@ -89,15 +89,9 @@ def longest_prefix(shared: SharedStore, owner: str, fingerprint: Fingerprint, to
     Capped at each session's watermark; less than one block matches nothing. Ties go to the most
     recently used session, as on the embedded store.
     """
-    validate_owner(owner)
-    tokens = np.asarray(tokens)
-    if tokens.size == 0:
+    tokens = query_tokens(owner, fingerprint, tokens)
+    if tokens is None:
         return None
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise InvalidRequest("tokens must be a 1-D list of integers")
-    if tokens.min() < 0 or tokens.max() >= fingerprint.geometry.vocab:
-        raise InvalidRequest(f"token ids must be in [0, {fingerprint.geometry.vocab})")
-    tokens = tokens.astype(np.int32)
     chains = prefix_schema.chain_hashes(prefix_schema.chain_seed(owner, fingerprint.key()), tokens)
     block = prefix_schema.PREFIX_BLOCK_TOKENS
     best: tuple[int, int, dict[str, Any]] | None = None

@@ -17,11 +17,12 @@ from kvstore.store.shared.rows import (
     SEGMENT_COLUMNS,
     SIZE_OF,
     Segment,
+    drop_objects,
+    extend_lease,
     fit,
     hold_lease,
     publish_replacement,
     put_blocks,
-    unlisted,
 )
 from kvstore.store.values import public_id
 
@@ -165,16 +166,8 @@ class Rewrites(Housekeeping):
                 conn.execute(
                     "DELETE FROM kv_prefix WHERE key = %s AND block >= %s", (key, watermark // PREFIX_BLOCK_TOKENS)
                 )
-                conn.execute(
-                    "UPDATE kv_leases SET expires_at = clock_timestamp() + %s * interval '1 second' WHERE key = %s",
-                    (float(ttl), key),
-                )
-                dropped = unlisted(conn, listed)
-                conn.execute(
-                    "INSERT INTO kv_dropped (object) SELECT unnest(%s::text[]) ON CONFLICT (object) DO NOTHING",
-                    (dropped,),
-                )
-                return dropped
+                extend_lease(conn, key, ttl)
+                return drop_objects(conn, listed)
 
         return self.run("truncating a session", body)
 
@@ -239,15 +232,8 @@ class Rewrites(Housekeeping):
                 if blocks is not None:
                     conn.execute("DELETE FROM kv_prefix WHERE key = %s", (key,))
                     put_blocks(conn, key, 0, blocks)
-                conn.execute(
-                    "UPDATE kv_leases SET expires_at = clock_timestamp() + %s * interval '1 second' WHERE key = %s",
-                    (float(ttl), key),
-                )
-                dropped = unlisted(conn, [str(r[0]) for r in gone])
-                conn.execute(
-                    "INSERT INTO kv_dropped (object) SELECT unnest(%s::text[]) ON CONFLICT (object) DO NOTHING",
-                    (dropped,),
-                )
+                extend_lease(conn, key, ttl)
+                dropped = drop_objects(conn, [str(r[0]) for r in gone])
                 fit(conn, (int(size[0]) if size is not None else 0) - int(row[0]), hard_limit)
                 return dropped
 

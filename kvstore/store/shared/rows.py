@@ -148,3 +148,22 @@ def fit(conn: psycopg.Connection, grow: int, limit: int | None) -> None:
             f"writing {grow} bytes would take the shared store to {used} bytes, over its hard limit of {limit}; "
             "nothing was written. Delete or park sessions, or raise the limit"
         )
+
+
+def extend_lease(conn: psycopg.Connection, key: str, ttl: float) -> None:
+    """Extend the session's lease by ``ttl`` seconds from now (PostgreSQL's clock), inside a
+    transaction that checked it (:func:`hold_lease`): a write under the lease renews it."""
+    conn.execute(
+        "UPDATE kv_leases SET expires_at = clock_timestamp() + %s * interval '1 second' WHERE key = %s",
+        (float(ttl), key),
+    )
+
+
+def drop_objects(conn: psycopg.Connection, listed: list[str]) -> list[str]:
+    """Queue for GC those of ``listed`` (objects whose rows were just deleted) no session lists
+    any more; returned. A reader of an older snapshot may still fetch them during the grace."""
+    dropped = unlisted(conn, listed)
+    conn.execute(
+        "INSERT INTO kv_dropped (object) SELECT unnest(%s::text[]) ON CONFLICT (object) DO NOTHING", (dropped,)
+    )
+    return dropped
