@@ -105,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch intra-op threads on CPU")
     parser.add_argument("--workdir", help="where the .coli_kv files go (default: a temporary folder)")
     parser.add_argument("--host-path", action="store_true", help="also time the host restore path (before/after table)")
+    parser.add_argument(
+        "--store",
+        action="store_true",
+        help="also resume through a session store (SessionStore.reader -> Engine.restore_reader), as a server does",
+    )
     args = parser.parse_args(argv)
 
     if args.threads:
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     warmups = []
     decode_rows = {}
     host_rows = []
+    store_rows = []
+    store = None
     try:
         for length in args.lengths:
             context = rng.integers(2, cfg.vocab_size, length + 1)
@@ -185,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     host_rows.append((length, tier, host_seconds, restore_seconds, path.stat().st_size, same_rows))
                     del host
+                if args.store:
+                    store = store or _store(workdir)
+                    store_rows.append(
+                        _store_resume(
+                            store, model, geometry, tier, length, stored, context, engine, args.prefill_chunk, device
+                        )
+                    )
                 if length == args.lengths[0]:
                     result = engine.generate(
                         np.concatenate([context, [int(torch.argmax(logits))]]),
@@ -197,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                 path.unlink()
             resume_rows.append(row)
     finally:
+        if store is not None:
+            store.close()
         if workdir_context is not None:
             workdir_context.cleanup()
 
@@ -237,6 +253,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_fmt_seconds(device_seconds):>11s} {size / device_seconds / 1e9:6.2f} {host_seconds / device_seconds:6.1f}x "
                 f"{'same' if same_rows else 'DIFFER':>8s}"
             )
+    if store_rows:
+        print("\nResume through a session store (SessionStore.reader -> Engine.restore_reader: the served records")
+        print("read straight into the pinned ring), as a server's turn does, beside restore_file on the same rows")
+        print(
+            f"{'tokens':>7s} {'tier':>9s} {'store':>11s} {'GB/s':>6s} {'+ step':>11s} {'= first token':>13s} {'file':>11s} {'rows':>8s}"
+        )
+        for length, tier, seconds, step_seconds, file_seconds, size, same_rows in store_rows:
+            print(
+                f"{length:7d} {tier:>9s} {_fmt_seconds(seconds):>11s} {size / seconds / 1e9:6.2f} "
+                f"{_fmt_seconds(step_seconds):>11s} {_fmt_seconds(seconds + step_seconds):>13s} "
+                f"{_fmt_seconds(file_seconds):>11s} {'same' if same_rows else 'DIFFER':>8s}"
+            )
     f32_rate = decode_rows.get("f32")
     print(f"\nDecode after a resume at {args.lengths[0]} tokens ({args.decode_tokens} tokens, greedy)")
     print(f"{'tier':>9s} {'tokens/s':>9s} {'vs f32':>7s} {'KV B/token':>11s} {'vs f32':>7s}")
@@ -248,6 +276,39 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{rate / f32_rate:6.2f}x" if f32_rate else "    -"
         print(f"{tier:>9s} {rate:9.1f} {ratio:>7s} {kv:11d} {f32_bytes / kv:6.2f}x")
     return 0
+
+
+def _store(workdir: Path):
+    from kvstore.store import SessionStore
+
+    return SessionStore(workdir / "store", map_size=1 << 32)
+
+
+def _store_resume(store, model, geometry, tier, length, stored, context, reference, prefill_chunk, device):
+    """Store the rows as a session, then resume it into a fresh engine (graphs warmed first, as a
+    server does) and run the new token: (length, tier, restore s, step s, restore_file s, bytes,
+    same rows as the file's restore)."""
+    session_id = f"bench-{length}-{tier}"
+    store.create("bench", geometry, stored.tier, {"name": "bench", "revision": "1"}, session_id=session_id)
+    store.append_records(session_id, stored.record_array(geometry))
+    engine = Engine(model, tier=tier, prefill_chunk=prefill_chunk)
+    engine.warm_graphs(length + 1)
+    times = []
+    for _ in range(3):  # the first restore of a process also maps the journal's pages
+        with store.reader(session_id) as reader:
+            seconds, _ = _timed(device, partial(engine.restore_reader, reader))
+        times.append(seconds)
+    step_seconds, _ = _timed(device, partial(engine.prefill, context))
+    file_engine = Engine(model, tier=tier, prefill_chunk=prefill_chunk)
+    file_engine.warm_graphs(length + 1)
+    path = store.journal_path(session_id)
+    file_seconds = min(_timed(device, partial(file_engine.restore_file, path))[0] for _ in range(3))
+    same = engine.export_rows(0, length).record_array(geometry).tobytes() == (
+        reference.export_rows(0, length).record_array(geometry).tobytes()
+    )
+    size = path.stat().st_size
+    store.delete(session_id)
+    return length, tier, min(times), step_seconds, file_seconds, size, same
 
 
 if __name__ == "__main__":

@@ -295,6 +295,27 @@ class Engine:
         self.cache.restore_body(body, allow_requantize=allow_requantize, check_tokens=self._check_tokens)
         return self.cache.length
 
+    def restore_reader(self, reader, *, allow_requantize: bool = False) -> int:
+        """Load the served records of an open session reader (``SessionStore.reader``, either
+        backend) into the cache, read straight into the restore's ring (pinned on CUDA) chunk by
+        chunk while earlier chunks upload — as :meth:`restore_file` reads a file; all or nothing.
+        Returns the positions restored.
+
+        Raises
+        ------
+        GeometryMismatch, CodecMismatch, SessionDamaged (a scale no encoder writes), GenerationError
+        (token ids outside the vocabulary), and whatever the reader raises
+        """
+        from kvstore.engine.restore import ReaderBody
+
+        expect = self.config.coli_geometry()
+        if reader.info.geometry != expect:
+            raise GeometryMismatch(
+                "the session is for another model: " + "; ".join(reader.info.geometry.mismatches(expect))
+            )
+        self.cache.restore_body(ReaderBody(reader), allow_requantize=allow_requantize, check_tokens=self._check_tokens)
+        return self.cache.length
+
     def export_rows(self, start: int = 0, stop: int | None = None) -> StoredRows:
         """Cached rows as the journal stores them (the tier's own version, raw codes)."""
         return self.cache.export_rows(start, stop)

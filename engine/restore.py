@@ -354,11 +354,47 @@ class FileBody:
         self.close()
 
 
+class ReaderBody:
+    """The served records of an open session reader (either store backend: ``read_into`` and
+    ``check_scales``), read on demand straight into the restore's ring — no whole-body copy on
+    the host first. Always strict: a row whose scale/radius no encoder writes is damage in a store,
+    refused by the reader's own check (``SessionDamaged`` naming the session and the record).
+    """
+
+    strict = True
+
+    def __init__(self, reader):
+        self._reader = reader
+        info = reader.info
+        self.source = f"session {info.id!r}"
+        self.header: Header = Header(info.geometry, info.tier, reader.n_records)
+        self.n = reader.n_records
+        self.layout = RecordLayout.of(info.geometry, info.tier)
+
+    geometry = property(lambda self: self.header.geometry)
+    tier = property(lambda self: self.header.tier)
+    limit = MemoryBody.limit
+
+    def read_into(self, out: np.ndarray, start: int, count: int) -> int:
+        return self._reader.read_into(out, start, count)
+
+    def check_scales(self, records: np.ndarray, first_record: int) -> None:
+        self._reader.check_scales(records, first_record)
+
+    def close(self) -> None:
+        pass  # the reader is its caller's to close
+
+
 def _check_strict(body, host: np.ndarray, first_record: int) -> None:
-    """For a strict body: refuse host rows (u8[rows, rec_bytes]) holding a corrupt scale/radius."""
+    """For a strict body: refuse host rows (u8[rows, rec_bytes]) holding a corrupt scale/radius
+    (by the body's own ``check_scales`` when it has one, else the format's, naming its source)."""
     if getattr(body, "strict", False) and body.tier.version != 1 and host.shape[0]:
         records = host.reshape(-1).view(coli_kv.record_dtype(body.geometry, body.tier))
-        coli_kv.check_scales(records, body.tier, source=body.source, first_record=first_record)
+        check = getattr(body, "check_scales", None)
+        if check is not None:
+            check(records, first_record)
+        else:
+            coli_kv.check_scales(records, body.tier, source=body.source, first_record=first_record)
 
 
 def _tokens_of(host: np.ndarray) -> np.ndarray:
@@ -389,7 +425,7 @@ def fill(
 
     Parameters
     ----------
-    body : :class:`FileBody` or :class:`MemoryBody`
+    body : :class:`FileBody`, :class:`MemoryBody` or :class:`ReaderBody`
     fields : target tensors [n_layers, >= body.n, ...] on ``device`` (written, never read)
     placement : what each chunk becomes (:class:`Placement`)
     chunk_bytes : bytes of records per chunk (default :data:`CHUNK_BYTES`; rounded down to whole

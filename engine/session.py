@@ -359,10 +359,11 @@ class SessionEngine:
             ) as reader:
                 served, damaged_from = reader.n_records, reader.damaged_from
                 key = self._state_key(reader.info)
-                records = reader.load(strict=True)  # a scale no encoder writes: SessionDamaged, not zeros
-            # The device restore path: records split and sanitized on the engine's device, straight
-            # into new capacity buffers, swapped in only once complete.
-            self.engine.restore_records(records, allow_requantize=allow_requantize)
+                # The device restore path: the served records read straight into the pinned ring
+                # and uploaded chunk by chunk, split and sanitized on the engine's device into new
+                # capacity buffers, swapped in only once complete; a scale no encoder writes is
+                # SessionDamaged, never a row of zeros.
+                self.engine.restore_reader(reader, allow_requantize=allow_requantize)
         except KVStoreError:
             raise
         except Exception as exc:  # device memory, an upload or decode failure: typed, with the reason

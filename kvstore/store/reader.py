@@ -9,6 +9,7 @@ restore). :class:`Resumed` is a whole load with what the caller needs to restore
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -89,6 +90,7 @@ class SessionReader:
         self._lock = lock
         self._fd = -1
         self._stats = ctx.stats
+        self._counting = threading.Lock()
         # a restore (kvstore.store.stats): bytes read, and seconds spent opening and reading only
         self._read_bytes: int | None = None  # None until a read starts
         self._busy_s = time.perf_counter() - (started if started is not None else time.perf_counter())
@@ -170,6 +172,30 @@ class SessionReader:
         self._count_read(len(body), time.perf_counter() - started)
         return KVRecords(Header(self.info.geometry, self.info.tier, self.n_records), records, HEADER_BYTES + len(body))
 
+    def read_into(self, out: np.ndarray, start: int, count: int) -> int:
+        """Read served records ``[start, start + count)`` into ``out`` (u8, at least ``count``
+        records long) with no copy in between: a device restore's pinned ring is filled straight
+        from the journal, by several threads at once. Returns ``count``.
+
+        Raises
+        ------
+        IntegrityError : the journal ended inside the range (it cannot shrink while the reader is open)
+        """
+        if not 0 <= start <= start + count <= self.n_records:
+            raise InvalidRequest(f"records [{start}, {start + count}) are not within the {self.n_records} served")
+        started = time.perf_counter()
+        view = memoryview(out).cast("B")[: count * self.record_bytes]
+        got = 0
+        while got < len(view):  # one preadv returns at most 2 GiB
+            n = os.preadv(self._fd, [view[got:]], HEADER_BYTES + start * self.record_bytes + got)
+            if n == 0:
+                raise IntegrityError(
+                    f"the journal of {self.info.id!r} ended at record {start + got // self.record_bytes}"
+                )
+            got += n
+        self._count_read(got, time.perf_counter() - started)
+        return count
+
     def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
         """Served records as KVRecords batches of at most ``batch_records``; ``strict``: see
         :meth:`check_scales`."""
@@ -211,8 +237,9 @@ class SessionReader:
             raise SessionDamaged(exc.reason) from None
 
     def _count_read(self, nbytes: int, seconds: float) -> None:
-        self._read_bytes = (self._read_bytes or 0) + nbytes
-        self._busy_s += seconds
+        with self._counting:  # read_into runs on several threads at once
+            self._read_bytes = (self._read_bytes or 0) + nbytes
+            self._busy_s += seconds
 
     def close(self) -> None:
         if self._read_bytes is not None:  # records were read: one restore, counted once

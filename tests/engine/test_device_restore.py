@@ -379,3 +379,46 @@ def test_cuda_transformers_restore_matches_the_format_decoder(hf_models, tmp_pat
         assert got_layer.keys.device.type == "cuda"
         assert _same_values(got_layer.keys, want_layer.keys)
         assert _same_values(got_layer.values, want_layer.values)
+
+
+@pytest.mark.parametrize("tier_name", ["f32", "fp8", "int4"])
+@pytest.mark.parametrize("file_name", ["v1", "v2", "v3-int4"])
+def test_a_session_reader_restores_straight_into_the_ring(tmp_path, file_name, tier_name):
+    """What a resume does (``SessionEngine`` -> ``Engine.restore_reader``): the reader's served
+    records read chunk by chunk into the ring, by several threads, with no whole-body copy first —
+    the same cache, byte for byte, as restoring the records the reader loads; the incomplete tail
+    past the watermark is not served; a corrupt scale in the journal is SessionDamaged (the
+    reader's own check, naming the session) and leaves the cache as it was."""
+    from kvstore.engine.restore import ReaderBody
+    from kvstore.errors import SessionDamaged
+    from kvstore.store import SessionStore
+
+    version, codec, bits = FILES[file_name]
+    stored_tier = tiers.from_file(version, codec, bits)
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, GEOMETRY.vocab, N).astype(np.int32)
+    L = rng.standard_normal((GEOMETRY.n_layers, N, GEOMETRY.kv_lora)).astype(np.float32)
+    R = rng.standard_normal((GEOMETRY.n_layers, N, GEOMETRY.qk_rope)).astype(np.float32)
+    with SessionStore(tmp_path / "data") as store:
+        store.create("alice", GEOMETRY, stored_tier, {"name": "m", "revision": "1"}, session_id="chat")
+        store.append("chat", tokens[:30], L[:, :30], R[:, :30])
+        store.append("chat", tokens[30:], L[:, 30:], R[:, 30:], complete_turn=False)  # not served
+        with store.reader("chat") as reader:
+            want = _cache(tier_name)
+            want.restore_records(reader.load(), allow_requantize=True)
+        with store.reader("chat") as reader:
+            got = _cache(tier_name)
+            got.restore_body(ReaderBody(reader), allow_requantize=True, chunk_bytes=CHUNK)
+        assert got.length == 30
+        _assert_same(_state(got), _state(want))
+        if version == 1:
+            return  # f32 rows have no scale to corrupt
+        rec = coli_kv.record_bytes(GEOMETRY, stored_tier)
+        scale_at = 4 + (GEOMETRY.kv_lora if version == 2 else GEOMETRY.kv_lora // 2)  # layer 0's L scale/radius
+        with open(store.journal_path("chat"), "r+b") as journal:  # record 12, behind the store's back
+            journal.seek(HEADER_BYTES + 12 * rec + scale_at)
+            journal.write(np.float32(np.nan).tobytes())
+        before = _state(got)
+        with store.reader("chat") as reader, pytest.raises(SessionDamaged, match="chat"):
+            got.restore_body(ReaderBody(reader), allow_requantize=True, chunk_bytes=CHUNK)
+        _assert_same(_state(got), before)

@@ -7,12 +7,13 @@ append makes on the embedded store, so both backends refuse the same rows.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from kvstore.errors import BadScale, FormatError, SessionDamaged
+from kvstore.errors import BadScale, FormatError, InvalidRequest, SessionDamaged
 from kvstore.formats import coli_kv, fp8, nonfinite
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
 from kvstore.store.shared.index import ReadPlan
@@ -49,6 +50,7 @@ class SharedReader:
         self.damaged_from = damaged_from
         self._busy_s = opened_s
         self._read_bytes: int | None = None
+        self._counting = threading.Lock()
 
     def __enter__(self) -> "SharedReader":
         return self
@@ -75,8 +77,9 @@ class SharedReader:
     def _read(self, start: int, stop: int) -> bytes:
         started = time.perf_counter()
         body = self._store.shared.read_planned(self.info.key, self._plan, start, stop)
-        self._busy_s += time.perf_counter() - started
-        self._read_bytes = (self._read_bytes or 0) + len(body)
+        with self._counting:  # read_into runs on several threads at once
+            self._busy_s += time.perf_counter() - started
+            self._read_bytes = (self._read_bytes or 0) + len(body)
         return body
 
     def iter_bytes(self, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
@@ -86,14 +89,24 @@ class SharedReader:
         for start in range(0, self.n_records, per):
             yield self._read(start, min(start + per, self.n_records))
 
+    def read_into(self, out: np.ndarray, start: int, count: int) -> int:
+        """Served records ``[start, start + count)`` into ``out`` (u8, at least ``count`` records
+        long), from this reader's snapshot: a device restore's ring filled chunk by chunk. Returns
+        ``count``."""
+        if not 0 <= start <= start + count <= self.n_records:
+            raise InvalidRequest(f"records [{start}, {start + count}) are not within the {self.n_records} served")
+        body = self._read(start, start + count)
+        memoryview(out).cast("B")[: len(body)] = body
+        return count
+
     def load(self, *, strict: bool = False) -> KVRecords:
         body = self._read(0, self.n_records)
         records = np.frombuffer(body, dtype=coli_kv.record_dtype(self.info.geometry, self.info.tier))
         if strict:
-            self._check_scales(records, 0)
+            self.check_scales(records, 0)
         return KVRecords(Header(self.info.geometry, self.info.tier, self.n_records), records, HEADER_BYTES + len(body))
 
-    def _check_scales(self, records: np.ndarray, first_record: int) -> None:
+    def check_scales(self, records: np.ndarray, first_record: int) -> None:
         """A scale no encoder writes in served records is damage (``SessionDamaged``), never a row of zeros."""
         try:
             coli_kv.check_scales(
@@ -114,7 +127,7 @@ class SharedReader:
             body = self._read(start, stop)
             records = np.frombuffer(body, dtype=dtype)
             if strict:
-                self._check_scales(records, start)
+                self.check_scales(records, start)
             yield KVRecords(Header(self.info.geometry, self.info.tier, stop - start), records, HEADER_BYTES + len(body))
 
 
