@@ -270,3 +270,22 @@ def test_a_terminal_sees_a_progress_bar_and_a_pipe_sees_none(tmp_path, env):
     assert b"\r" not in stdout and b"created    long (alice): 8000 records" in stdout
     piped = subprocess.run(command, capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
     assert piped.returncode == 0 and piped.stderr == b"" and b"unchanged  long (alice)" in piped.stdout
+
+
+def test_a_session_parked_on_the_shared_store_is_pulled_parked(tmp_path, env, capsys):
+    """Parking is the shared store's too (compressed segment objects): a session parked there is
+    pulled into a parked local session, its journal's bytes those the shared store serves."""
+    from kvstore.store.shared.sessions import SharedSessionStore
+
+    with SharedSessionStore(env["index"], env["blobs"], data_dir=None, cache_bytes=0) as replica:
+        replica.create("dana", GEOMETRY, TIER, MODEL, session_id="cold")
+        replica.append_records("cold", records(4, 0, 6))
+        replica.append_records("cold", records(4, 1, 3))
+        assert replica.park("cold").state == "parked"
+        image = replica.shared.file_bytes("cold~dana")
+    target = tmp_path / "pulled"
+    code, report = run(capsys, "store", "pull", "--data", str(target), "--json")
+    assert code == 0 and report["counts"]["created"] == 1, report
+    with SessionStore(target) as pulled:
+        assert pulled.get("cold", owner="dana").state == "parked"
+        assert session_bytes(pulled, "cold", "dana") == image

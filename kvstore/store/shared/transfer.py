@@ -488,7 +488,7 @@ def _pull_one(
         raise SessionDamaged(
             f"session {sid!r}: the local copy's turn hashes differ from the shared store's segments after the pull"
         )
-    if plan.create and stored.get("parked"):
+    if plan.create and (stored.get("parked") or row.get("state") == "parked"):  # pushed parked, or parked here
         local.park(sid, owner=owner)
     ctx = local._ctx  # the times and lineage of the source: fields no public write sets
     with ctx.writing(key), ctx.index.write() as txn:
