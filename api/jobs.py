@@ -1,7 +1,9 @@
 """Long work (park, unpark, migrate) as jobs with progress: ``202`` + ``GET /jobs/{id}``.
 
 Jobs run on a small thread pool and live in memory: a restart forgets them (the work itself is
-crash-safe in the store; a job cut short by a restart simply never reports ``done``).
+crash-safe in the store; a job cut short by a restart simply never reports ``done``). On a replica
+of a shared store each job is also published to the index as it goes (a ``mirror``:
+``kvstore.api.replica.IndexJobs``), so ``GET /jobs/{id}`` answers through every replica.
 
 The queue is bounded: at most ``max_pending`` jobs wait or run at once service-wide, and at most
 ``max_pending_per_owner`` of one owner (so one owner cannot fill the queue for everyone). A job
@@ -18,7 +20,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from kvstore.api.errors import JobNotFound, JobQueueFull
 from kvstore.errors import KVStoreError
@@ -27,6 +29,17 @@ MAX_KEPT_JOBS = 1000
 DEFAULT_MAX_PENDING = 64  # jobs queued or running, service-wide (Settings.max_jobs)
 DEFAULT_MAX_PENDING_PER_OWNER = 16  # of one owner (Settings.max_jobs_per_owner)
 _RECENT = 16  # finished jobs whose durations estimate Retry-After
+PUBLISH_EVERY_S = 0.25  # a running job's progress reaches the mirror at most this often
+
+
+class JobMirror(Protocol):
+    """Where a replica's jobs are published, and every replica's are found."""
+
+    def publish(self, job: "Job") -> None: ...
+
+    def find(self, owner: str, job_id: str) -> "Job | None": ...
+
+    def all(self, owner: str) -> "list[Job]": ...
 
 
 @dataclass
@@ -50,6 +63,15 @@ class Job:
         if self.state == "done":
             return 1.0
         return min(1.0, self.done / self.total) if self.total > 0 else 0.0
+
+    @classmethod
+    def from_dict(cls, owner: str, data: dict[str, Any]) -> "Job":
+        """A job as :meth:`to_dict` gave it (``owner``'s; what another replica published)."""
+        return cls(
+            str(data["id"]), owner, str(data["kind"]), str(data["session_id"]), str(data["state"]),
+            int(data["done"]), int(data["total"]), max(1, int(data.get("bytes_per_unit", 1))), data.get("result"),
+            data.get("error"), float(data["created"]), data.get("finished"),
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +99,7 @@ class JobRunner:
     workers : threads running jobs
     max_pending : jobs queued or running at once, service-wide; more are refused (JobQueueFull)
     max_pending_per_owner : the same bound for one owner's jobs
+    mirror : where jobs are also published and looked up (a replica's shared index), or None
     """
 
     def __init__(
@@ -85,7 +108,9 @@ class JobRunner:
         *,
         max_pending: int = DEFAULT_MAX_PENDING,
         max_pending_per_owner: int = DEFAULT_MAX_PENDING_PER_OWNER,
+        mirror: "JobMirror | None" = None,
     ):
+        self.mirror = mirror
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-job")
         self._workers = workers
         self.max_pending = max_pending
@@ -154,11 +179,18 @@ class JobRunner:
             for old in sorted(finished, key=lambda j: j.finished)[: max(0, len(self._jobs) - MAX_KEPT_JOBS)]:
                 del self._jobs[old.id]
 
+        published = [time.monotonic()]
+        self._publish(job)
+
         def progress(done: int, total: int) -> None:
             job.done, job.total = done, total
+            if self.mirror is not None and time.monotonic() - published[0] >= PUBLISH_EVERY_S:
+                published[0] = time.monotonic()
+                self._publish(job)
 
         def run() -> None:
             job.state = "running"
+            self._publish(job)
             try:
                 job.result = work(progress)
                 job.done = max(job.done, job.total)
@@ -172,6 +204,7 @@ class JobRunner:
             finally:
                 job.finished = time.time()
                 self._finished(job)
+                self._publish(job)
 
         try:
             self._pool.submit(run)
@@ -182,16 +215,29 @@ class JobRunner:
             raise
         return job
 
+    def _publish(self, job: Job) -> None:
+        if self.mirror is not None:
+            self.mirror.publish(job)
+
     def get(self, job_id: str, owner: str) -> Job:
+        """``owner``'s job: this service's own, else one the mirror holds (another replica's)."""
         with self._lock:
             job = self._jobs.get(job_id)
-        if job is None or job.owner != owner:
+        if job is not None and job.owner == owner:
+            return job
+        found = self.mirror.find(owner, job_id) if self.mirror is not None else None
+        if found is None:
             raise JobNotFound(f"no job {job_id!r}")
-        return job
+        return found
 
     def list(self, owner: str) -> list[Job]:
+        """``owner``'s jobs: this service's own and, with a mirror, every replica's."""
         with self._lock:
-            return [job for job in self._jobs.values() if job.owner == owner]
+            mine = [job for job in self._jobs.values() if job.owner == owner]
+        if self.mirror is None:
+            return mine
+        ids = {job.id for job in mine}
+        return [*[job for job in self.mirror.all(owner) if job.id not in ids], *mine]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)

@@ -29,7 +29,7 @@ import kvstore
 from kvstore.api.errors import BodyTooLarge, http_status, retry_after
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
-from kvstore.api.replica import IdempotencyKeys, IndexKeyTable, open_store
+from kvstore.api.replica import IdempotencyKeys, IndexJobs, IndexKeyTable, open_store
 from kvstore.api.routers import console, files, generate, health, jobs, lookup, metrics, sessions
 from kvstore.api.routers.metrics import Metrics
 from kvstore.api.session_gates import SessionGates
@@ -201,7 +201,10 @@ def create_app(
         for line in store.reconcile_actions:
             log.warning("reconcile: %s", line)
         runner = JobRunner(
-            settings.job_workers, max_pending=settings.max_jobs, max_pending_per_owner=settings.max_jobs_per_owner
+            settings.job_workers,
+            max_pending=settings.max_jobs,
+            max_pending_per_owner=settings.max_jobs_per_owner,
+            mirror=IndexJobs(store.index) if settings.shared else None,  # GET /jobs/{id} through any replica
         )
         app.state.store, app.state.jobs = store, runner
         app.state.engine = None

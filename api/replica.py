@@ -10,6 +10,7 @@ either. This module holds what differs for a replica:
   every replica accepts the same keys and a revocation reaches all of them (an unknown key re-reads
   them sooner, so a new key works at once); while PostgreSQL is
   down the keys read last keep working (the request itself then answers 503);
+- :class:`IndexJobs`: the replica's jobs published to the index, found through any replica;
 - :class:`IdempotencyKeys`: an append's ``Idempotency-Key`` header, handed to the store, which
   applies the append once across every replica and answers a retry with the first result.
 """
@@ -50,6 +51,32 @@ def open_store(settings: Settings):
         budget_bytes=settings.budget_bytes,
         hard_limit_bytes=settings.hard_limit_bytes,
     )
+
+
+class IndexJobs:
+    """A replica's jobs published to the shared index (``kv_jobs``), so ``GET /jobs/{id}`` answers
+    through every replica (:class:`~kvstore.api.jobs.JobRunner`'s ``mirror``). A job cut short by
+    its replica's death stays as it was last published, as a restart leaves an embedded job."""
+
+    def __init__(self, index):
+        self.index = index
+
+    def publish(self, job) -> None:
+        try:
+            self.index.put_job({**job.to_dict(), "owner": job.owner, "bytes_per_unit": job.bytes_per_unit})
+        except Unavailable as exc:  # the job runs on; its state is published again as it goes
+            log.warning("job %s not published: %s", job.id, exc.reason)
+
+    def find(self, owner: str, job_id: str):
+        from kvstore.api.jobs import Job
+
+        found = self.index.jobs_of(owner, job_id)
+        return Job.from_dict(owner, found[0]) if found else None
+
+    def all(self, owner: str) -> list:
+        from kvstore.api.jobs import Job
+
+        return [Job.from_dict(owner, data) for data in self.index.jobs_of(owner)]
 
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"

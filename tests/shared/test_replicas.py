@@ -289,18 +289,26 @@ def test_every_replica_accepts_the_index_keys(replicas, api_key, index_url):
         assert answer.status_code == 401
 
 
-def test_park_migrate_and_the_hard_limit_across_replicas(replicas, api_key):
-    """A session parked through one replica is parked for all; a resume through another unparks it
-    and serves every row. A hard limit given to every replica bounds the whole shared store: a
+def test_park_migrate_and_the_hard_limit_across_replicas(replicas, api_key, index_url):
+    """A session parked through one replica is parked for all (the park job answers through the
+    other replica too, to its owner only); a resume through another unparks it and serves every row. A hard limit given to every replica bounds the whole shared store: a
     migrate, a create or an append that would take it past answers with BudgetExceeded and writes
     nothing, whichever replica it reaches."""
     body = records(1, 0, 6)
     limit = 2 * coli_kv.HEADER_BYTES + 8 * rec_bytes()  # this session, one more header, two rows to spare
+    with IndexKeys(index_url) as keys:
+        bob_key = keys.create("bob")[1]
     r0, r1 = replicas("r0", "--hard-limit", str(limit)), replicas("r1", "--hard-limit", str(limit))
     with client(r0, api_key) as first, client(r1, api_key) as second:
         create(first, "chat")
         assert append(first, "chat", body).status_code == 200
-        wait_job(first, first.post("/sessions/chat/park").json(), expect="done")
+        # a job runs in the replica that accepted it, and answers through every replica
+        job = first.post("/sessions/chat/park").json()
+        done = wait_job(second, job, expect="done")
+        assert done["result"]["state"] == "parked" and done["id"] == job["id"]
+        assert job["id"] in [j["id"] for j in second.get("/jobs").json()]
+        with client(r1, bob_key) as bob:
+            assert bob.get(f"/jobs/{job['id']}").status_code == 404 and bob.get("/jobs").json() == []
         info = second.get("/sessions/chat").json()
         assert info["state"] == "parked" and info["size_bytes"] <= coli_kv.HEADER_BYTES + len(body)
         assert second.get("/sessions/chat/verify").json()["ok"]  # read as it is, still parked

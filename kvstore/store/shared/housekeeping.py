@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from kvstore.errors import InvalidRequest
 from kvstore.store.shared.pool import ConnectionPool
@@ -66,6 +67,45 @@ class Housekeeping(ConnectionPool):
             return found
 
         return self.run("looking up a prefix", body) if chains else []
+
+    # ------------------------------------------------------------------ jobs
+    def put_job(self, job: dict[str, Any]) -> None:
+        """Publish a job's state (``kvstore.api.jobs.Job.to_dict`` plus its ``owner``), replacing
+        what was published of it before."""
+
+        def body(conn: psycopg.Connection) -> None:
+            conn.execute(
+                "INSERT INTO kv_jobs (id, owner, job, finished) VALUES (%s, %s, %s, %s) ON CONFLICT (id) DO UPDATE "
+                "SET job = EXCLUDED.job, finished = EXCLUDED.finished, updated_at = clock_timestamp()",
+                (job["id"], job["owner"], Jsonb(job), job.get("finished") is not None),
+            )
+
+        self.run("publishing a job", body)
+
+    def jobs_of(self, owner: str, job_id: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
+        """The jobs ``owner`` has (``job_id``: that one only), most recently updated last."""
+
+        def body(conn: psycopg.Connection) -> list[dict[str, Any]]:
+            rows = conn.execute(
+                "SELECT job FROM (SELECT job, updated_at FROM kv_jobs WHERE owner = %s AND (%s::text IS NULL OR id = %s) "
+                "ORDER BY updated_at DESC LIMIT %s) recent ORDER BY updated_at",
+                (owner, job_id, job_id, limit),
+            ).fetchall()
+            return [dict(row[0]) for row in rows]
+
+        return self.run("reading jobs", body)
+
+    def forget_jobs(self, older_than: float) -> int:
+        """Drop finished jobs last updated more than ``older_than`` seconds ago; how many went."""
+
+        def body(conn: psycopg.Connection) -> int:
+            cur = conn.execute(
+                "DELETE FROM kv_jobs WHERE finished AND updated_at < clock_timestamp() - %s * interval '1 second'",
+                (float(older_than),),
+            )
+            return cur.rowcount
+
+        return self.run("forgetting old jobs", body)
 
     # ------------------------------------------------------------------ API keys
     KEY_COLUMNS = ("id", "owner", "salt", "digest", "created", "expires", "revoked", "hint")

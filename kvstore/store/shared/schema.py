@@ -9,7 +9,7 @@ from __future__ import annotations
 #: ``pg_advisory_xact_lock`` key serializing schema creation and upgrades across replicas.
 SCHEMA_LOCK = 0x6B7673_0001
 
-CURRENT_VERSION = 5
+CURRENT_VERSION = 6
 
 #: version reached -> the statements that reach it from the version before.
 STEPS: dict[int, tuple[str, ...]] = {
@@ -119,6 +119,18 @@ STEPS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE kv_segments DROP CONSTRAINT IF EXISTS kv_segments_codec",
         "ALTER TABLE kv_segments ADD CONSTRAINT kv_segments_codec CHECK "
         "(codec IN ('raw', 'zstd') AND (codec = 'raw') = (stored_bytes IS NULL))",
+    ),
+    # jobs (park, unpark, migrate) as the replica running each publishes them, so GET /jobs/{id}
+    # answers through every replica; finished ones are forgotten by GC after a day
+    6: (
+        """CREATE TABLE IF NOT EXISTS kv_jobs (
+            id text PRIMARY KEY,
+            owner text NOT NULL,
+            job jsonb NOT NULL,
+            finished boolean NOT NULL DEFAULT false,
+            updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+        )""",
+        "CREATE INDEX IF NOT EXISTS kv_jobs_owner ON kv_jobs (owner, updated_at)",
     ),
 }
 

@@ -48,6 +48,7 @@ from kvstore.tiers import Tier
 
 DEFAULT_TTL_S = 30.0
 REQUEST_KEY_RETENTION_S = 24 * 3600.0  # how long an idempotency key answers a retry (then GC forgets it)
+JOB_RETENTION_S = 24 * 3600.0  # how long a finished job answers GET /jobs/{id} on every replica
 MAX_REQUEST_KEY_CHARS = 255
 DEFAULT_GC_GRACE_S = 3600.0
 _READ_THREADS = 8  # segments fetched in parallel by one read (one S3 stream is far below a NIC)
@@ -112,6 +113,7 @@ class GCReport:
     uploads_aborted: int
     dropped: int = 0  # objects a truncate dropped, deleted once no session lists them
     requests: int = 0  # idempotency keys older than their retention, forgotten
+    jobs: int = 0  # finished jobs older than their retention, forgotten
 
 
 @dataclass(frozen=True)
@@ -671,4 +673,5 @@ class SharedStore:
         for name in dropped:
             self.blobs.delete(name)
         forgotten = self.index.forget_requests(max(grace, REQUEST_KEY_RETENTION_S))
-        return GCReport(len(stale), swept, aborted, len(dropped), forgotten)
+        jobs = self.index.forget_jobs(max(grace, JOB_RETENTION_S))
+        return GCReport(len(stale), swept, aborted, len(dropped), forgotten, jobs)
