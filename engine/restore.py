@@ -19,9 +19,12 @@ records stay as they are stored until they reach the device:
    (FORMAT.md section 4), by the one sanitize of :mod:`kvstore.gpu.codecs`: a v2 scale that
    ``fp8.bad_scales`` calls corrupt makes the row inert (codes 0, scale 1) and NaN codes read 0; a
    v3 radius not in [0, 3.4e38) becomes 0 with codes 0. A body opened with ``strict=True`` is
-   refused instead, before any of it is placed: each chunk's scales are checked on the host by the
-   format's own check (``coli_kv.check_scales``: :class:`~kvstore.formats.errors.BadScale` naming
-   the file and the record), so a scale of 1e37 on code 0x7E never restores as inf either way.
+   refused instead: that sanitize counts the corrupt rows on the device (no host pass over the
+   rows, no sync until the end); a count above zero fails the restore before anything is swapped
+   in, and the first such row is then found on the host by the format's own check
+   (``coli_kv.check_scales``, or the body's: :class:`~kvstore.formats.errors.BadScale` naming the
+   file and the record, ``SessionDamaged`` for a session), so a scale of 1e37 on code 0x7E never
+   restores as inf either way.
 
 Rows of another representation are converted per chunk on the device: v1 rows into a quantized
 tier through the device codecs (``kvstore.gpu.codecs.encode_tier``, which on the CPU is the
@@ -54,6 +57,7 @@ from kvstore.engine.errors import GeometryMismatch
 from kvstore.formats import coli_kv
 from kvstore.formats import tq as tq_format
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
+from kvstore.formats.errors import BadScale
 from kvstore.gpu import codecs
 from kvstore.tiers import Tier
 
@@ -203,6 +207,12 @@ class Placement:
         self.layout = RecordLayout.of(geometry, tier)
         self.native = native
         self.encode = encode
+        self.corrupt: torch.Tensor | None = None  # rows with a corrupt scale/radius, when counted
+
+    def count_corrupt(self, device: torch.device) -> None:
+        """Count the rows whose scale/radius no encoder writes as they are sanitized (on the device,
+        no sync): a strict restore reads :attr:`corrupt` once, at the end."""
+        self.corrupt = torch.zeros((), dtype=torch.int64, device=device)
 
     def apply(self, raw: torch.Tensor, fields: dict[str, torch.Tensor], start: int) -> None:
         """Place the records of ``raw`` (u8[rows, rec_bytes] on the target's device) at rows
@@ -226,8 +236,8 @@ class Placement:
             placed[source] = dst
         if self.tier.version != 1:
             clean = codecs.sanitize_fp8_ if self.tier is tiers.FP8 else codecs.sanitize_tq_
-            clean(placed["Lc"], placed["Ls"])
-            clean(placed["Rc"], placed["Rs"])
+            clean(placed["Lc"], placed["Ls"], self.corrupt)
+            clean(placed["Rc"], placed["Rs"], self.corrupt)
 
     def decode(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's rows as f32 (L [n_layers, rows, kv_lora], R [n_layers, rows, qk_rope]), sanitized."""
@@ -244,7 +254,7 @@ class Placement:
             # Copies (clone, never a view of the body, which may be read-only): sanitized below.
             codes = layer_major(codes_name).clone(memory_format=torch.contiguous_format)
             scales = _f32(layer_major(scales_name)).squeeze(-1).clone(memory_format=torch.contiguous_format)
-            clean(codes, scales)
+            clean(codes, scales, self.corrupt)
             out.append(dequantize(self.tier, codes, scales, width))
         return out[0], out[1]
 
@@ -438,26 +448,45 @@ def fill(
 
     Raises
     ------
-    BadScale : a ``strict`` body holds a row whose scale/radius no encoder writes (checked on the
-        host before that chunk is placed; ``fields`` may hold earlier chunks: the caller drops them)
+    BadScale : a ``strict`` body holds a row whose scale/radius no encoder writes (counted on the
+        device as the rows are sanitized, named from the host after; ``fields`` hold the rows: the
+        caller drops them)
     """
     device = torch.device(device)
     rec = body.layout.rec_bytes
     if body.n == 0:
         return 0, np.zeros(0, dtype=np.int32)
     per_chunk = max(1, int(chunk_bytes or CHUNK_BYTES) // rec)
+    strict = getattr(body, "strict", False) and body.tier.version != 1
+    if strict:
+        # counted by the sanitize that runs anyway, on the device: no host pass over the rows
+        placement.count_corrupt(device)
     if device.type == "cpu" and isinstance(body, MemoryBody):
         # Records already in host memory are split where they lie: no ring, no copy.
         host = body.host_rows()
-        _check_strict(body, host, 0)
         whole = _from_numpy(host)
         for a in range(0, host.shape[0], per_chunk):
             placement.apply(whole[a : a + per_chunk], fields, a)
-        return host.shape[0], _tokens_of(host)
-    if device.type == "cuda":
+        filled, tokens = host.shape[0], _tokens_of(host)
+    elif device.type == "cuda":
         with torch.cuda.device(device):
-            return _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
-    return _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
+            filled, tokens = _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
+    else:
+        filled, tokens = _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
+    if strict and placement.corrupt is not None and int(placement.corrupt):  # the one sync of the check
+        _name_corrupt(body, filled, per_chunk)
+    return filled, tokens
+
+
+def _name_corrupt(body, n: int, per_chunk: int) -> None:
+    """The device counted a corrupt scale/radius in ``body``'s first ``n`` records: find the first
+    on the host, chunk by chunk, and raise the body's own error naming it (a rare, slow path)."""
+    rec = body.layout.rec_bytes
+    buffer = np.empty(min(per_chunk, n) * rec, dtype=np.uint8)
+    for start in range(0, n, per_chunk):
+        got = body.read_into(buffer, start, min(per_chunk, n - start))
+        _check_strict(body, buffer[: got * rec].reshape(got, rec), start)
+    raise BadScale(f"{body.source}: a row holds a scale no encoder writes (counted on the device)")
 
 
 def reserve_buffers(rec_bytes: int, n: int, device: torch.device | str, *, threads: int | None = None) -> None:
@@ -529,7 +558,6 @@ def _pipeline(
             slot = i % slots
             if got:
                 size = got * rec
-                _check_strict(body, views[slot][:size].reshape(got, rec), a)
                 tokens[a : a + got] = _tokens_of(views[slot][:size].reshape(got, rec))
                 if cuda:
                     raw = stage[:size]

@@ -215,7 +215,9 @@ def _fill_where(t: torch.Tensor, mask: torch.Tensor, value: float) -> None:
         t.masked_fill_(mask, value)
 
 
-def sanitize_fp8_(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sanitize_fp8_(
+    codes: torch.Tensor, scales: torch.Tensor, corrupt: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FORMAT.md section 4 on stored fp8 rows, in place: NaN codes (0x7F/0xFF) read 0; a row whose
     scale is corrupt (``kvstore.formats.fp8.bad_scales``: not in (0, 3.4e38/448], NaN included) is
     inert: codes 0, scale 1.
@@ -223,6 +225,8 @@ def sanitize_fp8_(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     Parameters
     ----------
     codes : u8[..., n];  scales : f32[...] (the same leading layout; views are fine)
+    corrupt : an int64 scalar on the device, or None: the rows with a corrupt scale are added to it
+        (a strict restore checks it once at the end, with no host pass over the rows)
 
     Returns
     -------
@@ -232,6 +236,8 @@ def sanitize_fp8_(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     nan.eq_(0x7F)  # in place: 0/1 bytes, read as a bool mask without another tensor
     _fill_where(codes, nan.view(torch.bool), 0)
     bad = ~((scales > 0) & (scales <= FP8_MAX_SCALE))
+    if corrupt is not None:
+        corrupt += bad.sum()
     _fill_where(codes, bad.unsqueeze(-1), 0)
     _fill_where(scales, bad, 1.0)
     return codes, scales
@@ -306,19 +312,24 @@ def _radii(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return radius, live
 
 
-def sanitize_tq_(codes: torch.Tensor, radii: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sanitize_tq_(
+    codes: torch.Tensor, radii: torch.Tensor, corrupt: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FORMAT.md section 4 on stored TQ rows, in place (``tq.sanitize_radii``): a radius not in
     [0, 3.4e38) becomes 0 and its row's codes 0.
 
     Parameters
     ----------
     codes : u8[..., rb];  radii : f32[...]
+    corrupt : an int64 scalar on the device, or None: the rows with a corrupt radius are added to it
 
     Returns
     -------
     (codes, radii), the same tensors.
     """
     bad = ~((radii >= 0) & (radii < _RADIUS_CEIL))
+    if corrupt is not None:
+        corrupt += bad.sum()
     _fill_where(codes, bad.unsqueeze(-1), 0)
     _fill_where(radii, bad, 0.0)
     return codes, radii
