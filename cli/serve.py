@@ -153,8 +153,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="with --index: size budget of this replica's local cache of segment objects in --data, e.g. 20G "
         "(least recently used copies evicted; default 8G, 0 for none)",
     )
-    p.add_argument("--budget", help="soft disk budget, e.g. 50G (LRU sessions are parked, then deleted)")
-    p.add_argument("--hard-limit", help="hard disk limit, e.g. 60G (writes past it are refused)")
+    p.add_argument(
+        "--budget",
+        help="soft disk budget, e.g. 50G (LRU sessions are parked, then deleted); with --index, the whole shared store's",
+    )
+    p.add_argument(
+        "--hard-limit",
+        help="hard disk limit, e.g. 60G (writes past it are refused); with --index, the whole shared store's "
+        "(give every replica the same)",
+    )
     p.add_argument(
         "--max-body",
         help="largest request body (default 256M); also the most an Arrow upload decodes to. JSON bodies have "
