@@ -176,3 +176,22 @@ def test_a_replica_serves_verify_inspect_and_maintenance(tmp_path, child_env, in
             http.post("/sessions/chat/park")
     finally:
         server.stop_cleanly()
+
+
+def test_verify_reports_progress_as_each_segment_is_checked(tmp_path, index_url, blobs_url, s3_server, monkeypatch):
+    """``verify`` on the shared store calls ``progress(bytes_hashed, bytes_total)`` as each segment
+    (turn) is re-hashed, in order, ending at the session's record bytes — also for a parked session,
+    whose objects are compressed frames."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    with SharedSessionStore(index_url, blobs_url, data_dir=None, cache_bytes=0) as store:
+        store.create("alice", GEOMETRY, TIER, {"name": "m", "revision": "1"}, session_id="chat")
+        for seq, n in enumerate((3, 5, 2, 7)):
+            store.append_records("chat", records(1, seq, n))
+        total = 17 * rec_bytes()
+        for parked in (False, True):
+            if parked:
+                store.park("chat")
+            seen: list[tuple[int, int]] = []
+            assert store.verify("chat", progress=lambda done, whole: seen.append((done, whole))).ok
+            assert [done for done, _ in seen] == [3 * rec_bytes(), 8 * rec_bytes(), 10 * rec_bytes(), total]
+            assert {whole for _, whole in seen} == {total}

@@ -28,9 +28,9 @@ from kvstore.store.values import Fingerprint, Progress, SessionInfo, public_id
 def verify_session(shared: SharedStore, key: str, progress: Progress | None = None) -> VerifyReport:
     """Re-hash every committed segment of ``key`` against the digest its commit recorded.
 
-    The segments are fetched whole and in parallel (``SharedStore.first_damaged``: a replica's
-    cached copy is re-hashed, and one that fails is refetched from the object store), so
-    ``progress(bytes_hashed, bytes_total)`` is called once, when all are checked.
+    The segments are fetched whole, several in parallel (``SharedStore.first_damaged``: a replica's
+    cached copy is re-hashed, and one that fails is refetched from the object store);
+    ``progress(bytes_hashed, bytes_total)`` is called as each is checked.
 
     Returns
     -------
@@ -39,7 +39,7 @@ def verify_session(shared: SharedStore, key: str, progress: Progress | None = No
     """
     plan = shared.index.read_plan(key)
     segments = plan.segments
-    bad_record = shared.first_damaged(key, plan, plan.n_records)
+    bad_record = shared.first_damaged(key, plan, plan.n_records, progress)
     first_bad = None
     expected = 0
     for turn, segment in enumerate(segments):
@@ -50,9 +50,6 @@ def verify_session(shared: SharedStore, key: str, progress: Progress | None = No
         expected = segment.end
     if first_bad is None and expected != plan.n_records:
         first_bad = {"turn": len(segments), "start": expected, "end": plan.n_records}
-    if progress is not None:
-        total = sum(segment.nbytes for segment in segments)
-        progress(total, total)
     good = first_bad["start"] if first_bad is not None else plan.n_records
     return VerifyReport(public_id(key), first_bad is None, plan.n_records, len(segments), first_bad, good)
 

@@ -15,7 +15,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import zstandard
@@ -575,25 +575,33 @@ class SharedStore:
             )
         return bytes(out)
 
-    def first_damaged(self, key: str, plan: ReadPlan, end: int) -> int | None:
+    def first_damaged(
+        self, key: str, plan: ReadPlan, end: int, progress: Callable[[int, int], None] | None = None
+    ) -> int | None:
         """Re-hash every segment of ``plan`` that starts before ``end`` (whole-object GETs checked
-        against their digest, in parallel); the first record of the first one whose bytes do not
-        match, or None when all do."""
-        jobs = [
-            (
-                segment,
-                self._pool.submit(self._fetch, key, segment, 0, memoryview(bytearray(segment.nbytes)), verify=True),
-            )
-            for segment in plan.segments
-            if segment.first_record < end
-        ]
-        bad = None
-        for segment, job in jobs:
-            try:
-                job.result()
-            except SessionDamaged:
-                bad = segment.first_record if bad is None else min(bad, segment.first_record)
+        against their digest, several in parallel); the first record of the first one whose bytes
+        do not match, or None when all do. ``progress(bytes_hashed, bytes_total)`` as they finish.
+
+        A window of segments is in flight at a time, each buffer dropped once hashed: memory stays
+        a few segments whatever the session's size."""
+        chosen = [segment for segment in plan.segments if segment.first_record < end]
+        total, done, bad = sum(segment.nbytes for segment in chosen), 0, None
+        for at in range(0, len(chosen), 2 * _READ_THREADS):
+            window = chosen[at : at + 2 * _READ_THREADS]
+            for segment, job in zip(window, [self._pool.submit(self._sound, key, segment) for segment in window]):
+                if not job.result() and bad is None:
+                    bad = segment.first_record  # segments are in order: the first bad one found is the first
+                done += segment.nbytes
+                if progress is not None:
+                    progress(done, total)
         return bad
+
+    def _sound(self, key: str, segment: Segment) -> bool:
+        try:
+            self.whole(key, segment)
+        except SessionDamaged:
+            return False
+        return True
 
     def whole(self, key: str, segment: Segment) -> memoryview:
         """Every record byte of ``segment`` (decompressed if it is a parked one's), checked against
