@@ -192,6 +192,6 @@ def test_verify_reports_progress_as_each_segment_is_checked(tmp_path, index_url,
             if parked:
                 store.park("chat")
             seen: list[tuple[int, int]] = []
-            assert store.verify("chat", progress=lambda done, whole: seen.append((done, whole))).ok
+            assert store.verify("chat", progress=lambda done, whole, seen=seen: seen.append((done, whole))).ok
             assert [done for done, _ in seen] == [3 * rec_bytes(), 8 * rec_bytes(), 10 * rec_bytes(), total]
             assert {whole for _, whole in seen} == {total}
