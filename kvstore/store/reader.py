@@ -62,7 +62,28 @@ def check_fingerprint(record: dict, expect: Fingerprint, override: Iterable[str]
         )
 
 
-class SessionReader:
+class ServedRows:
+    """What every session reader (either backend) derives from its ``info``, ``n_records`` and
+    ``record_bytes``: the reused tokens, the body's size and a ``.coli_kv`` header for it."""
+
+    info: SessionInfo
+    n_records: int
+    record_bytes: int
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.n_records
+
+    @property
+    def body_bytes(self) -> int:
+        return self.n_records * self.record_bytes
+
+    def header_bytes(self) -> bytes:
+        """A ``.coli_kv`` header for the served records (nrec = ``n_records``)."""
+        return Header(self.info.geometry, self.info.tier, self.n_records).to_bytes()
+
+
+class SessionReader(ServedRows):
     """An open, consistent view of a session's records ``[0, n_records)`` for resuming.
 
     Holds the session's read lock (nothing shrinks or replaces the journal meanwhile) and a file
@@ -126,18 +147,6 @@ class SessionReader:
         except BaseException:
             self.close()
             raise
-
-    @property
-    def reused_tokens(self) -> int:
-        return self.n_records
-
-    @property
-    def body_bytes(self) -> int:
-        return self.n_records * self.record_bytes
-
-    def header_bytes(self) -> bytes:
-        """A ``.coli_kv`` header for the served records (nrec = ``n_records``)."""
-        return Header(self.info.geometry, self.info.tier, self.n_records).to_bytes()
 
     def iter_bytes(self, chunk_bytes: int = COPY_CHUNK_BYTES) -> Iterator[bytes]:
         """The served records' raw bytes, in chunks (a whole number of records each, when it fits)."""

@@ -16,6 +16,7 @@ import numpy as np
 from kvstore.errors import BadScale, FormatError, InvalidRequest, SessionDamaged
 from kvstore.formats import coli_kv, fp8, nonfinite
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
+from kvstore.store.reader import ServedRows
 from kvstore.store.shared.index import ReadPlan
 from kvstore.store.values import SessionInfo
 from kvstore.tiers import Tier
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 READ_CHUNK_BYTES = 4 << 20
 
 
-class SharedReader:
+class SharedReader(ServedRows):
     """A session's served records from one committed snapshot (the attributes of
     :class:`~kvstore.store.SessionReader`): segments are immutable and only added after the served
     range, so the bytes read later are those of the snapshot."""
@@ -62,17 +63,6 @@ class SharedReader:
         if self._read_bytes is not None:
             self._store.stats.restored(self._read_bytes, self._busy_s)
             self._read_bytes = None
-
-    @property
-    def reused_tokens(self) -> int:
-        return self.n_records
-
-    @property
-    def body_bytes(self) -> int:
-        return self.n_records * self.record_bytes
-
-    def header_bytes(self) -> bytes:
-        return Header(self.info.geometry, self.info.tier, self.n_records).to_bytes()
 
     def _read(self, start: int, stop: int) -> bytes:
         started = time.perf_counter()
