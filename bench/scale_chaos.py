@@ -57,7 +57,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvstore.formats import coli_kv  # noqa: E402
-from shared.rows import GEOMETRY, TIER, rec_bytes  # noqa: E402
+from shared.rows import GEOMETRY, TIER, fingerprint_fields, rec_bytes  # noqa: E402
 from shared.servers import FaultProxy, MotoServer, PostgresCluster, postgres_bin  # noqa: E402
 
 FAULTS = ("kill", "postgres", "s3-errors", "s3-drops", "s3-cut", "s3-timeouts")
@@ -616,14 +616,7 @@ class Chaos:
                 "/sessions",
                 json={
                     "id": ledger.name,
-                    "model": {"name": "chaos", "revision": "1"},
-                    "geometry": {
-                        "n_layers": GEOMETRY.n_layers,
-                        "kv_lora": GEOMETRY.kv_lora,
-                        "qk_rope": GEOMETRY.qk_rope,
-                        "vocab": GEOMETRY.vocab,
-                    },
-                    "tier": TIER.name,
+                    **fingerprint_fields("chaos"),
                 },
             )
             if created.status_code != 201:

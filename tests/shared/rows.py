@@ -28,3 +28,18 @@ def records(writer: int, seq: int, n: int, geometry: Geometry = GEOMETRY, tier=T
 
 def rec_bytes(geometry: Geometry = GEOMETRY, tier=TIER) -> int:
     return coli_kv.record_bytes(geometry, tier)
+
+
+def fingerprint_fields(model: str = "m") -> dict:
+    """The model, geometry and tier of a JSON body (``POST /sessions``, ``POST /lookup``) for sessions
+    of these rows."""
+    return {
+        "model": {"name": model, "revision": "1"},
+        "geometry": {
+            "n_layers": GEOMETRY.n_layers,
+            "kv_lora": GEOMETRY.kv_lora,
+            "qk_rope": GEOMETRY.qk_rope,
+            "vocab": GEOMETRY.vocab,
+        },
+        "tier": TIER.name,
+    }

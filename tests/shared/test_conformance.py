@@ -29,7 +29,7 @@ from kvstore.store.shared.index import Segment
 from kvstore.store.shared.sessions import SharedSessionStore
 from kvstore.store.values import storage_key
 from served import ServeProcess, wait_job
-from shared.rows import GEOMETRY, TIER, rec_bytes, records
+from shared.rows import GEOMETRY, TIER, fingerprint_fields, rec_bytes, records
 
 
 def unpacked(segment: Segment, body: bytes) -> bytes:
@@ -111,14 +111,7 @@ def test_a_replica_serves_verify_inspect_and_maintenance(tmp_path, child_env, in
                 "/sessions",
                 json={
                     "id": "chat",
-                    "model": {"name": "m", "revision": "1"},
-                    "geometry": {
-                        "n_layers": GEOMETRY.n_layers,
-                        "kv_lora": GEOMETRY.kv_lora,
-                        "qk_rope": GEOMETRY.qk_rope,
-                        "vocab": GEOMETRY.vocab,
-                    },
-                    "tier": TIER.name,
+                    **fingerprint_fields(),
                 },
             )
             assert created.status_code == 201, created.text

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvstore.formats import coli_kv
 from served import ServeProcess
-from shared.rows import GEOMETRY, TIER
+from shared.rows import GEOMETRY, TIER, fingerprint_fields
 from shared.test_replicas import api_key, client, create, replicas  # noqa: F401  (fixtures)
 
 RAW = "application/octet-stream"
@@ -42,14 +42,7 @@ def lookup(http: httpx.Client, tokens, model: str = "m") -> tuple[int, Any]:
     answer = http.post(
         "/lookup",
         json={
-            "model": {"name": model, "revision": "1"},
-            "geometry": {
-                "n_layers": GEOMETRY.n_layers,
-                "kv_lora": GEOMETRY.kv_lora,
-                "qk_rope": GEOMETRY.qk_rope,
-                "vocab": GEOMETRY.vocab,
-            },
-            "tier": TIER.name,
+            **fingerprint_fields(model),
             "tokens": [int(t) for t in tokens],
         },
     )

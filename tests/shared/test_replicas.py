@@ -21,7 +21,7 @@ from kvstore.formats import coli_kv
 from kvstore.keys import IndexKeys
 from kvstore.store.shared import BlobStore, SharedIndex, SharedStore
 from served import ServeProcess, wait_job
-from shared.rows import GEOMETRY, TIER, rec_bytes, records
+from shared.rows import GEOMETRY, TIER, fingerprint_fields, rec_bytes, records
 
 RAW = "application/octet-stream"
 ARROW = "application/vnd.apache.arrow.stream"
@@ -73,14 +73,7 @@ def create(http: httpx.Client, session_id: str) -> dict:
         "/sessions",
         json={
             "id": session_id,
-            "model": {"name": "m", "revision": "1"},
-            "geometry": {
-                "n_layers": GEOMETRY.n_layers,
-                "kv_lora": GEOMETRY.kv_lora,
-                "qk_rope": GEOMETRY.qk_rope,
-                "vocab": GEOMETRY.vocab,
-            },
-            "tier": TIER.name,
+            **fingerprint_fields(),
         },
     )
     assert answer.status_code == 201, answer.text
