@@ -370,7 +370,10 @@ class SharedSessionStore:
         request = CURRENT_REQUEST.get()
 
         def write(lease: Lease):
-            self._upkeep.unpark_leased(lease)  # a parked session is in use again
+            # a parked session is in use again; the row read before the append says so (no query
+            # more per append: one parked since keeps this segment plain, which reads the same)
+            if info.state == "parked":
+                self._upkeep.unpark_leased(lease)
             return self.shared.append(lease, rows, complete=complete_turn, request=request.key if request else None)
 
         ack = self._under_lease(key, write)
@@ -507,9 +510,11 @@ class SharedSessionStore:
         """
         started = time.perf_counter()
         key = self._key(session_id, owner)
-        self._upkeep.unpark_for_reading(key)
-        plan = self.index.read_plan(key)
         row = self.index.session(key)
+        if row["state"] == "parked":
+            self._upkeep.unpark_for_reading(key)
+            row = self.index.session(key)
+        plan = self.index.read_plan(key)
         record = self._record(row)
         if expect is not None:
             check_fingerprint(record, expect, override)

@@ -71,12 +71,10 @@ class Upkeep:
             recode.unpark(self.store.shared, lease, hard_limit=self.store.hard_limit_bytes, progress=progress)
 
     def unpark_for_reading(self, key: str) -> None:
-        """Before a resume: a parked session is unparked (it is in use again), if its lease is free
-        now. A resume never fails for it: with the lease held by another writer, past the hard
-        limit or with a server failing, the compressed objects are served as they are and the
-        session stays parked."""
-        if self.store.index.session(key)["state"] != "parked":
-            return
+        """Before a resume of a session its row showed parked: unpark it (it is in use again), if its
+        lease is free now. A resume never fails for it: with the lease held by another writer, past
+        the hard limit or with a server failing, the compressed objects are served as they are and
+        the session stays parked."""
         try:
             self._leased_now(key, self.unpark_leased)
         except (BudgetExceeded, LeaseHeld, StaleLease, Unavailable) as exc:
