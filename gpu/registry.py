@@ -430,6 +430,18 @@ register_backend(
     ),
     "kvstore.gpu.cuda_backend:CudaBackend",
 )
+# f32 and bf16 rows on CUDA: the split-T Triton kernels (tf32x3 tensor-core products).
+register_backend(
+    BackendSpec(
+        name="triton",
+        device_types=frozenset({"cuda"}),
+        tiers=frozenset({tiers.F32.name, tiers.BF16.name}),
+        selected=False,
+        modules=("triton",),
+        priority=15,
+    ),
+    "kvstore.gpu.triton_backend:TritonBackend",
+)
 register_backend(
     BackendSpec(name="mps", device_types=frozenset({"mps"}), tiers=frozenset(tiers.names()), priority=20),
     "kvstore.gpu.torch_backend:MpsBackend",
