@@ -785,7 +785,9 @@ __global__ void __launch_bounds__(256) mla_merge(const float* __restrict__ o_par
         const bool live = w > 0.0f;
 #pragma unroll
         for (int j = 0; j < K / 128; ++j) {
-            const float4 v = op[(long long)s * (K / 4) + lane + 32 * j];
+            // An empty split's partial is not even read: a ragged batch whose plan is bounded by
+            // the whole row array has mostly empty splits.
+            const float4 v = live ? op[(long long)s * (K / 4) + lane + 32 * j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             acc[j].x += live ? w * v.x : 0.0f;
             acc[j].y += live ? w * v.y : 0.0f;
             acc[j].z += live ? w * v.z : 0.0f;
@@ -1626,7 +1628,7 @@ __global__ void __launch_bounds__(256) mla_merge_v2(const u16* __restrict__ o_pa
     for (int s = warp * 4 + sub; s < n_splits; s += 32) {
         const float w = weights[s];
         const bool live = w > 0.0f;  // an empty split wrote neither its partial nor its scale
-        const uint2 v = op[(long long)s * (K / 4)];
+        const uint2 v = live ? op[(long long)s * (K / 4)] : make_uint2(0u, 0u);  // empty: no read
         const float ws = live ? w * scale[s] : 0.0f;
         const float2 lo = f16x2_to_f32x2(v.x), hi = f16x2_to_f32x2(v.y);
         acc.x += live ? ws * lo.x : 0.0f;
