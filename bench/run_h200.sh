@@ -2,7 +2,8 @@
 # Everything measured on an NVIDIA H200 in one call (the device machine has torch + cupy +
 # transformers but not lmdb/fastapi/zstandard, and the project is not installed there):
 #   1. the gpu-marked tests (kernels vs float64, engine on CUDA vs CPU token for token);
-#   2. the kernel table (bench/gpu_attention.py) and where the kernel's time goes (bench/gpu_stages.py);
+#   2. the kernel table (bench/gpu_attention.py), where the kernel's time goes (bench/gpu_stages.py)
+#      and the f32/bf16 Triton kernels against the torch path (bench/gpu_dense.py);
 #   3. engine resume vs re-prefill on a random-weight DeepSeek-V2-Lite-geometry model;
 #   4. transformers restore + first token vs re-running the prompt, same geometry;
 #   5. decode speed: plain vs CUDA-graph steps per tier and context, 16 sessions batched, peak memory.
@@ -15,7 +16,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
-STEPS="${STEPS:-tests kernels stages engine hf decode}"  # a subset fits one call's time limit
+STEPS="${STEPS:-tests kernels stages dense engine hf decode}"  # a subset fits one call's time limit
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "== $1 ($(date +%T))"; }
 
@@ -33,6 +34,11 @@ fi
 if want stages; then
 step "kernel stages (16 heads)"
 python3 bench/gpu_stages.py --rows 32768,131072,1048576 2>&1 | tee "$OUT/stages.log"
+fi
+
+if want dense; then
+step "f32 / bf16 kernels (Triton) vs the torch path"
+python3 bench/gpu_dense.py 2>&1 | tee "$OUT/dense.log" | tail -n 16
 fi
 
 if want engine; then
