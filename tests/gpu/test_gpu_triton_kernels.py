@@ -4,7 +4,8 @@ On a CUDA device: the attention conformance suite (f32 and bf16, T = 1 .. 1M, H 
 sequence and 8 ragged ones, inert rows, ``out=``, reasons), lengths on the host and on the device,
 and a CUDA graph replayed with new lengths. On the CPU (CI): the same kernels through Triton's
 interpreter (``TRITON_INTERPRET=1``, in a child process because the variable is read at import),
-ragged and empty sequences and several split plans included.
+ragged and empty sequences, several split plans, widths that are not powers of two and a strided
+query included.
 
 Bound: the products run in tf32 with f32 accumulation; the relative error against float64 measured
 on the H200 is ~1e-3, asserted < 4e-3 (the fp8 and int4 kernels' bound). The interpreter computes
@@ -89,19 +90,22 @@ _INTERPRETED = textwrap.dedent(
     from kvstore.gpu.triton_backend import dense_decode
     seed = int(sys.argv[1])
     report = []
-    cases = [
-        ("f32", [300], 16, 4), ("bf16", [300], 16, 4), ("f32", testing.ragged_lengths(257, 8, seed), 16, 4),
-        ("bf16", testing.ragged_lengths(257, 8, seed), 20, 64), ("f32", [0, 0], 16, 4), ("f32", [1, 0, 70], 16, 1),
+    cases = [  # (tier, lengths, heads, SMs the plan fills, kv_lora, qk_rope)
+        ("f32", [300], 16, 4, 128, 32), ("bf16", [300], 16, 4, 128, 32),
+        ("f32", testing.ragged_lengths(257, 8, seed), 16, 4, 128, 32),
+        ("bf16", testing.ragged_lengths(257, 8, seed), 20, 64, 128, 32), ("f32", [0, 0], 16, 4, 128, 32),
+        ("f32", [1, 0, 70], 16, 1, 128, 32), ("f32", [50, 0, 17], 8, 2, 96, 32), ("bf16", [33], 3, 2, 48, 16),
     ]
-    for tier, lengths, heads, n_sm in cases:
-        case = testing.make_case(tier, lengths, heads, kv_lora=128, qk_rope=32, device="cpu", seed=seed)
+    for tier, lengths, heads, n_sm, kv_lora, qk_rope in cases:
+        case = testing.make_case(tier, lengths, heads, kv_lora=kv_lora, qk_rope=qk_rope, device="cpu", seed=seed)
         out = testing.poisoned_out(case)
-        dense_decode(case.q_lat, case.q_rope, case.lc_codes, case.rc_codes, case.seq_start, case.seq_len,
+        q_lat = case.q_lat.transpose(0, 1).contiguous().transpose(0, 1)  # strided: batch is not outermost
+        dense_decode(q_lat, case.q_rope, case.lc_codes, case.rc_codes, case.seq_start, case.seq_len,
                      case.softmax_scale, out, n_sm=n_sm)
         ref = testing.reference(case)
         empty = case.seq_len == 0
         report.append({
-            "case": f"{tier} {lengths} H{heads}",
+            "case": f"{tier} {lengths} H{heads} K{kv_lora} R{qk_rope}",
             "splits": triton_backend.plan_splits(len(lengths), -(-heads // 16), int(case.lc_codes.shape[0]),
                                                  case.lc_codes.shape[0] / len(lengths), n_sm)[0],
             "err": 0.0 if bool(empty.all()) else testing.relative_error(out, ref),
