@@ -32,6 +32,7 @@ from kvstore.store.shared.rows import (
     extend_lease,
     fit,
     hold_lease,
+    lock_session,
     put_blocks,
     segment_of,
     unlisted,
@@ -104,9 +105,7 @@ class SharedIndex(Rewrites):
             with conn.transaction():
                 # the session's row first: a fork copying its segments holds it FOR SHARE, so the two
                 # take turns and the check below sees the fork's rows
-                gone = conn.execute("SELECT 1 FROM kv_sessions WHERE key = %s FOR UPDATE", (key,)).fetchone()
-                if gone is None:
-                    raise SessionNotFound(f"no session {public_id(key)!r}")
+                lock_session(conn, key)
                 listed = [r[0] for r in conn.execute("DELETE FROM kv_segments WHERE key = %s RETURNING object", (key,))]
                 objects = unlisted(conn, listed)
                 objects += [
@@ -422,11 +421,7 @@ class SharedIndex(Rewrites):
                 if row is not None:
                     return segment_of(row), False
                 hold_lease(conn, key, token)
-                count = conn.execute(
-                    "SELECT n_records, rec_bytes FROM kv_sessions WHERE key = %s FOR UPDATE", (key,)
-                ).fetchone()
-                if count is None:
-                    raise SessionNotFound(f"no session {public_id(key)!r}")
+                count = lock_session(conn, key, "n_records, rec_bytes")
                 if int(count[0]) != start:
                     raise RecordCountMismatch(
                         f"session {public_id(key)!r} holds {count[0]} records, the append expected {start}; "

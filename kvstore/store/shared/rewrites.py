@@ -21,6 +21,7 @@ from kvstore.store.shared.rows import (
     extend_lease,
     fit,
     hold_lease,
+    lock_session,
     publish_replacement,
     put_blocks,
 )
@@ -139,11 +140,7 @@ class Rewrites(Housekeeping):
         def body(conn: psycopg.Connection) -> list[str]:
             with conn.transaction():
                 hold_lease(conn, key, token)
-                row = conn.execute(
-                    "SELECT n_records, rec_bytes, watermark FROM kv_sessions WHERE key = %s FOR UPDATE", (key,)
-                ).fetchone()
-                if row is None:
-                    raise SessionNotFound(f"no session {public_id(key)!r}")
+                row = lock_session(conn, key, "n_records, rec_bytes, watermark")
                 if keep > int(row[0]):
                     raise InvalidRequest(
                         f"session {public_id(key)!r} holds {row[0]} records; cannot truncate to {keep}"
@@ -204,9 +201,7 @@ class Rewrites(Housekeeping):
         def body(conn: psycopg.Connection) -> list[str]:
             with conn.transaction():
                 hold_lease(conn, key, token)
-                row = conn.execute("SELECT size_bytes FROM kv_sessions WHERE key = %s FOR UPDATE", (key,)).fetchone()
-                if row is None:
-                    raise SessionNotFound(f"no session {public_id(key)!r}")
+                row = lock_session(conn, key, "size_bytes")
                 gone = conn.execute(
                     "DELETE FROM kv_segments WHERE key = %s AND (first_record, object) IN "
                     "(SELECT * FROM unnest(%s::bigint[], %s::text[])) RETURNING object",

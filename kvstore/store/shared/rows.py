@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from kvstore.errors import BudgetExceeded, LeaseExpired, SegmentLost, StaleLease
+from kvstore.errors import BudgetExceeded, LeaseExpired, SegmentLost, SessionNotFound, StaleLease
 from kvstore.store.values import public_id
 
 #: ``pg_advisory_xact_lock`` key serializing eviction across replicas.
@@ -131,6 +131,15 @@ def hold_lease(conn: psycopg.Connection, key: str, token: int) -> None:
         )
     if not row[1]:
         raise LeaseExpired(f"the lease of token {token} on session {public_id(key)!r} expired; nothing was published")
+
+
+def lock_session(conn: psycopg.Connection, key: str, columns: str = "1") -> tuple:
+    """Lock the session's row for this transaction and return ``columns`` of it (SQL column names
+    of ``kv_sessions``, written by the caller); :class:`SessionNotFound` when there is none."""
+    row = conn.execute(f"SELECT {columns} FROM kv_sessions WHERE key = %s FOR UPDATE", (key,)).fetchone()
+    if row is None:
+        raise SessionNotFound(f"no session {public_id(key)!r}")
+    return row
 
 
 def fit(conn: psycopg.Connection, grow: int, limit: int | None) -> None:
