@@ -17,7 +17,16 @@ import torch
 from kvstore import tiers
 from kvstore.gpu.errors import AttentionInputError
 
-__all__ = ["DecodeProblem", "RowLayout", "as_tier", "check_inputs", "check_ranges", "prepare_out", "row_layout"]
+__all__ = [
+    "DecodeProblem",
+    "RowLayout",
+    "as_tier",
+    "check_inputs",
+    "check_ranges",
+    "dense_tier",
+    "prepare_out",
+    "row_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,11 @@ def as_tier(tier: tiers.Tier | str) -> tiers.Tier:
         return tiers.parse(tier)
     except tiers.UnknownTier as exc:
         raise AttentionInputError(exc.reason) from None
+
+
+def dense_tier(rows) -> tiers.Tier:
+    """The tier of dense (unquantized) rows, from their dtype: bf16 for bfloat16 rows, else f32."""
+    return tiers.BF16 if getattr(rows, "dtype", None) == torch.bfloat16 else tiers.F32
 
 
 def check_inputs(

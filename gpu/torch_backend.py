@@ -273,7 +273,7 @@ class TorchBackend(AttentionBackend):
 
     # f32 and bf16 rows: the values themselves (the tier follows their dtype)
     def mla_decode_dense(self, q_lat, q_rope, lc, rc, seq_start, seq_len, softmax_scale, out=None, *, validate=True):
-        tier = tiers.BF16 if getattr(lc, "dtype", None) == torch.bfloat16 else tiers.F32
+        tier = inputs.dense_tier(lc)
         return decode_torch(
             tier, q_lat, q_rope, lc, None, rc, None, seq_start, seq_len, softmax_scale, out, validate=validate
         )
@@ -281,7 +281,7 @@ class TorchBackend(AttentionBackend):
     def mla_decode_dense_selected(
         self, q_lat, q_rope, lc, rc, seq_start, seq_len, indices, n_selected, softmax_scale, out=None, *, validate=True
     ):
-        tier = tiers.BF16 if getattr(lc, "dtype", None) == torch.bfloat16 else tiers.F32
+        tier = inputs.dense_tier(lc)
         return decode_torch(
             tier,
             q_lat,

@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstore import tiers
-from kvstore.gpu import inputs
+from kvstore.gpu import inputs, launch
 from kvstore.gpu.registry import AttentionBackend, spec_of
 from kvstore.gpu.torch_backend import decode_torch
 
@@ -190,10 +189,7 @@ def plan_splits(batch: int, head_blocks: int, max_rows: int, mean_rows: float, n
     tiles_max = max(1, -(-max_rows // BLOCK_N))
     wanted = max(1, -(-(n_sm * PROGRAMS_PER_SM) // (batch * head_blocks)))
     per_split = max(1, -(-tiles_mean // wanted), -(-tiles_max // MAX_SPLITS))
-    wave = n_sm * PROGRAMS_PER_SM
-    spare = wave - batch * head_blocks  # as in kvstore.gpu.cuda_backend.plan_launch: one wave of working programs
-    if batch > 1 and 2 * spare >= wave:
-        per_split = max(per_split, -(-tiles_mean * batch * head_blocks // spare))
+    per_split = launch.one_wave_split(per_split, tiles_mean, batch, head_blocks, n_sm * PROGRAMS_PER_SM)
     return -(-tiles_max // per_split), per_split * BLOCK_N
 
 
@@ -279,7 +275,7 @@ class TritonBackend(AttentionBackend):
         return []
 
     def mla_decode_dense(self, q_lat, q_rope, lc, rc, seq_start, seq_len, softmax_scale, out=None, *, validate=True):
-        tier = tiers.BF16 if getattr(lc, "dtype", None) == torch.bfloat16 else tiers.F32
+        tier = inputs.dense_tier(lc)
         problem = inputs.check_inputs(tier, q_lat, q_rope, lc, None, rc, None, seq_start, seq_len, softmax_scale, out)
         if lc.stride(1) != 1 or rc.stride(1) != 1:  # rows the kernel cannot stride through: no copy, the torch path
             return decode_torch(
