@@ -39,6 +39,8 @@ from kvstore.gpu.cuda_backend import _cupy_stream as cupy_stream
 KERNEL_BOUND = 4e-3
 #: the tiers the CUDA kernels declare (kvstore.gpu.registry)
 TIERS = tuple(name for name in ("fp8", "int4") if name in registry.spec_of("cuda").tiers)
+#: The engine's batched decode (bench/engine_decode.py --batch 16): 16 sessions of 1k..32k rows.
+ENGINE_BATCH = [int(1024 + i * (32768 - 1024) / 15) for i in range(16)]
 
 
 def _events_ms(fn, reps: int, warmup: int = 3) -> list[float]:
@@ -257,16 +259,23 @@ def smoke(backend, seed: int) -> bool:
 
 
 def make_backend(spec: str):
-    """``VARIANT[:mtN][:tilesM]``: a kernel generation (``v1`` or ``v2``), at most N 16-head m-tiles
-    per block, at least M tiles per split."""
+    """``VARIANT[:mtN][:tilesM][:mergeD]``: a kernel generation (``v1`` or ``v2``), at most N 16-head
+    m-tiles per block, at least M tiles per split, D output dims per merge block (default: chosen
+    per call)."""
     variant, *options = spec.split(":")
-    knobs = {"mt": 4, "tiles": 1}
+    knobs = {"mt": 4, "tiles": 1, "merge": 0}
     for option in options:
         name = option.rstrip("0123456789")
         if name not in knobs or name == option:
             raise ValueError(f"unknown kernel option {option!r} in {spec!r}")
         knobs[name] = int(option[len(name) :])
-    return CudaBackend(torch.device("cuda"), variant=variant, max_mt=knobs["mt"], min_tiles=knobs["tiles"])
+    return CudaBackend(
+        torch.device("cuda"),
+        variant=variant,
+        max_mt=knobs["mt"],
+        min_tiles=knobs["tiles"],
+        merge_dims=knobs["merge"] or None,
+    )
 
 
 def compare(
@@ -288,6 +297,7 @@ def compare(
         h = head_counts[-1]
         plan.append((tier, [131072], h, 2048))
         plan.append((tier, testing.ragged_lengths(131072, 8, seed), h, None))
+        plan.append((tier, ENGINE_BATCH, 16, None))
     plan = [p + (0.0,) for p in plan] + [("fp8", [131072], h, None, 1e-3) for h in head_counts[:2]]
     head = f"{'variant':9s} {'B':>2s} {'H':>4s} {'T':>12s} {'MB':>7s} " + " ".join(
         f"{spec + ' us':>11s} {'%copy':>6s} {'%floor':>6s} {'err':>7s}" for spec in specs
@@ -397,6 +407,7 @@ def main() -> int:
         for heads in (16, 64, 128):
             plan.append((tier, [131072], heads, 2048))
         plan.append((tier, testing.ragged_lengths(131072, 8, args.seed), 64, None))
+        plan.append((tier, ENGINE_BATCH, 16, None))
     # fp8 rows as the format's encoder writes them hold no NaN codes; these rows time tiles that do
     plan = [p + (0.0,) for p in plan] + [("fp8", [131072], h, None, 1e-3) for h in (16, 64)]
     results = []

@@ -8,8 +8,10 @@ For kv_lora 512 (the ``v2`` kernels) one call is two launches on the caller's cu
    block prepares its own f16 query tile (rotated for int4), streams raw code rows through a
    two-stage cp.async ring and converts codes to f16 as the mma fragments are loaded; for int4 it
    un-rotates its partial context;
-2. ``mla_merge_v2``: the log-sum-exp merge of the f16 partial contexts, one block per (head, 32-dim
-   chunk, sequence).
+2. ``mla_merge_v2``: the log-sum-exp merge of the f16 partial contexts, one block per (head, chunk
+   of output dims, sequence), over the splits that hold rows (the split kernel counts them per
+   sequence on the device); chunks of 32 dims for a lone sequence, wider for batches
+   (:func:`merge_width`).
 
 Other widths (and ``variant="v1"``) run the first kernels: ``mla_prep_query`` (q -> f16),
 ``mla_decode_split`` (codes converted once per tile into an f16 shared-memory tile) and
@@ -54,8 +56,8 @@ MAX_SPLITS = 4096
 #: 25.8 -> 22.8 us); shorter sequences keep one tile per split (4k rows: 10.2 us, 15.8 with 4).
 LONG_SPLITS_FROM = 3
 LONG_SPLIT_TILES = 4
-#: Output dims per block of mla_merge_v2.
-MERGE_DIMS = 32
+#: Output dims per block of mla_merge_v2 that are instantiated, widest first.
+MERGE_WIDTHS = (512, 128, 32)
 _LOCK = threading.Lock()
 
 
@@ -144,6 +146,19 @@ def plan_launch(
     return KernelPlan(m_tiles, groups, groups * 16 * m_tiles, per_split, -(-tiles_max // per_split), blocks_per_sm)
 
 
+def merge_width(batch: int, heads: int, kv_lora: int, n_sm: int) -> int:
+    """Output dims per merge block: the widest that still gives two blocks per SM.
+
+    A merge block's fixed cost (weighing its splits, two barriers) is paid once per chunk, so a
+    batch of sequences merges in wide chunks (16 sequences x 16 heads: 1,024 blocks of 128 dims, one
+    wave, where 32-dim chunks made four); a lone 16-head sequence keeps 32 dims (256 blocks).
+    """
+    for width in MERGE_WIDTHS:
+        if kv_lora % width == 0 and batch * heads * (kv_lora // width) >= 2 * n_sm:
+            return width
+    return MERGE_WIDTHS[-1]
+
+
 _STREAMS: dict[tuple[int, int], object] = {}
 
 
@@ -179,11 +194,20 @@ class CudaBackend(AttentionBackend):
     variant : ``"v2"`` (kv_lora 512, else v1 runs) or ``"v1"``; default :func:`default_variant`
     max_mt : most 16-head m-tiles per block of the v2 kernel (1, 2 or 4; default :func:`default_max_mt`)
     min_tiles : fewest 64-row tiles per split (default 1: as many splits as fill one wave)
+    merge_dims : output dims per merge block of the v2 kernels (one of ``MERGE_WIDTHS``; default
+        :func:`merge_width` of each call)
     """
 
     spec = spec_of("cuda")
 
-    def __init__(self, device: torch.device, variant: str | None = None, max_mt: int | None = None, min_tiles: int = 1):
+    def __init__(
+        self,
+        device: torch.device,
+        variant: str | None = None,
+        max_mt: int | None = None,
+        min_tiles: int = 1,
+        merge_dims: int | None = None,
+    ):
         super().__init__(device)
         props = torch.cuda.get_device_properties(self.device)
         self.capability = (props.major, props.minor)
@@ -198,6 +222,10 @@ class CudaBackend(AttentionBackend):
         self.max_mt = max_mt or default_max_mt()
         #: fewest tiles per split (see :func:`plan_launch`)
         self.min_tiles = max(1, int(min_tiles))
+        if merge_dims is not None and merge_dims not in MERGE_WIDTHS:
+            raise ValueError(f"merge_dims must be one of {MERGE_WIDTHS}, not {merge_dims!r}")
+        #: output dims per merge block (v2), or None to choose per call
+        self.merge_dims = merge_dims
         #: replayable launch plans of plain calls, by operand signature (see kvstore.gpu.launch)
         self._fast: dict[tuple, launch.ReplayedCall] = {}
         #: plain calls served from a cached plan (the benchmarks and tests read it)
@@ -469,10 +497,12 @@ class CudaBackend(AttentionBackend):
         device = problem.device
         batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
         split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True)
-        merge = self._get(f"mla_merge_v2<{k}>")
+        width = self.merge_dims or merge_width(batch, heads, k, self.n_sm)
+        merge = self._get(f"mla_merge_v2<{k},{width}>")
         score_scale = np.float32(softmax_scale * math.log2(math.e))
         o_scale = torch.empty_like(lse)  # each f16 partial's power-of-two scale
-        split_grid, merge_grid = (plan.head_groups, plan.n_splits, batch), (heads, k // MERGE_DIMS, batch)
+        n_live = torch.empty(batch, dtype=torch.int32, device=device)  # splits holding rows, per sequence
+        split_grid, merge_grid = (plan.head_groups, plan.n_splits, batch), (heads, k // width, batch)
         split_args = (
             _ptr(q_lat),
             _ptr(q_rope),
@@ -494,11 +524,13 @@ class CudaBackend(AttentionBackend):
             _ptr(o_part),
             _ptr(o_scale),
             _ptr(lse),
+            _ptr(n_live),
         )
         merge_args = (
             _ptr(o_part),
             _ptr(o_scale),
             _ptr(lse),
+            _ptr(n_live),
             np.int32(heads),
             np.int32(plan.padded_heads),
             np.int32(plan.n_splits),
@@ -514,7 +546,7 @@ class CudaBackend(AttentionBackend):
                 fast_key,
                 (split, split_grid, smem, split_args),
                 (merge, merge_grid, 4 * plan.n_splits, merge_args),
-                (o_part, o_scale, lse),
+                (o_part, o_scale, lse, n_live),
                 torch.cuda.current_stream(device).cuda_stream,
             )
         return result

@@ -121,11 +121,12 @@ class PackedLaunch:
 #: Most launch plans one backend keeps.
 MAX_PLANS = 64
 #: Operand slots of mla_decode_v2's parameters (q_lat, q_rope, lc, ls, rc, rs, seq_start, seq_len,
-#: indices, n_selected) and of its workspaces (o_part, o_scale, lse); the merge's workspaces and out.
+#: indices, n_selected) and of its workspaces (o_part, o_scale, lse, n_live); the merge's
+#: workspaces and out.
 _SPLIT_OPERANDS = (0, 1, 4, 5, 6, 7, 8, 9, 10, 11)
-_SPLIT_WORKSPACES = (17, 18, 19)
-_MERGE_WORKSPACES = (0, 1, 2)
-_MERGE_OUT = (6,)
+_SPLIT_WORKSPACES = (17, 18, 19, 20)
+_MERGE_WORKSPACES = (0, 1, 2, 3)
+_MERGE_OUT = (7,)
 
 
 def signature(tier, softmax_scale, operands, out) -> tuple | None:

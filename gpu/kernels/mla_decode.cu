@@ -1062,7 +1062,8 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
                   const int* __restrict__ seq_start, const int* __restrict__ seq_len,
                   const int* __restrict__ sel, const int* __restrict__ n_sel, int sel_stride,
                   long long n_rows, int Hp, int n_splits, int blocks_per_split,
-                  u16* __restrict__ o_part, float* __restrict__ o_scale, float* __restrict__ lse_part) {
+                  u16* __restrict__ o_part, float* __restrict__ o_scale, float* __restrict__ lse_part,
+                  int* __restrict__ n_live) {
     using C = Cfg2<MT, K, R, FMT>;
     extern __shared__ __align__(128) unsigned char smem[];
     u16* Qs = (u16*)(smem + C::OFF_Q);
@@ -1090,6 +1091,9 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     const int n_blocks = (T + BN - 1) / BN;
     const int blk0 = split * blocks_per_split;
     const int blk1 = min(blk0 + blocks_per_split, n_blocks);
+    // the merge weighs only the splits that hold rows (the first n_live): a plan bounded by the
+    // whole row array (lengths on the device) has mostly empty ones
+    if (split == 0 && hg == 0 && tid == 0) n_live[b] = min((n_blocks + blocks_per_split - 1) / blocks_per_split, n_splits);
     float* lse_out = lse_part + ((long long)b * Hp + h0) * n_splits + split;
     if (blk0 >= blk1) {
         if (tid < C::HG) lse_out[(long long)tid * n_splits] = NEG_INF;
@@ -1607,54 +1611,70 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     }
 }
 
-// One block per (head, 32-dim chunk, sequence) (H = 16 is 256 blocks); the f16 partials (times
-// their scale) are read 4 dims per lane, 4 splits per warp pass, so each warp has several 256-byte
-// loads in flight; warps take every 8th pass.
-template <int K>
+// One block per (head, CW-dim chunk, sequence), over the sequence's first n_live[b] splits (the
+// others are empty). The host picks CW so the grid fills the GPU without waves of blocks that each
+// do little: 32 dims for a lone 16-head sequence (256 blocks), wider for batches. The f16 partials
+// (times their scale) are read 4 dims per lane: LPS lanes cover a chunk, SPP splits per warp pass,
+// DG 128-dim groups per lane; warps take every 8th pass, so each has several loads in flight.
+template <int K, int CW>
 __global__ void __launch_bounds__(256) mla_merge_v2(const u16* __restrict__ o_part, const float* __restrict__ o_scale,
-                                                    const float* __restrict__ lse_part, int H, int Hp,
-                                                    int n_splits, float* __restrict__ out) {
+                                                    const float* __restrict__ lse_part, const int* __restrict__ n_live,
+                                                    int H, int Hp, int n_splits, float* __restrict__ out) {
+    constexpr int LPS = CW / 4 < 32 ? CW / 4 : 32;
+    constexpr int SPP = 32 / LPS;
+    constexpr int DG = CW / (4 * LPS);
+    static_assert(CW % 32 == 0 && K % CW == 0 && (CW <= 128 || CW % 128 == 0), "merge chunk width");
     extern __shared__ float weights[];  // [n_splits]
-    __shared__ float4 part[8][8];
+    __shared__ float4 part[8][CW / 4];
     __shared__ float red[8];
     const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const long long hb = (long long)b * Hp + h;
-    const float inv = lse_merge_weights(lse_part + hb * n_splits, n_splits, weights, red);
+    const int live_splits = min(max(n_live[b], 0), n_splits);
+    const float inv = lse_merge_weights(lse_part + hb * n_splits, live_splits, weights, red);
     const float* scale = o_scale + hb * n_splits;
-    const int sub = lane >> 3, li = lane & 7;
-    const uint2* op = (const uint2*)(o_part + hb * n_splits * K + chunk * 32) + li;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const int sub = lane / LPS, li = lane % LPS;
+    const uint2* op = (const uint2*)(o_part + hb * n_splits * K + chunk * CW) + li;
+    float4 acc[DG];
+#pragma unroll
+    for (int j = 0; j < DG; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 4
-    for (int s = warp * 4 + sub; s < n_splits; s += 32) {
+    for (int s = warp * SPP + sub; s < live_splits; s += 8 * SPP) {
         const float w = weights[s];
-        const bool live = w > 0.0f;  // an empty split wrote neither its partial nor its scale
-        const uint2 v = live ? op[(long long)s * (K / 4)] : make_uint2(0u, 0u);  // empty: no read
+        const bool live = w > 0.0f;  // a split whose rows all scored -inf wrote neither partial nor scale
         const float ws = live ? w * scale[s] : 0.0f;
-        const float2 lo = f16x2_to_f32x2(v.x), hi = f16x2_to_f32x2(v.y);
-        acc.x += live ? ws * lo.x : 0.0f;
-        acc.y += live ? ws * lo.y : 0.0f;
-        acc.z += live ? ws * hi.x : 0.0f;
-        acc.w += live ? ws * hi.y : 0.0f;
+#pragma unroll
+        for (int j = 0; j < DG; ++j) {
+            const uint2 v = live ? op[(long long)s * (K / 4) + 32 * j] : make_uint2(0u, 0u);
+            const float2 lo = f16x2_to_f32x2(v.x), hi = f16x2_to_f32x2(v.y);
+            acc[j].x += live ? ws * lo.x : 0.0f;
+            acc[j].y += live ? ws * lo.y : 0.0f;
+            acc[j].z += live ? ws * hi.x : 0.0f;
+            acc[j].w += live ? ws * hi.y : 0.0f;
+        }
     }
 #pragma unroll
-    for (int o = 8; o < 32; o <<= 1) {
-        acc.x += __shfl_xor_sync(FULL_MASK, acc.x, o);
-        acc.y += __shfl_xor_sync(FULL_MASK, acc.y, o);
-        acc.z += __shfl_xor_sync(FULL_MASK, acc.z, o);
-        acc.w += __shfl_xor_sync(FULL_MASK, acc.w, o);
-    }
-    if (sub == 0) part[warp][li] = acc;
+    for (int o = LPS; o < 32; o <<= 1)
+#pragma unroll
+        for (int j = 0; j < DG; ++j) {
+            acc[j].x += __shfl_xor_sync(FULL_MASK, acc[j].x, o);
+            acc[j].y += __shfl_xor_sync(FULL_MASK, acc[j].y, o);
+            acc[j].z += __shfl_xor_sync(FULL_MASK, acc[j].z, o);
+            acc[j].w += __shfl_xor_sync(FULL_MASK, acc[j].w, o);
+        }
+    if (sub == 0)
+#pragma unroll
+        for (int j = 0; j < DG; ++j) part[warp][li + 32 * j] = acc[j];
     __syncthreads();
-    if (tid < 8) {
-        float4 sum = part[0][tid];
+    for (int i = tid; i < CW / 4; i += 256) {
+        float4 sum = part[0][i];
 #pragma unroll
         for (int w = 1; w < 8; ++w) {
-            sum.x += part[w][tid].x;
-            sum.y += part[w][tid].y;
-            sum.z += part[w][tid].z;
-            sum.w += part[w][tid].w;
+            sum.x += part[w][i].x;
+            sum.y += part[w][i].y;
+            sum.z += part[w][i].z;
+            sum.w += part[w][i].w;
         }
-        ((float4*)(out + ((long long)b * H + h) * K + chunk * 32))[tid] =
+        ((float4*)(out + ((long long)b * H + h) * K + chunk * CW))[i] =
             make_float4(sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv);
     }
 }

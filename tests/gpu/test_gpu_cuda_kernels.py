@@ -161,6 +161,21 @@ def test_longer_splits(min_tiles):
     _check(case, backend, seed)
 
 
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("merge_dims", [32, 128, 512])
+def test_every_merge_width_over_mostly_empty_splits(tier, merge_dims):
+    """Each merge width gives the same context; lengths on the device bound the plan by the whole
+    row array, so most splits hold no rows and the merge must weigh only those that do (and a
+    sequence with no rows still gets zeros)."""
+    backend = CudaBackend(torch.device("cuda"), merge_dims=merge_dims)
+    seed = RUN_SEED + 71 + merge_dims
+    case = testing.make_case(tier, testing.ragged_lengths(30000, 16, seed), 16, device="cuda", seed=seed)
+    assert case.seq_len.device.type == "cuda"
+    _check(case, backend, seed)
+    with pytest.raises(ValueError, match="merge_dims"):
+        CudaBackend(torch.device("cuda"), merge_dims=64)
+
+
 @pytest.mark.parametrize("nan_rate", [0.0, 0.05])
 def test_fp8_with_and_without_nan_codes(cuda_backend, nan_rate):
     """v2 takes its fast path on NaN-free tiles and clears NaN codes where a tile holds some."""

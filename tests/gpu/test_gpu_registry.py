@@ -195,6 +195,21 @@ def test_cuda_launch_plan_head_groups_and_splits():
     assert working <= 264 and ragged.n_splits * ragged.blocks_per_split * 64 >= max(lengths)
 
 
+def test_merge_chunks_widen_with_the_batch():
+    """The merge's output dims per block: 32 for a lone sequence, wider when sequences x heads
+    already give two blocks per SM (the engine's 16 x 16 batch: one wave of 128-dim blocks)."""
+    from kvstore.gpu.cuda_backend import MERGE_WIDTHS, merge_width
+
+    assert merge_width(1, 16, 512, 132) == 32
+    assert merge_width(1, 64, 512, 132) == 32
+    assert merge_width(1, 128, 512, 132) == 128
+    assert merge_width(16, 16, 512, 132) == 128
+    assert merge_width(8, 64, 512, 132) == 512
+    for batch, heads in [(1, 1), (3, 20), (16, 16), (64, 128)]:
+        width = merge_width(batch, heads, 512, 132)
+        assert width in MERGE_WIDTHS and 512 % width == 0
+
+
 def test_selection_is_data_driven_with_reasons():
     """One registry for the engine and the benchmarks: the first backend whose declared data and
     environment allow the tier, with the reasons of each one passed over."""
