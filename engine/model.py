@@ -19,6 +19,7 @@ except that routed experts are stacked per layer (``mlp.experts.gate_proj`` [E, 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,10 @@ _FUSED_BUDGET_FACTOR = 16
 # Grouped GEMM (bf16 on sm90+ in CUDA builds): the routed experts' path on CUDA. The CPU keeps the
 # per-expert loop, whose summation order the transformers oracle tests pin.
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
+# A decode step's few (token, expert) pairs on CUDA: the Triton kernels of engine/expert_kernels.py,
+# which read each hit expert's weights at the copy bandwidth's pace; "grouped" keeps the grouped
+# GEMM for every size (the benchmarks compare the two).
+_EXPERT_KERNELS = os.environ.get("KVSTORE_EXPERT_KERNELS", "triton")
 
 
 class RMSNorm(nn.Module):
@@ -335,6 +340,9 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t, k = top_idx.shape
         n_experts = self.gate_proj.shape[0]
+        kernels = _expert_kernels() if x.device.type == "cuda" and x.dtype == torch.bfloat16 else None
+        if kernels is not None and t * k <= kernels.MAX_PAIRS:
+            return kernels.routed_experts(x, top_idx, weights, self.gate_proj, self.up_proj, self.down_proj)
         if _GROUPED_MM is not None and x.device.type == "cuda" and x.dtype == torch.bfloat16:
             return self._grouped(x, top_idx, weights)
         if x.device.type != "cpu" and (
@@ -619,6 +627,22 @@ def _has_triton() -> bool:
     except ImportError:
         return False
     return bool(has_triton())
+
+
+_EXPERT_MODULE = None
+
+
+def _expert_kernels():
+    """:mod:`kvstore.engine.expert_kernels` where its kernels run (triton present, not switched
+    off), else None; looked up once (a compiled step reads the cached answer)."""
+    global _EXPERT_MODULE
+    if _EXPERT_MODULE is None:
+        _EXPERT_MODULE = False
+        if _EXPERT_KERNELS == "triton" and _has_triton():
+            from kvstore.engine import expert_kernels
+
+            _EXPERT_MODULE = expert_kernels
+    return _EXPERT_MODULE or None
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,48 @@ def test_grouped_experts_on_cuda_agree_with_the_loop(tokens):
     assert _relative(got, want) <= 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_decode_expert_kernels_on_cuda_agree_with_the_loop(tokens):
+    """The Triton experts (engine/expert_kernels.py; 200 tokens: experts with several passes of
+    pairs) within the grouped path's bound of the f32 loop, and no farther from it than the grouped
+    GEMM, which rounds gate and up before their product; a decode step's pairs take them."""
+    from kvstore.engine.expert_kernels import MAX_PAIRS, routed_experts
+
+    experts, x, routes, weights = _experts_and_routes("cuda", "bfloat16", tokens)
+    want = copy.deepcopy(experts).float()._segmented(x.float(), routes, weights)
+    got = routed_experts(x, routes, weights, experts.gate_proj, experts.up_proj, experts.down_proj)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert _relative(got, want) <= 1e-2
+    assert _relative(got, want) <= 1.25 * _relative(experts._grouped(x, routes, weights), want) + 1e-4
+    experts.fuse_gate_up()  # gate and up as halves of one tensor: the same kernels over views
+    fused = routed_experts(x, routes, weights, experts.gate_proj, experts.up_proj, experts.down_proj)
+    assert torch.equal(fused, got)
+    if routes.numel() <= MAX_PAIRS:
+        assert torch.equal(experts(x, routes, weights), got)
+
+
+@pytest.mark.gpu
+def test_decode_expert_kernels_replay_in_a_cuda_graph():
+    """Nothing goes back to the host: one capture replays with new tokens and new routes."""
+    from kvstore.engine.expert_kernels import routed_experts
+
+    experts, x, routes, weights = _experts_and_routes("cuda", "bfloat16", 16, seed=3)
+    _, x2, routes2, weights2 = _experts_and_routes("cuda", "bfloat16", 16, seed=4)
+    params = (experts.gate_proj, experts.up_proj, experts.down_proj)
+    routed_experts(x, routes, weights, *params)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed_experts(x, routes, weights, *params)
+    x.copy_(x2)
+    routes.copy_(routes2)
+    weights.copy_(weights2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, routed_experts(x2, routes2, weights2, *params))
+
+
 def test_fused_gate_and_up_keep_the_values_and_the_output():
     """``fuse_gate_up`` (what ``compile_decode`` does to every MoE layer on CUDA) makes gate and up
     views of one tensor and runs one grouped GEMM for both: same parameters, same experts' output,

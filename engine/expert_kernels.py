@@ -1,0 +1,183 @@
+"""The routed experts at decode sizes on CUDA: Triton kernels that read each hit expert's weights once.
+
+A decode step carries one token per session (1-16 of them), each routed to its top-k experts: a hit
+expert sees one to a few tokens, so its three products are matrix-vector products whose time is
+reading that expert's weights. torch's grouped GEMM (CUTLASS, tiled for large M) read them at 55%
+of the H200's copy bandwidth with 16 tokens, and sorting the pairs by expert for it (argsort,
+scatter, cumsum, two gathers) cost more than the products with one token (``bench/engine_experts.py``).
+Here nothing is sorted: each program reads the (token, expert) pairs' expert ids (at most
+``MAX_PAIRS``) and picks out its own expert's pairs in registers.
+
+1. ``GATE_UP``: one program per (expert, block of ``BLOCK_N`` intermediate columns) multiplies the
+   rows of its expert's tokens by the gate rows and the up rows of its block and writes
+   ``silu(gate) * up`` at each pair's place: f32 sums, one rounding to the model's dtype (the
+   grouped path rounds gate and up first);
+2. the down projection, the same kernel over those activations, each pair's output row at the
+   pair's place, so a token's k outputs lie together for the weighted sum (one bmm, f32 sums).
+
+A program whose expert no pair chose returns after reading the ids, and nothing is read back to the
+host: a step stays capturable in a CUDA graph, and ``torch.compile`` traces the kernels as
+user-defined Triton kernels. The tiles were picked by ``bench/engine_experts.py --sweep`` on the
+H200.
+
+``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors (the CPU tests use it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK_M", "MAX_PAIRS", "routed_experts"]
+
+#: Pairs per program pass (the tensor-core product's smallest M); an expert with more loops.
+BLOCK_M = 16
+#: Output columns per program.
+BLOCK_N = 64
+#: Reduction slice per pipeline stage.
+BLOCK_K = 128
+#: Pipeline stages of the weight tiles.
+STAGES = 4
+#: Warps per program.
+WARPS = 4
+#: Most (token, expert) pairs the kernels take (every program scans them all): past this (prefill)
+#: the grouped GEMM, which reuses each weight tile over many rows, is the faster.
+MAX_PAIRS = 512
+
+
+@triton.jit
+def _experts_kernel(
+    x_ptr,
+    ids_ptr,
+    w_ptr,
+    w2_ptr,
+    out_ptr,
+    n_pairs,
+    top_k,
+    n_out,
+    n_in,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_out,
+    GATE_UP: tl.constexpr,
+    PAIRS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    # this expert's pairs, in pair order: rank[p] is pair p's place among them
+    p = tl.arange(0, PAIRS)
+    mine = (tl.load(ids_ptr + p, mask=p < n_pairs, other=-1) == expert).to(tl.int32)
+    count = tl.sum(mine, axis=0)
+    rank = tl.cumsum(mine, axis=0) - 1
+    ks = tl.arange(0, BLOCK_K)
+    w_offset = expert.to(tl.int64) * stride_we + cols[:, None] * stride_wn + ks[None, :]
+    for m0 in range(0, count, BLOCK_M):
+        r = m0 + tl.arange(0, BLOCK_M)
+        row_ok = r < count
+        hit = (mine[None, :] > 0) & (rank[None, :] == r[:, None])  # [BLOCK_M, PAIRS]: one hit per live row
+        pair = tl.sum(tl.where(hit, p[None, :], 0), axis=1).to(tl.int64)
+        src = pair // top_k if GATE_UP else pair  # a token's row of x, or the pair's activation row
+        x_rows = x_ptr + src[:, None] * stride_x + ks[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            if EVEN_K:
+                x_mask = row_ok[:, None]
+                w_mask = col_ok[:, None]
+            else:
+                k_ok = (k0 + ks) < n_in
+                x_mask = row_ok[:, None] & k_ok[None, :]
+                w_mask = col_ok[:, None] & k_ok[None, :]
+            xv = tl.load(x_rows + k0, mask=x_mask, other=0.0)
+            w = tl.load(w_ptr + w_offset + k0, mask=w_mask, other=0.0)
+            acc = tl.dot(xv, tl.trans(w), acc)
+            if GATE_UP:
+                w2 = tl.load(w2_ptr + w_offset + k0, mask=w_mask, other=0.0)
+                acc2 = tl.dot(xv, tl.trans(w2), acc2)
+        if GATE_UP:
+            acc = acc * tl.sigmoid(acc) * acc2
+        tl.store(
+            out_ptr + pair[:, None] * stride_out + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+
+
+def _project(x, ids, top_k, w, w2, out, gate_up: bool, block_n: int, block_k: int, stages: int, warps: int):
+    n_experts, n_out, n_in = w.shape
+    n_pairs = ids.numel()
+    _experts_kernel[(n_experts, triton.cdiv(n_out, block_n))](
+        x,
+        ids,
+        w,
+        w2,
+        out,
+        n_pairs,
+        top_k,
+        n_out,
+        n_in,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        GATE_UP=gate_up,
+        PAIRS=max(16, triton.next_power_of_2(n_pairs)),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=n_in % block_k == 0,
+        num_stages=stages,
+        num_warps=warps,
+    )
+
+
+def routed_experts(
+    x: torch.Tensor,
+    top_idx: torch.Tensor,
+    weights: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+    stages: int = STAGES,
+    warps: int = WARPS,
+) -> torch.Tensor:
+    """``sum_j weights[t, j] * down_e (silu(gate_e x_t) * up_e x_t)`` over each token's experts
+    ``e = top_idx[t, j]``.
+
+    Parameters
+    ----------
+    x : [T, hidden] (rows contiguous)
+    top_idx : int[T, k] expert of each pair, T * k <= MAX_PAIRS
+    weights : [T, k] routing weights
+    gate, up : [E, I, hidden] (may be the two halves of one tensor); down : [E, hidden, I]
+    block_n, block_k, stages, warps : the kernels' tiles (the benchmark's sweep varies them)
+
+    Returns
+    -------
+    [T, hidden] in ``x``'s dtype
+    """
+    t, k = top_idx.shape
+    inter, hidden = gate.shape[1], gate.shape[2]
+    if t * k > MAX_PAIRS:
+        raise ValueError(f"{t * k} (token, expert) pairs: the decode kernels take at most {MAX_PAIRS}")
+    if gate.stride() != up.stride() or gate.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("gate and up must share one layout, and every weight row must be contiguous")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    ids = top_idx.reshape(-1).contiguous()
+    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    _project(x, ids, k, gate, up, act, True, block_n, block_k, stages, warps)
+    y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
+    _project(act, ids, k, down, down, y, False, block_n, block_k, stages, warps)
+    # each token's k outputs weighted and summed in one bmm (f32 accumulation, one rounding)
+    return torch.bmm(weights.to(y.dtype)[:, None, :], y.view(t, k, hidden))[:, 0]

@@ -1,0 +1,106 @@
+"""The routed experts' decode kernels (kvstore.engine.expert_kernels) on the CPU, through Triton's
+interpreter (``TRITON_INTERPRET=1``, in a child process because the variable is read at import).
+
+Against an f32 per-expert loop: one token, experts hit by more pairs than one pass takes, widths
+that are not multiples of the tiles, experts no token chose, gate and up as separate tensors or as
+halves of one. The interpreter's bf16 products are wrong in Triton 3.x (a 16x16 bf16 ``tl.dot``
+gives ~1e10 on random data), so here the dtypes are f32 and f16; bf16 runs on the GPU
+(tests/engine/test_graphs.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+_INTERPRETED = textwrap.dedent(
+    """
+    import json
+    import torch
+    import torch.nn.functional as F
+    from kvstore.engine.expert_kernels import routed_experts
+
+    def loop(x, top, w, gate, up, down):
+        out = torch.zeros(x.shape)
+        for t in range(x.shape[0]):
+            for j in range(top.shape[1]):
+                e = int(top[t, j])
+                h = F.silu(gate[e].float() @ x[t].float()) * (up[e].float() @ x[t].float())
+                out[t] += w[t, j] * (down[e].float() @ h)
+        return out
+
+    report = []
+    gen = torch.Generator().manual_seed(5)
+    cases = [  # (tokens, experts, per token, intermediate, hidden, dtype, fused gate/up, tiles)
+        (1, 8, 2, 64, 128, "float32", True, {}),
+        (40, 4, 3, 48, 80, "float32", False, {"block_n": 32, "block_k": 32}),  # 30 pairs an expert
+        (7, 16, 2, 40, 72, "float16", True, {"block_n": 16, "block_k": 64}),  # experts left unhit
+        (3, 8, 8, 32, 64, "float16", False, {}),  # every expert, every token
+    ]
+    for t, e, k, inter, hidden, dtype, fused, tiles in cases:
+        dt = getattr(torch, dtype)
+        if fused:
+            gate_up = (torch.randn(e, 2 * inter, hidden, generator=gen) * 0.1).to(dt)
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        else:
+            gate = (torch.randn(e, inter, hidden, generator=gen) * 0.1).to(dt)
+            up = (torch.randn(e, inter, hidden, generator=gen) * 0.1).to(dt)
+        down = (torch.randn(e, hidden, inter, generator=gen) * 0.1).to(dt)
+        x = torch.randn(t, hidden, generator=gen).to(dt)
+        top = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        w = torch.rand(t, k, generator=gen)
+        got = routed_experts(x, top, w, gate, up, down, **tiles)
+        want = loop(x, top, w, gate, up, down)
+        report.append({
+            "case": f"T{t} E{e} k{k} I{inter} H{hidden} {dtype}",
+            "dtype": str(got.dtype).removeprefix("torch."),
+            "shape": list(got.shape),
+            "err": float((got.float() - want).norm() / want.norm()),
+        })
+    print(json.dumps(report))
+    """
+)
+
+
+def test_kernels_under_the_interpreter_match_the_f32_loop():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 4
+    for row in report:
+        bound = 1e-5 if row["dtype"] == "float32" else 2e-3  # f16: its rounding of act and of the output
+        assert row["err"] < bound, row
+
+
+def test_mismatched_layouts_and_too_many_pairs_are_refused():
+    import torch
+
+    from kvstore.engine.expert_kernels import MAX_PAIRS, routed_experts
+
+    w = torch.zeros(4, 8, 8)
+    too_many = torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="at most"):
+        routed_experts(torch.zeros(MAX_PAIRS + 1, 8), too_many, torch.ones(MAX_PAIRS + 1, 1), w, w, w)
+
+    gate_up = torch.zeros(4, 16, 8)
+    up = torch.zeros(4, 8, 8)  # contiguous [E, I, hidden]: strides differ from the fused half
+    with pytest.raises(ValueError, match="layout"):
+        routed_experts(
+            torch.zeros(2, 8),
+            torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, 1),
+            gate_up[:, :8],
+            up,
+            torch.zeros(4, 8, 8),
+        )
