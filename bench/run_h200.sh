@@ -4,6 +4,7 @@
 #   1. the gpu-marked tests (kernels vs float64, engine on CUDA vs CPU token for token);
 #   2. the kernel table (bench/gpu_attention.py), where the kernel's time goes (bench/gpu_stages.py)
 #      and the f32/bf16 Triton kernels against the torch path (bench/gpu_dense.py);
+#      the routed experts' Triton kernels against the grouped GEMM (bench/engine_experts.py);
 #   3. engine resume vs re-prefill on a random-weight DeepSeek-V2-Lite-geometry model;
 #   4. transformers restore + first token vs re-running the prompt, same geometry;
 #   5. decode speed: plain vs CUDA-graph steps per tier and context, 16 sessions batched, peak memory.
@@ -16,7 +17,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
-STEPS="${STEPS:-tests kernels stages dense engine hf decode}"  # a subset fits one call's time limit
+STEPS="${STEPS:-tests kernels stages dense experts engine hf decode}"  # a subset fits one call's time limit
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "== $1 ($(date +%T))"; }
 
@@ -39,6 +40,11 @@ fi
 if want dense; then
 step "f32 / bf16 kernels (Triton) vs the torch path"
 python3 bench/gpu_dense.py 2>&1 | tee "$OUT/dense.log" | tail -n 16
+fi
+
+if want experts; then
+step "routed experts: Triton decode kernels vs the grouped GEMM (V2-Lite and V3 geometry)"
+python3 bench/engine_experts.py 2>&1 | tee "$OUT/experts.log" | tail -n 12
 fi
 
 if want engine; then

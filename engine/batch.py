@@ -5,8 +5,9 @@ reads them once for all of them, so a server with many live conversations gets m
 weight read. The sessions' rows are packed into one cache (the *pool*): sequence ``b`` owns rows
 ``offsets[b] ..`` with room for its context and every token it may generate. A step writes each
 sequence's new row in its region and the decode kernels read the ragged regions in one call
-(``seq_start``/``seq_len``, :class:`kvstore.engine.model.StepSlots`); the routed experts run as
-grouped GEMMs over the step's (token, expert) pairs.
+(``seq_start``/``seq_len``, :class:`kvstore.engine.model.StepSlots`); the routed experts run over
+the step's (token, expert) pairs, each hit expert's weights read once for all its tokens (on CUDA
+the kernels of :mod:`kvstore.engine.expert_kernels`).
 
 On CUDA the step is captured once per (batch size, pool storage) and replayed; the pool is kept
 between batches that fit it, so a server that decodes batch after batch captures once. Elsewhere
