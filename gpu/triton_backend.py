@@ -10,7 +10,8 @@ read once:
    product, keeps an online softmax and writes a normalized partial context and its log2-sum-exp.
    A split past its sequence's end writes only ``-inf``. Lengths are read on the device, so the
    call needs no synchronization and replays in a CUDA graph.
-2. ``_dense_merge``: one program per (head, sequence) combines the splits' partials.
+2. ``_dense_merge``: one program per (head, sequence) combines the partials of the splits that
+   hold rows (counted from the length on the device).
 
 Numerics: the score and context products run on tensor cores in tf32 (10 explicit mantissa bits,
 against bf16's 7: above the precision of the bf16 model that wrote the rows) with f32 accumulation
@@ -156,24 +157,31 @@ def _dense_split(
 def _dense_merge(
     part_ctx,
     part_lse,
+    seq_len,
     out,
+    heads,
     n_splits,
+    split_rows,
     K: tl.constexpr,
     KP: tl.constexpr,
     SP: tl.constexpr,
     MERGE_SPLITS: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)  # b * heads + h: out is [B, H, K] contiguous
+    # only the splits that hold rows: a plan bounded by the whole row array (lengths on the
+    # device) has mostly empty ones
+    length = tl.maximum(tl.load(seq_len + bh // heads), 0)
+    n_live = tl.minimum((length + split_rows - 1) // split_rows, n_splits)
     s = tl.arange(0, SP)
-    lse = tl.load(part_lse + bh * n_splits + s, mask=s < n_splits, other=float("-inf"))
+    lse = tl.load(part_lse + bh * n_splits + s, mask=s < n_live, other=float("-inf"))
     peak = tl.max(lse, 0)
     peak = tl.where(peak == float("-inf"), 0.0, peak)  # no rows at all: every weight is 0
     denom = tl.sum(tl.exp2(lse - peak), 0)
     k = tl.arange(0, KP)
     acc = tl.zeros([KP], tl.float32)
-    for s0 in range(0, n_splits, MERGE_SPLITS):
+    for s0 in range(0, n_live, MERGE_SPLITS):
         c = s0 + tl.arange(0, MERGE_SPLITS)
-        c_lse = tl.load(part_lse + bh * n_splits + c, mask=c < n_splits, other=float("-inf"))
+        c_lse = tl.load(part_lse + bh * n_splits + c, mask=c < n_live, other=float("-inf"))
         live = c_lse > float("-inf")  # a split past the sequence wrote no context
         w = tl.where(live, tl.exp2(c_lse - peak), 0.0)
         part = tl.load(part_ctx + (bh * n_splits + c)[:, None] * KP + k[None, :], mask=live[:, None], other=0.0)
@@ -252,7 +260,18 @@ def dense_decode(q_lat, q_rope, lat, rope, seq_start, seq_len, softmax_scale: fl
         num_stages=STAGES,
     )
     _dense_merge[(batch * heads,)](
-        part_ctx, part_lse, out, n_splits, K=k, KP=kp, SP=_pow2(n_splits), MERGE_SPLITS=MERGE_SPLITS, num_warps=4
+        part_ctx,
+        part_lse,
+        seq_len,
+        out,
+        heads,
+        n_splits,
+        split_rows,
+        K=k,
+        KP=kp,
+        SP=_pow2(n_splits),
+        MERGE_SPLITS=MERGE_SPLITS,
+        num_warps=4,
     )
     return out
 
