@@ -42,9 +42,10 @@ _FUSED_BUDGET_FACTOR = 16
 # Grouped GEMM (bf16 on sm90+ in CUDA builds): the routed experts' path on CUDA. The CPU keeps the
 # per-expert loop, whose summation order the transformers oracle tests pin.
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
-# A decode step's few (token, expert) pairs on CUDA: the Triton kernels of engine/expert_kernels.py,
-# which read each hit expert's weights at the copy bandwidth's pace; "grouped" keeps the grouped
-# GEMM for every size (the benchmarks compare the two).
+# A decode step's few (token, expert) pairs on CUDA in bf16 or f16: the Triton kernels of
+# engine/expert_kernels.py, which read each hit expert's weights at the copy bandwidth's pace;
+# "grouped" keeps the grouped GEMM (bf16) or the gathered / per-expert paths for every size (the
+# benchmarks compare them).
 _EXPERT_KERNELS = os.environ.get("KVSTORE_EXPERT_KERNELS", "triton")
 
 
@@ -340,7 +341,8 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t, k = top_idx.shape
         n_experts = self.gate_proj.shape[0]
-        kernels = _expert_kernels() if x.device.type == "cuda" and x.dtype == torch.bfloat16 else None
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        kernels = _expert_kernels() if x.device.type == "cuda" and half else None
         if kernels is not None and t * k <= kernels.MAX_PAIRS:
             return kernels.routed_experts(x, top_idx, weights, self.gate_proj, self.up_proj, self.down_proj)
         if _GROUPED_MM is not None and x.device.type == "cuda" and x.dtype == torch.bfloat16:
