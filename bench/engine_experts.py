@@ -24,33 +24,13 @@ import torch.nn.functional as F
 
 from kvstore.engine import expert_kernels
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gpu_attention import _events_ms, copy_bandwidth  # noqa: E402
+
 #: (name, experts, intermediate, hidden, experts per token)
 GEOMETRIES = [("v2-lite", 64, 1408, 2048, 6), ("v3", 256, 2048, 7168, 8)]
 TOKENS = (1, 4, 16, 64)
 CALLS_PER_GRAPH = 10
-
-
-def _ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read plus bytes written)."""
-    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _ms(lambda: dst.copy_(src), reps=10)
-    return 2 * n_bytes / (ms * 1e-3)
 
 
 def graph_us(fn) -> float:
@@ -65,7 +45,7 @@ def graph_us(fn) -> float:
     with torch.cuda.graph(graph):
         for _ in range(CALLS_PER_GRAPH):
             fn()
-    return 1e3 * _ms(graph.replay) / CALLS_PER_GRAPH
+    return 1e3 * statistics.median(_events_ms(graph.replay, reps=20)) / CALLS_PER_GRAPH
 
 
 def grouped(x, top_idx, weights, gate_up, down):
