@@ -231,6 +231,9 @@ def test_plain_calls_replay_a_cached_plan_with_new_operands(tier):
     graph.replay()
     torch.cuda.synchronize()
     assert testing.relative_error(out, testing.reference(second)) < KERNEL_BOUND
+    # back on the first stream after the others: its own workspace again, and the right answer
+    again = testing.decode(first, testing.poisoned_out(first), backend=backend, validate=False)
+    assert testing.relative_error(again, testing.reference(first)) < KERNEL_BOUND
 
 
 def test_a_replayed_plan_still_refuses_bad_shapes():
