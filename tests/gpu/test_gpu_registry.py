@@ -170,7 +170,7 @@ def test_public_functions_dispatch_on_the_query_device():
 
 def test_cuda_launch_plan_head_groups_and_splits():
     """The split planner (host-side): head groups per block size, and one wave of blocks."""
-    from kvstore.gpu.cuda_backend import plan_launch
+    from kvstore.gpu.cuda_plan import plan_launch
 
     plan = plan_launch(1, 16, 1 << 20, 1 << 20, 132)
     assert (plan.m_tiles, plan.head_groups, plan.padded_heads, plan.blocks_per_sm) == (1, 1, 16, 2)
@@ -198,7 +198,7 @@ def test_cuda_launch_plan_head_groups_and_splits():
 def test_merge_chunks_widen_with_the_batch():
     """The merge's output dims per block: 32 for a lone sequence, wider when sequences x heads
     already give two blocks per SM (the engine's 16 x 16 batch: one wave of 128-dim blocks)."""
-    from kvstore.gpu.cuda_backend import MERGE_WIDTHS, merge_width
+    from kvstore.gpu.cuda_plan import MERGE_WIDTHS, merge_width
 
     assert merge_width(1, 16, 512, 132) == 32
     assert merge_width(1, 64, 512, 132) == 32

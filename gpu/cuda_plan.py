@@ -1,0 +1,93 @@
+"""Launch geometry of the CUDA decode-attention kernels (``kernels/mla_decode.cu``), host-side:
+from shapes and known bounds only, so it runs (and is tested) without a GPU.
+
+* :func:`plan_launch`: head groups per block and the split of every sequence into tiles, so that
+  one wave of blocks fills the GPU;
+* :func:`merge_width`: output dims per block of ``mla_merge_v2``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvstore.gpu import launch
+
+__all__ = ["MERGE_WIDTHS", "TILE_ROWS", "KernelPlan", "merge_width", "plan_launch"]
+
+#: Rows per tile of mla_decode_split (BN in the kernel source).
+TILE_ROWS = 64
+#: Upper bound on splits per sequence (the merge keeps one weight per split in shared memory).
+MAX_SPLITS = 4096
+#: From LONG_SPLITS_FROM tiles per SM up, a split holds at least LONG_SPLIT_TILES tiles: fewer
+#: partial contexts to write and merge (H200, 32k rows, 16 heads: fp8 21.0 -> 19.6 us, int4
+#: 25.8 -> 22.8 us); shorter sequences keep one tile per split (4k rows: 10.2 us, 15.8 with 4).
+LONG_SPLITS_FROM = 3
+LONG_SPLIT_TILES = 4
+#: Output dims per block of mla_merge_v2 that are instantiated, widest first.
+MERGE_WIDTHS = (512, 128, 32)
+
+
+def _head_tiles(heads: int, max_mt: int = 4) -> tuple[int, int]:
+    """(m-tiles of 16 heads per block, head groups): 64 heads per block from 48 heads up
+    (at most ``max_mt`` m-tiles, a power of two)."""
+    m_tiles = -(-heads // 16)
+    per_block = 4 if m_tiles >= 3 else m_tiles
+    while per_block > max(1, max_mt):
+        per_block //= 2
+    return per_block, -(-m_tiles // per_block)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Launch geometry of one call (host-side, from shapes and known bounds only)."""
+
+    m_tiles: int  # MT: 16-head m-tiles per block
+    head_groups: int
+    padded_heads: int  # Hp = head_groups * 16 * MT
+    blocks_per_split: int  # BN-row tiles per split
+    n_splits: int
+    blocks_per_sm: int
+
+
+def plan_launch(
+    batch: int, heads: int, max_rows: int, mean_rows: float, n_sm: int, max_mt: int = 4, min_tiles: int = 1
+) -> KernelPlan:
+    """Choose the split of every sequence so that one wave of blocks fills the GPU.
+
+    Parameters
+    ----------
+    batch, heads : query batch and heads
+    max_rows : an upper bound on any sequence's rows (sets the grid's split count)
+    mean_rows : the typical sequence length (sets the split size)
+    n_sm : multiprocessors of the device
+    max_mt : most 16-head m-tiles per block (1, 2 or 4)
+    min_tiles : fewest tiles per split (fewer, longer splits write fewer partial contexts)
+
+    Returns
+    -------
+    KernelPlan
+    """
+    m_tiles, groups = _head_tiles(heads, max_mt)
+    blocks_per_sm = 2 if m_tiles == 1 else 1
+    tiles_max = max(1, -(-max_rows // TILE_ROWS))
+    tiles_mean = max(1, math.ceil(mean_rows / TILE_ROWS))
+    splits_wanted = max(1, -(-(n_sm * blocks_per_sm) // (batch * groups)))
+    per_split = max(1, min_tiles, -(-tiles_mean // splits_wanted), -(-tiles_max // MAX_SPLITS))
+    if tiles_mean >= LONG_SPLITS_FROM * n_sm:  # e.g. 32k rows: 128 splits of 4 tiles, not 256 of 2
+        per_split = max(per_split, LONG_SPLIT_TILES)
+    per_split = launch.one_wave_split(per_split, tiles_mean, batch, groups, n_sm * blocks_per_sm)
+    return KernelPlan(m_tiles, groups, groups * 16 * m_tiles, per_split, -(-tiles_max // per_split), blocks_per_sm)
+
+
+def merge_width(batch: int, heads: int, kv_lora: int, n_sm: int) -> int:
+    """Output dims per merge block: the widest that still gives two blocks per SM.
+
+    A merge block's fixed cost (weighing its splits, two barriers) is paid once per chunk, so a
+    batch of sequences merges in wide chunks (16 sequences x 16 heads: 1,024 blocks of 128 dims, one
+    wave, where 32-dim chunks made four); a lone 16-head sequence keeps 32 dims (256 blocks).
+    """
+    for width in MERGE_WIDTHS:
+        if kv_lora % width == 0 and batch * heads * (kv_lora // width) >= 2 * n_sm:
+            return width
+    return MERGE_WIDTHS[-1]
