@@ -665,7 +665,12 @@ class Chaos:
                 self.report.duplicated_appends += seqs.size - np.unique(seqs).size
                 seqs = np.unique(seqs[seqs < len(ledger.sent)])
                 self.report.unacked_appends_committed += int((ledger.ack_start[seqs] < 0).sum())
-            store.gc(grace=0)  # the uploads of killed or fenced writers; no writer runs now
+            # the uploads of killed or fenced writers, once no writer runs: a park is a job in its
+            # replica and may still be rewriting objects after its request was answered, and a GC
+            # with no grace would take its intents and leave what it uploads next uncommitted
+            for replica in self.replicas:
+                replica.stop()
+            store.gc(grace=0)
             committed = {s.object for ledger in self.ledgers for s in store.segments(f"{ledger.name}~{OWNER}")}
             listed = {info.name for info in store.blobs.list("seg")}
             self.report.orphans_after_gc = len(listed - committed)
