@@ -13,9 +13,9 @@ the same run, the torch path's graph time on the same data, and the relative err
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 
+import numpy as np
 import torch
 
 from kvstore.gpu import registry, testing, triton_backend
@@ -42,6 +42,9 @@ BATCH_LENGTHS = [
     30720,
     32768,
 ]
+# bench/engine_decode.py --batch 16: 16 contexts spread over 1k..32k in a pool of 327,680 rows
+ENGINE_LENGTHS = [int(n) for n in np.linspace(1024, 32768, 16)]
+ENGINE_POOL = 327680
 CASES = [  # (label, lengths, heads, rows past the sequences)
     ("1 x 1k", [1024], 16, 0),
     ("1 x 32k", [32768], 16, 0),
@@ -49,6 +52,8 @@ CASES = [  # (label, lengths, heads, rows past the sequences)
     ("1 x 128k", [131072], 16, 0),
     ("1 x 32k, 128 heads", [32768], 128, 0),
     ("16 ragged 1k..32k", BATCH_LENGTHS, 16, 0),
+    # the engine's 16-session pool (bench/engine_decode.py --batch 16): room after the live rows
+    ("16 sessions in a pool", ENGINE_LENGTHS, 16, ENGINE_POOL - sum(ENGINE_LENGTHS)),
 ]
 
 
@@ -89,23 +94,25 @@ def run_case(tier, label, lengths, heads, copy_bw, seed, with_torch=True, pad_ro
 
 
 def sweep(copy_bw, seed) -> None:
-    print("\nsweep: tile loads x precision x tile rows x warps x stages (f32, graph replay us)")
-    print("| two loads | precision | block_n | warps | stages | 1 x 32k | 16 ragged |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    knobs = ("TWO_LOADS", "PRECISION", "BLOCK_N", "WARPS", "STAGES")
+    print("\nsweep: programs per SM x fewest tiles x merge dims x merge splits (f32, graph replay us)")
+    print("| programs/SM | min tiles | merge dims | merge splits | 1 x 1k | 1 x 32k | 16 in a pool |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    knobs = ("PROGRAMS_PER_SM", "MIN_TILES", "MERGE_DIMS", "MERGE_SPLITS")
     saved = [getattr(triton_backend, name) for name in knobs]
-    grid = itertools.product((True, False), ("tf32x3", "tf32", "ieee"), (16, 32), (4, 8), (2,))
+    grid = [(2, 1, d, n) for d in (512, 128, 64, 32) for n in (16, 32)] + [(2, 2, 64, 16), (1, 1, 64, 16)]
+    pad = ENGINE_POOL - sum(ENGINE_LENGTHS)
     for values in grid:
         for name, value in zip(knobs, values):
             setattr(triton_backend, name, value)
         cells = " | ".join(str(v) for v in values)
         try:
-            a = run_case("f32", "1 x 32k", [32768], 16, copy_bw, seed, with_torch=False)
-            b = run_case("f32", "16", BATCH_LENGTHS, 16, copy_bw, seed, with_torch=False)
+            a = run_case("f32", "1 x 1k", [1024], 16, copy_bw, seed, with_torch=False)
+            b = run_case("f32", "1 x 32k", [32768], 16, copy_bw, seed, with_torch=False)
+            c = run_case("f32", "16", ENGINE_LENGTHS, 16, copy_bw, seed, with_torch=False, pad_rows=pad)
         except Exception as exc:  # out of shared memory or registers for this combination
             print(f"| {cells} | {type(exc).__name__} | |", flush=True)
             continue
-        print(f"| {cells} | {a['graph_us']:.1f} (err {a['rel_err']:.0e}) | {b['graph_us']:.1f} |", flush=True)
+        print(f"| {cells} | {a['graph_us']:.1f} | {b['graph_us']:.1f} | {c['graph_us']:.1f} |", flush=True)
     for name, value in zip(knobs, saved):
         setattr(triton_backend, name, value)
 
@@ -115,6 +122,8 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-only", action="store_true", help="the sweep without the table")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--tiers", nargs="+", default=["f32", "bf16"], choices=["f32", "bf16"])
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch path's column")
     args = parser.parse_args()
     copy_bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (bytes read + written)")
@@ -122,9 +131,9 @@ def main() -> int:
         "| tier | case | graph us | plain call host us | torch path graph us | speed-up | GB/s read | of copy bw | rel err |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for tier in ("f32", "bf16") if not args.sweep_only else ():
+    for tier in args.tiers if not args.sweep_only else ():
         for label, lengths, heads, pad in CASES:
-            r = run_case(tier, label, lengths, heads, copy_bw, args.seed, pad_rows=pad)
+            r = run_case(tier, label, lengths, heads, copy_bw, args.seed, with_torch=not args.no_torch, pad_rows=pad)
             print(
                 f"| {tier} | {label} | {r['graph_us']:.1f} | {r['plain_host_us']:.1f} | {r['torch_graph_us']:.1f} | "
                 f"{r['torch_graph_us'] / r['graph_us']:.1f}x | {r['bytes_GB_s']:.0f} | {r['of_copy']:.0%} | "

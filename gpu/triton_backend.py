@@ -5,13 +5,17 @@ went through the torch path, which at 32k rows reads every row several times (sc
 context) or, under a CUDA graph, the whole power-of-two bucket of rows. Here each query's rows are
 read once:
 
-1. ``_dense_split``: one program per (split, sequence, head block) streams ``BLOCK_N``-row tiles of
-   its share of the sequence, scores them against every head of the block in one tensor-core
-   product, keeps an online softmax and writes a normalized partial context and its log2-sum-exp.
-   A split past its sequence's end writes only ``-inf``. Lengths are read on the device, so the
-   call needs no synchronization and replays in a CUDA graph.
-2. ``_dense_merge``: one program per (head, sequence) combines the partials of the splits that
-   hold rows (counted from the length on the device).
+1. ``_dense_split``: one wave of programs per head block (``PROGRAMS_PER_SM`` per SM). Each
+   program reads the lengths on the device and derives the same plan: the live rows' tiles divided
+   over the wave, whole tiles per split, each sequence's splits numbered in turn. Program ``p``
+   takes split ``p`` of that numbering, streams its ``BLOCK_N``-row tiles, scores them against
+   every head of the block in one tensor-core product, keeps an online softmax and writes a
+   normalized partial context and its log2-sum-exp in slot ``p``. Programs past the last split do
+   nothing. The plan follows the lengths of each call, not a bound of them: a decode graph
+   captured over a pool with room for later tokens divides only the rows that are live, and the
+   call needs no synchronization.
+2. ``_dense_merge``: one program per (head, sequence, ``MERGE_DIMS`` dims of the context) combines
+   that sequence's slots (contiguous, from the same plan).
 
 Numerics: the score and context products run on tensor cores in tf32 (10 explicit mantissa bits,
 against bf16's 7: above the precision of the bf16 model that wrote the rows) with f32 accumulation
@@ -30,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstore.gpu import inputs, launch
+from kvstore.gpu import inputs
 from kvstore.gpu.registry import AttentionBackend, spec_of
 from kvstore.gpu.torch_backend import decode_torch
 
@@ -51,12 +55,32 @@ TWO_LOADS = True
 WARPS = 4
 #: Heads per program (the tensor-core product's M; 16 is its smallest).
 BLOCK_H = 16
-#: Most splits per sequence (the merge keeps them in one block).
-MAX_SPLITS = 1024
-#: Programs per multiprocessor one wave aims at.
+#: Programs per multiprocessor of the one wave of split programs.
 PROGRAMS_PER_SM = 2
-#: Splits per program of the merge (one loaded tile: MERGE_SPLITS x kv_lora).
+#: Fewest tiles a split reads (a split's partial context is written and merged whatever its rows).
+MIN_TILES = 1
+#: Splits per step of a merge program (one loaded tile: MERGE_SPLITS x MERGE_DIMS).
 MERGE_SPLITS = 16
+#: Context dims per merge program (a power of two): a lone sequence's 16 heads merge in 8 x 16
+#: programs rather than 16 that each walk every split over 512 dims (H200, f32, 32k rows: 47.7 us
+#: a call against 74.8; bench/gpu_dense.py --sweep).
+MERGE_DIMS = 64
+
+
+@triton.jit
+def _split_plan(seq_len, batch, programs, BP: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """The plan every program derives from the live lengths: each sequence's length, its splits
+    and its first slot ([BP] vectors), and the tiles per split.
+
+    The rows are divided over ``programs - batch`` programs, so that rounding each sequence's splits
+    up (one partial split each) still fits ``programs``: one wave, whatever the lengths."""
+    b = tl.arange(0, BP)
+    lengths = tl.maximum(tl.load(seq_len + b, mask=b < batch, other=0), 0)
+    tiles = (lengths + BLOCK_N - 1) // BLOCK_N
+    per_split = tl.maximum((tl.sum(tiles, 0) + programs - batch - 1) // (programs - batch), MIN_TILES)
+    splits = (tiles + per_split - 1) // per_split
+    first = tl.cumsum(splits, 0) - splits
+    return lengths, splits, first, per_split
 
 
 @triton.jit
@@ -75,40 +99,48 @@ def _dense_split(
     stride_rh,
     stride_lat,
     stride_rope,
+    batch,
     heads,
-    n_splits,
-    split_rows,
+    programs,
     scale_log2,
     K: tl.constexpr,
     R: tl.constexpr,
     KP: tl.constexpr,
     RP: tl.constexpr,
+    BP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     PRECISION: tl.constexpr,
     TWO_LOADS: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot = tl.program_id(0)  # the partial this program writes: live programs are 0 .. (their count - 1)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < heads
-    start = tl.load(seq_start + b).to(tl.int64)
-    length = tl.maximum(tl.load(seq_len + b), 0)
-    lo = split * split_rows
-    hi = tl.minimum(lo + split_rows, length)
-    row_of = ((b * heads + h) * n_splits + split).to(tl.int64)  # [BLOCK_H] partial slots
-    if lo >= hi:
-        tl.store(part_lse + row_of, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_ok)
-    else:
+    lengths, splits, first, per_split = _split_plan(seq_len, batch, programs, BP, BLOCK_N, MIN_TILES)
+    seqs = tl.arange(0, BP)
+    # the sequence whose splits hold this slot: the last one starting at or before it, with splits
+    b = tl.max(tl.where((first <= slot) & (splits > 0) & (seqs < batch), seqs, -1), 0)
+    split = slot - tl.sum(tl.where(seqs == b, first, 0), 0)
+    length = tl.sum(tl.where(seqs == b, lengths, 0), 0)  # 0 when no sequence has rows (b = -1)
+    lo = split * (per_split * BLOCK_N)
+    hi = tl.minimum(lo + per_split * BLOCK_N, length)
+    if lo < hi:  # else a slot past the last sequence's splits: nothing to do, nothing read of it
+        start = tl.load(seq_start + b).to(tl.int64)
+        row_of = h.to(tl.int64) * programs + slot  # [BLOCK_H] partials: a head's slots are contiguous
         k = tl.arange(0, KP)
         r = tl.arange(0, RP)
         k_ok = k < K
         r_ok = r < R
         q = tl.load(
-            q_lat + b * stride_qb + h[:, None] * stride_qh + k[None, :], mask=h_ok[:, None] & k_ok[None, :], other=0.0
+            q_lat + b * stride_qb + h[:, None] * stride_qh + k[None, :],
+            mask=h_ok[:, None] & k_ok[None, :],
+            other=0.0,
         )
         qr = tl.load(
-            q_rope + b * stride_rb + h[:, None] * stride_rh + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0
+            q_rope + b * stride_rb + h[:, None] * stride_rh + r[None, :],
+            mask=h_ok[:, None] & r_ok[None, :],
+            other=0.0,
         )
         peak = tl.full([BLOCK_H], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_H], tl.float32)
@@ -159,77 +191,79 @@ def _dense_merge(
     part_lse,
     seq_len,
     out,
+    batch,
     heads,
-    n_splits,
-    split_rows,
+    programs,
     K: tl.constexpr,
     KP: tl.constexpr,
+    BP: tl.constexpr,
     SP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     MERGE_SPLITS: tl.constexpr,
+    MERGE_DIMS: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)  # b * heads + h: out is [B, H, K] contiguous
-    # only the splits that hold rows: a plan bounded by the whole row array (lengths on the
-    # device) has mostly empty ones
-    length = tl.maximum(tl.load(seq_len + bh // heads), 0)
-    n_live = tl.minimum((length + split_rows - 1) // split_rows, n_splits)
+    b = bh // heads
+    h = bh - b * heads
+    _, splits, first, _ = _split_plan(seq_len, batch, programs, BP, BLOCK_N, MIN_TILES)
+    seqs = tl.arange(0, BP)
+    n_live = tl.sum(tl.where(seqs == b, splits, 0), 0)  # 0 for a sequence with no rows: a zero context
+    slots = h * programs + tl.sum(tl.where(seqs == b, first, 0), 0).to(tl.int64)  # its first partial
     s = tl.arange(0, SP)
-    lse = tl.load(part_lse + bh * n_splits + s, mask=s < n_live, other=float("-inf"))
+    lse = tl.load(part_lse + slots + s, mask=s < n_live, other=float("-inf"))
     peak = tl.max(lse, 0)
     peak = tl.where(peak == float("-inf"), 0.0, peak)  # no rows at all: every weight is 0
     denom = tl.sum(tl.exp2(lse - peak), 0)
-    k = tl.arange(0, KP)
-    acc = tl.zeros([KP], tl.float32)
+    k = tl.program_id(1) * MERGE_DIMS + tl.arange(0, MERGE_DIMS)
+    acc = tl.zeros([MERGE_DIMS], tl.float32)
     for s0 in range(0, n_live, MERGE_SPLITS):
         c = s0 + tl.arange(0, MERGE_SPLITS)
-        c_lse = tl.load(part_lse + bh * n_splits + c, mask=c < n_live, other=float("-inf"))
-        live = c_lse > float("-inf")  # a split past the sequence wrote no context
-        w = tl.where(live, tl.exp2(c_lse - peak), 0.0)
-        part = tl.load(part_ctx + (bh * n_splits + c)[:, None] * KP + k[None, :], mask=live[:, None], other=0.0)
+        live = c < n_live
+        w = tl.exp2(tl.load(part_lse + slots + c, mask=live, other=float("-inf")) - peak)
+        part = tl.load(part_ctx + (slots + c)[:, None] * KP + k[None, :], mask=live[:, None], other=0.0)
         acc += tl.sum(part * w[:, None], 0)
     acc = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(out + bh * K + k, acc, mask=k < K)
 
 
-def plan_splits(batch: int, head_blocks: int, max_rows: int, mean_rows: float, n_sm: int) -> tuple[int, int]:
-    """(splits per sequence, rows per split): enough programs for ``PROGRAMS_PER_SM`` per SM over
-    the typical sequence, each split a whole number of tiles, at most :data:`MAX_SPLITS`."""
-    tiles_mean = max(1, -(-int(mean_rows) // BLOCK_N))
-    tiles_max = max(1, -(-max_rows // BLOCK_N))
-    wanted = max(1, -(-(n_sm * PROGRAMS_PER_SM) // (batch * head_blocks)))
-    per_split = max(1, -(-tiles_mean // wanted), -(-tiles_max // MAX_SPLITS))
-    per_split = launch.one_wave_split(per_split, tiles_mean, batch, head_blocks, n_sm * PROGRAMS_PER_SM)
-    return -(-tiles_max // per_split), per_split * BLOCK_N
+def programs_for(batch: int, heads: int, n_sm: int) -> int:
+    """Split programs per head block: one wave of ``PROGRAMS_PER_SM`` per SM over the head blocks,
+    at least twice the batch (half of them cover the sequences' partial last splits)."""
+    head_blocks = -(-heads // BLOCK_H)
+    return max((n_sm * PROGRAMS_PER_SM) // head_blocks, 2 * batch)
+
+
+def plan_splits(lengths, heads: int, n_sm: int) -> tuple[int, list[int]]:
+    """The kernels' plan for these lengths, computed on the host as each program computes it on the
+    device (for tests and benchmarks): (rows per split, splits per sequence)."""
+    programs = programs_for(len(lengths), heads, n_sm)
+    tiles = [-(-max(n, 0) // BLOCK_N) for n in lengths]
+    per_split = max(-(-sum(tiles) // (programs - len(lengths))), MIN_TILES)
+    return per_split * BLOCK_N, [-(-t // per_split) for t in tiles]
 
 
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def dense_decode(q_lat, q_rope, lat, rope, seq_start, seq_len, softmax_scale: float, out, *, n_sm: int, lengths=None):
+def dense_decode(q_lat, q_rope, lat, rope, seq_start, seq_len, softmax_scale: float, out, *, n_sm: int):
     """Launch the split and merge kernels: ``out`` f32[B, H, K] gets the attention context.
 
     ``lat`` / ``rope`` are f32 or bf16 [N, K] / [N, R] with unit column stride; ``seq_start`` /
-    ``seq_len`` i32[B] on the rows' device; ``lengths`` the (longest, mean) sequence when the host
-    knows them (else the plan is bounded by N).
+    ``seq_len`` i32[B] on the rows' device, read only there (the call replays in a CUDA graph with
+    any lengths).
     """
     batch, heads, k = q_lat.shape
     r = q_rope.shape[2]
-    n_rows = lat.shape[0]
-    if n_rows == 0:  # no rows: every sequence is empty
+    if lat.shape[0] == 0:  # no rows: every sequence is empty
         return out.zero_()
-    if lengths is None:  # lengths on the device: bounded by the rows (planning a lone sequence for
-        # half of them, as a decode graph's power-of-two bucket may hold, measured slower: 84.6 vs
-        # 54.2 us at 32k rows, and 62.3 vs 66.0 us at 32k live rows of 64k)
-        max_rows, mean_rows = n_rows, n_rows / batch
-    else:
-        max_rows, mean_rows = lengths
-    head_blocks = -(-heads // BLOCK_H)
-    n_splits, split_rows = plan_splits(batch, head_blocks, max_rows, mean_rows, n_sm)
-    kp, rp = _pow2(k), _pow2(r)
-    part_ctx = torch.empty((batch, heads, n_splits, kp), dtype=torch.float32, device=q_lat.device)
-    part_lse = torch.empty((batch, heads, n_splits), dtype=torch.float32, device=q_lat.device)
+    programs = programs_for(batch, heads, n_sm)
+    kp, rp, bp = _pow2(k), _pow2(r), _pow2(batch)
+    part_ctx = torch.empty((heads, programs, kp), dtype=torch.float32, device=q_lat.device)
+    part_lse = torch.empty((heads, programs), dtype=torch.float32, device=q_lat.device)
     log2e = 1.4426950408889634
-    _dense_split[(n_splits, batch, head_blocks)](
+    _dense_split[(programs, -(-heads // BLOCK_H))](
         q_lat,
         q_rope,
         lat,
@@ -244,33 +278,40 @@ def dense_decode(q_lat, q_rope, lat, rope, seq_start, seq_len, softmax_scale: fl
         q_rope.stride(1),
         lat.stride(0),
         rope.stride(0),
+        batch,
         heads,
-        n_splits,
-        split_rows,
+        programs,
         float(softmax_scale) * log2e,
         K=k,
         R=r,
         KP=kp,
         RP=rp,
+        BP=bp,
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,
+        MIN_TILES=MIN_TILES,
         PRECISION=PRECISION,
         TWO_LOADS=TWO_LOADS,
         num_warps=WARPS,
         num_stages=STAGES,
     )
-    _dense_merge[(batch * heads,)](
+    merge_dims = min(MERGE_DIMS, kp)
+    _dense_merge[(batch * heads, kp // merge_dims)](
         part_ctx,
         part_lse,
         seq_len,
         out,
+        batch,
         heads,
-        n_splits,
-        split_rows,
+        programs,
         K=k,
         KP=kp,
-        SP=_pow2(n_splits),
+        BP=bp,
+        SP=_pow2(programs),
+        BLOCK_N=BLOCK_N,
+        MIN_TILES=MIN_TILES,
         MERGE_SPLITS=MERGE_SPLITS,
+        MERGE_DIMS=merge_dims,
         num_warps=4,
     )
     return out
@@ -303,10 +344,6 @@ class TritonBackend(AttentionBackend):
         if validate:
             inputs.check_ranges(problem, seq_start, seq_len)
         result = inputs.prepare_out(out, problem)
-        lengths = None
-        if seq_len.device.type == "cpu":  # lengths on the host plan the splits exactly
-            live = seq_len.clamp_min(0)
-            lengths = (int(live.max()), float(live.to(torch.float32).mean()))
         device = problem.device
         q_l = q_lat if q_lat.stride(2) == 1 else q_lat.contiguous()
         q_r = q_rope if q_rope.stride(2) == 1 else q_rope.contiguous()
@@ -320,5 +357,4 @@ class TritonBackend(AttentionBackend):
             softmax_scale,
             result,
             n_sm=self.n_sm,
-            lengths=lengths,
         )
