@@ -231,9 +231,9 @@ def programs_for(batch: int, heads: int, n_sm: int) -> int:
     """Split programs per head block: one wave of ``PROGRAMS_PER_SM`` per SM over the head blocks,
     at least twice the batch (half of them cover the sequences' partial last splits).
 
-    Every program reads all ``batch`` lengths to derive the plan: 4 bytes per sequence, against at
-    least one 16-row tile per program; for a decode step's batches (tens to hundreds) that is
-    noise, and it stays correct (if slower) for thousands."""
+    Every program reads all ``batch`` lengths to derive the plan: 4 bytes per sequence, against the
+    16-row tiles (36 KB each in f32) a working program streams; for a decode step's batches (tens
+    to hundreds) that is noise, and it stays correct (if slower) for thousands."""
     head_blocks = -(-heads // BLOCK_H)
     return max((n_sm * PROGRAMS_PER_SM) // head_blocks, 2 * batch)
 
