@@ -11,8 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvstore.gpu import launch
-
 __all__ = ["MERGE_WIDTHS", "TILE_ROWS", "KernelPlan", "merge_width", "plan_launch"]
 
 #: Rows per tile of mla_decode_split (BN in the kernel source).
@@ -76,7 +74,13 @@ def plan_launch(
     per_split = max(1, min_tiles, -(-tiles_mean // splits_wanted), -(-tiles_max // MAX_SPLITS))
     if tiles_mean >= LONG_SPLITS_FROM * n_sm:  # e.g. 32k rows: 128 splits of 4 tiles, not 256 of 2
         per_split = max(per_split, LONG_SPLIT_TILES)
-    per_split = launch.one_wave_split(per_split, tiles_mean, batch, groups, n_sm * blocks_per_sm)
+    wave = n_sm * blocks_per_sm
+    spare = wave - batch * groups  # each sequence may end in one partial split
+    if batch > 1 and 2 * spare >= wave:
+        # Ragged sequences: every working block in one wave. Rounding each sequence's splits up
+        # otherwise spills a few blocks into a second wave that costs as much as the first (H200,
+        # 16 sequences of 1k..32k, 16 heads: 14 tiles per split 94.4 us, 16 tiles 78.3 us).
+        per_split = max(per_split, -(-tiles_mean * batch * groups // spare))
     return KernelPlan(m_tiles, groups, groups * 16 * m_tiles, per_split, -(-tiles_max // per_split), blocks_per_sm)
 
 

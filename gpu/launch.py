@@ -17,33 +17,7 @@ import threading
 import numpy as np
 import torch
 
-__all__ = [
-    "MAX_PLANS",
-    "PackedLaunch",
-    "ReplayedCall",
-    "driver_launch",
-    "function_pointer",
-    "one_wave_split",
-    "replayable",
-    "signature",
-]
-
-
-def one_wave_split(per_split: int, tiles_mean: int, batch: int, groups: int, wave: int) -> int:
-    """Tiles per split, at least ``per_split``, so that the working blocks of ``batch`` ragged
-    sequences (``groups`` blocks of heads each, ``tiles_mean`` tiles on average) fit one wave of
-    ``wave`` blocks; a single sequence keeps ``per_split``.
-
-    Rounding each sequence's splits up otherwise spills a few blocks into a second wave that costs
-    as much as the first (H200, 16 sequences of 1k..32k, 16 heads, fp8: 14 tiles per split 94.4 us,
-    16 tiles 78.3 us). Each sequence may end in one partial split, hence the ``batch * groups``
-    blocks kept spare; with too few left (very wide batches) the plan is left as it is.
-    """
-    spare = wave - batch * groups
-    if batch > 1 and 2 * spare >= wave:
-        return max(per_split, -(-tiles_mean * batch * groups // spare))
-    return per_split
-
+__all__ = ["MAX_PLANS", "PackedLaunch", "ReplayedCall", "driver_launch", "function_pointer", "replayable", "signature"]
 
 _DRIVER = None
 _DRIVER_LOCK = threading.Lock()
