@@ -259,11 +259,11 @@ def smoke(backend, seed: int) -> bool:
 
 
 def make_backend(spec: str):
-    """``VARIANT[:mtN][:tilesM][:mergeD]``: a kernel generation (``v1`` or ``v2``), at most N 16-head
-    m-tiles per block, at least M tiles per split, D output dims per merge block (default: chosen
-    per call)."""
+    """``VARIANT[:mtN][:tilesM][:mergeD][:wgW]``: a kernel generation (``v1`` or ``v2``), at most N
+    16-head m-tiles per block, at least M tiles per split, D output dims per merge block (default:
+    chosen per call), W = 1 to run fp8 calls of 64+ heads on the warpgroup-MMA kernels (sm_90)."""
     variant, *options = spec.split(":")
-    knobs = {"mt": 4, "tiles": 1, "merge": 0}
+    knobs = {"mt": 4, "tiles": 1, "merge": 0, "wg": 0}
     for option in options:
         name = option.rstrip("0123456789")
         if name not in knobs or name == option:
@@ -275,6 +275,7 @@ def make_backend(spec: str):
         max_mt=knobs["mt"],
         min_tiles=knobs["tiles"],
         merge_dims=knobs["merge"] or None,
+        wgmma=bool(knobs["wg"]),
     )
 
 

@@ -55,6 +55,8 @@ MIN_CAPABILITY = (8, 9)
 #: The kernels' row format of each tier they decode (FMT in the source).
 _FORMAT = {tiers.FP8.name: 0, tiers.INT4.name: 1}
 _LOCK = threading.Lock()
+#: Fewest heads for the warpgroup-MMA kernels (one 64-head block is a wgmma's M).
+WGMMA_MIN_HEADS = 64
 
 
 def default_variant() -> str:
@@ -138,6 +140,7 @@ class CudaBackend(AttentionBackend):
         max_mt: int | None = None,
         min_tiles: int = 1,
         merge_dims: int | None = None,
+        wgmma: bool | None = None,
     ):
         super().__init__(device)
         props = torch.cuda.get_device_properties(self.device)
@@ -161,6 +164,9 @@ class CudaBackend(AttentionBackend):
         self._fast: dict[tuple, launch.ReplayedCall] = {}
         #: plain calls served from a cached plan (the benchmarks and tests read it)
         self.fast_calls = 0
+        #: fp8 calls with 64+ heads on sm_90 run the warpgroup-MMA kernels of kvstore.gpu.wgmma_kernels
+        #: (off unless asked: KVSTORE_GPU_WGMMA=1; they measure 2-15 % slower than v2, docs/GPU.md)
+        self.wgmma = (os.environ.get("KVSTORE_GPU_WGMMA", "0") == "1") if wgmma is None else bool(wgmma)
         #: replay cached launch plans of plain calls (KVSTORE_GPU_REPLAY=0 turns it off, for A/B runs)
         self.replay = os.environ.get("KVSTORE_GPU_REPLAY", "1") != "0"
 
@@ -322,6 +328,29 @@ class CudaBackend(AttentionBackend):
         lc_codes, rc_codes = lc_codes.contiguous(), rc_codes.contiguous()
         lc_scales, rc_scales = lc_scales.contiguous(), rc_scales.contiguous()
 
+        if (
+            v2
+            and self.wgmma
+            and fmt == 0
+            and problem.selected is None
+            and heads >= WGMMA_MIN_HEADS
+            and self.capability == (9, 0)
+        ):
+            from kvstore.gpu.wgmma_kernels import wide_decode  # Triton's Gluon: imported when first used
+
+            return wide_decode(
+                q_lat_c,
+                q_rope_c,
+                lc_codes,
+                lc_scales,
+                rc_codes,
+                rc_scales,
+                seq_start_d,
+                seq_len_d,
+                softmax_scale,
+                result,
+                n_sm=self.n_sm,
+            )
         if v2:
             return self._launch_v2(
                 plan,

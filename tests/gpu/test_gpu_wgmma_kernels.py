@@ -1,0 +1,85 @@
+"""The opt-in warpgroup-MMA kernels (``kvstore.gpu.wgmma_kernels``, fp8, 64+ heads, sm_90) against
+the float64 reference, on a CUDA device.
+
+Bound as for the other CUDA kernels: q (per head, power-of-two scaled) and the softmax weights are
+rounded to f16, codes are exact, every product accumulates in f32; asserted < 4e-3. Outputs are
+NaN-poisoned before each call, so an element the kernels skip fails the check.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+
+from kvstore.gpu import testing
+from kvstore.gpu.cuda_backend import CudaBackend
+
+pytestmark = pytest.mark.gpu
+
+KERNEL_BOUND = 4e-3
+RUN_SEED = secrets.randbits(31)
+
+
+@pytest.fixture(scope="module")
+def wgmma_backend():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup-MMA kernels are built for sm_90")
+    return CudaBackend(torch.device("cuda"), wgmma=True)
+
+
+def _check(case, backend, seed):
+    out = testing.poisoned_out(case)
+    assert testing.decode(case, out, backend=backend) is out
+    err = testing.relative_error(out, testing.reference(case))
+    assert err < KERNEL_BOUND, f"rel err {err:.3e} >= {KERNEL_BOUND} (seed {seed})"
+
+
+@pytest.mark.parametrize("heads", [64, 100, 128, 192])
+@pytest.mark.parametrize("longest", [1, 7, 4097, 131072, 1 << 20])
+@pytest.mark.parametrize("kind", ["single", "ragged"])
+def test_dense_fp8_against_float64(wgmma_backend, heads, longest, kind):
+    if longest == 1 << 20 and heads not in (64, 128):
+        pytest.skip("1M rows at the model head counts only")
+    seed = RUN_SEED + heads + longest
+    lengths = [longest] if kind == "single" else testing.ragged_lengths(longest, 8, seed)
+    case = testing.make_case("fp8", lengths, heads, device="cuda", seed=seed, nan_rate=0.0)
+    _check(case, wgmma_backend, seed)
+
+
+@pytest.mark.parametrize("nan_rate", [1e-3, 0.05])
+def test_nan_codes_read_as_zero(wgmma_backend, nan_rate):
+    """A split whose softmax sums come out NaN runs again with the NaN codes cleared."""
+    seed = RUN_SEED + 7
+    case = testing.make_case(
+        "fp8", testing.ragged_lengths(40000, 8, seed), 128, device="cuda", seed=seed, nan_rate=nan_rate
+    )
+    _check(case, wgmma_backend, seed)
+
+
+def test_whole_rows_of_nan_codes(wgmma_backend):
+    seed = RUN_SEED + 11
+    case = testing.make_case("fp8", [5000], 64, device="cuda", seed=seed, nan_rate=0.0)
+    case.lc_codes[100:164] = 0x7F
+    case.rc_codes[2000:2010] = 0xFF
+    _check(case, wgmma_backend, seed)
+
+
+def test_a_captured_graph_follows_the_lengths(wgmma_backend):
+    """The plan is derived on the device from the lengths: one graph replays at other lengths."""
+    seed = RUN_SEED + 13
+    case = testing.make_case("fp8", [30000, 12000, 0, 9000], 128, device="cuda", seed=seed, nan_rate=0.0)
+    out = testing.poisoned_out(case)
+    testing.decode(case, out, backend=wgmma_backend, validate=False)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        testing.decode(case, out, backend=wgmma_backend, validate=False)
+    for lengths in ([30000, 12000, 0, 9000], [17, 11999, 4000, 1]):
+        case.seq_len.copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = testing.relative_error(out, testing.reference(case))
+        assert err < KERNEL_BOUND, f"{lengths}: rel err {err:.3e} (seed {seed})"
