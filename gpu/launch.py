@@ -105,18 +105,22 @@ _MERGE_OUT = (7,)
 
 def signature(tier, softmax_scale, operands, out) -> tuple | None:
     """What a launch plan depends on besides addresses: tier, scale, each operand's shape, dtype,
-    device index (-1 on the host) and contiguity; None when an operand is not a tensor."""
+    device index (-1 on the host) and contiguity; None when an operand is not a tensor.
+
+    One flat tuple, hashed once (by the lookup): building and hashing a nested tuple per operand,
+    and hashing it twice, cost about as much again as the launches (bench/gpu_host.py)."""
+    # the tier by name: a str caches its hash, a frozen dataclass computes it in Python every time
+    key = [getattr(tier, "name", tier), softmax_scale]
     try:
-        key = (
-            tier,
-            softmax_scale,
-            None if out is None else (out.shape, out.dtype, out.get_device(), out.is_contiguous()),
-            *[None if t is None else (t.shape, t.dtype, t.get_device(), t.is_contiguous()) for t in operands],
-        )
-        hash(key)
+        hash(softmax_scale)
+        for t in (out, *operands):
+            if t is None:
+                key.append(None)
+            else:
+                key += (t.shape, t.dtype, t.get_device(), t.is_contiguous())
     except (AttributeError, TypeError):
         return None
-    return key
+    return tuple(key)
 
 
 def replayable(q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len, indices, n_selected):
@@ -131,10 +135,19 @@ def replayable(q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_star
     return True
 
 
+# torch's raw accessors where it has them (a CUDA build), looked up once: a replayed call reads both
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_RAW_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
 def _raw_stream(index: int) -> int:
-    """The current stream's handle on device ``index`` (torch's raw accessor where it has one)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+    """The current stream's handle on device ``index``."""
+    return _RAW_STREAM(index) if _RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def _current_device() -> int:
+    # CUDA is initialized: a plan exists only after a call that launched on it
+    return _RAW_DEVICE() if _RAW_DEVICE is not None else torch.cuda.current_device()
 
 
 class ReplayedCall:
@@ -145,7 +158,9 @@ class ReplayedCall:
         self.driver = driver
         self.split = split
         self.merge = merge
-        self.workspaces = {stream: workspace}
+        self.workspaces = {stream: (workspace, [w.data_ptr() for w in workspace])}
+        #: the stream whose workspace addresses the packed arguments hold (written once per switch)
+        self.written = None
         self.lock = threading.Lock()
 
     def run(self, operands, out):
@@ -154,22 +169,24 @@ class ReplayedCall:
         if (addresses[0] | addresses[1] | addresses[2] | addresses[3] | addresses[4] | addresses[5]) & 15:
             return None
         index = operands[0].get_device()
-        if torch.cuda.current_device() != index:
+        if _current_device() != index:
             return None
         stream = _raw_stream(index)
-        workspace = self.workspaces.get(stream)
-        if workspace is None:
+        found = self.workspaces.get(stream)
+        if found is None:
             if len(self.workspaces) >= 8:
                 return None
-            workspace = tuple(torch.empty_like(w) for w in next(iter(self.workspaces.values())))
-            self.workspaces[stream] = workspace
+            workspace = tuple(torch.empty_like(w) for w in next(iter(self.workspaces.values()))[0])
+            found = self.workspaces[stream] = (workspace, [w.data_ptr() for w in workspace])
         if out is None:
             out = torch.empty(operands[0].shape, dtype=torch.float32, device=operands[0].device)
-        spaces = [w.data_ptr() for w in workspace]
         with self.lock:
+            if self.written != stream:
+                spaces = found[1]
+                self.split.set_pointers(_SPLIT_WORKSPACES, spaces)
+                self.merge.set_pointers(_MERGE_WORKSPACES, spaces)
+                self.written = stream
             self.split.set_pointers(_SPLIT_OPERANDS, addresses)
-            self.split.set_pointers(_SPLIT_WORKSPACES, spaces)
-            self.merge.set_pointers(_MERGE_WORKSPACES, spaces)
             self.merge.set_pointers(_MERGE_OUT, (out.data_ptr(),))
             self.split.launch(self.driver, stream)
             self.merge.launch(self.driver, stream)

@@ -224,6 +224,34 @@ def _attend(
 
 
 @gluon.jit
+def _store_partial(
+    ctx,
+    peak,
+    denom,
+    unit,
+    hb,
+    slot,
+    programs,
+    heads,
+    part_ctx,
+    part_lse,
+    K: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    MMA_S: gl.constexpr,
+    MMA_O: gl.constexpr,
+):
+    """The normalized partial context and the log2-sum-exp of the block's heads, in slot ``slot``."""
+    ROW_O: gl.constexpr = gl.SliceLayout(1, MMA_O)
+    ctx = ctx * gl.convert_layout(unit / denom, ROW_O)[:, None]
+    h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
+    kk = gl.arange(0, K, layout=gl.SliceLayout(0, MMA_O))
+    row_of = h.to(gl.int64) * programs + slot
+    gl.store(part_ctx + row_of[:, None] * K + kk[None, :], ctx, mask=(h < heads)[:, None])
+    h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, MMA_S))
+    gl.store(part_lse + h_s.to(gl.int64) * programs + slot, peak + gl.log2(denom), mask=h_s < heads)
+
+
+@gluon.jit
 def _wide_split(
     q_lat,
     q_rope,
@@ -262,8 +290,6 @@ def _wide_split(
     MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     ROW_S: gl.constexpr = gl.SliceLayout(1, MMA_S)
-    ROW_O: gl.constexpr = gl.SliceLayout(1, MMA_O)
-    COL_O: gl.constexpr = gl.SliceLayout(0, MMA_O)
     SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     SH_R: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * R if R < 64 else 128, element_bitwidth=16, rank=2)
     SH_P: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -337,6 +363,8 @@ def _wide_split(
             MMA_S,
             MMA_O,
         )
+        # stored before any second pass below, so no context stays live across it (it would spill)
+        _store_partial(ctx, peak, denom, unit, hb, slot, programs, heads, part_ctx, part_lse, K, BLOCK_H, MMA_S, MMA_O)
         # fp8 NaN codes (0x7F, 0xFF) read as 0: clearing them costs a pass over every code, so the
         # split runs as it is, and only a split whose softmax sums came out NaN runs again with the
         # codes cleared
@@ -369,13 +397,9 @@ def _wide_split(
                 MMA_S,
                 MMA_O,
             )
-        ctx = ctx * gl.convert_layout(unit / denom, ROW_O)[:, None]
-        h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
-        kk = gl.arange(0, K, layout=COL_O)
-        row_of = h.to(gl.int64) * programs + slot
-        gl.store(part_ctx + row_of[:, None] * K + kk[None, :], ctx, mask=(h < heads)[:, None])
-        h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
-        gl.store(part_lse + h_s.to(gl.int64) * programs + slot, peak + gl.log2(denom), mask=h_s < heads)
+            _store_partial(
+                ctx, peak, denom, unit, hb, slot, programs, heads, part_ctx, part_lse, K, BLOCK_H, MMA_S, MMA_O
+            )
 
 
 @gluon.jit
