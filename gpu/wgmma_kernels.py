@@ -135,21 +135,8 @@ def _scores(
 
 @gluon.jit
 def _attend(
-    lc,
-    ls,
-    rc,
-    rs,
-    start,
-    lo,
-    hi,
-    q_l3,
-    q_r3,
-    q_unscale,
-    t_l3,
-    t_r3,
-    p_sh,
-    ring_l,
-    ring_r,
+    rows,
+    bufs,
     K: gl.constexpr,
     R: gl.constexpr,
     BLOCK_H: gl.constexpr,
@@ -162,7 +149,12 @@ def _attend(
     MMA_S: gl.constexpr,
     MMA_O: gl.constexpr,
 ):
-    """Rows [lo, hi) of one sequence against the block's heads: (context over unit, peak, denom, unit)."""
+    """Rows [lo, hi) of one sequence against the block's heads: (context over unit, peak, denom, unit).
+
+    ``rows`` = (lc, ls, rc, rs, start, lo, hi); ``bufs`` = the shared-memory buffers and the query's
+    unscale (q_l3, q_r3, q_unscale, t_l3, t_r3, p_sh, ring_l, ring_r)."""
+    lc, ls, rc, rs, start, lo, hi = rows
+    q_l3, q_r3, q_unscale, t_l3, t_r3, p_sh, ring_l, ring_r = bufs
     ROW_O: gl.constexpr = gl.SliceLayout(1, MMA_O)
     COL_S: gl.constexpr = gl.SliceLayout(0, MMA_S)
     t_l = t_l3.index(0)
@@ -252,6 +244,31 @@ def _store_partial(
 
 
 @gluon.jit
+def _split_pass(
+    rows,
+    bufs,
+    dest,
+    K: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    CHUNK: gl.constexpr,
+    CLEAN: gl.constexpr,
+    RAW_L: gl.constexpr,
+    RAW_R: gl.constexpr,
+    CP_L: gl.constexpr,
+    MMA_S: gl.constexpr,
+    MMA_O: gl.constexpr,
+):
+    """One pass over a split's rows, its partial stored (so no context stays live across a second
+    pass: it would spill); returns the softmax sums."""
+    hb, slot, programs, heads, part_ctx, part_lse = dest
+    ctx, peak, denom, unit = _attend(rows, bufs, K, R, BLOCK_H, BLOCK_N, CHUNK, CLEAN, RAW_L, RAW_R, CP_L, MMA_S, MMA_O)
+    _store_partial(ctx, peak, denom, unit, hb, slot, programs, heads, part_ctx, part_lse, K, BLOCK_H, MMA_S, MMA_O)
+    return denom
+
+
+@gluon.jit
 def _wide_split(
     q_lat,
     q_rope,
@@ -335,71 +352,15 @@ def _wide_split(
         ring_l = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, K], RING)
         ring_r = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, R], RING)
 
-        ctx, peak, denom, unit = _attend(
-            lc,
-            ls,
-            rc,
-            rs,
-            start,
-            lo,
-            hi,
-            q_l3,
-            q_r3,
-            q_unscale,
-            t_l3,
-            t_r3,
-            p_sh,
-            ring_l,
-            ring_r,
-            K,
-            R,
-            BLOCK_H,
-            BLOCK_N,
-            CHUNK,
-            False,
-            RAW_L,
-            RAW_R,
-            CP_L,
-            MMA_S,
-            MMA_O,
-        )
-        # stored before any second pass below, so no context stays live across it (it would spill)
-        _store_partial(ctx, peak, denom, unit, hb, slot, programs, heads, part_ctx, part_lse, K, BLOCK_H, MMA_S, MMA_O)
+        rows = (lc, ls, rc, rs, start, lo, hi)
+        bufs = (q_l3, q_r3, q_unscale, t_l3, t_r3, p_sh, ring_l, ring_r)
+        dest = (hb, slot, programs, heads, part_ctx, part_lse)
+        denom = _split_pass(rows, bufs, dest, K, R, BLOCK_H, BLOCK_N, CHUNK, False, RAW_L, RAW_R, CP_L, MMA_S, MMA_O)
         # fp8 NaN codes (0x7F, 0xFF) read as 0: clearing them costs a pass over every code, so the
         # split runs as it is, and only a split whose softmax sums came out NaN runs again with the
         # codes cleared
         if gl.max(gl.where(denom != denom, 1, 0), 0) > 0:
-            ctx, peak, denom, unit = _attend(
-                lc,
-                ls,
-                rc,
-                rs,
-                start,
-                lo,
-                hi,
-                q_l3,
-                q_r3,
-                q_unscale,
-                t_l3,
-                t_r3,
-                p_sh,
-                ring_l,
-                ring_r,
-                K,
-                R,
-                BLOCK_H,
-                BLOCK_N,
-                CHUNK,
-                True,
-                RAW_L,
-                RAW_R,
-                CP_L,
-                MMA_S,
-                MMA_O,
-            )
-            _store_partial(
-                ctx, peak, denom, unit, hb, slot, programs, heads, part_ctx, part_lse, K, BLOCK_H, MMA_S, MMA_O
-            )
+            _split_pass(rows, bufs, dest, K, R, BLOCK_H, BLOCK_N, CHUNK, True, RAW_L, RAW_R, CP_L, MMA_S, MMA_O)
 
 
 @gluon.jit
