@@ -36,7 +36,7 @@ import torch
 
 from kvstore import tiers
 from kvstore.gpu import inputs, launch
-from kvstore.gpu.cuda_plan import MERGE_WIDTHS, KernelPlan, merge_width, plan_launch
+from kvstore.gpu.cuda_plan import MERGE_WIDTHS, KernelPlan, merge_width, plan_launch, runs_wgmma
 from kvstore.gpu.registry import AttentionBackend, spec_of
 from kvstore.gpu.torch_backend import decode_torch
 
@@ -55,8 +55,6 @@ MIN_CAPABILITY = (8, 9)
 #: The kernels' row format of each tier they decode (FMT in the source).
 _FORMAT = {tiers.FP8.name: 0, tiers.INT4.name: 1}
 _LOCK = threading.Lock()
-#: Fewest heads for the warpgroup-MMA kernels (one 64-head block is a wgmma's M).
-WGMMA_MIN_HEADS = 64
 
 
 def default_variant() -> str:
@@ -301,6 +299,26 @@ class CudaBackend(AttentionBackend):
             fast_key = None
         device = problem.device
         batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
+        q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
+        aligned = _aligned(q_lat_c, q_rope_c, lc_codes, rc_codes, lc_scales, rc_scales)
+        if runs_wgmma(
+            self.wgmma, self.capability, problem.tier.name, problem.selected is not None, heads, k, r, aligned
+        ):
+            from kvstore.gpu.wgmma_kernels import wide_decode  # Triton's Gluon: imported when first used
+
+            return wide_decode(
+                q_lat_c,
+                q_rope_c,
+                lc_codes.contiguous(),
+                lc_scales.contiguous(),
+                rc_codes.contiguous(),
+                rc_scales.contiguous(),
+                seq_start.to(device=device, dtype=torch.int32).contiguous(),
+                seq_len.to(device=device, dtype=torch.int32).contiguous(),
+                softmax_scale,
+                result,
+                n_sm=self.n_sm,
+            )
         if problem.selected is not None:
             max_rows = problem.selected
             mean_rows = float(n_selected.to(torch.float32).mean()) if n_selected.device.type == "cpu" else max_rows
@@ -310,7 +328,6 @@ class CudaBackend(AttentionBackend):
         else:  # device-side lengths: bound by the row array rather than synchronize
             max_rows = problem.n_rows
             mean_rows = problem.n_rows / batch
-        q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
         v2 = self.variant == "v2" and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
         plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4, self.min_tiles)
         fmt = _FORMAT[problem.tier.name]
@@ -328,29 +345,6 @@ class CudaBackend(AttentionBackend):
         lc_codes, rc_codes = lc_codes.contiguous(), rc_codes.contiguous()
         lc_scales, rc_scales = lc_scales.contiguous(), rc_scales.contiguous()
 
-        if (
-            v2
-            and self.wgmma
-            and fmt == 0
-            and problem.selected is None
-            and heads >= WGMMA_MIN_HEADS
-            and self.capability == (9, 0)
-        ):
-            from kvstore.gpu.wgmma_kernels import wide_decode  # Triton's Gluon: imported when first used
-
-            return wide_decode(
-                q_lat_c,
-                q_rope_c,
-                lc_codes,
-                lc_scales,
-                rc_codes,
-                rc_scales,
-                seq_start_d,
-                seq_len_d,
-                softmax_scale,
-                result,
-                n_sm=self.n_sm,
-            )
         if v2:
             return self._launch_v2(
                 plan,

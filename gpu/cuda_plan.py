@@ -3,7 +3,8 @@ from shapes and known bounds only, so it runs (and is tested) without a GPU.
 
 * :func:`plan_launch`: head groups per block and the split of every sequence into tiles, so that
   one wave of blocks fills the GPU;
-* :func:`merge_width`: output dims per block of ``mla_merge_v2``.
+* :func:`merge_width`: output dims per block of ``mla_merge_v2``;
+* :func:`runs_wgmma`: whether a call goes to the opt-in warpgroup-MMA kernels instead.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MERGE_WIDTHS", "TILE_ROWS", "KernelPlan", "merge_width", "plan_launch"]
+__all__ = ["MERGE_WIDTHS", "TILE_ROWS", "WGMMA_MIN_HEADS", "KernelPlan", "merge_width", "plan_launch", "runs_wgmma"]
 
 #: Rows per tile of mla_decode_split (BN in the kernel source).
 TILE_ROWS = 64
@@ -24,6 +25,34 @@ LONG_SPLITS_FROM = 3
 LONG_SPLIT_TILES = 4
 #: Output dims per block of mla_merge_v2 that are instantiated, widest first.
 MERGE_WIDTHS = (512, 128, 32)
+#: Fewest heads for the warpgroup-MMA kernels (one 64-head block is a wgmma's M).
+WGMMA_MIN_HEADS = 64
+
+
+def runs_wgmma(
+    enabled: bool,
+    capability: tuple[int, int],
+    tier: str,
+    selected: bool,
+    heads: int,
+    kv_lora: int,
+    qk_rope: int,
+    aligned: bool,
+) -> bool:
+    """Whether a call runs the warpgroup-MMA kernels of ``kvstore.gpu.wgmma_kernels``: asked for,
+    on sm_90 (their ``wgmma``), dense fp8 rows, 64+ heads, kv_lora 512 (two warpgroups of 256
+    context dims) and qk_rope 64 (the geometry they are built and tested for), and 16-byte aligned
+    queries and rows (their 16-byte copies); else the v1/v2 kernels."""
+    return (
+        enabled
+        and capability == (9, 0)
+        and tier == "fp8"
+        and not selected
+        and heads >= WGMMA_MIN_HEADS
+        and kv_lora == 512
+        and qk_rope == 64
+        and aligned
+    )
 
 
 def _head_tiles(heads: int, max_mt: int = 4) -> tuple[int, int]:

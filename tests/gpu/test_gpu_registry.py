@@ -261,3 +261,25 @@ def test_the_environment_names_a_preferred_backend(monkeypatch):
     monkeypatch.setenv("KVSTORE_ATTENTION_BACKEND", "no-such-backend")
     with pytest.raises(BackendUnavailable, match="no-such-backend"):
         registry.select("fp8", "cpu")
+
+
+def test_only_the_geometry_the_wgmma_kernels_are_built_for_goes_to_them():
+    from kvstore.gpu.cuda_plan import runs_wgmma
+
+    base = dict(
+        enabled=True, capability=(9, 0), tier="fp8", selected=False, heads=64, kv_lora=512, qk_rope=64, aligned=True
+    )
+    assert runs_wgmma(**base)
+    assert runs_wgmma(**{**base, "heads": 128})
+    for change in (
+        {"enabled": False},  # opt-in
+        {"capability": (8, 9)},  # no wgmma
+        {"capability": (10, 0)},  # built for sm_90 only
+        {"tier": "int4"},
+        {"selected": True},
+        {"heads": 48},
+        {"kv_lora": 256},
+        {"qk_rope": 32},
+        {"aligned": False},
+    ):
+        assert not runs_wgmma(**{**base, **change}), change
