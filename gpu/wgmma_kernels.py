@@ -49,7 +49,7 @@ BLOCK_H = 64
 BLOCK_N = 64
 #: Warps per program: two warpgroups, each holding 256 of the context's 512 dims.
 WARPS = 8
-#: Programs per multiprocessor (each holds ~160 KB of shared memory).
+#: Programs per multiprocessor (each holds 224 KB of shared memory).
 PROGRAMS_PER_SM = 1
 #: Fewest tiles a split reads.
 MIN_TILES = 1
@@ -72,8 +72,8 @@ def _issue_tile(
     CP_L: gl.constexpr,
     CP_R: gl.constexpr,
 ):
-    """Start copying a tile's codes into a ring slot (cp.async, 16 bytes a thread; rows at or past
-    ``hi`` are zero-filled) as one commit group."""
+    """Start copying a tile's codes into a ring slot (cp.async, 16 bytes a thread) as one commit
+    group; rows at or past ``hi`` are not read (their scores are masked)."""
     n_l = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP_L))
     k = gl.arange(0, K, layout=gl.SliceLayout(0, CP_L))
     async_copy.async_copy_global_to_shared(
