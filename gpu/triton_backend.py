@@ -38,7 +38,7 @@ from kvstore.gpu import inputs
 from kvstore.gpu.registry import AttentionBackend, spec_of
 from kvstore.gpu.torch_backend import decode_torch
 
-__all__ = ["TritonBackend", "dense_decode", "plan_splits"]
+__all__ = ["TritonBackend", "dense_decode", "merge_partials", "plan_splits"]
 
 # Tile rows, warps, stages, precision and loads: the fastest of bench/gpu_dense.py --sweep on the
 # H200 (16 heads, f32 rows, 32k rows and 16 ragged sequences).
@@ -299,6 +299,15 @@ def dense_decode(q_lat, q_rope, lat, rope, seq_start, seq_len, softmax_scale: fl
         num_warps=WARPS,
         num_stages=STAGES,
     )
+    return merge_partials(part_ctx, part_lse, seq_len, out, programs, BLOCK_N, MIN_TILES)
+
+
+def merge_partials(part_ctx, part_lse, seq_len, out, programs: int, block_n: int, min_tiles: int):
+    """Launch the merge of the partials a split kernel wrote under the plan of :func:`_split_plan`
+    (``programs`` slots per head, ``block_n``-row tiles, ``min_tiles``): ``part_ctx``
+    f32[H, programs, KP], ``part_lse`` f32[H, programs]; ``out`` f32[B, H, K] gets the contexts."""
+    batch, heads, k = out.shape
+    kp = part_ctx.shape[2]
     merge_dims = min(MERGE_DIMS, kp)
     _dense_merge[(batch * heads, kp // merge_dims)](
         part_ctx,
@@ -310,10 +319,10 @@ def dense_decode(q_lat, q_rope, lat, rope, seq_start, seq_len, softmax_scale: fl
         programs,
         K=k,
         KP=kp,
-        BP=bp,
+        BP=_pow2(batch),
         SP=_pow2(programs),
-        BLOCK_N=BLOCK_N,
-        MIN_TILES=MIN_TILES,
+        BLOCK_N=block_n,
+        MIN_TILES=min_tiles,
         MERGE_SPLITS=MERGE_SPLITS,
         MERGE_DIMS=merge_dims,
         num_warps=4,

@@ -28,7 +28,7 @@ and from L2 for the other head blocks). Each program derives the plan of
 fp8 NaN codes (0x7F, 0xFF) read as 0 (FORMAT.md). Clearing them costs a pass over every code, so a
 split runs as it is and only one whose softmax sums came out NaN runs again with the codes cleared.
 
-The merge is :func:`kvstore.gpu.triton_backend._dense_merge` over the same plan.
+The merge is :func:`kvstore.gpu.triton_backend.merge_partials` over the same plan.
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def wide_decode(q_lat, q_rope, lc, ls, rc, rs, seq_start, seq_len, softmax_scale
     if lc.shape[0] == 0:
         return out.zero_()
     programs = programs_for(batch, heads, n_sm)
-    bp = max(16, 1 << (batch - 1).bit_length())
+    bp = triton_backend._pow2(batch)
     part_ctx = torch.empty((heads, programs, k), dtype=torch.float32, device=q_lat.device)
     part_lse = torch.empty((heads, programs), dtype=torch.float32, device=q_lat.device)
     log2e = 1.4426950408889634
@@ -414,23 +414,4 @@ def wide_decode(q_lat, q_rope, lc, ls, rc, rs, seq_start, seq_len, softmax_scale
         CHUNK=CHUNK,
         num_warps=WARPS,
     )
-    merge_dims = min(triton_backend.MERGE_DIMS, k)
-    triton_backend._dense_merge[(batch * heads, k // merge_dims)](
-        part_ctx,
-        part_lse,
-        seq_len,
-        out,
-        batch,
-        heads,
-        programs,
-        K=k,
-        KP=k,
-        BP=bp,
-        SP=max(16, 1 << (programs - 1).bit_length()),
-        BLOCK_N=BLOCK_N,
-        MIN_TILES=MIN_TILES,
-        MERGE_SPLITS=triton_backend.MERGE_SPLITS,
-        MERGE_DIMS=merge_dims,
-        num_warps=4,
-    )
-    return out
+    return triton_backend.merge_partials(part_ctx, part_lse, seq_len, out, programs, BLOCK_N, MIN_TILES)
