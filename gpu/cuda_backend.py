@@ -300,21 +300,29 @@ class CudaBackend(AttentionBackend):
         device = problem.device
         batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
         q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
-        aligned = _aligned(q_lat_c, q_rope_c, lc_codes, rc_codes, lc_scales, rc_scales)
+        # the rows' alignment is checked above (unaligned rows take the torch path)
+        q_aligned = _aligned(q_lat_c, q_rope_c)
+        as_device = [
+            t if t is None else t.to(device=device, dtype=torch.int32).contiguous()
+            for t in (seq_start, seq_len, indices, n_selected)
+        ]
+        seq_start_d, seq_len_d, indices_d, n_selected_d = as_device
+        lc_codes, rc_codes = lc_codes.contiguous(), rc_codes.contiguous()
+        lc_scales, rc_scales = lc_scales.contiguous(), rc_scales.contiguous()
         if runs_wgmma(
-            self.wgmma, self.capability, problem.tier.name, problem.selected is not None, heads, k, r, aligned
+            self.wgmma, self.capability, problem.tier.name, problem.selected is not None, heads, k, r, q_aligned
         ):
             from kvstore.gpu.wgmma_kernels import wide_decode  # Triton's Gluon: imported when first used
 
             return wide_decode(
                 q_lat_c,
                 q_rope_c,
-                lc_codes.contiguous(),
-                lc_scales.contiguous(),
-                rc_codes.contiguous(),
-                rc_scales.contiguous(),
-                seq_start.to(device=device, dtype=torch.int32).contiguous(),
-                seq_len.to(device=device, dtype=torch.int32).contiguous(),
+                lc_codes,
+                lc_scales,
+                rc_codes,
+                rc_scales,
+                seq_start_d,
+                seq_len_d,
                 softmax_scale,
                 result,
                 n_sm=self.n_sm,
@@ -328,7 +336,7 @@ class CudaBackend(AttentionBackend):
         else:  # device-side lengths: bound by the row array rather than synchronize
             max_rows = problem.n_rows
             mean_rows = problem.n_rows / batch
-        v2 = self.variant == "v2" and k == 512 and _aligned(q_lat_c, q_rope_c)  # v2 reads q as float4
+        v2 = self.variant == "v2" and k == 512 and q_aligned  # v2 reads q as float4
         plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4, self.min_tiles)
         fmt = _FORMAT[problem.tier.name]
         # v2 keeps partial contexts in f16 with a power-of-two scale each (half the bytes written
@@ -337,13 +345,6 @@ class CudaBackend(AttentionBackend):
             (batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float16 if v2 else torch.float32, device=device
         )
         lse = torch.empty((batch, plan.padded_heads, plan.n_splits), dtype=torch.float32, device=device)
-        as_device = [
-            t if t is None else t.to(device=device, dtype=torch.int32).contiguous()
-            for t in (seq_start, seq_len, indices, n_selected)
-        ]
-        seq_start_d, seq_len_d, indices_d, n_selected_d = as_device
-        lc_codes, rc_codes = lc_codes.contiguous(), rc_codes.contiguous()
-        lc_scales, rc_scales = lc_scales.contiguous(), rc_scales.contiguous()
 
         if v2:
             return self._launch_v2(

@@ -38,7 +38,7 @@ from kvstore.gpu import inputs
 from kvstore.gpu.registry import AttentionBackend, spec_of
 from kvstore.gpu.torch_backend import decode_torch
 
-__all__ = ["TritonBackend", "dense_decode", "merge_partials", "plan_splits"]
+__all__ = ["TritonBackend", "dense_decode", "merge_partials", "plan_splits", "programs_for"]
 
 # Tile rows, warps, stages, precision and loads: the fastest of bench/gpu_dense.py --sweep on the
 # H200 (16 heads, f32 rows, 32k rows and 16 ragged sequences).
@@ -227,15 +227,16 @@ def _dense_merge(
     tl.store(out + bh * K + k, acc, mask=k < K)
 
 
-def programs_for(batch: int, heads: int, n_sm: int) -> int:
-    """Split programs per head block: one wave of ``PROGRAMS_PER_SM`` per SM over the head blocks,
-    at least twice the batch (half of them cover the sequences' partial last splits).
+def programs_for(batch: int, heads: int, n_sm: int, block_h: int | None = None, per_sm: int | None = None) -> int:
+    """Split programs per head block: one wave of ``per_sm`` (default ``PROGRAMS_PER_SM``) per SM
+    over the blocks of ``block_h`` (default ``BLOCK_H``) heads, at least twice the batch (half of
+    them cover the sequences' partial last splits).
 
     Every program reads all ``batch`` lengths to derive the plan: 4 bytes per sequence, against the
     16-row tiles (36 KB each in f32) a working program streams; for a decode step's batches (tens
     to hundreds) that is noise, and it stays correct (if slower) for thousands."""
-    head_blocks = -(-heads // BLOCK_H)
-    return max((n_sm * PROGRAMS_PER_SM) // head_blocks, 2 * batch)
+    head_blocks = -(-heads // (block_h or BLOCK_H))
+    return max((n_sm * (per_sm or PROGRAMS_PER_SM)) // head_blocks, 2 * batch)
 
 
 def plan_splits(lengths, heads: int, n_sm: int) -> tuple[int, list[int]]:

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from kvstore.gpu import triton_backend
 
-__all__ = ["BLOCK_H", "programs_for", "wide_decode"]
+__all__ = ["BLOCK_H", "wide_decode"]
 
 #: Heads per program: the M of a warpgroup MMA.
 BLOCK_H = 64
@@ -368,20 +368,13 @@ def _add(a, b):
     return a + b
 
 
-def programs_for(batch: int, heads: int, n_sm: int) -> int:
-    """Split programs per head block: one wave of ``PROGRAMS_PER_SM`` per SM over the head blocks,
-    at least twice the batch."""
-    head_blocks = -(-heads // BLOCK_H)
-    return max((n_sm * PROGRAMS_PER_SM) // head_blocks, 2 * batch)
-
-
 def wide_decode(q_lat, q_rope, lc, ls, rc, rs, seq_start, seq_len, softmax_scale: float, out, *, n_sm: int):
     """fp8 rows, 64+ heads: the split and merge kernels; ``out`` f32[B, H, K] gets the context."""
     batch, heads, k = q_lat.shape
     r = q_rope.shape[2]
     if lc.shape[0] == 0:
         return out.zero_()
-    programs = programs_for(batch, heads, n_sm)
+    programs = triton_backend.programs_for(batch, heads, n_sm, BLOCK_H, PROGRAMS_PER_SM)
     bp = triton_backend._pow2(batch)
     part_ctx = torch.empty((heads, programs, k), dtype=torch.float32, device=q_lat.device)
     part_lse = torch.empty((heads, programs), dtype=torch.float32, device=q_lat.device)
