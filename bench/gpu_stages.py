@@ -7,7 +7,11 @@ hint at. The table also keeps the variants tried and not adopted (``pv-alu``, ``
 ``offsetN``: correct kernels, so their error column is meaningful), and ``@FILE`` times another
 version of the kernel source beside this one (an A/B on the same data). Usage::
 
-    python bench/gpu_stages.py [--tiers fp8,int4] [--heads 16] [--rows 131072,1048576] [--only full,pv-alu]
+    python bench/gpu_stages.py [--tiers fp8,int4] [--heads 16] [--rows 131072,1048576] [--batch 1]
+        [--only full,pv-alu]
+
+``--batch B`` (B > 1) times ragged batches of B sequences, the longest ``--rows`` rows (the
+benchmark's ragged case).
 
 Prints, per problem: µs, % of the copy bandwidth and the relative error against float64 of every
 variant (an ablation's error is large by construction).
@@ -149,6 +153,7 @@ def main() -> int:
     parser.add_argument("--tiers", default="fp8,int4")
     parser.add_argument("--heads", default="16")
     parser.add_argument("--rows", default="131072,1048576")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per problem (ragged when > 1)")
     parser.add_argument(
         "--only",
         default=",".join(TABLE),
@@ -174,11 +179,12 @@ def main() -> int:
     ]
     print(f"{'problem':24s} " + " ".join(f"{n:>18s}" for n in names), flush=True)
     for i, (tier, heads, rows) in enumerate(problems):
-        probe = testing.make_case(tier, [rows], heads, device="cuda", seed=args.seed + i, nan_rate=args.nan_rate)
+        lengths = [rows] if args.batch == 1 else testing.ragged_lengths(rows, args.batch, args.seed)
+        probe = testing.make_case(tier, lengths, heads, device="cuda", seed=args.seed + i, nan_rate=args.nan_rate)
         n_bytes = probe.rows_attended() * probe.row_bytes()
         cache_bytes = probe.lc_codes.numel() + probe.rc_codes.numel() + 8 * probe.lc_codes.shape[0]
         n_sets = max(1, min(16, math.ceil(3 * props.L2_cache_size / cache_bytes)))
-        cases = [probe] + _cases(tier, [rows], heads, None, n_sets - 1, args.seed + 100 + i, args.nan_rate)
+        cases = [probe] + _cases(tier, lengths, heads, None, n_sets - 1, args.seed + 100 + i, args.nan_rate)
         ref = testing.reference(probe)
         cells = []
         for name in names:
@@ -190,7 +196,8 @@ def main() -> int:
             us = time_kernel(backend, cases)
             pct = 100.0 * n_bytes / (us * 1e-6) / copy_bw
             cells.append(f"{us:8.1f} {pct:4.0f}% {err:5.0e}"[:18].rjust(18))
-        print(f"{tier:8s} H{heads:<4d} T{rows:<9d} " + " ".join(cells), flush=True)
+        shape = f"T{rows}" if args.batch == 1 else f"{args.batch}xT{rows}"
+        print(f"{tier:5s} H{heads:<4d} {shape:14s} " + " ".join(cells), flush=True)
         del cases, probe
         torch.cuda.empty_cache()
     cuda_backend.kernel_source = original

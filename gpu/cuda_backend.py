@@ -163,7 +163,7 @@ class CudaBackend(AttentionBackend):
         #: plain calls served from a cached plan (the benchmarks and tests read it)
         self.fast_calls = 0
         #: fp8 calls with 64+ heads on sm_90 run the warpgroup-MMA kernels of kvstore.gpu.wgmma_kernels
-        #: (off unless asked: KVSTORE_GPU_WGMMA=1; they measure 2-13 % slower than v2, docs/GPU.md)
+        #: (off unless asked: KVSTORE_GPU_WGMMA=1; they measure 8-15 % slower than v2, docs/GPU.md)
         self.wgmma = (os.environ.get("KVSTORE_GPU_WGMMA", "0") == "1") if wgmma is None else bool(wgmma)
         #: replay cached launch plans of plain calls (KVSTORE_GPU_REPLAY=0 turns it off, for A/B runs)
         self.replay = os.environ.get("KVSTORE_GPU_REPLAY", "1") != "0"

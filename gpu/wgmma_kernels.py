@@ -2,7 +2,7 @@
 
 Opt-in (``KVSTORE_GPU_WGMMA=1``, or ``CudaBackend(wgmma=True)``): on the H200 these kernels match
 the float64 reference like the ``mma.sync`` kernels of :mod:`kvstore.gpu.cuda_backend` but measure
-2-13 % slower than them (docs/GPU.md, round 7), so the default stays there. They are kept as the
+8-15 % slower than them (docs/GPU.md, round 8), so the default stays there. They are kept as the
 base of the warpgroup-MMA route, with the measurements that say where their time goes.
 
 At 64 and more heads a decode step is bound by the tensor cores, not by the rows' bytes: per row,

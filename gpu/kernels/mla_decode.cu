@@ -1054,6 +1054,48 @@ __device__ __forceinline__ void qk_blocks_v2(int blk_first, int c_first, const u
     }
 }
 
+// Q.K^T of fp8 codes as qk_blocks_v2, for a warp holding MW m-tiles from m-tile `m_first` and four
+// n-tiles (rows n0..n0+31: the lane's ldmatrix addresses cb, and cb + row_step for the rows 16
+// further). Each query fragment loaded serves four mma rather than two. acc[m][n-tile][4].
+template <int NB, int MW, int QS>
+__device__ __forceinline__ void qk_blocks_wide(int blk_first, int c_first, const u32 (&cb)[4], u32 row_step, u32 q_base,
+                                               int m_first, int a_row, int a_col, float (&acc)[MW][4][4]) {
+#pragma unroll
+    for (int i = 0; i < NB;) {
+        const int c = c_first + i;
+        const int nb = ((c & 1) || i + 1 == NB) ? 1 : 2;
+        const u32 line = cb[(c & 7) >> 1] + ((c & ~7) << 4);
+        u32 w[2][4];
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {  // row_step is a multiple of 256: the XOR below is unaffected
+            const u32 at = line + hf * row_step;
+            if (nb == 2) ldsm_x4(at, w[hf][0], w[hf][1], w[hf][2], w[hf][3]);
+            else ldsm_x2((c & 1) ? at ^ 16u : at, w[hf][0], w[hf][1]);
+        }
+#pragma unroll
+        for (int jb = 0; jb < 2; ++jb) {
+            if (jb >= nb) break;
+            u32 bb[4][2];  // n-tile 2 hf + e: rows n0 + 16 hf + 8 e ..
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    bb[2 * hf + e][0] = e4m3_lo_to_f16x2(w[hf][2 * jb + e]);
+                    bb[2 * hf + e][1] = e4m3_hi_to_f16x2(w[hf][2 * jb + e]);
+                }
+            const int ks = blk_first + i + jb;
+#pragma unroll
+            for (int m = 0; m < MW; ++m) {
+                u32 af[4];
+                ldsm_x4(q_base + (((m_first + m) * 16 + a_row) * QS + ks * 16 + a_col) * 2, af[0], af[1], af[2], af[3]);
+#pragma unroll
+                for (int n = 0; n < 4; ++n) mma_16816(acc[m][n], af, bb[n][0], bb[n][1]);
+            }
+        }
+        i += nb;
+    }
+}
+
 template <int MT, int K, int R, int FMT, bool GATHER>
 __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     mla_decode_v2(const float* __restrict__ q_lat, const float* __restrict__ q_rope, int H, float score_scale,
@@ -1253,7 +1295,17 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
     // ---- warp roles ----------------------------------------------------------------------------
     const int g = lane >> 2, t4 = lane & 3;
     const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
-    const int qk_half = warp & 1, n0 = (warp >> 1) * 16;
+    // Q.K^T: warps split the score width in halves, and then the tile's rows in four groups of 16
+    // (all the block's heads); fp8 with 64 heads (WIDE): two groups of 32 heads x two of 32 rows.
+    // WIDE halves the query's ldmatrix traffic and converts each code twice; H200, 1M rows: fp8
+    // 64 heads 596 -> 564 us, 128 heads 1,154 -> 1,082 us; int4, whose conversion costs ~4x fp8's,
+    // 645 -> 717 us, so int4 keeps the narrow tiling.
+    constexpr bool WIDE = MT == 4 && FMT == 0;
+    constexpr int MW = WIDE ? 2 : MT;  // m-tiles per warp
+    constexpr int NT = WIDE ? 4 : 2;   // n-tiles per warp
+    const int qk_half = warp & 1;
+    const int n0 = WIDE ? (warp >> 2) * 32 : (warp >> 1) * 16;
+    const int m_first = WIDE ? ((warp >> 1) & 1) * MW : 0;
     // Q.K^T B operand (non-transposed ldmatrix of code bytes): matrices (rows n0..+7 | n0+8..+15)
     // x (block | block + 1)
     const int bq_row = n0 + (lane & 7) + ((lane >> 3) & 1) * 8, bq_blk = lane >> 4;
@@ -1273,19 +1325,19 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.0f;
 
-    // Scores of this warp's n-tiles (rows n0 + 8 n + 2 t4, +1; heads 16 m + g, +8; its half of the
-    // score width) from its mma accumulators: scaled by the row and query scales, written (first
-    // pass) or added (second) to the partial-score buffer of its half.
-    auto qk_store = [&](const float (&acc)[MT][2][4], int buf, bool rope, bool add) {
+    // Scores of this warp's n-tiles (rows n0 + 8 n + 2 t4, +1; heads 16 (m_first + m) + g, +8; its
+    // half of the score width) from its mma accumulators: scaled by the row and query scales,
+    // written (first pass) or added (second) to the partial-score buffer of its half.
+    auto qk_store = [&](const float (&acc)[MW][NT][4], int buf, bool rope, bool add) {
         float* S = Sbuf + qk_half * C::HG * C::SS;
         const float* rowscale = (rope ? rs_s : ls_s) + buf * BN;
         const int which = rope ? 1 : 0;
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            const int ha = m * 16 + g, hb = ha + 8;
+        for (int m = 0; m < MW; ++m) {
+            const int ha = (m_first + m) * 16 + g, hb = ha + 8;
             const float mula = qm_s[ha * 2 + which], mulb = qm_s[hb * 2 + which];
 #pragma unroll
-            for (int n = 0; n < 2; ++n) {
+            for (int n = 0; n < NT; ++n) {
                 const int r = n0 + n * 8 + 2 * t4;
                 const float s0 = rowscale[r], s1 = rowscale[r + 1];
                 float2* pa = (float2*)(S + ha * C::SS + r);
@@ -1307,12 +1359,12 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         // one warp with 16 heads has only two mma chains per pass: split them over even / odd blocks
         constexpr bool SPLIT = MT == 1;
         const u32 tb = t_base + buf * C::TILE;
-        float acc[MT][2][4], acc2[MT][2][4];
+        float acc[MW][NT][4], acc2[MW][NT][4];
         auto zero = [&]() {
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
+            for (int m = 0; m < MW; ++m)
 #pragma unroll
-                for (int n = 0; n < 2; ++n)
+                for (int n = 0; n < NT; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         acc[m][n][e] = 0.0f;
@@ -1322,9 +1374,9 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
         auto join = [&]() {
             if (SPLIT)
 #pragma unroll
-                for (int m = 0; m < MT; ++m)
+                for (int m = 0; m < MW; ++m)
 #pragma unroll
-                    for (int n = 0; n < 2; ++n)
+                    for (int n = 0; n < NT; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) acc[m][n][e] += acc2[m][n][e];
         };
@@ -1336,7 +1388,20 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
             rope_cb[k] = tb + rope_at(bq_row, (2 * k + bq_blk) & (C::RBK - 1));
         }
         zero();
-        if (qk_half == 0) {
+        if constexpr (WIDE) {
+            constexpr u32 LSTEP = 16 * C::KB, RSTEP = 16 * C::RB;  // 16 rows further
+            if (qk_half == 0) {
+                qk_blocks_wide<C::LB0, MW, C::QS>(0, 0, lat_cb, LSTEP, q_base, m_first, a_row, a_col, acc);
+                qk_store(acc, buf, false, false);
+            } else {
+                qk_blocks_wide<C::RBK, MW, C::QS>(C::LB, 0, rope_cb, RSTEP, q_base, m_first, a_row, a_col, acc);
+                qk_store(acc, buf, true, false);
+                zero();
+                qk_blocks_wide<C::LB - C::LB0, MW, C::QS>(C::LB0, C::LB0, lat_cb, LSTEP, q_base, m_first, a_row, a_col,
+                                                          acc);
+                qk_store(acc, buf, false, true);
+            }
+        } else if (qk_half == 0) {
             qk_blocks_v2<C::LB0, MT, FMT, C::QS>(0, 0, lat_cb, q_base, a_row, a_col, lt, acc, SPLIT ? acc2 : acc);
             join();
             qk_store(acc, buf, false, false);
