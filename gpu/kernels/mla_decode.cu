@@ -996,78 +996,28 @@ __device__ __forceinline__ int qk_position(int f) {
 }
 
 // Q.K^T over NB consecutive 16-byte blocks of the code tile from block `blk_first` (the query's
-// k position), chunk `c_first` of their region (latent or rope rows) (v2): B fragments by
-// ldmatrix of code bytes (matrices (rows n0..+7 | n0+8..+15) x (chunk | chunk + 1)), converted in
-// registers; A fragments (query, qk_position order) by ldmatrix. cb[k] is this lane's address of
-// swizzled chunk 2k (+ its matrix's chunk offset) in the region's 8-chunk line; an odd chunk is
-// loaded alone (x2, lanes 0-15 whose offset is 0: the XOR's low bit flips). acc[m][n-tile][4].
-template <int NB, int MT, int FMT, int QS>
-__device__ __forceinline__ void qk_blocks_v2(int blk_first, int c_first, const u32 (&cb)[4], u32 q_base, int a_row,
-                                             int a_col, const LevelTable& lt, float (&acc0)[MT][2][4],
-                                             float (&acc1)[MT][2][4]) {
+// k position), chunk `c_first` of their region (latent or rope rows) (v2), for a warp holding MW
+// m-tiles from m-tile `m_first` and NT n-tiles (2: rows n0..n0+15; 4: and the 16 rows `row_step`
+// bytes further): B fragments by ldmatrix of code bytes (matrices (rows n0..+7 | n0+8..+15) x
+// (chunk | chunk + 1)), converted in registers; A fragments (query, qk_position order) by
+// ldmatrix, each feeding NT mma. cb[k] is this lane's address of swizzled chunk 2k (+ its matrix's
+// chunk offset) in the region's 8-chunk line; an odd chunk is loaded alone (x2, lanes 0-15 whose
+// offset is 0: the XOR's low bit flips; row_step is a multiple of 256, so it leaves that bit
+// alone). acc0 / acc1: even / odd blocks (two mma chains; the same array for one), [m][n-tile][4].
+template <int NB, int MW, int NT, int FMT, int QS>
+__device__ __forceinline__ void qk_blocks_v2(int blk_first, int c_first, const u32 (&cb)[4], u32 row_step, u32 q_base,
+                                             int m_first, int a_row, int a_col, const LevelTable& lt,
+                                             float (&acc0)[MW][NT][4], float (&acc1)[MW][NT][4]) {
     constexpr int KSB = FMT == 0 ? 1 : 2;
+    constexpr int HF = NT / 2;  // 16-row halves
 #pragma unroll
     for (int i = 0; i < NB;) {
         const int c = c_first + i;
         const int nb = ((c & 1) || i + 1 == NB) ? 1 : 2;
         const u32 line = cb[(c & 7) >> 1] + ((c & ~7) << 4);
-        u32 w[4];
-        if (nb == 2) ldsm_x4(line, w[0], w[1], w[2], w[3]);
-        else ldsm_x2((c & 1) ? line ^ 16u : line, w[0], w[1]);
+        u32 w[HF][4];
 #pragma unroll
-        for (int jb = 0; jb < 2; ++jb) {
-            if (jb >= nb) break;
-            float (&acc)[MT][2][4] = jb ? acc1 : acc0;  // odd blocks may use a second chain
-            const u32 wa = w[2 * jb], wb = w[2 * jb + 1];  // n-tile 0, n-tile 1
-            u32 bb[2][KSB][2];
-            if (FMT == 0) {
-                bb[0][0][0] = e4m3_lo_to_f16x2(wa);
-                bb[0][0][1] = e4m3_hi_to_f16x2(wa);
-                bb[1][0][0] = e4m3_lo_to_f16x2(wb);
-                bb[1][0][1] = e4m3_hi_to_f16x2(wb);
-            } else {
-                u32 h[4];
-                int4x8_to_f16(wa, lt, h);
-                bb[0][0][0] = h[0];
-                bb[0][0][1] = h[1];
-                bb[0][KSB - 1][0] = h[2];
-                bb[0][KSB - 1][1] = h[3];
-                int4x8_to_f16(wb, lt, h);
-                bb[1][0][0] = h[0];
-                bb[1][0][1] = h[1];
-                bb[1][KSB - 1][0] = h[2];
-                bb[1][KSB - 1][1] = h[3];
-            }
-#pragma unroll
-            for (int s = 0; s < KSB; ++s) {
-                const int ks = (blk_first + i + jb) * KSB + s;
-#pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    u32 af[4];
-                    ldsm_x4(q_base + ((m * 16 + a_row) * QS + ks * 16 + a_col) * 2, af[0], af[1], af[2], af[3]);
-                    mma_16816(acc[m][0], af, bb[0][s][0], bb[0][s][1]);
-                    mma_16816(acc[m][1], af, bb[1][s][0], bb[1][s][1]);
-                }
-            }
-        }
-        i += nb;
-    }
-}
-
-// Q.K^T of fp8 codes as qk_blocks_v2, for a warp holding MW m-tiles from m-tile `m_first` and four
-// n-tiles (rows n0..n0+31: the lane's ldmatrix addresses cb, and cb + row_step for the rows 16
-// further). Each query fragment loaded serves four mma rather than two. acc[m][n-tile][4].
-template <int NB, int MW, int QS>
-__device__ __forceinline__ void qk_blocks_wide(int blk_first, int c_first, const u32 (&cb)[4], u32 row_step, u32 q_base,
-                                               int m_first, int a_row, int a_col, float (&acc)[MW][4][4]) {
-#pragma unroll
-    for (int i = 0; i < NB;) {
-        const int c = c_first + i;
-        const int nb = ((c & 1) || i + 1 == NB) ? 1 : 2;
-        const u32 line = cb[(c & 7) >> 1] + ((c & ~7) << 4);
-        u32 w[2][4];
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {  // row_step is a multiple of 256: the XOR below is unaffected
+        for (int hf = 0; hf < HF; ++hf) {
             const u32 at = line + hf * row_step;
             if (nb == 2) ldsm_x4(at, w[hf][0], w[hf][1], w[hf][2], w[hf][3]);
             else ldsm_x2((c & 1) ? at ^ 16u : at, w[hf][0], w[hf][1]);
@@ -1075,21 +1025,36 @@ __device__ __forceinline__ void qk_blocks_wide(int blk_first, int c_first, const
 #pragma unroll
         for (int jb = 0; jb < 2; ++jb) {
             if (jb >= nb) break;
-            u32 bb[4][2];  // n-tile 2 hf + e: rows n0 + 16 hf + 8 e ..
+            float (&acc)[MW][NT][4] = jb ? acc1 : acc0;
+            u32 bb[NT][KSB][2];  // n-tile 2 hf + e: rows n0 + 16 hf + 8 e ..
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
+            for (int hf = 0; hf < HF; ++hf)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    bb[2 * hf + e][0] = e4m3_lo_to_f16x2(w[hf][2 * jb + e]);
-                    bb[2 * hf + e][1] = e4m3_hi_to_f16x2(w[hf][2 * jb + e]);
+                    const u32 wv = w[hf][2 * jb + e];
+                    if (FMT == 0) {
+                        bb[2 * hf + e][0][0] = e4m3_lo_to_f16x2(wv);
+                        bb[2 * hf + e][0][1] = e4m3_hi_to_f16x2(wv);
+                    } else {
+                        u32 h[4];
+                        int4x8_to_f16(wv, lt, h);
+                        bb[2 * hf + e][0][0] = h[0];
+                        bb[2 * hf + e][0][1] = h[1];
+                        bb[2 * hf + e][KSB - 1][0] = h[2];
+                        bb[2 * hf + e][KSB - 1][1] = h[3];
+                    }
                 }
-            const int ks = blk_first + i + jb;
 #pragma unroll
-            for (int m = 0; m < MW; ++m) {
-                u32 af[4];
-                ldsm_x4(q_base + (((m_first + m) * 16 + a_row) * QS + ks * 16 + a_col) * 2, af[0], af[1], af[2], af[3]);
+            for (int s = 0; s < KSB; ++s) {
+                const int ks = (blk_first + i + jb) * KSB + s;
 #pragma unroll
-                for (int n = 0; n < 4; ++n) mma_16816(acc[m][n], af, bb[n][0], bb[n][1]);
+                for (int m = 0; m < MW; ++m) {
+                    u32 af[4];
+                    ldsm_x4(q_base + (((m_first + m) * 16 + a_row) * QS + ks * 16 + a_col) * 2, af[0], af[1], af[2],
+                            af[3]);
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) mma_16816(acc[m][n], af, bb[n][s][0], bb[n][s][1]);
+                }
             }
         }
         i += nb;
@@ -1388,30 +1353,21 @@ __global__ void __launch_bounds__(THREADS, MT == 1 ? 2 : 1)
             rope_cb[k] = tb + rope_at(bq_row, (2 * k + bq_blk) & (C::RBK - 1));
         }
         zero();
-        if constexpr (WIDE) {
-            constexpr u32 LSTEP = 16 * C::KB, RSTEP = 16 * C::RB;  // 16 rows further
-            if (qk_half == 0) {
-                qk_blocks_wide<C::LB0, MW, C::QS>(0, 0, lat_cb, LSTEP, q_base, m_first, a_row, a_col, acc);
-                qk_store(acc, buf, false, false);
-            } else {
-                qk_blocks_wide<C::RBK, MW, C::QS>(C::LB, 0, rope_cb, RSTEP, q_base, m_first, a_row, a_col, acc);
-                qk_store(acc, buf, true, false);
-                zero();
-                qk_blocks_wide<C::LB - C::LB0, MW, C::QS>(C::LB0, C::LB0, lat_cb, LSTEP, q_base, m_first, a_row, a_col,
-                                                          acc);
-                qk_store(acc, buf, false, true);
-            }
-        } else if (qk_half == 0) {
-            qk_blocks_v2<C::LB0, MT, FMT, C::QS>(0, 0, lat_cb, q_base, a_row, a_col, lt, acc, SPLIT ? acc2 : acc);
+        // WIDE: the rows 16 further, a ring stage's 16 latent / rope rows on
+        constexpr u32 LSTEP = 16 * C::KB, RSTEP = 16 * C::RB;
+        if (qk_half == 0) {
+            qk_blocks_v2<C::LB0, MW, NT, FMT, C::QS>(0, 0, lat_cb, LSTEP, q_base, m_first, a_row, a_col, lt, acc,
+                                                     SPLIT ? acc2 : acc);
             join();
             qk_store(acc, buf, false, false);
         } else {
-            qk_blocks_v2<C::RBK, MT, FMT, C::QS>(C::LB, 0, rope_cb, q_base, a_row, a_col, lt, acc, SPLIT ? acc2 : acc);
+            qk_blocks_v2<C::RBK, MW, NT, FMT, C::QS>(C::LB, 0, rope_cb, RSTEP, q_base, m_first, a_row, a_col, lt, acc,
+                                                     SPLIT ? acc2 : acc);
             join();
             qk_store(acc, buf, true, false);
             zero();
-            qk_blocks_v2<C::LB - C::LB0, MT, FMT, C::QS>(C::LB0, C::LB0, lat_cb, q_base, a_row, a_col, lt, acc,
-                                                         SPLIT ? acc2 : acc);
+            qk_blocks_v2<C::LB - C::LB0, MW, NT, FMT, C::QS>(C::LB0, C::LB0, lat_cb, LSTEP, q_base, m_first, a_row,
+                                                             a_col, lt, acc, SPLIT ? acc2 : acc);
             join();
             qk_store(acc, buf, false, true);
         }
