@@ -13,10 +13,13 @@ per input set, the sets rotated so the cache is read from HBM, not L2), times th
 Bytes read = the attended cache rows once (codes + scales). Usage::
 
     python bench/gpu_attention.py [--smoke] [--out DIR] [--compare v1,v2,v2:mt2,v2:tiles4] [--no-torch]
+        [--heads 16,64,128] [--tiers fp8,int4]
 
 ``--smoke`` only checks every variant at small sizes (no timing). ``--compare`` times several
 kernel generations / head-group sizes of the CUDA backend side by side on the same data (each
-checked against float64) instead of the full table.
+checked against float64) instead of the full table, for the ``--heads`` and ``--tiers`` given; a
+variant is ``v1`` or ``v2`` with ``:knob`` suffixes, ``v2:wg1`` the warpgroup-MMA kernels for fp8
+at 64+ heads (``v2`` alone is ``wgmma=False``).
 """
 
 from __future__ import annotations
@@ -287,11 +290,12 @@ def compare(
     out_dir: Path | None,
     head_counts=(16, 64, 128),
     mm_rate: float | None = None,
+    tiers=TIERS,
 ) -> bool:
     """Time every kernel variant on the same inputs; print one row per problem."""
     backends = {spec: make_backend(spec) for spec in specs}
     plan = []
-    for tier in TIERS:
+    for tier in tiers:
         for heads in head_counts:
             for longest in (4097, 32768, 131072, 1 << 20):
                 plan.append((tier, [longest], heads, None))
@@ -359,6 +363,7 @@ def main() -> int:
     parser.add_argument("--compare", default=None, help="comma-separated kernel variants to time side by side")
     parser.add_argument("--no-torch", action="store_true", help="skip timing the pure-torch path")
     parser.add_argument("--heads", default="16,64,128", help="head counts of the --compare problems")
+    parser.add_argument("--tiers", default=",".join(TIERS), help="tiers of the --compare problems")
     parser.add_argument(
         "--one",
         default=None,
@@ -393,7 +398,8 @@ def main() -> int:
         )
         heads = tuple(int(h) for h in args.heads.split(","))
         specs = args.compare.split(",")
-        ok = compare(specs, copy_bw, props.L2_cache_size, args.seed, args.out, heads, mm_rate)
+        tiers = tuple(t for t in args.tiers.split(",") if t in TIERS)
+        ok = compare(specs, copy_bw, props.L2_cache_size, args.seed, args.out, heads, mm_rate, tiers)
         return 0 if ok else 1
     mm_rate = matmul_rate()
     print(

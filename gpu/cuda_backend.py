@@ -25,6 +25,7 @@ Tensors cross as raw device pointers; outputs and workspaces are torch tensors.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
 import os
 import threading
@@ -36,7 +37,15 @@ import torch
 
 from kvstore import tiers
 from kvstore.gpu import inputs, launch
-from kvstore.gpu.cuda_plan import MERGE_WIDTHS, KernelPlan, merge_width, plan_launch, runs_wgmma
+from kvstore.gpu.cuda_plan import (
+    MERGE_WIDTHS,
+    KernelPlan,
+    merge_width,
+    plan_launch,
+    runs_wgmma,
+    wgmma_by_default,
+    wgmma_for_call,
+)
 from kvstore.gpu.registry import AttentionBackend, spec_of
 from kvstore.gpu.torch_backend import decode_torch
 
@@ -55,6 +64,14 @@ MIN_CAPABILITY = (8, 9)
 #: The kernels' row format of each tier they decode (FMT in the source).
 _FORMAT = {tiers.FP8.name: 0, tiers.INT4.name: 1}
 _LOCK = threading.Lock()
+
+
+def _triton_version() -> str:
+    """The installed Triton's version ("" if none), read from its metadata (no import)."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def default_variant() -> str:
@@ -162,9 +179,15 @@ class CudaBackend(AttentionBackend):
         self._fast: dict[tuple, launch.ReplayedCall] = {}
         #: plain calls served from a cached plan (the benchmarks and tests read it)
         self.fast_calls = 0
-        #: fp8 calls with 64+ heads on sm_90 run the warpgroup-MMA kernels of kvstore.gpu.wgmma_kernels
-        #: (off unless asked: KVSTORE_GPU_WGMMA=1; they measure 8-15 % slower than v2, docs/GPU.md)
-        self.wgmma = (os.environ.get("KVSTORE_GPU_WGMMA", "0") == "1") if wgmma is None else bool(wgmma)
+        #: dense fp8 calls with 64+ heads on sm_90 may run the warpgroup-MMA kernels of
+        #: kvstore.gpu.wgmma_kernels (15-23 % faster than v2 from 128k rows, docs/GPU.md round 9):
+        #: by default on the Triton release they are tested with, for the calls of
+        #: cuda_plan.wgmma_for_call; wgmma=True or KVSTORE_GPU_WGMMA=1: every eligible call;
+        #: wgmma=False or KVSTORE_GPU_WGMMA=0: none
+        env = os.environ.get("KVSTORE_GPU_WGMMA")
+        self.wgmma = wgmma_by_default(_triton_version(), env) if wgmma is None else bool(wgmma)
+        #: every eligible call, plain calls of short contexts too (else cuda_plan.wgmma_for_call)
+        self.wgmma_always = env == "1" if wgmma is None else bool(wgmma)
         #: replay cached launch plans of plain calls (KVSTORE_GPU_REPLAY=0 turns it off, for A/B runs)
         self.replay = os.environ.get("KVSTORE_GPU_REPLAY", "1") != "0"
 
@@ -252,7 +275,8 @@ class CudaBackend(AttentionBackend):
             )
             fast_key = launch.signature(tier, softmax_scale, operands, out)
             fast = self._fast.get(fast_key) if fast_key is not None else None
-            if fast is not None:
+            # a plain call's plan (v2) of a call the warpgroup-MMA kernels take when captured
+            if fast is not None and not (fast.wgmma_when_captured and torch.cuda.is_current_stream_capturing()):
                 done = fast.run(operands, out)
                 if done is not None:
                     return done
@@ -309,8 +333,16 @@ class CudaBackend(AttentionBackend):
         seq_start_d, seq_len_d, indices_d, n_selected_d = as_device
         lc_codes, rc_codes = lc_codes.contiguous(), rc_codes.contiguous()
         lc_scales, rc_scales = lc_scales.contiguous(), rc_scales.contiguous()
-        if runs_wgmma(
+        wgmma_eligible = runs_wgmma(
             self.wgmma, self.capability, problem.tier.name, problem.selected is not None, heads, k, r, q_aligned
+        )
+        if wgmma_eligible and (
+            self.wgmma_always
+            or wgmma_for_call(
+                torch.cuda.is_current_stream_capturing(),
+                heads,
+                int(seq_len.clamp(min=0).sum()) if seq_len.device.type == "cpu" else None,
+            )
         ):
             from kvstore.gpu.wgmma_kernels import wide_decode  # Triton's Gluon: imported when first used
 
@@ -366,6 +398,7 @@ class CudaBackend(AttentionBackend):
                 lse,
                 result,
                 fast_key,
+                wgmma_eligible,
             )
         q16 = torch.empty((batch, plan.padded_heads, k + r), dtype=torch.float16, device=device)
         qmul = torch.empty((batch, plan.padded_heads, 2), dtype=torch.float32, device=device)
@@ -448,6 +481,7 @@ class CudaBackend(AttentionBackend):
         lse,
         result,
         fast_key=None,
+        wgmma_eligible=False,
     ):
         device = problem.device
         batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
@@ -503,11 +537,13 @@ class CudaBackend(AttentionBackend):
                 (merge, merge_grid, 4 * plan.n_splits, merge_args),
                 (o_part, o_scale, lse, n_live),
                 torch.cuda.current_stream(device).cuda_stream,
+                wgmma_eligible,
             )
         return result
 
-    def _remember(self, key, split, merge, workspace, stream: int) -> None:
-        """Keep the launch plan of a call that ran, for plain calls with the same signature."""
+    def _remember(self, key, split, merge, workspace, stream: int, wgmma_when_captured: bool) -> None:
+        """Keep the launch plan of a call that ran, for plain calls with the same signature (and, unless
+        ``wgmma_when_captured``, captured ones)."""
         driver = launch.driver_launch()
         split_fn, merge_fn = launch.function_pointer(split[0]), launch.function_pointer(merge[0])
         if driver is None or split_fn is None or merge_fn is None:
@@ -522,6 +558,7 @@ class CudaBackend(AttentionBackend):
                 launch.PackedLaunch(merge_fn, merge[1], (256, 1, 1), merge[2], merge[3]),
                 workspace,
                 stream,
+                wgmma_when_captured,
             )
 
     # -- public kernels -------------------------------------------------------------------------

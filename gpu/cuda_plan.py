@@ -4,7 +4,8 @@ from shapes and known bounds only, so it runs (and is tested) without a GPU.
 * :func:`plan_launch`: head groups per block and the split of every sequence into tiles, so that
   one wave of blocks fills the GPU;
 * :func:`merge_width`: output dims per block of ``mla_merge_v2``;
-* :func:`runs_wgmma`: whether a call goes to the opt-in warpgroup-MMA kernels instead.
+* :func:`wgmma_by_default` and :func:`runs_wgmma`: whether a call goes to the warpgroup-MMA
+  kernels instead.
 """
 
 from __future__ import annotations
@@ -12,7 +13,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MERGE_WIDTHS", "TILE_ROWS", "WGMMA_MIN_HEADS", "KernelPlan", "merge_width", "plan_launch", "runs_wgmma"]
+__all__ = [
+    "MERGE_WIDTHS",
+    "TILE_ROWS",
+    "WGMMA_MIN_HEADS",
+    "WGMMA_TRITON",
+    "KernelPlan",
+    "merge_width",
+    "plan_launch",
+    "runs_wgmma",
+    "wgmma_by_default",
+    "wgmma_for_call",
+]
 
 #: Rows per tile of mla_decode_split (BN in the kernel source).
 TILE_ROWS = 64
@@ -27,6 +39,37 @@ LONG_SPLIT_TILES = 4
 MERGE_WIDTHS = (512, 128, 32)
 #: Fewest heads for the warpgroup-MMA kernels (one 64-head block is a wgmma's M).
 WGMMA_MIN_HEADS = 64
+#: Triton releases (major.minor) whose Gluon the warpgroup-MMA kernels are written for and were
+#: tested with on the H200. Gluon's API changes between releases (3.9 renamed thread_barrier and
+#: replaced async_copy_global_to_shared), so on another release they are not used by default.
+WGMMA_TRITON = ("3.6",)
+
+
+#: A plain (not graph-captured) call through the warpgroup-MMA path pays three Triton launches on
+#: the host: 213 us a call on the H200's host against 38 us for v2's replayed launch plan
+#: (bench/gpu_host.py --heads 64, 32k rows). Plain calls take that path only when their lengths are
+#: on the host and heads x live rows reaches this: 64 heads x 512k rows, about 240 us of its GPU
+#: time, where the GPU time it saves exceeds that cost.
+WGMMA_PLAIN_MIN_HEAD_ROWS = 64 * (1 << 19)
+
+
+def wgmma_for_call(capturing: bool, heads: int, rows_on_host: int | None) -> bool:
+    """Whether an eligible call (:func:`runs_wgmma`) of a backend left to choose takes the
+    warpgroup-MMA kernels: always inside a CUDA-graph capture (a replay pays no host time); a plain
+    call when its live rows (summed over the batch) are known on the host and ``heads`` x rows
+    reaches :data:`WGMMA_PLAIN_MIN_HEAD_ROWS`."""
+    if capturing:
+        return True
+    return rows_on_host is not None and heads * rows_on_host >= WGMMA_PLAIN_MIN_HEAD_ROWS
+
+
+def wgmma_by_default(triton_version: str, env: str | None) -> bool:
+    """Whether a CUDA backend made without ``wgmma=`` sends eligible calls to the warpgroup-MMA
+    kernels: ``KVSTORE_GPU_WGMMA`` (``env``) "0" or "1" decides; otherwise yes when the installed
+    Triton (``triton_version``, "" if none) is a release of :data:`WGMMA_TRITON`."""
+    if env in ("0", "1"):
+        return env == "1"
+    return ".".join(triton_version.split(".")[:2]) in WGMMA_TRITON
 
 
 def runs_wgmma(
@@ -39,8 +82,8 @@ def runs_wgmma(
     qk_rope: int,
     aligned: bool,
 ) -> bool:
-    """Whether a call runs the warpgroup-MMA kernels of ``kvstore.gpu.wgmma_kernels``: asked for,
-    on sm_90 (their ``wgmma``), dense fp8 rows, 64+ heads, kv_lora 512 (two warpgroups of 256
+    """Whether a call runs the warpgroup-MMA kernels of ``kvstore.gpu.wgmma_kernels``: enabled
+    (:func:`wgmma_by_default`), on sm_90 (their ``wgmma``), dense fp8 rows, 64+ heads, kv_lora 512 (two warpgroups of 256
     context dims) and qk_rope 64 (the geometry they are built and tested for), and 16-byte aligned
     queries and rows (their 16-byte copies); else the v1/v2 kernels."""
     return (

@@ -153,8 +153,10 @@ def _current_device() -> int:
 class ReplayedCall:
     """A plain call replayed: new addresses in the packed arguments, workspaces kept per stream."""
 
-    def __init__(self, backend, driver, split, merge, workspace, stream: int):
+    def __init__(self, backend, driver, split, merge, workspace, stream: int, wgmma_when_captured: bool = False):
         self.backend = backend
+        #: the call takes the warpgroup-MMA kernels when captured in a CUDA graph (not this plan)
+        self.wgmma_when_captured = wgmma_when_captured
         self.driver = driver
         self.split = split
         self.merge = merge

@@ -1,34 +1,41 @@
 """Decode attention over fp8 code rows for 64 and more heads: warpgroup MMA on sm_90, in Gluon.
 
-Opt-in (``KVSTORE_GPU_WGMMA=1``, or ``CudaBackend(wgmma=True)``): on the H200 these kernels match
-the float64 reference like the ``mma.sync`` kernels of :mod:`kvstore.gpu.cuda_backend` but measure
-8-15 % slower than them (docs/GPU.md, round 8), so the default stays there. They are kept as the
-base of the warpgroup-MMA route, with the measurements that say where their time goes.
+The default for dense fp8 calls of 64+ heads on sm_90 (``KVSTORE_GPU_WGMMA=0`` or
+``CudaBackend(wgmma=False)`` sends them to the ``mma.sync`` kernels of
+:mod:`kvstore.gpu.cuda_backend`). On the H200 it is 15-22 % faster than those from 128k rows at 64
+and 128 heads, within 4 % of them at 32k rows (docs/GPU.md, round 9); it matches the float64
+reference within the same bound.
 
 At 64 and more heads a decode step is bound by the tensor cores, not by the rows' bytes: per row,
-2·H·(2K+R) flops against 584 bytes (fp8). Plain Triton keeps a 64-head query in registers beside
-the 64 x 512 context and spills, so these kernels are written in Gluon (Triton's explicit-layout
-dialect): the query, the converted row tile and the softmax weights live in shared memory, the
-context in the accumulators of two warpgroups (256 output dims each).
+2·H·(2K+R) flops against 584 bytes (fp8). One program holds 64 heads (a warpgroup MMA's M) and a
+split of one sequence's rows, and its warps are specialized (Gluon's ``warp_specialize``):
 
-``_wide_split``: one wave of programs per 64-head block, the head block varying fastest (the
-programs of one split for every head block run side by side, so a split's rows come from HBM once
-and from L2 for the other head blocks). Each program derives the plan of
-:func:`kvstore.gpu.triton_backend._split_plan` from the live lengths and walks its split in
-``BLOCK_N``-row tiles (``_attend``):
+* the **scores warpgroup** (4 warps, the default partition) scores each 64-row tile against the
+  query (``query · tileᵀ``, both operands in shared memory: the query in f16 with a power-of-two
+  scale per head, the tile's codes converted to f16, exact), runs the online softmax, and hands
+  the weights (f16, scaled by a power of two per tile) and the context's rescale to the context
+  warpgroups through shared memory. Then, while they multiply, it fetches the next tile's codes
+  (all its loads in flight at once), converts them into the other slot of a two-slot ring once
+  that slot is free, and asks L2 for the tile after next;
+* the **context warpgroups** (8 warps, 256 of the 512 context dims each) keep the context in their
+  accumulators: per tile, ``context = context x rescale + weights · tile``.
 
-1. the codes of the tile after next are copied into a two-slot ring (cp.async);
-2. scores = query · tileᵀ (the query in f16 with a power-of-two scale per head; latent and rope
-   products apart, each times its row scales);
-3. online softmax; the weights times the row scales go to shared memory in f16, scaled by a power
-   of two per tile so small weights stay normal;
-4. context += weights · tile (the tile's codes converted to f16, exact: e4m3 values are f16
-   values); then the next tile's codes are converted from the ring into the MMA tile.
+Triton gives every partition the same register budget (65536 / 384 threads = 168): the context
+warpgroups need 154 for their 128 accumulators, which leaves no room for a third, producer
+warpgroup (at 512 threads the budget is 128) and no shared memory for a raw-code ring beside the
+query and the two f16 tiles (224 KB). So the scores warpgroup fetches, and it does so after its
+softmax, when its score accumulators are dead: fetching during the score product spilled and
+measured 20 % slower.
 
-fp8 NaN codes (0x7F, 0xFF) read as 0 (FORMAT.md). Clearing them costs a pass over every code, so a
-split runs as it is and only one whose softmax sums came out NaN runs again with the codes cleared.
+The split plan is derived on the device from the lengths (as the f32 kernels of
+:mod:`kvstore.gpu.triton_backend`), so a CUDA graph replays at any lengths; the query is staged by
+one small kernel before (``_stage_query``) and the partials merged by
+:func:`kvstore.gpu.triton_backend.merge_partials` after.
 
-The merge is :func:`kvstore.gpu.triton_backend.merge_partials` over the same plan.
+fp8 NaN codes (0x7F, 0xFF) read as 0 (FORMAT.md). Clearing them costs several instructions per
+code word, so tiles are converted as they are; a NaN code makes its row's scores NaN for every
+head, and a tile whose scores show one is converted again with the codes cleared and scored again,
+before its weights go out.
 """
 
 from __future__ import annotations
@@ -37,7 +44,12 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from kvstore.gpu import triton_backend
 
@@ -47,231 +59,324 @@ __all__ = ["BLOCK_H", "wide_decode"]
 BLOCK_H = 64
 #: Rows per tile.
 BLOCK_N = 64
-#: Warps per program: two warpgroups, each holding 256 of the context's 512 dims.
-WARPS = 8
-#: Programs per multiprocessor (each holds 224 KB of shared memory).
+#: Warps of the scores warpgroup (the default partition) and of the context warpgroups.
+SCORES_WARPS = 4
+CONTEXT_WARPS = 8
+#: Registers per thread of every partition (Triton's cap for 384 threads).
+PARTITION_REGS = 168
+#: Programs per multiprocessor (each holds 226 KB of shared memory).
 PROGRAMS_PER_SM = 1
 #: Fewest tiles a split reads.
 MIN_TILES = 1
-#: Code columns converted at a time (256 measured 3-5 % faster than 128 on the H200).
-CHUNK = 256
+#: How many tiles ahead the scores warpgroup asks L2 for a tile's rows (3 measured the same as 2).
+PREFETCH_TILES = 2
 
 
 @gluon.jit
-def _issue_tile(
-    lc,
-    rc,
-    ring_l,
-    ring_r,
-    start,
-    n0,
-    hi,
-    K: gl.constexpr,
-    R: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    CP_L: gl.constexpr,
-    CP_R: gl.constexpr,
-):
-    """Start copying a tile's codes into a ring slot (cp.async, 16 bytes a thread) as one commit
-    group; rows at or past ``hi`` are not read (their scores are masked)."""
-    n_l = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP_L))
-    k = gl.arange(0, K, layout=gl.SliceLayout(0, CP_L))
-    async_copy.async_copy_global_to_shared(
-        ring_l, lc + (start + n_l)[:, None] * K + k[None, :], mask=(n_l < hi)[:, None]
-    )
-    n_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CP_R))
-    r = gl.arange(0, R, layout=gl.SliceLayout(0, CP_R))
-    async_copy.async_copy_global_to_shared(
-        ring_r, rc + (start + n_r)[:, None] * R + r[None, :], mask=(n_r < hi)[:, None]
-    )
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _convert_tile(
-    ring_l,
-    ring_r,
-    dst_l,
-    dst_r,
-    K: gl.constexpr,
-    R: gl.constexpr,
-    CHUNK: gl.constexpr,
-    CLEAN: gl.constexpr,
-    RAW_L: gl.constexpr,
-    RAW_R: gl.constexpr,
-):
-    """A landed ring slot's codes to f16 in the MMA tile, ``CHUNK`` columns at a time (few registers
-    live beside the context)."""
-    for c in gl.static_range(K // CHUNK):
-        raw = ring_l.slice(c * CHUNK, CHUNK, dim=1).load(RAW_L)
-        dst_l.slice(c * CHUNK, CHUNK, dim=1).store(_e4m3_f16(raw, CLEAN))
-    dst_r.store(_e4m3_f16(ring_r.load(RAW_R), CLEAN))
-
-
-@gluon.jit
-def _row_scales(ls, rs, start, n0, hi, BLOCK_N: gl.constexpr, COL: gl.constexpr):
-    n = n0 + gl.arange(0, BLOCK_N, layout=COL)
-    return gl.load(ls + start + n, mask=n < hi, other=0.0), gl.load(rs + start + n, mask=n < hi, other=0.0)
+def _opaque_zero(x):
+    """0, at an index the compiler cannot fold: MMA operands taken at it have their 64-bit
+    descriptors built in the loop rather than hoisted out of it, where they spill."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _e4m3_f16(raw, CLEAN: gl.constexpr):
-    """e4m3 codes to f16 (exact); with CLEAN the NaN codes read as 0."""
+    """e4m3 codes to f16, four codes per 32-bit word (a u8 tensor operated on element by element
+    would take a register per code); with CLEAN the NaN codes (0x7F, 0xFF) read as 0, else they
+    stay NaN."""
     if CLEAN:
-        raw = gl.where((raw & 0x7F) == 0x7F, 0, raw).to(gl.uint8)
-    return raw.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        # t: a code's low 7 bits xor 0x7F (0 for NaN); (t + 0x7F) | t has bit 7 set where t != 0,
+        # no carry crossing bytes; prmt spreads each byte's bit 7 over its byte: the keep-mask
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, nz;
+            .reg .b16 lo, hi;
+            and.b32 t, $2, 0x7F7F7F7F;
+            xor.b32 t, t, 0x7F7F7F7F;
+            add.u32 nz, t, 0x7F7F7F7F;
+            or.b32 nz, nz, t;
+            prmt.b32 nz, nz, 0, 0xBA98;
+            and.b32 t, $2, nz;
+            mov.b32 {lo, hi}, t;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            "=r,=r,r",
+            [raw],
+            dtype=gl.float16,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }""",
+            "=r,=r,r",
+            [raw],
+            dtype=gl.float16,
+            is_pure=True,
+            pack=4,
+        )
 
 
 @gluon.jit
-def _scores(
-    q_l, q_r, t_l, t_r, sc_l, sc_r, q_unscale, MMA_S: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr
+def _load_codes(
+    codes, start, n0, hi, col0, STRIDE: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, RAW: gl.constexpr
 ):
-    zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, MMA_S)
-    s_l = warpgroup_mma(q_l, t_l.permute((1, 0)), zero, is_async=True)
-    s_r = warpgroup_mma(q_r, t_r.permute((1, 0)), zero, is_async=True)
-    s_l, s_r = warpgroup_mma_wait(0, deps=[s_l, s_r])
-    return (s_l * sc_l[None, :] + s_r * sc_r[None, :]) * q_unscale[:, None]
+    """Codes [n0, n0 + ROWS) x [col0, col0 + COLS) of rows ``STRIDE`` bytes wide; rows at or past
+    ``hi`` read as 0."""
+    n = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, RAW))
+    k = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, RAW))
+    return gl.load(codes + (start + n)[:, None] * STRIDE + k[None, :], mask=(n < hi)[:, None], other=0)
 
 
 @gluon.jit
-def _attend(
-    rows,
-    bufs,
+def _prefetch_l2(base, LINES: gl.constexpr, L: gl.constexpr):
+    """Ask L2 for ``LINES`` 128-byte lines from ``base`` (no registers held, nothing waited for)."""
+    line = gl.arange(0, LINES, layout=L)
+    gl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + line * 128], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _prefetch_tile(lc, rc, start, n0, hi, K: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A tile's code rows into L2 ahead of its loads, when the tile starts before ``hi``."""
+    PF: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    if n0 < hi:
+        _prefetch_l2(lc + (start + n0) * K, BLOCK_N * K // 128, PF)
+        _prefetch_l2(rc + (start + n0) * R, BLOCK_N * R // 128, PF)
+
+
+@gluon.jit
+def _fetch_tile(lc, ls, rc, rs, start, n0, hi, K: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A tile's codes and row scales from global memory into registers, every load in flight at
+    once (74 registers): the rope codes, four quarters of the latent columns (each whole 128-byte
+    swizzle blocks of the MMA tile), the latent and rope scales."""
+    QC: gl.constexpr = K // 4
+    RAW_L: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (QC // 16), QC // 16], [4, 1], [1, 0])
+    RAW_R: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (R // 16), R // 16], [4, 1], [1, 0])
+    SC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    raw_r = _load_codes(rc, start, n0, hi, 0, R, BLOCK_N, R, RAW_R)
+    raw0 = _load_codes(lc, start, n0, hi, 0, K, BLOCK_N, QC, RAW_L)
+    raw1 = _load_codes(lc, start, n0, hi, QC, K, BLOCK_N, QC, RAW_L)
+    raw2 = _load_codes(lc, start, n0, hi, 2 * QC, K, BLOCK_N, QC, RAW_L)
+    raw3 = _load_codes(lc, start, n0, hi, 3 * QC, K, BLOCK_N, QC, RAW_L)
+    n_s = n0 + gl.arange(0, BLOCK_N, layout=SC)
+    s_l = gl.load(ls + start + n_s, mask=n_s < hi, other=0.0)
+    s_r = gl.load(rs + start + n_s, mask=n_s < hi, other=0.0)
+    return raw_r, raw0, raw1, raw2, raw3, s_l, s_r
+
+
+@gluon.jit
+def _put_tile(fetched, t_l, t_r, sc_sh, slot, K: gl.constexpr, CLEAN: gl.constexpr):
+    """A fetched tile (:func:`_fetch_tile`) to f16 in ring slot ``slot``, with its row scales."""
+    QC: gl.constexpr = K // 4
+    raw_r, raw0, raw1, raw2, raw3, s_l, s_r = fetched
+    dst_l = t_l.index(slot)
+    t_r.index(slot).store(_e4m3_f16(raw_r, CLEAN))
+    dst_l.slice(0, QC, dim=1).store(_e4m3_f16(raw0, CLEAN))
+    dst_l.slice(QC, QC, dim=1).store(_e4m3_f16(raw1, CLEAN))
+    dst_l.slice(2 * QC, QC, dim=1).store(_e4m3_f16(raw2, CLEAN))
+    dst_l.slice(3 * QC, QC, dim=1).store(_e4m3_f16(raw3, CLEAN))
+    sc_sh.index(2 * slot).store(s_l)
+    sc_sh.index(2 * slot + 1).store(s_r)
+
+
+@gluon.jit
+def _softmax_step(
+    s_l,
+    s_r,
+    sc_sh,
+    p_sh,
+    alpha_sh,
+    p_full,
+    p_empty,
+    q_unscale,
+    peak,
+    denom,
+    unit,
+    n0,
+    hi,
+    j,
+    ring,
+    BLOCK_N: gl.constexpr,
+    MMA_S: gl.constexpr,
+):
+    """One tile's online-softmax step; the weights (f16) and the context's rescale go to the
+    context warpgroups. Returns (peak, denom, unit): the context is held over ``unit``, the last
+    tile's weight scale."""
+    COL_S: gl.constexpr = gl.SliceLayout(0, MMA_S)
+    sc_l = sc_sh.index(2 * ring).load(COL_S)
+    sc_r = sc_sh.index(2 * ring + 1).load(COL_S)
+    s = (s_l * sc_l[None, :] + s_r * sc_r[None, :]) * q_unscale[:, None]
+    n = n0 + gl.arange(0, BLOCK_N, layout=COL_S)
+    s = gl.where((n < hi)[None, :], s, float("-inf"))
+    new_peak = gl.maximum(peak, gl.max(s, 1))
+    p = gl.exp2(s - new_peak[:, None])
+    rescale = gl.exp2(peak - new_peak)
+    denom = denom * rescale + gl.sum(p, 1)
+    top = gl.max(sc_l, 0)
+    top = gl.where(top > 0, top, 1.0)
+    new_unit = top / 32768.0  # weights x row scale / top <= 1, times 2^15 in f16
+    p16 = (p * (sc_l * (32768.0 / top))[None, :]).to(gl.float16)
+    # the context warpgroups are done with the previous weights
+    mbarrier.wait(p_empty, (j & 1) ^ 1)
+    p_sh.store(p16)
+    alpha_sh.store(rescale * (unit / new_unit))
+    fence_async_shared()
+    mbarrier.arrive(p_full)
+    return new_peak, denom, new_unit
+
+
+@gluon.jit
+def _scores_partition(
+    q_l3,
+    q_r3,
+    q_unscale,
+    lc,
+    ls,
+    rc,
+    rs,
+    t_l,
+    t_r,
+    sc_sh,
+    p_sh,
+    alpha_sh,
+    fin_sh,
+    empty,
+    p_full,
+    p_empty,
+    fin,
+    start,
+    lo,
+    hi,
+    hb,
+    slot,
+    programs,
+    heads,
+    part_lse,
     K: gl.constexpr,
     R: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
-    CHUNK: gl.constexpr,
-    CLEAN: gl.constexpr,
-    RAW_L: gl.constexpr,
-    RAW_R: gl.constexpr,
-    CP_L: gl.constexpr,
-    MMA_S: gl.constexpr,
-    MMA_O: gl.constexpr,
+    PREFETCH_TILES: gl.constexpr,
 ):
-    """Rows [lo, hi) of one sequence against the block's heads: (context over unit, peak, denom, unit).
-
-    ``rows`` = (lc, ls, rc, rs, start, lo, hi); ``bufs`` = the shared-memory buffers and the query's
-    unscale (q_l3, q_r3, q_unscale, t_l3, t_r3, p_sh, ring_l, ring_r)."""
-    lc, ls, rc, rs, start, lo, hi = rows
-    q_l3, q_r3, q_unscale, t_l3, t_r3, p_sh, ring_l, ring_r = bufs
-    ROW_O: gl.constexpr = gl.SliceLayout(1, MMA_O)
-    COL_S: gl.constexpr = gl.SliceLayout(0, MMA_S)
-    t_l = t_l3.index(0)
-    t_r = t_r3.index(0)
-    # two tiles in flight; the first converted
-    _issue_tile(lc, rc, ring_l.index(0), ring_r.index(0), start, lo, hi, K, R, BLOCK_N, CP_L, RAW_R)
-    _issue_tile(lc, rc, ring_l.index(1), ring_r.index(1), start, lo + BLOCK_N, hi, K, R, BLOCK_N, CP_L, RAW_R)
-    async_copy.wait_group(1)
-    gl.thread_barrier()
-    _convert_tile(ring_l.index(0), ring_r.index(0), t_l, t_r, K, R, CHUNK, CLEAN, RAW_L, RAW_R)
-    sc_l, sc_r = _row_scales(ls, rs, start, lo, hi, BLOCK_N, COL_S)
+    """The scores warpgroup (see the module): per tile, scores, softmax, weights out; then the
+    next tile into the ring. At the end the log2-sum-exp, and the context's normalization for the
+    context warpgroups."""
+    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    ROW_S: gl.constexpr = gl.SliceLayout(1, MMA_S)
+    peak = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
+    denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
+    unit = 1.0
+    _prefetch_tile(lc, rc, start, lo + BLOCK_N, hi, K, R, BLOCK_N)
+    _put_tile(_fetch_tile(lc, ls, rc, rs, start, lo, hi, K, R, BLOCK_N), t_l, t_r, sc_sh, 0, K, False)
     fence_async_shared()
     gl.thread_barrier()
-
-    peak = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, MMA_S))
-    denom = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, MMA_S))
-    ctx = gl.zeros([BLOCK_H, K], gl.float32, MMA_O)
-    unit = 1.0  # ctx holds the context over `unit` (the last tile's weight scale)
-    ring = 0  # the ring slot of this tile (converted already); the next tile's is 1 - ring
-    for n0 in range(lo, hi, BLOCK_N):
-        # this tile's slot is free again: the tile after next into it
-        _issue_tile(
-            lc, rc, ring_l.index(ring), ring_r.index(ring), start, n0 + 2 * BLOCK_N, hi, K, R, BLOCK_N, CP_L, RAW_R
-        )
-        # the MMA operands at an index the compiler cannot fold: their descriptors are built here
-        # rather than hoisted out of the loop, where 72 64-bit descriptors spill
-        z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [n0], dtype=gl.int32, is_pure=False, pack=1)
-        s = _scores(
-            q_l3.index(z), q_r3.index(z), t_l3.index(z), t_r3.index(z), sc_l, sc_r, q_unscale, MMA_S, BLOCK_H, BLOCK_N
-        )
-        n = n0 + gl.arange(0, BLOCK_N, layout=COL_S)
-        s = gl.where((n < hi)[None, :], s, float("-inf"))
-        new_peak = gl.maximum(peak, gl.max(s, 1))
-        p = gl.exp2(s - new_peak[:, None])
-        rescale = gl.exp2(peak - new_peak)
-        denom = denom * rescale + gl.sum(p, 1)
-        top = gl.max(sc_l, 0)
-        top = gl.where(top > 0, top, 1.0)
-        new_unit = top / 32768.0  # weights x row scale / top <= 1, times 2^15 in f16
-        p_sh.store((p * (sc_l * (32768.0 / top))[None, :]).to(gl.float16))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = ctx * gl.convert_layout(rescale * (unit / new_unit), ROW_O)[:, None]
-        ctx_tok = warpgroup_mma(p_sh, t_l3.index(z), acc, is_async=True)
-        sc_l, sc_r = _row_scales(ls, rs, start, n0 + BLOCK_N, hi, BLOCK_N, COL_S)
-        ctx = warpgroup_mma_wait(0, deps=[ctx_tok])
-        # the next tile (issued a tile ago) into the MMA tile
-        ring = 1 - ring
-        async_copy.wait_group(1)
-        gl.thread_barrier()
-        _convert_tile(ring_l.index(ring), ring_r.index(ring), t_l, t_r, K, R, CHUNK, CLEAN, RAW_L, RAW_R)
-        fence_async_shared()
-        gl.thread_barrier()
-        unit = new_unit
-        peak = new_peak
-    async_copy.wait_group(0)  # the copies past the split (zero-filled) land before the ring is reused
-    gl.thread_barrier()
-    return ctx, peak, denom, unit
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    j = 0
+    redo = 0  # this tile is scored again, its NaN codes cleared
+    while j < n_tiles:
+        n0 = lo + j * BLOCK_N
+        ring = j % 2
+        z = _opaque_zero(j)
+        zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, MMA_S)
+        s_l = warpgroup_mma(q_l3.index(z), t_l.index(ring).permute((1, 0)), zero, is_async=True)
+        s_r = warpgroup_mma(q_r3.index(z), t_r.index(ring).permute((1, 0)), zero, is_async=True)
+        s_l, s_r = warpgroup_mma_wait(0, deps=[s_l, s_r])
+        if redo == 0 and gl.max(gl.max(gl.where((s_l != s_l) | (s_r != s_r), 1, 0), 1), 0) > 0:
+            # the slot is this warpgroup's until the tile's weights go out
+            _put_tile(_fetch_tile(lc, ls, rc, rs, start, n0, hi, K, R, BLOCK_N), t_l, t_r, sc_sh, ring, K, True)
+            fence_async_shared()
+            gl.thread_barrier()
+            redo = 1
+        else:
+            redo = 0
+            peak, denom, unit = _softmax_step(
+                s_l,
+                s_r,
+                sc_sh,
+                p_sh,
+                alpha_sh,
+                p_full,
+                p_empty,
+                q_unscale,
+                peak,
+                denom,
+                unit,
+                n0,
+                hi,
+                j,
+                ring,
+                BLOCK_N,
+                MMA_S,
+            )
+            # while the context warpgroups multiply this tile: a later tile into L2, and the next
+            # into the other slot once they are done with it (tile j - 1)
+            _prefetch_tile(lc, rc, start, n0 + PREFETCH_TILES * BLOCK_N, hi, K, R, BLOCK_N)
+            fetched = _fetch_tile(lc, ls, rc, rs, start, n0 + BLOCK_N, hi, K, R, BLOCK_N)
+            mbarrier.wait(empty.index(1 - ring), (((j + 1) // 2) & 1) ^ 1)
+            _put_tile(fetched, t_l, t_r, sc_sh, 1 - ring, K, False)
+            fence_async_shared()
+            gl.thread_barrier()
+            j += 1
+    fin_sh.store(unit / denom)
+    mbarrier.arrive(fin)
+    h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
+    gl.store(part_lse + h_s.to(gl.int64) * programs + slot, peak + gl.log2(denom), mask=h_s < heads)
 
 
 @gluon.jit
-def _store_partial(
-    ctx,
-    peak,
-    denom,
-    unit,
+def _context_partition(
+    t_l,
+    p_sh,
+    alpha_sh,
+    fin_sh,
+    empty,
+    p_full,
+    p_empty,
+    fin,
+    lo,
+    hi,
     hb,
     slot,
     programs,
     heads,
     part_ctx,
-    part_lse,
     K: gl.constexpr,
     BLOCK_H: gl.constexpr,
-    MMA_S: gl.constexpr,
-    MMA_O: gl.constexpr,
+    BLOCK_N: gl.constexpr,
 ):
-    """The normalized partial context and the log2-sum-exp of the block's heads, in slot ``slot``."""
+    """The context warpgroups: context = context x rescale + weights · tile, per tile; at the end
+    the normalized partial context in slot ``slot``."""
+    MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, K // 2, 16])
     ROW_O: gl.constexpr = gl.SliceLayout(1, MMA_O)
-    ctx = ctx * gl.convert_layout(unit / denom, ROW_O)[:, None]
+    ctx = gl.zeros([BLOCK_H, K], gl.float32, MMA_O)
+    for j in range(gl.cdiv(hi - lo, BLOCK_N)):
+        ring = j % 2
+        mbarrier.wait(p_full, j & 1)
+        acc = ctx * alpha_sh.load(ROW_O)[:, None]
+        tok = warpgroup_mma(p_sh, t_l.index(ring), acc, is_async=True)
+        ctx = warpgroup_mma_wait(0, deps=[tok])
+        mbarrier.arrive(p_empty)
+        mbarrier.arrive(empty.index(ring))
+    mbarrier.wait(fin, 0)
+    ctx = ctx * fin_sh.load(ROW_O)[:, None]
     h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_O)
     kk = gl.arange(0, K, layout=gl.SliceLayout(0, MMA_O))
     row_of = h.to(gl.int64) * programs + slot
     gl.store(part_ctx + row_of[:, None] * K + kk[None, :], ctx, mask=(h < heads)[:, None])
-    h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, MMA_S))
-    gl.store(part_lse + h_s.to(gl.int64) * programs + slot, peak + gl.log2(denom), mask=h_s < heads)
-
-
-@gluon.jit
-def _split_pass(
-    rows,
-    bufs,
-    dest,
-    K: gl.constexpr,
-    R: gl.constexpr,
-    BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    CHUNK: gl.constexpr,
-    CLEAN: gl.constexpr,
-    RAW_L: gl.constexpr,
-    RAW_R: gl.constexpr,
-    CP_L: gl.constexpr,
-    MMA_S: gl.constexpr,
-    MMA_O: gl.constexpr,
-):
-    """One pass over a split's rows, its partial stored (so no context stays live across a second
-    pass: it would spill); returns the softmax sums."""
-    hb, slot, programs, heads, part_ctx, part_lse = dest
-    ctx, peak, denom, unit = _attend(rows, bufs, K, R, BLOCK_H, BLOCK_N, CHUNK, CLEAN, RAW_L, RAW_R, CP_L, MMA_S, MMA_O)
-    _store_partial(ctx, peak, denom, unit, hb, slot, programs, heads, part_ctx, part_lse, K, BLOCK_H, MMA_S, MMA_O)
-    return denom
 
 
 @gluon.jit
 def _wide_split(
-    q_lat,
-    q_rope,
+    q16,
+    q_unscales,
     lc,
     ls,
     rc,
@@ -280,36 +385,30 @@ def _wide_split(
     seq_len,
     part_ctx,
     part_lse,
-    stride_qb,
-    stride_qh,
-    stride_rb,
-    stride_rh,
     batch,
     heads,
+    heads_pad,
     programs,
-    scale_log2,
     K: gl.constexpr,
     R: gl.constexpr,
     BP: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
     MIN_TILES: gl.constexpr,
-    CHUNK: gl.constexpr,
+    CONTEXT_WARPS: gl.constexpr,
+    PARTITION_REGS: gl.constexpr,
+    PREFETCH_TILES: gl.constexpr,
 ):
-    gl.static_assert(K == 512, "two warpgroups of 256 context dims")
-    # register layouts: code tiles 16 bytes per thread per row chunk; the two products' accumulators
-    RAW_L: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (CHUNK // 16), CHUNK // 16], [8, 1], [1, 0])
-    RAW_R: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (R // 16), R // 16], [8, 1], [1, 0])
-    CP_L: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [8, 1], [1, 0])
-    RING: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    Q_L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])
-    PLAN: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
-    ROW_S: gl.constexpr = gl.SliceLayout(1, MMA_S)
+    """One split of one sequence against one 64-head block (program (head block, slot))."""
+    gl.static_assert(K == 512, "two context warpgroups of 256 dims each")
+    PLAN: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    Q_R: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R // 8), R // 8], [4, 1], [1, 0])
+    MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     SH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     SH_R: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * R if R < 64 else 128, element_bitwidth=16, rank=2)
     SH_P: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     hb = gl.program_id(0)
     slot = gl.program_id(1)
@@ -327,40 +426,147 @@ def _wide_split(
     hi = gl.minimum(lo + per_split * BLOCK_N, length)
     if lo < hi:
         start = gl.load(seq_start + b).to(gl.int64)
-        # the query: f16 with a power-of-two scale per head (max |q| just under 2^14) in shared memory
-        hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q_L))
-        kq = gl.arange(0, K, layout=gl.SliceLayout(0, Q_L))
-        rq = gl.arange(0, R, layout=gl.SliceLayout(0, Q_L))
-        q = gl.load(
-            q_lat + b * stride_qb + hq[:, None] * stride_qh + kq[None, :], mask=(hq < heads)[:, None], other=0.0
-        )
-        qr = gl.load(
-            q_rope + b * stride_rb + hq[:, None] * stride_rh + rq[None, :], mask=(hq < heads)[:, None], other=0.0
-        )
-        amax = gl.maximum(gl.max(gl.abs(q), 1), gl.max(gl.abs(qr), 1))
-        amax = gl.where(amax > 0, amax, 1.0)
-        q_scale = gl.exp2(gl.floor(gl.log2(16384.0 / amax)))
-        # [1, ...] buffers: the loop takes them at an index the compiler cannot fold (see _attend)
+        # the staged query into shared memory with cp.async (no registers held)
         q_l3 = gl.allocate_shared_memory(gl.float16, [1, BLOCK_H, K], SH_L)
         q_r3 = gl.allocate_shared_memory(gl.float16, [1, BLOCK_H, R], SH_R)
-        q_l3.index(0).store((q * q_scale[:, None]).to(gl.float16))
-        q_r3.index(0).store((qr * q_scale[:, None]).to(gl.float16))
-        q_unscale = gl.convert_layout(scale_log2 / q_scale, ROW_S)
-        t_l3 = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, K], SH_L)
-        t_r3 = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, R], SH_R)
+        hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q_L))
+        kq = gl.arange(0, K, layout=gl.SliceLayout(0, Q_L))
+        hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, Q_R))
+        rq = gl.arange(0, R, layout=gl.SliceLayout(0, Q_R))
+        q_row = (b * heads_pad + hq).to(gl.int64) * (K + R)
+        async_copy.async_copy_global_to_shared(q_l3.index(0), q16 + q_row[:, None] + kq[None, :])
+        r_row = (b * heads_pad + hr).to(gl.int64) * (K + R) + K
+        async_copy.async_copy_global_to_shared(q_r3.index(0), q16 + r_row[:, None] + rq[None, :])
+        async_copy.commit_group()
+        hs = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, MMA_S))
+        q_unscale = gl.load(q_unscales + b * heads_pad + hs)
+        # the two-slot ring of f16 tiles and their row scales; the weights and rescale handed over
+        t_l = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, K], SH_L)
+        t_r = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, R], SH_R)
+        sc_sh = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N], FLAT)
         p_sh = gl.allocate_shared_memory(gl.float16, [BLOCK_H, BLOCK_N], SH_P)
-        ring_l = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, K], RING)
-        ring_r = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, R], RING)
+        alpha_sh = gl.allocate_shared_memory(gl.float32, [BLOCK_H], FLAT)
+        fin_sh = gl.allocate_shared_memory(gl.float32, [BLOCK_H], FLAT)
+        # empty[s]: the context warpgroups are done with slot s; p_full / p_empty: the weights are
+        # out / read; fin: the normalization is out
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(3):
+            mbarrier.init(bars.index(i), count=1)
+        p_full = bars.index(0)
+        p_empty = bars.index(1)
+        fin = bars.index(2)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (
+                    _scores_partition,
+                    (
+                        q_l3,
+                        q_r3,
+                        q_unscale,
+                        lc,
+                        ls,
+                        rc,
+                        rs,
+                        t_l,
+                        t_r,
+                        sc_sh,
+                        p_sh,
+                        alpha_sh,
+                        fin_sh,
+                        empty,
+                        p_full,
+                        p_empty,
+                        fin,
+                        start,
+                        lo,
+                        hi,
+                        hb,
+                        slot,
+                        programs,
+                        heads,
+                        part_lse,
+                        K,
+                        R,
+                        BLOCK_H,
+                        BLOCK_N,
+                        PREFETCH_TILES,
+                    ),
+                ),
+                (
+                    _context_partition,
+                    (
+                        t_l,
+                        p_sh,
+                        alpha_sh,
+                        fin_sh,
+                        empty,
+                        p_full,
+                        p_empty,
+                        fin,
+                        lo,
+                        hi,
+                        hb,
+                        slot,
+                        programs,
+                        heads,
+                        part_ctx,
+                        K,
+                        BLOCK_H,
+                        BLOCK_N,
+                    ),
+                ),
+            ],
+            [CONTEXT_WARPS],
+            [PARTITION_REGS],
+        )
 
-        rows = (lc, ls, rc, rs, start, lo, hi)
-        bufs = (q_l3, q_r3, q_unscale, t_l3, t_r3, p_sh, ring_l, ring_r)
-        dest = (hb, slot, programs, heads, part_ctx, part_lse)
-        denom = _split_pass(rows, bufs, dest, K, R, BLOCK_H, BLOCK_N, CHUNK, False, RAW_L, RAW_R, CP_L, MMA_S, MMA_O)
-        # fp8 NaN codes (0x7F, 0xFF) read as 0: clearing them costs a pass over every code, so the
-        # split runs as it is, and only a split whose softmax sums came out NaN runs again with the
-        # codes cleared
-        if gl.max(gl.where(denom != denom, 1, 0), 0) > 0:
-            _split_pass(rows, bufs, dest, K, R, BLOCK_H, BLOCK_N, CHUNK, True, RAW_L, RAW_R, CP_L, MMA_S, MMA_O)
+
+@gluon.jit
+def _stage_query(
+    q_lat,
+    q_rope,
+    q16,
+    q_unscales,
+    stride_qb,
+    stride_qh,
+    stride_rb,
+    stride_rh,
+    heads,
+    heads_pad,
+    scale_log2,
+    K: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_H: gl.constexpr,
+):
+    """64 heads of one sequence's query as the score product's operand: f16 with a power-of-two
+    scale per head (max |q| just under 2^14) in q16[B, heads_pad, K + R], and per head the factor
+    that takes a score back to log2 units. (In the split kernel the scores warpgroup would hold it
+    in 256 registers a thread.)"""
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])
+    LR: gl.constexpr = gl.BlockedLayout([1, 2], [32 // (R // 2), R // 2], [8, 1], [1, 0])
+    b = gl.program_id(1)
+    hb = gl.program_id(0)
+    h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L))
+    k = gl.arange(0, K, layout=gl.SliceLayout(0, L))
+    hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LR))
+    r = gl.arange(0, R, layout=gl.SliceLayout(0, LR))
+    q = gl.load(q_lat + b * stride_qb + h[:, None] * stride_qh + k[None, :], mask=(h < heads)[:, None], other=0.0)
+    qr = gl.load(q_rope + b * stride_rb + hr[:, None] * stride_rh + r[None, :], mask=(hr < heads)[:, None], other=0.0)
+    amax = gl.maximum(gl.max(gl.abs(q), 1), gl.convert_layout(gl.max(gl.abs(qr), 1), gl.SliceLayout(1, L)))
+    amax = gl.where(amax > 0, amax, 1.0)
+    q_scale = gl.exp2(gl.floor(gl.log2(16384.0 / amax)))
+    row = (b * heads_pad + h).to(gl.int64) * (K + R)
+    gl.store(q16 + row[:, None] + k[None, :], (q * q_scale[:, None]).to(gl.float16))
+    row_r = (b * heads_pad + hr).to(gl.int64) * (K + R) + K
+    scale_r = gl.convert_layout(q_scale, gl.SliceLayout(1, LR))
+    gl.store(q16 + row_r[:, None] + r[None, :], (qr * scale_r[:, None]).to(gl.float16))
+    gl.store(q_unscales + b * heads_pad + h, scale_log2 / q_scale)
 
 
 @gluon.jit
@@ -369,19 +575,41 @@ def _add(a, b):
 
 
 def wide_decode(q_lat, q_rope, lc, ls, rc, rs, seq_start, seq_len, softmax_scale: float, out, *, n_sm: int):
-    """fp8 rows, 64+ heads: the split and merge kernels; ``out`` f32[B, H, K] gets the context."""
+    """fp8 rows, 64+ heads: the query staging, split and merge kernels; ``out`` f32[B, H, K] gets
+    the context."""
     batch, heads, k = q_lat.shape
     r = q_rope.shape[2]
     if lc.shape[0] == 0:
         return out.zero_()
+    device = q_lat.device
+    blocks = -(-heads // BLOCK_H)
+    heads_pad = blocks * BLOCK_H
     programs = triton_backend.programs_for(batch, heads, n_sm, BLOCK_H, PROGRAMS_PER_SM)
-    bp = triton_backend._pow2(batch)
-    part_ctx = torch.empty((heads, programs, k), dtype=torch.float32, device=q_lat.device)
-    part_lse = torch.empty((heads, programs), dtype=torch.float32, device=q_lat.device)
+    q16 = torch.empty((batch, heads_pad, k + r), dtype=torch.float16, device=device)
+    q_unscales = torch.empty((batch, heads_pad), dtype=torch.float32, device=device)
+    part_ctx = torch.empty((heads, programs, k), dtype=torch.float32, device=device)
+    part_lse = torch.empty((heads, programs), dtype=torch.float32, device=device)
     log2e = 1.4426950408889634
-    _wide_split[(-(-heads // BLOCK_H), programs)](
+    _stage_query[(blocks, batch)](
         q_lat,
         q_rope,
+        q16,
+        q_unscales,
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        heads,
+        heads_pad,
+        float(softmax_scale) * log2e,
+        K=k,
+        R=r,
+        BLOCK_H=BLOCK_H,
+        num_warps=8,
+    )
+    _wide_split[(blocks, programs)](
+        q16,
+        q_unscales,
         lc,
         ls,
         rc,
@@ -390,21 +618,19 @@ def wide_decode(q_lat, q_rope, lc, ls, rc, rs, seq_start, seq_len, softmax_scale
         seq_len,
         part_ctx,
         part_lse,
-        q_lat.stride(0),
-        q_lat.stride(1),
-        q_rope.stride(0),
-        q_rope.stride(1),
         batch,
         heads,
+        heads_pad,
         programs,
-        float(softmax_scale) * log2e,
         K=k,
         R=r,
-        BP=bp,
+        BP=triton_backend._pow2(batch),
         BLOCK_H=BLOCK_H,
         BLOCK_N=BLOCK_N,
         MIN_TILES=MIN_TILES,
-        CHUNK=CHUNK,
-        num_warps=WARPS,
+        CONTEXT_WARPS=CONTEXT_WARPS,
+        PARTITION_REGS=PARTITION_REGS,
+        PREFETCH_TILES=PREFETCH_TILES,
+        num_warps=SCORES_WARPS,
     )
     return triton_backend.merge_partials(part_ctx, part_lse, seq_len, out, programs, BLOCK_N, MIN_TILES)

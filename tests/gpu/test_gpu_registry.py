@@ -272,7 +272,7 @@ def test_only_the_geometry_the_wgmma_kernels_are_built_for_goes_to_them():
     assert runs_wgmma(**base)
     assert runs_wgmma(**{**base, "heads": 128})
     for change in (
-        {"enabled": False},  # opt-in
+        {"enabled": False},  # turned off (KVSTORE_GPU_WGMMA=0, another Triton release)
         {"capability": (8, 9)},  # no wgmma
         {"capability": (10, 0)},  # built for sm_90 only
         {"tier": "int4"},
@@ -283,3 +283,29 @@ def test_only_the_geometry_the_wgmma_kernels_are_built_for_goes_to_them():
         {"aligned": False},
     ):
         assert not runs_wgmma(**{**base, **change}), change
+
+
+def test_the_wgmma_kernels_are_on_by_default_only_on_the_triton_they_are_tested_with():
+    from kvstore.gpu.cuda_plan import WGMMA_TRITON, wgmma_by_default
+
+    tested = WGMMA_TRITON[0] + ".0"
+    assert wgmma_by_default(tested, None)
+    assert wgmma_by_default(WGMMA_TRITON[0] + ".1+git0abc", None)
+    assert not wgmma_by_default("3.9.0", None)  # Gluon's API changed: not used unless asked
+    assert not wgmma_by_default("", None)  # no Triton
+    # KVSTORE_GPU_WGMMA decides when set
+    assert not wgmma_by_default(tested, "0")
+    assert wgmma_by_default("3.9.0", "1")
+    assert wgmma_by_default(tested, "anything else") == wgmma_by_default(tested, None)
+
+
+def test_plain_calls_take_the_wgmma_kernels_only_where_their_gpu_time_pays_their_launches():
+    from kvstore.gpu.cuda_plan import WGMMA_PLAIN_MIN_HEAD_ROWS, wgmma_for_call
+
+    assert wgmma_for_call(True, 64, None)  # captured: a replay pays no host time
+    assert wgmma_for_call(True, 64, 1)
+    assert not wgmma_for_call(False, 64, None)  # lengths on the device: unknown, v2
+    rows = WGMMA_PLAIN_MIN_HEAD_ROWS // 64
+    assert wgmma_for_call(False, 64, rows)
+    assert not wgmma_for_call(False, 64, rows - 1)
+    assert wgmma_for_call(False, 128, rows // 2)  # twice the heads, half the rows

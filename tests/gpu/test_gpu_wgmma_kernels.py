@@ -1,5 +1,5 @@
-"""The opt-in warpgroup-MMA kernels (``kvstore.gpu.wgmma_kernels``, fp8, 64+ heads, sm_90) against
-the float64 reference, on a CUDA device.
+"""The warpgroup-MMA kernels (``kvstore.gpu.wgmma_kernels``: fp8, 64+ heads, sm_90, warp-specialized;
+the CUDA backend's default there) against the float64 reference, on a CUDA device.
 
 Bound as for the other CUDA kernels: q (per head, power-of-two scaled) and the softmax weights are
 rounded to f16, codes are exact, every product accumulates in f32; asserted < 4e-3. Outputs are
@@ -8,6 +8,7 @@ NaN-poisoned before each call, so an element the kernels skip fails the check.
 
 from __future__ import annotations
 
+import os
 import secrets
 
 import pytest
@@ -50,7 +51,7 @@ def test_dense_fp8_against_float64(wgmma_backend, heads, longest, kind):
 
 @pytest.mark.parametrize("nan_rate", [1e-3, 0.05])
 def test_nan_codes_read_as_zero(wgmma_backend, nan_rate):
-    """A split whose softmax sums come out NaN runs again with the NaN codes cleared."""
+    """A tile whose scores show a NaN is converted again with the NaN codes cleared and scored again."""
     seed = RUN_SEED + 7
     case = testing.make_case(
         "fp8", testing.ragged_lengths(40000, 8, seed), 128, device="cuda", seed=seed, nan_rate=nan_rate
@@ -83,3 +84,31 @@ def test_a_captured_graph_follows_the_lengths(wgmma_backend):
         torch.cuda.synchronize()
         err = testing.relative_error(out, testing.reference(case))
         assert err < KERNEL_BOUND, f"{lengths}: rel err {err:.3e} (seed {seed})"
+
+
+def test_the_default_backend_sends_captured_calls_to_them_and_short_plain_calls_to_v2(wgmma_backend):
+    """Left to choose, a backend runs these kernels in CUDA graphs (no host time in a replay) and
+    keeps plain calls with lengths on the device on v2, whose replayed launch plan costs less host
+    time than the kernels' three Triton launches (cuda_plan.wgmma_for_call)."""
+    from kvstore.gpu import cuda_backend
+    from kvstore.gpu.cuda_plan import wgmma_by_default
+
+    default = CudaBackend(torch.device("cuda"))
+    assert default.wgmma == wgmma_by_default(cuda_backend._triton_version(), os.environ.get("KVSTORE_GPU_WGMMA"))
+    if not default.wgmma or default.wgmma_always:
+        pytest.skip("another Triton release, or KVSTORE_GPU_WGMMA set: nothing left to choose")
+    v2 = CudaBackend(torch.device("cuda"), wgmma=False)
+    case = testing.make_case("fp8", [5000, 300], 64, device="cuda", seed=RUN_SEED + 17, nan_rate=0.0)
+    # the same kernels give the same bits: a plain call here is v2's
+    plain = testing.decode(case, testing.poisoned_out(case), backend=default, validate=False)
+    assert torch.equal(plain, testing.decode(case, testing.poisoned_out(case), backend=v2, validate=False))
+    # and a captured one (after that plain call left its launch plan) the warpgroup-MMA kernels'
+    theirs = testing.decode(case, testing.poisoned_out(case), backend=wgmma_backend, validate=False)
+    torch.cuda.synchronize()  # (compiled outside the capture)
+    captured = testing.poisoned_out(case)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        testing.decode(case, captured, backend=default, validate=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, theirs)
