@@ -180,7 +180,7 @@ class CudaBackend(AttentionBackend):
         #: plain calls served from a cached plan (the benchmarks and tests read it)
         self.fast_calls = 0
         #: dense fp8 calls with 64+ heads on sm_90 may run the warpgroup-MMA kernels of
-        #: kvstore.gpu.wgmma_kernels (15-23 % faster than v2 from 128k rows, docs/GPU.md round 9):
+        #: kvstore.gpu.wgmma_kernels (8-23 % faster than v2 from 128k rows, docs/GPU.md round 9):
         #: by default on the Triton release they are tested with, for the calls of
         #: cuda_plan.wgmma_for_call; wgmma=True or KVSTORE_GPU_WGMMA=1: every eligible call;
         #: wgmma=False or KVSTORE_GPU_WGMMA=0: none

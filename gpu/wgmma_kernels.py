@@ -1,10 +1,11 @@
 """Decode attention over fp8 code rows for 64 and more heads: warpgroup MMA on sm_90, in Gluon.
 
-The default for dense fp8 calls of 64+ heads on sm_90 (``KVSTORE_GPU_WGMMA=0`` or
-``CudaBackend(wgmma=False)`` sends them to the ``mma.sync`` kernels of
-:mod:`kvstore.gpu.cuda_backend`). On the H200 it is 15-22 % faster than those from 128k rows at 64
-and 128 heads, within 4 % of them at 32k rows (docs/GPU.md, round 9); it matches the float64
-reference within the same bound.
+On the H200 these kernels are 8-23 % faster than the ``mma.sync`` kernels of
+:mod:`kvstore.gpu.cuda_backend` from 128k rows at 64 and 128 heads (CUDA-graph replays), within 7 %
+of them at 32k rows, and match the float64 reference within the same bound (docs/GPU.md, round 9).
+A CUDA backend left to choose runs them for dense fp8 calls of 64+ heads on sm_90 when Triton is
+the release they are written for, for captured calls and long plain calls
+(:func:`kvstore.gpu.cuda_plan.wgmma_for_call`: a plain call pays their three Triton launches).
 
 At 64 and more heads a decode step is bound by the tensor cores, not by the rows' bytes: per row,
 2·H·(2K+R) flops against 584 bytes (fp8). One program holds 64 heads (a warpgroup MMA's M) and a
@@ -24,8 +25,8 @@ Triton gives every partition the same register budget (65536 / 384 threads = 168
 warpgroups need 154 for their 128 accumulators, which leaves no room for a third, producer
 warpgroup (at 512 threads the budget is 128) and no shared memory for a raw-code ring beside the
 query and the two f16 tiles (224 KB). So the scores warpgroup fetches, and it does so after its
-softmax, when its score accumulators are dead: fetching during the score product spilled and
-measured 20 % slower.
+softmax, when its score accumulators are dead: fetching during the score product measured a third
+slower, and issuing the loads before it spilled.
 
 The split plan is derived on the device from the lengths (as the f32 kernels of
 :mod:`kvstore.gpu.triton_backend`), so a CUDA graph replays at any lengths; the query is staged by
