@@ -80,48 +80,42 @@ def _opaque_zero(x):
     return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
+# e4m3 codes to f16 by inline PTX, four codes per 32-bit word into two f16x2 words ($0, $1): a u8
+# tensor operated on element by element would take a register per code
+_CVT4 = """
+    mov.b32 {lo, hi}, %s;
+    cvt.rn.f16x2.e4m3x2 $0, lo;
+    cvt.rn.f16x2.e4m3x2 $1, hi;
+"""
+#: NaN codes kept (they convert to NaN)
+_E4M3_KEPT = gl.constexpr("{ .reg .b16 lo, hi;" + _CVT4 % "$2" + "}")
+#: NaN codes (0x7F, 0xFF) cleared: t = a code's low 7 bits xor 0x7F (0 for NaN); (t + 0x7F) | t has
+#: bit 7 set where t != 0, no carry crossing bytes; prmt spreads each byte's bit 7 over the byte
+_E4M3_CLEARED = gl.constexpr(
+    """{ .reg .b32 t, nz; .reg .b16 lo, hi;
+    and.b32 t, $2, 0x7F7F7F7F;
+    xor.b32 t, t, 0x7F7F7F7F;
+    add.u32 nz, t, 0x7F7F7F7F;
+    or.b32 nz, nz, t;
+    prmt.b32 nz, nz, 0, 0xBA98;
+    and.b32 t, $2, nz;"""
+    + _CVT4 % "t"
+    + "}"
+)
+
+
+@gluon.jit
+def _e4m3_words(raw, ASM: gl.constexpr):
+    return gl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=gl.float16, is_pure=True, pack=4)
+
+
 @gluon.jit
 def _e4m3_f16(raw, CLEAN: gl.constexpr):
-    """e4m3 codes to f16, four codes per 32-bit word (a u8 tensor operated on element by element
-    would take a register per code); with CLEAN the NaN codes (0x7F, 0xFF) read as 0, else they
-    stay NaN."""
+    """e4m3 codes to f16 (exact); with CLEAN the NaN codes (0x7F, 0xFF) read as 0, else they stay NaN."""
     if CLEAN:
-        # t: a code's low 7 bits xor 0x7F (0 for NaN); (t + 0x7F) | t has bit 7 set where t != 0,
-        # no carry crossing bytes; prmt spreads each byte's bit 7 over its byte: the keep-mask
-        return gl.inline_asm_elementwise(
-            """{
-            .reg .b32 t, nz;
-            .reg .b16 lo, hi;
-            and.b32 t, $2, 0x7F7F7F7F;
-            xor.b32 t, t, 0x7F7F7F7F;
-            add.u32 nz, t, 0x7F7F7F7F;
-            or.b32 nz, nz, t;
-            prmt.b32 nz, nz, 0, 0xBA98;
-            and.b32 t, $2, nz;
-            mov.b32 {lo, hi}, t;
-            cvt.rn.f16x2.e4m3x2 $0, lo;
-            cvt.rn.f16x2.e4m3x2 $1, hi;
-            }""",
-            "=r,=r,r",
-            [raw],
-            dtype=gl.float16,
-            is_pure=True,
-            pack=4,
-        )
+        return _e4m3_words(raw, _E4M3_CLEARED)
     else:
-        return gl.inline_asm_elementwise(
-            """{
-            .reg .b16 lo, hi;
-            mov.b32 {lo, hi}, $2;
-            cvt.rn.f16x2.e4m3x2 $0, lo;
-            cvt.rn.f16x2.e4m3x2 $1, hi;
-            }""",
-            "=r,=r,r",
-            [raw],
-            dtype=gl.float16,
-            is_pure=True,
-            pack=4,
-        )
+        return _e4m3_words(raw, _E4M3_KEPT)
 
 
 @gluon.jit
@@ -189,28 +183,12 @@ def _put_tile(fetched, t_l, t_r, sc_sh, slot, K: gl.constexpr, CLEAN: gl.constex
 
 
 @gluon.jit
-def _softmax_step(
-    s_l,
-    s_r,
-    sc_sh,
-    p_sh,
-    alpha_sh,
-    p_full,
-    p_empty,
-    q_unscale,
-    peak,
-    denom,
-    unit,
-    n0,
-    hi,
-    j,
-    ring,
-    BLOCK_N: gl.constexpr,
-    MMA_S: gl.constexpr,
-):
+def _softmax_step(s_l, s_r, sc_sh, hand, q_unscale, state, n0, hi, j, ring, BLOCK_N: gl.constexpr, MMA_S: gl.constexpr):
     """One tile's online-softmax step; the weights (f16) and the context's rescale go to the
-    context warpgroups. Returns (peak, denom, unit): the context is held over ``unit``, the last
-    tile's weight scale."""
+    context warpgroups. ``state`` and the result: (peak, denom, unit), the context being held over
+    ``unit``, the last tile's weight scale."""
+    p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin = hand
+    peak, denom, unit = state
     COL_S: gl.constexpr = gl.SliceLayout(0, MMA_S)
     sc_l = sc_sh.index(2 * ring).load(COL_S)
     sc_r = sc_sh.index(2 * ring + 1).load(COL_S)
@@ -236,30 +214,11 @@ def _softmax_step(
 
 @gluon.jit
 def _scores_partition(
-    q_l3,
-    q_r3,
-    q_unscale,
-    lc,
-    ls,
-    rc,
-    rs,
-    t_l,
-    t_r,
-    sc_sh,
-    p_sh,
-    alpha_sh,
-    fin_sh,
-    empty,
-    p_full,
-    p_empty,
-    fin,
-    start,
-    lo,
-    hi,
-    hb,
-    slot,
-    programs,
-    heads,
+    query,
+    rows,
+    ring_bufs,
+    hand,
+    dest,
     part_lse,
     K: gl.constexpr,
     R: gl.constexpr,
@@ -269,7 +228,12 @@ def _scores_partition(
 ):
     """The scores warpgroup (see the module): per tile, scores, softmax, weights out; then the
     next tile into the ring. At the end the log2-sum-exp, and the context's normalization for the
-    context warpgroups."""
+    context warpgroups. ``query``, ``rows``, ``ring_bufs``, ``hand``, ``dest``: see :func:`_wide_split`."""
+    q_l3, q_r3, q_unscale = query
+    lc, ls, rc, rs, start, lo, hi = rows
+    t_l, t_r, sc_sh = ring_bufs
+    p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin = hand
+    hb, slot, programs, heads = dest
     MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     ROW_S: gl.constexpr = gl.SliceLayout(1, MMA_S)
     peak = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
@@ -299,28 +263,14 @@ def _scores_partition(
         else:
             redo = 0
             peak, denom, unit = _softmax_step(
-                s_l,
-                s_r,
-                sc_sh,
-                p_sh,
-                alpha_sh,
-                p_full,
-                p_empty,
-                q_unscale,
-                peak,
-                denom,
-                unit,
-                n0,
-                hi,
-                j,
-                ring,
-                BLOCK_N,
-                MMA_S,
+                s_l, s_r, sc_sh, hand, q_unscale, (peak, denom, unit), n0, hi, j, ring, BLOCK_N, MMA_S
             )
             # while the context warpgroups multiply this tile: a later tile into L2, and the next
             # into the other slot once they are done with it (tile j - 1)
             _prefetch_tile(lc, rc, start, n0 + PREFETCH_TILES * BLOCK_N, hi, K, R, BLOCK_N)
             fetched = _fetch_tile(lc, ls, rc, rs, start, n0 + BLOCK_N, hi, K, R, BLOCK_N)
+            # the ((j + 1) // 2)-th fill of that slot waits for the ((j - 1) // 2)-th release (none
+            # before the first: the parity of a fresh barrier's previous phase passes at once)
             mbarrier.wait(empty.index(1 - ring), (((j + 1) // 2) & 1) ^ 1)
             _put_tile(fetched, t_l, t_r, sc_sh, 1 - ring, K, False)
             fence_async_shared()
@@ -334,27 +284,13 @@ def _scores_partition(
 
 @gluon.jit
 def _context_partition(
-    t_l,
-    p_sh,
-    alpha_sh,
-    fin_sh,
-    empty,
-    p_full,
-    p_empty,
-    fin,
-    lo,
-    hi,
-    hb,
-    slot,
-    programs,
-    heads,
-    part_ctx,
-    K: gl.constexpr,
-    BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr,
+    ring_bufs, hand, lo, hi, dest, part_ctx, K: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr
 ):
     """The context warpgroups: context = context x rescale + weights · tile, per tile; at the end
     the normalized partial context in slot ``slot``."""
+    t_l = ring_bufs[0]
+    p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin = hand
+    hb, slot, programs, heads = dest
     MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, K // 2, 16])
     ROW_O: gl.constexpr = gl.SliceLayout(1, MMA_O)
     ctx = gl.zeros([BLOCK_H, K], gl.float32, MMA_O)
@@ -462,66 +398,20 @@ def _wide_split(
         async_copy.wait_group(0)
         gl.thread_barrier()
         fence_async_shared()
+        # the query; the split's rows; the ring; the hand-off buffers and barriers; where the
+        # partial goes
+        query = (q_l3, q_r3, q_unscale)
+        rows = (lc, ls, rc, rs, start, lo, hi)
+        ring_bufs = (t_l, t_r, sc_sh)
+        hand = (p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin)
+        dest = (hb, slot, programs, heads)
         gl.warp_specialize(
             [
                 (
                     _scores_partition,
-                    (
-                        q_l3,
-                        q_r3,
-                        q_unscale,
-                        lc,
-                        ls,
-                        rc,
-                        rs,
-                        t_l,
-                        t_r,
-                        sc_sh,
-                        p_sh,
-                        alpha_sh,
-                        fin_sh,
-                        empty,
-                        p_full,
-                        p_empty,
-                        fin,
-                        start,
-                        lo,
-                        hi,
-                        hb,
-                        slot,
-                        programs,
-                        heads,
-                        part_lse,
-                        K,
-                        R,
-                        BLOCK_H,
-                        BLOCK_N,
-                        PREFETCH_TILES,
-                    ),
+                    (query, rows, ring_bufs, hand, dest, part_lse, K, R, BLOCK_H, BLOCK_N, PREFETCH_TILES),
                 ),
-                (
-                    _context_partition,
-                    (
-                        t_l,
-                        p_sh,
-                        alpha_sh,
-                        fin_sh,
-                        empty,
-                        p_full,
-                        p_empty,
-                        fin,
-                        lo,
-                        hi,
-                        hb,
-                        slot,
-                        programs,
-                        heads,
-                        part_ctx,
-                        K,
-                        BLOCK_H,
-                        BLOCK_N,
-                    ),
-                ),
+                (_context_partition, (ring_bufs, hand, lo, hi, dest, part_ctx, K, BLOCK_H, BLOCK_N)),
             ],
             [CONTEXT_WARPS],
             [PARTITION_REGS],
