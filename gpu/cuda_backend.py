@@ -25,7 +25,6 @@ Tensors cross as raw device pointers; outputs and workspaces are torch tensors.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import math
 import os
 import threading
@@ -43,6 +42,7 @@ from kvstore.gpu.cuda_plan import (
     merge_width,
     plan_launch,
     runs_wgmma,
+    triton_version,
     wgmma_by_default,
     wgmma_for_call,
 )
@@ -64,14 +64,6 @@ MIN_CAPABILITY = (8, 9)
 #: The kernels' row format of each tier they decode (FMT in the source).
 _FORMAT = {tiers.FP8.name: 0, tiers.INT4.name: 1}
 _LOCK = threading.Lock()
-
-
-def _triton_version() -> str:
-    """The installed Triton's version ("" if none), read from its metadata (no import)."""
-    try:
-        return importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
 
 
 def default_variant() -> str:
@@ -185,7 +177,7 @@ class CudaBackend(AttentionBackend):
         #: cuda_plan.wgmma_for_call; wgmma=True or KVSTORE_GPU_WGMMA=1: every eligible call;
         #: wgmma=False or KVSTORE_GPU_WGMMA=0: none
         env = os.environ.get("KVSTORE_GPU_WGMMA")
-        self.wgmma = wgmma_by_default(_triton_version(), env) if wgmma is None else bool(wgmma)
+        self.wgmma = wgmma_by_default(triton_version(), env) if wgmma is None else bool(wgmma)
         #: every eligible call, plain calls of short contexts too (else cuda_plan.wgmma_for_call)
         self.wgmma_always = env == "1" if wgmma is None else bool(wgmma)
         #: replay cached launch plans of plain calls (KVSTORE_GPU_REPLAY=0 turns it off, for A/B runs)

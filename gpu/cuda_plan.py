@@ -10,6 +10,7 @@ from shapes and known bounds only, so it runs (and is tested) without a GPU.
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ __all__ = [
     "merge_width",
     "plan_launch",
     "runs_wgmma",
+    "triton_version",
     "wgmma_by_default",
     "wgmma_for_call",
 ]
@@ -63,13 +65,21 @@ def wgmma_for_call(capturing: bool, heads: int, rows_on_host: int | None) -> boo
     return rows_on_host is not None and heads * rows_on_host >= WGMMA_PLAIN_MIN_HEAD_ROWS
 
 
-def wgmma_by_default(triton_version: str, env: str | None) -> bool:
+def triton_version() -> str:
+    """The installed Triton's version ("" if none), read from its metadata (no import)."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def wgmma_by_default(version: str, env: str | None) -> bool:
     """Whether a CUDA backend made without ``wgmma=`` sends eligible calls to the warpgroup-MMA
     kernels: ``KVSTORE_GPU_WGMMA`` (``env``) "0" or "1" decides; otherwise yes when the installed
-    Triton (``triton_version``, "" if none) is a release of :data:`WGMMA_TRITON`."""
+    Triton (``version``, "" if none) is a release of :data:`WGMMA_TRITON`."""
     if env in ("0", "1"):
         return env == "1"
-    return ".".join(triton_version.split(".")[:2]) in WGMMA_TRITON
+    return ".".join(version.split(".")[:2]) in WGMMA_TRITON
 
 
 def runs_wgmma(

@@ -90,11 +90,10 @@ def test_the_default_backend_sends_captured_calls_to_them_and_short_plain_calls_
     """Left to choose, a backend runs these kernels in CUDA graphs (no host time in a replay) and
     keeps plain calls with lengths on the device on v2, whose replayed launch plan costs less host
     time than the kernels' three Triton launches (cuda_plan.wgmma_for_call)."""
-    from kvstore.gpu import cuda_backend
-    from kvstore.gpu.cuda_plan import wgmma_by_default
+    from kvstore.gpu.cuda_plan import triton_version, wgmma_by_default
 
     default = CudaBackend(torch.device("cuda"))
-    assert default.wgmma == wgmma_by_default(cuda_backend._triton_version(), os.environ.get("KVSTORE_GPU_WGMMA"))
+    assert default.wgmma == wgmma_by_default(triton_version(), os.environ.get("KVSTORE_GPU_WGMMA"))
     if not default.wgmma or default.wgmma_always:
         pytest.skip("another Triton release, or KVSTORE_GPU_WGMMA set: nothing left to choose")
     v2 = CudaBackend(torch.device("cuda"), wgmma=False)
