@@ -171,8 +171,9 @@ class CudaBackend(AttentionBackend):
         self._fast: dict[tuple, launch.ReplayedCall] = {}
         #: plain calls served from a cached plan (the benchmarks and tests read it)
         self.fast_calls = 0
-        #: dense fp8 calls with 64+ heads on sm_90 may run the warpgroup-MMA kernels of
-        #: kvstore.gpu.wgmma_kernels (8-23 % faster than v2 from 128k rows, docs/GPU.md round 9):
+        #: dense fp8 and int4 calls with 64+ heads on sm_90 may run the warpgroup-MMA kernels of
+        #: kvstore.gpu.wgmma_kernels (fp8 9-22 %, int4 25-35 % faster than v2 from 128k rows,
+        #: docs/GPU.md round 10):
         #: by default on the Triton release they are tested with, for the calls of
         #: cuda_plan.wgmma_for_call; wgmma=True or KVSTORE_GPU_WGMMA=1: every eligible call;
         #: wgmma=False or KVSTORE_GPU_WGMMA=0: none
@@ -336,21 +337,8 @@ class CudaBackend(AttentionBackend):
                 int(seq_len.clamp(min=0).sum()) if seq_len.device.type == "cpu" else None,
             )
         ):
-            from kvstore.gpu.wgmma_kernels import wide_decode  # Triton's Gluon: imported when first used
-
-            return wide_decode(
-                q_lat_c,
-                q_rope_c,
-                lc_codes,
-                lc_scales,
-                rc_codes,
-                rc_scales,
-                seq_start_d,
-                seq_len_d,
-                softmax_scale,
-                result,
-                n_sm=self.n_sm,
-            )
+            rows = (lc_codes, lc_scales, rc_codes, rc_scales)
+            return self._wgmma_decode(problem, softmax_scale, (q_lat_c, q_rope_c), rows, seq_start_d, seq_len_d, result)
         if problem.selected is not None:
             max_rows = problem.selected
             mean_rows = float(n_selected.to(torch.float32).mean()) if n_selected.device.type == "cpu" else max_rows
@@ -451,6 +439,34 @@ class CudaBackend(AttentionBackend):
                 ),
                 shared_mem=4 * plan.n_splits,
             )
+        return result
+
+    def _wgmma_decode(self, problem, softmax_scale, query, rows, seq_start, seq_len, result):
+        """The warpgroup-MMA kernels (:mod:`kvstore.gpu.wgmma_kernels`, Triton's Gluon) over
+        ``query`` (q_lat, q_rope) and ``rows`` (lc, ls, rc, rs): the query staged by
+        ``mla_prep_query`` (rotated for int4) before them, and for int4 the context un-rotated by
+        ``mla_unrotate`` after."""
+        q_lat, q_rope = query
+        lc, ls, rc, rs = rows
+        from kvstore.gpu.wgmma_kernels import BLOCK_H, wide_decode  # Gluon: imported when first used
+
+        batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
+        int4 = _FORMAT[problem.tier.name] == 1
+        heads_pad = -(-heads // BLOCK_H) * BLOCK_H
+        q16 = torch.empty((batch, heads_pad, k + r), dtype=torch.float16, device=problem.device)
+        qmul = torch.empty((batch, heads_pad, 2), dtype=torch.float32, device=problem.device)
+        prep = self._get(f"mla_prep_query<{k},{r},{'true' if int4 else 'false'}>")
+        score_scale = np.float32(softmax_scale * math.log2(math.e))
+        cupy = _cupy()
+        stream = _cupy_stream(torch.cuda.current_stream(problem.device), problem.device.index)
+        q_args = (_ptr(q_lat), _ptr(q_rope), np.int32(heads), np.int32(heads_pad), score_scale, _ptr(q16), _ptr(qmul))
+        with cupy.cuda.Device(problem.device.index), stream:
+            prep((heads_pad, batch), (128,), q_args)
+        wide_decode(q16, qmul, lc, ls, rc, rs, seq_start, seq_len, result, n_sm=self.n_sm, int4=int4)
+        if int4 and batch * heads:
+            unrotate = self._get(f"mla_unrotate<{k}>")
+            with cupy.cuda.Device(problem.device.index), stream:
+                unrotate((batch * heads,), (128,), (_ptr(result),))
         return result
 
     def _launch_v2(

@@ -41,17 +41,20 @@ LONG_SPLIT_TILES = 4
 MERGE_WIDTHS = (512, 128, 32)
 #: Fewest heads for the warpgroup-MMA kernels (one 64-head block is a wgmma's M).
 WGMMA_MIN_HEADS = 64
+#: The tiers the warpgroup-MMA kernels read: fp8 codes, and int4 codes in the rotated domain.
+WGMMA_TIERS = ("fp8", "int4")
 #: Triton releases (major.minor) whose Gluon the warpgroup-MMA kernels are written for and were
 #: tested with on the H200. Gluon's API changes between releases (3.9 renamed thread_barrier and
 #: replaced async_copy_global_to_shared), so on another release they are not used by default.
 WGMMA_TRITON = ("3.6",)
 
 
-#: A plain (not graph-captured) call through the warpgroup-MMA path pays three Triton launches on
-#: the host: 213 us a call on the H200's host against 38 us for v2's replayed launch plan
-#: (bench/gpu_host.py --heads 64, 32k rows). Plain calls take that path only when their lengths are
-#: on the host and heads x live rows reaches this: 64 heads x 512k rows, about 240 us of its GPU
-#: time, where the GPU time it saves exceeds that cost.
+#: A plain (not graph-captured) call through the warpgroup-MMA path pays two Triton launches and
+#: the query staging on the host: 143 us (fp8) and 164 us (int4, which also un-rotates) a call on
+#: the H200's host against 38 us for v2's replayed launch plan (bench/gpu_host.py --heads 64, 32k
+#: rows). Plain calls take that path only when their lengths are on the host and heads x live rows
+#: reaches this: 64 heads x 512k rows, about 240 us of its GPU time, where the GPU time it saves
+#: exceeds that cost.
 WGMMA_PLAIN_MIN_HEAD_ROWS = 64 * (1 << 19)
 
 
@@ -93,13 +96,13 @@ def runs_wgmma(
     aligned: bool,
 ) -> bool:
     """Whether a call runs the warpgroup-MMA kernels of ``kvstore.gpu.wgmma_kernels``: enabled
-    (:func:`wgmma_by_default`), on sm_90 (their ``wgmma``), dense fp8 rows, 64+ heads, kv_lora 512 (two warpgroups of 256
-    context dims) and qk_rope 64 (the geometry they are built and tested for), and 16-byte aligned
+    (:func:`wgmma_by_default`), on sm_90 (their ``wgmma``), dense fp8 or int4 rows, 64+ heads,
+    kv_lora 512 (two warpgroups of 256 context dims) and qk_rope 64 (the geometry they are built and tested for), and 16-byte aligned
     queries and rows (their 16-byte copies); else the v1/v2 kernels."""
     return (
         enabled
         and capability == (9, 0)
-        and tier == "fp8"
+        and tier in WGMMA_TIERS
         and not selected
         and heads >= WGMMA_MIN_HEADS
         and kv_lora == 512

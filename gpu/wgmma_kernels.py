@@ -1,19 +1,21 @@
-"""Decode attention over fp8 code rows for 64 and more heads: warpgroup MMA on sm_90, in Gluon.
+"""Decode attention over fp8 and rotated int4 code rows for 64 and more heads: warpgroup MMA on
+sm_90, in Gluon.
 
-On the H200 these kernels are 8-23 % faster than the ``mma.sync`` kernels of
-:mod:`kvstore.gpu.cuda_backend` from 128k rows at 64 and 128 heads (CUDA-graph replays), within 7 %
-of them at 32k rows, and match the float64 reference within the same bound (docs/GPU.md, round 9).
-A CUDA backend left to choose runs them for dense fp8 calls of 64+ heads on sm_90 when Triton is
+On the H200 these kernels are faster than the ``mma.sync`` kernels of :mod:`kvstore.gpu.cuda_backend`
+from 128k rows at 64 and 128 heads (CUDA-graph replays: fp8 9-22 %, int4 25-35 %, so int4 now runs
+at fp8's speed or better), within 6 % of them at 32k rows, and match the float64 reference within
+the same bound (docs/GPU.md, rounds 9 and 10).
+A CUDA backend left to choose runs them for dense calls of 64+ heads on sm_90 when Triton is
 the release they are written for, for captured calls and long plain calls
-(:func:`kvstore.gpu.cuda_plan.wgmma_for_call`: a plain call pays their three Triton launches).
+(:func:`kvstore.gpu.cuda_plan.wgmma_for_call`: a plain call pays their two Triton launches).
 
 At 64 and more heads a decode step is bound by the tensor cores, not by the rows' bytes: per row,
-2·H·(2K+R) flops against 584 bytes (fp8). One program holds 64 heads (a warpgroup MMA's M) and a
+2·H·(2K+R) flops against 584 bytes (fp8) or 296 (int4). One program holds 64 heads (a warpgroup MMA's M) and a
 split of one sequence's rows, and its warps are specialized (Gluon's ``warp_specialize``):
 
 * the **scores warpgroup** (4 warps, the default partition) scores each 64-row tile against the
   query (``query · tileᵀ``, both operands in shared memory: the query in f16 with a power-of-two
-  scale per head, the tile's codes converted to f16, exact), runs the online softmax, and hands
+  scale per head, the tile's codes converted to f16, exact: e4m3 values, or int4 levels), runs the online softmax, and hands
   the weights (f16, scaled by a power of two per tile) and the context's rescale to the context
   warpgroups through shared memory. Then, while they multiply, it fetches the next tile's codes
   (all its loads in flight at once), converts them into the other slot of a two-slot ring once
@@ -29,9 +31,11 @@ softmax, when its score accumulators are dead: fetching during the score product
 slower, and issuing the loads before it spilled.
 
 The split plan is derived on the device from the lengths (as the f32 kernels of
-:mod:`kvstore.gpu.triton_backend`), so a CUDA graph replays at any lengths; the query is staged by
-one small kernel before (``_stage_query``) and the partials merged by
-:func:`kvstore.gpu.triton_backend.merge_partials` after.
+:mod:`kvstore.gpu.triton_backend`), so a CUDA graph replays at any lengths; the caller stages the
+query before (``mla_prep_query`` of the CUDA backend: f16 with power-of-two scales, rotated for
+int4) and the partials are merged by :func:`kvstore.gpu.triton_backend.merge_partials` after.
+int4 rows are attended in the rotated domain (FORMAT.md section 5), so their context comes out
+rotated and the caller un-rotates it (``mla_unrotate``).
 
 fp8 NaN codes (0x7F, 0xFF) read as 0 (FORMAT.md). Clearing them costs several instructions per
 code word, so tiles are converted as they are; a NaN code makes its row's scores NaN for every
@@ -41,6 +45,7 @@ before its weights go out.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from kvstore.formats import tq
 from kvstore.gpu import triton_backend
 
 __all__ = ["BLOCK_H", "wide_decode"]
@@ -118,6 +124,57 @@ def _e4m3_f16(raw, CLEAN: gl.constexpr):
         return _e4m3_words(raw, _E4M3_KEPT)
 
 
+def _int4_table() -> tuple[int, int, int, int]:
+    """The 8 level magnitudes (``tq.LEVELS[8:]``) in f16, as the low bytes of levels 0-3 and 4-7
+    and the high bytes of levels 0-3 and 4-7: four words a ``prmt`` looks four 3-bit indices up in."""
+    halves = np.float16(tq.LEVELS[8:]).view(np.uint16).astype(np.uint32)
+    lo, hi = halves & 0xFF, halves >> 8
+    return tuple(int(sum(int(b[i]) << (8 * (i % 4)) for i in range(r, r + 4))) for b in (lo, hi) for r in (0, 4))
+
+
+# int4 codes to their f16 levels by inline PTX, 8 codes (a 32-bit word, element 2k in byte k's low
+# nibble) into the levels of the low nibbles ($0, $1) and of the high nibbles ($2, $3). Levels are
+# symmetric: level[c] = mag[c - 8] for c >= 8, -mag[7 - c] below, so the magnitude index is c ^ 7
+# or c & 7 and the sign goes in after the lookup.
+_INT4 = gl.constexpr(
+    """{ .reg .b32 neg, flip, j, jh, la, ha, lb, hb, n4, t, ta, tb, tc, td;
+    mov.b32 ta, 0x%08X; mov.b32 tb, 0x%08X; mov.b32 tc, 0x%08X; mov.b32 td, 0x%08X;
+    not.b32 neg, $4;
+    and.b32 neg, neg, 0x88888888;
+    shr.u32 flip, neg, 3;
+    sub.u32 flip, neg, flip;
+    xor.b32 j, $4, flip;
+    and.b32 j, j, 0x77777777;
+    shr.u32 jh, j, 16;
+    prmt.b32 la, ta, tb, j;
+    prmt.b32 ha, tc, td, j;
+    prmt.b32 lb, ta, tb, jh;
+    prmt.b32 hb, tc, td, jh;
+    shl.b32 n4, neg, 4;
+    prmt.b32 t, n4, neg, 0x5140;
+    and.b32 t, t, 0x80808080;
+    or.b32 ha, ha, t;
+    prmt.b32 t, n4, neg, 0x7362;
+    and.b32 t, t, 0x80808080;
+    or.b32 hb, hb, t;
+    prmt.b32 $0, la, ha, 0x6240;
+    prmt.b32 $1, lb, hb, 0x6240;
+    prmt.b32 $2, la, ha, 0x7351;
+    prmt.b32 $3, lb, hb, 0x7351;
+}"""
+    % _int4_table()
+)
+
+
+@gluon.jit
+def _int4_f16(raw, ROWS: gl.constexpr, BYTES: gl.constexpr):
+    """int4 code bytes u8[ROWS, BYTES] to their levels f16[ROWS, 2 * BYTES] (exact in f16)."""
+    even, odd = gl.inline_asm_elementwise(
+        _INT4, "=r,=r,=r,=r,r", [raw], dtype=(gl.float16, gl.float16), is_pure=True, pack=4
+    )
+    return gl.reshape(gl.join(even, odd), [ROWS, 2 * BYTES])
+
+
 @gluon.jit
 def _load_codes(
     codes, start, n0, hi, col0, STRIDE: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, RAW: gl.constexpr
@@ -139,51 +196,73 @@ def _prefetch_l2(base, LINES: gl.constexpr, L: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_tile(lc, rc, start, n0, hi, K: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr):
-    """A tile's code rows into L2 ahead of its loads, when the tile starts before ``hi``."""
+def _prefetch_tile(lc, rc, start, n0, hi, LB: gl.constexpr, RB: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A tile's code rows (``LB`` and ``RB`` bytes each) into L2 ahead of its loads, when the tile
+    starts before ``hi``."""
     PF: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     if n0 < hi:
-        _prefetch_l2(lc + (start + n0) * K, BLOCK_N * K // 128, PF)
-        _prefetch_l2(rc + (start + n0) * R, BLOCK_N * R // 128, PF)
+        _prefetch_l2(lc + (start + n0) * LB, BLOCK_N * LB // 128, PF)
+        _prefetch_l2(rc + (start + n0) * RB, BLOCK_N * RB // 128, PF)
 
 
 @gluon.jit
-def _fetch_tile(lc, ls, rc, rs, start, n0, hi, K: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr):
+def _fetch_tile(rows, n0, K: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, INT4: gl.constexpr):
     """A tile's codes and row scales from global memory into registers, every load in flight at
-    once (74 registers): the rope codes, four quarters of the latent columns (each whole 128-byte
-    swizzle blocks of the MMA tile), the latent and rope scales."""
-    QC: gl.constexpr = K // 4
-    RAW_L: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (QC // 16), QC // 16], [4, 1], [1, 0])
-    RAW_R: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (R // 16), R // 16], [4, 1], [1, 0])
+    once (fp8: 74 registers, int4: 42): the rope codes, four quarters of the latent codes (each
+    whole 128-byte swizzle blocks of the f16 tile), the latent and rope row scales (int4: radius /
+    sqrtf(n), the unit of its levels)."""
+    lc, ls, rc, rs, start, lo, hi = rows
+    LB: gl.constexpr = K // 2 if INT4 else K  # code bytes of a row
+    RB: gl.constexpr = R // 2 if INT4 else R
+    QB: gl.constexpr = LB // 4
+    RAW_L: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (QB // 16), QB // 16], [4, 1], [1, 0])
+    RAW_R: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (RB // 16), RB // 16], [4, 1], [1, 0])
     SC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    raw_r = _load_codes(rc, start, n0, hi, 0, R, BLOCK_N, R, RAW_R)
-    raw0 = _load_codes(lc, start, n0, hi, 0, K, BLOCK_N, QC, RAW_L)
-    raw1 = _load_codes(lc, start, n0, hi, QC, K, BLOCK_N, QC, RAW_L)
-    raw2 = _load_codes(lc, start, n0, hi, 2 * QC, K, BLOCK_N, QC, RAW_L)
-    raw3 = _load_codes(lc, start, n0, hi, 3 * QC, K, BLOCK_N, QC, RAW_L)
+    raw_r = _load_codes(rc, start, n0, hi, 0, RB, BLOCK_N, RB, RAW_R)
+    raw0 = _load_codes(lc, start, n0, hi, 0, LB, BLOCK_N, QB, RAW_L)
+    raw1 = _load_codes(lc, start, n0, hi, QB, LB, BLOCK_N, QB, RAW_L)
+    raw2 = _load_codes(lc, start, n0, hi, 2 * QB, LB, BLOCK_N, QB, RAW_L)
+    raw3 = _load_codes(lc, start, n0, hi, 3 * QB, LB, BLOCK_N, QB, RAW_L)
     n_s = n0 + gl.arange(0, BLOCK_N, layout=SC)
     s_l = gl.load(ls + start + n_s, mask=n_s < hi, other=0.0)
     s_r = gl.load(rs + start + n_s, mask=n_s < hi, other=0.0)
+    if INT4:
+        s_l = s_l / gl.sqrt_rn(gl.full([BLOCK_N], K, gl.float32, SC))
+        s_r = s_r / gl.sqrt_rn(gl.full([BLOCK_N], R, gl.float32, SC))
     return raw_r, raw0, raw1, raw2, raw3, s_l, s_r
 
 
 @gluon.jit
-def _put_tile(fetched, t_l, t_r, sc_sh, slot, K: gl.constexpr, CLEAN: gl.constexpr):
+def _to_f16(raw, CLEAN: gl.constexpr, INT4: gl.constexpr, ROWS: gl.constexpr, BYTES: gl.constexpr):
+    if INT4:
+        return _int4_f16(raw, ROWS, BYTES)
+    else:
+        return _e4m3_f16(raw, CLEAN)
+
+
+@gluon.jit
+def _put_tile(fetched, ring_bufs, slot, K: gl.constexpr, R: gl.constexpr, CLEAN: gl.constexpr, INT4: gl.constexpr):
     """A fetched tile (:func:`_fetch_tile`) to f16 in ring slot ``slot``, with its row scales."""
+    t_l, t_r, sc_sh = ring_bufs
     QC: gl.constexpr = K // 4
+    ROWS: gl.constexpr = t_l.shape[1]
+    QB: gl.constexpr = QC // 2 if INT4 else QC
+    RB: gl.constexpr = R // 2 if INT4 else R
     raw_r, raw0, raw1, raw2, raw3, s_l, s_r = fetched
     dst_l = t_l.index(slot)
-    t_r.index(slot).store(_e4m3_f16(raw_r, CLEAN))
-    dst_l.slice(0, QC, dim=1).store(_e4m3_f16(raw0, CLEAN))
-    dst_l.slice(QC, QC, dim=1).store(_e4m3_f16(raw1, CLEAN))
-    dst_l.slice(2 * QC, QC, dim=1).store(_e4m3_f16(raw2, CLEAN))
-    dst_l.slice(3 * QC, QC, dim=1).store(_e4m3_f16(raw3, CLEAN))
+    t_r.index(slot).store(_to_f16(raw_r, CLEAN, INT4, ROWS, RB))
+    dst_l.slice(0, QC, dim=1).store(_to_f16(raw0, CLEAN, INT4, ROWS, QB))
+    dst_l.slice(QC, QC, dim=1).store(_to_f16(raw1, CLEAN, INT4, ROWS, QB))
+    dst_l.slice(2 * QC, QC, dim=1).store(_to_f16(raw2, CLEAN, INT4, ROWS, QB))
+    dst_l.slice(3 * QC, QC, dim=1).store(_to_f16(raw3, CLEAN, INT4, ROWS, QB))
     sc_sh.index(2 * slot).store(s_l)
     sc_sh.index(2 * slot + 1).store(s_r)
 
 
 @gluon.jit
-def _softmax_step(s_l, s_r, sc_sh, hand, q_unscale, state, n0, hi, j, ring, BLOCK_N: gl.constexpr, MMA_S: gl.constexpr):
+def _softmax_step(
+    s_l, s_r, sc_sh, hand, q_unscales, state, n0, hi, j, ring, BLOCK_N: gl.constexpr, MMA_S: gl.constexpr
+):
     """One tile's online-softmax step; the weights (f16) and the context's rescale go to the
     context warpgroups. ``state`` and the result: (peak, denom, unit), the context being held over
     ``unit``, the last tile's weight scale."""
@@ -192,7 +271,8 @@ def _softmax_step(s_l, s_r, sc_sh, hand, q_unscale, state, n0, hi, j, ring, BLOC
     COL_S: gl.constexpr = gl.SliceLayout(0, MMA_S)
     sc_l = sc_sh.index(2 * ring).load(COL_S)
     sc_r = sc_sh.index(2 * ring + 1).load(COL_S)
-    s = (s_l * sc_l[None, :] + s_r * sc_r[None, :]) * q_unscale[:, None]
+    u_l, u_r = q_unscales
+    s = s_l * sc_l[None, :] * u_l[:, None] + s_r * sc_r[None, :] * u_r[:, None]
     n = n0 + gl.arange(0, BLOCK_N, layout=COL_S)
     s = gl.where((n < hi)[None, :], s, float("-inf"))
     new_peak = gl.maximum(peak, gl.max(s, 1))
@@ -213,6 +293,18 @@ def _softmax_step(s_l, s_r, sc_sh, hand, q_unscale, state, n0, hi, j, ring, BLOC
 
 
 @gluon.jit
+def _fill_slot(fetched, ring_bufs, empty, j, K: gl.constexpr, R: gl.constexpr, INT4: gl.constexpr):
+    """Tile j + 1 (fetched) into ring slot (j + 1) % 2 once the context warpgroups are done with
+    tile j - 1 there: the ((j + 1) // 2)-th fill of a slot waits for its ((j - 1) // 2)-th release
+    (none before the first: the parity of a fresh barrier's previous phase passes at once)."""
+    slot = (j + 1) % 2
+    mbarrier.wait(empty.index(slot), (((j + 1) // 2) & 1) ^ 1)
+    _put_tile(fetched, ring_bufs, slot, K, R, False, INT4)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _scores_partition(
     query,
     rows,
@@ -225,13 +317,16 @@ def _scores_partition(
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
     PREFETCH_TILES: gl.constexpr,
+    INT4: gl.constexpr,
 ):
     """The scores warpgroup (see the module): per tile, scores, softmax, weights out; then the
     next tile into the ring. At the end the log2-sum-exp, and the context's normalization for the
     context warpgroups. ``query``, ``rows``, ``ring_bufs``, ``hand``, ``dest``: see :func:`_wide_split`."""
-    q_l3, q_r3, q_unscale = query
+    q_l3, q_r3, q_unscales = query
     lc, ls, rc, rs, start, lo, hi = rows
     t_l, t_r, sc_sh = ring_bufs
+    LB: gl.constexpr = K // 2 if INT4 else K  # code bytes of a row
+    RB: gl.constexpr = R // 2 if INT4 else R
     p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin = hand
     hb, slot, programs, heads = dest
     MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -239,8 +334,8 @@ def _scores_partition(
     peak = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
     denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     unit = 1.0
-    _prefetch_tile(lc, rc, start, lo + BLOCK_N, hi, K, R, BLOCK_N)
-    _put_tile(_fetch_tile(lc, ls, rc, rs, start, lo, hi, K, R, BLOCK_N), t_l, t_r, sc_sh, 0, K, False)
+    _prefetch_tile(lc, rc, start, lo + BLOCK_N, hi, LB, RB, BLOCK_N)
+    _put_tile(_fetch_tile(rows, lo, K, R, BLOCK_N, INT4), ring_bufs, 0, K, R, False, INT4)
     fence_async_shared()
     gl.thread_barrier()
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)
@@ -253,28 +348,34 @@ def _scores_partition(
         zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, MMA_S)
         s_l = warpgroup_mma(q_l3.index(z), t_l.index(ring).permute((1, 0)), zero, is_async=True)
         s_r = warpgroup_mma(q_r3.index(z), t_r.index(ring).permute((1, 0)), zero, is_async=True)
+        if INT4:
+            # int4's loads take 42 registers, which fit beside the score accumulators: the next
+            # tile's go out before the softmax and land during it (ptxas places them after the
+            # product's wait), 5-7 % faster than after it. fp8's 74 spilled here (round 9), and
+            # half of them here measured 5-7 % slower at 128 heads.
+            _prefetch_tile(lc, rc, start, n0 + PREFETCH_TILES * BLOCK_N, hi, LB, RB, BLOCK_N)
+            ahead = _fetch_tile(rows, n0 + BLOCK_N, K, R, BLOCK_N, INT4)
         s_l, s_r = warpgroup_mma_wait(0, deps=[s_l, s_r])
-        if redo == 0 and gl.max(gl.max(gl.where((s_l != s_l) | (s_r != s_r), 1, 0), 1), 0) > 0:
+        if not INT4 and redo == 0 and gl.max(gl.max(gl.where((s_l != s_l) | (s_r != s_r), 1, 0), 1), 0) > 0:
             # the slot is this warpgroup's until the tile's weights go out
-            _put_tile(_fetch_tile(lc, ls, rc, rs, start, n0, hi, K, R, BLOCK_N), t_l, t_r, sc_sh, ring, K, True)
+            _put_tile(_fetch_tile(rows, n0, K, R, BLOCK_N, INT4), ring_bufs, ring, K, R, True, INT4)
             fence_async_shared()
             gl.thread_barrier()
             redo = 1
         else:
             redo = 0
             peak, denom, unit = _softmax_step(
-                s_l, s_r, sc_sh, hand, q_unscale, (peak, denom, unit), n0, hi, j, ring, BLOCK_N, MMA_S
+                s_l, s_r, sc_sh, hand, q_unscales, (peak, denom, unit), n0, hi, j, ring, BLOCK_N, MMA_S
             )
-            # while the context warpgroups multiply this tile: a later tile into L2, and the next
-            # into the other slot once they are done with it (tile j - 1)
-            _prefetch_tile(lc, rc, start, n0 + PREFETCH_TILES * BLOCK_N, hi, K, R, BLOCK_N)
-            fetched = _fetch_tile(lc, ls, rc, rs, start, n0 + BLOCK_N, hi, K, R, BLOCK_N)
-            # the ((j + 1) // 2)-th fill of that slot waits for the ((j - 1) // 2)-th release (none
-            # before the first: the parity of a fresh barrier's previous phase passes at once)
-            mbarrier.wait(empty.index(1 - ring), (((j + 1) // 2) & 1) ^ 1)
-            _put_tile(fetched, t_l, t_r, sc_sh, 1 - ring, K, False)
-            fence_async_shared()
-            gl.thread_barrier()
+            # while the context warpgroups multiply this tile, the next into the other slot once
+            # they are done with it (tile j - 1)
+            if INT4:
+                if j + 1 < n_tiles:
+                    _fill_slot(ahead, ring_bufs, empty, j, K, R, INT4)
+            else:
+                # (after the last tile too, masked: skipping it measured 3 % slower for fp8)
+                _prefetch_tile(lc, rc, start, n0 + PREFETCH_TILES * BLOCK_N, hi, LB, RB, BLOCK_N)
+                _fill_slot(_fetch_tile(rows, n0 + BLOCK_N, K, R, BLOCK_N, INT4), ring_bufs, empty, j, K, R, INT4)
             j += 1
     fin_sh.store(unit / denom)
     mbarrier.arrive(fin)
@@ -313,7 +414,7 @@ def _context_partition(
 @gluon.jit
 def _wide_split(
     q16,
-    q_unscales,
+    qmul,
     lc,
     ls,
     rc,
@@ -335,6 +436,7 @@ def _wide_split(
     CONTEXT_WARPS: gl.constexpr,
     PARTITION_REGS: gl.constexpr,
     PREFETCH_TILES: gl.constexpr,
+    INT4: gl.constexpr,
 ):
     """One split of one sequence against one 64-head block (program (head block, slot))."""
     gl.static_assert(K == 512, "two context warpgroups of 256 dims each")
@@ -376,7 +478,8 @@ def _wide_split(
         async_copy.async_copy_global_to_shared(q_r3.index(0), q16 + r_row[:, None] + rq[None, :])
         async_copy.commit_group()
         hs = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, MMA_S))
-        q_unscale = gl.load(q_unscales + b * heads_pad + hs)
+        q_mul = qmul + (b * heads_pad + hs).to(gl.int64) * 2
+        q_unscales = (gl.load(q_mul), gl.load(q_mul + 1))
         # the two-slot ring of f16 tiles and their row scales; the weights and rescale handed over
         t_l = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, K], SH_L)
         t_r = gl.allocate_shared_memory(gl.float16, [2, BLOCK_N, R], SH_R)
@@ -400,7 +503,7 @@ def _wide_split(
         fence_async_shared()
         # the query; the split's rows; the ring; the hand-off buffers and barriers; where the
         # partial goes
-        query = (q_l3, q_r3, q_unscale)
+        query = (q_l3, q_r3, q_unscales)
         rows = (lc, ls, rc, rs, start, lo, hi)
         ring_bufs = (t_l, t_r, sc_sh)
         hand = (p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin)
@@ -409,7 +512,7 @@ def _wide_split(
             [
                 (
                     _scores_partition,
-                    (query, rows, ring_bufs, hand, dest, part_lse, K, R, BLOCK_H, BLOCK_N, PREFETCH_TILES),
+                    (query, rows, ring_bufs, hand, dest, part_lse, K, R, BLOCK_H, BLOCK_N, PREFETCH_TILES, INT4),
                 ),
                 (_context_partition, (ring_bufs, hand, lo, hi, dest, part_ctx, K, BLOCK_H, BLOCK_N)),
             ],
@@ -419,88 +522,27 @@ def _wide_split(
 
 
 @gluon.jit
-def _stage_query(
-    q_lat,
-    q_rope,
-    q16,
-    q_unscales,
-    stride_qb,
-    stride_qh,
-    stride_rb,
-    stride_rh,
-    heads,
-    heads_pad,
-    scale_log2,
-    K: gl.constexpr,
-    R: gl.constexpr,
-    BLOCK_H: gl.constexpr,
-):
-    """64 heads of one sequence's query as the score product's operand: f16 with a power-of-two
-    scale per head (max |q| just under 2^14) in q16[B, heads_pad, K + R], and per head the factor
-    that takes a score back to log2 units. (In the split kernel the scores warpgroup would hold it
-    in 256 registers a thread.)"""
-    L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])
-    LR: gl.constexpr = gl.BlockedLayout([1, 2], [32 // (R // 2), R // 2], [8, 1], [1, 0])
-    b = gl.program_id(1)
-    hb = gl.program_id(0)
-    h = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, L))
-    k = gl.arange(0, K, layout=gl.SliceLayout(0, L))
-    hr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LR))
-    r = gl.arange(0, R, layout=gl.SliceLayout(0, LR))
-    q = gl.load(q_lat + b * stride_qb + h[:, None] * stride_qh + k[None, :], mask=(h < heads)[:, None], other=0.0)
-    qr = gl.load(q_rope + b * stride_rb + hr[:, None] * stride_rh + r[None, :], mask=(hr < heads)[:, None], other=0.0)
-    amax = gl.maximum(gl.max(gl.abs(q), 1), gl.convert_layout(gl.max(gl.abs(qr), 1), gl.SliceLayout(1, L)))
-    amax = gl.where(amax > 0, amax, 1.0)
-    q_scale = gl.exp2(gl.floor(gl.log2(16384.0 / amax)))
-    row = (b * heads_pad + h).to(gl.int64) * (K + R)
-    gl.store(q16 + row[:, None] + k[None, :], (q * q_scale[:, None]).to(gl.float16))
-    row_r = (b * heads_pad + hr).to(gl.int64) * (K + R) + K
-    scale_r = gl.convert_layout(q_scale, gl.SliceLayout(1, LR))
-    gl.store(q16 + row_r[:, None] + r[None, :], (qr * scale_r[:, None]).to(gl.float16))
-    gl.store(q_unscales + b * heads_pad + h, scale_log2 / q_scale)
-
-
-@gluon.jit
 def _add(a, b):
     return a + b
 
 
-def wide_decode(q_lat, q_rope, lc, ls, rc, rs, seq_start, seq_len, softmax_scale: float, out, *, n_sm: int):
-    """fp8 rows, 64+ heads: the query staging, split and merge kernels; ``out`` f32[B, H, K] gets
-    the context."""
-    batch, heads, k = q_lat.shape
-    r = q_rope.shape[2]
+def wide_decode(q16, qmul, lc, ls, rc, rs, seq_start, seq_len, out, *, n_sm: int, int4: bool = False):
+    """fp8 or rotated int4 rows, 64+ heads: the split and merge kernels. ``q16`` f16[B, Hp, K + R]
+    and ``qmul`` f32[B, Hp, 2] are the query staged by ``mla_prep_query`` (per head: f16 with a
+    power-of-two scale, the latent's and the rope's factors back to log2 units; rotated for int4),
+    Hp a multiple of 64; ``out`` f32[B, H, K] gets the context (for int4 still rotated)."""
+    batch, heads, k = out.shape
+    r = q16.shape[2] - k
+    heads_pad = q16.shape[1]
     if lc.shape[0] == 0:
         return out.zero_()
-    device = q_lat.device
-    blocks = -(-heads // BLOCK_H)
-    heads_pad = blocks * BLOCK_H
+    device = q16.device
     programs = triton_backend.programs_for(batch, heads, n_sm, BLOCK_H, PROGRAMS_PER_SM)
-    q16 = torch.empty((batch, heads_pad, k + r), dtype=torch.float16, device=device)
-    q_unscales = torch.empty((batch, heads_pad), dtype=torch.float32, device=device)
     part_ctx = torch.empty((heads, programs, k), dtype=torch.float32, device=device)
     part_lse = torch.empty((heads, programs), dtype=torch.float32, device=device)
-    log2e = 1.4426950408889634
-    _stage_query[(blocks, batch)](
-        q_lat,
-        q_rope,
+    _wide_split[(heads_pad // BLOCK_H, programs)](
         q16,
-        q_unscales,
-        q_lat.stride(0),
-        q_lat.stride(1),
-        q_rope.stride(0),
-        q_rope.stride(1),
-        heads,
-        heads_pad,
-        float(softmax_scale) * log2e,
-        K=k,
-        R=r,
-        BLOCK_H=BLOCK_H,
-        num_warps=8,
-    )
-    _wide_split[(blocks, programs)](
-        q16,
-        q_unscales,
+        qmul,
         lc,
         ls,
         rc,
@@ -522,6 +564,7 @@ def wide_decode(q_lat, q_rope, lc, ls, rc, rs, seq_start, seq_len, softmax_scale
         CONTEXT_WARPS=CONTEXT_WARPS,
         PARTITION_REGS=PARTITION_REGS,
         PREFETCH_TILES=PREFETCH_TILES,
+        INT4=bool(int4),
         num_warps=SCORES_WARPS,
     )
     return triton_backend.merge_partials(part_ctx, part_lse, seq_len, out, programs, BLOCK_N, MIN_TILES)

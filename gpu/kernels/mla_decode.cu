@@ -18,6 +18,7 @@
 //                    partial context + log-sum-exp. mma.sync m16n8k16 f16 x f16 -> f32.
 //   mla_merge        log-sum-exp merge of the partials (+ un-rotation for int4), one block per
 //                    (head, batch), its warps striding over the splits.
+//   mla_unrotate     un-rotates an int4 context in place (after the warpgroup-MMA kernels).
 //
 // Numerics: codes decode exactly into f16 (e4m3 is a subset of f16; the 16 int4 levels round to
 // f16, relative error <= 2^-11); q and the softmax weights are rounded to f16 (q per head with a
@@ -821,6 +822,18 @@ __global__ void __launch_bounds__(256) mla_merge(const float* __restrict__ o_par
         fwht_shared(ctx, K);
         for (int d = tid; d < K; d += 256) out[((long long)b * H + h) * K + d] = ctx[d] * tq_sign((u32)d);
     }
+}
+
+// mla_unrotate: one block of 128 threads per (sequence, head) row of out f32[B, H, K], in place:
+// the warpgroup-MMA kernels (kvstore.gpu.wgmma_kernels) attend int4 rows in the rotated domain.
+template <int K>
+__global__ void __launch_bounds__(128) mla_unrotate(float* __restrict__ out) {
+    __shared__ float ctx[K];
+    float* row = out + (long long)blockIdx.x * K;
+    for (int d = threadIdx.x; d < K; d += blockDim.x) ctx[d] = row[d];
+    __syncthreads();
+    fwht_shared(ctx, K);
+    for (int d = threadIdx.x; d < K; d += blockDim.x) row[d] = ctx[d] * tq_sign((u32)d);
 }
 
 // =============================================================================================

@@ -271,11 +271,13 @@ def test_only_the_geometry_the_wgmma_kernels_are_built_for_goes_to_them():
     )
     assert runs_wgmma(**base)
     assert runs_wgmma(**{**base, "heads": 128})
+    assert runs_wgmma(**{**base, "tier": "int4"})
     for change in (
         {"enabled": False},  # turned off (KVSTORE_GPU_WGMMA=0, another Triton release)
         {"capability": (8, 9)},  # no wgmma
         {"capability": (10, 0)},  # built for sm_90 only
-        {"tier": "int4"},
+        {"tier": "q8"},
+        {"tier": "polar3"},
         {"selected": True},
         {"heads": 48},
         {"kv_lora": 256},

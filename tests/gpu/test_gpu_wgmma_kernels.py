@@ -1,5 +1,5 @@
-"""The warpgroup-MMA kernels (``kvstore.gpu.wgmma_kernels``: fp8, 64+ heads, sm_90, warp-specialized;
-the CUDA backend's default there) against the float64 reference, on a CUDA device.
+"""The warpgroup-MMA kernels (``kvstore.gpu.wgmma_kernels``: fp8 and rotated int4, 64+ heads, sm_90,
+warp-specialized; the CUDA backend's default there) against the float64 reference, on a CUDA device.
 
 Bound as for the other CUDA kernels: q (per head, power-of-two scaled) and the softmax weights are
 rounded to f16, codes are exact, every product accumulates in f32; asserted < 4e-3. Outputs are
@@ -40,12 +40,13 @@ def _check(case, backend, seed):
 @pytest.mark.parametrize("heads", [64, 100, 128, 192])
 @pytest.mark.parametrize("longest", [1, 7, 4097, 131072, 1 << 20])
 @pytest.mark.parametrize("kind", ["single", "ragged"])
-def test_dense_fp8_against_float64(wgmma_backend, heads, longest, kind):
+@pytest.mark.parametrize("tier", ["fp8", "int4"])
+def test_dense_against_float64(wgmma_backend, tier, heads, longest, kind):
     if longest == 1 << 20 and heads not in (64, 128):
         pytest.skip("1M rows at the model head counts only")
     seed = RUN_SEED + heads + longest
     lengths = [longest] if kind == "single" else testing.ragged_lengths(longest, 8, seed)
-    case = testing.make_case("fp8", lengths, heads, device="cuda", seed=seed, nan_rate=0.0)
+    case = testing.make_case(tier, lengths, heads, device="cuda", seed=seed, nan_rate=0.0)
     _check(case, wgmma_backend, seed)
 
 
@@ -67,10 +68,12 @@ def test_whole_rows_of_nan_codes(wgmma_backend):
     _check(case, wgmma_backend, seed)
 
 
-def test_a_captured_graph_follows_the_lengths(wgmma_backend):
-    """The plan is derived on the device from the lengths: one graph replays at other lengths."""
+@pytest.mark.parametrize("tier", ["fp8", "int4"])
+def test_a_captured_graph_follows_the_lengths(wgmma_backend, tier):
+    """The plan is derived on the device from the lengths (and int4's query rotated, its context
+    un-rotated, in the same stream): one graph replays at other lengths."""
     seed = RUN_SEED + 13
-    case = testing.make_case("fp8", [30000, 12000, 0, 9000], 128, device="cuda", seed=seed, nan_rate=0.0)
+    case = testing.make_case(tier, [30000, 12000, 0, 9000], 128, device="cuda", seed=seed, nan_rate=0.0)
     out = testing.poisoned_out(case)
     testing.decode(case, out, backend=wgmma_backend, validate=False)  # compile outside the capture
     torch.cuda.synchronize()
