@@ -1,25 +1,27 @@
 """Decode attention over fp8 and rotated int4 code rows for 64 and more heads: warpgroup MMA on
 sm_90, in Gluon.
 
-On the H200 these kernels are faster than the ``mma.sync`` kernels of :mod:`kvstore.gpu.cuda_backend`
-from 128k rows at 64 and 128 heads (CUDA-graph replays: fp8 9-22 %, int4 25-35 %, so int4 now runs
-at fp8's speed or better), within 6 % of them at 32k rows, and match the float64 reference within
-the same bound (docs/GPU.md, rounds 9 and 10).
-A CUDA backend left to choose runs them for dense calls of 64+ heads on sm_90 when Triton is
-the release they are written for, for captured calls and long plain calls
+On the H200 these kernels are faster than the ``mma.sync`` kernels of
+:mod:`kvstore.gpu.cuda_backend` from 128k rows at 64 and 128 heads (CUDA-graph replays: fp8 9-22 %,
+int4 25-35 %, so int4 now runs at fp8's speed or better), within 6 % of them at 32k rows, and match
+the float64 reference within the same bound (docs/GPU.md, rounds 9 and 10). A CUDA backend left to
+choose runs them for dense calls of 64+ heads on sm_90 when Triton is the release they are written
+for, for captured calls and long plain calls
 (:func:`kvstore.gpu.cuda_plan.wgmma_for_call`: a plain call pays their two Triton launches).
 
 At 64 and more heads a decode step is bound by the tensor cores, not by the rows' bytes: per row,
-2·H·(2K+R) flops against 584 bytes (fp8) or 296 (int4). One program holds 64 heads (a warpgroup MMA's M) and a
-split of one sequence's rows, and its warps are specialized (Gluon's ``warp_specialize``):
+2·H·(2K+R) flops against 584 bytes (fp8) or 296 (int4). One program holds 64 heads (a warpgroup
+MMA's M) and a split of one sequence's rows, and its warps are specialized (Gluon's
+``warp_specialize``):
 
 * the **scores warpgroup** (4 warps, the default partition) scores each 64-row tile against the
   query (``query · tileᵀ``, both operands in shared memory: the query in f16 with a power-of-two
-  scale per head, the tile's codes converted to f16, exact: e4m3 values, or int4 levels), runs the online softmax, and hands
-  the weights (f16, scaled by a power of two per tile) and the context's rescale to the context
-  warpgroups through shared memory. Then, while they multiply, it fetches the next tile's codes
-  (all its loads in flight at once), converts them into the other slot of a two-slot ring once
-  that slot is free, and asks L2 for the tile after next;
+  scale per head, the tile's codes converted to f16, exact: e4m3 values or int4 levels), runs the
+  online softmax, and hands the weights (f16, scaled by a power of two per tile) and the context's
+  rescale to the context warpgroups through shared memory. Then, while they multiply, it fetches the
+  next tile's codes (all its loads in flight at once; int4's go out before the softmax), converts
+  them into the other slot of a two-slot ring once that slot is free, and asks L2 for the tile after
+  next;
 * the **context warpgroups** (8 warps, 256 of the 512 context dims each) keep the context in their
   accumulators: per tile, ``context = context x rescale + weights · tile``.
 
