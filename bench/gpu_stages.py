@@ -10,6 +10,13 @@ version of the kernel source beside this one (an A/B on the same data). Usage::
     python bench/gpu_stages.py [--tiers fp8,int4] [--heads 16] [--rows 131072,1048576] [--batch 1]
         [--only full,pv-alu]
 
+``--wgmma`` does the same for the warpgroup-MMA kernels of ``gpu/wgmma_kernels.py`` (64+ heads,
+sm_90, Triton 3.6): their ablations are edits of that module's source (:data:`WGMMA_ABLATIONS`),
+loaded as a module of its own and run through the CUDA backend (query staging and un-rotation
+included)::
+
+    python bench/gpu_stages.py --wgmma --tiers fp8,int4 --heads 64,128 --rows 131072,1048576
+
 ``--batch B`` (B > 1) times ragged batches of B sequences, the longest ``--rows`` rows (the
 benchmark's ragged case).
 
@@ -20,13 +27,17 @@ variant (an ablation's error is large by construction).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import math
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from kvstore.gpu import cuda_backend, testing
+from kvstore.gpu import cuda_backend, testing, wgmma_kernels
 from kvstore.gpu.cuda_backend import CudaBackend
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
@@ -134,6 +145,89 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
 TABLE = ("full", "no-convert", "no-qk", "no-pv", "loads-only", "empty", "empty+merge-idle")
 
 
+_QK = """        s_l = warpgroup_mma(q_l3.index(z), t_l.index(ring).permute((1, 0)), zero, is_async=True)
+        s_r = warpgroup_mma(q_r3.index(z), t_r.index(ring).permute((1, 0)), zero, is_async=True)
+"""
+_QK_WAIT = "        s_l, s_r = warpgroup_mma_wait(0, deps=[s_l, s_r])\n"
+_PV = """        tok = warpgroup_mma(p_sh, t_l.index(ring), acc, is_async=True)
+        ctx = warpgroup_mma_wait(0, deps=[tok])
+"""
+#: Edits of gpu/wgmma_kernels.py: (old, new) text pairs, or ("", code) to append code to the module
+#: (a later definition of a name replaces the kernel's when it is compiled).
+WGMMA_ABLATIONS: dict[str, list[tuple[str, str]]] = {
+    "full": [],
+    # codes stored as they come (moves instead of the e4m3 conversion / the int4 lookup); the fp8
+    # NaN-score test can then fire on any tile, so the rescoring is switched off too
+    "no-convert": [
+        ("if not INT4 and redo == 0 and gl.max(", "if not INT4 and redo == 2 and gl.max("),
+        ("", '_E4M3_KEPT = gl.constexpr("mov.b32 $0, $2; mov.b32 $1, $2;")\n'),
+        ("", '_E4M3_CLEARED = gl.constexpr("mov.b32 $0, $2; mov.b32 $1, $2;")\n'),
+        ("", '_INT4 = gl.constexpr("mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;")\n'),
+    ],
+    # the next tile is neither loaded, converted nor stored; its slot's barrier is still waited on
+    "no-fetch": [
+        (
+            "",
+            "@gluon.jit\n"
+            "def _fill_slot(fetched, ring_bufs, empty, j, K: gl.constexpr, R: gl.constexpr, INT4: gl.constexpr):\n"
+            "    mbarrier.wait(empty.index((j + 1) % 2), (((j + 1) // 2) & 1) ^ 1)\n",
+        )
+    ],
+    "no-qk": [(_QK, "        s_l = zero + z.to(gl.float32)\n        s_r = zero\n"), (_QK_WAIT, "")],
+    "no-pv": [(_PV, "        ctx = acc\n")],
+}
+
+#: The stages of the round-10 table in docs/GPU.md.
+WGMMA_TABLE = ("full", "no-convert", "no-fetch", "no-qk", "no-pv", "no-fetch+no-qk")
+
+
+def wgmma_variant(name: str, folder: Path):
+    """gpu/wgmma_kernels.py with the named edits, imported as a module of its own."""
+    source = Path(wgmma_kernels.__file__).read_text()
+    for old, new in (edit for part in name.split("+") for edit in WGMMA_ABLATIONS[part]):
+        if not old:
+            source += "\n\n" + new
+            continue
+        count = source.count(old)
+        if count != 1:
+            raise SystemExit(f"ablation text found {count} times (the kernel changed?): {old[:60]!r}")
+        source = source.replace(old, new)
+    stem = "wgmma_" + name.replace("+", "_").replace("-", "_")
+    path = folder / f"{stem}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _kernels_from(module):
+    """The CUDA backend imports kvstore.gpu.wgmma_kernels when it calls them: this module instead."""
+    sys.modules["kvstore.gpu.wgmma_kernels"] = module
+    try:
+        yield
+    finally:
+        sys.modules["kvstore.gpu.wgmma_kernels"] = wgmma_kernels
+
+
+class _VariantBackend:
+    """A backend whose calls run one variant of the warpgroup-MMA kernels."""
+
+    def __init__(self, module):
+        self.inner = CudaBackend(torch.device("cuda"), wgmma=True)
+        self.module = module
+
+    def function(self, tier, selected=False):
+        fn = self.inner.function(tier, selected=selected)
+
+        def call(*args, **kwargs):
+            with _kernels_from(self.module):
+                return fn(*args, **kwargs)
+
+        return call
+
+
 def patched(name: str) -> str:
     """The kernel source with the named edits; ``@PATH`` is the source in that file instead (an
     earlier version of the kernels, timed beside this one: the Python side must match)."""
@@ -156,10 +250,11 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1, help="sequences per problem (ragged when > 1)")
     parser.add_argument(
         "--only",
-        default=",".join(TABLE),
+        default=None,
         help="comma-separated ablation names, '+' to combine, or @FILE sources (default: the "
         "docs/GPU.md table); 'all' for every one",
     )
+    parser.add_argument("--wgmma", action="store_true", help="the warpgroup-MMA kernels' ablations")
     parser.add_argument("--nan-rate", type=float, default=0.0, help="share of fp8 code bytes planted as NaN")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     args = parser.parse_args()
@@ -169,7 +264,10 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     copy_bw = copy_bandwidth()
     print(f"device: {props.name}; copy {copy_bw / 1e12:.2f} TB/s; seed {args.seed}", flush=True)
-    names = list(ABLATIONS) if args.only == "all" else args.only.split(",")
+    table, every = (WGMMA_TABLE, WGMMA_ABLATIONS) if args.wgmma else (TABLE, ABLATIONS)
+    names = list(every) if args.only == "all" else (args.only or ",".join(table)).split(",")
+    folder = Path(tempfile.mkdtemp(prefix="gpu_stages_"))
+    variants = {name: wgmma_variant(name, folder) for name in names} if args.wgmma else {}
     original = cuda_backend.kernel_source
     problems = [
         (tier, int(h), int(t))
@@ -188,10 +286,13 @@ def main() -> int:
         ref = testing.reference(probe)
         cells = []
         for name in names:
-            source = patched(name)
-            cuda_backend.kernel_source = lambda source=source: source
-            cuda_backend._kernels.cache_clear()
-            backend = CudaBackend(torch.device("cuda"), variant="v2")
+            if args.wgmma:
+                backend = _VariantBackend(variants[name])
+            else:
+                source = patched(name)
+                cuda_backend.kernel_source = lambda source=source: source
+                cuda_backend._kernels.cache_clear()
+                backend = CudaBackend(torch.device("cuda"), variant="v2")
             err = testing.relative_error(testing.decode(probe, testing.poisoned_out(probe), backend=backend), ref)
             us = time_kernel(backend, cases)
             pct = 100.0 * n_bytes / (us * 1e-6) / copy_bw
