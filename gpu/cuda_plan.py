@@ -97,8 +97,9 @@ def runs_wgmma(
 ) -> bool:
     """Whether a call runs the warpgroup-MMA kernels of ``kvstore.gpu.wgmma_kernels``: enabled
     (:func:`wgmma_by_default`), on sm_90 (their ``wgmma``), dense fp8 or int4 rows, 64+ heads,
-    kv_lora 512 (two warpgroups of 256 context dims) and qk_rope 64 (the geometry they are built and tested for), and 16-byte aligned
-    queries and rows (their 16-byte copies); else the v1/v2 kernels."""
+    kv_lora 512 (two warpgroups of 256 context dims) and qk_rope 64 (the geometry they are built
+    and tested for), and 16-byte aligned queries and rows (their 16-byte copies); else the v1/v2
+    kernels."""
     return (
         enabled
         and capability == (9, 0)

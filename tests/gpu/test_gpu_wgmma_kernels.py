@@ -2,8 +2,9 @@
 warp-specialized; the CUDA backend's default there) against the float64 reference, on a CUDA device.
 
 Bound as for the other CUDA kernels: q (per head, power-of-two scaled) and the softmax weights are
-rounded to f16, codes are exact, every product accumulates in f32; asserted < 4e-3. Outputs are
-NaN-poisoned before each call, so an element the kernels skip fails the check.
+rounded to f16, codes are exact (int4 levels rounded to f16), every product accumulates in f32;
+asserted < 4e-3. Outputs are NaN-poisoned before each call, so an element the kernels skip fails
+the check.
 """
 
 from __future__ import annotations
