@@ -380,28 +380,12 @@ class CudaBackend(AttentionBackend):
                 fast_key,
                 wgmma_eligible,
             )
-        q16 = torch.empty((batch, plan.padded_heads, k + r), dtype=torch.float16, device=device)
-        qmul = torch.empty((batch, plan.padded_heads, 2), dtype=torch.float32, device=device)
-        prep = self._get(f"mla_prep_query<{k},{r},{'true' if fmt == 1 else 'false'}>")
+        q16, qmul = self._staged_query(problem, softmax_scale, q_lat_c, q_rope_c, plan.padded_heads)
         split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None)
         merge = self._get(f"mla_merge<{k},{'true' if fmt == 1 else 'false'}>")
-        score_scale = np.float32(softmax_scale * math.log2(math.e))
         cupy = _cupy()
         stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
         with cupy.cuda.Device(device.index), stream:
-            prep(
-                (plan.padded_heads, batch),
-                (128,),
-                (
-                    _ptr(q_lat_c),
-                    _ptr(q_rope_c),
-                    np.int32(heads),
-                    np.int32(plan.padded_heads),
-                    score_scale,
-                    _ptr(q16),
-                    _ptr(qmul),
-                ),
-            )
             split(
                 (plan.head_groups, plan.n_splits, batch),
                 (256,),
@@ -444,30 +428,36 @@ class CudaBackend(AttentionBackend):
     def _wgmma_decode(self, problem, softmax_scale, query, rows, seq_start, seq_len, result):
         """The warpgroup-MMA kernels (:mod:`kvstore.gpu.wgmma_kernels`, Triton's Gluon) over
         ``query`` (q_lat, q_rope) and ``rows`` (lc, ls, rc, rs): the query staged by
-        ``mla_prep_query`` (rotated for int4) before them, and for int4 the context un-rotated by
+        :meth:`_staged_query` (rotated for int4) before them, and for int4 the context un-rotated by
         ``mla_unrotate`` after."""
-        q_lat, q_rope = query
-        lc, ls, rc, rs = rows
         from kvstore.gpu.wgmma_kernels import BLOCK_H, wide_decode  # Gluon: imported when first used
 
-        batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
+        batch, heads = problem.batch, problem.heads
         int4 = _FORMAT[problem.tier.name] == 1
-        heads_pad = -(-heads // BLOCK_H) * BLOCK_H
-        q16 = torch.empty((batch, heads_pad, k + r), dtype=torch.float16, device=problem.device)
-        qmul = torch.empty((batch, heads_pad, 2), dtype=torch.float32, device=problem.device)
-        prep = self._get(f"mla_prep_query<{k},{r},{'true' if int4 else 'false'}>")
-        score_scale = np.float32(softmax_scale * math.log2(math.e))
-        cupy = _cupy()
-        stream = _cupy_stream(torch.cuda.current_stream(problem.device), problem.device.index)
-        q_args = (_ptr(q_lat), _ptr(q_rope), np.int32(heads), np.int32(heads_pad), score_scale, _ptr(q16), _ptr(qmul))
-        with cupy.cuda.Device(problem.device.index), stream:
-            prep((heads_pad, batch), (128,), q_args)
-        wide_decode(q16, qmul, lc, ls, rc, rs, seq_start, seq_len, result, n_sm=self.n_sm, int4=int4)
+        q16, qmul = self._staged_query(problem, softmax_scale, *query, -(-heads // BLOCK_H) * BLOCK_H)
+        wide_decode(q16, qmul, *rows, seq_start, seq_len, result, n_sm=self.n_sm, int4=int4)
         if int4 and batch * heads:
-            unrotate = self._get(f"mla_unrotate<{k}>")
-            with cupy.cuda.Device(problem.device.index), stream:
+            unrotate = self._get(f"mla_unrotate<{problem.kv_lora}>")
+            stream = _cupy_stream(torch.cuda.current_stream(problem.device), problem.device.index)
+            with _cupy().cuda.Device(problem.device.index), stream:
                 unrotate((batch * heads,), (128,), (_ptr(result),))
         return result
+
+    def _staged_query(self, problem, softmax_scale, q_lat, q_rope, heads_pad: int):
+        """``mla_prep_query`` (the v1 kernels and the warpgroup-MMA ones): the query in f16 with a
+        power-of-two scale per head and part, rotated for int4, in q16 f16[B, heads_pad, K + R], and
+        per head the latent's and the rope's factors back to log2 units in qmul f32[B, heads_pad, 2]."""
+        batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
+        device = problem.device
+        q16 = torch.empty((batch, heads_pad, k + r), dtype=torch.float16, device=device)
+        qmul = torch.empty((batch, heads_pad, 2), dtype=torch.float32, device=device)
+        prep = self._get(f"mla_prep_query<{k},{r},{'true' if _FORMAT[problem.tier.name] == 1 else 'false'}>")
+        score_scale = np.float32(softmax_scale * math.log2(math.e))
+        args = (_ptr(q_lat), _ptr(q_rope), np.int32(heads), np.int32(heads_pad), score_scale, _ptr(q16), _ptr(qmul))
+        stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
+        with _cupy().cuda.Device(device.index), stream:
+            prep((heads_pad, batch), (128,), args)
+        return q16, qmul
 
     def _launch_v2(
         self,
