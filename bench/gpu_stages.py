@@ -183,15 +183,7 @@ WGMMA_TABLE = ("full", "no-convert", "no-fetch", "no-qk", "no-pv", "no-fetch+no-
 
 def wgmma_variant(name: str, folder: Path):
     """gpu/wgmma_kernels.py with the named edits, imported as a module of its own."""
-    source = Path(wgmma_kernels.__file__).read_text()
-    for old, new in (edit for part in name.split("+") for edit in WGMMA_ABLATIONS[part]):
-        if not old:
-            source += "\n\n" + new
-            continue
-        count = source.count(old)
-        if count != 1:
-            raise SystemExit(f"ablation text found {count} times (the kernel changed?): {old[:60]!r}")
-        source = source.replace(old, new)
+    source = _edited(Path(wgmma_kernels.__file__).read_text(), name, WGMMA_ABLATIONS)
     stem = "wgmma_" + name.replace("+", "_").replace("-", "_")
     path = folder / f"{stem}.py"
     path.write_text(source)
@@ -233,8 +225,16 @@ def patched(name: str) -> str:
     earlier version of the kernels, timed beside this one: the Python side must match)."""
     if name.startswith("@"):
         return open(name[1:]).read()
-    source = cuda_backend.KERNEL_FILE.read_text()
-    for old, new in (edit for part in name.split("+") for edit in ABLATIONS[part]):
+    return _edited(cuda_backend.KERNEL_FILE.read_text(), name, ABLATIONS)
+
+
+def _edited(source: str, name: str, ablations: dict[str, list[tuple[str, str]]]) -> str:
+    """``source`` with the edits of ``name`` (ablation names joined by "+") applied in order: each
+    old text must occur exactly once; an empty old text appends the new one."""
+    for old, new in (edit for part in name.split("+") for edit in ablations[part]):
+        if not old:
+            source += "\n\n" + new
+            continue
         count = source.count(old)
         if count != 1:
             raise SystemExit(f"ablation text found {count} times (the kernel changed?): {old[:60]!r}")
