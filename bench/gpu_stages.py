@@ -156,29 +156,26 @@ _PV = """        tok = warpgroup_mma(p_sh, t_l.index(ring), acc, is_async=True)
 #: (a later definition of a name replaces the kernel's when it is compiled).
 WGMMA_ABLATIONS: dict[str, list[tuple[str, str]]] = {
     "full": [],
-    # codes stored as they come (moves instead of the e4m3 conversion / the int4 lookup); the fp8
-    # NaN-score test can then fire on any tile, so the rescoring is switched off too
+    # codes stored as they come (moves instead of the e4m3 conversion / the int4 lookup)
     "no-convert": [
-        ("if not INT4 and redo == 0 and gl.max(", "if not INT4 and redo == 2 and gl.max("),
-        ("", '_E4M3_KEPT = gl.constexpr("mov.b32 $0, $2; mov.b32 $1, $2;")\n'),
-        ("", '_E4M3_CLEARED = gl.constexpr("mov.b32 $0, $2; mov.b32 $1, $2;")\n'),
+        ("", '_E4M3 = gl.constexpr("mov.b32 $0, $2; mov.b32 $1, $2;")\n'),
         ("", '_INT4 = gl.constexpr("mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;")\n'),
     ],
-    # the next tile is neither loaded, converted nor stored; its slot's barrier is still waited on
+    # the producer stores only the row scales (its code loads, conversions and stores are gone); it
+    # still waits for each slot and signals it full
     "no-fetch": [
         (
-            "",
-            "@gluon.jit\n"
-            "def _fill_slot(fetched, ring_bufs, empty, j, K: gl.constexpr, R: gl.constexpr, INT4: gl.constexpr):\n"
-            "    mbarrier.wait(empty.index((j + 1) % 2), (((j + 1) // 2) & 1) ^ 1)\n",
+            "        _put_tile(fetched, ring_bufs, ring, K, R, INT4)\n",
+            "        ring_bufs[2].index(2 * ring).store(fetched[5])\n"
+            "        ring_bufs[2].index(2 * ring + 1).store(fetched[6])\n",
         )
     ],
     "no-qk": [(_QK, "        s_l = zero + z.to(gl.float32)\n        s_r = zero\n"), (_QK_WAIT, "")],
     "no-pv": [(_PV, "        ctx = acc\n")],
 }
 
-#: The stages of the round-10 table in docs/GPU.md.
-WGMMA_TABLE = ("full", "no-convert", "no-fetch", "no-qk", "no-pv", "no-fetch+no-qk")
+#: The stages of the round-11 table in docs/GPU.md.
+WGMMA_TABLE = ("full", "no-convert", "no-fetch", "no-qk", "no-pv", "no-fetch+no-qk", "no-fetch+no-qk+no-pv")
 
 
 def wgmma_variant(name: str, folder: Path):

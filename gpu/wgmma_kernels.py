@@ -2,35 +2,35 @@
 sm_90, in Gluon.
 
 On the H200 these kernels are faster than the ``mma.sync`` kernels of
-:mod:`kvstore.gpu.cuda_backend` from 128k rows at 64 and 128 heads (CUDA-graph replays: fp8 9-22 %,
-int4 25-35 %, so int4 now runs at fp8's speed or better), within 6 % of them at 32k rows, and match
-the float64 reference within the same bound (docs/GPU.md, rounds 9 and 10). A CUDA backend left to
-choose runs them for dense calls of 64+ heads on sm_90 when Triton is the release they are written
-for, for captured calls and long plain calls
+:mod:`kvstore.gpu.cuda_backend` from 128k rows at 64 and 128 heads (CUDA-graph replays: fp8 14-23 %,
+int4 28-38 %, so int4 runs at fp8's speed or better), within 3 % or faster at 32k rows,
+and match the float64 reference within the same bound (docs/GPU.md, rounds 9 to 11). A CUDA backend
+left to choose runs them for dense calls of 64+ heads on sm_90 when Triton is the release they are
+written for, for captured calls and long plain calls
 (:func:`kvstore.gpu.cuda_plan.wgmma_for_call`: a plain call pays their two Triton launches).
 
 At 64 and more heads a decode step is bound by the tensor cores, not by the rows' bytes: per row,
 2·H·(2K+R) flops against 584 bytes (fp8) or 296 (int4). One program holds 64 heads (a warpgroup
-MMA's M) and a split of one sequence's rows, and its warps are specialized (Gluon's
+MMA's M) and a split of one sequence's rows, and its four warpgroups are specialized (Gluon's
 ``warp_specialize``):
 
-* the **scores warpgroup** (4 warps, the default partition) scores each 64-row tile against the
-  query (``query · tileᵀ``, both operands in shared memory: the query in f16 with a power-of-two
-  scale per head, the tile's codes converted to f16, exact: e4m3 values or int4 levels), runs the
-  online softmax, and hands the weights (f16, scaled by a power of two per tile) and the context's
-  rescale to the context warpgroups through shared memory. Then, while they multiply, it fetches the
-  next tile's codes (all its loads in flight at once; int4's go out before the softmax), converts
-  them into the other slot of a two-slot ring once that slot is free, and asks L2 for the tile after
-  next;
-* the **context warpgroups** (8 warps, 256 of the 512 context dims each) keep the context in their
+* the **producer warpgroup** loads each 64-row tile's codes into registers (all its loads in
+  flight at once, the tile two ahead asked of L2), and once the context warpgroups are done with
+  the slot's previous tile, converts them to f16 into that slot of a two-slot ring (exact: e4m3
+  values with NaN codes read as 0, or int4 levels) and signals the slot full;
+* the **scores warpgroup** (the default partition) scores each tile against the query
+  (``query · tileᵀ``, both operands in shared memory: the query in f16 with a power-of-two scale
+  per head), runs the online softmax, and hands the weights (f16, scaled by a power of two per
+  tile) and the context's rescale to the context warpgroups through shared memory;
+* the **context warpgroups** (256 of the 512 context dims each) keep the context in their
   accumulators: per tile, ``context = context x rescale + weights · tile``.
 
-Triton gives every partition the same register budget (65536 / 384 threads = 168): the context
-warpgroups need 154 for their 128 accumulators, which leaves no room for a third, producer
-warpgroup (at 512 threads the budget is 128) and no shared memory for a raw-code ring beside the
-query and the two f16 tiles (224 KB). So the scores warpgroup fetches, and it does so after its
-softmax, when its score accumulators are dead: fetching during the score product measured a third
-slower, and issuing the loads before it spilled.
+Registers: 512 threads leave 128 a thread, but each warpgroup's partition sets its own
+(``setmaxnreg``): the context warpgroups 160 for their 128 accumulators, the producer 88 for a
+fetched tile (fp8 74), the scores warpgroup the remaining 104. ptxas checks each instruction
+against the kernel's 128, so the context product is issued as m64n128 instructions (an m64n256's
+accumulators alone are 128 registers). Shared memory holds the query and the two f16 tiles (224
+KB), so the codes come through the producer's registers rather than a ring of their own.
 
 The split plan is derived on the device from the lengths (as the f32 kernels of
 :mod:`kvstore.gpu.triton_backend`), so a CUDA graph replays at any lengths; the caller stages the
@@ -39,10 +39,8 @@ int4) and the partials are merged by :func:`kvstore.gpu.triton_backend.merge_par
 int4 rows are attended in the rotated domain (FORMAT.md section 5), so their context comes out
 rotated and the caller un-rotates it (``mla_unrotate``).
 
-fp8 NaN codes (0x7F, 0xFF) read as 0 (FORMAT.md). Clearing them costs several instructions per
-code word, so tiles are converted as they are; a NaN code makes its row's scores NaN for every
-head, and a tile whose scores show one is converted again with the codes cleared and scored again,
-before its weights go out.
+fp8 NaN codes (0x7F, 0xFF) read as 0 (FORMAT.md): the producer clears them as it converts (six
+instructions per word of four codes, off the scores warpgroup's path).
 """
 
 from __future__ import annotations
@@ -71,13 +69,17 @@ BLOCK_N = 64
 #: Warps of the scores warpgroup (the default partition) and of the context warpgroups.
 SCORES_WARPS = 4
 CONTEXT_WARPS = 8
-#: Registers per thread of every partition (Triton's cap for 384 threads).
-PARTITION_REGS = 168
+#: Warps of the producer warpgroup.
+PRODUCER_WARPS = 4
+#: Registers per thread of the context warpgroups (128 accumulators; 152 spill) and of the producer
+#: (a fetched tile: fp8 74, int4 42); the scores warpgroup gets the rest of the 65536.
+CONTEXT_REGS = 160
+PRODUCER_REGS = 88
 #: Programs per multiprocessor (each holds 226 KB of shared memory).
 PROGRAMS_PER_SM = 1
 #: Fewest tiles a split reads.
 MIN_TILES = 1
-#: How many tiles ahead the scores warpgroup asks L2 for a tile's rows (3 measured the same as 2).
+#: How many tiles ahead the producer asks L2 for a tile's rows (3 measured the same as 2).
 PREFETCH_TILES = 2
 
 
@@ -95,11 +97,9 @@ _CVT4 = """
     cvt.rn.f16x2.e4m3x2 $0, lo;
     cvt.rn.f16x2.e4m3x2 $1, hi;
 """
-#: NaN codes kept (they convert to NaN)
-_E4M3_KEPT = gl.constexpr("{ .reg .b16 lo, hi;" + _CVT4 % "$2" + "}")
 #: NaN codes (0x7F, 0xFF) cleared: t = a code's low 7 bits xor 0x7F (0 for NaN); (t + 0x7F) | t has
 #: bit 7 set where t != 0, no carry crossing bytes; prmt spreads each byte's bit 7 over the byte
-_E4M3_CLEARED = gl.constexpr(
+_E4M3 = gl.constexpr(
     """{ .reg .b32 t, nz; .reg .b16 lo, hi;
     and.b32 t, $2, 0x7F7F7F7F;
     xor.b32 t, t, 0x7F7F7F7F;
@@ -113,17 +113,9 @@ _E4M3_CLEARED = gl.constexpr(
 
 
 @gluon.jit
-def _e4m3_words(raw, ASM: gl.constexpr):
-    return gl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=gl.float16, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _e4m3_f16(raw, CLEAN: gl.constexpr):
-    """e4m3 codes to f16 (exact); with CLEAN the NaN codes (0x7F, 0xFF) read as 0, else they stay NaN."""
-    if CLEAN:
-        return _e4m3_words(raw, _E4M3_CLEARED)
-    else:
-        return _e4m3_words(raw, _E4M3_KEPT)
+def _e4m3_f16(raw):
+    """e4m3 codes to f16 (exact), NaN codes (0x7F, 0xFF) read as 0."""
+    return gl.inline_asm_elementwise(_E4M3, "=r,=r,r", [raw], dtype=gl.float16, is_pure=True, pack=4)
 
 
 def _int4_table() -> tuple[int, int, int, int]:
@@ -235,15 +227,15 @@ def _fetch_tile(rows, n0, K: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _to_f16(raw, CLEAN: gl.constexpr, INT4: gl.constexpr, ROWS: gl.constexpr, BYTES: gl.constexpr):
+def _to_f16(raw, INT4: gl.constexpr, ROWS: gl.constexpr, BYTES: gl.constexpr):
     if INT4:
         return _int4_f16(raw, ROWS, BYTES)
     else:
-        return _e4m3_f16(raw, CLEAN)
+        return _e4m3_f16(raw)
 
 
 @gluon.jit
-def _put_tile(fetched, ring_bufs, slot, K: gl.constexpr, R: gl.constexpr, CLEAN: gl.constexpr, INT4: gl.constexpr):
+def _put_tile(fetched, ring_bufs, slot, K: gl.constexpr, R: gl.constexpr, INT4: gl.constexpr):
     """A fetched tile (:func:`_fetch_tile`) to f16 in ring slot ``slot``, with its row scales."""
     t_l, t_r, sc_sh = ring_bufs
     QC: gl.constexpr = K // 4
@@ -252,11 +244,11 @@ def _put_tile(fetched, ring_bufs, slot, K: gl.constexpr, R: gl.constexpr, CLEAN:
     RB: gl.constexpr = R // 2 if INT4 else R
     raw_r, raw0, raw1, raw2, raw3, s_l, s_r = fetched
     dst_l = t_l.index(slot)
-    t_r.index(slot).store(_to_f16(raw_r, CLEAN, INT4, ROWS, RB))
-    dst_l.slice(0, QC, dim=1).store(_to_f16(raw0, CLEAN, INT4, ROWS, QB))
-    dst_l.slice(QC, QC, dim=1).store(_to_f16(raw1, CLEAN, INT4, ROWS, QB))
-    dst_l.slice(2 * QC, QC, dim=1).store(_to_f16(raw2, CLEAN, INT4, ROWS, QB))
-    dst_l.slice(3 * QC, QC, dim=1).store(_to_f16(raw3, CLEAN, INT4, ROWS, QB))
+    t_r.index(slot).store(_to_f16(raw_r, INT4, ROWS, RB))
+    dst_l.slice(0, QC, dim=1).store(_to_f16(raw0, INT4, ROWS, QB))
+    dst_l.slice(QC, QC, dim=1).store(_to_f16(raw1, INT4, ROWS, QB))
+    dst_l.slice(2 * QC, QC, dim=1).store(_to_f16(raw2, INT4, ROWS, QB))
+    dst_l.slice(3 * QC, QC, dim=1).store(_to_f16(raw3, INT4, ROWS, QB))
     sc_sh.index(2 * slot).store(s_l)
     sc_sh.index(2 * slot + 1).store(s_r)
 
@@ -268,7 +260,7 @@ def _softmax_step(
     """One tile's online-softmax step; the weights (f16) and the context's rescale go to the
     context warpgroups. ``state`` and the result: (peak, denom, unit), the context being held over
     ``unit``, the last tile's weight scale."""
-    p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin = hand
+    p_sh, alpha_sh, fin_sh, empty, full, p_full, p_empty, fin = hand
     peak, denom, unit = state
     COL_S: gl.constexpr = gl.SliceLayout(0, MMA_S)
     sc_l = sc_sh.index(2 * ring).load(COL_S)
@@ -295,18 +287,6 @@ def _softmax_step(
 
 
 @gluon.jit
-def _fill_slot(fetched, ring_bufs, empty, j, K: gl.constexpr, R: gl.constexpr, INT4: gl.constexpr):
-    """Tile j + 1 (fetched) into ring slot (j + 1) % 2 once the context warpgroups are done with
-    tile j - 1 there: the ((j + 1) // 2)-th fill of a slot waits for its ((j - 1) // 2)-th release
-    (none before the first: the parity of a fresh barrier's previous phase passes at once)."""
-    slot = (j + 1) % 2
-    mbarrier.wait(empty.index(slot), (((j + 1) // 2) & 1) ^ 1)
-    _put_tile(fetched, ring_bufs, slot, K, R, False, INT4)
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _scores_partition(
     query,
     rows,
@@ -318,71 +298,74 @@ def _scores_partition(
     R: gl.constexpr,
     BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr,
-    PREFETCH_TILES: gl.constexpr,
-    INT4: gl.constexpr,
 ):
-    """The scores warpgroup (see the module): per tile, scores, softmax, weights out; then the
-    next tile into the ring. At the end the log2-sum-exp, and the context's normalization for the
-    context warpgroups. ``query``, ``rows``, ``ring_bufs``, ``hand``, ``dest``: see :func:`_wide_split`."""
+    """The scores warpgroup (see the module): per tile, once the producer has filled its slot,
+    scores, softmax, weights out. At the end the log2-sum-exp, and the context's normalization for
+    the context warpgroups. ``query``, ``rows``, ``ring_bufs``, ``hand``, ``dest``: see
+    :func:`_wide_split`."""
     q_l3, q_r3, q_unscales = query
     lc, ls, rc, rs, start, lo, hi = rows
     t_l, t_r, sc_sh = ring_bufs
-    LB: gl.constexpr = K // 2 if INT4 else K  # code bytes of a row
-    RB: gl.constexpr = R // 2 if INT4 else R
-    p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin = hand
+    p_sh, alpha_sh, fin_sh, empty, full, p_full, p_empty, fin = hand
     hb, slot, programs, heads = dest
     MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     ROW_S: gl.constexpr = gl.SliceLayout(1, MMA_S)
     peak = gl.full([BLOCK_H], float("-inf"), gl.float32, ROW_S)
     denom = gl.zeros([BLOCK_H], gl.float32, ROW_S)
     unit = 1.0
-    _prefetch_tile(lc, rc, start, lo + BLOCK_N, hi, LB, RB, BLOCK_N)
-    _put_tile(_fetch_tile(rows, lo, K, R, BLOCK_N, INT4), ring_bufs, 0, K, R, False, INT4)
-    fence_async_shared()
-    gl.thread_barrier()
-    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-    j = 0
-    redo = 0  # this tile is scored again, its NaN codes cleared
-    while j < n_tiles:
+    for j in range(gl.cdiv(hi - lo, BLOCK_N)):
         n0 = lo + j * BLOCK_N
         ring = j % 2
         z = _opaque_zero(j)
+        mbarrier.wait(full.index(ring), (j // 2) & 1)
         zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, MMA_S)
         s_l = warpgroup_mma(q_l3.index(z), t_l.index(ring).permute((1, 0)), zero, is_async=True)
         s_r = warpgroup_mma(q_r3.index(z), t_r.index(ring).permute((1, 0)), zero, is_async=True)
-        if INT4:
-            # int4's loads take 42 registers, which fit beside the score accumulators: the next
-            # tile's go out before the softmax and land during it (ptxas places them after the
-            # product's wait), 5-7 % faster than after it. fp8's 74 spilled here (round 9), and
-            # half of them here measured 5-7 % slower at 128 heads.
-            _prefetch_tile(lc, rc, start, n0 + PREFETCH_TILES * BLOCK_N, hi, LB, RB, BLOCK_N)
-            ahead = _fetch_tile(rows, n0 + BLOCK_N, K, R, BLOCK_N, INT4)
         s_l, s_r = warpgroup_mma_wait(0, deps=[s_l, s_r])
-        if not INT4 and redo == 0 and gl.max(gl.max(gl.where((s_l != s_l) | (s_r != s_r), 1, 0), 1), 0) > 0:
-            # the slot is this warpgroup's until the tile's weights go out
-            _put_tile(_fetch_tile(rows, n0, K, R, BLOCK_N, INT4), ring_bufs, ring, K, R, True, INT4)
-            fence_async_shared()
-            gl.thread_barrier()
-            redo = 1
-        else:
-            redo = 0
-            peak, denom, unit = _softmax_step(
-                s_l, s_r, sc_sh, hand, q_unscales, (peak, denom, unit), n0, hi, j, ring, BLOCK_N, MMA_S
-            )
-            # while the context warpgroups multiply this tile, the next into the other slot once
-            # they are done with it (tile j - 1)
-            if INT4:
-                if j + 1 < n_tiles:
-                    _fill_slot(ahead, ring_bufs, empty, j, K, R, INT4)
-            else:
-                # (after the last tile too, masked: skipping it measured 3 % slower for fp8)
-                _prefetch_tile(lc, rc, start, n0 + PREFETCH_TILES * BLOCK_N, hi, LB, RB, BLOCK_N)
-                _fill_slot(_fetch_tile(rows, n0 + BLOCK_N, K, R, BLOCK_N, INT4), ring_bufs, empty, j, K, R, INT4)
-            j += 1
+        peak, denom, unit = _softmax_step(
+            s_l, s_r, sc_sh, hand, q_unscales, (peak, denom, unit), n0, hi, j, ring, BLOCK_N, MMA_S
+        )
     fin_sh.store(unit / denom)
     mbarrier.arrive(fin)
     h_s = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROW_S)
     gl.store(part_lse + h_s.to(gl.int64) * programs + slot, peak + gl.log2(denom), mask=h_s < heads)
+
+
+@gluon.jit
+def _producer_partition(
+    rows,
+    ring_bufs,
+    hand,
+    K: gl.constexpr,
+    R: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    PREFETCH_TILES: gl.constexpr,
+    INT4: gl.constexpr,
+):
+    """The producer warpgroup: each tile's codes into registers as soon as the previous tile is
+    stored (asking L2 for the tile ``PREFETCH_TILES`` after it), then, once the context warpgroups
+    are done with the slot's previous tile, converted to f16 into the slot (fp8 NaN codes cleared)
+    and handed to the scores warpgroup."""
+    lc, ls, rc, rs, start, lo, hi = rows
+    p_sh, alpha_sh, fin_sh, empty, full, p_full, p_empty, fin = hand
+    LB: gl.constexpr = K // 2 if INT4 else K  # code bytes of a row
+    RB: gl.constexpr = R // 2 if INT4 else R
+    for i in gl.static_range(1, PREFETCH_TILES):
+        _prefetch_tile(lc, rc, start, lo + i * BLOCK_N, hi, LB, RB, BLOCK_N)
+    for t in range(gl.cdiv(hi - lo, BLOCK_N)):
+        # fetched and stored in one iteration: codes carried over the loop's back edge would be
+        # held a byte per register
+        n0 = lo + t * BLOCK_N
+        fetched = _fetch_tile(rows, n0, K, R, BLOCK_N, INT4)
+        _prefetch_tile(lc, rc, start, n0 + PREFETCH_TILES * BLOCK_N, hi, LB, RB, BLOCK_N)
+        ring = t % 2
+        # the (t // 2)-th fill of a slot waits for its (t // 2 - 1)-th release (none before the
+        # first: the parity of a fresh barrier's previous phase passes at once)
+        mbarrier.wait(empty.index(ring), ((t // 2) & 1) ^ 1)
+        _put_tile(fetched, ring_bufs, ring, K, R, INT4)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(full.index(ring))
 
 
 @gluon.jit
@@ -392,9 +375,11 @@ def _context_partition(
     """The context warpgroups: context = context x rescale + weights · tile, per tile; at the end
     the normalized partial context in slot ``slot``."""
     t_l = ring_bufs[0]
-    p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin = hand
+    p_sh, alpha_sh, fin_sh, empty, full, p_full, p_empty, fin = hand
     hb, slot, programs, heads = dest
-    MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, K // 2, 16])
+    # m64n128 instructions, two per warpgroup and step: ptxas checks an instruction's registers
+    # against the kernel's cap (128 at 512 threads), an m64n256's 154 would not pass
+    MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, K // 4, 16])
     ROW_O: gl.constexpr = gl.SliceLayout(1, MMA_O)
     ctx = gl.zeros([BLOCK_H, K], gl.float32, MMA_O)
     for j in range(gl.cdiv(hi - lo, BLOCK_N)):
@@ -436,7 +421,9 @@ def _wide_split(
     BLOCK_N: gl.constexpr,
     MIN_TILES: gl.constexpr,
     CONTEXT_WARPS: gl.constexpr,
-    PARTITION_REGS: gl.constexpr,
+    CONTEXT_REGS: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
     PREFETCH_TILES: gl.constexpr,
     INT4: gl.constexpr,
 ):
@@ -492,9 +479,11 @@ def _wide_split(
         # empty[s]: the context warpgroups are done with slot s; p_full / p_empty: the weights are
         # out / read; fin: the normalization is out
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(full.index(i), count=1)
         for i in gl.static_range(3):
             mbarrier.init(bars.index(i), count=1)
         p_full = bars.index(0)
@@ -508,18 +497,19 @@ def _wide_split(
         query = (q_l3, q_r3, q_unscales)
         rows = (lc, ls, rc, rs, start, lo, hi)
         ring_bufs = (t_l, t_r, sc_sh)
-        hand = (p_sh, alpha_sh, fin_sh, empty, p_full, p_empty, fin)
+        hand = (p_sh, alpha_sh, fin_sh, empty, full, p_full, p_empty, fin)
         dest = (hb, slot, programs, heads)
         gl.warp_specialize(
             [
                 (
                     _scores_partition,
-                    (query, rows, ring_bufs, hand, dest, part_lse, K, R, BLOCK_H, BLOCK_N, PREFETCH_TILES, INT4),
+                    (query, rows, ring_bufs, hand, dest, part_lse, K, R, BLOCK_H, BLOCK_N),
                 ),
                 (_context_partition, (ring_bufs, hand, lo, hi, dest, part_ctx, K, BLOCK_H, BLOCK_N)),
+                (_producer_partition, (rows, ring_bufs, hand, K, R, BLOCK_N, PREFETCH_TILES, INT4)),
             ],
-            [CONTEXT_WARPS],
-            [PARTITION_REGS],
+            [CONTEXT_WARPS, PRODUCER_WARPS],
+            [CONTEXT_REGS, PRODUCER_REGS],
         )
 
 
@@ -564,7 +554,9 @@ def wide_decode(q16, qmul, lc, ls, rc, rs, seq_start, seq_len, out, *, n_sm: int
         BLOCK_N=BLOCK_N,
         MIN_TILES=MIN_TILES,
         CONTEXT_WARPS=CONTEXT_WARPS,
-        PARTITION_REGS=PARTITION_REGS,
+        CONTEXT_REGS=CONTEXT_REGS,
+        PRODUCER_WARPS=PRODUCER_WARPS,
+        PRODUCER_REGS=PRODUCER_REGS,
         PREFETCH_TILES=PREFETCH_TILES,
         INT4=bool(int4),
         num_warps=SCORES_WARPS,
