@@ -182,6 +182,7 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     # gpu (by name: importing kvstore.gpu imports torch)
     "kvstore.gpu.errors.AttentionInputError": 422,
     "kvstore.gpu.errors.BackendUnavailable": 503,
+    "kvstore.gpu.errors.KernelBuildError": 500,  # the server's kernel source or compiler is broken, not the request
     # raised inside a serving engine's connector (stored rows it cannot load: it recomputes them)
     "kvstore.connectors.prefix_cache.LoadFailed": 409,
     "kvstore.connectors.store_client.ServiceError": 502,  # the kvstore service it calls refused or is down

@@ -37,7 +37,7 @@ import torch
 
 from kvstore.gpu import registry, testing
 from kvstore.gpu.cuda_backend import CudaBackend
-from kvstore.gpu.cuda_backend import _cupy_stream as cupy_stream
+from kvstore.gpu.cuda_build import cupy_stream
 
 KERNEL_BOUND = 4e-3
 #: the tiers the CUDA kernels declare (kvstore.gpu.registry)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.gpu import cuda_backend, testing, wgmma_kernels
+from kvstore.gpu import cuda_build, testing, wgmma_kernels
 from kvstore.gpu.cuda_backend import CudaBackend
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
@@ -222,7 +222,7 @@ def patched(name: str) -> str:
     earlier version of the kernels, timed beside this one: the Python side must match)."""
     if name.startswith("@"):
         return open(name[1:]).read()
-    return _edited(cuda_backend.KERNEL_FILE.read_text(), name, ABLATIONS)
+    return _edited(cuda_build.KERNEL_FILE.read_text(), name, ABLATIONS)
 
 
 def _edited(source: str, name: str, ablations: dict[str, list[tuple[str, str]]]) -> str:
@@ -265,7 +265,7 @@ def main() -> int:
     names = list(every) if args.only == "all" else (args.only or ",".join(table)).split(",")
     folder = Path(tempfile.mkdtemp(prefix="gpu_stages_"))
     variants = {name: wgmma_variant(name, folder) for name in names} if args.wgmma else {}
-    original = cuda_backend.kernel_source
+    original = cuda_build.kernel_source
     problems = [
         (tier, int(h), int(t))
         for tier in args.tiers.split(",")
@@ -287,8 +287,8 @@ def main() -> int:
                 backend = _VariantBackend(variants[name])
             else:
                 source = patched(name)
-                cuda_backend.kernel_source = lambda source=source: source
-                cuda_backend._kernels.cache_clear()
+                cuda_build.kernel_source = lambda source=source: source
+                cuda_build.compiled.cache_clear()
                 backend = CudaBackend(torch.device("cuda"), variant="v2")
             err = testing.relative_error(testing.decode(probe, testing.poisoned_out(probe), backend=backend), ref)
             us = time_kernel(backend, cases)
@@ -298,8 +298,8 @@ def main() -> int:
         print(f"{tier:5s} H{heads:<4d} {shape:14s} " + " ".join(cells), flush=True)
         del cases, probe
         torch.cuda.empty_cache()
-    cuda_backend.kernel_source = original
-    cuda_backend._kernels.cache_clear()
+    cuda_build.kernel_source = original
+    cuda_build.compiled.cache_clear()
     return 0
 
 

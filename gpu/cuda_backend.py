@@ -17,8 +17,10 @@ Other widths (and ``variant="v1"``) run the first kernels: ``mla_prep_query`` (q
 ``mla_decode_split`` (codes converted once per tile into an f16 shared-memory tile) and
 ``mla_merge`` (merge + un-rotation, one block per head).
 
-Modules are compiled by NVRTC on first use, one per kernel instantiation, for the device's compute
-capability (``--gpu-architecture=sm_XY``), and cached in memory and in cupy's on-disk cache.
+Modules are compiled by NVRTC on first use (:mod:`kvstore.gpu.cuda_build`). A split kernel's
+head groups per block and blocks per SM are planned within the device's shared memory; a geometry
+whose kernels do not fit at all (fp8 at kv_lora 512 on a GPU of 99 KB a block, sm_89 or sm_120)
+runs the torch path, and :meth:`CudaBackend.configuration_reasons` says so to the registry.
 Tensors cross as raw device pointers; outputs and workspaces are torch tensors.
 """
 
@@ -27,22 +29,33 @@ from __future__ import annotations
 import functools
 import math
 import os
-import threading
-import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvstore import tiers
-from kvstore.gpu import inputs, launch
+from kvstore.gpu import inputs, launch, registry
+from kvstore.gpu.cuda_build import (
+    LOCK,
+    MIN_CAPABILITY,
+    compiled,
+    cupy_module,
+    cupy_stream,
+    ptr,
+    split_shared_memory,
+)
 from kvstore.gpu.cuda_plan import (
     MERGE_WIDTHS,
     KernelPlan,
+    fitting_m_tiles,
+    merge_kernel,
     merge_width,
     plan_launch,
+    prep_query_kernel,
     runs_wgmma,
+    split_kernel,
     triton_version,
+    unrotate_kernel,
     wgmma_by_default,
     wgmma_for_call,
 )
@@ -54,16 +67,11 @@ __all__ = [
     "KernelPlan",
     "default_max_mt",
     "default_variant",
-    "kernel_source",
     "plan_launch",
 ]
 
-KERNEL_FILE = Path(__file__).resolve().parent / "kernels" / "mla_decode.cu"
-#: Lowest compute capability: cvt.rn.f16x2.e4m3x2 needs sm_89.
-MIN_CAPABILITY = (8, 9)
 #: The kernels' row format of each tier they decode (FMT in the source).
 _FORMAT = {tiers.FP8.name: 0, tiers.INT4.name: 1}
-_LOCK = threading.Lock()
 
 
 def default_variant() -> str:
@@ -78,55 +86,12 @@ def default_max_mt() -> int:
     return int(os.environ.get("KVSTORE_GPU_MAX_MT", "4"))
 
 
-def kernel_source() -> str:
-    """The CUDA source of the kernels."""
-    return KERNEL_FILE.read_text()
-
-
-def _cupy():
-    import cupy  # imported lazily: importing kvstore.gpu must not need it
-
-    return cupy
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels(name_expressions: tuple[str, ...], capability: tuple[int, int], device_index: int) -> tuple:
-    """Compile (once) a module holding these template instantiations; their kernels, in order."""
-    cupy = _cupy()
-    options = (f"--gpu-architecture=sm_{capability[0]}{capability[1]}", "--std=c++17")
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=kernel_source(), options=options, name_expressions=name_expressions)
-        return tuple(module.get_function(name) for name in name_expressions)
-
-
-_STREAMS: dict[tuple[int, int], object] = {}
-
-
-def _cupy_stream(stream: torch.cuda.Stream, device_index: int):
-    """The cupy view of a torch stream (cached): kernels launch in the caller's stream order."""
-    key = (device_index, stream.cuda_stream)
-    found = _STREAMS.get(key)
-    if found is None:
-        cupy = _cupy()
-        try:  # the stream protocol (cupy >= 14 with a torch that exports __cuda_stream__)
-            found = cupy.cuda.Stream.from_external(stream)
-        except (AttributeError, TypeError, ValueError):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                found = cupy.cuda.ExternalStream(stream.cuda_stream, device_index)
-        _STREAMS[key] = found
-    return found
-
-
-def _ptr(t: torch.Tensor | None) -> np.uint64:
-    return np.uint64(0 if t is None else t.data_ptr())
-
-
 class CudaBackend(AttentionBackend):
     """Tensor-core kernels (mma.sync f16) for the fp8 and int4 (rotated) latent caches.
 
-    Calls whose geometry the kernels are not built for (see ``spec``) run the torch path instead;
-    :meth:`why_not` says why.
+    Calls whose geometry the kernels are not built for (see ``spec``), or whose kernels need more
+    shared memory than the device's blocks may have, run the torch path instead; :meth:`why_not`
+    says why.
 
     Parameters
     ----------
@@ -153,7 +118,14 @@ class CudaBackend(AttentionBackend):
         props = torch.cuda.get_device_properties(self.device)
         self.capability = (props.major, props.minor)
         self.n_sm = props.multi_processor_count
-        self._smem: dict[str, int] = {}
+        #: shared memory a block may have (the opt-in limit) and an SM holds, bytes: the split
+        #: kernels' head groups per block and blocks per SM are planned within them (the H200:
+        #: 227 and 228 KB; sm_89 and sm_120: 99 and 100 KB)
+        self.block_shared_memory = props.shared_memory_per_block_optin
+        self.sm_shared_memory = props.shared_memory_per_multiprocessor
+        #: (v2, kv_lora, qk_rope, fmt) -> m-tiles -> the split kernel's dynamic shared memory
+        self._needs: dict[tuple, dict[int, int]] = {}
+        self._sized: set[str] = set()  # split kernels whose shared-memory attribute is set
         self._built: dict[tuple[str, int, int], bool] = {}
         #: "v2" (two launches, fragments converted from code bytes) or "v1" (three launches)
         self.variant = variant or default_variant()
@@ -189,7 +161,7 @@ class CudaBackend(AttentionBackend):
         if not torch.cuda.is_available():
             return ["torch.cuda.is_available() is False"]
         try:
-            _cupy()
+            cupy_module()
         except ImportError as exc:
             return [f"cupy cannot be imported ({exc})"]
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -199,6 +171,38 @@ class CudaBackend(AttentionBackend):
         if (major, minor) < MIN_CAPABILITY:
             return [f"compute capability {major}.{minor} < {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (e4m3 conversion)"]
         return []
+
+    @classmethod
+    def configuration_reasons(cls, device: torch.device, tier, kv_lora: int | None, qk_rope: int | None) -> list[str]:
+        """Why the kernels cannot run this tier and geometry on ``device``: their shared memory."""
+        if kv_lora is None or qk_rope is None:
+            return []
+        backend = registry.instance(cls.spec.name, device)
+        return backend.shared_memory_reasons(registry.as_tier(tier), kv_lora, qk_rope)
+
+    def shared_memory_reasons(self, tier: tiers.Tier, kv_lora: int, qk_rope: int) -> list[str]:
+        """Empty when a split kernel for ``tier`` at this geometry fits the device's shared memory
+        (:attr:`block_shared_memory`, :attr:`sm_shared_memory`), else why not."""
+        v2 = self.variant == "v2" and kv_lora == 512
+        fmt = _FORMAT[tier.name]
+        if self.split_fits(v2, kv_lora, qk_rope, fmt):
+            return []
+        least = min(self._shared_memory(v2, kv_lora, qk_rope, fmt).values())
+        return [
+            f"its {tier.name} kernels for kv_lora={kv_lora}, qk_rope={qk_rope} need {least:,} bytes of shared"
+            f" memory a block; this device allows {self.block_shared_memory:,}"
+        ]
+
+    def _shared_memory(self, v2: bool, kv_lora: int, qk_rope: int, fmt: int) -> dict[int, int]:
+        key = (v2, kv_lora, qk_rope, fmt)
+        if key not in self._needs:  # two threads may both ask: the same answer
+            self._needs[key] = split_shared_memory(v2, kv_lora, qk_rope, fmt, self.capability, self.device)
+        return self._needs[key]
+
+    def split_fits(self, v2: bool, kv_lora: int, qk_rope: int, fmt: int) -> dict[int, int]:
+        """m-tiles -> resident blocks per SM, for the split kernels that fit the device (empty: none)."""
+        needs = self._shared_memory(v2, kv_lora, qk_rope, fmt)
+        return fitting_m_tiles(needs, self.block_shared_memory, self.sm_shared_memory, self.max_mt if v2 else 4)
 
     def _builds_for(self, tier: tiers.Tier, kv_lora: int, qk_rope: int) -> bool:
         """Whether the kernels are instantiated for this geometry (else the torch path runs)."""
@@ -211,26 +215,17 @@ class CudaBackend(AttentionBackend):
     # -- compilation ----------------------------------------------------------------------------
 
     def _get(self, name_expression: str):
-        return _kernels((name_expression,), self.capability, self.device.index)[0]
+        return compiled((name_expression,), self.capability, self.device.index)[0]
 
     def _split_kernel(self, m_tiles: int, kv_lora: int, qk_rope: int, fmt: int, gather: bool, v2: bool = False):
-        """The split kernel and its dynamic shared memory (asked of the compiled module once)."""
-        stem, smem_stem = ("mla_decode_v2", "mla_split_smem_v2") if v2 else ("mla_decode_split", "mla_split_smem")
-        name = f"{stem}<{m_tiles},{kv_lora},{qk_rope},{fmt},{'true' if gather else 'false'}>"
-        kernel, smem_query = _kernels(
-            (name, f"{smem_stem}<{m_tiles},{kv_lora},{qk_rope},{fmt}>"), self.capability, self.device.index
-        )
-        smem = self._smem.get(name)
-        if smem is None:
-            answer = torch.empty(1, dtype=torch.int32, device=self.device)
-            cupy = _cupy()
-            stream = _cupy_stream(torch.cuda.current_stream(self.device), self.device.index)
-            with cupy.cuda.Device(self.device.index), stream:
-                smem_query((1,), (1,), (_ptr(answer),))
-            smem = int(answer.item())
-            with _LOCK:
+        """The split kernel and its dynamic shared memory (asked of the compiled source once)."""
+        name = split_kernel(m_tiles, kv_lora, qk_rope, fmt, gather, v2)
+        kernel = self._get(name)
+        smem = self._shared_memory(v2, kv_lora, qk_rope, fmt)[m_tiles]
+        if name not in self._sized:
+            with LOCK:
                 kernel.max_dynamic_shared_size_bytes = smem
-                self._smem[name] = smem
+                self._sized.add(name)
         return kernel, smem
 
     # -- the call -------------------------------------------------------------------------------
@@ -288,25 +283,27 @@ class CudaBackend(AttentionBackend):
             indices,
             n_selected,
         )
+        torch_path = functools.partial(
+            decode_torch,
+            tier,
+            q_lat,
+            q_rope,
+            lc_codes,
+            lc_scales,
+            rc_codes,
+            rc_scales,
+            seq_start,
+            seq_len,
+            softmax_scale,
+            out,
+            indices,
+            n_selected,
+            validate=validate,
+        )
         if not self._builds_for(problem.tier, problem.kv_lora, problem.qk_rope) or not _aligned(
             lc_codes, rc_codes, lc_scales, rc_scales
         ):
-            return decode_torch(
-                tier,
-                q_lat,
-                q_rope,
-                lc_codes,
-                lc_scales,
-                rc_codes,
-                rc_scales,
-                seq_start,
-                seq_len,
-                softmax_scale,
-                out,
-                indices,
-                n_selected,
-                validate=validate,
-            )
+            return torch_path()
         if validate:
             inputs.check_ranges(problem, seq_start, seq_len, indices, n_selected)
         result = inputs.prepare_out(out, problem)
@@ -349,8 +346,11 @@ class CudaBackend(AttentionBackend):
             max_rows = problem.n_rows
             mean_rows = problem.n_rows / batch
         v2 = self.variant == "v2" and k == 512 and q_aligned  # v2 reads q as float4
-        plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, self.max_mt if v2 else 4, self.min_tiles)
         fmt = _FORMAT[problem.tier.name]
+        fits = self.split_fits(v2, k, r, fmt)
+        if not fits:  # no split kernel's shared memory fits the device's blocks (shared_memory_reasons)
+            return torch_path()
+        plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, max(fits), self.min_tiles, fits)
         # v2 keeps partial contexts in f16 with a power-of-two scale each (half the bytes written
         # and merged); v1 in f32
         o_part = torch.empty(
@@ -382,31 +382,31 @@ class CudaBackend(AttentionBackend):
             )
         q16, qmul = self._staged_query(problem, softmax_scale, q_lat_c, q_rope_c, plan.padded_heads)
         split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None)
-        merge = self._get(f"mla_merge<{k},{'true' if fmt == 1 else 'false'}>")
-        cupy = _cupy()
-        stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
+        merge = self._get(merge_kernel(k, fmt))
+        cupy = cupy_module()
+        stream = cupy_stream(torch.cuda.current_stream(device), device.index)
         with cupy.cuda.Device(device.index), stream:
             split(
                 (plan.head_groups, plan.n_splits, batch),
                 (256,),
                 (
-                    _ptr(q16),
-                    _ptr(qmul),
-                    _ptr(lc_codes),
-                    _ptr(lc_scales),
-                    _ptr(rc_codes),
-                    _ptr(rc_scales),
-                    _ptr(seq_start_d),
-                    _ptr(seq_len_d),
-                    _ptr(indices_d),
-                    _ptr(n_selected_d),
+                    ptr(q16),
+                    ptr(qmul),
+                    ptr(lc_codes),
+                    ptr(lc_scales),
+                    ptr(rc_codes),
+                    ptr(rc_scales),
+                    ptr(seq_start_d),
+                    ptr(seq_len_d),
+                    ptr(indices_d),
+                    ptr(n_selected_d),
                     np.int32(problem.selected or 0),
                     np.int64(problem.n_rows),
                     np.int32(plan.padded_heads),
                     np.int32(plan.n_splits),
                     np.int32(plan.blocks_per_split),
-                    _ptr(o_part),
-                    _ptr(lse),
+                    ptr(o_part),
+                    ptr(lse),
                 ),
                 shared_mem=smem,
             )
@@ -414,12 +414,12 @@ class CudaBackend(AttentionBackend):
                 (heads, batch),
                 (256,),
                 (
-                    _ptr(o_part),
-                    _ptr(lse),
+                    ptr(o_part),
+                    ptr(lse),
                     np.int32(heads),
                     np.int32(plan.padded_heads),
                     np.int32(plan.n_splits),
-                    _ptr(result),
+                    ptr(result),
                 ),
                 shared_mem=4 * plan.n_splits,
             )
@@ -437,10 +437,10 @@ class CudaBackend(AttentionBackend):
         q16, qmul = self._staged_query(problem, softmax_scale, *query, -(-heads // BLOCK_H) * BLOCK_H)
         wide_decode(q16, qmul, *rows, seq_start, seq_len, result, n_sm=self.n_sm, int4=int4)
         if int4 and batch * heads:
-            unrotate = self._get(f"mla_unrotate<{problem.kv_lora}>")
-            stream = _cupy_stream(torch.cuda.current_stream(problem.device), problem.device.index)
-            with _cupy().cuda.Device(problem.device.index), stream:
-                unrotate((batch * heads,), (128,), (_ptr(result),))
+            unrotate = self._get(unrotate_kernel(problem.kv_lora))
+            stream = cupy_stream(torch.cuda.current_stream(problem.device), problem.device.index)
+            with cupy_module().cuda.Device(problem.device.index), stream:
+                unrotate((batch * heads,), (128,), (ptr(result),))
         return result
 
     def _staged_query(self, problem, softmax_scale, q_lat, q_rope, heads_pad: int):
@@ -451,11 +451,11 @@ class CudaBackend(AttentionBackend):
         device = problem.device
         q16 = torch.empty((batch, heads_pad, k + r), dtype=torch.float16, device=device)
         qmul = torch.empty((batch, heads_pad, 2), dtype=torch.float32, device=device)
-        prep = self._get(f"mla_prep_query<{k},{r},{'true' if _FORMAT[problem.tier.name] == 1 else 'false'}>")
+        prep = self._get(prep_query_kernel(k, r, _FORMAT[problem.tier.name]))
         score_scale = np.float32(softmax_scale * math.log2(math.e))
-        args = (_ptr(q_lat), _ptr(q_rope), np.int32(heads), np.int32(heads_pad), score_scale, _ptr(q16), _ptr(qmul))
-        stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
-        with _cupy().cuda.Device(device.index), stream:
+        args = (ptr(q_lat), ptr(q_rope), np.int32(heads), np.int32(heads_pad), score_scale, ptr(q16), ptr(qmul))
+        stream = cupy_stream(torch.cuda.current_stream(device), device.index)
+        with cupy_module().cuda.Device(device.index), stream:
             prep((heads_pad, batch), (128,), args)
         return q16, qmul
 
@@ -485,46 +485,46 @@ class CudaBackend(AttentionBackend):
         batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
         split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True)
         width = self.merge_dims or merge_width(batch, heads, k, self.n_sm)
-        merge = self._get(f"mla_merge_v2<{k},{width}>")
+        merge = self._get(merge_kernel(k, width=width))
         score_scale = np.float32(softmax_scale * math.log2(math.e))
         o_scale = torch.empty_like(lse)  # each f16 partial's power-of-two scale
         n_live = torch.empty(batch, dtype=torch.int32, device=device)  # splits holding rows, per sequence
         split_grid, merge_grid = (plan.head_groups, plan.n_splits, batch), (heads, k // width, batch)
         split_args = (
-            _ptr(q_lat),
-            _ptr(q_rope),
+            ptr(q_lat),
+            ptr(q_rope),
             np.int32(heads),
             score_scale,
-            _ptr(lc_codes),
-            _ptr(lc_scales),
-            _ptr(rc_codes),
-            _ptr(rc_scales),
-            _ptr(seq_start),
-            _ptr(seq_len),
-            _ptr(indices),
-            _ptr(n_selected),
+            ptr(lc_codes),
+            ptr(lc_scales),
+            ptr(rc_codes),
+            ptr(rc_scales),
+            ptr(seq_start),
+            ptr(seq_len),
+            ptr(indices),
+            ptr(n_selected),
             np.int32(problem.selected or 0),
             np.int64(problem.n_rows),
             np.int32(plan.padded_heads),
             np.int32(plan.n_splits),
             np.int32(plan.blocks_per_split),
-            _ptr(o_part),
-            _ptr(o_scale),
-            _ptr(lse),
-            _ptr(n_live),
+            ptr(o_part),
+            ptr(o_scale),
+            ptr(lse),
+            ptr(n_live),
         )
         merge_args = (
-            _ptr(o_part),
-            _ptr(o_scale),
-            _ptr(lse),
-            _ptr(n_live),
+            ptr(o_part),
+            ptr(o_scale),
+            ptr(lse),
+            ptr(n_live),
             np.int32(heads),
             np.int32(plan.padded_heads),
             np.int32(plan.n_splits),
-            _ptr(result),
+            ptr(result),
         )
-        cupy = _cupy()
-        stream = _cupy_stream(torch.cuda.current_stream(device), device.index)
+        cupy = cupy_module()
+        stream = cupy_stream(torch.cuda.current_stream(device), device.index)
         with cupy.cuda.Device(device.index), stream:
             split(split_grid, (256,), split_args, shared_mem=smem)
             merge(merge_grid, (256,), merge_args, shared_mem=4 * plan.n_splits)
@@ -546,7 +546,7 @@ class CudaBackend(AttentionBackend):
         split_fn, merge_fn = launch.function_pointer(split[0]), launch.function_pointer(merge[0])
         if driver is None or split_fn is None or merge_fn is None:
             return
-        with _LOCK:
+        with LOCK:
             if len(self._fast) >= launch.MAX_PLANS:  # signatures come and go (batch sizes): keep the recent
                 self._fast.clear()
             self._fast[key] = launch.ReplayedCall(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvstore.formats.errors import KVStoreError
 
-__all__ = ["AttentionInputError", "BackendUnavailable", "KVStoreError"]
+__all__ = ["AttentionInputError", "BackendUnavailable", "KernelBuildError", "KVStoreError"]
 
 
 class AttentionInputError(KVStoreError, ValueError):
@@ -29,3 +29,10 @@ class BackendUnavailable(KVStoreError, RuntimeError):
     def __init__(self, reason: str, reasons: dict[str, list[str]] | None = None):
         super().__init__(reason)
         self.reasons = dict(reasons or {})
+
+
+class KernelBuildError(KVStoreError, RuntimeError):
+    """A kernel source did not compile, or its compiler is missing.
+
+    The reason holds the compiler's log, or where the compiler was looked for and how to install it.
+    """

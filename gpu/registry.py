@@ -165,6 +165,14 @@ class AttentionBackend(ABC):
         """Why this backend cannot run on ``device`` in this process (empty: it can)."""
 
     @classmethod
+    def configuration_reasons(
+        cls, device: torch.device, tier: tiers.Tier | str, kv_lora: int | None, qk_rope: int | None
+    ) -> list[str]:
+        """Why this backend, which runs on ``device``, cannot run this tier and geometry there
+        (a kernel needing more of the device than it has); empty by default."""
+        return []
+
+    @classmethod
     def why_not(
         cls,
         device: torch.device,
@@ -177,6 +185,8 @@ class AttentionBackend(ABC):
         out = cls.spec.mismatches(device, tier, kv_lora, qk_rope, q_dtype)
         if not out:
             out = cls.environment_reasons(device)
+        if not out and tier is not None:
+            out = cls.configuration_reasons(device, tier, kv_lora, qk_rope)
         return out
 
     def function(self, tier: tiers.Tier | str, *, selected: bool = False, trusted: bool = False) -> Callable:
@@ -298,7 +308,8 @@ def reasons(
     """Why backend ``name`` cannot run the configuration on ``device`` (empty: it can).
 
     The spec's declared data is checked first; the class is imported (and the environment probed)
-    only when the data allows the configuration.
+    only when the data allows the configuration, and the configuration is put to the device
+    (:meth:`AttentionBackend.configuration_reasons`) only when the environment allows the backend.
     """
     device = torch.device(device)
     entry = _REGISTRY.get(name)
@@ -311,7 +322,10 @@ def reasons(
         cls = backend_class(name)
     except ImportError as exc:
         return [f"cannot import {entry.path}: {exc}"]
-    return cls.environment_reasons(device)
+    out = cls.environment_reasons(device)
+    if not out and tier is not None:
+        out = cls.configuration_reasons(device, tier, kv_lora, qk_rope)
+    return out
 
 
 def _normalized(device: torch.device | str) -> torch.device:

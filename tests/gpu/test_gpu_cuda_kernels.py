@@ -21,7 +21,7 @@ import torch
 from conformance.attention import AttentionConformance
 from kvstore.gpu import AttentionInputError, testing
 from kvstore.gpu.cuda_backend import CudaBackend
-from kvstore.gpu.registry import get_backend
+from kvstore.gpu.registry import as_tier, get_backend
 
 pytestmark = pytest.mark.gpu
 
@@ -257,3 +257,35 @@ def test_a_replayed_plan_still_refuses_bad_shapes():
     out = backend.mla_decode_fp8(*args, validate=False)
     assert backend.fast_calls == before
     assert testing.relative_error(out, testing.reference(misaligned)) < KERNEL_BOUND
+
+
+# sm_89 (L4, L40S, RTX 4090) and sm_120 (RTX 5090): 99 KB of shared memory a block, 100 KB an SM
+SMALL_BLOCK, SMALL_SM = 101_376, 102_400
+
+
+def test_this_device_runs_every_geometry_with_the_plans_it_was_measured_with():
+    """On the H200 every split kernel fits: nothing is refused, and 16-head blocks keep two per SM."""
+    backend = CudaBackend(torch.device("cuda"))
+    for tier in TIERS:
+        for kv_lora, qk_rope in [(512, 64), (512, 32), (256, 64), (128, 32)]:
+            assert backend.shared_memory_reasons(as_tier(tier), kv_lora, qk_rope) == []
+        assert backend.split_fits(True, 512, 64, TIERS.index(tier)) == {1: 2, 2: 1, 4: 1}  # fmt: 0 fp8, 1 int4
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("heads", [16, 64])
+def test_a_device_of_smaller_blocks_plans_within_them(tier, heads):
+    """With a 99 KB block (this device's limits set to an sm_89's) the split kernels that fit run,
+    with fewer heads per block and one block per SM, and the ones that do not fit (fp8 at kv_lora
+    512) run the torch path, which the registry's reasons name; every output matches float64."""
+    backend = CudaBackend(torch.device("cuda"), wgmma=False)
+    backend.block_shared_memory, backend.sm_shared_memory = SMALL_BLOCK, SMALL_SM
+    seed = RUN_SEED + 59 * heads + len(tier)
+    case = testing.make_case(tier, testing.ragged_lengths(70000, 4, seed), heads, device="cuda", seed=seed)
+    why = backend.shared_memory_reasons(as_tier(tier), 512, 64)
+    fits = backend.split_fits(True, 512, 64, TIERS.index(tier))  # fmt: 0 fp8, 1 int4
+    if tier == "fp8":
+        assert not fits and why and "101,376" in why[0], why
+    else:
+        assert not why and max(fits) == 2 and fits[1] == 1, fits
+    _check(case, backend, seed)

@@ -84,6 +84,29 @@ def test_registered_backend_with_higher_priority_wins_and_can_be_removed():
         registry.register_backend(BackendSpec(name="bad", device_types=frozenset({"cpu"})), "no_colon")
 
 
+class NarrowTorchBackend(TorchBackend):
+    """The torch path, refusing kv_lora 512 as a backend whose kernels outgrow a device does."""
+
+    @classmethod
+    def configuration_reasons(cls, device, tier, kv_lora, qk_rope):
+        return [f"kv_lora={kv_lora} outgrows this device"] if kv_lora == 512 else []
+
+
+def test_a_configuration_the_device_cannot_hold_passes_to_the_next_backend():
+    registry.register_backend(
+        BackendSpec(name="narrow", device_types=frozenset({"cpu"}), priority=0), f"{__name__}:NarrowTorchBackend"
+    )
+    try:
+        wide = registry.select("fp8", "cpu", kv_lora=512, qk_rope=64)
+        assert wide.backend == "torch" and wide.rejected["narrow"] == ["kv_lora=512 outgrows this device"]
+        assert registry.select("fp8", "cpu", kv_lora=128, qk_rope=32).backend == "narrow"
+        assert registry.reasons("narrow", "cpu") == []  # no configuration named: nothing to refuse
+        why = registry.backend_class("narrow").why_not(torch.device("cpu"), "int4", 512, 64)
+        assert why == ["kv_lora=512 outgrows this device"]
+    finally:
+        registry.unregister_backend("narrow")
+
+
 def _case(**kwargs):
     return testing.make_case("fp8", [20, 9], 16, kv_lora=128, qk_rope=32, seed=7, **kwargs)
 
