@@ -24,26 +24,25 @@ import tempfile
 import time
 
 from kvstore.gpu import cuda_plan, nvrtc
-from kvstore.gpu.cuda_build import OPTIONS, kernel_source
+from kvstore.gpu.cuda_build import kernel_source
 
-#: Shared memory a block may have and an SM holds, bytes: the two classes of device the CUDA
-#: kernels run on (tests/gpu/test_gpu_build.py names the devices).
-SMALL, LARGE = (101_376, 102_400), (232_448, 233_472)
+#: Shared memory a block may have and an SM holds: the two classes of device the kernels run on.
+SMALL, LARGE = nvrtc.DEVICE_SHARED_MEMORY["sm_89"], nvrtc.DEVICE_SHARED_MEMORY["sm_90"]
 
 
 def cuda_table(arches: list[str], geometries: list[tuple[int, int]]) -> None:
     names = list(dict.fromkeys(n for k, r in geometries for n in cuda_plan.instantiations(k, r)))
-    split = [n for n in names if n.startswith(("mla_decode_v2<", "mla_decode_split<"))]
-    queries = {}
-    for name in split:
-        m, k, r, fmt, _ = name[name.index("<") + 1 : -1].split(",")
-        queries[name] = cuda_plan.smem_query_kernel(int(m), int(k), int(r), int(fmt), name.startswith("mla_decode_v2"))
-    ptx = nvrtc.compile_source(kernel_source(), sorted(set(queries.values())), "compute_90", OPTIONS)
-    smem = {name: nvrtc.stored_constant(ptx, query) for name, query in queries.items()}
+    # split kernel -> (m-tiles, dynamic shared memory)
+    smem = {
+        cuda_plan.split_kernel(m, k, r, fmt, gather, v2): (m, need)
+        for (v2, k, r, fmt), needs in nvrtc.split_shared_memory(kernel_source(), geometries).items()
+        for m, need in needs.items()
+        for gather in (False, True)
+    }
     builds = {}
     for arch in arches:
         t0 = time.perf_counter()
-        builds[arch] = nvrtc.compile_source(kernel_source(), names, arch, OPTIONS)
+        builds[arch] = nvrtc.compile_source(kernel_source(), names, arch)
         print(f"{arch}: {len(names)} kernels compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     cells = " | ".join(f"{a} regs | {a} spill st/ld | {a} stack" for a in arches)
     print(f"\n| kernel | {cells} | dynamic smem | blocks/SM at 99 KB | blocks/SM at 227 KB |")
@@ -56,9 +55,9 @@ def cuda_table(arches: list[str], geometries: list[tuple[int, int]]) -> None:
             used = builds[arch].resources[name]
             row += [str(used.registers), f"{used.spill_stores}/{used.spill_loads}", str(used.stack)]
         if name in smem:
-            m = int(name[name.index("<") + 1 : name.index(",")])
-            fits = [cuda_plan.fitting_m_tiles({m: smem[name]}, *limits).get(m, 0) for limits in (SMALL, LARGE)]
-            row += [f"{smem[name]:,}", *map(str, fits)]
+            m, need = smem[name]
+            fits = [cuda_plan.fitting_m_tiles({m: need}, *limits).get(m, 0) for limits in (SMALL, LARGE)]
+            row += [f"{need:,}", *map(str, fits)]
         else:
             row += ["", "", ""]
         print(f"| `{name}` | " + " | ".join(row) + " |")

@@ -17,15 +17,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.gpu.cuda_plan import M_TILES, smem_query_kernel
+from kvstore.gpu.cuda_plan import M_TILES, NVRTC_OPTIONS, smem_query_kernel
 
-__all__ = ["KERNEL_FILE", "MIN_CAPABILITY", "compiled", "cupy_module", "cupy_stream", "kernel_source", "ptr"]
+__all__ = [
+    "KERNEL_FILE",
+    "LOCK",
+    "MIN_CAPABILITY",
+    "compiled",
+    "cupy_module",
+    "cupy_stream",
+    "kernel_source",
+    "ptr",
+    "split_shared_memory",
+]
 
 KERNEL_FILE = Path(__file__).resolve().parent / "kernels" / "mla_decode.cu"
 #: Lowest compute capability: cvt.rn.f16x2.e4m3x2 needs sm_89.
 MIN_CAPABILITY = (8, 9)
-#: NVRTC options besides the architecture (nvrtc.compile_source gives the same).
-OPTIONS = ("--std=c++17",)
 LOCK = threading.Lock()
 
 
@@ -44,7 +52,7 @@ def cupy_module():
 def compiled(name_expressions: tuple[str, ...], capability: tuple[int, int], device_index: int) -> tuple:
     """Compile (once) a module holding these template instantiations; their kernels, in order."""
     cupy = cupy_module()
-    options = (f"--gpu-architecture=sm_{capability[0]}{capability[1]}", *OPTIONS)
+    options = (f"--gpu-architecture=sm_{capability[0]}{capability[1]}", *NVRTC_OPTIONS)
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=kernel_source(), options=options, name_expressions=name_expressions)
         return tuple(module.get_function(name) for name in name_expressions)

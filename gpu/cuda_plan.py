@@ -22,12 +22,14 @@ from dataclasses import dataclass
 __all__ = [
     "MERGE_WIDTHS",
     "M_TILES",
+    "NVRTC_OPTIONS",
     "RESERVED_SHARED_MEMORY",
     "TILE_ROWS",
     "WGMMA_MIN_HEADS",
     "WGMMA_TRITON",
     "KernelPlan",
     "fitting_m_tiles",
+    "generations",
     "instantiations",
     "merge_kernel",
     "merge_width",
@@ -55,6 +57,8 @@ LONG_SPLIT_TILES = 4
 MERGE_WIDTHS = (512, 128, 32)
 #: 16-head m-tiles per block the split kernels are instantiated with.
 M_TILES = (1, 2, 4)
+#: NVRTC options besides the architecture: the same at run time (cupy) and offline (kvstore.gpu.nvrtc).
+NVRTC_OPTIONS = ("--std=c++17",)
 #: Shared memory the driver keeps for itself in every resident block (sm_80 and later:
 #: cudaDevAttrReservedSharedMemoryPerBlock), on top of what the kernel asks for.
 RESERVED_SHARED_MEMORY = 1024
@@ -277,6 +281,12 @@ def unrotate_kernel(kv_lora: int) -> str:
     return f"mla_unrotate<{kv_lora}>"
 
 
+def generations(kv_lora: int) -> tuple[bool, ...]:
+    """The kernel generations built for rows of ``kv_lora`` dims, as the ``v2`` flag of
+    :func:`split_kernel`: v1 always, v2 at kv_lora 512."""
+    return (False, True) if kv_lora == 512 else (False,)
+
+
 def instantiations(kv_lora: int, qk_rope: int) -> list[str]:
     """Every kernel the CUDA backend may compile for rows of this geometry (both tiers, both
     kernel generations where built, dense and selected rows, every m-tile count and merge width)."""
@@ -284,7 +294,7 @@ def instantiations(kv_lora: int, qk_rope: int) -> list[str]:
     names.append(unrotate_kernel(kv_lora))
     for fmt in (0, 1):
         names += [prep_query_kernel(kv_lora, qk_rope, fmt), merge_kernel(kv_lora, fmt)]
-        for v2 in (False, True) if kv_lora == 512 else (False,):
+        for v2 in generations(kv_lora):
             for m_tiles in M_TILES:
                 names.append(smem_query_kernel(m_tiles, kv_lora, qk_rope, fmt, v2))
                 names += [split_kernel(m_tiles, kv_lora, qk_rope, fmt, gather, v2) for gather in (False, True)]

@@ -25,9 +25,29 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.gpu.cuda_plan import M_TILES, NVRTC_OPTIONS, generations, smem_query_kernel
 from kvstore.gpu.errors import KernelBuildError
 
-__all__ = ["Build", "KernelBuildError", "KernelResources", "compile_source", "library", "stored_constant"]
+__all__ = [
+    "DEVICE_SHARED_MEMORY",
+    "Build",
+    "KernelBuildError",
+    "KernelResources",
+    "compile_source",
+    "library",
+    "split_shared_memory",
+    "stored_constant",
+]
+
+#: Shared memory a block may have (the opt-in limit) and an SM holds, bytes, by architecture
+#: (CUDA programming guide, "Technical Specifications per Compute Capability"): what the backend
+#: reads from a device at run time, for the checks made without one.
+DEVICE_SHARED_MEMORY = {
+    "sm_89": (101_376, 102_400),  # L4, L40S, RTX 4090
+    "sm_90": (232_448, 233_472),  # H100, H200
+    "sm_100": (232_448, 233_472),  # B200
+    "sm_120": (101_376, 102_400),  # RTX 5090
+}
 
 #: Where the pip wheels put the library, newest CUDA first (relative to a ``sys.path`` entry).
 _WHEEL_LIBS = ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
@@ -143,7 +163,9 @@ def _resources(log: str) -> dict[str, KernelResources]:
     return out
 
 
-def compile_source(source: str, name_expressions: list[str], arch: str, options: tuple[str, ...] = ()) -> Build:
+def compile_source(
+    source: str, name_expressions: list[str], arch: str, options: tuple[str, ...] = NVRTC_OPTIONS
+) -> Build:
     """Compile ``source`` with NVRTC for ``arch``, instantiating ``name_expressions``.
 
     Parameters
@@ -153,7 +175,7 @@ def compile_source(source: str, name_expressions: list[str], arch: str, options:
         (``"mla_decode_v2<4,512,64,0,false>"``)
     arch : a real architecture (``"sm_90"``: a cubin and ptxas's report per kernel) or a virtual
         one (``"compute_90"``: PTX)
-    options : further NVRTC options (the backend's ``--std=c++17`` is always given)
+    options : NVRTC options besides the architecture (default the backend's)
 
     Raises
     ------
@@ -167,7 +189,7 @@ def compile_source(source: str, name_expressions: list[str], arch: str, options:
         for name in name_expressions:
             _check(lib, lib.nvrtcAddNameExpression(prog, name.encode()), f"name expression {name}")
         real = arch.startswith("sm_")
-        argv = [f"--gpu-architecture={arch}", "--std=c++17", *options] + (["--ptxas-options=--verbose"] if real else [])
+        argv = [f"--gpu-architecture={arch}", *options] + (["--ptxas-options=--verbose"] if real else [])
         status = lib.nvrtcCompileProgram(prog, len(argv), (ctypes.c_char_p * len(argv))(*[a.encode() for a in argv]))
         log = _read(lib, prog, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog").decode(errors="replace")
         _check(lib, status, f"could not compile for {arch}", log)
@@ -197,3 +219,13 @@ def stored_constant(build: Build, name_expression: str) -> int:
     if len(values) != 1:
         raise KernelBuildError(f"{name_expression} does not store one constant (found {sorted(values)})")
     return int(values.pop())
+
+
+def split_shared_memory(source: str, geometries: list[tuple[int, int]]) -> dict[tuple, dict[int, int]]:
+    """(v2, kv_lora, qk_rope, fmt) -> m-tiles -> the dynamic shared memory (bytes) of the split
+    kernel, for every generation and tier built at each (kv_lora, qk_rope): what
+    :func:`kvstore.gpu.cuda_build.split_shared_memory` asks a device for, read from the PTX."""
+    keys = [(v2, k, r, fmt) for k, r in geometries for v2 in generations(k) for fmt in (0, 1)]
+    names = {(key, m): smem_query_kernel(m, *key[1:], key[0]) for key in keys for m in M_TILES}
+    ptx = compile_source(source, list(names.values()), "compute_90")
+    return {key: {m: stored_constant(ptx, names[key, m]) for m in M_TILES} for key in keys}

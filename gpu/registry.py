@@ -173,6 +173,17 @@ class AttentionBackend(ABC):
         return []
 
     @classmethod
+    def device_reasons(
+        cls, device: torch.device, tier: tiers.Tier | str | None, kv_lora: int | None, qk_rope: int | None
+    ) -> list[str]:
+        """What the device says against a configuration its spec allows: the environment's
+        reasons, then (a tier named) the configuration's."""
+        out = cls.environment_reasons(device)
+        if not out and tier is not None:
+            out = cls.configuration_reasons(device, tier, kv_lora, qk_rope)
+        return out
+
+    @classmethod
     def why_not(
         cls,
         device: torch.device,
@@ -182,12 +193,9 @@ class AttentionBackend(ABC):
         q_dtype: torch.dtype | None = None,
     ) -> list[str]:
         """Every reason this backend cannot run the configuration (empty: it can)."""
-        out = cls.spec.mismatches(device, tier, kv_lora, qk_rope, q_dtype)
-        if not out:
-            out = cls.environment_reasons(device)
-        if not out and tier is not None:
-            out = cls.configuration_reasons(device, tier, kv_lora, qk_rope)
-        return out
+        return cls.spec.mismatches(device, tier, kv_lora, qk_rope, q_dtype) or cls.device_reasons(
+            device, tier, kv_lora, qk_rope
+        )
 
     def function(self, tier: tiers.Tier | str, *, selected: bool = False, trusted: bool = False) -> Callable:
         """The decode function of ``tier``, with the bits of a PolarQuant tier bound.
@@ -322,10 +330,7 @@ def reasons(
         cls = backend_class(name)
     except ImportError as exc:
         return [f"cannot import {entry.path}: {exc}"]
-    out = cls.environment_reasons(device)
-    if not out and tier is not None:
-        out = cls.configuration_reasons(device, tier, kv_lora, qk_rope)
-    return out
+    return cls.device_reasons(device, tier, kv_lora, qk_rope)
 
 
 def _normalized(device: torch.device | str) -> torch.device:

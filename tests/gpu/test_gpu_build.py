@@ -15,7 +15,7 @@ import os
 import pytest
 
 from kvstore.gpu import cuda_plan, nvrtc, registry
-from kvstore.gpu.cuda_build import OPTIONS, kernel_source
+from kvstore.gpu.cuda_build import kernel_source
 from kvstore.gpu.errors import KernelBuildError
 
 SPEC = registry.spec_of("cuda")
@@ -25,14 +25,6 @@ THREADS, SM_REGISTERS = 256, 65536
 #: Spill traffic a kernel may have, bytes a thread: a few words are noise; a tile's worth is a
 #: regression that costs time on the H200 (docs/GPU.md).
 MAX_SPILL = 64
-#: Shared memory a block may have (opt-in) and an SM holds, bytes, by the devices' compute
-#: capability (CUDA programming guide, "Technical Specifications per Compute Capability").
-DEVICES = {
-    "sm_89 (L4, L40S, RTX 4090)": (101_376, 102_400),
-    "sm_90 (H100, H200)": (232_448, 233_472),
-    "sm_100 (B200)": (232_448, 233_472),
-    "sm_120 (RTX 5090)": (101_376, 102_400),
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,21 +40,13 @@ def _nvrtc():
 @functools.lru_cache(maxsize=None)
 def _build(arch: str) -> nvrtc.Build:
     names = [name for k, r in GEOMETRIES for name in cuda_plan.instantiations(k, r)]
-    return nvrtc.compile_source(kernel_source(), list(dict.fromkeys(names)), arch, OPTIONS)
+    return nvrtc.compile_source(kernel_source(), list(dict.fromkeys(names)), arch)
 
 
 @functools.lru_cache(maxsize=None)
 def _needs() -> dict[tuple, dict[int, int]]:
     """(v2, kv_lora, qk_rope, fmt) -> m-tiles -> the split kernel's dynamic shared memory."""
-    keys = [(v2, k, r, fmt) for k, r in GEOMETRIES for v2 in (False, True) if k == 512 or not v2 for fmt in (0, 1)]
-    names = [cuda_plan.smem_query_kernel(m, k, r, fmt, v2) for v2, k, r, fmt in keys for m in cuda_plan.M_TILES]
-    ptx = nvrtc.compile_source(kernel_source(), names, "compute_90", OPTIONS)
-    return {
-        key: {
-            m: nvrtc.stored_constant(ptx, cuda_plan.smem_query_kernel(m, *key[1:], key[0])) for m in cuda_plan.M_TILES
-        }
-        for key in keys
-    }
+    return nvrtc.split_shared_memory(kernel_source(), GEOMETRIES)
 
 
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
@@ -78,12 +62,12 @@ def test_every_instantiation_compiles_within_the_registers_its_plan_counts_on(ar
             assert 2 * THREADS * used.registers <= SM_REGISTERS, (name, used)
 
 
-@pytest.mark.parametrize("device", sorted(DEVICES))
+@pytest.mark.parametrize("device", sorted(nvrtc.DEVICE_SHARED_MEMORY))
 def test_every_planned_launch_fits_the_devices_shared_memory(device):
     """Each geometry, tier, kernel generation and head count: the blocks the plan puts on an SM
     fit its shared memory, or the backend says the configuration does not fit (and the torch path
     runs it)."""
-    block, sm = DEVICES[device]
+    block, sm = nvrtc.DEVICE_SHARED_MEMORY[device]
     for (v2, k, r, fmt), needs in _needs().items():
         fits = cuda_plan.fitting_m_tiles(needs, block, sm, 4)
         assert all(m in fits for m in cuda_plan.M_TILES if m <= max(fits, default=0)), (fits, needs)
@@ -99,13 +83,13 @@ def test_every_planned_launch_fits_the_devices_shared_memory(device):
 def test_the_h200_keeps_the_plans_it_was_measured_with():
     """On sm_90 every split kernel fits with the launch bounds' blocks per SM (16-head blocks two
     to an SM): the plans of docs/GPU.md's tables."""
-    block, sm = DEVICES["sm_90 (H100, H200)"]
+    block, sm = nvrtc.DEVICE_SHARED_MEMORY["sm_90"]
     for (v2, k, r, fmt), needs in _needs().items():
         assert cuda_plan.fitting_m_tiles(needs, block, sm, 4) == {1: 2, 2: 1, 4: 1}, (v2, k, r, fmt, needs)
 
 
 def test_a_99_kb_block_runs_int4_with_fewer_heads_and_deepseeks_fp8_rows_on_the_torch_path():
-    block, sm = DEVICES["sm_89 (L4, L40S, RTX 4090)"]
+    block, sm = nvrtc.DEVICE_SHARED_MEMORY["sm_89"]
     needs = _needs()
     # fp8 at DeepSeek's geometry (kv_lora 512, qk_rope 64): even a 16-head block holds over 99 KB
     # (a query tile and two stages of 576-byte rows), in both kernel generations
@@ -123,7 +107,7 @@ def test_a_99_kb_block_runs_int4_with_fewer_heads_and_deepseeks_fp8_rows_on_the_
 def test_a_source_that_does_not_compile_raises_with_the_compilers_log():
     source = kernel_source().replace("#define BN 64", "#define BN 64 +", 1)
     with pytest.raises(KernelBuildError, match=r"could not compile for sm_90[\s\S]*error"):
-        nvrtc.compile_source(source, [cuda_plan.unrotate_kernel(512)], "sm_90", OPTIONS)
+        nvrtc.compile_source(source, [cuda_plan.unrotate_kernel(512)], "sm_90")
 
 
 def test_a_missing_library_is_named(monkeypatch, tmp_path):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conformance.attention import AttentionConformance
-from kvstore.gpu import AttentionInputError, testing
+from kvstore.gpu import AttentionInputError, nvrtc, testing
 from kvstore.gpu.cuda_backend import CudaBackend
 from kvstore.gpu.registry import as_tier, get_backend
 
@@ -260,7 +260,7 @@ def test_a_replayed_plan_still_refuses_bad_shapes():
 
 
 # sm_89 (L4, L40S, RTX 4090) and sm_120 (RTX 5090): 99 KB of shared memory a block, 100 KB an SM
-SMALL_BLOCK, SMALL_SM = 101_376, 102_400
+SMALL_BLOCK, SMALL_SM = nvrtc.DEVICE_SHARED_MEMORY["sm_89"]
 
 
 def test_this_device_runs_every_geometry_with_the_plans_it_was_measured_with():
