@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import kvstore
+from kvstore import config
 from kvstore.api.errors import BodyTooLarge, http_status, retry_after
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
@@ -167,7 +168,9 @@ def create_app(
         if isinstance(store_or_settings, Settings):
             settings = store_or_settings
         else:
-            settings = Settings(data_dir=Path(store_or_settings) if store_or_settings is not None else Path("./data"))
+            settings = Settings(
+                data_dir=Path(store_or_settings) if store_or_settings is not None else Path(config.DATA_DIR.value)
+            )
     # a replica of a shared store reads its keys from the index (kvstore keys create --index ...)
     created_key = ensure_keys_file(settings.data_dir) if first_key and not settings.shared else None
     if created_key is not None:

@@ -1,17 +1,17 @@
 """Service settings: where the data lives, limits, the engine, and the API keys given by environment.
 
-Nothing here reads the environment at import time: ``KVSTORE_API_KEYS`` is read when a
-:class:`Settings` is built without ``api_keys_env``.
+Nothing here reads the environment at import time: ``KVSTORE_API_KEYS`` (``kvstore.config``) is
+read when a :class:`Settings` is built without ``api_keys_env``; the defaults shared with the
+command line (the data folder, the engine's tier, the lease's length) are ``kvstore.config``'s.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore import tiers
+from kvstore import config, tiers
 from kvstore.api.jobs import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_PER_OWNER
 from kvstore.errors import ConfigError
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
@@ -60,27 +60,27 @@ class Settings:
         (shared store only; None: 8 GiB, 0: no cache)
     """
 
-    data_dir: Path = Path("./data")
+    data_dir: Path = Path(config.DATA_DIR.value)
     budget_bytes: int | None = None
     hard_limit_bytes: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     map_size: int = DEFAULT_MAP_SIZE
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     session_waiters: int = DEFAULT_SESSION_WAITERS
-    api_keys_env: str | None = field(default_factory=lambda: os.environ.get("KVSTORE_API_KEYS"))
+    api_keys_env: str | None = field(default_factory=config.API_KEYS.get)
     job_workers: int = 2
     max_jobs: int = DEFAULT_MAX_PENDING
     max_jobs_per_owner: int = DEFAULT_MAX_PENDING_PER_OWNER
     stream_chunk_bytes: int = 4 << 20
     reject_nonfinite: bool = False
     model_dir: Path | None = None
-    tier: str = tiers.F32.name
+    tier: str = config.ENGINE_TIER.value
     bits: int | None = None
     device: str = "cpu"
     dtype: str | None = None
     index_url: str | None = None
     blobs_url: str | None = None
-    lease_ttl: float = 30.0
+    lease_ttl: float = config.LEASE_TTL_S.value
     cache_bytes: int | None = None
 
     def __post_init__(self):

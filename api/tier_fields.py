@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvstore import tiers
+from kvstore import config, tiers
 from kvstore.formats.coli_kv import Tier
 
 log = logging.getLogger("kvstore.api")
@@ -31,7 +31,7 @@ log = logging.getLogger("kvstore.api")
 #: The tiers a session (a ``.coli_kv`` journal) can hold, in the vocabulary's order.
 SESSION_TIERS = tuple(tiers.names(in_file=True))
 MAX_TIER_CHARS = 32
-DEFAULT_TIER = tiers.FP8.name
+DEFAULT_TIER = config.SESSION_TIER.value
 _MAX_LOGGED_SPELLINGS = 256  # more than the old spellings that parse; bounds what a client can make it keep
 
 

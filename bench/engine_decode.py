@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-lengths", type=int, nargs="+", help="their context lengths (default 1k..32k)")
     parser.add_argument("--batch-only", action="store_true", help="skip the single-sequence rows")
     parser.add_argument("--modes", nargs="+", choices=MODES, help="on CUDA, a subset of the modes (default all)")
+    parser.add_argument(
+        "--grouped-experts", action="store_true", help="routed experts by grouped GEMM, not the Triton kernels"
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = preset(args.preset)
     began = time.perf_counter()
     model = random_model(cfg, seed=0, device=device, dtype=dtype)
+    model.use_expert_kernels(not args.grouped_experts)
     print(
         f"engine_decode: {args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
         f"kv_lora {cfg.kv_lora_rank}), {dtype} on {device}; model built in {time.perf_counter() - began:.1f} s"

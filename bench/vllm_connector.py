@@ -49,8 +49,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore import config
+
 ROOT = Path(__file__).resolve().parents[1]
-VENV = Path(os.environ.get("KVSTORE_VLLM_VENV") or ROOT / ".vllm-venv")
+VENV = config.VLLM_VENV.get() or ROOT / ".vllm-venv"
 RUNNER = ROOT / "tests" / "vllm" / "run_vllm.py"
 
 

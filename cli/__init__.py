@@ -37,7 +37,8 @@ import warnings
 from typing import NoReturn
 
 from kvstore import __version__, tiers
-from kvstore.cli import engine, files, hf, keys, options, serve, sessions, store_cmd
+from kvstore.cli import config_cmd, engine, files, hf, keys, options, serve, sessions, store_cmd
+from kvstore.config import SettingError
 from kvstore.errors import FileDamaged, KVStoreError
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_DAMAGED", "EXIT_INTERRUPTED", "EXIT_OK", "build_parser", "fail", "main"]
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_verify(sub)
     hf.add_commands(sub)
     store_cmd.add_commands(sub)
+    config_cmd.add_commands(sub)
     return parser
 
 
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.func(args) or EXIT_OK)
         except FileDamaged as exc:
             return fail(exc.reason, EXIT_DAMAGED)
-        except KVStoreError as exc:
+        except (KVStoreError, SettingError) as exc:  # SettingError: a variable of kvstore.config
             return fail(exc.reason)
         except OSError as exc:  # a path the command did not check itself: still one line naming it
             where = ", ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvstore import DEFAULT_OWNER, tiers
+from kvstore import DEFAULT_OWNER, config, tiers
 from kvstore.errors import InvalidRequest
 
-DEFAULT_DATA = "./data"
+DEFAULT_DATA = config.DATA_DIR.value
 
 
 def listing(names: list[str]) -> str:

@@ -11,12 +11,12 @@ The only command that imports :mod:`kvstore.api` (when it runs): the CLI is the 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from kvstore import config
 from kvstore.cli import options, store_cmd
 from kvstore.errors import InvalidRequest
 from kvstore.units import parse_size
@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None:
         options.require_model_folder(args.model)
     index_url = store_cmd.optional_index_url(args)
-    blobs_url = getattr(args, "blobs", None) or os.environ.get(store_cmd.BLOBS_ENV) or None
+    blobs_url = store_cmd.optional_blobs_url(args)
     if index_url is not None or blobs_url is not None:
         store_cmd.shared_modules()
     settings = Settings(
@@ -71,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         **{name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None},
         map_size=parse_size(args.index_size) or DEFAULT_MAP_SIZE,
         model_dir=Path(args.model) if args.model is not None else None,
-        tier=args.tier.name if args.tier is not None else "f32",
+        tier=args.tier.name if args.tier is not None else config.ENGINE_TIER.value,
         device=args.device or "cpu",
         dtype=args.dtype,
         index_url=index_url,
@@ -81,10 +81,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     _log_to_stderr(args.log_level)
     app = create_app(settings, first_key=False)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
     # a replica's keys are the shared index's (kvstore keys create --index): no keys.json to start
     listening = (lambda: None) if settings.shared else (lambda: _print_first_key(settings.data_dir))
-    server = _listening_server(config, on_listening=listening)
+    server = _listening_server(server_config, on_listening=listening)
     try:
         if args.fd is not None:  # a socket bound by the caller (tests, socket activation)
             server.run(sockets=[socket.socket(fileno=args.fd)])
@@ -187,7 +187,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--model",
         help="model folder to generate with (POST /sessions/{id}/generate); without it that endpoint answers 503",
     )
-    options.add_tier(p, files_only=False, default=None, shown_default="f32", what="the engine's cache tier")
+    options.add_tier(
+        p, files_only=False, default=None, shown_default=config.ENGINE_TIER.value, what="the engine's cache tier"
+    )
     p.add_argument("--device", help="torch device of the engine: cpu (default), cuda, cuda:1, mps")
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="the engine's weights dtype (default float32)"

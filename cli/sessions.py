@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import config
 from kvstore.cli import options, progress, store_cmd
 from kvstore.cli.output import emit, warn
 from kvstore.errors import InvalidRequest
@@ -379,7 +380,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _model_flags(p, required=True)
     p.add_argument("--geometry", help=GEOMETRY_WORDS)
     p.add_argument("--like", help="take geometry and tier from this .coli_kv file")
-    options.add_tier(p, files_only=True, default="fp8", what="record format (ignored with --like)")
+    options.add_tier(p, files_only=True, default=config.SESSION_TIER.value, what="record format (ignored with --like)")
     p.add_argument("--tag", action="append", help="a tag for the session (repeatable)")
     p.add_argument("--hard-limit", help="refuse the write past this store size")
     p.set_defaults(func=cmd_create)
@@ -451,7 +452,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--like-session", help="use this session's model fingerprint (and owner)")
     _model_flags(p, required=False)
     p.add_argument("--geometry", help=GEOMETRY_WORDS)
-    options.add_tier(p, files_only=True, default="fp8", what="the record format sessions must have")
+    options.add_tier(p, files_only=True, default=config.SESSION_TIER.value, what="the record format sessions must have")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--tokens", help="token ids, comma or space separated")
     source.add_argument("--tokens-file", help=".npy, .coli_kv or whitespace-separated integers")

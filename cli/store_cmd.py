@@ -18,23 +18,23 @@ resumes it.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
+from kvstore import config
 from kvstore.cli import options, progress
 from kvstore.cli.output import emit
 from kvstore.errors import ConfigError, InvalidRequest
 
 EXIT_DAMAGED = 1  # kvstore.cli.EXIT_DAMAGED (not imported: that package imports this module)
 EXIT_REFUSED = 2
-INDEX_ENV = "KVSTORE_INDEX_URL"
-BLOBS_ENV = "KVSTORE_BLOBS_URL"
+INDEX_ENV = config.INDEX_URL.name
+BLOBS_ENV = config.BLOBS_URL.name
 
 
 def optional_index_url(args: argparse.Namespace) -> str | None:
     """``--index`` or ``KVSTORE_INDEX_URL``; None when neither is set."""
-    url = getattr(args, "index", None) or os.environ.get(INDEX_ENV) or None
+    url = getattr(args, "index", None) or config.INDEX_URL.get()
     if url is not None and not url.startswith(("postgresql://", "postgres://")) and "=" not in url:
         raise InvalidRequest(f"--index {url!r} is not a PostgreSQL URL (postgresql://USER@HOST:PORT/DB)")
     return url
@@ -48,8 +48,13 @@ def index_url(args: argparse.Namespace) -> str:
     return url
 
 
+def optional_blobs_url(args: argparse.Namespace) -> str | None:
+    """``--blobs`` or ``KVSTORE_BLOBS_URL``; None when neither is set."""
+    return getattr(args, "blobs", None) or config.BLOBS_URL.get()
+
+
 def blobs_url(args: argparse.Namespace) -> str:
-    url = getattr(args, "blobs", None) or os.environ.get(BLOBS_ENV) or None
+    url = optional_blobs_url(args)
     if url is None:
         raise InvalidRequest(f"name the object store with --blobs s3://BUCKET/PREFIX (or {BLOBS_ENV})")
     return url

@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from kvstore import config
 from kvstore.errors import FingerprintMismatch, InvalidRequest
 
 if TYPE_CHECKING:
@@ -75,11 +76,10 @@ OVERRIDABLE = frozenset({f"model.{name}" for name in MODEL_FIELDS} | {"tier"})
 # ---------------------------------------------------------------------------- weights
 def cache_dir() -> Path:
     """Where computed weights hashes are kept: ``$KVSTORE_CACHE_DIR``, else ``~/.cache/kvstore``."""
-    root = os.environ.get("KVSTORE_CACHE_DIR")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvstore"
+    root = config.CACHE_DIR.get()
+    if root is not None:
+        return root
+    return (config.XDG_CACHE_HOME.get() or Path.home() / ".cache") / "kvstore"
 
 
 # (resolved folder, files stamp) -> hash, for this process

@@ -19,7 +19,6 @@ except that routed experts are stacked per layer (``mlp.experts.gate_proj`` [E, 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +41,6 @@ _FUSED_BUDGET_FACTOR = 16
 # Grouped GEMM (bf16 on sm90+ in CUDA builds): the routed experts' path on CUDA. The CPU keeps the
 # per-expert loop, whose summation order the transformers oracle tests pin.
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
-# A decode step's few (token, expert) pairs on CUDA in bf16 or f16: the Triton kernels of
-# engine/expert_kernels.py, which read each hit expert's weights at the copy bandwidth's pace;
-# "grouped" keeps the grouped GEMM (bf16) or the gathered / per-expert paths for every size (the
-# benchmarks compare them).
-_EXPERT_KERNELS = os.environ.get("KVSTORE_EXPERT_KERNELS", "triton")
 
 
 class RMSNorm(nn.Module):
@@ -337,12 +331,17 @@ class RoutedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(e, i, h))
         self.up_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        #: a decode step's few (token, expert) pairs on CUDA in bf16 or f16 run the Triton kernels of
+        #: engine/expert_kernels.py, which read each hit expert's weights at the copy bandwidth's
+        #: pace; False keeps the grouped GEMM (bf16) or the gathered / per-expert paths for every
+        #: size (:meth:`MLAForCausalLM.use_expert_kernels`; the benchmarks compare them)
+        self.triton_kernels = True
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t, k = top_idx.shape
         n_experts = self.gate_proj.shape[0]
         half = x.dtype in (torch.bfloat16, torch.float16)
-        kernels = _expert_kernels() if x.device.type == "cuda" and half else None
+        kernels = _expert_kernels() if self.triton_kernels and x.device.type == "cuda" and half else None
         if kernels is not None and t * k <= kernels.MAX_PAIRS:
             return kernels.routed_experts(x, top_idx, weights, self.gate_proj, self.up_proj, self.down_proj)
         if _GROUPED_MM is not None and x.device.type == "cuda" and x.dtype == torch.bfloat16:
@@ -519,6 +518,13 @@ class MLAForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def use_expert_kernels(self, enabled: bool) -> None:
+        """Whether decode steps on CUDA run the routed experts' Triton kernels (the default) or keep
+        the grouped GEMM for every call (``bench/engine_decode.py --grouped-experts`` compares them)."""
+        for module in self.modules():
+            if isinstance(module, RoutedExperts):
+                module.triton_kernels = bool(enabled)
+
     @torch.inference_mode()
     def forward_tokens(
         self,
@@ -635,12 +641,12 @@ _EXPERT_MODULE = None
 
 
 def _expert_kernels():
-    """:mod:`kvstore.engine.expert_kernels` where its kernels run (triton present, not switched
-    off), else None; looked up once (a compiled step reads the cached answer)."""
+    """:mod:`kvstore.engine.expert_kernels` where its kernels run (triton present), else None;
+    looked up once (a compiled step reads the cached answer)."""
     global _EXPERT_MODULE
     if _EXPERT_MODULE is None:
         _EXPERT_MODULE = False
-        if _EXPERT_KERNELS == "triton" and _has_triton():
+        if _has_triton():
             from kvstore.engine import expert_kernels
 
             _EXPERT_MODULE = expert_kernels

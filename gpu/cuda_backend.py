@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import numpy as np
 import torch
 
-from kvstore import tiers
+from kvstore import config, tiers
 from kvstore.gpu import inputs, launch, registry
 from kvstore.gpu.cuda_build import (
     LOCK,
@@ -65,25 +64,11 @@ from kvstore.gpu.torch_backend import decode_torch
 __all__ = [
     "CudaBackend",
     "KernelPlan",
-    "default_max_mt",
-    "default_variant",
     "plan_launch",
 ]
 
 #: The kernels' row format of each tier they decode (FMT in the source).
 _FORMAT = {tiers.FP8.name: 0, tiers.INT4.name: 1}
-
-
-def default_variant() -> str:
-    """Kernel generation used where it is built (kv_lora 512): "v2", or "v1" when the environment
-    variable KVSTORE_GPU_KERNEL says so (benchmarks compare them); read when a backend is made."""
-    return os.environ.get("KVSTORE_GPU_KERNEL", "v2")
-
-
-def default_max_mt() -> int:
-    """Most 16-head m-tiles per block of the v2 kernel (1, 2 or 4): 4, or KVSTORE_GPU_MAX_MT;
-    read when a backend is made."""
-    return int(os.environ.get("KVSTORE_GPU_MAX_MT", "4"))
 
 
 class CudaBackend(AttentionBackend):
@@ -96,8 +81,8 @@ class CudaBackend(AttentionBackend):
     Parameters
     ----------
     device : the CUDA device
-    variant : ``"v2"`` (kv_lora 512, else v1 runs) or ``"v1"``; default :func:`default_variant`
-    max_mt : most 16-head m-tiles per block of the v2 kernel (1, 2 or 4; default :func:`default_max_mt`)
+    variant : ``"v2"`` (the default: kv_lora 512, else v1 runs) or ``"v1"`` (benchmarks compare them)
+    max_mt : most 16-head m-tiles per block of the v2 kernel (1, 2 or 4; default 4)
     min_tiles : fewest 64-row tiles per split (default 1: as many splits as fill one wave)
     merge_dims : output dims per merge block of the v2 kernels (one of ``MERGE_WIDTHS``; default
         :func:`merge_width` of each call)
@@ -113,6 +98,7 @@ class CudaBackend(AttentionBackend):
         min_tiles: int = 1,
         merge_dims: int | None = None,
         wgmma: bool | None = None,
+        replay: bool = True,
     ):
         super().__init__(device)
         props = torch.cuda.get_device_properties(self.device)
@@ -128,11 +114,11 @@ class CudaBackend(AttentionBackend):
         self._sized: set[str] = set()  # split kernels whose shared-memory attribute is set
         self._built: dict[tuple[str, int, int], bool] = {}
         #: "v2" (two launches, fragments converted from code bytes) or "v1" (three launches)
-        self.variant = variant or default_variant()
+        self.variant = variant or "v2"
         if self.variant not in ("v1", "v2"):
             raise ValueError(f"variant must be 'v1' or 'v2', not {self.variant!r}")
         #: most 16-head m-tiles per block (v2)
-        self.max_mt = max_mt or default_max_mt()
+        self.max_mt = max_mt or 4
         #: fewest tiles per split (see :func:`plan_launch`)
         self.min_tiles = max(1, int(min_tiles))
         if merge_dims is not None and merge_dims not in MERGE_WIDTHS:
@@ -149,12 +135,12 @@ class CudaBackend(AttentionBackend):
         #: by default on the Triton release they are tested with, for the calls of
         #: cuda_plan.wgmma_for_call; wgmma=True or KVSTORE_GPU_WGMMA=1: every eligible call;
         #: wgmma=False or KVSTORE_GPU_WGMMA=0: none
-        env = os.environ.get("KVSTORE_GPU_WGMMA")
-        self.wgmma = wgmma_by_default(triton_version(), env) if wgmma is None else bool(wgmma)
+        forced = config.GPU_WGMMA.get() if wgmma is None else bool(wgmma)
+        self.wgmma = wgmma_by_default(triton_version(), forced)
         #: every eligible call, plain calls of short contexts too (else cuda_plan.wgmma_for_call)
-        self.wgmma_always = env == "1" if wgmma is None else bool(wgmma)
-        #: replay cached launch plans of plain calls (KVSTORE_GPU_REPLAY=0 turns it off, for A/B runs)
-        self.replay = os.environ.get("KVSTORE_GPU_REPLAY", "1") != "0"
+        self.wgmma_always = forced is True
+        #: replay cached launch plans of plain calls (replay=False turns it off, for A/B runs)
+        self.replay = bool(replay)
 
     @classmethod
     def environment_reasons(cls, device: torch.device) -> list[str]:

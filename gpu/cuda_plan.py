@@ -99,12 +99,13 @@ def triton_version() -> str:
         return ""
 
 
-def wgmma_by_default(version: str, env: str | None) -> bool:
+def wgmma_by_default(version: str, forced: bool | None) -> bool:
     """Whether a CUDA backend made without ``wgmma=`` sends eligible calls to the warpgroup-MMA
-    kernels: ``KVSTORE_GPU_WGMMA`` (``env``) "0" or "1" decides; otherwise yes when the installed
-    Triton (``version``, "" if none) is a release of :data:`WGMMA_TRITON`."""
-    if env in ("0", "1"):
-        return env == "1"
+    kernels: ``KVSTORE_GPU_WGMMA`` (``forced``, ``kvstore.config.GPU_WGMMA``) decides when set;
+    otherwise yes when the installed Triton (``version``, "" if none) is a release of
+    :data:`WGMMA_TRITON`."""
+    if forced is not None:
+        return forced
     return ".".join(version.split(".")[:2]) in WGMMA_TRITON
 
 

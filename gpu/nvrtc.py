@@ -19,12 +19,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore import config
 from kvstore.gpu.cuda_plan import M_TILES, NVRTC_OPTIONS, generations, smem_query_kernel
 from kvstore.gpu.errors import KernelBuildError
 
@@ -54,12 +54,12 @@ _WHEEL_LIBS = ("nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc
 
 
 def _candidates() -> list[Path]:
-    named = os.environ.get("KVSTORE_NVRTC")
-    if named:
-        return [Path(named)]
+    named = config.NVRTC.get()
+    if named is not None:
+        return [named]
     found = [Path(entry) / rel for entry in sys.path if entry for rel in _WHEEL_LIBS]
-    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if home:
+    for home in (config.CUDA_HOME.get(), Path("/usr/local/cuda")):
+        if home is not None:
             found += sorted(Path(home, "lib64").glob("libnvrtc.so*"), reverse=True)
     system = ctypes.util.find_library("nvrtc")
     if system:

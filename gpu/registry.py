@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from kvstore import tiers
+from kvstore import config, tiers
 from kvstore.gpu.codecs import as_tier
 from kvstore.gpu.errors import BackendUnavailable
 
@@ -415,7 +414,7 @@ def select(
     device = _normalized(device)
     order = list(registered())
     if prefer is None:
-        prefer = os.environ.get("KVSTORE_ATTENTION_BACKEND") or None
+        prefer = config.ATTENTION_BACKEND.get()
     if prefer is not None:
         if prefer not in _REGISTRY:
             raise BackendUnavailable(f"no backend named {prefer!r}; registered: {sorted(_REGISTRY)}")

@@ -13,6 +13,7 @@ Each error subclasses the matching built-in too, so code that only knows
 
 from __future__ import annotations
 
+from kvstore.config import SettingError
 from kvstore.formats.errors import (
     BadHeader,
     BadMagic,
@@ -273,8 +274,9 @@ class NotOnSharedStore(KVStoreError, NotImplementedError):
 
 
 # ---- configuration ----------------------------------------------------------------------------
-class ConfigError(KVStoreError, ValueError):
+class ConfigError(KVStoreError, SettingError):
     """A configuration file or variable (API keys, sizes, the engine's tier) cannot be used as written.
 
-    The reason names the setting and the form it takes.
+    The reason names the setting and the form it takes. (A ``SettingError`` too: the error
+    ``kvstore.config`` raises for a variable that does not parse, and a ``ValueError``.)
     """

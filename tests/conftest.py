@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore import config as settings
+
 # The vectors live in ../shared/vectors beside the checkout; a copy inside the repository
 # (tests/vectors) wins so CI on a bare clone has them too.
 _HERE = Path(__file__).resolve().parent
@@ -32,13 +34,14 @@ def hash_cache(tmp_path_factory):
     """Weights hashes are cached under KVSTORE_CACHE_DIR: keep the suite's (and its servers') out
     of the home folder."""
     folder = tmp_path_factory.mktemp("kvstore-cache")
-    previous = os.environ.get("KVSTORE_CACHE_DIR")
-    os.environ["KVSTORE_CACHE_DIR"] = str(folder)
+    name = settings.CACHE_DIR.name
+    previous = os.environ.get(name)
+    os.environ[name] = str(folder)
     yield folder
     if previous is None:
-        os.environ.pop("KVSTORE_CACHE_DIR", None)
+        os.environ.pop(name, None)
     else:
-        os.environ["KVSTORE_CACHE_DIR"] = previous
+        os.environ[name] = previous
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = torch.cuda.is_available()
     except Exception:  # torch missing or broken: no GPU tests either way
         has_cuda = False
-    if os.environ.get("KVSTORE_LONG") != "1":
+    if not settings.LONG.get():
         long_only = pytest.mark.skip(reason="long run only (KVSTORE_LONG=1, make test-long)")
         for item in items:
             if item.get_closest_marker("slow") is not None:
@@ -69,4 +72,4 @@ from hypothesis import settings as _hypothesis_settings  # noqa: E402
 
 _hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None)
 _hypothesis_settings.register_profile("long", max_examples=2000, print_blob=True, deadline=None)
-_hypothesis_settings.load_profile("long" if os.environ.get("KVSTORE_LONG") == "1" else "ci")
+_hypothesis_settings.load_profile("long" if settings.LONG.get() else "ci")

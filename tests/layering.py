@@ -15,29 +15,36 @@ from pathlib import Path
 
 #: Top-level folder -> the ``kvstore.<part>`` import name it provides.
 PARTS = {
+    "config": "kvstore.config",
     "formats": "kvstore.formats",
     "migrations": "kvstore.migrations",
     "kvstore": "kvstore",
     "gpu": "kvstore.gpu",
     "engine": "kvstore.engine",
     "api": "kvstore.api",
+    "connectors": "kvstore.connectors",
     "cli": "kvstore.cli",
 }
 
-#: Part -> the parts it may import (itself included). `cli` is the top: it starts the service
-#: and the engine, so it may import everything.
+#: Part -> the parts it may import (itself included). `config` (the environment variables and shared
+#: defaults) is at the bottom: every part may import it, it imports none. `connectors` (the vLLM and
+#: SGLang adapters) sit on the store beside the engine: nothing in kvstore imports them. `cli` is
+#: the top: it starts the service and the engine, so it may import everything.
 ALLOWED = {
-    "formats": {"formats"},
-    "migrations": {"formats", "migrations"},
-    "kvstore": {"formats", "migrations", "kvstore"},
-    "gpu": {"formats", "gpu"},
-    "engine": {"formats", "migrations", "kvstore", "gpu", "engine"},
-    "api": {"formats", "migrations", "kvstore", "gpu", "engine", "api"},
+    "config": {"config"},
+    "formats": {"config", "formats"},
+    "migrations": {"config", "formats", "migrations"},
+    "kvstore": {"config", "formats", "migrations", "kvstore"},
+    "gpu": {"config", "formats", "gpu"},
+    "engine": {"config", "formats", "migrations", "kvstore", "gpu", "engine"},
+    "connectors": {"config", "formats", "migrations", "kvstore", "connectors"},
+    "api": {"config", "formats", "migrations", "kvstore", "gpu", "engine", "api"},
     "cli": set(PARTS),
 }
 
 #: Third-party packages a part may import beyond the standard library and the parts above.
 THIRD_PARTY = {
+    "config": set(),
     "formats": {"numpy"},
     "migrations": {"numpy", "lmdb"},
     "gpu": {"numpy", "torch", "cupy", "triton"},

@@ -9,14 +9,13 @@ Its screenshots are saved under ``test-artifacts/`` at the repository root.
 from __future__ import annotations
 
 import json
-import os
 import re
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
-from kvstore import tiers
+from kvstore import config, tiers
 from served import wait_job
 from store.support import MODEL, Rows
 
@@ -207,7 +206,7 @@ def _browser_or_skip():
         except ImportError:
             missing = "playwright is not installed (the `test` extra)"
     if missing is not None:
-        if os.environ.get("KVSTORE_CI"):
+        if config.CI.get():
             pytest.fail(f"{missing}: CI runs the browser test (.ci/run installs chromium)")
         pytest.skip(missing)
 

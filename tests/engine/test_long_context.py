@@ -8,11 +8,12 @@ runs in a child process so its peak resident memory is its own.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+
+from kvstore import config
 
 CHILD = r"""
 import json, resource, sys
@@ -35,7 +36,7 @@ PEAK_LIMIT_MIB = 2048
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("KVSTORE_LONG"), reason="long run: set KVSTORE_LONG=1")
+@pytest.mark.skipif(not config.LONG.get(), reason="long run: set KVSTORE_LONG=1")
 def test_32k_prompt_prefills_in_bounded_memory():
     n = 32768
     proc = subprocess.run([sys.executable, "-c", CHILD, str(n)], capture_output=True, text=True, timeout=1800)

@@ -10,10 +10,10 @@ where they fail instead.
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 
+from kvstore import config
 from kvstore.gpu import cuda_plan, nvrtc, registry
 from kvstore.gpu.cuda_build import kernel_source
 from kvstore.gpu.errors import KernelBuildError
@@ -32,7 +32,7 @@ def _nvrtc():
     try:
         nvrtc.library()
     except KernelBuildError as exc:
-        if os.environ.get("KVSTORE_CI") == "1":
+        if config.CI.get():
             pytest.fail(f"CI installs NVRTC with the test extra: {exc}")
         pytest.skip(str(exc))
 

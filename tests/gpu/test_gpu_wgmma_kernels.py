@@ -9,12 +9,12 @@ the check.
 
 from __future__ import annotations
 
-import os
 import secrets
 
 import pytest
 import torch
 
+from kvstore import config
 from kvstore.gpu import testing
 from kvstore.gpu.cuda_backend import CudaBackend
 
@@ -97,7 +97,7 @@ def test_the_default_backend_sends_captured_calls_to_them_and_short_plain_calls_
     from kvstore.gpu.cuda_plan import triton_version, wgmma_by_default
 
     default = CudaBackend(torch.device("cuda"))
-    assert default.wgmma == wgmma_by_default(triton_version(), os.environ.get("KVSTORE_GPU_WGMMA"))
+    assert default.wgmma == wgmma_by_default(triton_version(), config.GPU_WGMMA.get())
     if not default.wgmma or default.wgmma_always:
         pytest.skip("another Triton release, or KVSTORE_GPU_WGMMA set: nothing left to choose")
     v2 = CudaBackend(torch.device("cuda"), wgmma=False)

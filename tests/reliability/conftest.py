@@ -1,16 +1,14 @@
 import json
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-#: The long versions run with KVSTORE_LONG=1 (make test-long); CI runs the short ones.
-LONG = os.environ.get("KVSTORE_LONG") == "1"
+from kvstore import config as settings
 
-#: Where the measured figures go besides the pytest temp dir (see RELIABILITY.md).
-REPORT_ENV = "KVSTORE_RELIABILITY_JSON"
+#: The long versions run with KVSTORE_LONG=1 (make test-long); CI runs the short ones.
+LONG = settings.LONG.get()
 
 
 @pytest.fixture
@@ -65,8 +63,9 @@ def _report_paths(config) -> list[Path]:
         paths.append(config._tmp_path_factory.getbasetemp() / "reliability.json")
     except (AttributeError, OSError):
         pass
-    if os.environ.get(REPORT_ENV):
-        paths.append(Path(os.environ[REPORT_ENV]))
+    extra = settings.RELIABILITY_JSON.get()  # where the figures go besides the pytest temp dir (RELIABILITY.md)
+    if extra is not None:
+        paths.append(extra)
     return paths
 
 

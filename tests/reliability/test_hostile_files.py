@@ -4,7 +4,6 @@ Only typed errors come out; nothing hangs; nothing is allocated beyond what the 
 justifies (a header may claim 2^31 records or 2^30-wide rows, the loader sizes nothing from that).
 """
 
-import os
 import struct
 import tracemalloc
 
@@ -13,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore import tiers
+from kvstore import config, tiers
 from kvstore.errors import KVStoreError
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Header
@@ -22,7 +21,7 @@ from reliability.workload import GEOMETRY, expected_records
 
 TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(2)]
 #: Fuzzed files per test: 300 in CI, 5000 in the long run (KVSTORE_LONG=1).
-EXAMPLES = 5000 if os.environ.get("KVSTORE_LONG") == "1" else 300
+EXAMPLES = 5000 if config.LONG.get() else 300
 SEEDS = {t: Header(GEOMETRY, t, 5).to_bytes() + expected_records(5, 1, t)[:5].tobytes() for t in TIERS}
 
 

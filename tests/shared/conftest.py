@@ -12,11 +12,12 @@ import uuid
 
 import pytest
 
+from kvstore import config
 from shared.servers import FaultProxy, MotoServer, PostgresCluster, postgres_bin
 
 
 def _missing(what: str) -> None:
-    if os.environ.get("KVSTORE_CI") == "1":
+    if config.CI.get():
         pytest.fail(f"{what} is missing; CI must have it (.ci/run installs it)")
     pytest.skip(f"{what} is missing (sudo apt-get install postgresql)")
 

@@ -10,7 +10,6 @@ acknowledged appends as it arrives, every session checked at the end.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,7 +19,9 @@ from shared.test_replicas import api_key, append, client, create, replicas, resu
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import scale_chaos  # noqa: E402
 
-ROUNDS = 300 if os.environ.get("KVSTORE_LONG") == "1" else 30
+from kvstore import config
+
+ROUNDS = 300 if config.LONG.get() else 30
 
 
 def test_chaos_rounds_lose_tear_and_stale_nothing(pg_cluster, s3_server, aws_env, tmp_path):

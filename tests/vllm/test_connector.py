@@ -37,16 +37,17 @@ import httpx
 import numpy as np
 import pytest
 
+from kvstore import config
 from served import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("KVSTORE_VLLM_VENV") or ROOT / ".vllm-venv")
+VENV = config.VLLM_VENV.get() or ROOT / ".vllm-venv"
 PYTHON = VENV / "bin" / "python"
 RUNNER = Path(__file__).resolve().parent / "run_vllm.py"
 MAX_TOKENS = 12
 
 if not PYTHON.exists():
-    if os.environ.get("KVSTORE_CI") == "1":
+    if config.CI.get():
         raise RuntimeError(f"vLLM's venv is missing at {VENV}: .ci/run creates it with tests/vllm/setup_venv.sh")
     pytest.skip("vLLM's venv is missing (tests/vllm/setup_venv.sh makes it)", allow_module_level=True)
 

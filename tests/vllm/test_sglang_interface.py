@@ -24,14 +24,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore import config
+
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("KVSTORE_VLLM_VENV") or ROOT / ".vllm-venv")
+VENV = config.VLLM_VENV.get() or ROOT / ".vllm-venv"
 PYTHON = VENV / "bin" / "python"
 SGLANG = VENV / "sglang-0.5.23"
 RUNNER = Path(__file__).resolve().parent / "run_sglang.py"
 
 if not (PYTHON.exists() and (SGLANG / ".kvstore-sglang").exists()):
-    if os.environ.get("KVSTORE_CI") == "1":
+    if config.CI.get():
         raise RuntimeError(f"SGLang's package is missing at {SGLANG}: tests/vllm/setup_venv.sh unpacks it")
     pytest.skip("vLLM's venv with SGLang's package is missing (tests/vllm/setup_venv.sh)", allow_module_level=True)
 

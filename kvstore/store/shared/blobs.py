@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
-import os
 import random
 import threading
 import time
@@ -29,6 +28,7 @@ import boto3.session
 import botocore.config
 import botocore.exceptions
 
+from kvstore import config as settings
 from kvstore.errors import BlobStoreError, BlobStoreUnavailable, ConfigError
 
 T = TypeVar("T")
@@ -99,8 +99,8 @@ class BlobStore:
         self.part_bytes = part_bytes
         self.retries = 0  # retried requests since this store was made
         self._count_lock = threading.Lock()
-        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
-        region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        endpoint_url = endpoint_url or settings.AWS_ENDPOINT_URL.get()
+        region = region or settings.AWS_REGION.get() or settings.AWS_DEFAULT_REGION.get() or "us-east-1"
         config = botocore.config.Config(
             retries={"total_max_attempts": 1},  # the retries are ours (counted, with our backoff)
             connect_timeout=timeout,

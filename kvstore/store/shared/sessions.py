@@ -36,6 +36,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from kvstore import config as settings
 from kvstore.errors import (
     InvalidRequest,
     LeaseHeld,
@@ -144,7 +145,7 @@ class SharedSessionStore:
         index_url: str,
         blobs_url: str,
         *,
-        data_dir: str | os.PathLike | None = "./data",
+        data_dir: str | os.PathLike | None = settings.DATA_DIR.value,
         lease_ttl: float = DEFAULT_TTL_S,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
         cache_bytes: int = DEFAULT_CACHE_BYTES,

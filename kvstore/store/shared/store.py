@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import zstandard
 
+from kvstore import config as settings
 from kvstore.errors import (
     BudgetExceeded,
     IdempotencyKeyReused,
@@ -46,7 +47,7 @@ from kvstore.store.values import (
 )
 from kvstore.tiers import Tier
 
-DEFAULT_TTL_S = 30.0
+DEFAULT_TTL_S = settings.LEASE_TTL_S.value
 REQUEST_KEY_RETENTION_S = 24 * 3600.0  # how long an idempotency key answers a retry (then GC forgets it)
 JOB_RETENTION_S = 24 * 3600.0  # how long a finished job answers GET /jobs/{id} on every replica
 MAX_REQUEST_KEY_CHARS = 255

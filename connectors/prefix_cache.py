@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore import tiers
+from kvstore import config, tiers
 from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient
 from kvstore.errors import ConfigError, KVStoreError, SessionExists
 from kvstore.formats.coli_kv import Geometry
@@ -115,7 +115,7 @@ class CacheConfig:
     store: str | None = None
     url: str | None = None
     api_key: str | None = dataclasses.field(default=None, repr=False)
-    api_key_env: str = "KVSTORE_API_KEY"
+    api_key_env: str = config.API_KEY.name
     owner: str = "vllm"
     tier: Tier = tiers.F32
     model_name: str | None = None
@@ -146,8 +146,8 @@ class CacheConfig:
         if url is not None:
             if "owner" in extra:
                 raise ConfigError("kvstore connector: in service mode the API key decides the owner; drop 'owner'")
-            env_name = extra.get("api_key_env", "KVSTORE_API_KEY")
-            api_key = extra.get("api_key") or os.environ.get(env_name)
+            env_name = extra.get("api_key_env", config.API_KEY.name)
+            api_key = extra.get("api_key") or config.environment(env_name)
             if not api_key:
                 raise ConfigError(f"kvstore connector: service mode needs 'api_key' or the variable {env_name}")
         elif "api_key" in extra or "api_key_env" in extra:
@@ -172,7 +172,7 @@ class CacheConfig:
             store=store,
             url=url,
             api_key=api_key,
-            api_key_env=extra.get("api_key_env", "KVSTORE_API_KEY"),
+            api_key_env=extra.get("api_key_env", config.API_KEY.name),
             owner=owner,
             tier=tier,
             model_name=extra.get("model_name"),
