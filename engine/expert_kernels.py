@@ -78,7 +78,7 @@ def _experts_kernel(
     rank = tl.cumsum(mine, axis=0) - 1
     ks = tl.arange(0, BLOCK_K)
     w_offset = expert.to(tl.int64) * stride_we + cols[:, None] * stride_wn + ks[None, :]
-    for m0 in range(0, count, BLOCK_M):
+    for m0 in range(0, count, BLOCK_M):  # pyright: ignore[reportArgumentType]  (a Triton loop bound is a tensor)
         r = m0 + tl.arange(0, BLOCK_M)
         row_ok = r < count
         hit = (mine[None, :] > 0) & (rank[None, :] == r[:, None])  # [BLOCK_M, PAIRS]: one hit per live row
@@ -133,8 +133,8 @@ def _project(x, ids, top_k, w, w2, out, gate_up: bool, block_n: int, block_k: in
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=n_in % block_k == 0,
-        num_stages=stages,
-        num_warps=warps,
+        num_stages=stages,  # pyright: ignore[reportCallIssue]  (launch options, not kernel parameters)
+        num_warps=warps,  # pyright: ignore[reportCallIssue]
     )
 
 

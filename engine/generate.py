@@ -26,7 +26,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Generator, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """Choose one token id from logits f32[vocab] (on any device)."""
     if params.greedy:
         return int(torch.argmax(logits).item())
-    scores = logits.detach().float().cpu() / float(params.temperature)
+    scores = logits.detach().float().cpu() / float(params.temperature or 1.0)  # (not greedy: > 0)
     if params.top_k and params.top_k < scores.shape[0]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -124,10 +124,17 @@ class GenerationResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def _asked(logits: torch.Tensor | None) -> torch.Tensor:
+    """The logits of a run that asked for them (``"last"`` or ``"all"``: never None there)."""
+    if logits is None:
+        raise GenerationError("the model computed no logits for a run that asked for them")
+    return logits
+
+
 class GenerationStream:
     """An iterator of generated token ids; ``result`` holds the :class:`GenerationResult` once done."""
 
-    def __init__(self, steps: Iterator[int], progress: GenerationResult):
+    def __init__(self, steps: Generator[int, None, GenerationResult], progress: GenerationResult):
         self._steps = steps
         self._progress = progress
         self._started = False
@@ -147,6 +154,12 @@ class GenerationStream:
     def close(self) -> None:
         """Stop early (the tokens produced so far stay in the cache)."""
         self._steps.close()
+
+    def final(self) -> GenerationResult:
+        """The :class:`GenerationResult` of a stream read to its end (``result`` is None before)."""
+        if self.result is None:
+            raise GenerationError("the generation stream was not read to its end")
+        return self.result
 
 
 class Engine:
@@ -369,7 +382,7 @@ class Engine:
         the next call), from the plain absorbed step elsewhere.
         """
         if self._graphs is None or self._graphs.cache is not self.cache:
-            return self._run(np.array([token], dtype=np.int64), position, absorbed=True, logits="last")
+            return _asked(self._run(np.array([token], dtype=np.int64), position, absorbed=True, logits="last"))
         self.cache.prepare(position, 1)
         logits = self._graphs.logits(token, position)
         self.cache.commit(position, [token])
@@ -400,7 +413,7 @@ class Engine:
                 logits = self.decode_logits(int(chunk[0]), a)
             else:
                 logits = self._run(chunk, a, absorbed=chunk.shape[0] == 1, logits="last")
-        return logits, ids.shape[0] - reused, reused
+        return _asked(logits), ids.shape[0] - reused, reused
 
     def extend(self, tokens) -> int:
         """Run ``tokens`` after the cached ones without sampling (e.g. the last generated token of a
@@ -417,7 +430,7 @@ class Engine:
         """
         ids = self._context(tokens)
         self.cache.truncate(start)
-        return self._run(ids, start, absorbed=absorbed, logits="all")
+        return _asked(self._run(ids, start, absorbed=absorbed, logits="all"))
 
     # -- generation ---------------------------------------------------------------------------------------
     def new_cache(self) -> LatentCache:
@@ -505,11 +518,11 @@ class Engine:
         stream = self.stream(tokens, **kwargs)
         for _ in stream:
             pass
-        return stream.result
+        return stream.final()
 
     def _steps(
         self, ids: np.ndarray, params: SamplingParams, max_new: int, stops: frozenset[int], result: GenerationResult
-    ):
+    ) -> Generator[int, None, GenerationResult]:
         generator, seed = params.generator()
         if seed is not None:
             result.seed = seed

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +77,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     kind = cfg.rope.kind
     if kind == "default":
         return 1.0 / pos_freqs, 1.0
-    factor = float(cfg.rope_factor())
+    factor = float(cfg.rope_factor() or 1.0)  # ModelConfig.validate refuses a linear/yarn rope without one
     if kind == "linear":
         return (1.0 / pos_freqs) / factor, 1.0
     rope = cfg.rope
@@ -111,6 +112,8 @@ def _mscale(scale: float, mscale: float = 1.0) -> float:
 
 class Rotary(nn.Module):
     """cos/sin tables f32[T, qk_rope] for absolute positions (``cat(freqs, freqs)`` layout)."""
+
+    inv_freq: torch.Tensor  # a registered buffer (typed here: nn.Module's __getattr__ is not)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -301,6 +304,7 @@ class Router(nn.Module):
         self.routed_scaling_factor = cfg.routed_scaling_factor
         # Kept in f32 whatever the model dtype, as transformers does.
         self.weight = nn.Parameter(torch.zeros(self.n_experts, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias: torch.Tensor
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,14 +387,17 @@ class RoutedExperts(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount would sync
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         xs = x[token_of]
+        grouped_mm = _GROUPED_MM
+        if grouped_mm is None:  # forward only sends bf16 CUDA calls here when torch has it
+            raise RuntimeError("this torch build has no torch._grouped_mm")
         gate_up = getattr(self, "_gate_up", None)
         if gate_up is not None:  # one GEMM for both halves (fuse_gate_up)
-            both = _GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offsets)
+            both = grouped_mm(xs, gate_up.transpose(1, 2), offs=offsets)
             gate, up = both[:, : self.gate_proj.shape[1]], both[:, self.gate_proj.shape[1] :]
         else:
-            gate = _GROUPED_MM(xs, self.gate_proj.transpose(1, 2), offs=offsets)
-            up = _GROUPED_MM(xs, self.up_proj.transpose(1, 2), offs=offsets)
-        y = _GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+            gate = grouped_mm(xs, self.gate_proj.transpose(1, 2), offs=offsets)
+            up = grouped_mm(xs, self.up_proj.transpose(1, 2), offs=offsets)
+        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
         # Back to token-major order by a gather (no atomic adds: deterministic, and 6x faster than
         # index_add_ at 32k tokens), then each token's k outputs weighted and summed in one bmm
         # (f32 accumulation, one rounding).
@@ -501,6 +508,9 @@ class DecoderStack(nn.Module):
 class MLAForCausalLM(nn.Module):
     """The whole model. Build with :mod:`kvstore.engine.weights` (load or random init)."""
 
+    #: the checkpoint's tensors no parameter took (set by kvstore.engine.weights)
+    unused_weights: list[str]
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -593,7 +603,7 @@ class MLAForCausalLM(nn.Module):
         rotary = self.model.rotary
         x = self.model.embed_tokens(token_ids)
         cos, sin = (c.to(x.dtype) for c in rotary(positions))  # cast once, not in every layer
-        for layer in self.model.layers:
+        for layer in cast("list[DecoderLayer]", self.model.layers):  # (a ModuleList types its items as Module)
             x = layer.step(x, cos, sin, rotary, cache, slots, n_rows, self.regions)
         return self.regions.head(self, x)
 
@@ -619,7 +629,7 @@ class MLAForCausalLM(nn.Module):
                 layer.mlp.experts.fuse_gate_up()
         # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
         # step computes what the eager one does (not a more precise, different answer).
-        options = {"emulate_precision_casts": True}
+        options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
         self.regions = StepRegions(
             torch.compile(DecoderLayer.step_inputs, options=options),
             torch.compile(DecoderLayer.step_outputs, options=options),
@@ -658,9 +668,9 @@ class StepRegions:
     """The two halves of a layer's decode step around its attention call, and the model's head:
     the plain methods, or their ``torch.compile`` versions (:meth:`MLAForCausalLM.compile_decode`)."""
 
-    inputs: object = None
-    outputs: object = None
-    head: object = None
+    inputs: Callable[..., Any]
+    outputs: Callable[..., Any]
+    head: Callable[..., Any]
     compiled: bool = False
 
     #: Tiers whose encoders the compiled input region traces (pure torch, checked byte for byte on
@@ -671,7 +681,7 @@ class StepRegions:
     def eager(cls) -> "StepRegions":
         return cls(DecoderLayer.step_inputs, DecoderLayer.step_outputs, MLAForCausalLM.logits_of)
 
-    def inputs_for(self, tier: str):
+    def inputs_for(self, tier: str) -> Callable[..., Any]:
         if self.compiled and tier not in self.COMPILED_TIERS:
             return DecoderLayer.step_inputs
         return self.inputs

@@ -107,10 +107,10 @@ class RecordLayout:
     @classmethod
     def of(cls, geometry: Geometry, tier: Tier) -> "RecordLayout":
         dtype = coli_kv.record_dtype(geometry, tier)
-        layers_dtype, layers_offset = dtype.fields["layers"][:2]
+        layers_dtype, layers_offset = (dtype.fields or {})["layers"][:2]  # a record dtype is structured
         one = layers_dtype.base
         fields, stored = {}, {}
-        for name, (sub, offset) in one.fields.items():
+        for name, (sub, offset, *_) in (one.fields or {}).items():
             fields[name] = (offset, sub.itemsize)
             stored[name] = torch.float32 if sub.base == np.dtype("<f4") else torch.uint8
         return cls(dtype.itemsize, layers_offset, one.itemsize, geometry.n_layers, fields, stored)
@@ -218,13 +218,13 @@ class Placement:
         """Place the records of ``raw`` (u8[rows, rec_bytes] on the target's device) at rows
         ``start .. start+rows-1`` of every target field ([n_layers, capacity, ...])."""
         rows = raw.shape[0]
-        if self.native is None:
+        if self.encode is not None:  # (then native is None: one or the other, checked on creation)
             lc, rc = self.decode(raw)
             for name, value in self.encode(lc, rc).items():
                 fields[name][:, start : start + rows] = value
             return
         placed = {}
-        for target, source in self.native.items():
+        for target, source in (self.native or {}).items():
             # Both sides in record order ([rows, n_layers, ...]): torch's CPU copy walks the
             # source's rows sequentially then, several times faster than layer-major order.
             dst = fields[target][:, start : start + rows].transpose(0, 1)
@@ -343,7 +343,7 @@ class FileBody:
     def read_into(self, out: np.ndarray, start: int, count: int) -> int:
         """Read records ``start .. start+count-1`` into ``out`` (u8); returns the complete ones read."""
         rec = self.layout.rec_bytes
-        view = memoryview(out)[: count * rec]
+        view = out.data[: count * rec]  # (out is u8[...], contiguous: its buffer is its bytes)
         got = 0
         while got < len(view):  # a read returns at most 2 GiB; 0 means the file ended early
             n = os.preadv(self._fd, [view[got:]], HEADER_BYTES + start * rec + got)
@@ -528,6 +528,7 @@ def _pipeline(
     else:
         views = [np.empty(slot_bytes, dtype=np.uint8) for _ in range(slots)]
         ring = [torch.from_numpy(view) for view in views]
+        uploaded, stage = [], ring[0][:0]  # no copy engine to wait for, no device stage
     in_use = [False] * slots
     tokens = np.empty(n, dtype=np.int32)
 

@@ -88,7 +88,7 @@ class StoredRows:
         layers = records["layers"]
         layers["Lc"] = self.lc.transpose(1, 0, 2)
         layers["Rc"] = self.rc.transpose(1, 0, 2)
-        if self.version != 1:
+        if self.lc_scales is not None and self.rc_scales is not None:  # v2, v3: a scale per row
             layers["Ls"] = self.lc_scales.T
             layers["Rs"] = self.rc_scales.T
         return records

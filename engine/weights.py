@@ -25,6 +25,7 @@ import os
 import re
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -98,7 +99,7 @@ class _Checkpoint:
                 with safe_open(str(path), framework="pt") as handle:
                     for name in handle.keys():
                         self.file_of[name] = path
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, Any] = {}  # open safetensors handles (safe_open's type is not exported)
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of

@@ -8,6 +8,7 @@ and returns nothing: the caller's own caches are never touched and the session i
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -239,9 +240,21 @@ def restore_prefix(
         logger.info("hf restore_prefix: no stored prefix (reused 0 tokens)")
         return Restored(np.empty(0, np.int32), new_cache(model), 0, tier=expected.tier)
     upto = min(hit.matched_tokens, limit)
-    again = dict(verify=verify, tier=expected.tier, override=override, model_info=expected.model)
-    restored = restore(store, hit.session_id, model, device, dtype, owner=owner, upto=upto, **again)
+    again = functools.partial(
+        restore,
+        store,
+        hit.session_id,
+        model,
+        device,
+        dtype,
+        owner=owner,
+        verify=verify,
+        tier=expected.tier,
+        override=override,
+        model_info=expected.model,
+    )
+    restored = again(upto=upto)
     common = first_difference(restored.tokens, prompt)
     if common is not None:  # the session changed between the lookup and the read: serve what still matches
-        restored = restore(store, hit.session_id, model, device, dtype, owner=owner, upto=common, **again)
+        restored = again(upto=common)
     return restored
