@@ -24,8 +24,8 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest -q -n $(WORKERS) --dist loadfile
 
-# What CI checks before the tests: lint, formatting, types (pyright on formats/, kvstore/,
-# migrations/ and api/), all with the versions pinned in pyproject's `lint` extra.
+# What CI checks before the tests: lint, formatting, types (pyright on every part, copied into
+# build/typecheck as installed: .ci/typecheck), all with the versions pinned in pyproject's `lint` extra.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

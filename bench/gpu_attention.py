@@ -104,13 +104,13 @@ def time_kernel(backend, cases) -> float:
     """Median microseconds per call: one CUDA graph holding the calls of :func:`_schedule`, replayed."""
     outs = {id(c): testing.poisoned_out(c) for c in cases}
     for c in cases:  # compile, query shared memory, warm the allocator
-        testing.decode(c, outs[id(c)], backend=backend, validate=False)
+        testing.decode(c, outs[id(c)], backend=backend, trusted=True)
     torch.cuda.synchronize()
     calls = _schedule(cases)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for c in calls:
-            testing.decode(c, outs[id(c)], backend=backend, validate=False)
+            testing.decode(c, outs[id(c)], backend=backend, trusted=True)
     ms = statistics.median(_events_ms(graph.replay, reps=15, warmup=10))
     return ms * 1e3 / len(calls)
 
@@ -193,12 +193,12 @@ def time_torch(case) -> float:
     backend = registry.instance("torch", "cuda")
     out = testing.poisoned_out(case)
     reps = 5
-    testing.decode(case, out, backend=backend, validate=False)
+    testing.decode(case, out, backend=backend, trusted=True)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        testing.decode(case, out, backend=backend, validate=False)
+        testing.decode(case, out, backend=backend, trusted=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
@@ -385,7 +385,7 @@ def main() -> int:
         one = make_backend(spec[0]) if spec else backend
         case = testing.make_case(tier, [int(longest)], int(heads), device="cuda", seed=args.seed, nan_rate=0.0)
         for _ in range(2):
-            testing.decode(case, testing.poisoned_out(case), backend=one, validate=False)
+            testing.decode(case, testing.poisoned_out(case), backend=one, trusted=True)
         torch.cuda.synchronize()
         return 0
 

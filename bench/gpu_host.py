@@ -2,10 +2,11 @@
 
 What an engine that does not capture its step pays per call and layer: ``N`` back-to-back calls
 timed with ``time.perf_counter`` and one synchronization at the end, so the figure is the host's
-cost whenever it exceeds the kernels' (``--calls``, default 1,000): with the range checks
-(``checked``), without them (``plain``: a cached launch plan replayed), and without them with the
-plans off (``no plan``). Beside them, the same calls' GPU time replayed from a CUDA graph, which is
-what a captured step pays. Usage::
+cost whenever it exceeds the kernels' (``--calls``, default 1,000). Each call makes its
+``LatentBatch`` as a caller does: checked, ranges included (``checked``: one synchronization), or
+trusted (``plain``: nothing checked, a cached launch plan replayed), and trusted with the plans off
+(``no plan``). Beside them, the same calls' GPU time replayed from a CUDA graph, which is what a
+captured step pays. Usage::
 
     PYTHONPATH=. python3 bench/gpu_host.py [--rows 32768] [--heads 16] [--backends cuda,torch] [--profile]
 
@@ -84,10 +85,8 @@ def main() -> int:
             ref = testing.reference(case)
             testing.decode(case, out, backend=backend)
             err = testing.relative_error(out, ref)
-            # the function is looked up once, as an engine does (testing.decode looks it up per call)
-            fn = backend.function(tier)
-            checked = host_us(functools.partial(fn, *case.args(), out), args.calls)
-            call = functools.partial(fn, *case.args(), out, validate=False)
+            checked = host_us(functools.partial(testing.decode, case, out, backend), args.calls)
+            call = functools.partial(testing.decode, case, out, backend, trusted=True)
             plain = host_us(call, args.calls)
             replaying = getattr(backend, "replay", None)
             if replaying:  # the same calls with cached launch plans off (CudaBackend.replay)

@@ -207,14 +207,9 @@ class _VariantBackend:
         self.inner = CudaBackend(torch.device("cuda"), wgmma=True)
         self.module = module
 
-    def function(self, tier, selected=False):
-        fn = self.inner.function(tier, selected=selected)
-
-        def call(*args, **kwargs):
-            with _kernels_from(self.module):
-                return fn(*args, **kwargs)
-
-        return call
+    def decode(self, q_lat, q_rope, batch, softmax_scale, out=None):
+        with _kernels_from(self.module):
+            return self.inner.decode(q_lat, q_rope, batch, softmax_scale, out)
 
 
 def patched(name: str) -> str:

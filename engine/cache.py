@@ -9,7 +9,7 @@ back through dequantization (or attended directly by the tier's decode backend).
 The tier is a :class:`kvstore.tiers.Tier` and everything a cache needs comes from it: the fields a
 row takes (:func:`kvstore.gpu.inputs.row_layout`: its values for ``f32``/``bf16``, its codes and a
 scale part for ``fp8``, ``int4``, ``polar2`` .. ``polar6``, ``q8``), its codecs
-(:mod:`kvstore.gpu.codecs`), its decode function (:func:`kvstore.gpu.registry.select`), its journal
+(:mod:`kvstore.gpu.codecs`), its decode backend (:func:`kvstore.gpu.registry.select`), its journal
 (``Tier.file_tier``: v1 f32 rows for f32, bf16 and q8) and its bytes: a position takes
 ``Tier.row_bytes(K) + Tier.row_bytes(R)`` per layer (:meth:`CacheGeometry.bytes_per_token`): f32
 ``4(K+R)``, bf16 ``2(K+R)``, fp8 ``K+R+8``, int4 ``K/2+R/2+8``, polarB ``rb(K)+rb(R)+8``, q8
@@ -36,7 +36,7 @@ from kvstore.engine.errors import CacheError, CodecMismatch, GeometryMismatch, T
 from kvstore.engine.rows import StoredRows
 from kvstore.gpu import codecs, registry
 from kvstore.gpu.errors import BackendUnavailable
-from kvstore.gpu.inputs import row_layout
+from kvstore.gpu.inputs import LatentBatch, row_layout
 
 __all__ = ["CacheGeometry", "LatentCache", "make_cache"]
 
@@ -83,7 +83,7 @@ class LatentCache:
     geometry : CacheGeometry
     device : torch.device
     length : int — committed positions (rows ``0 .. length-1`` are valid)
-    decode_choice : kvstore.gpu.registry.Selection — the decode function :meth:`attend` calls
+    decode_choice : kvstore.gpu.registry.Selection — the backend whose entry point :meth:`attend` calls
     """
 
     def __init__(
@@ -168,8 +168,7 @@ class LatentCache:
             if scales is not None:
                 fields[f"{prefix}_scales"] = _to_device(scales, self.device, torch.float32)
                 # loaded files are sanitized already; rows handed over directly get the same treatment
-                sanitize = codecs.sanitize_fp8_ if self.tier is tiers.FP8 else codecs.sanitize_tq_
-                sanitize(fields[prefix], fields[f"{prefix}_scales"])
+                codecs.sanitize_tier_(self.tier, fields[prefix], fields[f"{prefix}_scales"])
         return fields
 
     def _stored(self, fields: dict[str, np.ndarray], tokens: np.ndarray) -> StoredRows:
@@ -289,8 +288,21 @@ class LatentCache:
         -------
         f32[B, H, kv_lora]: the attention context in latent space.
         """
-        operands = [f[layer, :n_rows] for f in self._fields.values()]  # lc[, lc_scales], rc[, rc_scales]
-        return self.decode_choice.function(q_lat, q_rope, *operands, seq_start, seq_len, softmax_scale)
+        fields, g = self._fields, self.geometry
+        lc_scales, rc_scales = fields.get("lc_scales"), fields.get("rc_scales")
+        # the cache's own rows: a trusted batch (no checks per layer and step, none under capture)
+        batch = LatentBatch.trusted(
+            self.tier,
+            fields["lc"][layer, :n_rows],
+            None if lc_scales is None else lc_scales[layer, :n_rows],
+            fields["rc"][layer, :n_rows],
+            None if rc_scales is None else rc_scales[layer, :n_rows],
+            seq_start,
+            seq_len,
+            kv_lora=g.kv_lora,
+            qk_rope=g.qk_rope,
+        )
+        return self.decode_choice.function(q_lat, q_rope, batch, softmax_scale)
 
     def commit(self, start: int, token_ids) -> None:
         """Publish the rows written at ``start ..`` for ``token_ids`` (int[T]): length becomes start+T."""

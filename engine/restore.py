@@ -52,7 +52,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvstore import tiers
 from kvstore.engine.errors import GeometryMismatch
 from kvstore.formats import coli_kv
 from kvstore.formats import tq as tq_format
@@ -235,9 +234,8 @@ class Placement:
                 dst.copy_(_f32(src))
             placed[source] = dst
         if self.tier.version != 1:
-            clean = codecs.sanitize_fp8_ if self.tier is tiers.FP8 else codecs.sanitize_tq_
-            clean(placed["Lc"], placed["Ls"], self.corrupt)
-            clean(placed["Rc"], placed["Rs"], self.corrupt)
+            codecs.sanitize_tier_(self.tier, placed["Lc"], placed["Ls"], self.corrupt)
+            codecs.sanitize_tier_(self.tier, placed["Rc"], placed["Rs"], self.corrupt)
 
     def decode(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's rows as f32 (L [n_layers, rows, kv_lora], R [n_layers, rows, qk_rope]), sanitized."""
@@ -248,13 +246,12 @@ class Placement:
 
         if self.tier.version == 1:
             return _f32(layer_major("Lc")).contiguous(), _f32(layer_major("Rc")).contiguous()
-        clean = codecs.sanitize_fp8_ if self.tier is tiers.FP8 else codecs.sanitize_tq_
         out = []
         for codes_name, scales_name, width in (("Lc", "Ls", g.kv_lora), ("Rc", "Rs", g.qk_rope)):
             # Copies (clone, never a view of the body, which may be read-only): sanitized below.
             codes = layer_major(codes_name).clone(memory_format=torch.contiguous_format)
             scales = _f32(layer_major(scales_name)).squeeze(-1).clone(memory_format=torch.contiguous_format)
-            clean(codes, scales, self.corrupt)
+            codecs.sanitize_tier_(self.tier, codes, scales, self.corrupt)
             out.append(dequantize(self.tier, codes, scales, width))
         return out[0], out[1]
 

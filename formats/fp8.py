@@ -13,12 +13,18 @@ Examples
 >>> codes, scales = quantize_rows(np.array([[0.5, -1.0, 2.0]], dtype=np.float32))
 >>> dequantize_rows(codes, scales).tolist()
 [[0.5, -1.0, 2.0]]
+>>> FP8Codec().row_bytes(512), FP8Codec().scale_range
+(516, '(0, 7.589e+35]')
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
+from kvstore.formats.codecs import RowCodec, register_codec
 from kvstore.formats.errors import FormatError
 
 MAX = np.float32(448.0)
@@ -229,3 +235,61 @@ def bad_scales(scales: np.ndarray) -> np.ndarray:
 def nan_codes(codes: np.ndarray) -> np.ndarray:
     """Mask of the NaN codes (0x7F / 0xFF), which the encoder never writes."""
     return (np.asarray(codes) & 0x7F) == 0x7F
+
+
+@dataclass(frozen=True)
+class FP8Codec(RowCodec):
+    """fp8 e4m3 codes + one f32 scale per row (``.coli_kv`` v2): codes u8[..., n], scales f32[...]."""
+
+    family: ClassVar[str] = "fp8"
+    version: ClassVar[int] = 2
+    codes_dtype: ClassVar[np.dtype] = np.dtype("u1")
+    scales_dtype: ClassVar[np.dtype | None] = np.dtype("<f4")
+    scale_kind: ClassVar[str | None] = "scale"
+    scale_damage: ClassVar[str | None] = "bad_scales"
+    code_damage: ClassVar[str | None] = "nan_codes"
+    inert_scale: ClassVar[float] = 1.0
+
+    @property
+    def label(self) -> str:
+        return "e4m3 codes + f32 scale"
+
+    @property
+    def header_tag(self) -> int:
+        return 1
+
+    def payload_bytes(self, width: int) -> int:
+        return width
+
+    def width_of(self, total: int) -> int | None:
+        return total - 4
+
+    def quantize(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        return quantize_rows(rows)
+
+    def dequantize(
+        self,
+        codes: np.ndarray,
+        scales: np.ndarray | None = None,
+        width: int | None = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        return dequantize_rows(codes, self._need_scales(scales), out=out)
+
+    def corrupt_scales(self, scales: np.ndarray) -> np.ndarray:
+        """:func:`bad_scales`: not in ``(0, 3.4e38/448]``, NaN included (``lut[0x7E] * scale`` stays finite)."""
+        return bad_scales(scales)
+
+    @property
+    def scale_range(self) -> str:
+        return f"(0, {float(MAX_SCALE):.4g}]"
+
+    def bad_codes(self, codes: np.ndarray) -> np.ndarray | None:
+        return nan_codes(codes)
+
+    def zeroed_rows(self, rows: np.ndarray, nonfinite: np.ndarray) -> int:
+        """Rows holding an infinity (their amax is out of range); a NaN alone encodes as code 0."""
+        return int(np.count_nonzero(np.isinf(rows).any(axis=-1)))
+
+
+register_codec(FP8Codec)

@@ -59,11 +59,14 @@ class Sanitized:
         return {"values": self.values, "rows_zeroed": self.rows_zeroed}
 
 
-def count(version: int, fields: dict[str, np.ndarray]) -> tuple[Sanitized, dict[str, np.ndarray]]:
-    """Count the non-finite values of f32 fields in record order (``field -> [n, layers, width]``).
+def count(tier: Tier, fields: dict[str, np.ndarray]) -> tuple[Sanitized, dict[str, np.ndarray]]:
+    """Count the non-finite values of f32 fields in record order (``field -> [n, layers, width]``),
+    and the L/R rows ``tier``'s codec stores as zeros because of them (the indexer rows ``"I"`` are
+    always f32).
 
     Returns the count and, for each field holding any, its mask (same shape).
     """
+    codec = tier.file_tier.row_codec
     masks: dict[str, np.ndarray] = {}
     values = zeroed = 0
     first: tuple[int, str, int, int] | None = None
@@ -74,10 +77,8 @@ def count(version: int, fields: dict[str, np.ndarray]) -> tuple[Sanitized, dict[
             continue
         masks[field] = bad
         values += hits
-        if field != "I" and version == 2:
-            zeroed += int(np.count_nonzero(np.isinf(rows).any(axis=-1)))
-        elif field != "I" and version == 3:
-            zeroed += int(np.count_nonzero(bad.any(axis=-1)))
+        if field != "I":
+            zeroed += codec.zeroed_rows(rows, bad)
         record, layer, element = (int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
         if first is None or record < first[0]:
             first = (record, field, layer, element)
@@ -100,7 +101,7 @@ def sanitize_records(records: np.ndarray, tier: Tier) -> tuple[np.ndarray, Sanit
         fields = {"L": records["layers"]["Lc"], "R": records["layers"]["Rc"]}
     if records.dtype.names is not None and "index" in records.dtype.names:
         fields["I"] = records["index"]
-    found, masks = count(tier.file_tier.version, fields)
+    found, masks = count(tier, fields)
     if not masks:
         return records, found
     fixed = np.array(records, copy=True)

@@ -22,12 +22,18 @@ Examples
 True
 >>> quantize_blocks(np.zeros(32, np.float32))[1].tolist()
 [0.0]
+>>> Q8Codec().row_bytes(512), Q8Codec().scale_shape(512)
+(544, (16,))
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
+from kvstore.formats.codecs import RowCodec, register_codec
 from kvstore.formats.errors import FormatError
 
 #: Values per block (ggml's QK8_0).
@@ -157,3 +163,47 @@ def dequantize_blocks(codes: np.ndarray, deltas: np.ndarray, out: np.ndarray | N
         np.copyto(part, code_blocks[start : start + step])
         part *= delta_column[start : start + step].astype(np.float32)
     return out
+
+
+@dataclass(frozen=True)
+class Q8Codec(RowCodec):
+    """Q8_0 blocks (an engine cache tier; journals as f32): codes int8[..., n], deltas f16[..., n/32]."""
+
+    family: ClassVar[str] = "q8"
+    version: ClassVar[int] = 1
+    in_file: ClassVar[bool] = False
+    codes_dtype: ClassVar[np.dtype] = np.dtype("i1")
+    scales_dtype: ClassVar[np.dtype | None] = np.dtype("<f2")
+
+    @property
+    def label(self) -> str:
+        return "Q8_0 int8 blocks + f16 deltas"
+
+    def payload_bytes(self, width: int) -> int:
+        return width
+
+    def scale_shape(self, width: int) -> tuple[int, ...]:
+        return (width // BLOCK,)
+
+    def width_of(self, total: int) -> int | None:
+        return total * BLOCK // (BLOCK + 2)
+
+    def width_problem(self, width: int) -> str | None:
+        if width % BLOCK:
+            return f"q8 (Q8_0) needs row widths that are multiples of {BLOCK}, got {width}"
+        return None
+
+    def quantize(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        return quantize_blocks(rows)
+
+    def dequantize(
+        self,
+        codes: np.ndarray,
+        scales: np.ndarray | None = None,
+        width: int | None = None,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        return dequantize_blocks(codes, self._need_scales(scales), out=out)
+
+
+register_codec(Q8Codec)

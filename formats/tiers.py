@@ -15,14 +15,19 @@ name       file   codec  bits  bytes of a row of n values  lossy  what a row hol
 =========  =====  =====  ====  ==========================  =====  ======================================
 
 ``bf16`` and ``q8`` are cache tiers with no ``.coli_kv`` version of their own: their journals hold
-f32 rows (:attr:`Tier.file_tier`). Every constant a tier needs — the fp8 scale bounds, the TQ
-rotation seed and int4 levels — is defined once, in :mod:`~kvstore.formats.fp8` and
-:mod:`~kvstore.formats.tq`; torch twins and kernels derive theirs from those modules.
+f32 rows (:attr:`Tier.file_tier`).
 
-Each tier is also a row codec in the numcodecs manner: an id (its name), ``encode``/``decode`` over
-arrays (the bytes one row takes inside a record: codes, then the little-endian scale or radius),
-and a config that round-trips through JSON (:func:`get_codec`). ``quantize``/``dequantize`` give the
-same rows split into codes and scales, as caches and record fields hold them.
+Each tier is the name of one registered row codec (:mod:`kvstore.formats.codecs`: one frozen class
+per family — ``F32Codec``, ``BF16Codec``, ``FP8Codec``, ``Int4Codec``, ``PolarCodec``, ``Q8Codec`` —
+registered at the bottom of the module that owns its arithmetic), and the table below is built
+from that registry. A :class:`Tier` holds its codec (:attr:`Tier.row_codec`) and delegates to it
+everything that differs between tiers: sizes, codes and scales, the stored bytes of a row (codes,
+then the little-endian scale or radius), the scale bound every reader applies. It is a codec in
+the numcodecs manner too: an id (its name), ``encode``/``decode`` over arrays and a config that
+round-trips through JSON (:func:`get_codec`); ``quantize``/``dequantize`` give the same rows split
+into codes and scales, as caches and record fields hold them. Every constant a codec needs — the
+fp8 scale bounds, the TQ rotation seed and int4 levels — is defined once, in its module; torch
+twins and kernels derive theirs from those modules.
 
 This module lives in ``formats`` (numpy only) because the file layouts name tiers; ``kvstore.tiers``
 is the same module under the name the rest of the project uses.
@@ -55,8 +60,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.formats import fp8, q8, tq
-from kvstore.formats.errors import BadHeader, FormatError, UnknownTier
+from kvstore.formats import tq
+from kvstore.formats.codecs import RowCodec, registered_codecs
+from kvstore.formats.errors import BadHeader, UnknownTier
 
 __all__ = [
     "BF16",
@@ -80,9 +86,7 @@ __all__ = [
 ]
 
 #: Bit widths PolarQuant takes (codec 0); rotated int4 (codec 1) always takes 4.
-POLAR_BITS = (2, 3, 4, 5, 6)
-#: Header tags of v1 and v2 (h7); v3 tags are ``(codec << 8) | bits``.
-_PLAIN_TAGS = {1: 0, 2: 1}
+POLAR_BITS = tq.POLAR_BITS
 
 
 class TierSpellingDeprecated(FutureWarning):
@@ -107,6 +111,7 @@ class Tier:
         whose journals hold f32 rows)
     lossy : encoding can change a value
     label : what a row holds, for people
+    row_codec : the registered codec (:mod:`kvstore.formats.codecs`) every method below delegates to
     """
 
     name: str
@@ -116,6 +121,21 @@ class Tier:
     in_file: bool = True
     lossy: bool = True
     label: str = field(default="", compare=False)
+    row_codec: RowCodec = field(compare=False, repr=False, kw_only=True)
+
+    @classmethod
+    def of(cls, row_codec: RowCodec) -> Tier:
+        """The tier that names a registered codec."""
+        return cls(
+            row_codec.name,
+            row_codec.version,
+            row_codec.tq_codec,
+            row_codec.bits,
+            row_codec.in_file,
+            row_codec.lossy,
+            row_codec.label,
+            row_codec=row_codec,
+        )
 
     def __repr__(self) -> str:
         return f"Tier({self.name!r})"
@@ -124,27 +144,22 @@ class Tier:
     @property
     def tag(self) -> int:
         """Header word h7 of this tier's journal: v1 -> 0, v2 -> 1, v3 -> ``(codec << 8) | bits``."""
-        tier = self.file_tier
-        if tier.version == 3:
-            return ((tier.codec or 0) << 8) | (tier.bits or 0)
-        return _PLAIN_TAGS[tier.version]
+        return self.file_tier.row_codec.header_tag
 
     @property
-    def file_tier(self) -> "Tier":
+    def file_tier(self) -> Tier:
         """The tier a journal of this tier holds: itself, or ``f32`` for ``bf16``/``q8``."""
         return self if self.in_file else F32
 
     @property
     def codec_name(self) -> str | None:
         """The v3 codec's name as the old API spelled it (``int4``/``polar``), else None."""
-        if self.version != 3 or not self.in_file:
-            return None
-        return "int4" if self.codec == tq.CODEC_INT4 else "polar"
+        return self.row_codec.codec_name
 
     @property
     def rotated(self) -> bool:
         """TQ tiers store rows in the rotated domain (attention can stay there)."""
-        return self.version == 3 and self.in_file
+        return self.row_codec.rotated
 
     def describe(self) -> str:
         """``fp8 (v2, e4m3 codes + f32 scale)``: the name, the file version and what a row holds."""
@@ -169,33 +184,19 @@ class Tier:
     # ---- sizes ----------------------------------------------------------------------------------
     def payload_bytes(self, width: int) -> int:
         """Bytes of one row's codes or values, without its trailing scale/radius float (if any)."""
-        if self.name == "f32":
-            return 4 * width
-        if self.name == "bf16":
-            return 2 * width
-        if self.name == "fp8":
-            return width
-        if self.name == "q8":
-            return width
-        return tq.row_bytes(width, self.codec, self.bits)
+        return self.row_codec.payload_bytes(width)
 
     def scale_bytes(self, width: int) -> int:
         """Bytes of one row's scale part: the f32 scale/radius (v2, v3), the f16 deltas (q8), else 0."""
-        if self.name == "q8":
-            return 2 * (width // q8.BLOCK)
-        return 4 if self.version in (2, 3) and self.in_file else 0
+        return self.row_codec.scale_bytes(width)
 
     def row_bytes(self, width: int) -> int:
         """Bytes one row of ``width`` values takes in this tier (inside a record, for file tiers)."""
-        return self.payload_bytes(width) + self.scale_bytes(width)
+        return self.row_codec.row_bytes(width)
 
     def width_problem(self, width: int) -> str | None:
         """Why this tier cannot hold rows of ``width`` values, or None when it can."""
-        if self.version == 3 and self.in_file and not tq.encodable(width):
-            return f"{self.name} needs power-of-two row widths in {tq.MIN_WIDTH}..{tq.MAX_WIDTH}, got {width}"
-        if self.name == "q8" and width % q8.BLOCK:
-            return f"q8 (Q8_0) needs row widths that are multiples of {q8.BLOCK}, got {width}"
-        return None
+        return self.row_codec.width_problem(width)
 
     # ---- codes and scales -----------------------------------------------------------------------
     def corrupt_scales(self, scales: np.ndarray) -> np.ndarray:
@@ -205,27 +206,18 @@ class Tier:
         ``(0, 3.4e38/448]``, NaN included, so ``lut[0x7E] * scale`` stays finite), TQ
         ``tq.sanitize_radii`` (not in ``[0, 3.4e38)``). The file loader makes those rows inert,
         ``gpu.codecs.sanitize_fp8_``/``sanitize_tq_`` do the same on a device, and strict readers
-        refuse them (``coli_kv.check_scales``). All False for tiers without a per-row scale.
+        refuse them (``coli_kv.check_scales``). All False for tiers without a per-row scale (and
+        for ``bf16``/``q8``, whose journals hold f32 rows).
 
         >>> FP8.corrupt_scales(np.array([1.0, 1e37, 0.0, np.nan], np.float32)).tolist()
         [False, True, True, True]
         """
-        scales = np.asarray(scales, dtype=np.float32)
-        tier = self.file_tier
-        if tier.version == 2:
-            return fp8.bad_scales(scales)
-        if tier.version == 3:
-            return tq.sanitize_radii(scales)[1]
-        return np.zeros(scales.shape, dtype=bool)
+        return self.file_tier.row_codec.corrupt_scales(np.asarray(scales, dtype=np.float32))
 
     @property
     def scale_range(self) -> str:
         """The stored scales/radii :meth:`corrupt_scales` accepts, for messages (``(0, 7.589e+35]``)."""
-        if self.file_tier.version == 2:
-            return f"(0, {float(fp8.MAX_SCALE):.4g}]"
-        if self.file_tier.version == 3:
-            return f"[0, {float(tq.RADIUS_CEIL):.4g})"
-        return "none (no per-row scale)"
+        return self.file_tier.row_codec.scale_range
 
     def quantize(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Encode f32 rows into this tier's fields.
@@ -240,15 +232,7 @@ class Tier:
             u8[..., payload_bytes(n)] (TQ), int8[..., n] (q8)
         scales : None (f32, bf16), f32[...] (fp8 scales, TQ radii), f16[..., n/32] (q8 deltas)
         """
-        if self.name == "f32":
-            return np.ascontiguousarray(rows, dtype=np.float32), None
-        if self.name == "bf16":
-            return _bf16_encode(np.asarray(rows, dtype=np.float32)), None
-        if self.name == "fp8":
-            return fp8.quantize_rows(rows)
-        if self.name == "q8":
-            return q8.quantize_blocks(rows)
-        return tq.quantize_rows(rows, self.codec, self.bits)
+        return self.row_codec.quantize(rows)
 
     def dequantize(
         self,
@@ -258,22 +242,7 @@ class Tier:
         out: np.ndarray | None = None,
     ) -> np.ndarray:
         """Inverse of :meth:`quantize`: f32[..., n] (``width`` = n is needed for the TQ tiers)."""
-        if self.name == "f32":
-            rows = np.asarray(codes, dtype=np.float32)
-        elif self.name == "bf16":
-            rows = _bf16_decode(np.asarray(codes))
-        elif self.name == "fp8":
-            return fp8.dequantize_rows(codes, scales, out=out)
-        elif self.name == "q8":
-            return q8.dequantize_blocks(codes, scales, out=out)
-        else:
-            if width is None:
-                raise FormatError(f"{self.name} needs the row width to decode")
-            return tq.dequantize_rows(codes, scales, width, self.codec, self.bits, out=out)
-        if out is None:
-            return rows.copy() if rows is codes else rows
-        out[...] = rows
-        return out
+        return self.row_codec.dequantize(codes, scales, width, out=out)
 
     # ---- a codec over stored row bytes (numcodecs style) ----------------------------------------
     @property
@@ -286,79 +255,33 @@ class Tier:
 
     def encode(self, rows: np.ndarray) -> np.ndarray:
         """f32[..., n] -> u8[..., row_bytes(n)]: the bytes each row takes (codes, then scale part)."""
-        codes, scales = self.quantize(rows)
-        codes = np.ascontiguousarray(codes)
-        lead = codes.shape[:-1]
-        payload = codes.view(np.uint8).reshape(*lead, -1)
-        if scales is None:
-            return payload
-        scale_bytes = np.ascontiguousarray(scales, dtype=scales.dtype.newbyteorder("<")).view(np.uint8)
-        stored = np.empty(
-            (*lead, payload.shape[-1] + scale_bytes.size // max(1, int(np.prod(lead, dtype=np.int64)))), np.uint8
-        )
-        stored[..., : payload.shape[-1]] = payload
-        stored[..., payload.shape[-1] :] = scale_bytes.reshape(*lead, -1)
-        return stored
+        return self.row_codec.encode(rows)
 
     def decode(self, stored: np.ndarray, width: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """u8[..., row_bytes(n)] -> f32[..., n]; ``width`` is needed only where bytes do not fix it (TQ)."""
-        stored = np.asarray(stored)
-        if stored.dtype != np.uint8 or stored.ndim == 0:
-            raise FormatError(f"stored rows must be u8[..., bytes], got {stored.dtype}{stored.shape}")
-        total = stored.shape[-1]
-        if width is None:
-            width = self._width_of(total)
-        if self.row_bytes(width) != total:
-            raise FormatError(f"{self.name} rows of {width} values take {self.row_bytes(width)} bytes, got {total}")
-        payload = np.ascontiguousarray(stored[..., : self.payload_bytes(width)])
-        tail = np.ascontiguousarray(stored[..., self.payload_bytes(width) :])
-        if self.name == "f32":
-            return self.dequantize(payload.view("<f4"), out=out)
-        if self.name == "bf16":
-            return self.dequantize(payload.view("<u2"), out=out)
-        if self.name == "q8":
-            return self.dequantize(payload.view(np.int8), tail.view("<f2"), out=out)
-        return self.dequantize(payload, tail.view("<f4")[..., 0], width, out=out)
-
-    def _width_of(self, total: int) -> int:
-        if self.name == "f32":
-            return total // 4
-        if self.name == "bf16":
-            return total // 2
-        if self.name == "fp8":
-            return total - 4
-        if self.name == "q8":
-            return total * q8.BLOCK // (q8.BLOCK + 2)
-        raise FormatError(f"{self.name} needs the row width n to decode")
+        return self.row_codec.decode(stored, width, out=out)
 
 
-# ---- bf16 on the host: round to nearest even, as torch's conversion does ---------------------------
-def _bf16_encode(rows: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(rows, dtype=np.float32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    quiet = (bits >> np.uint32(16)) | np.uint32(0x40)  # a NaN stays a NaN (rounding could make it inf)
-    return np.where(nan, quiet, rounded).astype(np.uint16)
-
-
-def _bf16_decode(codes: np.ndarray) -> np.ndarray:
-    return (codes.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-# ---- the table -----------------------------------------------------------------------------------
-F32 = Tier("f32", 1, lossy=False, label="f32 values")
-BF16 = Tier("bf16", 1, in_file=False, label="bf16 values")
-FP8 = Tier("fp8", 2, label="e4m3 codes + f32 scale")
-INT4 = Tier("int4", 3, tq.CODEC_INT4, 4, label="rotated int4 codes + radius")
-Q8 = Tier("q8", 1, in_file=False, label="Q8_0 int8 blocks + f16 deltas")
-_POLAR = {
-    bits: Tier(f"polar{bits}", 3, tq.CODEC_POLAR, bits, label=f"PolarQuant {bits}-bit codes + radius")
-    for bits in POLAR_BITS
-}
-
+# ---- the table: one tier per registered codec ------------------------------------------------------
 #: Every tier by its canonical name, in the order the docs list them.
-TIERS: dict[str, Tier] = {t.name: t for t in (F32, BF16, FP8, INT4, *_POLAR.values(), Q8)}
+TIERS: dict[str, Tier] = {name: Tier.of(codec) for name, codec in registered_codecs().items()}
+F32 = TIERS["f32"]
+BF16 = TIERS["bf16"]
+FP8 = TIERS["fp8"]
+INT4 = TIERS["int4"]
+Q8 = TIERS["q8"]
+_POLAR = {t.bits: t for t in TIERS.values() if t.codec == tq.CODEC_POLAR}
+#: File tiers by (version, codec, bits) and by (version, header tag); the versions whose tag carries
+#: a codec and bits (v3), and each such codec id's old name.
 _BY_FILE = {(t.version, t.codec, t.bits): t for t in TIERS.values() if t.in_file}
+_BY_HEADER = {(t.version, t.tag): t for t in _BY_FILE.values()}
+_CODED_VERSIONS = frozenset(t.version for t in _BY_FILE.values() if t.codec is not None)
+_CODEC_NAMES = {t.codec: t.codec_name for t in _BY_FILE.values() if t.codec is not None}
+#: The TQ families by their old codec name (``int4``, ``polar``): their tiers by bits.
+_BY_CODEC_NAME: dict[str, dict[int, Tier]] = {}
+for _tier in _BY_FILE.values():
+    if _tier.codec_name is not None and _tier.bits is not None:
+        _BY_CODEC_NAME.setdefault(_tier.codec_name, {})[_tier.bits] = _tier
 
 
 def names(*, in_file: bool | None = None) -> list[str]:
@@ -384,26 +307,26 @@ def polar(bits: int) -> Tier:
 
 def from_file(version: int, codec: int | None = None, bits: int | None = None) -> Tier:
     """The file tier stored as ``.coli_kv`` ``version`` (and, for v3, ``codec``/``bits``)."""
-    if version in (1, 2):
-        if codec is not None or bits is not None:
-            raise UnknownTier(f"codec/bits only apply to v3 files, got version {version}")
-        return F32 if version == 1 else FP8
-    if version != 3:
-        raise UnknownTier(f"unknown .coli_kv version {version} (known: 1, 2, 3)")
-    tier = _BY_FILE.get((3, codec, bits))
-    if tier is None:
-        if codec not in (tq.CODEC_POLAR, tq.CODEC_INT4):
-            raise UnknownTier(f"unknown TQ codec {codec} (0 = polar, 1 = int4)")
-        allowed = (4,) if codec == tq.CODEC_INT4 else POLAR_BITS
-        raise UnknownTier(f"{'int4' if codec == tq.CODEC_INT4 else 'polar'} takes bits {allowed}, got {bits}")
-    return tier
+    tier = _BY_FILE.get((version, codec, bits))
+    if tier is not None:
+        return tier
+    versions = sorted({t.version for t in _BY_FILE.values()})
+    if version not in versions:
+        raise UnknownTier(f"unknown .coli_kv version {version} (known: {', '.join(map(str, versions))})")
+    if version not in _CODED_VERSIONS:
+        raise UnknownTier(f"codec/bits only apply to v3 files, got version {version}")
+    if codec not in _CODEC_NAMES:
+        known = ", ".join(f"{number} = {name}" for number, name in sorted(_CODEC_NAMES.items()))
+        raise UnknownTier(f"unknown TQ codec {codec} ({known})")
+    allowed = tuple(sorted(b for (v, c, b) in _BY_FILE if v == version and c == codec and b is not None))
+    raise UnknownTier(f"{_CODEC_NAMES[codec]} takes bits {allowed}, got {bits}")
 
 
 def from_header(version: int, tag: int) -> Tier:
     """The tier of a header's magic version and h7 tag; raises BadHeader when they name none."""
     try:
-        if version == 3:
-            return from_file(3, tag >> 8, tag & 0xFF)
+        if version in _CODED_VERSIONS:
+            return from_file(version, tag >> 8, tag & 0xFF)
         tier = from_file(version)
     except UnknownTier as exc:
         raise BadHeader(exc.reason) from None
@@ -415,7 +338,8 @@ def from_header(version: int, tag: int) -> Tier:
 # ---- old spellings -------------------------------------------------------------------------------
 # Accepted for one release with a TierSpellingDeprecated warning: `v1`/`v2`/`v3` (+ `--codec`,
 # `--bits`), the engine's `tq-int4`/`tq-polar`/`int8`, the API's `polar-3`, and `v3:polar:3`.
-_OLD_NAMES = {"v1": "f32", "1": "f32", "v2": "fp8", "2": "fp8", "tq-int4": "int4", "tq": "int4", "int8": "q8"}
+_OLD_NAMES = {"tq-int4": "int4", "tq": "int4", "int8": "q8"}
+_OLD_VERSIONS = {"v1": "f32", "1": "f32", "v2": "fp8", "2": "fp8"}
 _OLD_PATTERN = re.compile(
     r"^(?:v3|3)(?::(?P<codec>polar|int4)(?::(?P<bits>\d+))?)?$|^(?:tq-)?polar(?:-(?P<pbits>\d+))?$"
 )
@@ -441,42 +365,51 @@ def resolve(text: str, *, codec: str | None = None, bits: int | None = None) -> 
     if key in TIERS and codec is None:
         tier = TIERS[key]
         if bits is not None and bits != tier.bits:
-            if tier.codec == tq.CODEC_POLAR or key == "polar":
+            if tier.codec == tq.CODEC_POLAR:
                 raise UnknownTier(f"tier {text!r} has {tier.bits} bits, not {bits}: name polar{bits} instead")
             raise UnknownTier(f"--bits does not apply to tier {text!r}")
         return tier, None
-    if key in _OLD_NAMES and key not in ("v1", "1", "v2", "2"):
-        tier = TIERS[_OLD_NAMES[key]]
+    old_name, old_version = _OLD_NAMES.get(key), _OLD_VERSIONS.get(key)
+    if old_name is not None:
+        tier = TIERS[old_name]
         if codec is not None or (bits is not None and bits != tier.bits):
             raise UnknownTier(f"codec/bits do not apply to tier {text!r}")
-    elif key in ("v1", "1", "v2", "2"):
+    elif old_version is not None:
         if codec is not None or bits is not None:
             raise UnknownTier(f"codec/bits only apply to v3, not {text!r}")
-        tier = TIERS[_OLD_NAMES[key]]
+        tier = TIERS[old_version]
     else:
-        match = _OLD_PATTERN.match(key)
-        if match is None:
-            raise UnknownTier(f"unknown tier {text!r} (known: {', '.join(TIERS)})")
-        name = match.group("codec") or ("polar" if match.group("pbits") is not None or "polar" in key else None)
-        named_bits = match.group("bits") or match.group("pbits")
-        if codec is not None:
-            if name is not None and codec != name:
-                raise UnknownTier(f"tier {text!r} is not codec {codec!r}")
-            name = codec
-        name = name or "int4"
-        if named_bits is not None:
-            if bits is not None and bits != int(named_bits):
-                raise UnknownTier(f"tier {text!r} has {named_bits} bits, not {bits}")
-            bits = int(named_bits)
-        if name == "int4":
-            if bits not in (None, 4):
-                raise UnknownTier(f"int4 takes 4 bits, got {bits}")
-            tier = INT4
-        elif name == "polar":
-            tier = polar(4 if bits is None else bits)
-        else:
-            raise UnknownTier(f"unknown codec {name!r}: use polar or int4")
+        tier, bits = _resolve_v3(text, key, codec, bits)
     return tier, _note(text, codec, bits, tier)
+
+
+def _resolve_v3(text: str, key: str, codec: str | None, bits: int | None) -> tuple[Tier, int | None]:
+    """The old v3 spellings: ``v3`` (+ ``--codec``/``--bits``), ``v3:polar:3``, ``tq-polar``, ``polar-3``;
+    returns the tier and the bits named (in the text or by ``bits``)."""
+    match = _OLD_PATTERN.match(key)
+    if match is None:
+        raise UnknownTier(f"unknown tier {text!r} (known: {', '.join(TIERS)})")
+    name = match.group("codec") or ("polar" if match.group("pbits") is not None or "polar" in key else None)
+    named_bits = match.group("bits") or match.group("pbits")
+    if codec is not None:
+        if name is not None and codec != name:
+            raise UnknownTier(f"tier {text!r} is not codec {codec!r}")
+        name = codec
+    name = name or "int4"  # a bare `v3` was rotated int4
+    if named_bits is not None:
+        if bits is not None and bits != int(named_bits):
+            raise UnknownTier(f"tier {text!r} has {named_bits} bits, not {bits}")
+        bits = int(named_bits)
+    family = _BY_CODEC_NAME.get(name)
+    if family is None:
+        raise UnknownTier(f"unknown codec {name!r}: use {' or '.join(sorted(_BY_CODEC_NAME, reverse=True))}")
+    wanted = 4 if bits is None else bits  # both families took 4 bits when none were named
+    tier = family.get(wanted) if isinstance(wanted, (int, np.integer)) and not isinstance(wanted, bool) else None
+    if tier is None:
+        allowed = sorted(family)
+        span = f"{allowed[0]}..{allowed[-1]}" if len(allowed) > 1 else f"{allowed[0]}"
+        raise UnknownTier(f"{name} takes bits {span}, got {bits!r}")
+    return tier, bits
 
 
 def _note(text: str, codec: str | None, bits: int | None, tier: Tier) -> str:

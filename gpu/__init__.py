@@ -11,13 +11,21 @@ seq_len[b] - 1``) and head ``h``::
 in the rotated domain (the query is rotated once, the context un-rotated once). A sequence with no
 rows gets a zero context. Tiers are the names of :mod:`kvstore.tiers`.
 
-Backends (see :mod:`kvstore.gpu.registry`: :func:`get_backend` for a device, :func:`select` for a
-tier on a device, the one place the engine's caches and the benchmarks choose a decode function):
+The operands of a call travel as one :class:`LatentBatch` (:mod:`kvstore.gpu.inputs`): the rows
+of a tier, the sequences, optionally the selected rows, checked once when it is made
+(:meth:`LatentBatch.trusted` makes one unchecked, for the engine's own caches and captured calls;
+:meth:`LatentBatch.check_ranges` reads the bounds, one host synchronization). Every backend has
+one entry point, ``decode(q_lat, q_rope, batch, softmax_scale, out=None)``; :func:`decode` calls
+the preferred backend of the query's device, :func:`select` (:mod:`kvstore.gpu.registry`) chooses
+the backend for a tier on a device once and holds its entry point in ``Selection.function``, the
+one place the engine's caches and the benchmarks choose. Backends:
 
 - ``cuda``: tensor-core split-T kernels compiled with NVRTC through cupy (sm_89+), fp8 and int4;
+- ``triton``: split-T Triton kernels for f32 and bf16 rows on CUDA;
 - ``mps``: the torch implementation on Apple's Metal (untested here, see docs/GPU.md);
 - ``torch``: every tier (f32, bf16, fp8, int4, polar2..6, q8), decode + matmul with torch ops.
 
+A backend runs any batch: what its kernels lack goes through the torch path.
 :mod:`kvstore.gpu.codecs` holds the torch twins of the ``kvstore.formats`` codecs (one rotation,
 one fp8 sanitize, one dequantizer per tier). Importing this package needs numpy and torch only;
 cupy is imported when the CUDA backend is used.
@@ -28,14 +36,24 @@ Examples
 >>> from kvstore import gpu
 >>> from kvstore.gpu.testing import make_case
 >>> case = make_case("fp8", [5, 3], heads=2, kv_lora=64, qk_rope=32, seed=1)
->>> out = gpu.mla_decode_fp8(*case.args())
+>>> batch = gpu.LatentBatch(
+...     "fp8", case.lc_codes, case.lc_scales, case.rc_codes, case.rc_scales, case.seq_start, case.seq_len,
+...     kv_lora=64, qk_rope=32,
+... ).check_ranges()
+>>> out = gpu.decode(case.q_lat, case.q_rope, batch, case.softmax_scale)
 >>> tuple(out.shape), out.dtype
 ((2, 2, 64), torch.float32)
+>>> choice = gpu.select("fp8", "cpu", kv_lora=64, qk_rope=32)
+>>> torch.equal(choice.function(case.q_lat, case.q_rope, batch, case.softmax_scale), out)
+True
 """
 
 from __future__ import annotations
 
+import torch
+
 from kvstore.gpu.errors import AttentionInputError, BackendUnavailable
+from kvstore.gpu.inputs import LatentBatch
 from kvstore.gpu.registry import (
     AttentionBackend,
     BackendSpec,
@@ -53,14 +71,12 @@ __all__ = [
     "AttentionInputError",
     "BackendSpec",
     "BackendUnavailable",
+    "LatentBatch",
     "PinnedUploader",
     "QuantizedRows",
     "Selection",
+    "decode",
     "get_backend",
-    "mla_decode_fp8",
-    "mla_decode_fp8_selected",
-    "mla_decode_int4",
-    "mla_decode_int4_selected",
     "reasons",
     "register_backend",
     "registered",
@@ -69,167 +85,25 @@ __all__ = [
 ]
 
 
-def mla_decode_fp8(
-    q_lat,
-    q_rope,
-    lc_codes,
-    lc_scales,
-    rc_codes,
-    rc_scales,
-    seq_start,
-    seq_len,
-    softmax_scale,
-    out=None,
-    *,
-    validate=True,
-):
-    """Decode attention over an fp8 e4m3 latent cache, on the backend of the query's device.
+def decode(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    batch: LatentBatch,
+    softmax_scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention over ``batch`` on the preferred backend of the query's device
+    (:meth:`AttentionBackend.decode`; to choose the backend for a tier once, :func:`select`).
 
     Parameters
     ----------
-    q_lat : f32[B, H, K]
-        Absorbed queries (``q_nope @ W_UK``), K = kv_lora.
-    q_rope : f32[B, H, R]
-        Rope queries, R = qk_rope.
-    lc_codes : u8[N, K];  lc_scales : f32[N]
-        Latent rows: e4m3 codes and one scale per row.
-    rc_codes : u8[N, R];  rc_scales : f32[N]
-        Rope-key rows.
-    seq_start, seq_len : i32[B]
-        Rows of each sequence (on the query's device or the CPU; ragged batches allowed).
+    q_lat : f32[B, H, K];  q_rope : f32[B, H, R]
+    batch : LatentBatch
     softmax_scale : float
     out : f32[B, H, K], optional
-        Written in place and returned.
-    validate : bool
-        Check that every sequence lies within the N rows (one host synchronization on a GPU).
 
     Returns
     -------
     f32[B, H, K]
     """
-    return get_backend(q_lat.device).mla_decode_fp8(
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_scales,
-        rc_codes,
-        rc_scales,
-        seq_start,
-        seq_len,
-        softmax_scale,
-        out,
-        validate=validate,
-    )
-
-
-def mla_decode_int4(
-    q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len, softmax_scale, out=None, *, validate=True
-):
-    """Decode attention over an ``int4`` (rotated int4, TQ codec 1) latent cache.
-
-    Parameters
-    ----------
-    q_lat : f32[B, H, K];  q_rope : f32[B, H, R]  (K, R powers of two)
-    lc_codes : u8[N, K/2];  lc_radii : f32[N]
-        Packed 4-bit codes (element 2i in the low nibble of byte i) and row radii.
-    rc_codes : u8[N, R/2];  rc_radii : f32[N]
-    seq_start, seq_len : i32[B]
-    softmax_scale : float
-    out : f32[B, H, K], optional
-    validate : bool
-
-    Returns
-    -------
-    f32[B, H, K]
-        The context in the original (un-rotated) latent space.
-    """
-    return get_backend(q_lat.device).mla_decode_int4(
-        q_lat, q_rope, lc_codes, lc_radii, rc_codes, rc_radii, seq_start, seq_len, softmax_scale, out, validate=validate
-    )
-
-
-def mla_decode_fp8_selected(
-    q_lat,
-    q_rope,
-    lc_codes,
-    lc_scales,
-    rc_codes,
-    rc_scales,
-    seq_start,
-    seq_len,
-    indices,
-    n_selected,
-    softmax_scale,
-    out=None,
-    *,
-    validate=True,
-):
-    """fp8 decode attention over selected rows (sparse-attention selections).
-
-    Parameters
-    ----------
-    indices : i32[B, S]
-        Row indices relative to each sequence's start; entries ``j < n_selected[b]`` are attended.
-    n_selected : i32[B]
-        Selected entries per sequence (0..S).
-    Other parameters as :func:`mla_decode_fp8`; ``validate`` also checks every used index lies in
-    ``0 .. seq_len[b] - 1``.
-
-    Returns
-    -------
-    f32[B, H, K]
-    """
-    return get_backend(q_lat.device).mla_decode_fp8_selected(
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_scales,
-        rc_codes,
-        rc_scales,
-        seq_start,
-        seq_len,
-        indices,
-        n_selected,
-        softmax_scale,
-        out,
-        validate=validate,
-    )
-
-
-def mla_decode_int4_selected(
-    q_lat,
-    q_rope,
-    lc_codes,
-    lc_radii,
-    rc_codes,
-    rc_radii,
-    seq_start,
-    seq_len,
-    indices,
-    n_selected,
-    softmax_scale,
-    out=None,
-    *,
-    validate=True,
-):
-    """Rotated-int4 decode attention over selected rows; parameters as :func:`mla_decode_fp8_selected`.
-
-    Returns
-    -------
-    f32[B, H, K]
-    """
-    return get_backend(q_lat.device).mla_decode_int4_selected(
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_radii,
-        rc_codes,
-        rc_radii,
-        seq_start,
-        seq_len,
-        indices,
-        n_selected,
-        softmax_scale,
-        out,
-        validate=validate,
-    )
+    return get_backend(q_lat.device).decode(q_lat, q_rope, batch, softmax_scale, out)

@@ -26,14 +26,13 @@ Tensors cross as raw device pointers; outputs and workspaces are torch tensors.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import torch
 
 from kvstore import config, tiers
-from kvstore.gpu import inputs, launch, registry
+from kvstore.gpu import launch, registry
 from kvstore.gpu.cuda_build import (
     LOCK,
     MIN_CAPABILITY,
@@ -58,6 +57,7 @@ from kvstore.gpu.cuda_plan import (
     wgmma_by_default,
     wgmma_for_call,
 )
+from kvstore.gpu.inputs import LatentBatch
 from kvstore.gpu.registry import AttentionBackend, spec_of
 from kvstore.gpu.torch_backend import decode_torch
 
@@ -164,6 +164,8 @@ class CudaBackend(AttentionBackend):
         if kv_lora is None or qk_rope is None:
             return []
         backend = registry.instance(cls.spec.name, device)
+        if not isinstance(backend, CudaBackend):  # the name registered to another class since
+            return []
         return backend.shared_memory_reasons(registry.as_tier(tier), kv_lora, qk_rope)
 
     def shared_memory_reasons(self, tier: tiers.Tier, kv_lora: int, qk_rope: int) -> list[str]:
@@ -216,101 +218,61 @@ class CudaBackend(AttentionBackend):
 
     # -- the call -------------------------------------------------------------------------------
 
-    def _decode(
+    def decode(
         self,
-        tier,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_scales,
-        rc_codes,
-        rc_scales,
-        seq_start,
-        seq_len,
-        softmax_scale,
-        out,
-        indices,
-        n_selected,
-        validate,
-    ):
+        q_lat: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: LatentBatch,
+        softmax_scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """fp8 and int4 rows through the kernels; other tiers and geometries, and rows the kernels
+        cannot read as 16-byte vectors, go the torch path. A call whose operands have the signature
+        of an earlier one replays its launch plan (:mod:`kvstore.gpu.launch`)."""
+        if batch.checked:
+            batch.check_call(q_lat, q_rope, softmax_scale, out)
         fast_key = None
-        if not validate and self.replay:
-            operands = (
-                q_lat,
-                q_rope,
-                lc_codes,
-                lc_scales,
-                rc_codes,
-                rc_scales,
-                seq_start,
-                seq_len,
-                indices,
-                n_selected,
-            )
-            fast_key = launch.signature(tier, softmax_scale, operands, out)
+        if self.replay:
+            operands = (q_lat, q_rope, *batch.operands)
+            fast_key = launch.signature(batch.tier, softmax_scale, operands, out)
             fast = self._fast.get(fast_key) if fast_key is not None else None
             # a plain call's plan (v2) of a call the warpgroup-MMA kernels take when captured
             if fast is not None and not (fast.wgmma_when_captured and torch.cuda.is_current_stream_capturing()):
                 done = fast.run(operands, out)
                 if done is not None:
                     return done
-        problem = inputs.check_inputs(
-            tier,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_scales,
-            rc_codes,
-            rc_scales,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            indices,
-            n_selected,
-        )
-        torch_path = functools.partial(
-            decode_torch,
-            tier,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_scales,
-            rc_codes,
-            rc_scales,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            indices,
-            n_selected,
-            validate=validate,
-        )
-        if not self._builds_for(problem.tier, problem.kv_lora, problem.qk_rope) or not _aligned(
-            lc_codes, rc_codes, lc_scales, rc_scales
+        return self._launch(q_lat, q_rope, batch, softmax_scale, out, fast_key)
+
+    def _launch(self, q_lat, q_rope, batch: LatentBatch, softmax_scale, out, fast_key):
+        """The call that no cached plan serves: the kernels' plan, its launches, and the plan kept
+        under ``fast_key`` (None: not kept) when the call can be replayed."""
+        lc_codes, lc_scales, rc_codes, rc_scales = batch.lc_codes, batch.lc_scales, batch.rc_codes, batch.rc_scales
+        seq_start, seq_len, indices, n_selected = batch.seq_start, batch.seq_len, batch.indices, batch.n_selected
+        if (
+            lc_scales is None
+            or rc_scales is None
+            or not self._builds_for(batch.tier, batch.kv_lora, batch.qk_rope)
+            or not _aligned(lc_codes, rc_codes, lc_scales, rc_scales)
         ):
-            return torch_path()
-        if validate:
-            inputs.check_ranges(problem, seq_start, seq_len, indices, n_selected)
-        result = inputs.prepare_out(out, problem)
+            return decode_torch(q_lat, q_rope, batch, softmax_scale, out)
+        result = batch.output(out, q_lat.shape[1])
         if fast_key is not None and not launch.replayable(
             q_lat, q_rope, lc_codes, lc_scales, rc_codes, rc_scales, seq_start, seq_len, indices, n_selected
         ):
             fast_key = None
-        device = problem.device
-        batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
+        device = batch.device
+        batch_size, heads, k, r = batch.batch_size, q_lat.shape[1], batch.kv_lora, batch.qk_rope
         q_lat_c, q_rope_c = q_lat.contiguous(), q_rope.contiguous()
         # the rows' alignment is checked above (unaligned rows take the torch path)
         q_aligned = _aligned(q_lat_c, q_rope_c)
-        as_device = [
-            t if t is None else t.to(device=device, dtype=torch.int32).contiguous()
-            for t in (seq_start, seq_len, indices, n_selected)
-        ]
-        seq_start_d, seq_len_d, indices_d, n_selected_d = as_device
+        seq_start_d, seq_len_d = (t.to(device=device, dtype=torch.int32).contiguous() for t in (seq_start, seq_len))
+        indices_d, n_selected_d = (
+            t if t is None else t.to(device=device, dtype=torch.int32).contiguous() for t in (indices, n_selected)
+        )
         lc_codes, rc_codes = lc_codes.contiguous(), rc_codes.contiguous()
         lc_scales, rc_scales = lc_scales.contiguous(), rc_scales.contiguous()
         wgmma_eligible = runs_wgmma(
-            self.wgmma, self.capability, problem.tier.name, problem.selected is not None, heads, k, r, q_aligned
+            self.wgmma, self.capability, batch.tier.name, batch.selected is not None, heads, k, r, q_aligned
         )
         if wgmma_eligible and (
             self.wgmma_always
@@ -321,33 +283,39 @@ class CudaBackend(AttentionBackend):
             )
         ):
             rows = (lc_codes, lc_scales, rc_codes, rc_scales)
-            return self._wgmma_decode(problem, softmax_scale, (q_lat_c, q_rope_c), rows, seq_start_d, seq_len_d, result)
-        if problem.selected is not None:
-            max_rows = problem.selected
-            mean_rows = float(n_selected.to(torch.float32).mean()) if n_selected.device.type == "cpu" else max_rows
+            return self._wgmma_decode(batch, softmax_scale, (q_lat_c, q_rope_c), rows, seq_start_d, seq_len_d, result)
+        if batch.selected is not None:
+            max_rows = batch.selected
+            mean_rows = (
+                float(n_selected.to(torch.float32).mean())
+                if n_selected is not None and n_selected.device.type == "cpu"
+                else max_rows
+            )
         elif seq_len.device.type == "cpu":
             max_rows = max(int(seq_len.max()), 0)
             mean_rows = float(seq_len.to(torch.float32).mean())
         else:  # device-side lengths: bound by the row array rather than synchronize
-            max_rows = problem.n_rows
-            mean_rows = problem.n_rows / batch
+            max_rows = batch.n_rows
+            mean_rows = batch.n_rows / batch_size
         v2 = self.variant == "v2" and k == 512 and q_aligned  # v2 reads q as float4
-        fmt = _FORMAT[problem.tier.name]
+        fmt = _FORMAT[batch.tier.name]
         fits = self.split_fits(v2, k, r, fmt)
         if not fits:  # no split kernel's shared memory fits the device's blocks (shared_memory_reasons)
-            return torch_path()
-        plan = plan_launch(batch, heads, max_rows, mean_rows, self.n_sm, max(fits), self.min_tiles, fits)
+            return decode_torch(q_lat, q_rope, batch, softmax_scale, out)
+        plan = plan_launch(batch_size, heads, max_rows, mean_rows, self.n_sm, max(fits), self.min_tiles, fits)
         # v2 keeps partial contexts in f16 with a power-of-two scale each (half the bytes written
         # and merged); v1 in f32
         o_part = torch.empty(
-            (batch, plan.padded_heads, plan.n_splits, k), dtype=torch.float16 if v2 else torch.float32, device=device
+            (batch_size, plan.padded_heads, plan.n_splits, k),
+            dtype=torch.float16 if v2 else torch.float32,
+            device=device,
         )
-        lse = torch.empty((batch, plan.padded_heads, plan.n_splits), dtype=torch.float32, device=device)
+        lse = torch.empty((batch_size, plan.padded_heads, plan.n_splits), dtype=torch.float32, device=device)
 
         if v2:
             return self._launch_v2(
                 plan,
-                problem,
+                batch,
                 fmt,
                 softmax_scale,
                 q_lat_c,
@@ -366,14 +334,14 @@ class CudaBackend(AttentionBackend):
                 fast_key,
                 wgmma_eligible,
             )
-        q16, qmul = self._staged_query(problem, softmax_scale, q_lat_c, q_rope_c, plan.padded_heads)
-        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None)
+        q16, qmul = self._staged_query(batch, softmax_scale, q_lat_c, q_rope_c, plan.padded_heads)
+        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, batch.selected is not None)
         merge = self._get(merge_kernel(k, fmt))
         cupy = cupy_module()
         stream = cupy_stream(torch.cuda.current_stream(device), device.index)
         with cupy.cuda.Device(device.index), stream:
             split(
-                (plan.head_groups, plan.n_splits, batch),
+                (plan.head_groups, plan.n_splits, batch_size),
                 (256,),
                 (
                     ptr(q16),
@@ -386,8 +354,8 @@ class CudaBackend(AttentionBackend):
                     ptr(seq_len_d),
                     ptr(indices_d),
                     ptr(n_selected_d),
-                    np.int32(problem.selected or 0),
-                    np.int64(problem.n_rows),
+                    np.int32(batch.selected or 0),
+                    np.int64(batch.n_rows),
                     np.int32(plan.padded_heads),
                     np.int32(plan.n_splits),
                     np.int32(plan.blocks_per_split),
@@ -397,7 +365,7 @@ class CudaBackend(AttentionBackend):
                 shared_mem=smem,
             )
             merge(
-                (heads, batch),
+                (heads, batch_size),
                 (256,),
                 (
                     ptr(o_part),
@@ -411,44 +379,53 @@ class CudaBackend(AttentionBackend):
             )
         return result
 
-    def _wgmma_decode(self, problem, softmax_scale, query, rows, seq_start, seq_len, result):
+    def _wgmma_decode(
+        self,
+        batch: LatentBatch,
+        softmax_scale: float,
+        query: tuple[torch.Tensor, torch.Tensor],
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        seq_start: torch.Tensor,
+        seq_len: torch.Tensor,
+        result: torch.Tensor,
+    ) -> torch.Tensor:
         """The warpgroup-MMA kernels (:mod:`kvstore.gpu.wgmma_kernels`, Triton's Gluon) over
         ``query`` (q_lat, q_rope) and ``rows`` (lc, ls, rc, rs): the query staged by
         :meth:`_staged_query` (rotated for int4) before them, and for int4 the context un-rotated by
         ``mla_unrotate`` after."""
         from kvstore.gpu.wgmma_kernels import BLOCK_H, wide_decode  # Gluon: imported when first used
 
-        batch, heads = problem.batch, problem.heads
-        int4 = _FORMAT[problem.tier.name] == 1
-        q16, qmul = self._staged_query(problem, softmax_scale, *query, -(-heads // BLOCK_H) * BLOCK_H)
+        batch_size, heads, device = batch.batch_size, query[0].shape[1], batch.device
+        int4 = _FORMAT[batch.tier.name] == 1
+        q16, qmul = self._staged_query(batch, softmax_scale, *query, -(-heads // BLOCK_H) * BLOCK_H)
         wide_decode(q16, qmul, *rows, seq_start, seq_len, result, n_sm=self.n_sm, int4=int4)
-        if int4 and batch * heads:
-            unrotate = self._get(unrotate_kernel(problem.kv_lora))
-            stream = cupy_stream(torch.cuda.current_stream(problem.device), problem.device.index)
-            with cupy_module().cuda.Device(problem.device.index), stream:
-                unrotate((batch * heads,), (128,), (ptr(result),))
+        if int4 and batch_size * heads:
+            unrotate = self._get(unrotate_kernel(batch.kv_lora))
+            stream = cupy_stream(torch.cuda.current_stream(device), device.index)
+            with cupy_module().cuda.Device(device.index), stream:
+                unrotate((batch_size * heads,), (128,), (ptr(result),))
         return result
 
-    def _staged_query(self, problem, softmax_scale, q_lat, q_rope, heads_pad: int):
+    def _staged_query(self, batch: LatentBatch, softmax_scale, q_lat, q_rope, heads_pad: int):
         """``mla_prep_query`` (the v1 kernels and the warpgroup-MMA ones): the query in f16 with a
         power-of-two scale per head and part, rotated for int4, in q16 f16[B, heads_pad, K + R], and
         per head the latent's and the rope's factors back to log2 units in qmul f32[B, heads_pad, 2]."""
-        batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
-        device = problem.device
-        q16 = torch.empty((batch, heads_pad, k + r), dtype=torch.float16, device=device)
-        qmul = torch.empty((batch, heads_pad, 2), dtype=torch.float32, device=device)
-        prep = self._get(prep_query_kernel(k, r, _FORMAT[problem.tier.name]))
+        batch_size, heads, k, r = batch.batch_size, q_lat.shape[1], batch.kv_lora, batch.qk_rope
+        device = batch.device
+        q16 = torch.empty((batch_size, heads_pad, k + r), dtype=torch.float16, device=device)
+        qmul = torch.empty((batch_size, heads_pad, 2), dtype=torch.float32, device=device)
+        prep = self._get(prep_query_kernel(k, r, _FORMAT[batch.tier.name]))
         score_scale = np.float32(softmax_scale * math.log2(math.e))
         args = (ptr(q_lat), ptr(q_rope), np.int32(heads), np.int32(heads_pad), score_scale, ptr(q16), ptr(qmul))
         stream = cupy_stream(torch.cuda.current_stream(device), device.index)
         with cupy_module().cuda.Device(device.index), stream:
-            prep((heads_pad, batch), (128,), args)
+            prep((heads_pad, batch_size), (128,), args)
         return q16, qmul
 
     def _launch_v2(
         self,
         plan,
-        problem,
+        batch: LatentBatch,
         fmt,
         softmax_scale,
         q_lat,
@@ -467,15 +444,15 @@ class CudaBackend(AttentionBackend):
         fast_key=None,
         wgmma_eligible=False,
     ):
-        device = problem.device
-        batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
-        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, problem.selected is not None, v2=True)
-        width = self.merge_dims or merge_width(batch, heads, k, self.n_sm)
+        device = batch.device
+        batch_size, heads, k, r = batch.batch_size, q_lat.shape[1], batch.kv_lora, batch.qk_rope
+        split, smem = self._split_kernel(plan.m_tiles, k, r, fmt, batch.selected is not None, v2=True)
+        width = self.merge_dims or merge_width(batch_size, heads, k, self.n_sm)
         merge = self._get(merge_kernel(k, width=width))
         score_scale = np.float32(softmax_scale * math.log2(math.e))
         o_scale = torch.empty_like(lse)  # each f16 partial's power-of-two scale
-        n_live = torch.empty(batch, dtype=torch.int32, device=device)  # splits holding rows, per sequence
-        split_grid, merge_grid = (plan.head_groups, plan.n_splits, batch), (heads, k // width, batch)
+        n_live = torch.empty(batch_size, dtype=torch.int32, device=device)  # splits holding rows, per sequence
+        split_grid, merge_grid = (plan.head_groups, plan.n_splits, batch_size), (heads, k // width, batch_size)
         split_args = (
             ptr(q_lat),
             ptr(q_rope),
@@ -489,8 +466,8 @@ class CudaBackend(AttentionBackend):
             ptr(seq_len),
             ptr(indices),
             ptr(n_selected),
-            np.int32(problem.selected or 0),
-            np.int64(problem.n_rows),
+            np.int32(batch.selected or 0),
+            np.int64(batch.n_rows),
             np.int32(plan.padded_heads),
             np.int32(plan.n_splits),
             np.int32(plan.blocks_per_split),
@@ -544,140 +521,6 @@ class CudaBackend(AttentionBackend):
                 stream,
                 wgmma_when_captured,
             )
-
-    # -- public kernels -------------------------------------------------------------------------
-
-    def mla_decode_fp8(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_scales,
-        rc_codes,
-        rc_scales,
-        seq_start,
-        seq_len,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return self._decode(
-            tiers.FP8,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_scales,
-            rc_codes,
-            rc_scales,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            None,
-            None,
-            validate,
-        )
-
-    def mla_decode_int4(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_radii,
-        rc_codes,
-        rc_radii,
-        seq_start,
-        seq_len,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return self._decode(
-            tiers.INT4,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_radii,
-            rc_codes,
-            rc_radii,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            None,
-            None,
-            validate,
-        )
-
-    def mla_decode_fp8_selected(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_scales,
-        rc_codes,
-        rc_scales,
-        seq_start,
-        seq_len,
-        indices,
-        n_selected,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return self._decode(
-            tiers.FP8,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_scales,
-            rc_codes,
-            rc_scales,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            indices,
-            n_selected,
-            validate,
-        )
-
-    def mla_decode_int4_selected(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_radii,
-        rc_codes,
-        rc_radii,
-        seq_start,
-        seq_len,
-        indices,
-        n_selected,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return self._decode(
-            tiers.INT4,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_radii,
-            rc_codes,
-            rc_radii,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            indices,
-            n_selected,
-            validate,
-        )
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ import functools
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,7 +44,8 @@ def kernel_source() -> str:
 
 
 def cupy_module():
-    import cupy  # imported lazily: importing kvstore.gpu must not need it
+    # imported lazily: importing kvstore.gpu must not need it (nor the type gate's environment)
+    import cupy  # pyright: ignore[reportMissingImports]
 
     return cupy
 
@@ -58,10 +60,11 @@ def compiled(name_expressions: tuple[str, ...], capability: tuple[int, int], dev
         return tuple(module.get_function(name) for name in name_expressions)
 
 
-_STREAMS: dict[tuple[int, int], object] = {}
+#: cupy's views of torch streams, by (device, stream handle); cupy's types are Any to the checker
+_STREAMS: dict[tuple[int | None, int], Any] = {}
 
 
-def cupy_stream(stream: torch.cuda.Stream, device_index: int):
+def cupy_stream(stream: torch.cuda.Stream, device_index: int | None) -> Any:
     """The cupy view of a torch stream (cached): kernels launch in the caller's stream order."""
     key = (device_index, stream.cuda_stream)
     found = _STREAMS.get(key)

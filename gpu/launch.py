@@ -1,12 +1,13 @@
 """Cached kernel launches: the host side of a repeated call in a few microseconds.
 
-A plain call of the CUDA backend (``validate=False``) whose operands have the shapes, dtypes and
-devices of an earlier call replays that call's launch plan: the kernels, grids and shared memory,
-and argument buffers in which only the tensors' addresses change. The buffers are passed to the
-driver's ``cuLaunchKernel`` directly (through ``ctypes``); cupy's generic argument handling, the
-shape checks (they passed for this signature) and the workspace allocations (kept per stream) are
-skipped. The driver copies kernel arguments at launch, so one buffer serves every call; a lock
-keeps two threads from filling it at once.
+A call of the CUDA backend whose operands (the queries, ``out`` and the operands of its
+``LatentBatch``) have the shapes, dtypes and devices of an earlier call replays that call's launch
+plan: the kernels, grids and shared memory, and argument buffers in which only the tensors'
+addresses change. The buffers are passed to the driver's ``cuLaunchKernel`` directly (through
+``ctypes``); cupy's generic argument handling, the planning and the workspace allocations (kept per
+stream) are skipped. A plain call — a trusted batch, as the engine's caches make — does nothing
+else on the host; a checked batch's call is checked first. The driver copies kernel arguments at
+launch, so one buffer serves every call; a lock keeps two threads from filling it at once.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def function_pointer(kernel) -> int | None:
 class PackedLaunch:
     """One kernel's launch with its arguments packed as the driver reads them.
 
-    ``args`` are numpy scalars (``np.uint64`` for a device pointer, ``np.int32``, ``np.int64``,
-    ``np.float32``) in the kernel's parameter order; :meth:`set_pointer` changes one in place.
+    ``grid`` and ``block`` have up to three dimensions (the missing ones are 1); ``args`` are numpy
+    scalars (``np.uint64`` for a device pointer, ``np.int32``, ``np.int64``, ``np.float32``) in the
+    kernel's parameter order; :meth:`set_pointers` changes some in place.
     """
 
-    def __init__(self, function: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, args):
+    def __init__(self, function: int, grid: tuple[int, ...], block: tuple[int, ...], smem: int, args):
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
         # one 8-byte slot per argument: every parameter is at most 8 bytes and 8-byte aligned

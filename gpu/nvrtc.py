@@ -197,7 +197,10 @@ def compile_source(
         for name in name_expressions:
             mangled = ctypes.c_char_p()
             _check(lib, lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(mangled)), f"lowered name {name}")
-            lowered[name] = mangled.value.decode()
+            value = mangled.value
+            if value is None:
+                raise KernelBuildError(f"NVRTC gave no lowered name for {name} ({arch})")
+            lowered[name] = value.decode()
         ptx = "" if real else _read(lib, prog, "nvrtcGetPTXSize", "nvrtcGetPTX").decode()
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -12,13 +12,21 @@ every backend, whatever order its sums take.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
 
 from kvstore import tiers
 from kvstore.formats import fp8, q8, tq
+from kvstore.formats.codecs import RowCodec
+from kvstore.formats.errors import FormatError
+from kvstore.formats.floats import BF16Codec, F32Codec
+from kvstore.formats.fp8 import FP8Codec
+from kvstore.formats.q8 import Q8Codec
+from kvstore.formats.tq import Int4Codec
 from kvstore.gpu.codecs import int4_levels, sign_vector
+from kvstore.gpu.errors import AttentionInputError
 from kvstore.gpu.inputs import as_tier
 
 __all__ = ["e4m3_table_f64", "int4_levels_f64", "reference_decode"]
@@ -45,26 +53,57 @@ def _hadamard(n: int, device: torch.device) -> torch.Tensor:
     return (h / math.sqrt(n)).to(device)
 
 
+def _float_rows(codec: RowCodec, codes: torch.Tensor, scales: torch.Tensor | None, width: int) -> torch.Tensor:
+    return codes.to(torch.float64)
+
+
+def _fp8_rows(codec: RowCodec, codes: torch.Tensor, scales: torch.Tensor | None, width: int) -> torch.Tensor:
+    table = torch.from_numpy(e4m3_table_f64()).to(codes.device)
+    return table[codes.to(torch.int64)] * _scales(codec, scales).to(torch.float64)[:, None]
+
+
+def _q8_rows(codec: RowCodec, codes: torch.Tensor, scales: torch.Tensor | None, width: int) -> torch.Tensor:
+    blocks = codes.to(torch.float64).reshape(codes.shape[0], -1, q8.BLOCK)
+    return (blocks * _scales(codec, scales).to(torch.float64)[:, :, None]).reshape(codes.shape[0], width)
+
+
+def _int4_rows(codec: RowCodec, codes: torch.Tensor, scales: torch.Tensor | None, width: int) -> torch.Tensor:
+    wide = codes.to(torch.int64)
+    nibbles = torch.stack((wide & 15, wide >> 4), dim=-1).reshape(codes.shape[0], width)
+    std = _scales(codec, scales).to(torch.float64) / math.sqrt(width)
+    rotated = int4_levels(codes.device, torch.float64)[nibbles] * std[:, None]
+    # unrotate(y) = FWHT(y) * sign, with the transform written as a matrix product
+    return (rotated @ _hadamard(width, codes.device)) * sign_vector(width, torch.float64, codes.device)
+
+
+def _host_codec_rows(codec: RowCodec, codes: torch.Tensor, scales: torch.Tensor | None, width: int) -> torch.Tensor:
+    """The reference codec of ``kvstore.formats`` (in f32, widened): for families with no exact f64 form."""
+    rows = codec.dequantize(codes.cpu().numpy(), None if scales is None else scales.cpu().numpy(), width)
+    return torch.from_numpy(rows).to(device=codes.device, dtype=torch.float64)
+
+
+def _scales(codec: RowCodec, scales: torch.Tensor | None) -> torch.Tensor:
+    if scales is None:
+        raise FormatError(f"{codec.name} rows need their scales to decode")
+    return scales
+
+
+RowDecoder = Callable[[RowCodec, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]
+#: The exact float64 decoder of each codec family; PolarQuant (whose decode goes through cosf/sinf)
+#: is decoded by its reference codec, :func:`_host_codec_rows`.
+_DECODERS: dict[type[RowCodec], RowDecoder] = {
+    F32Codec: _float_rows,
+    BF16Codec: _float_rows,
+    FP8Codec: _fp8_rows,
+    Q8Codec: _q8_rows,
+    Int4Codec: _int4_rows,
+}
+
+
 def _decode_rows(tier: tiers.Tier, codes: torch.Tensor, scales: torch.Tensor | None, width: int) -> torch.Tensor:
     """f64[n, width]: the stored rows the codes stand for."""
-    if tier is tiers.F32 or tier is tiers.BF16:
-        return codes.to(torch.float64)
-    if tier is tiers.FP8:
-        table = torch.from_numpy(e4m3_table_f64()).to(codes.device)
-        return table[codes.to(torch.int64)] * scales.to(torch.float64)[:, None]
-    if tier is tiers.Q8:
-        blocks = codes.to(torch.float64).reshape(codes.shape[0], -1, q8.BLOCK)
-        return (blocks * scales.to(torch.float64)[:, :, None]).reshape(codes.shape[0], width)
-    if tier is tiers.INT4:
-        wide = codes.to(torch.int64)
-        nibbles = torch.stack((wide & 15, wide >> 4), dim=-1).reshape(codes.shape[0], width)
-        rotated = (
-            int4_levels(codes.device, torch.float64)[nibbles] * (scales.to(torch.float64) / math.sqrt(width))[:, None]
-        )
-        # unrotate(y) = FWHT(y) * sign, with the transform written as a matrix product
-        return (rotated @ _hadamard(width, codes.device)) * sign_vector(width, torch.float64, codes.device)
-    rows = tier.dequantize(codes.cpu().numpy(), scales.cpu().numpy(), width)
-    return torch.from_numpy(rows).to(device=codes.device, dtype=torch.float64)
+    codec = tier.row_codec
+    return _DECODERS.get(type(codec), _host_codec_rows)(codec, codes, scales, width)
 
 
 def reference_decode(
@@ -106,7 +145,11 @@ def reference_decode(
     out = torch.zeros((batch, heads, kv_lora), dtype=torch.float64, device=device)
     starts = seq_start.cpu().tolist()
     lengths = seq_len.cpu().tolist()
-    counts = n_selected.cpu().tolist() if indices is not None else None
+    counts: list[int] = []
+    if indices is not None:
+        if n_selected is None:
+            raise AttentionInputError("indices need n_selected (the selected-rows variant takes both)")
+        counts = n_selected.cpu().tolist()
 
     def decode(codes, scales, rows, width):
         return _decode_rows(tier, codes[rows], None if scales is None else scales[rows], width)

@@ -6,10 +6,10 @@ class. Classes are imported only when a backend is chosen, so ``import kvstore.g
 cupy. A backend explains a refusal as a list of reasons: the spec's mismatches, then what its class
 finds in the environment (no CUDA device, cupy missing, compute capability too old, ...).
 
-A backend implements one method per kernel of :data:`KERNELS` for each tier it declares (and the
-``*_selected`` variant when its spec says ``selected``), all with the signature of
-:func:`kvstore.gpu.mla_decode_fp8`. :func:`select` is the one place a decode function is chosen, for
-the engine's caches and the benchmarks alike.
+A backend has one entry point, :meth:`AttentionBackend.decode` ``(q_lat, q_rope, batch,
+softmax_scale, out=None)``, whatever the tier: the tier, the rows and the sequences travel in the
+:class:`~kvstore.gpu.inputs.LatentBatch`. :func:`select` is the one place a backend is chosen, for
+the engine's caches and the benchmarks alike; its :class:`Selection` holds the entry point to call.
 
 Examples
 --------
@@ -24,11 +24,16 @@ Examples
 >>> choice = registry.select("polar3", "cpu", kv_lora=512, qk_rope=64)
 >>> choice.backend, choice.tier.name, choice.rejected["cuda"][:2]
 ('torch', 'polar3', ["runs on ['cuda'], not cpu", "tier 'polar3' is not one of ['fp8', 'int4']"])
+>>> from kvstore.gpu.testing import make_case
+>>> case = make_case("polar3", [5, 3], heads=2, kv_lora=512, qk_rope=64, seed=1)
+>>> batch = LatentBatch.trusted(case.tier, case.lc_codes, case.lc_scales, case.rc_codes, case.rc_scales,
+...                             case.seq_start, case.seq_len, kv_lora=512, qk_rope=64)
+>>> tuple(choice.function(case.q_lat, case.q_rope, batch, case.softmax_scale).shape)
+(2, 2, 512)
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import threading
@@ -41,18 +46,17 @@ import torch
 from kvstore import config, tiers
 from kvstore.gpu.codecs import as_tier
 from kvstore.gpu.errors import BackendUnavailable
+from kvstore.gpu.inputs import LatentBatch
 
 __all__ = [
     "AttentionBackend",
     "BackendSpec",
-    "KERNELS",
     "KERNEL_TIERS",
     "Selection",
     "as_tier",
     "backend_class",
     "get_backend",
     "instance",
-    "kernel_name",
     "reasons",
     "register_backend",
     "registered",
@@ -61,23 +65,8 @@ __all__ = [
     "unregister_backend",
 ]
 
-#: The method a backend implements for each tier (``<method>_selected`` for the selected-rows variant).
-KERNELS: dict[str, str] = {
-    tiers.F32.name: "mla_decode_dense",
-    tiers.BF16.name: "mla_decode_dense",
-    tiers.FP8.name: "mla_decode_fp8",
-    tiers.INT4.name: "mla_decode_int4",
-    **{tiers.polar(bits).name: "mla_decode_polar" for bits in tiers.POLAR_BITS},
-    tiers.Q8.name: "mla_decode_q8",
-}
-#: The tiers of the public ``kvstore.gpu.mla_decode_*`` functions: what a spec declares by default.
+#: The tiers a spec declares unless it names others: the quantized tiers of the CUDA kernels.
 KERNEL_TIERS = (tiers.FP8.name, tiers.INT4.name)
-
-
-def kernel_name(tier: tiers.Tier | str, *, selected: bool = False) -> str:
-    """The backend method that decodes ``tier`` (``mla_decode_fp8``, ``mla_decode_polar_selected``, ...)."""
-    name = KERNELS[as_tier(tier).name]
-    return f"{name}_selected" if selected else name
 
 
 @dataclass(frozen=True)
@@ -141,12 +130,10 @@ class BackendSpec:
 class AttentionBackend(ABC):
     """A decode-attention implementation on one device.
 
-    Subclasses set ``spec``, implement :meth:`environment_reasons`, and define the method of
-    :data:`KERNELS` for every tier the spec declares (``mla_decode_fp8(q_lat, q_rope, lc_codes,
-    lc_scales, rc_codes, rc_scales, seq_start, seq_len, softmax_scale, out=None, *, validate=True)``
-    and the same shape for the others: ``mla_decode_dense`` takes ``lc, rc`` without scales,
-    ``mla_decode_polar`` also takes ``bits=`` by keyword; ``*_selected`` adds ``indices, n_selected``
-    before ``softmax_scale``). ``tests/conformance/attention.py`` holds every backend to that.
+    Subclasses set ``spec`` and implement :meth:`environment_reasons` and :meth:`decode`, the one
+    entry point, for every tier the spec declares (dense and, when the spec says ``selected``,
+    selected rows). ``tests/conformance/attention.py`` holds every backend to that, signature
+    included.
     """
 
     spec: ClassVar[BackendSpec]
@@ -196,48 +183,60 @@ class AttentionBackend(ABC):
             device, tier, kv_lora, qk_rope
         )
 
-    def function(self, tier: tiers.Tier | str, *, selected: bool = False, trusted: bool = False) -> Callable:
-        """The decode function of ``tier``, with the bits of a PolarQuant tier bound.
+    @abstractmethod
+    def decode(
+        self,
+        q_lat: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: LatentBatch,
+        softmax_scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode attention of one query token per sequence over the rows of ``batch``.
 
-        ``trusted`` binds ``validate=False``: for callers that build the operands themselves (the
-        engine's caches: sequences within the rows they pass), where validation would cost a host
-        synchronization per call.
+        For each query ``b`` and head ``h``: ``softmax(softmax_scale * (q_lat[b, h] . Lc[n] +
+        q_rope[b, h] . Rc[n])) @ Lc`` over the rows ``n`` query ``b`` attends (see
+        :class:`~kvstore.gpu.inputs.LatentBatch`); a query that attends no row gets zeros.
+
+        Parameters
+        ----------
+        q_lat : f32[B, H, K]
+            Absorbed queries (``q_nope @ W_UK``), K = ``batch.kv_lora``.
+        q_rope : f32[B, H, R]
+            Rope queries, R = ``batch.qk_rope``.
+        batch : LatentBatch
+            The rows, their tier and the sequences; when it is checked, the queries, the scale and
+            ``out`` are checked against it first (:meth:`LatentBatch.check_call`).
+        softmax_scale : float
+        out : f32[B, H, K], optional
+            Written in place and returned.
+
+        Returns
+        -------
+        f32[B, H, K]
+            The context in the latent space (un-rotated for the TQ tiers).
 
         Raises
         ------
-        BackendUnavailable
-            The backend does not decode ``tier`` (or its selected variant).
+        AttentionInputError
+            A checked batch and a call that does not fit it.
         """
-        tier = as_tier(tier)
-        why = self.spec.mismatches(tier=tier)
-        if selected and not self.spec.selected:
-            why.append("it has no selected-rows variants")
-        if why:
-            raise BackendUnavailable(
-                f"backend {self.name} cannot decode {tier.name}: {'; '.join(why)}", {self.name: why}
-            )
-        method = getattr(self, kernel_name(tier, selected=selected))
-        bound = {}
-        if tier.codec_name == "polar":
-            bound["bits"] = tier.bits
-        if trusted:
-            bound["validate"] = False
-        return functools.partial(method, **bound) if bound else method
 
 
 @dataclass(frozen=True)
 class Selection:
-    """The decode function chosen for a tier on a device, and why the backends before it were passed over.
+    """The backend chosen for a tier on a device, and why the backends before it were passed over.
 
     Attributes
     ----------
-    function : ``function(q_lat, q_rope, *row operands, seq_start, seq_len, softmax_scale, out=None)``
+    function : the chosen backend's entry point, ``function(q_lat, q_rope, batch, softmax_scale,
+        out=None)`` (:meth:`AttentionBackend.decode`)
     backend : the chosen backend's name
     tier : the tier it decodes
     rejected : backend name -> reasons, for every backend tried before it
     """
 
-    function: Callable
+    function: Callable[..., torch.Tensor]
     backend: str
     tier: tiers.Tier
     rejected: dict[str, list[str]] = field(default_factory=dict)
@@ -259,10 +258,10 @@ def register_backend(spec: BackendSpec, path: str) -> None:
     """Register (or replace) a backend: its spec and the ``"module:Class"`` that implements it."""
     if ":" not in path:
         raise ValueError(f"backend path must be 'module:Class', got {path!r}")
-    unknown = set(spec.tiers) - set(KERNELS)
+    unknown = set(spec.tiers) - set(tiers.names())
     if unknown:
         raise ValueError(
-            f"backend {spec.name!r} declares tiers {sorted(unknown)} that are not tier names {sorted(KERNELS)}"
+            f"backend {spec.name!r} declares tiers {sorted(unknown)} that are not tier names {tiers.names()}"
         )
     with _LOCK:
         _REGISTRY[spec.name] = _Entry(spec, path)
@@ -298,10 +297,12 @@ def spec_of(name: str) -> BackendSpec:
 def backend_class(name: str) -> type[AttentionBackend]:
     """Import (once) and return the class of backend ``name``."""
     entry = _entry(name)
-    if entry.cls is None:
-        module_name, class_name = entry.path.split(":")
-        entry.cls = getattr(importlib.import_module(module_name), class_name)
-    return entry.cls
+    if entry.cls is not None:
+        return entry.cls
+    module_name, class_name = entry.path.split(":")
+    found: type[AttentionBackend] = getattr(importlib.import_module(module_name), class_name)
+    entry.cls = found
+    return found
 
 
 def reasons(
@@ -382,10 +383,9 @@ def select(
     prefer: str | None = None,
     q_dtype: torch.dtype = torch.float32,
     selected: bool = False,
-    trusted: bool = True,
 ) -> Selection:
-    """Choose the decode function for ``tier`` on ``device``: the first backend, in preference
-    order, that declares the configuration and whose environment allows it.
+    """Choose the backend for ``tier`` on ``device``: the first, in preference order, that declares
+    the configuration and whose environment allows it.
 
     Parameters
     ----------
@@ -396,8 +396,8 @@ def select(
         and benchmarks); the others still follow when it cannot run. Without one, the environment
         variable ``KVSTORE_ATTENTION_BACKEND`` names it (an operator's switch, read per call)
     q_dtype : the query dtype
-    selected : the selected-rows variant
-    trusted : bind ``validate=False`` (see :meth:`AttentionBackend.function`)
+    selected : batches with selected rows will be passed (backends whose spec has no
+        selected-rows variant are passed over)
 
     Returns
     -------
@@ -428,8 +428,7 @@ def select(
         if why:
             rejected[name] = why
             continue
-        function = instance(name, device).function(tier, selected=selected, trusted=trusted)
-        return Selection(function, name, tier, rejected)
+        return Selection(instance(name, device).decode, name, tier, rejected)
     detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in rejected.items())
     raise BackendUnavailable(f"no decode backend for tier {tier.name} on {device}: {detail}", rejected)
 

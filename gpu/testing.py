@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from kvstore import tiers
-from kvstore.gpu.codecs import FP8_MAX
+from kvstore.formats.codecs import RowCodec
+from kvstore.formats.floats import BF16Codec, F32Codec
+from kvstore.formats.fp8 import FP8Codec
+from kvstore.formats.q8 import Q8Codec
+from kvstore.formats.tq import TQCodec
+from kvstore.gpu.codecs import FP8_MAX, torch_twin
 from kvstore.gpu.errors import AttentionInputError
-from kvstore.gpu.inputs import as_tier, row_layout
+from kvstore.gpu.inputs import LatentBatch, as_tier
 
 __all__ = ["DecodeCase", "decode", "make_case", "poisoned_out", "ragged_lengths", "relative_error", "reference"]
 
@@ -29,7 +35,7 @@ _GEN_ROWS = 1 << 19
 
 @dataclass
 class DecodeCase:
-    """One decode-attention problem: inputs in the order the kernels take them."""
+    """One decode-attention problem: the queries, the cache rows of its tier and the sequences."""
 
     tier: tiers.Tier
     q_lat: torch.Tensor
@@ -54,16 +60,29 @@ class DecodeCase:
             return self.lc_codes, self.rc_codes
         return self.lc_codes, self.lc_scales, self.rc_codes, self.rc_scales
 
-    def args(self) -> tuple:
-        """Positional arguments of the matching ``mla_decode_*`` function (``out`` excluded)."""
-        head = (self.q_lat, self.q_rope, *self.rows(), self.seq_start, self.seq_len)
-        if self.selected:
-            return head + (self.indices, self.n_selected, self.softmax_scale)
-        return head + (self.softmax_scale,)
+    def batch(self, *, trusted: bool = False, ranges: bool = True) -> LatentBatch:
+        """The case's rows and sequences as one :class:`~kvstore.gpu.inputs.LatentBatch`: checked
+        (shapes, dtypes and devices, then, with ``ranges``, the bounds read on the host) or
+        ``trusted`` (nothing checked, as the engine's caches make theirs). The widths are the queries'."""
+        make = LatentBatch.trusted if trusted else LatentBatch
+        batch = make(
+            self.tier,
+            self.lc_codes,
+            self.lc_scales,
+            self.rc_codes,
+            self.rc_scales,
+            self.seq_start,
+            self.seq_len,
+            kv_lora=self.q_lat.shape[2],
+            qk_rope=self.q_rope.shape[2],
+            indices=self.indices,
+            n_selected=self.n_selected,
+        )
+        return batch.check_ranges() if ranges and not trusted else batch
 
     def rows_attended(self) -> int:
         """Cache rows the call reads (each selected entry counts once)."""
-        if self.selected:
+        if self.selected and self.n_selected is not None:
             return int(self.n_selected.to(torch.int64).sum())
         return int(self.seq_len.to(torch.int64).sum())
 
@@ -80,7 +99,7 @@ def _gaussian_rows(n: int, width: int, gen: torch.Generator, device: torch.devic
 def _float_rows(
     tier: tiers.Tier, n: int, width: int, gen: torch.Generator, device: torch.device, nan_rate: float = 0.0
 ) -> tuple[torch.Tensor, None]:
-    dtype = row_layout(tier, width).codes_dtype
+    dtype = torch_twin(tier).codes_dtype
     rows = torch.empty((n, width), dtype=dtype, device=device)
     for lo in range(0, n, _GEN_ROWS):
         hi = min(n, lo + _GEN_ROWS)
@@ -120,20 +139,30 @@ def _q8_rows(
     tier: tiers.Tier, n: int, width: int, gen: torch.Generator, device: torch.device, nan_rate: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.randint(-127, 128, (n, width), generator=gen, device=device, dtype=torch.int32).to(torch.int8)
-    blocks = row_layout(tier, width).scales_shape
+    blocks = tier.row_codec.scale_shape(width)
     deltas = torch.exp2(torch.rand((n, *blocks), generator=gen, device=device) * 6 - 10)  # 2^-10 .. 2^-4
     deltas[torch.rand((n, *blocks), generator=gen, device=device) < 1e-3] = 0.0  # inert blocks
     return codes, deltas.to(torch.float16)
 
 
-def _row_maker(tier: tiers.Tier):
-    if tier is tiers.F32 or tier is tiers.BF16:
-        return _float_rows
-    if tier is tiers.FP8:
-        return _fp8_rows
-    if tier is tiers.Q8:
-        return _q8_rows
-    return _tq_rows
+RowMaker = Callable[
+    [tiers.Tier, int, int, torch.Generator, torch.device, float], "tuple[torch.Tensor, torch.Tensor | None]"
+]
+#: How each codec family's random rows are made (a TQ family covers int4 and every polarB).
+_ROW_MAKERS: dict[type[RowCodec], RowMaker] = {
+    F32Codec: _float_rows,
+    BF16Codec: _float_rows,
+    FP8Codec: _fp8_rows,
+    TQCodec: _tq_rows,
+    Q8Codec: _q8_rows,
+}
+
+
+def _row_maker(tier: tiers.Tier) -> RowMaker:
+    for family, make_rows in _ROW_MAKERS.items():
+        if isinstance(tier.row_codec, family):
+            return make_rows
+    raise AttentionInputError(f"no random rows are made for tier {tier.name!r}")
 
 
 def make_case(
@@ -223,12 +252,13 @@ def ragged_lengths(longest: int, batch: int, seed: int) -> list[int]:
     return lengths[:batch]
 
 
-def decode(case: DecodeCase, out: torch.Tensor | None = None, backend=None, **kwargs) -> torch.Tensor:
-    """Run the kernel matching the case (tier, dense or selected) on ``backend`` (default: the device's)."""
+def decode(case: DecodeCase, out: torch.Tensor | None = None, backend=None, *, trusted: bool = False) -> torch.Tensor:
+    """The case through ``backend``'s entry point (default: the preferred backend of its device), on
+    a checked batch or a ``trusted`` one (:meth:`DecodeCase.batch`)."""
     from kvstore.gpu.registry import get_backend
 
     backend = backend if backend is not None else get_backend(case.q_lat.device)
-    return backend.function(case.tier, selected=case.selected)(*case.args(), out, **kwargs)
+    return backend.decode(case.q_lat, case.q_rope, case.batch(trusted=trusted), case.softmax_scale, out)
 
 
 def reference(case: DecodeCase) -> torch.Tensor:
@@ -258,8 +288,14 @@ def poisoned_out(case: DecodeCase) -> torch.Tensor:
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` (Frobenius, float64); ``inf`` if ``out`` holds a non-finite value."""
+    """``||out - ref|| / ||ref||`` (Frobenius, float64); ``inf`` if ``out`` holds a non-finite value.
+
+    Where every attended row is inert (a radius or delta of 0, which random rows plant one time in
+    a thousand) the reference is zero and has no scale: 0 for an exactly zero ``out``, else ``inf``.
+    """
     out64 = out.to(torch.float64)
     if not bool(torch.isfinite(out64).all()):
         return math.inf
+    if not bool(ref.any()):
+        return 0.0 if not bool(out64.any()) else math.inf
     return float(torch.linalg.vector_norm(out64 - ref) / torch.linalg.vector_norm(ref))

@@ -1,4 +1,3 @@
-# Over 500 lines: ten kernel methods (five tier kinds, dense and selected), each with the shared signature spelled out.
 """Pure-torch decode attention over every cache tier: the engine's path, the fallback without cupy, Metal.
 
 For each query ``b`` (one token of a sequence whose rows are ``seq_start[b] .. seq_start[b] +
@@ -29,7 +28,8 @@ from typing import Callable
 import torch
 
 from kvstore import tiers
-from kvstore.gpu import codecs, inputs
+from kvstore.gpu import codecs
+from kvstore.gpu.inputs import LatentBatch
 from kvstore.gpu.registry import AttentionBackend, spec_of
 
 __all__ = ["CHUNK_ROWS", "ONE_PASS_ELEMENTS", "SPLIT_ROWS", "MpsBackend", "TorchBackend", "decode_torch"]
@@ -127,99 +127,74 @@ def _one_pass_function():
     return _compiled_one_pass
 
 
-def _row_decoder(tier: tiers.Tier, lc, lc_scales, rc, rc_scales, kv_lora: int, qk_rope: int):
+def _row_decoder(batch: LatentBatch) -> Callable[[object], tuple[torch.Tensor, torch.Tensor]]:
     """``rows(index) -> (lat f32[..., K], rope f32[..., R])`` in the domain attention reads (rotated for TQ)."""
+    tier, kv_lora, qk_rope = batch.tier, batch.kv_lora, batch.qk_rope
+    lc, lc_scales, rc, rc_scales = batch.lc_codes, batch.lc_scales, batch.rc_codes, batch.rc_scales
+    if lc_scales is None or rc_scales is None:  # f32 and bf16 rows: the values themselves
+
+        def widened(index):
+            return lc[index].float(), rc[index].float()
+
+        return widened
     if tier.rotated:
 
-        def rows(index):
+        def rotated(index):
             return (
                 codecs.rotated_rows(tier, lc[index], lc_scales[index], kv_lora),
                 codecs.rotated_rows(tier, rc[index], rc_scales[index], qk_rope),
             )
-    elif lc_scales is None:
 
-        def rows(index):
-            return lc[index].float(), rc[index].float()
-    else:
+        return rotated
 
-        def rows(index):
-            return (
-                codecs.decode_tier(tier, lc[index], lc_scales[index], kv_lora),
-                codecs.decode_tier(tier, rc[index], rc_scales[index], qk_rope),
-            )
+    def decoded(index):
+        return (
+            codecs.decode_tier(tier, lc[index], lc_scales[index], kv_lora),
+            codecs.decode_tier(tier, rc[index], rc_scales[index], qk_rope),
+        )
 
-    return rows
+    return decoded
 
 
 def decode_torch(
-    tier: tiers.Tier | str,
-    q_lat,
-    q_rope,
-    lc_codes,
-    lc_scales,
-    rc_codes,
-    rc_scales,
-    seq_start,
-    seq_len,
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    batch: LatentBatch,
     softmax_scale: float,
-    out=None,
-    indices=None,
-    n_selected=None,
-    *,
-    validate: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention with torch ops for any tier, dense or over selected rows.
+    """Decode attention with torch ops for any tier, dense or over selected rows; checks nothing
+    (:meth:`TorchBackend.decode` checks a checked batch's call first).
 
     Parameters
     ----------
-    tier : a ``kvstore.tiers.Tier`` or its name
     q_lat : f32[B, H, K];  q_rope : f32[B, H, R]
-    lc_codes, lc_scales, rc_codes, rc_scales : the cache rows in the tier's layout
-        (:func:`kvstore.gpu.inputs.row_layout`; scales None for f32/bf16)
-    seq_start, seq_len : i32[B]
+    batch : the rows, their tier and the sequences (:class:`~kvstore.gpu.inputs.LatentBatch`)
     softmax_scale : float
     out : f32[B, H, K], optional
-    indices : i32[B, S], n_selected : i32[B], optional (selected-rows variant)
-    validate : check sequence and index ranges (reads them on the host)
 
     Returns
     -------
     f32[B, H, K]
     """
-    problem = inputs.check_inputs(
-        tier,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_scales,
-        rc_codes,
-        rc_scales,
-        seq_start,
-        seq_len,
-        softmax_scale,
-        out,
-        indices,
-        n_selected,
-    )
-    if validate:
-        inputs.check_ranges(problem, seq_start, seq_len, indices, n_selected)
-    tier = problem.tier
-    result = inputs.prepare_out(out, problem)
-    batch, heads, k, r = problem.batch, problem.heads, problem.kv_lora, problem.qk_rope
-    dev = problem.device
-    rows = _row_decoder(tier, lc_codes, lc_scales, rc_codes, rc_scales, k, r)
+    tier = batch.tier
+    batch_size, heads, k, r = batch.batch_size, q_lat.shape[1], batch.kv_lora, batch.qk_rope
+    result = batch.output(out, heads)
+    dev = batch.device
+    seq_start, seq_len, indices, n_selected = batch.seq_start, batch.seq_len, batch.indices, batch.n_selected
+    rows = _row_decoder(batch)
     q_l, q_r = (codecs.rotate(q_lat), codecs.rotate(q_rope)) if tier.rotated else (q_lat, q_rope)
     start = seq_start.to(device=dev, dtype=torch.int64)
     length = seq_len.to(device=dev, dtype=torch.int64).clamp_min(0)
-    if indices is None:
+    if indices is None or n_selected is None:
         # Columns are rows of the arrays, shared by every query; the span read is narrowed to the
         # sequences' rows when their bounds are already on the host (no synchronization either way).
-        first, stop = 0, problem.n_rows
+        first, stop = 0, batch.n_rows
         if seq_start.device.type == "cpu" and seq_len.device.type == "cpu":
             lo, hi = seq_start.to(torch.int64), seq_start.to(torch.int64) + seq_len.to(torch.int64).clamp_min(0)
             live = hi > lo
             if bool(live.any()):
-                first, stop = max(0, int(lo[live].min())), min(problem.n_rows, int(hi[live].max()))
+                first, stop = max(0, int(lo[live].min())), min(batch.n_rows, int(hi[live].max()))
             else:
                 first = stop = 0
         lo, hi = start[:, None, None], (start + length)[:, None, None]
@@ -230,19 +205,25 @@ def decode_torch(
             return lat, rope, (position < lo) | (position >= hi)
 
         n_cols = stop - first
-        if tier is tiers.F32 and dev.type == "cuda" and 0 < batch * heads * n_cols <= ONE_PASS_ELEMENTS:
+        if tier is tiers.F32 and dev.type == "cuda" and 0 < batch_size * heads * n_cols <= ONE_PASS_ELEMENTS:
             # f32 rows are read in place, with no decoded copy: one pass over every row, fused.
             ctx = _one_pass_function()(
-                q_l, q_r, lc_codes[first:stop], rc_codes[first:stop], lo - first, hi - first, float(softmax_scale)
+                q_l,
+                q_r,
+                batch.lc_codes[first:stop],
+                batch.rc_codes[first:stop],
+                lo - first,
+                hi - first,
+                float(softmax_scale),
             )
             result.copy_(ctx)
             return result
-        step = max(1, min(CHUNK_ROWS, SCORE_ELEMENTS // (batch * heads)))
+        step = max(1, min(CHUNK_ROWS, SCORE_ELEMENTS // (batch_size * heads)))
     else:
         # Columns are selection slots, each query gathering its own rows: [B, C, width].
-        n_cols = problem.selected if problem.n_rows else 0
+        n_cols = indices.shape[1] if batch.n_rows else 0
         picked = indices.to(device=dev, dtype=torch.int64) + start[:, None]
-        picked = picked.clamp(0, max(problem.n_rows - 1, 0))  # unused slots may hold anything: masked below
+        picked = picked.clamp(0, max(batch.n_rows - 1, 0))  # unused slots may hold anything: masked below
         count = n_selected.to(device=dev, dtype=torch.int64)[:, None, None]
 
         def chunk(a: int, z: int):
@@ -250,7 +231,7 @@ def decode_torch(
             slot = torch.arange(a, z, device=dev)
             return lat, rope, slot >= count
 
-        step = max(1, min(CHUNK_ROWS, SCORE_ELEMENTS // (batch * max(heads, k + r))))
+        step = max(1, min(CHUNK_ROWS, SCORE_ELEMENTS // (batch_size * max(heads, k + r))))
     ctx = _online_softmax(q_l, q_r, n_cols, chunk, step, float(softmax_scale))
     result.copy_(codecs.unrotate(ctx) if tier.rotated else ctx)
     return result
@@ -271,291 +252,17 @@ class TorchBackend(AttentionBackend):
             return ["torch.xpu.is_available() is False"]
         return []
 
-    # f32 and bf16 rows: the values themselves (the tier follows their dtype)
-    def mla_decode_dense(self, q_lat, q_rope, lc, rc, seq_start, seq_len, softmax_scale, out=None, *, validate=True):
-        tier = inputs.dense_tier(lc)
-        return decode_torch(
-            tier, q_lat, q_rope, lc, None, rc, None, seq_start, seq_len, softmax_scale, out, validate=validate
-        )
-
-    def mla_decode_dense_selected(
-        self, q_lat, q_rope, lc, rc, seq_start, seq_len, indices, n_selected, softmax_scale, out=None, *, validate=True
-    ):
-        tier = inputs.dense_tier(lc)
-        return decode_torch(
-            tier,
-            q_lat,
-            q_rope,
-            lc,
-            None,
-            rc,
-            None,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            indices,
-            n_selected,
-            validate=validate,
-        )
-
-    def mla_decode_fp8(
+    def decode(
         self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_scales,
-        rc_codes,
-        rc_scales,
-        seq_start,
-        seq_len,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return decode_torch(
-            tiers.FP8,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_scales,
-            rc_codes,
-            rc_scales,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            validate=validate,
-        )
-
-    def mla_decode_fp8_selected(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_scales,
-        rc_codes,
-        rc_scales,
-        seq_start,
-        seq_len,
-        indices,
-        n_selected,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return decode_torch(
-            tiers.FP8,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_scales,
-            rc_codes,
-            rc_scales,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            indices,
-            n_selected,
-            validate=validate,
-        )
-
-    def mla_decode_int4(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_radii,
-        rc_codes,
-        rc_radii,
-        seq_start,
-        seq_len,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return decode_torch(
-            tiers.INT4,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_radii,
-            rc_codes,
-            rc_radii,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            validate=validate,
-        )
-
-    def mla_decode_int4_selected(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_radii,
-        rc_codes,
-        rc_radii,
-        seq_start,
-        seq_len,
-        indices,
-        n_selected,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return decode_torch(
-            tiers.INT4,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_radii,
-            rc_codes,
-            rc_radii,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            indices,
-            n_selected,
-            validate=validate,
-        )
-
-    def mla_decode_polar(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_radii,
-        rc_codes,
-        rc_radii,
-        seq_start,
-        seq_len,
-        softmax_scale,
-        out=None,
-        *,
-        bits,
-        validate=True,
-    ):
-        return decode_torch(
-            tiers.polar(bits),
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_radii,
-            rc_codes,
-            rc_radii,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            validate=validate,
-        )
-
-    def mla_decode_polar_selected(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_radii,
-        rc_codes,
-        rc_radii,
-        seq_start,
-        seq_len,
-        indices,
-        n_selected,
-        softmax_scale,
-        out=None,
-        *,
-        bits,
-        validate=True,
-    ):
-        return decode_torch(
-            tiers.polar(bits),
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_radii,
-            rc_codes,
-            rc_radii,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            indices,
-            n_selected,
-            validate=validate,
-        )
-
-    def mla_decode_q8(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_deltas,
-        rc_codes,
-        rc_deltas,
-        seq_start,
-        seq_len,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return decode_torch(
-            tiers.Q8,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_deltas,
-            rc_codes,
-            rc_deltas,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            validate=validate,
-        )
-
-    def mla_decode_q8_selected(
-        self,
-        q_lat,
-        q_rope,
-        lc_codes,
-        lc_deltas,
-        rc_codes,
-        rc_deltas,
-        seq_start,
-        seq_len,
-        indices,
-        n_selected,
-        softmax_scale,
-        out=None,
-        *,
-        validate=True,
-    ):
-        return decode_torch(
-            tiers.Q8,
-            q_lat,
-            q_rope,
-            lc_codes,
-            lc_deltas,
-            rc_codes,
-            rc_deltas,
-            seq_start,
-            seq_len,
-            softmax_scale,
-            out,
-            indices,
-            n_selected,
-            validate=validate,
-        )
+        q_lat: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: LatentBatch,
+        softmax_scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if batch.checked:
+            batch.check_call(q_lat, q_rope, softmax_scale, out)
+        return decode_torch(q_lat, q_rope, batch, softmax_scale, out)
 
 
 def _mps_reasons() -> list[str]:

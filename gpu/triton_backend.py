@@ -30,17 +30,19 @@ itself is declared for CUDA devices only.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from kvstore.gpu import inputs
+from kvstore.gpu.inputs import LatentBatch
 from kvstore.gpu.registry import AttentionBackend, spec_of
 from kvstore.gpu.torch_backend import decode_torch
 
 __all__ = ["TritonBackend", "dense_decode", "merge_partials", "plan_splits", "programs_for"]
 
-# Tile rows, warps, stages, precision and loads: the fastest of bench/gpu_dense.py --sweep on the
+# Tile rows, warps, stages and precision: the fastest of bench/gpu_dense.py --sweep on the
 # H200 (16 heads, f32 rows, 32k rows and 16 ragged sequences).
 #: Rows per tile of a split.
 BLOCK_N = 16
@@ -48,9 +50,6 @@ BLOCK_N = 16
 STAGES = 2
 #: The products' precision (see the module's numerics).
 PRECISION = "tf32"
-#: Read each tile twice (transposed for the scores, row-major for the context) rather than
-#: transpose it in registers.
-TWO_LOADS = True
 #: Warps of a split program.
 WARPS = 4
 #: Heads per program (the tensor-core product's M; 16 is its smallest).
@@ -112,7 +111,6 @@ def _dense_split(
     BLOCK_N: tl.constexpr,
     MIN_TILES: tl.constexpr,
     PRECISION: tl.constexpr,
-    TWO_LOADS: tl.constexpr,
 ):
     slot = tl.program_id(0)  # the partial this program writes: live programs are 0 .. (their count - 1)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -149,35 +147,24 @@ def _dense_split(
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < hi
             row = start + n
-            if TWO_LOADS:
-                # The score product reads the tile transposed ([K, N], as the product wants it) and
-                # the context product reads it again row-major (from L1/L2): no transpose in registers.
-                lt_t = tl.load(
-                    lat + row[None, :] * stride_lat + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0
-                ).to(tl.float32)
-                rt_t = tl.load(
-                    rope + row[None, :] * stride_rope + r[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0
-                ).to(tl.float32)
-                s = tl.dot(q, lt_t, input_precision=PRECISION)
-                s += tl.dot(qr, rt_t, input_precision=PRECISION)
-            else:
-                lt = tl.load(
-                    lat + row[:, None] * stride_lat + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
-                ).to(tl.float32)
-                rt = tl.load(
-                    rope + row[:, None] * stride_rope + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
-                ).to(tl.float32)
-                s = tl.dot(q, tl.trans(lt), input_precision=PRECISION)
-                s += tl.dot(qr, tl.trans(rt), input_precision=PRECISION)
+            # The score product reads the tile transposed ([K, N], as the product wants it) and the
+            # context product reads it again row-major (from L1/L2): no transpose in registers.
+            lt_t = tl.load(
+                lat + row[None, :] * stride_lat + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0
+            ).to(tl.float32)
+            rt_t = tl.load(
+                rope + row[None, :] * stride_rope + r[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0
+            ).to(tl.float32)
+            s = tl.dot(q, lt_t, input_precision=PRECISION)
+            s += tl.dot(qr, rt_t, input_precision=PRECISION)
             s = tl.where(n_ok[None, :], s * scale_log2, float("-inf"))
             new_peak = tl.maximum(peak, tl.max(s, 1))
             p = tl.exp2(s - new_peak[:, None])
             rescale = tl.exp2(peak - new_peak)
             denom = denom * rescale + tl.sum(p, 1)
-            if TWO_LOADS:
-                lt = tl.load(
-                    lat + row[:, None] * stride_lat + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
-                ).to(tl.float32)
+            lt = tl.load(
+                lat + row[:, None] * stride_lat + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+            ).to(tl.float32)
             ctx = ctx * rescale[:, None] + tl.dot(p, lt, input_precision=PRECISION)
             peak = new_peak
         ctx = ctx / denom[:, None]
@@ -208,13 +195,13 @@ def _dense_merge(
     h = bh - b * heads
     _, splits, first, _ = _split_plan(seq_len, batch, programs, BP, BLOCK_N, MIN_TILES)
     seqs = tl.arange(0, BP)
-    n_live = tl.sum(tl.where(seqs == b, splits, 0), 0)  # 0 for a sequence with no rows: a zero context
+    n_live = tl.where(seqs == b, splits, 0).sum(0)  # 0 for a sequence with no rows: a zero context
     slots = h * programs + tl.sum(tl.where(seqs == b, first, 0), 0).to(tl.int64)  # its first partial
     s = tl.arange(0, SP)
     lse = tl.load(part_lse + slots + s, mask=s < n_live, other=float("-inf"))
     peak = tl.max(lse, 0)
     peak = tl.where(peak == float("-inf"), 0.0, peak)  # no rows at all: every weight is 0
-    denom = tl.sum(tl.exp2(lse - peak), 0)
+    denom = tl.exp2(lse - peak).sum(0)
     k = tl.program_id(1) * MERGE_DIMS + tl.arange(0, MERGE_DIMS)
     acc = tl.zeros([MERGE_DIMS], tl.float32)
     for s0 in range(0, n_live, MERGE_SPLITS):
@@ -268,7 +255,9 @@ def dense_decode(q_lat, q_rope, lat, rope, seq_start, seq_len, softmax_scale: fl
     part_ctx = torch.empty((heads, programs, kp), dtype=torch.float32, device=q_lat.device)
     part_lse = torch.empty((heads, programs), dtype=torch.float32, device=q_lat.device)
     log2e = 1.4426950408889634
-    _dense_split[(programs, -(-heads // BLOCK_H))](
+    # a launcher takes Triton's launch options (num_warps, num_stages) beside the kernel's parameters
+    split: Callable[..., Any] = _dense_split[(programs, -(-heads // BLOCK_H))]
+    split(
         q_lat,
         q_rope,
         lat,
@@ -296,7 +285,6 @@ def dense_decode(q_lat, q_rope, lat, rope, seq_start, seq_len, softmax_scale: fl
         BLOCK_N=BLOCK_N,
         MIN_TILES=MIN_TILES,
         PRECISION=PRECISION,
-        TWO_LOADS=TWO_LOADS,
         num_warps=WARPS,
         num_stages=STAGES,
     )
@@ -310,7 +298,8 @@ def merge_partials(part_ctx, part_lse, seq_len, out, programs: int, block_n: int
     batch, heads, k = out.shape
     kp = part_ctx.shape[2]
     merge_dims = min(MERGE_DIMS, kp)
-    _dense_merge[(batch * heads, kp // merge_dims)](
+    merge: Callable[..., Any] = _dense_merge[(batch * heads, kp // merge_dims)]
+    merge(
         part_ctx,
         part_lse,
         seq_len,
@@ -348,17 +337,28 @@ class TritonBackend(AttentionBackend):
             return [f"compute capability {torch.cuda.get_device_capability(device)} < (8, 0) (tf32 tensor cores)"]
         return []
 
-    def mla_decode_dense(self, q_lat, q_rope, lc, rc, seq_start, seq_len, softmax_scale, out=None, *, validate=True):
-        tier = inputs.dense_tier(lc)
-        problem = inputs.check_inputs(tier, q_lat, q_rope, lc, None, rc, None, seq_start, seq_len, softmax_scale, out)
-        if lc.stride(1) != 1 or rc.stride(1) != 1:  # rows the kernel cannot stride through: no copy, the torch path
-            return decode_torch(
-                tier, q_lat, q_rope, lc, None, rc, None, seq_start, seq_len, softmax_scale, out, validate=validate
-            )
-        if validate:
-            inputs.check_ranges(problem, seq_start, seq_len)
-        result = inputs.prepare_out(out, problem)
-        device = problem.device
+    def decode(
+        self,
+        q_lat: torch.Tensor,
+        q_rope: torch.Tensor,
+        batch: LatentBatch,
+        softmax_scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """f32 and bf16 rows through the kernels; another tier, selected rows, or rows the kernel
+        cannot stride through (no copy is made) go the torch path."""
+        if batch.checked:
+            batch.check_call(q_lat, q_rope, softmax_scale, out)
+        lc, rc = batch.lc_codes, batch.rc_codes
+        if (
+            batch.tier.name not in self.spec.tiers
+            or batch.selected is not None
+            or lc.stride(1) != 1
+            or rc.stride(1) != 1
+        ):
+            return decode_torch(q_lat, q_rope, batch, softmax_scale, out)
+        result = batch.output(out, q_lat.shape[1])
+        device = batch.device
         q_l = q_lat if q_lat.stride(2) == 1 else q_lat.contiguous()
         q_r = q_rope if q_rope.stride(2) == 1 else q_rope.contiguous()
         return dense_decode(
@@ -366,8 +366,8 @@ class TritonBackend(AttentionBackend):
             q_r,
             lc,
             rc,
-            seq_start.to(device=device, non_blocking=True),
-            seq_len.to(device=device, non_blocking=True),
+            batch.seq_start.to(device=device, non_blocking=True),
+            batch.seq_len.to(device=device, non_blocking=True),
             softmax_scale,
             result,
             n_sm=self.n_sm,

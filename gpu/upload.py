@@ -173,9 +173,9 @@ def restore_quantized_rows(
     for name, array in (("rc_codes", rc_codes), ("lc_scales", lc_scales), ("rc_scales", rc_scales)):
         if array.shape[0] != n_rows:
             raise AttentionInputError(f"{name} has {array.shape[0]} rows, lc_codes {n_rows}")
-    capacity = n_rows if capacity is None else int(capacity)
-    if capacity < n_rows:
-        raise AttentionInputError(f"capacity {capacity} is below the {n_rows} rows to restore")
+    allocated = n_rows if capacity is None else int(capacity)
+    if allocated < n_rows:
+        raise AttentionInputError(f"capacity {allocated} is below the {n_rows} rows to restore")
     if strict:
         coli_kv.check_row_scales(
             tier, lc_scales[:, None], rc_scales[:, None], source=source, first_record=first_record, first_layer=layer
@@ -186,7 +186,7 @@ def restore_quantized_rows(
         raise AttentionInputError(f"uploader copies to {uploader.device}, not {device}")
     device = uploader.device
     stream_ctx = torch.cuda.stream(uploader.stream) if device.type == "cuda" else None
-    shapes = ((capacity, lc_codes.shape[1]), (capacity,), (capacity, rc_codes.shape[1]), (capacity,))
+    shapes = ((allocated, lc_codes.shape[1]), (allocated,), (allocated, rc_codes.shape[1]), (allocated,))
     dtypes = (torch.uint8, torch.float32, torch.uint8, torch.float32)
     if stream_ctx is not None:
         with stream_ctx:  # allocated on the side stream that writes them
@@ -197,9 +197,8 @@ def restore_quantized_rows(
         uploader.copy_into(dst, src)
     uploader.finish()
     # on the caller's stream, which now waits for the copies: the same sanitize as every reader
-    sanitize = codecs.sanitize_fp8_ if tier.version == 2 else codecs.sanitize_tq_
-    sanitize(tensors[0][:n_rows], tensors[1][:n_rows])
-    sanitize(tensors[2][:n_rows], tensors[3][:n_rows])
+    codecs.sanitize_tier_(tier, tensors[0][:n_rows], tensors[1][:n_rows])
+    codecs.sanitize_tier_(tier, tensors[2][:n_rows], tensors[3][:n_rows])
     if device.type == "cuda":
         consumer = torch.cuda.current_stream(device)
         for t in tensors:

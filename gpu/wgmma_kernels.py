@@ -1,3 +1,6 @@
+# Gluon kernels: pyright reads its DSL (constexpr parameters, layouts, static_range, Triton 3.6 names) as plain Python.
+# pyright: reportArgumentType=false, reportAssignmentType=false, reportGeneralTypeIssues=false
+# pyright: reportOperatorIssue=false, reportAttributeAccessIssue=false
 """Decode attention over fp8 and rotated int4 code rows for 64 and more heads: warpgroup MMA on
 sm_90, in Gluon.
 
@@ -44,6 +47,8 @@ instructions per word of four codes, off the scores warpgroup's path).
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -123,7 +128,8 @@ def _int4_table() -> tuple[int, int, int, int]:
     and the high bytes of levels 0-3 and 4-7: four words a ``prmt`` looks four 3-bit indices up in."""
     halves = np.float16(tq.LEVELS[8:]).view(np.uint16).astype(np.uint32)
     lo, hi = halves & 0xFF, halves >> 8
-    return tuple(int(sum(int(b[i]) << (8 * (i % 4)) for i in range(r, r + 4))) for b in (lo, hi) for r in (0, 4))
+    words = [int(sum(int(b[i]) << (8 * (i % 4)) for i in range(r, r + 4))) for b in (lo, hi) for r in (0, 4)]
+    return words[0], words[1], words[2], words[3]
 
 
 # int4 codes to their f16 levels by inline PTX, 8 codes (a 32-bit word, element 2k in byte k's low
@@ -532,7 +538,9 @@ def wide_decode(q16, qmul, lc, ls, rc, rs, seq_start, seq_len, out, *, n_sm: int
     programs = triton_backend.programs_for(batch, heads, n_sm, BLOCK_H, PROGRAMS_PER_SM)
     part_ctx = torch.empty((heads, programs, k), dtype=torch.float32, device=device)
     part_lse = torch.empty((heads, programs), dtype=torch.float32, device=device)
-    _wide_split[(heads_pad // BLOCK_H, programs)](
+    # a launcher takes Triton's launch options (num_warps) beside the kernel's parameters
+    split: Callable[..., Any] = _wide_split[(heads_pad // BLOCK_H, programs)]
+    split(
         q16,
         qmul,
         lc,

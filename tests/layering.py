@@ -123,7 +123,10 @@ def _imports(root: Path) -> tuple[Edge, ...]:
                 else:
                     continue
                 for name in names:
-                    edges.append(Edge(source, node.lineno, name, part_of_module(name)))
+                    part = part_of_module(name)
+                    if part and not (root / part).is_dir():  # an older tree: the package lived in kvstore/
+                        part = "kvstore"
+                    edges.append(Edge(source, node.lineno, name, part))
     return tuple(edges)
 
 

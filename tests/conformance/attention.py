@@ -1,12 +1,14 @@
 """The suite every decode-attention backend passes (subclass, set ``backend_name`` and the bounds).
 
-A backend of ``kvstore.gpu.registry`` is held to what its spec declares: for every tier it names,
-the decode function (and the selected-rows variant when ``spec.selected``) against the float64
-reference of ``kvstore.gpu.reference`` on fresh random data (ragged batches with an empty and a
-one-row sequence, rows at random offsets), NaN-poisoned outputs so a skipped element fails, inert
-rows (fp8 NaN codes under a huge scale, radius 0, delta 0, zeros) contributing exactly nothing, the
-``out=`` contract, the shape checks kept under ``validate=False``, and refusals given as a list of
-reasons. A backend whose environment is missing (no CUDA, no Metal) is skipped with its reasons.
+A backend of ``kvstore.gpu.registry`` is held to what its spec declares: its one entry point
+(``decode``, with the interface's signature) for every tier it names, dense and (when
+``spec.selected``) over selected rows, against the float64 reference of ``kvstore.gpu.reference``
+on fresh random data (ragged batches with an empty and a one-row sequence, rows at random
+offsets), NaN-poisoned outputs so a skipped element fails, inert rows (fp8 NaN codes under a huge
+scale, radius 0, delta 0, zeros) contributing exactly nothing, the ``out=`` contract, a trusted
+batch giving the checked one's bits, the checks of a checked batch (shapes when it is made and
+called, ranges when asked), and refusals given as a list of reasons. A backend whose environment is
+missing (no CUDA, no Metal) is skipped with its reasons.
 
 Subclasses pick the problem sizes: ``cases`` (lengths kind, longest, heads; per tier through
 ``cases_for``), ``kv_lora``/``qk_rope``,
@@ -15,6 +17,7 @@ Subclasses pick the problem sizes: ``cases`` (lengths kind, longest, heads; per 
 
 from __future__ import annotations
 
+import inspect
 import secrets
 
 import pytest
@@ -88,15 +91,22 @@ class AttentionConformance:
         return [longest] if kind == "single" else testing.ragged_lengths(longest, 8, seed)
 
     # ---- what the spec declares is there -----------------------------------------------------------
-    def test_every_declared_tier_has_its_functions(self, backend, tier):
+    def test_every_declared_tier_is_selected_to_the_one_entry_point(self, backend, tier):
         assert backend.name == self.backend_name
-        assert callable(backend.function(tier))
-        if backend.spec.selected:
-            assert callable(backend.function(tier, selected=True))
         assert (
             registry.reasons(self.backend_name, self.device, tier=tier, kv_lora=self.kv_lora, qk_rope=self.qk_rope)
             == []
         )
+        choice = registry.select(
+            tier, self.device, kv_lora=self.kv_lora, qk_rope=self.qk_rope, prefer=self.backend_name
+        )
+        assert choice.backend == self.backend_name and choice.function == backend.decode
+
+    def test_the_entry_point_has_the_interface_signature(self, backend):
+        def shape(function):
+            return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+        assert shape(type(backend).decode) == shape(registry.AttentionBackend.decode)
 
     def test_refusals_are_a_list_of_reasons(self):
         spec = registry.spec_of(self.backend_name)
@@ -182,12 +192,20 @@ class AttentionConformance:
                 problem, torch.empty(2, 16, self.kv_lora, dtype=torch.float64, device=self.device), backend=backend
             )
 
-    def test_validate_false_skips_range_checks_but_not_shape_checks(self, backend, tier):
+    def test_a_checked_batch_checks_each_call_and_its_ranges_on_request(self, backend, tier):
         problem = self.make(tier, [10], 16, RUN_SEED + 11)
         problem.q_lat = problem.q_lat.double()
         with pytest.raises(AttentionInputError, match="q_lat must be float32"):
-            testing.decode(problem, backend=backend, validate=False)
+            testing.decode(problem, backend=backend)
         problem = self.make(tier, [10], 16, RUN_SEED + 11)
         problem.seq_len[0] = problem.lc_codes.shape[0] + 1
+        batch = problem.batch(ranges=False)  # made: its shapes are right
         with pytest.raises(AttentionInputError, match="runs past"):
-            testing.decode(problem, backend=backend)
+            batch.check_ranges()
+
+    def test_a_trusted_batch_gives_the_checked_batchs_bits(self, backend, tier):
+        problem = self.make(tier, testing.ragged_lengths(40, 4, RUN_SEED + 13), 16, RUN_SEED + 13)
+        checked = testing.decode(problem, testing.poisoned_out(problem), backend=backend)
+        assert torch.equal(
+            testing.decode(problem, testing.poisoned_out(problem), backend=backend, trusted=True), checked
+        )

@@ -83,9 +83,12 @@ def test_cache_attend_goes_through_the_selected_function():
     starts, lens = torch.zeros(1, dtype=torch.int32), torch.full((1,), N, dtype=torch.int32)
     got = cache.attend(0, q_lat[:1], q_rope[:1], starts, lens, SCALE, n_rows=N)
     assert len(calls) == 1
-    lc_codes, lc_scales, rc_codes, rc_scales = calls[0][2:6]
+    batch = calls[0][2]
+    assert batch.tier is tiers.FP8 and not batch.checked  # the cache's own operands: trusted, checked never
+    lc_codes, lc_scales, rc_codes, rc_scales = batch.lc_codes, batch.lc_scales, batch.rc_codes, batch.rc_scales
     assert lc_codes.dtype == torch.uint8 and lc_codes.shape == (N, K) and lc_scales.shape == (N,)
     assert rc_codes.shape == (N, R) and rc_scales.dtype == torch.float32
+    assert (batch.kv_lora, batch.qk_rope, batch.n_rows, batch.batch_size) == (K, R, N, 1)
     rows = codecs.fp8_dequantize_rows(lc_codes, lc_scales), codecs.fp8_dequantize_rows(rc_codes, rc_scales)
     torch.testing.assert_close(got, _reference(q_lat[:1], q_rope[:1], *rows, starts, lens, SCALE), rtol=1e-5, atol=1e-5)
 
@@ -93,8 +96,9 @@ def test_cache_attend_goes_through_the_selected_function():
 def test_selection_honours_prefer_and_explains_a_refusal():
     cache = make_cache("int4", CacheGeometry(1, K, R), prefer_backend="torch")
     assert cache.decode_choice.backend == "torch" and list(cache.decode_choice.rejected) == []
-    assert cache.decode_choice.function.keywords == {"validate": False}  # the cache's operands are trusted
+    # the backend's one entry point, whatever the tier (the tier and its bits travel in the batch)
+    assert cache.decode_choice.function == registry.instance("torch", "cpu").decode
     polar = make_cache("polar3", CacheGeometry(1, K, R))
-    assert polar.decode_choice.function.keywords == {"bits": 3, "validate": False}
+    assert polar.decode_choice.function == cache.decode_choice.function and polar.decode_choice.tier.bits == 3
     with pytest.raises(TierUnsupported, match="no decode backend for tier fp8 on meta: cuda: runs on"):
         make_cache("fp8", CacheGeometry(1, K, R), "meta")

@@ -198,3 +198,46 @@ def test_encode_rejects_wrong_shapes_and_tokens():
         coli_kv.encode_records(g, tiers.FP8, np.arange(3), L[:, :, :7], R)
     with pytest.raises(Exception, match="token ids"):
         coli_kv.encode_records(g, tiers.FP8, np.array([1, 2, 50]), L, R)
+
+
+SANITIZED = {
+    "f32": ["zeroed 2 non-finite f32 values in Lc rows"],
+    "fp8": [
+        "made 1 Lc rows with a bad scale inert",
+        "made 1 Rc rows with a bad scale inert",
+        "zeroed 3 NaN codes in Rc rows",
+    ],
+    "tq": ["made 1 Lc rows with a bad radius inert", "made 1 Rc rows with a bad radius inert"],
+}
+
+
+@pytest.mark.parametrize("tier", [t for t in tiers.TIERS.values() if t.in_file], ids=lambda t: t.name)
+def test_sanitized_records_load_clean_and_say_what_changed(tier):
+    g = Geometry(2, 64, 32, 8, 1, 50)
+    rng = np.random.default_rng(7)
+    L, R, I = (rng.standard_normal(shape).astype(np.float32) for shape in ((2, 4, 64), (2, 4, 32), (1, 4, 8)))
+    image = coli_kv.encode_file(g, np.arange(4), L, R, I, version=tier.version, codec=tier.codec, bits=tier.bits)
+    damaged = coli_kv.parse(image).records.copy()
+    layers = damaged["layers"]
+    if tier.row_codec.scaled:
+        layers["Ls"][1, 0] = np.nan
+        layers["Rs"][2, 1] = -1.0
+    if tier is tiers.F32:
+        layers["Lc"][3, 1, :2] = np.inf
+    if tier is tiers.FP8:
+        layers["Rc"][0, 0, :3] = 0x7F
+    damaged["index"][2, 0, 5] = np.nan
+    records = coli_kv.parse(image[:40] + damaged.tobytes())
+    assert records.problems.damaged
+
+    fixed, actions = records.sanitized()
+    assert actions == [
+        *SANITIZED[tier.name if tier.version < 3 else "tq"],
+        "zeroed 1 non-finite f32 values in indexer rows",
+    ]
+    clean = coli_kv.parse(image[:40] + fixed.tobytes())
+    assert not clean.problems.damaged
+    assert not any(hit.any() for hit in clean.damaged_records().values())
+    # What a load reads from the damaged rows is what the repaired rows hold (non-finite f32 values read 0).
+    for got, want in zip(clean.dequantize(), records.dequantize()):
+        assert want is not None and np.array_equal(got, np.where(np.isfinite(want), want, 0))

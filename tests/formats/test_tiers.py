@@ -7,23 +7,10 @@ import warnings
 import numpy as np
 import pytest
 
-from conformance.codecs import FileTierConformance, TierConformance
+from conformance.codecs import TOLERANCE, FileTierConformance, TierConformance
 from kvstore import tiers
 from kvstore.formats import q8, tq
 from kvstore.formats.errors import BadHeader, FormatError
-
-TOLERANCE = {
-    "f32": 0.0,
-    "bf16": 0.005,
-    "fp8": 0.06,
-    "int4": 0.16,
-    "q8": 0.01,
-    "polar2": 0.7,
-    "polar3": 0.35,
-    "polar4": 0.18,
-    "polar5": 0.09,
-    "polar6": 0.05,
-}
 
 
 def _suite(tier: tiers.Tier) -> type:

@@ -54,8 +54,7 @@ def _check(case, backend, seed, **kwargs):
     out = testing.poisoned_out(case)
     result = testing.decode(case, out, backend=backend, **kwargs)
     assert result is out
-    ref = testing.reference(case)
-    err = testing.relative_error(out, ref)
+    err = testing.relative_error(out, testing.reference(case))
     assert err < KERNEL_BOUND, f"rel err {err:.3e} >= {KERNEL_BOUND} (seed {seed})"
     empty = case.n_selected == 0 if case.selected else case.seq_len == 0
     assert bool((out[empty.to(out.device)] == 0).all()), "a sequence with no rows must get a zero context"
@@ -68,7 +67,7 @@ def test_host_lengths_and_unchecked_calls(cuda_backend, tier):
     seed = RUN_SEED + 11
     case = testing.make_case(tier, testing.ragged_lengths(50000, 8, seed), 64, device="cuda", seed=seed)
     ref = testing.reference(case)
-    on_device = testing.decode(case, testing.poisoned_out(case), backend=cuda_backend, validate=False)
+    on_device = testing.decode(case, testing.poisoned_out(case), backend=cuda_backend, trusted=True)
     assert testing.relative_error(on_device, ref) < KERNEL_BOUND, f"seed {seed}"
     case.seq_start, case.seq_len = case.seq_start.cpu(), case.seq_len.cpu()
     on_host = testing.decode(case, testing.poisoned_out(case), backend=cuda_backend)
@@ -98,7 +97,7 @@ def test_kernels_run_on_the_callers_stream(cuda_backend):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out = testing.decode(case, backend=cuda_backend, validate=False)
+        out = testing.decode(case, backend=cuda_backend, trusted=True)
     torch.cuda.current_stream().wait_stream(side)
     err = testing.relative_error(out, testing.reference(case))
     assert err < KERNEL_BOUND, f"rel err {err:.3e} (seed {seed})"
@@ -202,59 +201,60 @@ def _same_shapes_new_values(case):
 
 @pytest.mark.parametrize("tier", TIERS)
 def test_plain_calls_replay_a_cached_plan_with_new_operands(tier):
-    """A repeated plain call (validate=False) replays its launch plan: it must attend the operands
+    """A repeated plain call (a trusted batch) replays its launch plan: it must attend the operands
     it is given now (new rows, new bounds, a new out), on any stream, and inside a CUDA graph."""
     seed = RUN_SEED + 41
     backend = CudaBackend(torch.device("cuda"))
     first = testing.make_case(tier, [30000, 1000], 16, device="cuda", seed=seed)
     second = _same_shapes_new_values(first)
     for case in (first, second, first):
-        out = testing.decode(case, testing.poisoned_out(case), backend=backend, validate=False)
+        out = testing.decode(case, testing.poisoned_out(case), backend=backend, trusted=True)
         assert testing.relative_error(out, testing.reference(case)) < KERNEL_BOUND
     assert backend.fast_calls == 2, "the second and third calls must replay the first one's plan"
-    fresh = testing.decode(second, None, backend=backend, validate=False)  # out=None: its own signature
-    again = testing.decode(second, None, backend=backend, validate=False)
+    fresh = testing.decode(second, None, backend=backend, trusted=True)  # out=None: its own signature
+    again = testing.decode(second, None, backend=backend, trusted=True)
     assert backend.fast_calls == 3 and fresh.data_ptr() != again.data_ptr()
     assert torch.equal(fresh, again)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out = testing.decode(first, testing.poisoned_out(first), backend=backend, validate=False)
+        out = testing.decode(first, testing.poisoned_out(first), backend=backend, trusted=True)
     torch.cuda.current_stream().wait_stream(side)
     assert testing.relative_error(out, testing.reference(first)) < KERNEL_BOUND
     out = testing.poisoned_out(first)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        testing.decode(first, out, backend=backend, validate=False)
-    for mine, theirs in zip(first.args()[:-1], second.args()[:-1]):
-        mine.copy_(theirs)
+        testing.decode(first, out, backend=backend, trusted=True)
+    for name in ("q_lat", "q_rope", "lc_codes", "lc_scales", "rc_codes", "rc_scales", "seq_start", "seq_len"):
+        getattr(first, name).copy_(getattr(second, name))
     graph.replay()
     torch.cuda.synchronize()
     assert testing.relative_error(out, testing.reference(second)) < KERNEL_BOUND
     # back on the first stream after the others: its own workspace again, and the right answer
-    again = testing.decode(first, testing.poisoned_out(first), backend=backend, validate=False)
+    again = testing.decode(first, testing.poisoned_out(first), backend=backend, trusted=True)
     assert testing.relative_error(again, testing.reference(first)) < KERNEL_BOUND
 
 
-def test_a_replayed_plan_still_refuses_bad_shapes():
-    """The plan is keyed by every operand's shape, dtype and device: a call that differs runs the
-    checks (and is refused when wrong) instead of replaying."""
+def test_a_replayed_plan_serves_only_the_calls_it_fits():
+    """The plan is keyed by every operand's shape, dtype and device: a checked batch of the wrong
+    shape is refused when it is made, and a call of the plan's signature whose rows the kernels
+    cannot read as 16-byte vectors runs without it. A checked call of the same signature replays it
+    after its checks."""
     seed = RUN_SEED + 43
     backend = CudaBackend(torch.device("cuda"))
     case = testing.make_case("fp8", [5000], 16, device="cuda", seed=seed)
     for _ in range(2):
-        testing.decode(case, testing.poisoned_out(case), backend=backend, validate=False)
-    args = list(case.args())
-    args[2] = args[2][:, :100]  # latent codes of the wrong width
-    with pytest.raises(AttentionInputError):
-        backend.mla_decode_fp8(*args, validate=False)
-    misaligned = _same_shapes_new_values(case)
+        testing.decode(case, testing.poisoned_out(case), backend=backend, trusted=True)
+    with pytest.raises(AttentionInputError, match="lc_codes must be u8"):
+        testing.decode(dataclasses.replace(case, lc_codes=case.lc_codes[:, :100]), backend=backend)  # the wrong width
     before = backend.fast_calls
-    args = list(misaligned.args())
-    shifted = torch.empty(args[2].numel() + 1, dtype=torch.uint8, device="cuda")[1:].view(args[2].shape)
-    shifted.copy_(args[2])
-    args[2] = shifted  # same signature, an address the kernels cannot read as 16-byte vectors
-    out = backend.mla_decode_fp8(*args, validate=False)
+    testing.decode(case, testing.poisoned_out(case), backend=backend)
+    assert backend.fast_calls == before + 1
+    misaligned = _same_shapes_new_values(case)
+    shifted = torch.empty(misaligned.lc_codes.numel() + 1, dtype=torch.uint8, device="cuda")[1:]
+    misaligned.lc_codes = shifted.view(case.lc_codes.shape).copy_(misaligned.lc_codes)
+    before = backend.fast_calls
+    out = testing.decode(misaligned, backend=backend, trusted=True)  # same signature, an address off 16 bytes
     assert backend.fast_calls == before
     assert testing.relative_error(out, testing.reference(misaligned)) < KERNEL_BOUND
 

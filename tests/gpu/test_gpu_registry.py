@@ -1,4 +1,5 @@
-"""Backend registry, selection and input checks: the interface the engine relies on, checked on the CPU."""
+"""Backend registry, selection, the operands' batch and its checks: the interface the engine relies
+on, checked on the CPU."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from kvstore import gpu, tiers
 from kvstore.gpu import registry, testing
 from kvstore.gpu.errors import AttentionInputError, BackendUnavailable
+from kvstore.gpu.inputs import LatentBatch, row_layout
 from kvstore.gpu.registry import BackendSpec
 from kvstore.gpu.torch_backend import TorchBackend
 
@@ -123,38 +125,38 @@ def _case(**kwargs):
         (lambda c: setattr(c, "seq_start", c.seq_start[:1]), r"seq_start must be i32\[2\]"),
         (lambda c: setattr(c, "softmax_scale", float("nan")), "softmax_scale must be a finite float"),
         (lambda c: setattr(c, "lc_scales", c.lc_scales.numpy()), "lc_scales must be a torch tensor"),
+        (lambda c: c.__dict__.update(q_lat=c.q_lat[:1], q_rope=c.q_rope[:1]), r"q_lat must be f32\[2, H, 128\] for"),
+        (lambda c: setattr(c, "rc_codes", c.rc_codes[:, :16].contiguous()), r"rc_codes must be u8\[N, 32\] for fp8"),
+        (lambda c: setattr(c, "indices", torch.zeros(2, 4, dtype=torch.int32)), "n_selected must be a torch tensor"),
     ],
 )
 def test_bad_inputs_raise_typed_errors(mutate, message):
+    """Whether the batch refuses them when it is made or the call does, with the same reasons."""
     case = _case()
     mutate(case)
     backend = TorchBackend(torch.device("cpu"))
     with pytest.raises(AttentionInputError, match=message) as info:
-        backend.mla_decode_fp8(*case.args())
+        testing.decode(case, backend=backend)
     assert info.value.reason and isinstance(info.value, ValueError)
 
 
 def test_unknown_tiers_and_wrong_row_layouts_are_refused():
-    from kvstore.gpu.torch_backend import decode_torch
-
     case = _case()
+    bounds = case.seq_start, case.seq_len
     with pytest.raises(AttentionInputError, match="unknown tier 'fp4'"):
-        decode_torch("fp4", *case.args())
+        LatentBatch("fp4", *case.rows(), *bounds, kv_lora=128, qk_rope=32)
     with pytest.raises(AttentionInputError, match="lc_codes must be int8, got uint8"):
-        decode_torch("q8", *case.args())
+        LatentBatch("q8", *case.rows(), *bounds, kv_lora=128, qk_rope=32)
     with pytest.raises(AttentionInputError, match="f32 rows have no scales"):
-        decode_torch(
-            "f32",
-            case.q_lat,
-            case.q_rope,
-            case.lc_codes.float(),
-            case.lc_scales,
-            case.rc_codes.float(),
-            case.rc_scales,
-            case.seq_start,
-            case.seq_len,
-            case.softmax_scale,
-        )
+        LatentBatch(
+            "f32", case.lc_codes.float(), case.lc_scales, case.rc_codes.float(), case.rc_scales, *bounds,
+            kv_lora=128, qk_rope=32,
+        )  # fmt: skip
+    with pytest.raises(AttentionInputError, match="rc_codes is on meta, lc_codes on cpu"):
+        LatentBatch("fp8", case.lc_codes, case.lc_scales, case.rc_codes.to("meta"), case.rc_scales, *bounds,
+                    kv_lora=128, qk_rope=32)  # fmt: skip
+    with pytest.raises(AttentionInputError, match="seq_len must hold one length per query"):
+        LatentBatch("fp8", *case.rows(), case.seq_start[:0], case.seq_len[:0], kv_lora=128, qk_rope=32)
 
 
 def test_int4_needs_power_of_two_widths():
@@ -185,10 +187,47 @@ def test_out_must_match():
         testing.decode(case, torch.empty(2, 16, 64))
 
 
-def test_public_functions_dispatch_on_the_query_device():
+def test_the_public_decode_dispatches_on_the_query_device():
     case = _case(selected=4)
-    out = gpu.mla_decode_fp8_selected(*case.args())
+    out = gpu.decode(case.q_lat, case.q_rope, case.batch(), case.softmax_scale)
     assert out.shape == (2, 16, 128) and torch.isfinite(out).all()
+    assert torch.equal(
+        out, registry.get_backend("cpu").decode(case.q_lat, case.q_rope, case.batch(), case.softmax_scale)
+    )
+
+
+def test_a_batch_carries_its_geometry_and_a_trusted_one_checks_nothing():
+    case = _case(selected=4)
+    batch = case.batch()
+    assert (batch.tier, batch.batch_size, batch.n_rows, batch.kv_lora, batch.qk_rope, batch.selected) == (
+        tiers.FP8,
+        2,
+        case.lc_codes.shape[0],
+        128,
+        32,
+        4,
+    )
+    assert batch.checked and batch.device == torch.device("cpu")
+    assert batch.operands == (*case.rows(), case.seq_start, case.seq_len, case.indices, case.n_selected)
+    assert repr(batch) == f"LatentBatch(fp8, B=2, N={batch.n_rows}, K=128, R=32, S=4, on cpu)"
+    # nothing is looked at: not the widths, not the dtypes, not the bounds
+    odd = LatentBatch.trusted(tiers.FP8, case.lc_codes, None, case.rc_codes, None, case.seq_start, case.seq_len,
+                              kv_lora=7, qk_rope=3)  # fmt: skip
+    assert not odd.checked and (odd.kv_lora, odd.lc_scales, odd.selected) == (7, None, None)
+    assert repr(odd).endswith(", trusted)")
+
+
+@pytest.mark.parametrize("tier", tiers.names())
+def test_row_layouts_follow_the_tier_sizes(tier):
+    """The operands of every tier take exactly the bytes ``kvstore.tiers`` gives a row."""
+    t = tiers.get(tier)
+    for width in (32, 64, 512):
+        layout = row_layout(t, width)
+        scale_bytes = 0
+        if layout.scales_dtype is not None:
+            scale_bytes = math.prod(layout.scales_shape) * layout.scales_dtype.itemsize
+        assert layout.code_width * layout.codes_dtype.itemsize + scale_bytes == t.row_bytes(width), width
+    assert row_layout(tiers.Q8, 32).scales_shape == (1,) and row_layout(tiers.FP8, 32).scales_shape == ()
 
 
 def test_cuda_launch_plan_head_groups_and_splits():
@@ -240,9 +279,9 @@ def test_selection_is_data_driven_with_reasons():
     assert choice.backend == "torch" and choice.tier is tiers.FP8
     assert "runs on ['cuda'], not cpu" in choice.rejected["cuda"]
     polar = registry.select(tiers.polar(3), "cpu")
-    assert polar.function.keywords == {"bits": 3, "validate": False}  # bits bound, trusted by default
-    assert registry.select("q8", "cpu", trusted=False).function.__name__ == "mla_decode_q8"
-    assert registry.select("int4", "cpu", selected=True).function.func.__name__ == "mla_decode_int4_selected"
+    # the backend's one entry point, whatever the tier or the variant: the batch carries them
+    assert polar.function == registry.instance("torch", "cpu").decode and polar.tier.bits == 3
+    assert registry.select("int4", "cpu", selected=True).function == polar.function
     with pytest.raises(tiers.UnknownTier, match="unknown tier 'fp4'"):
         registry.select("fp4", "cpu")
     with pytest.raises(BackendUnavailable, match="no decode backend for tier polar3 on meta") as info:

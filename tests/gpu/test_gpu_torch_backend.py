@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from conformance.attention import AttentionConformance
+from kvstore import tiers
 from kvstore.gpu import testing, torch_backend
+from kvstore.gpu.inputs import LatentBatch
 from kvstore.gpu.registry import get_backend
 
 TORCH_BOUND = 2e-5
@@ -67,6 +69,10 @@ def test_default_backend_on_cpu_is_torch():
     assert testing.relative_error(testing.decode(case), testing.reference(case)) < TORCH_BOUND
 
 
+def _f32_batch(lc, rc, seq_start, seq_len) -> LatentBatch:
+    return LatentBatch(tiers.F32, lc, None, rc, None, seq_start, seq_len, kv_lora=lc.shape[1], qk_rope=rc.shape[1])
+
+
 def test_streaming_over_many_chunks_matches_one_pass(monkeypatch):
     """Chunks of 7 rows (many of them, some with no visible row) give the one-pass result up to f32
     rounding, which the reordered sums change legitimately.
@@ -84,10 +90,11 @@ def test_streaming_over_many_chunks_matches_one_pass(monkeypatch):
     seq_start = torch.tensor([0, 20, 31, 7], dtype=torch.int32)
     seq_len = torch.tensor([20, 11, 19, 0], dtype=torch.int32)
     backend = torch_backend.TorchBackend(torch.device("cpu"))
-    whole = backend.mla_decode_dense(q_lat, q_rope, lc, rc, seq_start, seq_len, 0.17)
+    batch = _f32_batch(lc, rc, seq_start, seq_len)
+    whole = backend.decode(q_lat, q_rope, batch, 0.17)
     chunk = 7
     monkeypatch.setattr(torch_backend, "CHUNK_ROWS", chunk)
-    chunked = backend.mla_decode_dense(q_lat, q_rope, lc, rc, seq_start, seq_len, 0.17)
+    chunked = backend.decode(q_lat, q_rope, batch, 0.17)
     eps = torch.finfo(torch.float32).eps / 2  # unit roundoff
     m = k + r + n + -(-n // chunk)
     bound = 2 * (m * eps / (1 - m * eps)) * float(lc.abs().max())
@@ -106,8 +113,8 @@ def test_the_one_pass_f32_path_is_the_streamed_one(n):
     lc, rc = torch.randn(n, k, generator=gen), torch.randn(n, r, generator=gen)
     seq_start = torch.tensor([0, n // 3, n - 1], dtype=torch.int32)
     seq_len = torch.tensor([n, n // 2, 0], dtype=torch.int32)
-    streamed = torch_backend.TorchBackend(torch.device("cpu")).mla_decode_dense(
-        q_lat, q_rope, lc, rc, seq_start, seq_len, 0.11
+    streamed = torch_backend.TorchBackend(torch.device("cpu")).decode(
+        q_lat, q_rope, _f32_batch(lc, rc, seq_start, seq_len), 0.11
     )
     lo = seq_start.long()[:, None, None]
     hi = (seq_start + seq_len).long()[:, None, None]

@@ -69,11 +69,11 @@ def test_host_lengths_and_a_graph_replayed_with_new_lengths(tier):
     host.seq_start, host.seq_len = host.seq_start.cpu(), host.seq_len.cpu()
     assert testing.relative_error(testing.decode(host, backend=backend), ref) < BOUND, f"seed {seed}"
     out = torch.full_like(testing.poisoned_out(case), float("nan"))
-    fn = backend.function(tier, trusted=True)
-    testing.decode(case, out, backend=backend, validate=False)  # compile outside the capture
+    batch = case.batch(trusted=True)
+    backend.decode(case.q_lat, case.q_rope, batch, case.softmax_scale, out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(*case.args(), out=out)
+        backend.decode(case.q_lat, case.q_rope, batch, case.softmax_scale, out)
     graph.replay()
     torch.cuda.synchronize()
     assert testing.relative_error(out, ref) < BOUND, f"seed {seed}"
@@ -81,6 +81,20 @@ def test_host_lengths_and_a_graph_replayed_with_new_lengths(tier):
     graph.replay()
     torch.cuda.synchronize()
     assert testing.relative_error(out, testing.reference(case)) < BOUND, f"seed {seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier,selected", [("fp8", None), ("f32", 64), ("bf16", 64)])
+def test_batches_the_kernels_lack_take_the_torch_path(tier, selected):
+    """The one entry point runs any batch: a quantized tier or selected rows give the torch
+    backend's result, bit for bit."""
+    backend = registry.instance("triton", "cuda")
+    seed = RUN_SEED + 37
+    case = testing.make_case(
+        tier, testing.ragged_lengths(3000, 4, seed), 16, device="cuda", seed=seed, selected=selected
+    )
+    torch_path = testing.decode(case, backend=registry.instance("torch", "cuda"))
+    assert torch.equal(testing.decode(case, testing.poisoned_out(case), backend=backend), torch_path)
 
 
 _INTERPRETED = textwrap.dedent(

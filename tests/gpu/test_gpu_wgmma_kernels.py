@@ -76,11 +76,11 @@ def test_a_captured_graph_follows_the_lengths(wgmma_backend, tier):
     seed = RUN_SEED + 13
     case = testing.make_case(tier, [30000, 12000, 0, 9000], 128, device="cuda", seed=seed, nan_rate=0.0)
     out = testing.poisoned_out(case)
-    testing.decode(case, out, backend=wgmma_backend, validate=False)  # compile outside the capture
+    testing.decode(case, out, backend=wgmma_backend, trusted=True)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        testing.decode(case, out, backend=wgmma_backend, validate=False)
+        testing.decode(case, out, backend=wgmma_backend, trusted=True)
     for lengths in ([30000, 12000, 0, 9000], [17, 11999, 4000, 1]):
         case.seq_len.copy_(torch.tensor(lengths, dtype=torch.int32))
         out.fill_(float("nan"))
@@ -103,15 +103,15 @@ def test_the_default_backend_sends_captured_calls_to_them_and_short_plain_calls_
     v2 = CudaBackend(torch.device("cuda"), wgmma=False)
     case = testing.make_case("fp8", [5000, 300], 64, device="cuda", seed=RUN_SEED + 17, nan_rate=0.0)
     # the same kernels give the same bits: a plain call here is v2's
-    plain = testing.decode(case, testing.poisoned_out(case), backend=default, validate=False)
-    assert torch.equal(plain, testing.decode(case, testing.poisoned_out(case), backend=v2, validate=False))
+    plain = testing.decode(case, testing.poisoned_out(case), backend=default, trusted=True)
+    assert torch.equal(plain, testing.decode(case, testing.poisoned_out(case), backend=v2, trusted=True))
     # and a captured one (after that plain call left its launch plan) the warpgroup-MMA kernels'
-    theirs = testing.decode(case, testing.poisoned_out(case), backend=wgmma_backend, validate=False)
+    theirs = testing.decode(case, testing.poisoned_out(case), backend=wgmma_backend, trusted=True)
     torch.cuda.synchronize()  # (compiled outside the capture)
     captured = testing.poisoned_out(case)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        testing.decode(case, captured, backend=default, validate=False)
+        testing.decode(case, captured, backend=default, trusted=True)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, theirs)
