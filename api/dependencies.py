@@ -19,13 +19,15 @@ from kvstore.api.keys import KeyTable
 from kvstore.api.session_gates import SessionGates
 from kvstore.api.settings import Settings
 from kvstore.errors import InvalidRequest
-from kvstore.store import SessionStore, validate_session_id
+from kvstore.store import Store as StoreInterface
+from kvstore.store import validate_session_id
 
 _bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <API key>")
 _api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="the API key, as an alternative to Bearer")
 
 
-async def get_store(request: Request) -> SessionStore:
+async def get_store(request: Request) -> StoreInterface:
+    """The app's store: either backend, through the interface (``kvstore.store.Store``)."""
     return request.app.state.store
 
 
@@ -87,7 +89,7 @@ async def session_id_param(session_id: str) -> str:
 
 
 Owner = Annotated[str, Depends(require_owner)]
-Store = Annotated[SessionStore, Depends(get_store)]
+Store = Annotated[StoreInterface, Depends(get_store)]
 SessionId = Annotated[str, Depends(session_id_param)]
 Jobs = Annotated[JobRunner, Depends(get_jobs)]
 Gates = Annotated[SessionGates, Depends(get_gates)]

@@ -175,8 +175,8 @@ class JobRunner:
         with self._lock:
             self._admit(owner)
             self._jobs[job.id] = job
-            finished = [j for j in self._jobs.values() if j.finished is not None]
-            for old in sorted(finished, key=lambda j: j.finished)[: max(0, len(self._jobs) - MAX_KEPT_JOBS)]:
+            finished = [(j.finished, j) for j in self._jobs.values() if j.finished is not None]
+            for _, old in sorted(finished, key=lambda pair: pair[0])[: max(0, len(self._jobs) - MAX_KEPT_JOBS)]:
                 del self._jobs[old.id]
 
         published = [time.monotonic()]

@@ -26,17 +26,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import kvstore
+import kvstore.store
 from kvstore import config
 from kvstore.api.errors import BodyTooLarge, http_status, retry_after
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
-from kvstore.api.replica import IdempotencyKeys, IndexJobs, IndexKeyTable, open_store
+from kvstore.api.replica import IdempotencyKeys, IndexJobs, IndexKeyTable
 from kvstore.api.routers import console, files, generate, health, jobs, lookup, metrics, sessions
 from kvstore.api.routers.metrics import Metrics
 from kvstore.api.session_gates import SessionGates
 from kvstore.api.settings import Settings
 from kvstore.errors import InvalidRequest, KVStoreError
-from kvstore.store import SessionStore
+from kvstore.store import Store
 
 log = logging.getLogger("kvstore.api")
 
@@ -146,22 +147,43 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+def open_store(settings: Settings) -> Store:
+    """The store the settings name, from the one factory (:func:`kvstore.store.open`): the data
+    folder's, or, with ``index_url`` and ``blobs_url``, the shared store this service is a replica
+    of (``data_dir`` then holds its segment cache; psycopg and boto3 are imported only then)."""
+    limits = {
+        "budget_bytes": settings.budget_bytes,
+        "hard_limit_bytes": settings.hard_limit_bytes,
+        "lock_timeout": settings.lock_timeout,
+    }
+    if settings.index_url is not None and settings.blobs_url is not None:  # Settings checks both or neither
+        return kvstore.store.open(
+            settings.data_dir,
+            index_url=settings.index_url,
+            blobs_url=settings.blobs_url,
+            lease_ttl=settings.lease_ttl,
+            cache_bytes=settings.cache_bytes,
+            **limits,
+        )
+    return kvstore.store.open(settings.data_dir, map_size=settings.map_size, **limits)
+
+
 def create_app(
-    store_or_settings: SessionStore | Settings | str | os.PathLike | None = None, *, first_key: bool = True
+    store_or_settings: Store | Settings | str | os.PathLike | None = None, *, first_key: bool = True
 ) -> FastAPI:
     """Build the service.
 
     Parameters
     ----------
-    store_or_settings : an open :class:`SessionStore` (the caller keeps closing it), or
-        :class:`Settings` / a data folder path (the app opens the store at startup and closes it
-        at shutdown). ``keys.json`` is created in the data folder if missing; its fresh key is
-        printed once to stderr.
+    store_or_settings : an open :class:`~kvstore.store.Store` (the caller keeps closing it), or
+        :class:`Settings` / a data folder path (the app opens the store at startup, through
+        :func:`open_store`, and closes it at shutdown). ``keys.json`` is created in the data folder
+        if missing; its fresh key is printed once to stderr.
     first_key : False leaves a missing ``keys.json`` to the caller (``kvstore serve`` creates it,
         and prints its key, only once the server listens); the file is read when it appears.
     """
-    if isinstance(store_or_settings, SessionStore):
-        given_store: SessionStore | None = store_or_settings
+    if isinstance(store_or_settings, Store):
+        given_store: Store | None = store_or_settings
         settings = Settings(data_dir=store_or_settings.data_dir)
     else:
         given_store = None
@@ -186,34 +208,28 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if given_store is None and isinstance(keys, IndexKeyTable) and settings.index_url is not None:
-            store = open_store(settings)
-            try:
+        store = given_store or open_store(settings)
+        try:
+            if given_store is None and isinstance(keys, IndexKeyTable) and settings.index_url is not None:
                 keys.attach(settings.index_url)
-            except BaseException:
+            mirror = IndexJobs.of(store) if settings.shared else None  # GET /jobs/{id} through any replica
+        except BaseException:
+            if given_store is None:
                 store.close()
-                raise
-        else:
-            store = given_store or SessionStore(
-                settings.data_dir,
-                budget_bytes=settings.budget_bytes,
-                hard_limit_bytes=settings.hard_limit_bytes,
-                map_size=settings.map_size,
-                lock_timeout=settings.lock_timeout,
-            )
+            raise
         for line in store.reconcile_actions:
             log.warning("reconcile: %s", line)
         runner = JobRunner(
             settings.job_workers,
             max_pending=settings.max_jobs,
             max_pending_per_owner=settings.max_jobs_per_owner,
-            mirror=IndexJobs(store.index) if settings.shared else None,  # GET /jobs/{id} through any replica
+            mirror=mirror,
         )
         app.state.store, app.state.jobs = store, runner
         app.state.engine = None
         if settings.model_dir is not None:
             try:
-                app.state.engine = _load_engine(settings, store)
+                app.state.engine = _load_engine(settings, settings.model_dir, store)
             except BaseException:
                 runner.shutdown()
                 if given_store is None:
@@ -244,11 +260,12 @@ def create_app(
     app.state.generate_gate = asyncio.Lock()  # generate calls queue here for the one engine
     app.state.gates = SessionGates(settings.lock_timeout, settings.session_waiters)
     app.state.big_json = asyncio.Semaphore(1)  # JSON bodies over 64 KiB are parsed one at a time
-    app.add_exception_handler(KVStoreError, _kvstore_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(ClientDisconnect, _disconnected)
-    app.add_exception_handler(Exception, _unexpected)
+    # the decorator form: each handler takes the error class it is registered for
+    app.exception_handler(KVStoreError)(_kvstore_error)
+    app.exception_handler(RequestValidationError)(_validation_error)
+    app.exception_handler(StarletteHTTPException)(_http_error)
+    app.exception_handler(ClientDisconnect)(_disconnected)
+    app.exception_handler(Exception)(_unexpected)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.shared:
         app.add_middleware(IdempotencyKeys)
@@ -259,12 +276,13 @@ def create_app(
     return app
 
 
-def _load_engine(settings: Settings, store: SessionStore):
-    """The bundled engine on ``settings.model_dir`` (weights hash computed once per folder, cached)."""
+def _load_engine(settings: Settings, model_dir: Path, store: Store):
+    """The bundled engine on ``model_dir`` (``settings.model_dir``; weights hash computed once per
+    folder, cached)."""
     from kvstore.engine.session import SessionEngine
 
     engine = SessionEngine.from_folder(
-        settings.model_dir, store, tier=settings.tier, device=settings.device, dtype=settings.dtype
+        model_dir, store, tier=settings.tier, device=settings.device, dtype=settings.dtype
     )
     described = engine.describe()
     log.info(

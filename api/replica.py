@@ -2,10 +2,10 @@
 
 With ``Settings.index_url`` the app's store is a
 :class:`~kvstore.store.shared.sessions.SharedSessionStore` (sessions in PostgreSQL + S3, the same
-for every replica) instead of the embedded ``SessionStore``; the routes call the same methods on
-either. This module holds what differs for a replica:
+for every replica) instead of the embedded ``SessionStore``, both opened by
+``kvstore.api.main.open_store`` through the one factory (``kvstore.store.open``); the routes call
+the same interface (``kvstore.store.Store``) on either. This module holds what differs for a replica:
 
-- :func:`open_store`: the shared store from the settings (psycopg and boto3 are imported only here);
 - :class:`IndexKeyTable`: the API keys of the index (``kv_keys``), re-read at most every second, so
   every replica accepts the same keys and a revocation reaches all of them (an unknown key re-reads
   them sooner, so a new key works at once); while PostgreSQL is
@@ -26,31 +26,14 @@ from starlette.routing import compile_path
 
 from kvstore import keys as store_keys
 from kvstore.api.keys import KeyTable
-from kvstore.api.settings import Settings
-from kvstore.errors import InvalidRequest, Unavailable
+from kvstore.errors import ConfigError, InvalidRequest, Unavailable
 from kvstore.keys import Keyring
+from kvstore.store import Store
 
 log = logging.getLogger("kvstore.api")
 
 KEYS_REFRESH_S = 1.0  # a revoked key is refused by every replica within this
 MISS_REFRESH_S = 0.2  # an unknown key re-reads keys older than this (a new key works at once)
-
-
-def open_store(settings: Settings):
-    """The shared store the settings name (a :class:`SharedSessionStore`)."""
-    from kvstore.store.shared.sessions import SharedSessionStore
-
-    assert settings.index_url is not None and settings.blobs_url is not None  # Settings checks both or neither
-    return SharedSessionStore(
-        settings.index_url,
-        settings.blobs_url,
-        data_dir=settings.data_dir,
-        lease_ttl=settings.lease_ttl,
-        lock_timeout=settings.lock_timeout,
-        **({"cache_bytes": settings.cache_bytes} if settings.cache_bytes is not None else {}),
-        budget_bytes=settings.budget_bytes,
-        hard_limit_bytes=settings.hard_limit_bytes,
-    )
 
 
 class IndexJobs:
@@ -60,6 +43,15 @@ class IndexJobs:
 
     def __init__(self, index):
         self.index = index
+
+    @classmethod
+    def of(cls, store: Store) -> "IndexJobs":
+        """The jobs of the shared store ``store`` is (a replica's store); ``ConfigError`` for another."""
+        from kvstore.store.shared.sessions import SharedSessionStore
+
+        if not isinstance(store, SharedSessionStore):
+            raise ConfigError("jobs are published to a shared store's index, and this store is not a shared one")
+        return cls(store.index)
 
     def publish(self, job) -> None:
         try:

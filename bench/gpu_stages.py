@@ -141,7 +141,7 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-#: The stages of the table in docs/GPU.md.
+#: The stages of the table in docs/GPU-LOG.md ("Where the time goes", round 3).
 TABLE = ("full", "no-convert", "no-qk", "no-pv", "loads-only", "empty", "empty+merge-idle")
 
 
@@ -174,7 +174,7 @@ WGMMA_ABLATIONS: dict[str, list[tuple[str, str]]] = {
     "no-pv": [(_PV, "        ctx = acc\n")],
 }
 
-#: The stages of the round-11 table in docs/GPU.md.
+#: The stages of the round-11 table in docs/GPU-LOG.md.
 WGMMA_TABLE = ("full", "no-convert", "no-fetch", "no-qk", "no-pv", "no-fetch+no-qk", "no-fetch+no-qk+no-pv")
 
 
@@ -244,7 +244,7 @@ def main() -> int:
         "--only",
         default=None,
         help="comma-separated ablation names, '+' to combine, or @FILE sources (default: the "
-        "docs/GPU.md table); 'all' for every one",
+        "docs/GPU-LOG.md table); 'all' for every one",
     )
     parser.add_argument("--wgmma", action="store_true", help="the warpgroup-MMA kernels' ablations")
     parser.add_argument("--nan-rate", type=float, default=0.0, help="share of fp8 code bytes planted as NaN")

@@ -140,7 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 continue
             sys.stdout.write(pieces.delta(stream.tokens) if engine.tokenizer is not None else f"{token} ")
             sys.stdout.flush()
-        result = stream.result
+        result = stream.final()
         if not args.json and engine.tokenizer is not None:
             sys.stdout.write(pieces.rest(stream.tokens))
         appended = 0
@@ -190,13 +190,16 @@ def _new_turn(args: argparse.Namespace) -> list[int] | str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    import kvstore.store
     from kvstore.engine.session import SessionEngine, TextDeltas
-    from kvstore.store import SessionStore
 
     options.require_model_folder(args.model)
     prompt = _new_turn(args)
-    limits = {"hard_limit_bytes": parse_size(args.hard_limit), "budget_bytes": parse_size(args.budget)}
-    with SessionStore(options.data_folder(args.data), **limits) as store:
+    with kvstore.store.open(
+        options.data_folder(args.data),
+        hard_limit_bytes=parse_size(args.hard_limit),
+        budget_bytes=parse_size(args.budget),
+    ) as store:
         chat = SessionEngine.from_folder(args.model, store, tier=args.tier, device=args.device, dtype=args.dtype)
         turn = chat.begin(
             args.session,
@@ -218,7 +221,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     continue
                 sys.stdout.write(pieces.delta(turn.tokens) if turn.tokenizer is not None else f"{token} ")
                 sys.stdout.flush()
-        result = turn.result
+        result = turn.final()
         if not args.json and turn.tokenizer is not None:
             sys.stdout.write(pieces.rest(turn.tokens))
     if args.json:
@@ -233,11 +236,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         notes.append(f"dropped {result.dropped_records} unserved records")
     if result.upgraded:
         notes.append(f"upgraded {result.upgraded}")
+    stored = f"{session.n_records} records, {session.tier.describe()}" if session is not None else "nothing stored"
     print(
         f"[{result.session_id}: {len(result.tokens)} tokens ({result.finish_reason}); prefilled {result.prefilled_tokens}, "
-        f"reused {result.reused_tokens} ({result.source}); {session.n_records} records, {session.tier.describe()}"
-        + ("; " + "; ".join(notes) if notes else "")
-        + "]",
+        f"reused {result.reused_tokens} ({result.source}); {stored}" + ("; " + "; ".join(notes) if notes else "") + "]",
         file=sys.stderr,
     )
     return 0

@@ -24,10 +24,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
+from typing import Any, Protocol, cast
 
 from kvstore.cli import options
 from kvstore.cli.output import json_line
 from kvstore.errors import InvalidRequest
+
+
+class CausalLM(Protocol):
+    """What this command calls on a ``transformers`` causal language model."""
+
+    device: Any
+
+    def generate(self, inputs: Any, **kwargs: Any) -> Any: ...
 
 
 def _turns(args: argparse.Namespace, tokenizer) -> Iterator[tuple[list[int] | None, str | None]]:
@@ -45,7 +54,7 @@ def _turns(args: argparse.Namespace, tokenizer) -> Iterator[tuple[list[int] | No
         yield (None, line) if tokenizer is not None else (options.parse_ids(line, "stdin"), None)
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace) -> tuple[CausalLM, Any]:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -56,16 +65,19 @@ def _load(args: argparse.Namespace):
     hf_logging.disable_progress_bar()  # stdout/stderr carry the conversation and its report
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(args.device).eval()
-    return model, load_tokenizer(folder)
+    # transformers annotates generate's self with a protocol its own model classes do not satisfy
+    # for a type checker; the loaded model has generate (it is a GenerationMixin)
+    return cast(CausalLM, model), load_tokenizer(folder)
 
 
 def cmd_hf_chat(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
+    import kvstore.store
     from kvstore.engine import hf
     from kvstore.errors import SessionNotFound
-    from kvstore.store import SessionStore, validate_session_id
+    from kvstore.store import validate_session_id
 
     validate_session_id(args.session)
     if args.max_new_tokens < 1:
@@ -73,13 +85,14 @@ def cmd_hf_chat(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     vocab = hf.check_cache_layout(model).geometry.vocab  # refuse an unsupported model before touching the store
     owner = args.owner
-    with SessionStore(options.data_folder(args.data)) as store:
+    with kvstore.store.open(options.data_folder(args.data)) as store:
         try:
             restored = hf.restore(
                 store, args.session, model, owner=owner, verify=args.verify, tier=args.tier, override=args.override
             )
             history, cache = restored.tokens.astype(np.int64), restored.cache
-            owner = restored.info.owner  # found for any owner: its turns go to that owner's session only
+            if restored.info is not None:  # found for any owner: its turns go to that owner's session only
+                owner = restored.info.owner
             if restored.damaged_from is not None:
                 print(
                     f"note: records from {restored.damaged_from} on failed verification and were not used",

@@ -81,7 +81,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     _log_to_stderr(args.log_level)
     app = create_app(settings, first_key=False)
-    server_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    server_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10
+    )
     # a replica's keys are the shared index's (kvstore keys create --index): no keys.json to start
     listening = (lambda: None) if settings.shared else (lambda: _print_first_key(settings.data_dir))
     server = _listening_server(server_config, on_listening=listening)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,22 +25,30 @@ from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
 from kvstore.units import parse_size
 
+if TYPE_CHECKING:
+    from kvstore.store import Store
+
 GEOMETRY_WORDS = "n_layers,kv_lora,qk_rope,index_hd,nic,vocab"
 
 
 # ---------------------------------------------------------------------------- helpers
-def _store(args: argparse.Namespace, **limits):
+def _store(args: argparse.Namespace, *, hard_limit_bytes: int | None = None) -> Store:
     """The embedded store in ``--data``, or the shared one ``--index`` and ``--blobs`` name (also
-    ``KVSTORE_INDEX_URL``, ``KVSTORE_BLOBS_URL``): the same calls on either."""
+    ``KVSTORE_INDEX_URL``, ``KVSTORE_BLOBS_URL``; no local folder, no cache): the same calls on
+    either, from the one factory (``kvstore.store.open``)."""
+    import kvstore.store
+
     index_url = store_cmd.optional_index_url(args)
     if index_url is not None:
         store_cmd.shared_modules()
-        from kvstore.store.shared.sessions import SharedSessionStore
-
-        return SharedSessionStore(index_url, store_cmd.blobs_url(args), data_dir=None, cache_bytes=0, **limits)
-    from kvstore.store import SessionStore
-
-    return SessionStore(options.data_folder(args.data), **limits)
+        return kvstore.store.open(
+            None,
+            index_url=index_url,
+            blobs_url=store_cmd.blobs_url(args),
+            cache_bytes=0,
+            hard_limit_bytes=hard_limit_bytes,
+        )
+    return kvstore.store.open(options.data_folder(args.data), hard_limit_bytes=hard_limit_bytes)
 
 
 def _geometry(text: str) -> Geometry:
@@ -266,10 +274,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if report is None:
         emit(args, {"repaired": repaired}, "\n".join(lines))
         return 0
-    if report.ok:
+    bad = report.first_bad  # None exactly when the report is ok
+    if bad is None:
         lines.append(f"{args.id}: ok ({report.turns_checked} turns, {report.n_records} records)")
     else:
-        bad = report.first_bad
         lines.append(
             f"{args.id}: turn {bad['turn']} (records {bad['start']}..{bad['end']}) does not match its hash; "
             f"{report.good_records} records before it are good"

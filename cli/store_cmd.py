@@ -111,13 +111,15 @@ def _run(args: argparse.Namespace, direction: str) -> int:
     if direction == "push" and not (Path(data) / "index").is_dir():
         raise InvalidRequest(f"--data {args.data}: no session store there (no index/ folder); nothing to push")
     shared_modules()
-    from kvstore.store import SessionStore
+    import kvstore.store
     from kvstore.store.shared import BlobStore, SharedIndex, SharedStore
     from kvstore.store.shared.index import redacted_url
     from kvstore.store.shared.transfer import pull, push
 
     blob_store = BlobStore(blobs)  # checks the URL before anything connects
-    with SharedStore(SharedIndex(index), blob_store) as shared, SessionStore(data) as local:
+    # the embedded side through the one factory; the shared side is the protocol's own SharedStore
+    # (segments turn by turn, kvstore.store.shared.transfer), not the session interface
+    with SharedStore(SharedIndex(index), blob_store) as shared, kvstore.store.open(data) as local:
         with progress.bar(direction, enabled=not args.json) as update:
             copy = push if direction == "push" else pull
             report = copy(local, shared, owner=owner, progress=update)

@@ -31,7 +31,7 @@ import numpy as np
 from kvstore.connectors.prefix_cache import LoadFailed, PrefixCache
 from kvstore.connectors.store_client import StoreClient
 from kvstore.errors import KVStoreError
-from kvstore.store import Fingerprint, SessionStore
+from kvstore.store import Fingerprint, Store
 
 # The vocabulary of a page session's geometry: its token column holds 0 (the engine gives none).
 PAGE_VOCAB = 1
@@ -57,7 +57,7 @@ class PageCache(PrefixCache):
 
     def __init__(
         self,
-        store: StoreClient | SessionStore,
+        store: StoreClient | Store,
         owner: str | None,
         fingerprint: Fingerprint,
         *,

@@ -34,11 +34,12 @@ from typing import Any
 
 import numpy as np
 
+import kvstore.store
 from kvstore import config, tiers
 from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient
 from kvstore.errors import ConfigError, KVStoreError, SessionExists
 from kvstore.formats.coli_kv import Geometry
-from kvstore.store import Fingerprint, ModelInfo, SessionStore, validate_owner
+from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
 from kvstore.tiers import Tier
 
 # The bytes of each weight file that the sampled hash reads: its head, its tail and this many
@@ -211,18 +212,18 @@ class CacheStats:
 
 
 # ---------------------------------------------------------------------------- the cache
-_stores: dict[str, SessionStore] = {}
+_stores: dict[str, Store] = {}
 _stores_lock = threading.Lock()
 
 
-def open_store(folder: str) -> SessionStore:
-    """One :class:`SessionStore` per folder and process (LMDB must not be opened twice in a process;
-    a scheduler and a worker may share one)."""
+def open_store(folder: str) -> Store:
+    """One store per folder and process, from the one factory (``kvstore.store.open``; LMDB must
+    not be opened twice in a process: a scheduler and a worker may share one)."""
     key = os.path.realpath(folder)
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
-            store = _stores[key] = SessionStore(key)
+            store = _stores[key] = kvstore.store.open(key)
         return store
 
 
@@ -259,7 +260,7 @@ class PrefixCache:
 
     def __init__(
         self,
-        store: StoreClient | SessionStore,
+        store: StoreClient | Store,
         owner: str | None,
         fingerprint: Fingerprint,
         *,
@@ -267,7 +268,7 @@ class PrefixCache:
         min_tokens: int = 64,
         stats_path: str | os.PathLike | None = None,
     ):
-        if isinstance(store, SessionStore):
+        if isinstance(store, Store):
             if owner is None:
                 raise ValueError("a session store needs the owner the cache acts for")
             store = LocalClient(store, owner)

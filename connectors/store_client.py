@@ -2,7 +2,7 @@
 
 :class:`~kvstore.connectors.prefix_cache.PrefixCache` runs one code path over either:
 
-- :class:`LocalClient` (embedded mode): a :class:`SessionStore` opened in the engine's process,
+- :class:`LocalClient` (embedded mode): a store (:class:`~kvstore.store.Store`) opened in the engine's process,
   acting for one owner;
 - :class:`ServiceClient` (service mode): the kvstore HTTP API with an API key (the key decides the
   owner), so engine processes on several machines share one store. Lookups are ``POST /lookup``,
@@ -28,7 +28,7 @@ from kvstore import tiers
 from kvstore.errors import ConfigError, KVStoreError, SessionExists, SessionNotFound
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import KVRecords
-from kvstore.store import Fingerprint, ModelInfo, SessionStore, validate_owner
+from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
 
 
 class ServiceError(KVStoreError, RuntimeError):
@@ -87,7 +87,7 @@ class StoreClient(Protocol):
 class LocalClient:
     """A store folder opened in this process (embedded mode)."""
 
-    def __init__(self, store: SessionStore, owner: str):
+    def __init__(self, store: Store, owner: str):
         self.store = store
         self.owner = validate_owner(owner)
 

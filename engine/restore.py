@@ -16,7 +16,7 @@ records stay as they are stored until they reach the device:
    the target's buffers (``[n_layers, capacity, ...]``, seen transposed), as 4-byte words where the
    layout is aligned;
 4. v2/v3 rows are sanitized in place there, exactly as ``KVRecords.quantized`` does on the host
-   (FORMAT.md section 4), by the one sanitize of :mod:`kvstore.gpu.codecs`: a v2 scale that
+   (docs/FORMAT.md section 4), by the one sanitize of :mod:`kvstore.gpu.codecs`: a v2 scale that
    ``fp8.bad_scales`` calls corrupt makes the row inert (codes 0, scale 1) and NaN codes read 0; a
    v3 radius not in [0, 3.4e38) becomes 0 with codes 0. A body opened with ``strict=True`` is
    refused instead: that sanitize counts the corrupt rows on the device (no host pass over the

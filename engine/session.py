@@ -2,7 +2,8 @@
 """Conversations on stored sessions: the bundled engine joined to the session store.
 
 A :class:`SessionEngine` owns one :class:`~kvstore.engine.generate.Engine` (one model, one live
-latent cache) and a :class:`~kvstore.store.SessionStore`. A turn on a session
+latent cache) and a session store (:class:`~kvstore.store.Store`: the embedded one, or a replica's
+shared one). A turn on a session
 (:meth:`SessionEngine.begin` / :meth:`SessionEngine.run`) does, in order:
 
 1. **Fingerprint.** The session's fingerprint (geometry words, tier, model: name, revision,
@@ -12,7 +13,7 @@ latent cache) and a :class:`~kvstore.store.SessionStore`. A turn on a session
    accepted by a quantized engine without an override: its rows are lossless (see 3).
 2. **Restore**, only when the live cache does not already hold this session's state (same session,
    same records, same last turn hash, as this engine left it). The records up to the turn watermark
-   are read (``SessionStore.reader``; with ``verify`` the turn hashes are checked first and a bad
+   are read (``Store.reader``; with ``verify`` the turn hashes are checked first and a bad
    turn is a miss: only the turns before it are served) and swapped into the cache **all or
    nothing**: on any failure (missing or truncated journal, a header that no longer matches,
    decode, device upload or allocation, out of memory) the live cache and the session are left
@@ -20,12 +21,12 @@ latent cache) and a :class:`~kvstore.store.SessionStore`. A turn on a session
    ``KVStoreError`` already).
 3. **Generate.** The context is the served tokens plus the new turn; the engine reuses the cached
    prefix, so only the new tokens are prefilled. A v1 session in a quantized engine is quantized in
-   memory (FORMAT.md section 4, lazy upgrade).
+   memory (docs/FORMAT.md section 4, lazy upgrade).
 4. **Append.** The last generated token is run once (the cache then holds the whole conversation)
    and the turn's rows (prompt + answer) are appended as one complete turn. Before that, records
    the restore did not serve (a partial turn past the watermark, or a damaged tail found by
    ``verify``) are cut, and a v1 session written by a quantized engine is upgraded to the engine's
-   tier (``SessionStore.migrate``: an atomic rewrite). If the session changed while the turn ran
+   tier (``Store.migrate``: an atomic rewrite). If the session changed while the turn ran
    (another writer), nothing is appended (``ConversationMismatch``).
 5. **Report** ``reused_tokens`` / ``prefilled_tokens`` (and where the reused rows came from:
    ``live``, ``journal`` or ``new``) in the :class:`TurnResult` and in the log.
@@ -35,8 +36,8 @@ cache, each restoring its session when the cache holds another.
 
 Examples
 --------
->>> from kvstore.store import SessionStore                      # doctest: +SKIP
->>> store = SessionStore("./data")                                  # doctest: +SKIP
+>>> import kvstore.store                                          # doctest: +SKIP
+>>> store = kvstore.store.open("./data")                            # doctest: +SKIP
 >>> chat = SessionEngine.from_folder("models/tiny", store, tier="fp8")   # doctest: +SKIP
 >>> first = chat.run("chat-1", "Hello", create=True, owner="me")     # doctest: +SKIP
 >>> again = chat.run("chat-1", " and again", owner="me")             # doctest: +SKIP
@@ -61,7 +62,7 @@ from kvstore.engine.errors import CacheError, ConversationMismatch, GenerationEr
 from kvstore.engine.fingerprint import check_override, folder_model_info, refuse_mismatch
 from kvstore.engine.generate import DEFAULT_PREFILL_CHUNK, Engine, SamplingParams
 from kvstore.errors import FingerprintMismatch, KVStoreError, SessionDamaged, SessionNotFound
-from kvstore.store import Fingerprint, ModelInfo, SessionInfo, SessionStore, validate_session_id
+from kvstore.store import Fingerprint, ModelInfo, SessionInfo, Store, validate_session_id
 
 if TYPE_CHECKING:
     import torch
@@ -230,9 +231,7 @@ class SessionEngine:
     fingerprint : Fingerprint — what sessions this engine writes carry, and what restores compare
     """
 
-    def __init__(
-        self, engine: Engine, store: SessionStore, model: ModelInfo, *, folder: str | os.PathLike | None = None
-    ):
+    def __init__(self, engine: Engine, store: Store, model: ModelInfo, *, folder: str | os.PathLike | None = None):
         self.engine = engine
         self.store = store
         self.model = ModelInfo.from_dict(model)
@@ -247,7 +246,7 @@ class SessionEngine:
     def from_folder(
         cls,
         folder: str | os.PathLike,
-        store: SessionStore,
+        store: Store,
         *,
         tier: "Tier | str" = "f32",
         bits: int | None = None,
@@ -335,21 +334,25 @@ class SessionEngine:
         skip = check_override(override)
         with self._lock:
             info = self.store.get(session_id, owner=owner)
-            return self._bring(info, verify, self._check(info, skip), allow_requantize="tier" in skip)
+            return self._bring(info, verify, self._check(info, skip), allow_requantize="tier" in skip)[0]
 
-    def _bring(self, info: SessionInfo, verify: bool, skip: frozenset[str], *, allow_requantize: bool) -> ResumeReport:
-        """Make the live cache hold the session's served rows (lock held)."""
+    def _bring(
+        self, info: SessionInfo, verify: bool, skip: frozenset[str], *, allow_requantize: bool
+    ) -> tuple[ResumeReport, _Live]:
+        """Make the live cache hold the session's served rows (lock held); the report, and what the
+        cache now holds (also ``self._live``)."""
         began = time.perf_counter()
         key = self._state_key(info)
         live = self._live
         if live is not None and live.key == key and not verify and self.engine.cache.length == live.served:
-            return ResumeReport(
+            report = ResumeReport(
                 info.id, "live", live.served, 0, None, info.n_records - live.served, time.perf_counter() - began
             )
+            return report, live
         if info.watermark == 0 and not verify:
             self.engine.cache.clear()
-            self._live = _Live(key, 0)
-            return ResumeReport(info.id, "new", 0, 0, None, info.n_records, time.perf_counter() - began)
+            self._live = live = _Live(key, 0)
+            return ResumeReport(info.id, "new", 0, 0, None, info.n_records, time.perf_counter() - began), live
         served = 0
         try:
             # info.owner, not owner: ids are per owner, so with owner None another owner's session
@@ -371,7 +374,7 @@ class SessionEngine:
                 f"restoring {served} rows of session {info.id!r} into the {self.engine.cache.tier.name} cache on "
                 f"{self.engine.device} failed ({type(exc).__name__}: {exc}); the live cache and the session are unchanged"
             ) from exc
-        self._live = _Live(key, served)
+        self._live = live = _Live(key, served)
         if damaged_from is not None:
             log.warning(
                 "session %s: turn hashes fail from record %d; served the %d records before it",
@@ -379,9 +382,10 @@ class SessionEngine:
                 damaged_from,
                 served,
             )
-        return ResumeReport(
+        report = ResumeReport(
             info.id, "journal", served, served, damaged_from, info.n_records - served, time.perf_counter() - began
         )
+        return report, live
 
     # ------------------------------------------------------------------ turns
     def _new_tokens(self, prompt, *, first: bool) -> np.ndarray:
@@ -473,12 +477,10 @@ class SessionEngine:
                     f"{info.model.name!r}), not created by this turn: continue it with that model, or start this "
                     "conversation under a new id"
                 ) from None
-            report = self._bring(info, verify, full_skip, allow_requantize="tier" in skip)
+            report, live = self._bring(info, verify, full_skip, allow_requantize="tier" in skip)
             ids = self._new_tokens(prompt, first=report.reused_tokens == 0)
             # the turn is stored on the session it began on, even when found for any owner (owner None)
-            return Turn(
-                self, info, self._live.key, info.owner, report, ids, created, params, max_new_tokens, stop_tokens
-            )
+            return Turn(self, info, live.key, info.owner, report, ids, created, params, max_new_tokens, stop_tokens)
         except BaseException:
             try:
                 if created:  # nothing was appended yet: the session this call created goes again
@@ -499,7 +501,7 @@ class SessionEngine:
         with self.begin(session_id, prompt, **options) as turn:
             for _ in turn:
                 pass
-        return turn.result
+        return turn.final()
 
 
 class Turn:
@@ -600,7 +602,7 @@ class Turn:
                 session_id=self.session_id,
                 created=self.created,
                 tokens=list(self.tokens),
-                finish_reason=finish or generated.finish_reason,
+                finish_reason=finish if finish is not None else stream.final().finish_reason,
                 prompt_tokens=self.prompt_ids.tolist(),
                 prefilled_tokens=generated.prefilled_tokens if generated else context.shape[0] - served,
                 reused_tokens=generated.reused_tokens if generated else served,
@@ -663,6 +665,12 @@ class Turn:
         result.appended, result.session = appended.appended, appended.info
         result.timings["append"] = time.perf_counter() - began
         chat._live = _Live(chat._state_key(appended.info), appended.info.n_records)
+
+    def final(self) -> TurnResult:
+        """The :class:`TurnResult` of a turn iterated to its end (``result`` is None before)."""
+        if self.result is None:
+            raise GenerationError("the turn was not iterated to its end")
+        return self.result
 
     def close(self) -> None:
         """Release the engine (idempotent). A turn closed before it was iterated appends nothing."""

@@ -68,7 +68,7 @@ class RowCodec(ABC):
     in_file : rows are stored in a file exactly as this codec holds them (False for cache-only
         codecs, whose journals hold f32 rows)
     lossy : encoding can change a value
-    rotated : rows are stored in the rotated domain of FORMAT.md section 5 (attention can stay there)
+    rotated : rows are stored in the rotated domain of docs/FORMAT.md section 5 (attention can stay there)
     codes_dtype : the element type of the stored codes (little-endian)
     scales_dtype : the element type of the stored scale part, or None when a row has none
     scale_kind : what a stored per-row scale is called in messages (``scale``, ``radius``), or None
@@ -118,7 +118,7 @@ class RowCodec(ABC):
 
     @property
     def header_tag(self) -> int:
-        """Header word h7 of a file of this codec's rows (FORMAT.md section 1)."""
+        """Header word h7 of a file of this codec's rows (docs/FORMAT.md section 1)."""
         raise FormatError(f"{self.name} rows have no .coli_kv version of their own (they journal as f32)")
 
     @classmethod

@@ -1,4 +1,4 @@
-"""The ``.coli_kv`` layouts (FORMAT.md sections 1, 2, 4): header, records, load, write.
+"""The ``.coli_kv`` layouts (docs/FORMAT.md sections 1, 2, 4): header, records, load, write.
 
 One module to import for the whole format; its parts live by concern: the header and record layout
 in :mod:`~kvstore.formats.layout` (``Geometry``, ``Header``, ``parse_header``, ``record_dtype``), the
@@ -140,7 +140,7 @@ def load(
     """Load a ``.coli_kv`` file with one read and array operations.
 
     See :func:`parse` for ``expect``/``tier`` and what ``n`` means. By default a row whose stored
-    scale/radius no encoder writes is made inert and counted (sanitize-on-load, FORMAT.md section
+    scale/radius no encoder writes is made inert and counted (sanitize-on-load, docs/FORMAT.md section
     4); ``strict`` refuses the file instead (:class:`BadScale`, naming the file and the record).
     """
     with open(path, "rb", buffering=0) as f:

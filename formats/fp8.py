@@ -1,4 +1,4 @@
-"""fp8 e4m3 ("fn": no infinities, max +-448) exactly as FORMAT.md section 3 says.
+"""fp8 e4m3 ("fn": no infinities, max +-448) exactly as docs/FORMAT.md section 3 says.
 
 Scalar ``encode``/``decode`` over arrays of any shape, and per-row (or grouped) quantization:
 a row's scale is ``amax / 448`` so its largest element lands on the largest code.
@@ -225,7 +225,7 @@ MAX_SCALE = AMAX_CEIL / MAX
 def bad_scales(scales: np.ndarray) -> np.ndarray:
     """Mask of scales a loader must treat as corrupt.
 
-    FORMAT.md: not (0 < s < 3.4e38), NaN included. Stricter here: a scale above 3.4e38/448, which
+    docs/FORMAT.md: not (0 < s < 3.4e38), NaN included. Stricter here: a scale above 3.4e38/448, which
     no encoder writes, is corrupt too, so a damaged file never decodes to infinities.
     """
     s = np.asarray(scales, dtype=np.float32)

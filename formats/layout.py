@@ -1,4 +1,4 @@
-"""The ``.coli_kv`` header and record layout (FORMAT.md sections 1 and 2), validated in a fixed order.
+"""The ``.coli_kv`` header and record layout (docs/FORMAT.md sections 1 and 2), validated in a fixed order.
 
 A file is a 40-byte header followed by fixed-size records. :func:`parse_header` validates the header
 before anything is sized from it — length, magic, the tag (which names the tier), the geometry
@@ -53,7 +53,7 @@ __all__ = [
 HEADER_BYTES = 40
 MAGICS = {b"COLIKV1\0": 1, b"COLIKV2\0": 2, b"COLIKV3\0": 3}
 MAGIC_OF = {version: magic for magic, version in MAGICS.items()}
-NREC_OFFSET = 32  # h6: the commit point (FORMAT.md section 4)
+NREC_OFFSET = 32  # h6: the commit point (docs/FORMAT.md section 4)
 # Widths bigger than this are not a model; refusing them early keeps a hostile header from
 # sizing anything (STYLE rule 2). nrec is bounded by the file size instead.
 MAX_WIDTH = 1 << 20

@@ -1,6 +1,6 @@
 """Non-finite values (NaN, ±inf) in rows to store: what each tier does with them, counted.
 
-FORMAT.md's encoders never store a non-finite value: the fp8 and TurboQuant codecs have their own
+docs/FORMAT.md's encoders never store a non-finite value: the fp8 and TurboQuant codecs have their own
 rule (sections 3 and 5), and the store writes a non-finite f32 value (v1 rows, indexer rows) as 0.
 This module counts them and names the first, so an upload can say what was changed
 (``AppendResult.sanitized``) or be refused (``--reject-nonfinite``). The spec encoder itself,
@@ -24,7 +24,7 @@ class Sanitized:
     """Non-finite values (NaN, +inf, -inf) in rows to store, and what storing them does.
 
     No tier stores them as given: f32 rows (v1) and the indexer's f32 rows (every version) store
-    each as 0, the other values of its row kept; fp8 (FORMAT.md section 3) stores a NaN as code 0
+    each as 0, the other values of its row kept; fp8 (docs/FORMAT.md section 3) stores a NaN as code 0
     but a row holding an infinity as all zeros (inert, scale 1); int4/polar (section 5) store a row
     holding either as all zeros (radius 0).
 

@@ -1,4 +1,4 @@
-"""int8 Q8_0 blocks, the engine's int8 cache tier (FORMAT.md section 7): ggml's Q8_0 to the bit.
+"""int8 Q8_0 blocks, the engine's int8 cache tier (docs/FORMAT.md section 7): ggml's Q8_0 to the bit.
 
 Values are cut into blocks of 32. A block's delta is ``d = amax / 127`` (f32), its codes are
 ``roundf(x * (1/d))`` (round half away from zero; all 0 when ``d == 0``) and the delta is kept

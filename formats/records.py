@@ -1,4 +1,4 @@
-"""The records of a loaded ``.coli_kv`` file: sanitize-on-load, damage, decoding (FORMAT.md section 4).
+"""The records of a loaded ``.coli_kv`` file: sanitize-on-load, damage, decoding (docs/FORMAT.md section 4).
 
 A file's body is one numpy structured array (:func:`kvstore.formats.layout.record_dtype`), viewed,
 never looped over per record. :class:`KVRecords` holds the records safe to resume and reads them
@@ -27,7 +27,7 @@ _CODE_DAMAGE_TEXT = {"nan_codes": "NaN codes", "nan_values": "non-finite f32 val
 
 @dataclass
 class Problems:
-    """What a loader found and neutralized (sanitize-on-load, FORMAT.md section 4).
+    """What a loader found and neutralized (sanitize-on-load, docs/FORMAT.md section 4).
 
     Everything but ``uncommitted`` is *damage* (:attr:`damaged`): the committed records are not all
     there or not all valid (``overclaim``, bad scales/radii, NaN codes, non-finite values), or the

@@ -202,7 +202,7 @@ class Tier:
     def corrupt_scales(self, scales: np.ndarray) -> np.ndarray:
         """Mask of stored per-row scales (fp8) or radii (int4, polarB) that no encoder writes.
 
-        The one bound every reader applies (FORMAT.md section 4): fp8 ``fp8.bad_scales`` (not in
+        The one bound every reader applies (docs/FORMAT.md section 4): fp8 ``fp8.bad_scales`` (not in
         ``(0, 3.4e38/448]``, NaN included, so ``lut[0x7E] * scale`` stays finite), TQ
         ``tq.sanitize_radii`` (not in ``[0, 3.4e38)``). The file loader makes those rows inert,
         ``gpu.codecs.sanitize_fp8_``/``sanitize_tq_`` do the same on a device, and strict readers

@@ -1,4 +1,4 @@
-"""TurboQuant row codecs of ``.coli_kv`` v3, exactly as FORMAT.md sections 5 and 6 say.
+"""TurboQuant row codecs of ``.coli_kv`` v3, exactly as docs/FORMAT.md sections 5 and 6 say.
 
 Every row is turned by the same randomized Hadamard rotation (a fixed +-1 sign vector, then
 the fast Walsh-Hadamard transform in the spec's butterfly order, then ``* (1/sqrtf(n))``) and
@@ -24,7 +24,7 @@ and this module re-exports their public names.
 
 The public API is symmetric: :func:`encode` returns an :class:`Encoded` (packed codes, radii, and
 the width, codec and bits they were made with) and :func:`decode` takes it back with nothing else.
-Non-finite input is never stored (FORMAT.md section 5: a row holding NaN or an infinity has no
+Non-finite input is never stored (docs/FORMAT.md section 5: a row holding NaN or an infinity has no
 finite radius and is stored as zeros); :func:`encode` counts it (``nonfinite``, ``rows_zeroed``),
 warns (:class:`NonFiniteRows`) or refuses it (``nonfinite="raise"``). :func:`quantize_rows` and
 :func:`dequantize_rows` are the spec's row kernels underneath, as the file layouts use them.
@@ -187,7 +187,7 @@ def quantize_rows(x: np.ndarray, codec: int, bits: int) -> tuple[np.ndarray, np.
 
     A row whose width is not a power of two in 2..2048, or whose radius is not above 1e-35
     (zero, subnormal, holding a NaN) or is above 3.4e38 (holding an infinity), is stored inert:
-    all-zero bytes and radius 0, as FORMAT.md section 5 says, without a word.
+    all-zero bytes and radius 0, as docs/FORMAT.md section 5 says, without a word.
 
     Parameters
     ----------
@@ -235,7 +235,7 @@ def dequantize_rows(
 
 class NonFiniteRows(UserWarning):
     """:func:`encode` met NaN or infinite values: the rows holding them are stored as zeros
-    (FORMAT.md section 5). Send finite rows, or pass ``nonfinite="zero"`` (count quietly) or
+    (docs/FORMAT.md section 5). Send finite rows, or pass ``nonfinite="zero"`` (count quietly) or
     ``"raise"`` (refuse)."""
 
 
@@ -314,7 +314,7 @@ def encode(rows: np.ndarray, codec: int = CODEC_INT4, bits: int = 4, *, nonfinit
     codec, bits : int
         ``CODEC_INT4`` with 4 (the default), or ``CODEC_POLAR`` with 2..6.
     nonfinite : {"warn", "zero", "raise"}
-        A row holding NaN or an infinity is stored as zeros (FORMAT.md section 5), counted in the
+        A row holding NaN or an infinity is stored as zeros (docs/FORMAT.md section 5), counted in the
         result, and: ``"warn"`` (default) warns with :class:`NonFiniteRows`; ``"zero"`` does not;
         ``"raise"`` refuses the rows instead (:class:`~kvstore.formats.errors.NonFiniteValues`).
 
@@ -367,7 +367,7 @@ def encode(rows: np.ndarray, codec: int = CODEC_INT4, bits: int = 4, *, nonfinit
             raise NonFiniteValues(f"{found}; refused, nothing encoded")
         if nonfinite == "warn":
             warnings.warn(
-                f"{found}: {zeroed} row{'s' * (zeroed != 1)} stored as zeros (FORMAT.md section 5)",
+                f"{found}: {zeroed} row{'s' * (zeroed != 1)} stored as zeros (docs/FORMAT.md section 5)",
                 NonFiniteRows,
                 stacklevel=2,
             )

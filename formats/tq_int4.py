@@ -1,4 +1,4 @@
-"""The kernels of TQ codec 1, rotated int4 (FORMAT.md section 6), on feature-major blocks.
+"""The kernels of TQ codec 1, rotated int4 (docs/FORMAT.md section 6), on feature-major blocks.
 
 Each rotated element scaled by ``sqrtf(n) / radius`` is replaced by the index of the nearest of 16
 Lloyd-Max levels (first index on a tie, with the spec's f32 distances), two codes per byte: element

@@ -1,4 +1,4 @@
-"""The kernels of TQ codec 0, PolarQuant (arXiv 2502.02617; FORMAT.md section 6), on feature-major blocks.
+"""The kernels of TQ codec 0, PolarQuant (arXiv 2502.02617; docs/FORMAT.md section 6), on feature-major blocks.
 
 The rotated row is folded pairwise into angles (``atan2f``) and radii (``hypotf``) until one value
 is left; level-1 angles take ``b1 = bits`` bits, deeper levels ``b2 = max(bits - 1, 1)``, each

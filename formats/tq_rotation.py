@@ -1,4 +1,4 @@
-"""The shared part of the TurboQuant codecs (FORMAT.md section 5): the randomized Hadamard rotation.
+"""The shared part of the TurboQuant codecs (docs/FORMAT.md section 5): the randomized Hadamard rotation.
 
 Every v3 row is turned by the same rotation before it is quantized: a fixed +-1 sign vector (from
 the spec's 32-bit hash of ``SEED ^ i``), then the fast Walsh-Hadamard transform in the spec's

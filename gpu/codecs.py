@@ -1,6 +1,6 @@
 """Row codecs in torch, on any device: the device-side twins of ``kvstore.formats`` fp8 / tq / q8.
 
-Same arithmetic as the reference codecs (FORMAT.md sections 3 to 7), in the same order, with torch
+Same arithmetic as the reference codecs (docs/FORMAT.md sections 3 to 7), in the same order, with torch
 ops, so rows quantized on a GPU are the bytes the journal would have written from the same f32
 rows. fp8 and int4 are bit-exact by construction (integer bit tricks, and only IEEE-exact f32 ops:
 +, -, *, / between tensors, sqrt); PolarQuant goes through ``atan2``/``hypot``/``cos``/``sin``,
@@ -112,7 +112,7 @@ __all__ = [
     "unrotate",
 ]
 
-# -- fp8 e4m3 (FORMAT.md section 3) ----------------------------------------------------------------
+# -- fp8 e4m3 (docs/FORMAT.md section 3) ----------------------------------------------------------------
 
 FP8_MAX = float(fp8.MAX)
 #: The largest scale an encoder writes; a stored scale above it (or not above 0, or NaN) is corrupt.
@@ -205,7 +205,7 @@ def fp8_dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tens
 def sanitize_fp8_(
     codes: torch.Tensor, scales: torch.Tensor, corrupt: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FORMAT.md section 4 on stored fp8 rows, in place: NaN codes (0x7F/0xFF) read 0; a row whose
+    """docs/FORMAT.md section 4 on stored fp8 rows, in place: NaN codes (0x7F/0xFF) read 0; a row whose
     scale is corrupt (``kvstore.formats.fp8.bad_scales``: not in (0, 3.4e38/448], NaN included) is
     inert: codes 0, scale 1.
 
@@ -340,7 +340,7 @@ class TorchTwin(ABC):
     def sanitize_(
         self, codes: torch.Tensor, scales: torch.Tensor, corrupt: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """FORMAT.md section 4 on stored rows, in place (families with a per-row scale only)."""
+        """docs/FORMAT.md section 4 on stored rows, in place (families with a per-row scale only)."""
         raise FormatError("these rows carry no stored scale to sanitize")
 
 
@@ -403,7 +403,7 @@ class _TorchTQ(TorchTwin):
     def dequantize(
         self, tier: tiers.Tier, codes: torch.Tensor, scales: torch.Tensor | None, width: int
     ) -> torch.Tensor:
-        if not tq.encodable(width):  # such rows are written inert (FORMAT.md section 5)
+        if not tq.encodable(width):  # such rows are written inert (docs/FORMAT.md section 5)
             return torch.zeros((*codes.shape[:-1], width), dtype=torch.float32, device=codes.device)
         return unrotate(self.rotated(tier, codes, _scales(tier, scales), width))
 

@@ -131,7 +131,7 @@ class CudaBackend(AttentionBackend):
         self.fast_calls = 0
         #: dense fp8 and int4 calls with 64+ heads on sm_90 may run the warpgroup-MMA kernels of
         #: kvstore.gpu.wgmma_kernels (fp8 9-22 %, int4 25-35 % faster than v2 from 128k rows,
-        #: docs/GPU.md round 10):
+        #: docs/GPU-LOG.md round 10):
         #: by default on the Triton release they are tested with, for the calls of
         #: cuda_plan.wgmma_for_call; wgmma=True or KVSTORE_GPU_WGMMA=1: every eligible call;
         #: wgmma=False or KVSTORE_GPU_WGMMA=0: none

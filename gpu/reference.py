@@ -1,7 +1,7 @@
 """Float64 reference of the decode-attention backends: rows decoded as the format defines them,
 then an exact two-pass softmax in float64.
 
-Rows are decoded to the values FORMAT.md gives them: f32/bf16 rows widened; fp8 the e4m3 value
+Rows are decoded to the values docs/FORMAT.md gives them: f32/bf16 rows widened; fp8 the e4m3 value
 (``kvstore.formats.fp8.LUT``, exact in f32; the NaN codes read as 0) times the row scale; int4 the
 Lloyd-Max level times ``radius / sqrt(n)``, un-rotated in float64 by the Hadamard matrix and the
 signs of ``kvstore.formats.tq``; PolarQuant through the reference codec of ``kvstore.formats.tq``
@@ -36,7 +36,7 @@ _KEEP_ELEMENTS = 1 << 27
 
 
 def e4m3_table_f64() -> np.ndarray:
-    """f64[256]: the e4m3 "fn" decode of FORMAT.md section 3 (every value exact in f32); NaN codes read 0."""
+    """f64[256]: the e4m3 "fn" decode of docs/FORMAT.md section 3 (every value exact in f32); NaN codes read 0."""
     return fp8.LUT.astype(np.float64)
 
 

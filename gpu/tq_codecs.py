@@ -110,7 +110,7 @@ def _radii(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def sanitize_tq_(
     codes: torch.Tensor, radii: torch.Tensor, corrupt: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FORMAT.md section 4 on stored TQ rows, in place (``tq.sanitize_radii``): a radius not in
+    """docs/FORMAT.md section 4 on stored TQ rows, in place (``tq.sanitize_radii``): a radius not in
     [0, 3.4e38) becomes 0 and its row's codes 0.
 
     Parameters

@@ -137,7 +137,7 @@ def restore_quantized_rows(
 ) -> QuantizedRows:
     """Upload a session's quantized rows (one layer) into new device tensors.
 
-    Stored rows may come from a damaged file: as every reader does (FORMAT.md section 4, the one
+    Stored rows may come from a damaged file: as every reader does (docs/FORMAT.md section 4, the one
     bound of ``Tier.corrupt_scales``), a row whose scale/radius no encoder writes is made inert on
     the device and NaN fp8 codes read 0 (``kvstore.gpu.codecs.sanitize_fp8_``/``sanitize_tq_``), so
     a scale of 1e37 on code 0x7E never decodes to inf. ``strict`` refuses such rows instead,

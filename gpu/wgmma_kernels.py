@@ -7,7 +7,7 @@ sm_90, in Gluon.
 On the H200 these kernels are faster than the ``mma.sync`` kernels of
 :mod:`kvstore.gpu.cuda_backend` from 128k rows at 64 and 128 heads (CUDA-graph replays: fp8 14-23 %,
 int4 28-38 %, so int4 runs at fp8's speed or better), within 3 % or faster at 32k rows,
-and match the float64 reference within the same bound (docs/GPU.md, rounds 9 to 11). A CUDA backend
+and match the float64 reference within the same bound (docs/GPU-LOG.md, rounds 9 to 11). A CUDA backend
 left to choose runs them for dense calls of 64+ heads on sm_90 when Triton is the release they are
 written for, for captured calls and long plain calls
 (:func:`kvstore.gpu.cuda_plan.wgmma_for_call`: a plain call pays their two Triton launches).
@@ -39,10 +39,10 @@ The split plan is derived on the device from the lengths (as the f32 kernels of
 :mod:`kvstore.gpu.triton_backend`), so a CUDA graph replays at any lengths; the caller stages the
 query before (``mla_prep_query`` of the CUDA backend: f16 with power-of-two scales, rotated for
 int4) and the partials are merged by :func:`kvstore.gpu.triton_backend.merge_partials` after.
-int4 rows are attended in the rotated domain (FORMAT.md section 5), so their context comes out
+int4 rows are attended in the rotated domain (docs/FORMAT.md section 5), so their context comes out
 rotated and the caller un-rotates it (``mla_unrotate``).
 
-fp8 NaN codes (0x7F, 0xFF) read as 0 (FORMAT.md): the producer clears them as it converts (six
+fp8 NaN codes (0x7F, 0xFF) read as 0 (docs/FORMAT.md): the producer clears them as it converts (six
 instructions per word of four codes, off the scores warpgroup's path).
 """
 

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from kvstore.errors import FileDamaged, FileUnreadable, InvalidRequest, KVStoreError, MigrationError
-from kvstore.formats import coli_kv, fp8, tq
+from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords, Tier
 from kvstore.journal import AtomicFile, read_whole, write_atomic, write_errors, writer_lock
 from kvstore.migrations import formats as format_migrations
@@ -320,43 +320,9 @@ def inspect_file(path: str | os.PathLike) -> dict:
 
 
 def _sanitized(records: KVRecords) -> tuple[np.ndarray, list[str]]:
-    """A copy of the safe records with corrupt rows neutralized, and what was changed."""
-    fixed = records.records.copy()
-    layers = fixed["layers"]
-    actions = []
-    if records.tier.version == 2:
-        for which in ("L", "R"):
-            bad = fp8.bad_scales(layers[which + "s"])
-            codes = layers[which + "c"]
-            nan = fp8.nan_codes(codes)
-            if bad.any():
-                codes[bad] = 0
-                layers[which + "s"][bad] = 1.0
-                actions.append(f"made {int(bad.sum())} {which}c rows with a bad scale inert")
-            if nan.any():
-                codes[nan] = 0
-                actions.append(f"zeroed {int(nan.sum())} NaN codes in {which}c rows")
-    elif records.tier.version == 3:
-        for which in ("L", "R"):
-            bad = tq.sanitize_radii(layers[which + "s"])[1]
-            if bad.any():
-                layers[which + "c"][bad] = 0
-                layers[which + "s"][bad] = 0.0
-                actions.append(f"made {int(bad.sum())} {which}c rows with a bad radius inert")
-    else:  # f32 rows: a non-finite value is zeroed, as the fp8 and TQ encoders zero it (FORMAT.md)
-        for which in ("L", "R"):
-            values = layers[which + "c"]
-            bad = ~np.isfinite(values)
-            if bad.any():
-                values[bad] = 0.0
-                actions.append(f"zeroed {int(bad.sum())} non-finite f32 values in {which}c rows")
-    if records.geometry.nic:
-        index = fixed["index"]
-        bad = ~np.isfinite(index)
-        if bad.any():
-            index[bad] = 0.0
-            actions.append(f"zeroed {int(bad.sum())} non-finite f32 values in indexer rows")
-    return fixed, actions
+    """A copy of the safe records with corrupt rows neutralized, and what was changed (each tier's
+    codec decides what is corrupt: ``KVRecords.sanitized``)."""
+    return records.sanitized()
 
 
 def sanitized_records(records: KVRecords) -> np.ndarray:
@@ -512,7 +478,7 @@ def migrate_file(
     warning = check_damage(src, records, allow=allow_damaged, doing="migrate")
     steps = format_migrations.plan(records.tier, target)
     # Converted rows are sanitized by the conversion (dequantize, then the encoders zero non-finite
-    # values as FORMAT.md says: the bytes the reference encoders write). What a conversion copies
+    # values as docs/FORMAT.md says: the bytes the reference encoders write). What a conversion copies
     # as stored — every record of a same-tier copy, the indexer rows of any — is sanitized as
     # repair would, so the destination is never damaged.
     copies_damage = not steps or (records.geometry.nic > 0 and not np.isfinite(records.records["index"]).all())

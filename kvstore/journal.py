@@ -1,7 +1,7 @@
 # Over 500 lines: every fsync and atomic rename of the project lives here on purpose (STYLE rule 5: durability in one place).
 """The durable ``.coli_kv`` journal: every fsync and every atomic rename of kvstore lives here.
 
-Protocol (FORMAT.md section 4), and what each step protects against:
+Protocol (docs/FORMAT.md section 4), and what each step protects against:
 
 - **create**: the header (nrec = 0) is written to a temporary file, fsynced, then linked into
   place (never clobbering) and the directory fsynced — a crash leaves no file or a valid empty one.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import stat
 import struct
@@ -182,6 +183,27 @@ def open_regular(path: Path, flags: int, dir_fd: int | None = None, what: str = 
         raise PathRefused(f"{path.name} is not a regular file; {what} is opened only as one")
     os.set_blocking(fd, True)
     return fd
+
+
+def read_tokens(fd: int, rec_bytes: int, start: int, stop: int) -> np.ndarray:
+    """Tokens (int32[stop - start]) of records ``[start, stop)`` of a journal, touching only their pages.
+
+    The caller holds a lock that keeps the file from shrinking (a mapped page past the end of a
+    file would fault).
+    """
+    if stop <= start:
+        return np.empty(0, np.int32)
+    first = HEADER_BYTES + start * rec_bytes
+    aligned = first - first % mmap.ALLOCATIONGRANULARITY
+    length = HEADER_BYTES + stop * rec_bytes - aligned
+    mapped = mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=aligned)
+    try:
+        view = np.ndarray((stop - start,), dtype="<i4", buffer=mapped, offset=first - aligned, strides=(rec_bytes,))
+        tokens = view.astype(np.int32)
+        del view
+    finally:
+        mapped.close()
+    return tokens
 
 
 def _writer_lock(target: Path, timeout: float, dir_fd: int | None = None) -> FileLock:
@@ -352,6 +374,12 @@ class KVFile:
         self._check_open()
         return os.fstat(self._fd).st_size
 
+    def holds(self, n_records: int) -> bool:
+        """Whether the file holds exactly ``n_records`` committed records of the active tier and no
+        byte past them (else a store settles it against its index before writing)."""
+        expected = HEADER_BYTES + n_records * coli_kv.record_bytes(self.geometry, self.tier)
+        return self.n_records == n_records and self.size_bytes == expected
+
     def _check_open(self) -> None:
         if self._fd < 0:
             raise JournalClosed(f"{self.path.name} is closed")
@@ -363,6 +391,12 @@ class KVFile:
         return self._committed
 
     # ---------------------------------------------------------------- reading
+    def read_tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens (int32[stop - start]) of stored records ``[start, stop)``, touching only their
+        pages (the caller keeps the file from shrinking: the writer lock, or a store's read lock)."""
+        self._check_open()
+        return read_tokens(self._fd, self._header.rec_bytes, start, stop)
+
     def load(self) -> KVRecords:
         """The committed records, in the active tier (one read + array operations)."""
         self._check_open()
@@ -389,7 +423,7 @@ class KVFile:
         I f32[nic,k,index_hd]) durably; returns the new committed count."""
         return self.append_records(self.encode(tokens, L, R, I), validate=False)
 
-    def append_records(self, records: np.ndarray | bytes | memoryview, *, validate: bool = True) -> int:
+    def append_records(self, records: np.ndarray | bytes | bytearray | memoryview, *, validate: bool = True) -> int:
         """Append already-encoded records of the active tier; returns the new committed count.
 
         Records are validated first (whole records, token ids in the vocabulary, no corrupt
@@ -439,7 +473,9 @@ class KVFile:
                 pass  # the disk is failing; the next call re-reads whatever count it holds
             raise
 
-    def validate_records(self, records: np.ndarray | bytes | memoryview, dtype: np.dtype | None = None) -> np.ndarray:
+    def validate_records(
+        self, records: np.ndarray | bytes | bytearray | memoryview, dtype: np.dtype | None = None
+    ) -> np.ndarray:
         """Check records of the active tier before they are committed; returns them as an array."""
         dtype = dtype or coli_kv.record_dtype(self.geometry, self.tier)
         if not isinstance(records, np.ndarray):

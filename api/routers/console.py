@@ -275,7 +275,7 @@ class ActivityOut(BaseModel):
     sessions: dict[str, SessionActivityOut]
 
 
-_JSON_ERRORS = {401: {"model": ErrorBody}}
+_JSON_ERRORS: dict[int | str, dict[str, Any]] = {401: {"model": ErrorBody}}
 
 
 @router.get("/console/me", response_model=MeOut, responses=_JSON_ERRORS, summary="Who the presented key belongs to")

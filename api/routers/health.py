@@ -16,4 +16,4 @@ router = APIRouter(prefix="/health", tags=["health"], route_class=StrictJSONRout
 async def health(store: Store) -> HealthOut:
     # On the event loop: one LMDB read (MVCC, never waits for a writer) answers faster than a trip
     # through a worker thread, and a liveness check must not queue behind a busy thread pool.
-    return HealthOut(status="ok", version=kvstore.__version__, schema_version=store.index.version())
+    return HealthOut(status="ok", version=kvstore.__version__, schema_version=store.schema_version())

@@ -58,6 +58,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvstore.api.dependencies import get_metrics
 from kvstore.api.json_body import StrictJSONRoute
+from kvstore.store import Store
 from kvstore.store.stats import EVICTION_ACTIONS, Distribution
 
 router = APIRouter(tags=["metrics"], route_class=StrictJSONRoute)
@@ -169,7 +170,7 @@ class ServiceCollector:
         engine_loaded.add_metric([], 1 if getattr(self.state, "engine", None) is not None else 0)
         yield engine_loaded
         store = getattr(self.state, "store", None)
-        if store is None or not hasattr(store, "stats"):  # before the lifespan opened the store, or after it closed
+        if not isinstance(store, Store):  # before the lifespan opened the store
             return
         stats = store.stats.snapshot()
         gates = getattr(self.state, "gates", None)
@@ -228,7 +229,7 @@ class ServiceCollector:
                 "The hard disk limit (writes past it are refused).",
                 value=usage["hard_limit_bytes"],
             )
-        cache = store.cache_counts() if hasattr(store, "cache_counts") else None  # a replica's segment cache
+        cache = store.cache_counts()  # a replica's segment cache (None: the backend keeps none)
         if cache is not None:
             yield CounterMetricFamily(
                 "kvstore_cache_hits", "Segment reads served by the local cache.", value=cache.hits

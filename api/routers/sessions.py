@@ -62,9 +62,11 @@ from kvstore.api.tier_fields import (
 from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
-from kvstore.store import Fingerprint, ModelInfo, SessionReader
+from kvstore.store import Fingerprint, ModelInfo, Reader
 
-ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 415, 422, 429, 507)}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 415, 422, 429, 507)
+}
 ARROW_BATCH_RECORDS = 256
 
 router = APIRouter(prefix="/sessions", tags=["sessions"], responses=ERRORS, route_class=StrictJSONRoute)
@@ -78,7 +80,7 @@ _BINARY_BODY = {
         },
     }
 }
-_BINARY_RESPONSE = {
+_BINARY_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "the served records (see the module docs for the headers)",
         "content": {
@@ -224,7 +226,7 @@ def _old_tier_spelling(tier: Tier) -> str:
     return f"v3:{tier.codec_name}:{tier.bits}"
 
 
-async def _drain(reader: SessionReader, chunks):
+async def _drain(reader: Reader, chunks):
     """Yield ``chunks`` (a blocking iterator) from a worker thread; the reader closes when done or cut off."""
     iterator = iter(chunks)
     sentinel = object()
@@ -358,7 +360,7 @@ async def _started(chunks, n: int):
     return joined()
 
 
-def _with_header(reader: SessionReader, chunk_bytes: int):
+def _with_header(reader: Reader, chunk_bytes: int):
     yield reader.header_bytes()
     yield from reader.iter_bytes(chunk_bytes)
 

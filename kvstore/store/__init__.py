@@ -1,28 +1,39 @@
-"""The session store: resumable conversations as ``.coli_kv`` journals indexed in LMDB.
+"""The session store: resumable conversations as ``.coli_kv`` journals indexed in LMDB, or shared.
 
-Public names: :class:`SessionStore` (the facade) and the values it takes and returns
-(:class:`SessionInfo`, :class:`ModelInfo`, :class:`Fingerprint`, :class:`SessionReader`, ...).
+Public names: :func:`open` (the one factory: a data folder, or a shared store's index and blobs
+URLs), :class:`Store` and :class:`Reader` (the interface every backend implements, capabilities as
+data), :class:`SessionStore` (the embedded backend) and the values they take and return
+(:class:`SessionInfo`, :class:`ModelInfo`, :class:`Fingerprint`, :class:`AppendResult`, ...).
+The shared backend (``kvstore.store.shared``, PostgreSQL + S3) is imported only when
+:func:`open` is given its URLs.
 
 Where each concern lives (one file each; the facade delegates to one object per concern, all
 sharing one :class:`~kvstore.store.context.StoreContext`)::
 
-    session_store.py  SessionStore: the public interface, the wiring of the concerns
+    base.py           Store and Reader: the interface, CAPABILITIES, open(), interface_drift()
+    values.py         ModelInfo, Fingerprint, SessionInfo, IndexRecord; id/owner/tag validation;
+                      record fields (both backends)
+    results.py        AppendResult, Resumed, VerifyReport, RepairReport, LookupResult, Eviction,
+                      CacheCounts; the checks both backends make (fingerprint, lookup tokens, NaN)
+    session_store.py  SessionStore: the embedded backend's facade, the wiring of the concerns
     context.py        StoreContext: folders and confined paths, the index, the per-session locks,
-                      the limits; reading/updating an index record, opening a session's journal
-    values.py         ModelInfo, Fingerprint, SessionInfo; id/owner/tag validation; record fields
-    writes.py         create, append (AppendResult), truncate, fork: the commit order of each
+                      the limits, opening a session's journal; SessionHandle (a session resolved once)
+    writes.py         create, append, truncate, fork: the commit order of each
     records.py        chunked reads of stored records and tokens (journal or archive)
-    reader.py         SessionReader, Resumed, the fingerprint check on resume
-    integrity.py      turn hashes (TurnHasher), verify (VerifyReport), re-hashing a cut turn
+    reader.py         SessionReader: opening a session for resuming, and serving its records
+    integrity.py      turn hashes (TurnHasher), verify, re-hashing a cut turn
     removal.py        cut (index first, then journal) and delete (hide, remove files, drop entries)
     recovery.py       reconcile on open: roll back, clamp, adopt, orphan sweep, usage recount
-    parking.py        park / unpark (archive.py: the zstd archive of a parked journal)
-    prefix.py         prefix blocks and lookup (LookupResult)
-    budget.py         hard limit (reservations) and soft budget (LRU eviction, Eviction)
-    maintenance.py    inspect, repair (RepairReport), migrate
-    index.py          Index: the embedded backend's LMDB index (schema: kvstore.migrations.index)
-    shared/           the shared backend's protocol: PostgreSQL index, S3 segments, leases and
-                      fencing tokens (docs/SCALE.md; not yet behind this facade)
+    parking.py        park / unpark (archive.py: the zstd archive of a parked journal); the active
+                      record and open journal a write starts from
+    prefix.py         prefix lookup; the tokens of the blocks an append completes
+    budget.py         hard limit (reservations) and soft budget (LRU eviction)
+    maintenance.py    inspect, repair, migrate
+    index.py          Index: the embedded backend's LMDB index (schema: kvstore.migrations.index);
+                      what a record's state means (visible, refuse_damaged)
+    stats.py          StoreStats: the counts GET /metrics reports
+    shared/           the shared backend: PostgreSQL index, S3 segments, leases and fencing tokens,
+                      SharedSessionStore (docs/SCALE.md; ``shared/__init__.py`` is its map)
 
 Why composition: each concern is an object holding the context and the concerns it calls, wired
 once in ``SessionStore.__init__`` (integrity <- removal <- recovery <- parking <- budget's evictor
@@ -32,8 +43,15 @@ except the evictor's one-evicting-thread lock.
 
 Session ids are per owner: a session is stored under its **key** ``<id>~<owner>``
 (``values.storage_key``; index schema 4). The facade turns a request's id and owner into the key
-before anything else (``StoreContext.resolve``: one index read, no lock, no file), so another
-owner's session is a key that does not exist; every concern below the facade speaks in keys.
+before anything else (``StoreContext.resolve``, or ``StoreContext.session`` for a handle: one index
+read, no lock, no file), so another owner's session is a key that does not exist; every concern
+below the facade speaks in keys (or handles that carry one).
+
+A data path reads as a straight line (``bench/walks.py`` measures it): a migrate, an append or a
+resume resolves the session once into a ``SessionHandle`` (``StoreContext.session``: the key, the
+record, what it names, the journal's path, the locks) and hands it to the one module that owns the
+operation — ``maintenance``, ``writes``, ``reader`` — which takes the lock, reads the record again
+(``Parking.active`` / ``open_active``), works on the journal and commits in the index.
 
 Layout under ``data_dir`` (folders 0700, files 0600)::
 
@@ -81,27 +99,46 @@ Index layout (LMDB named databases, versioned by ``kvstore.migrations.index``)::
     reservations  token -> pid:u64be bytes:u64be        (hard-limit bytes of writers in flight)
 """
 
-from kvstore.store.budget import Eviction
-from kvstore.store.integrity import VerifyReport
-from kvstore.store.maintenance import RepairReport
-from kvstore.store.prefix import LookupResult
-from kvstore.store.reader import Resumed, SessionReader
+from kvstore.store.base import CAPABILITIES, Reader, Store, interface_drift
+from kvstore.store.base import open as open  # kvstore.store.open; not in __all__: a star import would shadow open()
+from kvstore.store.reader import SessionReader
+from kvstore.store.results import (
+    AppendResult,
+    CacheCounts,
+    Eviction,
+    LookupResult,
+    RepairReport,
+    Resumed,
+    VerifyReport,
+)
 from kvstore.store.session_store import SessionStore
-from kvstore.store.values import Fingerprint, ModelInfo, SessionInfo, validate_owner, validate_session_id
-from kvstore.store.writes import AppendResult
+from kvstore.store.values import (
+    Fingerprint,
+    IndexRecord,
+    ModelInfo,
+    SessionInfo,
+    validate_owner,
+    validate_session_id,
+)
 
 __all__ = [
+    "CAPABILITIES",
     "AppendResult",
+    "CacheCounts",
     "Eviction",
     "Fingerprint",
+    "IndexRecord",
     "LookupResult",
     "ModelInfo",
+    "Reader",
     "RepairReport",
     "Resumed",
     "SessionInfo",
     "SessionReader",
     "SessionStore",
+    "Store",
     "VerifyReport",
+    "interface_drift",
     "validate_owner",
     "validate_session_id",
 ]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from kvstore.errors import (
@@ -29,18 +28,12 @@ from kvstore.errors import (
 )
 from kvstore.locks import FileLock
 from kvstore.store.context import StoreContext
+from kvstore.store.results import Eviction
 from kvstore.store.values import Progress
 
 if TYPE_CHECKING:
     from kvstore.store.parking import Parking
     from kvstore.store.removal import Removal
-
-
-@dataclass(frozen=True)
-class Eviction:
-    session_id: str
-    action: str  # "parked" or "deleted"
-    freed_bytes: int
 
 
 class Reservation:

@@ -2,7 +2,13 @@
 
 The concern objects (budget, integrity, parking, recovery, ...) each hold this context and read and
 change sessions through it: the confined paths of a session's files, the two locks of a session,
-the index record (read it, update it in a transaction, mark it damaged) and its open journal.
+its index record (``index.current``, ``index.update``, :meth:`StoreContext.mark_damaged`) and its
+open journal.
+
+A migrate, an append or a resume starts with :meth:`StoreContext.session`: the request's id and
+owner resolved once into a :class:`SessionHandle` (the key, the record that one index read found,
+what the record names, the journal's confined path and the session's locks, not yet held), which
+the module owning the operation carries to the journal and the index.
 """
 
 from __future__ import annotations
@@ -11,9 +17,9 @@ import errno
 import fcntl
 import os
 import stat
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 
@@ -21,8 +27,6 @@ from kvstore.errors import (
     CodecMismatch,
     FormatError,
     GeometryMismatch,
-    IndexFull,
-    IndexIOError,
     IntegrityError,
     InvalidRequest,
     JournalLocked,
@@ -30,27 +34,38 @@ from kvstore.errors import (
     SessionDamaged,
     SessionNotFound,
 )
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import Geometry
 from kvstore.journal import KVFile, fsync_dir, open_regular, write_errors
 from kvstore.locks import FileLock
 from kvstore.migrations import index as schema
 from kvstore.store import records
-from kvstore.store.index import Index
+from kvstore.store.index import Index, visible
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
+    IndexRecord,
     Progress,
     geometry_of,
     public_id,
     storage_key,
+    stored_tier,
     tier_of,
     validate_key,
     validate_session_id,
 )
+from kvstore.tiers import Tier
 
 DIR_MODE = 0o700  # conversations are private: owner-only folders
+# What a request that finds a session's lock busy is told (with the session's id).
+WRITE_BUSY = "session {!r} is being changed by another request; try again"
+READ_BUSY = "session {!r} is being read; try again when the download ends"
+#: What opening a session's journal raises when the file is missing or is not the one its index
+#: entry describes (the session is then marked damaged: StoreContext.journal_damaged).
+JOURNAL_UNUSABLE = (FileNotFoundError, GeometryMismatch, CodecMismatch, FormatError)
 
 
 class SessionLock(FileLock):
-    """A session's ``locks/<id>.write`` or ``.read``: its file exists only while the session does.
+    """A session's ``locks/<key>.write`` or ``.read``: its file exists only while the session does.
 
     Taken by a call for an id the index does not hold (one that never existed, a create or fork that
     failed, a delete that finished), the file is unlinked as the lock is released, so requests for
@@ -58,12 +73,13 @@ class SessionLock(FileLock):
     unlinked inode sees the name no longer leads to it and locks the new file (``FileLock``). No
     holder of a missing session's lock is inside a critical section it shares with another: only
     create and fork add entries, under the write lock, and delete removes them under both locks.
+    The file is named after the session's key (``<key>.write``), which is how the lock knows it.
     """
 
-    def __init__(self, ctx: "StoreContext", session_id: str, path: Path, **options: Any):
+    def __init__(self, ctx: "StoreContext", path: Path, **options: Any):
         super().__init__(path, **options)
         self._ctx = ctx
-        self._session_id = session_id
+        self._session_id = Path(path).name.rsplit(".", 1)[0]
 
     def acquire(self) -> "SessionLock":
         try:
@@ -80,7 +96,7 @@ class SessionLock(FileLock):
     def release(self) -> None:
         if self.held and self._sole_holder():
             try:
-                gone = not self._ctx.indexed(self._session_id)
+                gone = not self._ctx.index.holds(self._session_id)
             except Exception:  # the index is closed or failing: a lock file left behind is harmless
                 gone = False
             if gone:
@@ -104,6 +120,38 @@ class SessionLock(FileLock):
             return os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(self._fd).st_ino
         except OSError:  # BlockingIOError: another holder; FileNotFoundError: already unlinked
             return False
+
+
+@dataclass(frozen=True)
+class SessionHandle:
+    """A session resolved once (:meth:`StoreContext.session`): what the operation on it carries.
+
+    Attributes
+    ----------
+    key : the storage key ``<id>~<owner>`` (its files and index entries)
+    id : the id its owner knows it by
+    owner : the owner the request acts as (None: any owner)
+    record : the index record as the resolving read found it (no lock held: a write reads it again
+        under ``writing``)
+    geometry, tier, record_bytes : what ``record`` names
+    journal : ``journals/<key>.coli_kv`` (checked for links when it is opened:
+        :meth:`StoreContext.open_journal_file`, :meth:`StoreContext.open_journal_reader`)
+    writing : the session's write lock, not held
+    reading : its read lock, shared (readers holding its files open), not held
+    replacing : its read lock taken exclusively (to shrink, remove or replace the files), not held
+    """
+
+    key: str
+    id: str
+    owner: str | None
+    record: IndexRecord
+    geometry: Geometry
+    tier: Tier
+    record_bytes: int
+    journal: Path
+    writing: SessionLock
+    reading: SessionLock
+    replacing: SessionLock
 
 
 class StoreContext:
@@ -244,51 +292,61 @@ class StoreContext:
         """A read-only descriptor of the session's journal, opened relative to ``journals/`` without
         following a link: a link, folder or FIFO put there after the path was checked is
         :class:`PathRefused`, never read or waited on. ``FileNotFoundError`` when it is missing."""
-        return open_regular(self.journal_path(session_id), os.O_RDONLY, self.dir_fd(self.journals))
+        return self.open_journal_reader(self.journal_path(session_id))
+
+    def open_journal_reader(self, path: Path) -> int:
+        """:meth:`open_journal_fd` of the journal at ``path`` (``journals/<key>.coli_kv``)."""
+        return open_regular(self._confined(self.journals, path.name), os.O_RDONLY, self.dir_fd(self.journals))
 
     # ------------------------------------------------------------------ locks (order: write, then read)
     def writing(self, session_id: str, timeout: float | None = None) -> FileLock:
         """The session's write lock (not yet held): one mutation of a session at a time."""
-        return SessionLock(
-            self,
-            session_id,
-            self.locks / f"{session_id}.write",
-            dir_fd=self.dir_fd(self.locks),
-            timeout=self.lock_timeout if timeout is None else timeout,
-            busy_reason=f"session {public_id(session_id)!r} is being changed by another request; try again",
-        )
+        return self._lock(self.locks / f"{session_id}.write", WRITE_BUSY.format(public_id(session_id)), timeout=timeout)
 
     def reading(self, session_id: str, *, exclusive: bool = False, timeout: float | None = None) -> FileLock:
         """The session's read lock (not yet held): shared by readers, exclusive to shrink or replace files."""
+        busy = READ_BUSY.format(public_id(session_id))
+        return self._lock(self.locks / f"{session_id}.read", busy, shared=not exclusive, timeout=timeout)
+
+    def _lock(self, path: Path, busy_reason: str, *, shared: bool = False, timeout: float | None = None) -> SessionLock:
         return SessionLock(
             self,
-            session_id,
-            self.locks / f"{session_id}.read",
+            path,
             dir_fd=self.dir_fd(self.locks),
-            shared=not exclusive,
+            shared=shared,
             timeout=self.lock_timeout if timeout is None else timeout,
-            busy_reason=f"session {public_id(session_id)!r} is being read; try again when the download ends",
+            busy_reason=busy_reason,
         )
 
-    def indexed(self, session_id: str) -> bool:
-        """Whether the index holds an entry for ``session_id`` (in any state)."""
-        with self.index.read() as txn:
-            return self.index.get(txn, session_id) is not None
-
     # ------------------------------------------------------------------ index records
-    @staticmethod
-    def visible(record: dict | None, owner: str | None) -> TypeGuard[dict]:
-        """Whether ``owner`` (None: anyone) may see ``record`` (a session being deleted is gone)."""
-        return record is not None and record["state"] != "deleting" and (owner is None or record["owner"] == owner)
-
-    def record(self, session_id: str, owner: str | None = None) -> dict:
+    def record(self, session_id: str, owner: str | None = None) -> IndexRecord:
         """The visible index record of the session keyed ``session_id`` (SessionNotFound otherwise)."""
-        validate_key(session_id)
-        with self.index.read() as txn:
-            record = self.index.get(txn, session_id)
-        if not self.visible(record, owner):
-            raise SessionNotFound(f"no session {public_id(session_id)!r}")
-        return record
+        return self.index.current(validate_key(session_id), owner)
+
+    def session(self, session_id: str, owner: str | None) -> SessionHandle:
+        """``owner``'s session ``session_id`` resolved once (:meth:`resolve`'s one index read, no lock,
+        no file opened): its key, record, geometry, tier, journal path and locks.
+
+        Raises
+        ------
+        SessionNotFound, InvalidRequest, InvalidSessionId : as :meth:`resolve`
+        """
+        key, record = self._resolved(session_id, owner, hidden=False)
+        geometry, tier = Geometry(*record["geometry"]), stored_tier(record["tier"])
+        # the key comes from the index or from a validated id and owner: its file names stay in their folders
+        return SessionHandle(
+            key=key,
+            id=session_id,
+            owner=owner,
+            record=record,
+            geometry=geometry,
+            tier=tier,
+            record_bytes=coli_kv.record_bytes(geometry, tier),
+            journal=self.journals / f"{key}.coli_kv",
+            writing=self._lock(self.locks / f"{key}.write", WRITE_BUSY.format(session_id)),
+            reading=self._lock(self.locks / f"{key}.read", READ_BUSY.format(session_id), shared=True),
+            replacing=self._lock(self.locks / f"{key}.read", READ_BUSY.format(session_id)),
+        )
 
     def resolve(self, session_id: str, owner: str | None, *, hidden: bool = False) -> str:
         """The storage key of ``owner``'s session ``session_id``: checked before any lock or file.
@@ -299,6 +357,10 @@ class StoreContext:
         an id several owners have is refused (:class:`InvalidRequest`, naming them) rather than
         guessed. ``hidden`` also finds a session a failed delete hid (so deleting it finishes).
         """
+        return self._resolved(session_id, owner, hidden=hidden)[0]
+
+    def _resolved(self, session_id: str, owner: str | None, *, hidden: bool) -> tuple[str, IndexRecord]:
+        """:meth:`resolve`, with the record its read found."""
         validate_session_id(session_id)
         with self.index.read() as txn:
             if owner is not None:
@@ -306,15 +368,15 @@ class StoreContext:
                 found = [(key, self.index.get(txn, key))]
             else:
                 found = self.index.keys_of_id(txn, session_id)
-        shown = [(key, record) for key, record in found if record is not None and self.visible(record, None)]
+        shown = [(key, record) for key, record in found if visible(record, None)]
         if len(shown) > 1:
             owners = sorted(record["owner"] for _, record in shown)
             raise InvalidRequest(
                 f"{len(shown)} owners have a session {session_id!r} ({', '.join(owners)}); name the owner (--owner)"
             )
         if shown:
-            return shown[0][0]
-        hidden_ones = [key for key, record in found if record is not None] if hidden else []
+            return shown[0]
+        hidden_ones = [(key, record) for key, record in found if record is not None] if hidden else []
         if len(hidden_ones) == 1:
             return hidden_ones[0]
         raise SessionNotFound(f"no session {session_id!r}")
@@ -324,58 +386,51 @@ class StoreContext:
         """The owner part of a storage key."""
         return schema.key_owner(validate_key(session_id)) or ""
 
-    def update(self, txn, session_id: str, **changes: Any) -> dict:
-        """Re-read a record inside ``txn`` and apply ``changes`` (readers update last_used concurrently)."""
-        current = self.index.get(txn, session_id)
-        if current is None:
-            raise SessionNotFound(f"no session {session_id!r}")
-        updated = {**current, **changes}
-        self.index.put(txn, updated, current)
-        return updated
-
     def mark_damaged(self, session_id: str, reason: str) -> None:
         with self.index.write() as txn:
             record = self.index.get(txn, session_id)
             if record is not None and record["state"] != "deleting":
-                self.update(txn, session_id, state="damaged", problem=reason)
-
-    def touch(self, session_id: str) -> None:
-        """Record a use of the session (its place in the LRU order).
-
-        Best effort: a read is not refused because a full or failing index cannot move the session
-        up the eviction order (the read itself needed no index write).
-        """
-        now_ns = time.time_ns()
-        try:
-            with self.index.write() as txn:
-                record = self.index.get(txn, session_id)
-                if record is not None and record["state"] != "deleting":
-                    self.update(txn, session_id, last_used=now_ns / 1e9, last_used_ns=now_ns)
-        except (IndexFull, IndexIOError):
-            pass
+                self.index.update(txn, session_id, state="damaged", problem=reason)
 
     # ------------------------------------------------------------------ journals
-    def open_journal(self, record: dict, *, writable: bool) -> KVFile:
+    def open_journal(self, record: IndexRecord, *, writable: bool) -> KVFile:
         """The session's journal, checked against its index record; a missing or mismatched one marks
         the session damaged (:class:`SessionDamaged`)."""
         sid = record["id"]
-        path = self.journal_path(sid)
         try:
-            return KVFile.open(
-                path,
-                geometry=geometry_of(record),
-                tier=tier_of(record),
-                writable=writable,
-                lock_timeout=self.lock_timeout,
-                follow_symlinks=False,
-                dir_fd=self.dir_fd(self.journals),
+            return self.open_journal_file(
+                self.journals / f"{validate_key(sid)}.coli_kv", geometry_of(record), tier_of(record), writable=writable
             )
-        except FileNotFoundError:
+        except JOURNAL_UNUSABLE as exc:
+            raise self.journal_damaged(sid, exc) from None
+
+    def open_journal_file(self, path: Path, geometry: Geometry, tier: Tier, *, writable: bool) -> KVFile:
+        """The journal at ``path`` (``journals/<key>.coli_kv``), confined (:class:`PathRefused` for a
+        link or a non-file, or a replaced folder), opened relative to the folder opened with the
+        store and checked against ``geometry`` and ``tier``; the caller turns
+        :data:`JOURNAL_UNUSABLE` into :meth:`journal_damaged`."""
+        return KVFile.open(
+            self._confined(self.journals, path.name),
+            geometry=geometry,
+            tier=tier,
+            writable=writable,
+            lock_timeout=self.lock_timeout,
+            follow_symlinks=False,
+            dir_fd=self.dir_fd(self.journals),
+        )
+
+    def journal_damaged(self, session_id: str, failure: Exception) -> SessionDamaged:
+        """Mark the session damaged for a journal that is missing or does not match its index entry
+        (``failure``, one of :data:`JOURNAL_UNUSABLE`); the error to raise."""
+        sid = session_id
+        if isinstance(failure, FileNotFoundError):
             reason = f"the journal of session {sid!r} is missing"
-        except (GeometryMismatch, CodecMismatch, FormatError) as exc:
-            reason = f"the journal of session {sid!r} does not match its index entry: {exc.reason}"
+        else:
+            reason = (
+                f"the journal of session {sid!r} does not match its index entry: {getattr(failure, 'reason', failure)}"
+            )
         self.mark_damaged(sid, reason)
-        raise SessionDamaged(reason + "; the session is marked damaged (delete it, or restore the file and reopen)")
+        return SessionDamaged(reason + "; the session is marked damaged (delete it, or restore the file and reopen)")
 
     def _move_files_for_schema(self, old_key: str, new_key: str) -> None:
         """Rename a session's journal and archive for an index schema step; drop its old lock files
@@ -390,7 +445,7 @@ class StoreContext:
             stale.unlink(missing_ok=True)
         (self.journals / f"{old_key}.coli_kv.lock").unlink(missing_ok=True)
 
-    def _tokens_for_schema(self, record: dict, n_records: int) -> np.ndarray | None:
+    def _tokens_for_schema(self, record: IndexRecord, n_records: int) -> np.ndarray | None:
         """A session's tokens for an index schema step (None when its files cannot give them)."""
         try:
             return records.tokens_of(self, record, n_records)

@@ -5,6 +5,9 @@ environment, upgrades it, and offers the reads and writes the store composes ins
 transactions. Every transaction is a ``with`` block; values come back as ``bytes`` (the
 environment is never asked for buffers), so nothing outlives its transaction.
 
+What a record's state means to every reader is here too (:func:`visible`, :func:`refuse_damaged`),
+beside the reads that return records (:meth:`Index.current`: one session's visible record).
+
 LMDB serializes write transactions across threads and processes, and a commit is durable when it
 returns (``sync=True``): the store uses that single writer lock for disk-space reservations too.
 """
@@ -15,14 +18,23 @@ import contextlib
 import os
 import stat
 import threading
+import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, TypeGuard, cast
 
 import lmdb
 import numpy as np
 
-from kvstore.errors import IndexFull, IndexIOError, IndexSchemaError, KVStoreError, PathRefused
+from kvstore.errors import (
+    IndexFull,
+    IndexIOError,
+    IndexSchemaError,
+    KVStoreError,
+    PathRefused,
+    SessionDamaged,
+    SessionNotFound,
+)
 from kvstore.locks import pid_alive
 from kvstore.migrations import index as schema
 from kvstore.migrations.index import (
@@ -35,6 +47,7 @@ from kvstore.migrations.index import (
     DB_SESSIONS,
     DB_TURNS,
 )
+from kvstore.store.values import IndexRecord
 
 DEFAULT_MAP_SIZE = 1 << 30  # a sparse file: the map only reserves address space
 _LMDB_FILES = ("data.mdb", "lock.mdb")
@@ -44,6 +57,17 @@ _ALL_DBS = schema.DATABASES_BY_VERSION[schema.CURRENT_VERSION]
 # LMDB must not be opened twice by one process: stores on the same folder share one environment.
 _ENVIRONMENTS: dict[str, list] = {}
 _ENVIRONMENTS_LOCK = threading.Lock()
+
+
+def visible(record: IndexRecord | None, owner: str | None) -> TypeGuard[IndexRecord]:
+    """Whether ``owner`` (None: anyone) may see ``record`` (a session being deleted is gone)."""
+    return record is not None and record["state"] != "deleting" and (owner is None or record["owner"] == owner)
+
+
+def refuse_damaged(record: IndexRecord) -> None:
+    """Raise :class:`SessionDamaged` (with the recorded problem) for a session marked damaged."""
+    if record["state"] == "damaged":
+        raise SessionDamaged(f"session {schema.public_id(record['id'])!r} is damaged: {record.get('problem')}")
 
 
 def lmdb_files(folder: Path) -> dict[str, tuple[int, int]]:
@@ -282,14 +306,52 @@ class Index:
                 txn.put(schema.USAGE_KEY, b"0", db=self._db(DB_META, txn))
 
     # ------------------------------------------------------------------ session records
-    def get(self, txn, session_id: str) -> dict | None:
+    def get(self, txn, session_id: str) -> IndexRecord | None:
         value = txn.get(schema.session_key(session_id), db=self._db(DB_SESSIONS))
-        return schema.decode_record(value) if value is not None else None
+        return cast(IndexRecord, schema.decode_record(value)) if value is not None else None
 
-    def put(self, txn, record: dict, previous: dict | None = None) -> None:
+    def current(self, session_id: str, owner: str | None = None) -> IndexRecord:
+        """The visible record of the session keyed ``session_id`` now (one read; SessionNotFound
+        when it is missing, being deleted, or another owner's)."""
+        with self.read() as txn:
+            record = self.get(txn, session_id)
+        if not visible(record, owner):
+            raise SessionNotFound(f"no session {schema.public_id(session_id)!r}")
+        return record
+
+    def holds(self, session_id: str) -> bool:
+        """Whether the index holds an entry for ``session_id`` (in any state)."""
+        with self.read() as txn:
+            return self.get(txn, session_id) is not None
+
+    def update(self, txn, session_id: str, **changes: Any) -> IndexRecord:
+        """Re-read a record inside ``txn`` and apply ``changes`` (readers update last_used concurrently)."""
+        current = self.get(txn, session_id)
+        if current is None:
+            raise SessionNotFound(f"no session {session_id!r}")
+        updated = cast(IndexRecord, {**current, **changes})
+        self.put(txn, updated, current)
+        return updated
+
+    def touch(self, session_id: str) -> None:
+        """Record a use of the session (its place in the LRU order).
+
+        Best effort: a read is not refused because a full or failing index cannot move the session
+        up the eviction order (the read itself needed no index write).
+        """
+        now_ns = time.time_ns()
+        try:
+            with self.write() as txn:
+                record = self.get(txn, session_id)
+                if record is not None and record["state"] != "deleting":
+                    self.update(txn, session_id, last_used=now_ns / 1e9, last_used_ns=now_ns)
+        except (IndexFull, IndexIOError):
+            pass
+
+    def put(self, txn, record: IndexRecord, previous: IndexRecord | None = None) -> None:
         """Write ``record``; keeps the owner and LRU indexes and the usage counter in step."""
         sid = record["id"]
-        txn.put(schema.session_key(sid), schema.encode_record(record), db=self._db(DB_SESSIONS))
+        txn.put(schema.session_key(sid), schema.encode_record(dict(record)), db=self._db(DB_SESSIONS))
         visible = record["state"] != "deleting"
         was_visible = previous if previous is not None and previous["state"] != "deleting" else None
         if was_visible is not None and (not visible or was_visible["last_used_ns"] != record["last_used_ns"]):
@@ -303,19 +365,19 @@ class Index:
         if delta:
             self.add_usage(txn, delta)
 
-    def remove(self, txn, record: dict) -> None:
+    def remove(self, txn, record: IndexRecord) -> None:
         """Drop a session and every entry that belongs to it."""
         sid = record["id"]
-        self.put(txn, {**record, "state": "deleting", "size_bytes": 0}, record)
+        self.put(txn, cast(IndexRecord, {**record, "state": "deleting", "size_bytes": 0}), record)
         self.drop_turns_after(txn, sid, -1)
         self.drop_prefix_blocks_from(txn, sid, 0)
         txn.delete(schema.session_key(sid), db=self._db(DB_SESSIONS))
 
-    def records(self, txn) -> list[dict]:
+    def records(self, txn) -> list[IndexRecord]:
         with txn.cursor(db=self._db(DB_SESSIONS)) as cursor:
-            return [schema.decode_record(value) for _, value in cursor]
+            return [cast(IndexRecord, schema.decode_record(value)) for _, value in cursor]
 
-    def keys_of_id(self, txn, session_id: str) -> list[tuple[str, dict]]:
+    def keys_of_id(self, txn, session_id: str) -> list[tuple[str, IndexRecord]]:
         """(storage key, record) of every owner's session with the public id ``session_id``."""
         start = schema.session_key(schema.storage_key(session_id, ""))
         out = []
@@ -324,7 +386,7 @@ class Index:
                 for key, value in cursor:
                     if not key.startswith(start):
                         break
-                    out.append((bytes(key).decode(), schema.decode_record(value)))
+                    out.append((bytes(key).decode(), cast(IndexRecord, schema.decode_record(value))))
         return out
 
     def owner_sessions(self, txn, owner: str) -> list[str]:
@@ -389,6 +451,20 @@ class Index:
         if blocks == 0:
             return None
         return txn.get(schema.prefix_of_key(session_id, blocks - 1), db=self._db(DB_PREFIX_OF))
+
+    def extend_prefix(self, txn, record: IndexRecord, tokens: np.ndarray) -> int:
+        """Add the chain hashes of whole blocks of ``tokens`` (int32, the tokens after the session's
+        ``prefix_blocks`` stored blocks), chained from its last stored hash or, for the first block,
+        from its owner and fingerprint; returns the session's new block count."""
+        have = record["prefix_blocks"]
+        if tokens.shape[0] < schema.PREFIX_BLOCK_TOKENS:
+            return have
+        previous = self.last_chain_hash(txn, record["id"], have)
+        if previous is None:
+            previous = schema.chain_seed(record["owner"], record["fingerprint"])
+        hashes = schema.chain_hashes(previous, tokens)
+        self.put_prefix_blocks(txn, record["id"], have, hashes)
+        return have + len(hashes)
 
     def put_prefix_blocks(self, txn, session_id: str, first_block: int, hashes: list[bytes]) -> None:
         prefix, prefix_of = self._db(DB_PREFIX), self._db(DB_PREFIX_OF)

@@ -9,19 +9,18 @@ it; a cut inside a turn checks the whole turn, then re-hashes the part kept.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from kvstore.errors import IntegrityError, SessionNotFound
 from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
-from kvstore.store.index import Turn
+from kvstore.store.index import Turn, refuse_damaged, visible
 from kvstore.store.records import bytes_view, record_chunks
-from kvstore.store.values import Progress, public_id, record_bytes_of, refuse_damaged
+from kvstore.store.results import VerifyReport
+from kvstore.store.values import IndexRecord, Progress, public_id, record_bytes_of
 
 
 def turn_digest(payload) -> bytes:
@@ -33,24 +32,54 @@ def _hasher():
     return hashlib.blake2b(digest_size=schema.DIGEST_BYTES)
 
 
-def complete_end(turns: list[Turn], keep: int, record: dict) -> int:
+def complete_end(turns: list[Turn], keep: int, record: IndexRecord) -> int:
     """The watermark after cutting at ``keep``: the last complete turn that ends by then."""
     return min(record["watermark"], max((t.end for t in turns if t.end <= keep and t.complete), default=0))
 
 
-@dataclass(frozen=True)
-class VerifyReport:
-    """What re-hashing a session found. ``first_bad`` is the first turn whose bytes differ."""
+def first_bad_turn(
+    turns: list[Turn], stop: int, chunks: Iterable[bytes | memoryview], rec_bytes: int, progress: Progress | None = None
+) -> tuple[int, int | None]:
+    """Re-hash the turns ending at or before ``stop`` against the record bytes ``chunks`` yields
+    from record 0 on; returns (turns checked, index of the first bad turn or None).
 
-    session_id: str
-    ok: bool
-    n_records: int
-    turns_checked: int
-    first_bad: dict[str, int] | None  # {"turn": index, "start": record, "end": record}
-    good_records: int  # records before the first bad turn (all of them when ok)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    A gap or an overlap in the hashed ranges is bad from there (nothing past it is vouched for), and
+    so is a turn the bytes end inside (``chunks`` raising :class:`IntegrityError` included).
+    ``progress(bytes_hashed, bytes_total)`` is called after each chunk.
+    """
+    checked = [t for t in turns if t.end <= stop]
+    if not checked:
+        return 0, None
+    expected_start = 0
+    for index, turn in enumerate(checked):
+        if turn.start != expected_start or turn.end <= turn.start:
+            return index, index
+        expected_start = turn.end
+    hasher = _hasher()
+    turn_index, remaining = 0, (checked[0].end - checked[0].start) * rec_bytes
+    hashed, to_hash = 0, checked[-1].end * rec_bytes
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            if progress is not None:
+                hashed += len(view)
+                progress(min(hashed, to_hash), to_hash)
+            while len(view):
+                take = min(remaining, len(view))
+                hasher.update(view[:take])
+                view = view[take:]
+                remaining -= take
+                if remaining == 0:
+                    if hasher.digest() != checked[turn_index].digest:
+                        return turn_index, turn_index
+                    turn_index += 1
+                    if turn_index == len(checked):
+                        return turn_index, None
+                    hasher = _hasher()
+                    remaining = (checked[turn_index].end - checked[turn_index].start) * rec_bytes
+    except IntegrityError:
+        return turn_index, turn_index  # the file ends inside this turn
+    return turn_index, (turn_index if turn_index < len(checked) else None)
 
 
 class TurnHasher:
@@ -94,49 +123,21 @@ class Integrity:
         self.ctx = ctx
 
     def check_turns(
-        self, record: dict, turns: list[Turn], stop: int, progress: Progress | None = None
+        self, record: IndexRecord, turns: list[Turn], stop: int, progress: Progress | None = None
     ) -> tuple[int, int | None]:
-        """Re-hash the turns ending at or before ``stop``; returns (turns checked, first bad index).
+        """Re-hash the turns ending at or before ``stop`` from the session's journal or archive;
+        returns (turns checked, first bad index) (:func:`first_bad_turn`).
 
         The caller holds the session's read or write lock. ``progress(bytes_hashed, bytes_total)``
         is called after each chunk read.
         """
-        rec_bytes = record_bytes_of(record)
         checked = [t for t in turns if t.end <= stop]
         if not checked:
             return 0, None
-        expected_start = 0
-        for index, turn in enumerate(checked):
-            if turn.start != expected_start or turn.end <= turn.start:
-                return index, index  # a gap or overlap in the hashed ranges: nothing past it is vouched for
-            expected_start = turn.end
-        hasher = _hasher()
-        turn_index, remaining = 0, (checked[0].end - checked[0].start) * rec_bytes
-        hashed, to_hash = 0, checked[-1].end * rec_bytes
-        try:
-            for chunk in record_chunks(self.ctx, record, 0, checked[-1].end):
-                view = memoryview(chunk)
-                if progress is not None:
-                    hashed += len(view)
-                    progress(min(hashed, to_hash), to_hash)
-                while len(view):
-                    take = min(remaining, len(view))
-                    hasher.update(view[:take])
-                    view = view[take:]
-                    remaining -= take
-                    if remaining == 0:
-                        if hasher.digest() != checked[turn_index].digest:
-                            return turn_index, turn_index
-                        turn_index += 1
-                        if turn_index == len(checked):
-                            return turn_index, None
-                        hasher = _hasher()
-                        remaining = (checked[turn_index].end - checked[turn_index].start) * rec_bytes
-        except IntegrityError:
-            return turn_index, turn_index  # the file ends inside this turn
-        return turn_index, (turn_index if turn_index < len(checked) else None)
+        chunks = record_chunks(self.ctx, record, 0, checked[-1].end)
+        return first_bad_turn(checked, stop, chunks, record_bytes_of(record), progress)
 
-    def rehash_prefix(self, record: dict, turn: Turn, keep: int, complete: bool) -> Turn:
+    def rehash_prefix(self, record: IndexRecord, turn: Turn, keep: int, complete: bool) -> Turn:
         """The turn ``[start, keep)`` cut out of ``turn``, after checking the whole turn's hash.
 
         Raises
@@ -168,7 +169,7 @@ class Integrity:
             with ctx.index.read() as txn:
                 record = ctx.index.get(txn, session_id)
                 turns = ctx.index.turns(txn, session_id)
-            if not ctx.visible(record, owner):
+            if not visible(record, owner):
                 raise SessionNotFound(f"no session {public_id(session_id)!r}")
             refuse_damaged(record)
             checked, bad = self.check_turns(record, turns, record["n_records"], progress)

@@ -5,76 +5,44 @@
   the acknowledged count and, from the first turn whose hash no longer matches, every record on.
 - **migrate** converts a session to another tier: the turns are verified first, the journal is
   rewritten atomically through ``kvstore.migrations``, and the index takes the new tier,
-  fingerprint, turn hashes and prefix blocks in one transaction.
+  fingerprint, turn hashes and prefix blocks in one transaction. It runs as one line: the session
+  resolved once by the facade (a ``SessionHandle``), its write lock, ``Parking.open_active`` (the
+  record read again, the journal opened and settled), the turns read and checked against the
+  loaded records, the rewrite under the exclusive read lock, the index transaction, the evictor.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import IntegrityError, JournalWriteError
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import HEADER_BYTES, Header
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
 from kvstore.journal import PreviousImage, write_atomic
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations import index as schema
 from kvstore.store import archive
 from kvstore.store.budget import Evictor, Reservations
-from kvstore.store.context import StoreContext
-from kvstore.store.integrity import Integrity, TurnHasher, complete_end
+from kvstore.store.context import JOURNAL_UNUSABLE, SessionHandle, StoreContext
+from kvstore.store.integrity import Integrity, TurnHasher, complete_end, first_bad_turn
 from kvstore.store.parking import Parking
+from kvstore.store.records import bytes_view
 from kvstore.store.recovery import Recovery
 from kvstore.store.removal import Removal
+from kvstore.store.results import RepairReport, records_report
 from kvstore.store.values import (
     Fingerprint,
     ModelInfo,
     Progress,
     SessionInfo,
     check_record_size,
-    geometry_of,
-    public_id,
-    tier_of,
+    stored_tier,
     tier_record,
     validate_key,
 )
 from kvstore.tiers import Tier
-
-
-@dataclass(frozen=True)
-class RepairReport:
-    session_id: str
-    dry_run: bool
-    actions: list[str]
-    kept_records: int
-    dropped_records: int
-    first_bad: dict[str, int] | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def records_report(records: coli_kv.KVRecords) -> dict[str, Any]:
-    """What a session's ``.coli_kv`` image holds, as ``inspect`` reports it on every backend:
-    header fields, sizes and what a loader would neutralize."""
-    header = records.header
-    return {
-        "header": {
-            "version": header.version,
-            "codec": header.tier.codec_name,
-            "bits": header.bits,
-            "tag": header.tag,
-            "nrec": header.nrec,
-            **dataclasses.asdict(header.geometry),
-        },
-        "record_bytes": header.rec_bytes,
-        "complete_records": records.complete_records,
-        "loadable_records": records.n,
-        "problems": records.problems.messages(),
-    }
 
 
 class Maintenance:
@@ -172,31 +140,39 @@ class Maintenance:
                     else:
                         journal.truncate(indexed)  # also cuts a torn tail
                         with ctx.index.write() as txn:
-                            record = ctx.update(txn, session_id, size_bytes=journal.size_bytes)
+                            record = ctx.index.update(txn, session_id, size_bytes=journal.size_bytes)
         dropped = (indexed - keep) + max(on_disk - indexed, 0)
         return RepairReport(session_id, dry_run, actions, keep, dropped, first_bad)
 
-    def migrate(self, session_id: str, tier: Tier, owner: str | None, progress: Progress | None) -> SessionInfo:
+    def migrate(self, session: SessionHandle, tier: Tier, progress: Progress | None) -> SessionInfo:
         """Convert a session's journal to another tier (see the module docstring)."""
-        ctx = self.ctx
-        validate_key(session_id)
-        with ctx.writing(session_id):
-            record = self._parking.active_locked(session_id, owner)
-            source_tier, geometry = tier_of(record), geometry_of(record)
+        ctx, key = self.ctx, session.key
+        with session.writing:
+            record = self._parking.active(session)
+            source_tier, geometry = stored_tier(record["tier"]), Geometry(*record["geometry"])
             if tier == source_tier:
                 return SessionInfo.from_record(record)
             check_record_size(geometry, tier)
             format_migrations.plan(source_tier, tier)
-            with ctx.open_journal(record, writable=True) as journal:
-                record = self._recovery.match_journal(record, journal)
+            try:
+                journal = ctx.open_journal_file(session.journal, geometry, source_tier, writable=True)
+            except JOURNAL_UNUSABLE as exc:
+                raise ctx.journal_damaged(key, exc) from None
+            with journal:
+                if not journal.holds(record["n_records"]):
+                    record = self._recovery.match_journal(record, journal)
                 with ctx.index.read() as txn:
-                    turns = ctx.index.turns(txn, session_id)
-                _, bad = self._integrity.check_turns(record, turns, record["n_records"])
+                    turns = ctx.index.turns(txn, key)
+                records = journal.load().slice(0, record["n_records"])
+                if journal.upgrade_pending:  # loaded in the active tier: hash the bytes as stored
+                    _, bad = self._integrity.check_turns(record, turns, record["n_records"])
+                else:  # the records just loaded are the journal's bytes
+                    stored = [bytes_view(records.records)]
+                    _, bad = first_bad_turn(turns, record["n_records"], stored, records.header.rec_bytes)
                 if bad is not None:
                     raise IntegrityError(
-                        f"turn {bad} of session {public_id(session_id)!r} does not match its hash; repair the session before migrating"
+                        f"turn {bad} of session {session.id!r} does not match its hash; repair the session before migrating"
                     )
-                records = journal.load().slice(0, record["n_records"])
                 new_rec_bytes = coli_kv.record_bytes(geometry, tier)
                 total = records.n
                 done = [0]
@@ -211,7 +187,7 @@ class Maintenance:
                 size = HEADER_BYTES + total * new_rec_bytes
                 with (
                     self._reservations.reserve(size) as reservation,
-                    ctx.reading(session_id, exclusive=True),
+                    session.replacing,
                     PreviousImage(journal.path) as previous,
                 ):
                     unsynced = None
@@ -226,22 +202,22 @@ class Maintenance:
                         unsynced = exc
                     new_turns = hasher.turns()
                     model = ModelInfo.from_dict(record["model"])
-                    key = Fingerprint(model, geometry, tier).key()
+                    fingerprint = Fingerprint(model, geometry, tier).key()
                     hashes = schema.chain_hashes(
-                        schema.chain_seed(record["owner"], key), records.tokens[: record["watermark"]]
+                        schema.chain_seed(record["owner"], fingerprint), records.tokens[: record["watermark"]]
                     )
                     try:
                         with ctx.index.write() as txn:
-                            ctx.index.drop_turns_after(txn, session_id, -1)
+                            ctx.index.drop_turns_after(txn, key, -1)
                             for turn in new_turns:
-                                ctx.index.put_turn(txn, session_id, turn)
-                            ctx.index.drop_prefix_blocks_from(txn, session_id, 0)
-                            ctx.index.put_prefix_blocks(txn, session_id, 0, hashes)
-                            record = ctx.update(
+                                ctx.index.put_turn(txn, key, turn)
+                            ctx.index.drop_prefix_blocks_from(txn, key, 0)
+                            ctx.index.put_prefix_blocks(txn, key, 0, hashes)
+                            record = ctx.index.update(
                                 txn,
-                                session_id,
+                                key,
                                 tier=tier_record(tier),
-                                fingerprint=key,
+                                fingerprint=fingerprint,
                                 prefix_blocks=len(hashes),
                                 size_bytes=size,  # what write_atomic wrote (``journal`` holds the old file)
                                 updated=time.time(),
@@ -254,16 +230,16 @@ class Maintenance:
                         raise
                     if unsynced is not None:
                         raise JournalWriteError(
-                            f"session {public_id(session_id)!r} was migrated to {tier.describe()}, but syncing the journal's folder failed "
+                            f"session {session.id!r} was migrated to {tier.describe()}, but syncing the journal's folder failed "
                             f"({unsynced.__cause__}); a power loss now may bring the old journal back (the store follows whichever it finds)"
                         ) from unsynced
                     try:
                         previous.discard()
                     except OSError as exc:  # committed: the call took effect, and says what is left over
                         raise JournalWriteError(
-                            f"session {public_id(session_id)!r} was migrated to {tier.describe()}, but removing the previous "
+                            f"session {session.id!r} was migrated to {tier.describe()}, but removing the previous "
                             f"journal kept during the rewrite (journals/{previous.link_name}) failed ({exc.strerror or exc}); "
                             f"`kvstore verify --repair` or the next start of the store removes it"
                         ) from exc
-        self._evictor.after_write(session_id)
+        self._evictor.after_write(key)
         return SessionInfo.from_record(record)

@@ -8,6 +8,11 @@
 
 Readers of a parked session (verify, lookup) stream its archive under the session's read lock, so
 both directions take the read lock exclusively for the switch and the unlink.
+
+A write to a session starts here too (:meth:`Parking.active` and :meth:`Parking.open_active`,
+under its write lock): the record read again, a parked session unparked, a damaged one refused, the
+journal opened and, when it disagrees with the index, settled by ``recovery`` — so a write sees an
+active session whose journal and index agree.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ import time
 
 from kvstore.errors import IntegrityError, SessionDamaged
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import HEADER_BYTES
-from kvstore.journal import fsync_dir, write_errors
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry
+from kvstore.journal import KVFile, fsync_dir, write_errors
 from kvstore.store import archive
 from kvstore.store.budget import Reservations
-from kvstore.store.context import StoreContext
+from kvstore.store.context import JOURNAL_UNUSABLE, SessionHandle, StoreContext
+from kvstore.store.index import refuse_damaged
 from kvstore.store.recovery import Recovery
-from kvstore.store.values import Progress, geometry_of, public_id, refuse_damaged, tier_of
+from kvstore.store.values import IndexRecord, Progress, geometry_of, public_id, stored_tier, tier_of
 
 
 class Parking:
@@ -34,7 +40,7 @@ class Parking:
         self._reservations = reservations
         self._recovery = recovery
 
-    def active_locked(self, session_id: str, owner: str | None) -> dict:
+    def active_locked(self, session_id: str, owner: str | None) -> IndexRecord:
         """The record of an active session, unparking it first if needed (write lock held)."""
         record = self.ctx.record(session_id, owner)
         if record["state"] == "parked":
@@ -42,9 +48,37 @@ class Parking:
         refuse_damaged(record)
         return record
 
+    def active(self, session: SessionHandle) -> IndexRecord:
+        """The session's record read again (``session.writing`` held), unparking it first if it is
+        parked; a damaged session is refused."""
+        record = self.ctx.index.current(session.key, session.owner)
+        if record["state"] == "parked":
+            record = self.unpark_locked(session.key, session.owner, None)
+        refuse_damaged(record)
+        return record
+
+    def open_active(self, session: SessionHandle) -> tuple[IndexRecord, KVFile]:
+        """:meth:`active`, then the journal opened for writing: a missing or mismatched one marks the
+        session damaged, and one that disagrees with the index (an unacknowledged tail, a lost one)
+        is settled by ``recovery.match_journal`` before the write. Close the journal (``with``)."""
+        record = self.active(session)
+        try:
+            journal = self.ctx.open_journal_file(
+                session.journal, Geometry(*record["geometry"]), stored_tier(record["tier"]), writable=True
+            )
+        except JOURNAL_UNUSABLE as exc:
+            raise self.ctx.journal_damaged(session.key, exc) from None
+        try:
+            if not journal.holds(record["n_records"]):
+                record = self._recovery.match_journal(record, journal)
+        except BaseException:
+            journal.close()
+            raise
+        return record, journal
+
     def park_locked(
         self, session_id: str, owner: str | None, progress: Progress | None, *, read_timeout: float | None = None
-    ) -> dict:
+    ) -> IndexRecord:
         """Compress the journal into the archive, then switch the index (see the module docstring)."""
         ctx = self.ctx
         record = ctx.record(session_id, owner)
@@ -67,7 +101,7 @@ class Parking:
             try:
                 with ctx.reading(session_id, exclusive=True, timeout=read_timeout):
                     with ctx.index.write() as txn:
-                        record = ctx.update(txn, session_id, state="parked", size_bytes=size, updated=time.time())
+                        record = ctx.index.update(txn, session_id, state="parked", size_bytes=size, updated=time.time())
                     with write_errors(
                         f"session {public_id(session_id)!r} was parked, but removing its journal",
                         "its archive holds every record; the journal left behind is removed on the next unpark or store open",
@@ -82,7 +116,7 @@ class Parking:
                 raise
         return record
 
-    def unpark_locked(self, session_id: str, owner: str | None, progress: Progress | None) -> dict:
+    def unpark_locked(self, session_id: str, owner: str | None, progress: Progress | None) -> IndexRecord:
         """Restore the journal from the archive, then switch the index (see the module docstring)."""
         ctx = self.ctx
         record = ctx.record(session_id, owner)
@@ -119,7 +153,7 @@ class Parking:
                 # lock: switch to the journal and remove the archive only when none is reading.
                 with ctx.reading(session_id, exclusive=True):
                     with ctx.index.write() as txn:
-                        record = ctx.update(txn, session_id, state="active", size_bytes=size, updated=time.time())
+                        record = ctx.index.update(txn, session_id, state="active", size_bytes=size, updated=time.time())
                         self._reservations.settle(txn, reservation)
                     committed = True
                     with write_errors(

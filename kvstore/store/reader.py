@@ -3,7 +3,10 @@
 A :class:`SessionReader` holds the session's read lock (nothing shrinks or replaces the journal
 while it is open; appends may continue) and one file descriptor of the journal; it serves the
 records whole (:meth:`SessionReader.load`), as raw chunks (a download) or in batches (a device
-restore). :class:`Resumed` is a whole load with what the caller needs to restore it.
+restore). Opening one is the resume path, in one line: the session resolved once by the facade (a
+``SessionHandle``), its fingerprint and state checked (a parked session unparked first), its read
+lock, the record read again, the journal opened and its header checked against it, the use
+recorded in the index.
 """
 
 from __future__ import annotations
@@ -11,83 +14,37 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from kvstore.errors import BadScale, FingerprintMismatch, IntegrityError, InvalidRequest, SessionDamaged
+from kvstore.errors import BadScale, IntegrityError, InvalidRequest, JournalLocked, SessionDamaged
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import HEADER_BYTES, Header, KVRecords
-from kvstore.locks import FileLock
-from kvstore.store.context import StoreContext
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
+from kvstore.store.base import Reader
+from kvstore.store.context import SessionHandle, SessionLock, StoreContext
+from kvstore.store.index import refuse_damaged
 from kvstore.store.integrity import Integrity
 from kvstore.store.records import COPY_CHUNK_BYTES, pread_exact
-from kvstore.store.values import MODEL_FIELDS, Fingerprint, SessionInfo, geometry_of, public_id, tier_of
+from kvstore.store.results import check_fingerprint
+from kvstore.store.values import Fingerprint, IndexRecord, SessionInfo, stored_tier
 
 
-@dataclass(frozen=True)
-class Resumed:
-    """A resumed session: the records to restore, trimmed to the watermark (or before damage)."""
-
-    info: SessionInfo
-    records: KVRecords
-    reused_tokens: int
-    verified: bool
-    damaged_from: int | None  # first record of the first bad turn, when verify found one
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self.records.tokens
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """``(L f32[n_layers,n,kv_lora], R f32[n_layers,n,qk_rope], I f32[nic,n,index_hd] | None)``."""
-        return self.records.dequantize()
-
-
-def check_fingerprint(record: dict, expect: Fingerprint, override: Iterable[str]) -> None:
-    """Raise :class:`FingerprintMismatch` naming each field of ``expect`` the session differs in
-    (``override``: fields not to compare, ``model.*`` or ``tier`` only)."""
-    skip = set(override)
-    unknown = skip - {f"model.{n}" for n in MODEL_FIELDS} - {"tier"}
-    if unknown:
-        raise InvalidRequest(f"cannot override {sorted(unknown)}: only model.* fields and tier can be overridden")
-    found = SessionInfo.from_record(record).fingerprint.mismatches(expect)
-    blocking = [m for m in found if m.split(":")[0] not in skip]
-    if blocking:
-        raise FingerprintMismatch(
-            f"session {public_id(record['id'])!r} was written by another model or cache tier: "
-            + "; ".join(blocking)
-            + " (pass an override only if you know the caches are interchangeable)"
-        )
-
-
-class ServedRows:
-    """What every session reader (either backend) derives from its ``info``, ``n_records`` and
-    ``record_bytes``: the reused tokens, the body's size and a ``.coli_kv`` header for it."""
-
-    info: SessionInfo
-    n_records: int
-    record_bytes: int
-
-    @property
-    def reused_tokens(self) -> int:
-        return self.n_records
-
-    @property
-    def body_bytes(self) -> int:
-        return self.n_records * self.record_bytes
-
-    def header_bytes(self) -> bytes:
-        """A ``.coli_kv`` header for the served records (nrec = ``n_records``)."""
-        return Header(self.info.geometry, self.info.tier, self.n_records).to_bytes()
-
-
-class SessionReader(ServedRows):
+class SessionReader(Reader):
     """An open, consistent view of a session's records ``[0, n_records)`` for resuming.
 
     Holds the session's read lock (nothing shrinks or replaces the journal meanwhile) and a file
     descriptor of the journal. Close it (or use ``with``) to release both.
+
+    Parameters
+    ----------
+    ctx, integrity : the store's context and turn hashes
+    session : the session, resolved (``StoreContext.session``)
+    verify : re-hash the turns first; a mismatch is a miss: only the records before the first bad
+        turn (down to a complete turn) are served
+    expect, override : the fingerprint the caller will restore under, and the fields not to compare
+    unpark : unparks the session (the store's ``unpark``, write lock and eviction included)
+    started : ``time.perf_counter()`` when the caller began (a restore's seconds count from there)
 
     Attributes
     ----------
@@ -102,36 +59,62 @@ class SessionReader(ServedRows):
         self,
         ctx: StoreContext,
         integrity: Integrity,
-        record: dict,
-        lock: FileLock,
-        verify: bool,
+        session: SessionHandle,
         *,
+        verify: bool = False,
+        expect: Fingerprint | None = None,
+        override: Iterable[str] = (),
+        unpark: Callable[[], object],
         started: float | None = None,
     ):
-        self._lock = lock
         self._fd = -1
+        self._lock: SessionLock | None = None
         self._stats = ctx.stats
         self._counting = threading.Lock()
         # a restore (kvstore.store.stats): bytes read, and seconds spent opening and reading only
         self._read_bytes: int | None = None  # None until a read starts
+        self._info: SessionInfo | None = None
+        key = session.key
+        record = session.record
+        for attempt in range(3):  # a parked session is unparked, then read; eviction may race us once
+            if attempt:
+                record = ctx.index.current(key, session.owner)
+            if expect is not None:
+                check_fingerprint(record, expect, override)
+            if record["state"] == "parked":
+                unpark()
+                continue
+            refuse_damaged(record)
+            lock = session.reading.acquire()
+            try:
+                record = ctx.index.current(key, session.owner)
+            except BaseException:
+                lock.release()
+                raise
+            if record["state"] == "active":
+                self._lock = lock
+                break
+            lock.release()
+        else:
+            raise JournalLocked(f"session {session.id!r} keeps being parked while it is resumed; try again")
+        self._record: IndexRecord = record
         self._busy_s = time.perf_counter() - (started if started is not None else time.perf_counter())
         opened = time.perf_counter()
-        sid = record["id"]
         try:
-            self._fd = ctx.open_journal_fd(sid)
+            self._fd = ctx.open_journal_reader(session.journal)
             header = coli_kv.parse_header(os.pread(self._fd, HEADER_BYTES, 0))
-            if header.geometry != geometry_of(record) or header.tier != tier_of(record):
+            self._geometry, self._tier = Geometry(*record["geometry"]), stored_tier(record["tier"])
+            if header.geometry != self._geometry or header.tier != self._tier:
                 raise IntegrityError(
-                    f"the journal of {public_id(sid)!r} no longer matches its index entry; reopen the store to reconcile it"
+                    f"the journal of {session.id!r} no longer matches its index entry; reopen the store to reconcile it"
                 )
-            self.info = SessionInfo.from_record(record)
             self.record_bytes = header.rec_bytes
             served = record["watermark"]
             self.verified = bool(verify)
             self.damaged_from: int | None = None
             if verify:
                 with ctx.index.read() as txn:
-                    turns = ctx.index.turns(txn, sid)
+                    turns = ctx.index.turns(txn, key)
                 _, bad = integrity.check_turns(record, turns, served)
                 covered = max((t.end for t in turns if t.end <= served), default=0)
                 limit = turns[bad].start if bad is not None else covered
@@ -139,17 +122,26 @@ class SessionReader(ServedRows):
                     self.damaged_from = limit
                     served = max((t.end for t in turns if t.end <= limit and t.complete), default=0)
             self.n_records = served
-            ctx.touch(sid)
+            ctx.index.touch(key)
             self._busy_s += time.perf_counter() - opened
         except FileNotFoundError:
             self.close()
-            raise SessionDamaged(f"the journal of session {public_id(sid)!r} is missing") from None
+            raise SessionDamaged(f"the journal of session {session.id!r} is missing") from None
         except BaseException:
             self.close()
             raise
 
-    def iter_bytes(self, chunk_bytes: int = COPY_CHUNK_BYTES) -> Iterator[bytes]:
-        """The served records' raw bytes, in chunks (a whole number of records each, when it fits)."""
+    @property
+    def info(self) -> SessionInfo:
+        """The session as its record was when the reader opened."""
+        if self._info is None:
+            self._info = SessionInfo.from_record(self._record)
+        return self._info
+
+    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[bytes]:
+        """The served records' raw bytes, in chunks (a whole number of records each, when it fits;
+        ``chunk_bytes`` None: 8 MiB)."""
+        chunk_bytes = COPY_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         chunk_bytes = max(self.record_bytes, chunk_bytes - chunk_bytes % self.record_bytes)
         offset, end = HEADER_BYTES, HEADER_BYTES + self.body_bytes
         self._count_read(0, 0.0)
@@ -174,12 +166,12 @@ class SessionReader(ServedRows):
             if n == 0:
                 raise IntegrityError(f"the journal of {self.info.id!r} ended at record {got // self.record_bytes}")
             got += n
-        dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
+        dtype = coli_kv.record_dtype(self._geometry, self._tier)
         records = np.frombuffer(body, dtype=dtype, count=self.n_records)
         if strict:
             self.check_scales(records, 0)
         self._count_read(len(body), time.perf_counter() - started)
-        return KVRecords(Header(self.info.geometry, self.info.tier, self.n_records), records, HEADER_BYTES + len(body))
+        return KVRecords(Header(self._geometry, self._tier, self.n_records), records, HEADER_BYTES + len(body))
 
     def read_into(self, out: np.ndarray, start: int, count: int) -> int:
         """Read served records ``[start, start + count)`` into ``out`` (u8, at least ``count``
@@ -193,7 +185,7 @@ class SessionReader(ServedRows):
         if not 0 <= start <= start + count <= self.n_records:
             raise InvalidRequest(f"records [{start}, {start + count}) are not within the {self.n_records} served")
         started = time.perf_counter()
-        view = memoryview(out).cast("B")[: count * self.record_bytes]
+        view = out.data.cast("B")[: count * self.record_bytes]
         got = 0
         while got < len(view):  # one preadv returns at most 2 GiB
             n = os.preadv(self._fd, [view[got:]], HEADER_BYTES + start * self.record_bytes + got)
@@ -208,7 +200,7 @@ class SessionReader(ServedRows):
     def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
         """Served records as KVRecords batches of at most ``batch_records``; ``strict``: see
         :meth:`check_scales`."""
-        dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
+        dtype = coli_kv.record_dtype(self._geometry, self._tier)
         self._count_read(0, 0.0)
         for start in range(0, self.n_records, batch_records):
             started = time.perf_counter()
@@ -222,13 +214,13 @@ class SessionReader(ServedRows):
             if strict:
                 self.check_scales(records, start)
             self._count_read(len(raw), time.perf_counter() - started)
-            yield KVRecords(Header(self.info.geometry, self.info.tier, stop - start), records, HEADER_BYTES + len(raw))
+            yield KVRecords(Header(self._geometry, self._tier, stop - start), records, HEADER_BYTES + len(raw))
 
     def check_scales(self, records: np.ndarray, first_record: int) -> None:
         """Refuse served records holding a scale/radius no encoder writes (``Tier.corrupt_scales``).
 
         The store validated every row it acknowledged, so such a row is damage on disk. The byte
-        streams serve records as stored (a client's loader makes such rows inert, FORMAT.md section
+        streams serve records as stored (a client's loader makes such rows inert, docs/FORMAT.md section
         4); a restore into a cache reads with ``strict`` and gets :class:`SessionDamaged` naming the
         session, its journal and the record instead of a row of zeros.
         """
@@ -257,13 +249,8 @@ class SessionReader(ServedRows):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        self._lock.release()
-
-    def __enter__(self) -> "SessionReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        if self._lock is not None:
+            self._lock.release()
 
     def __del__(self):
         try:

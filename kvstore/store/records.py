@@ -7,7 +7,6 @@ or write lock, which keeps the files from shrinking or being replaced meanwhile.
 
 from __future__ import annotations
 
-import mmap
 import os
 from typing import TYPE_CHECKING, Iterator
 
@@ -15,8 +14,9 @@ import numpy as np
 
 from kvstore.errors import IntegrityError
 from kvstore.formats.coli_kv import HEADER_BYTES
+from kvstore.journal import read_tokens
 from kvstore.store import archive
-from kvstore.store.values import public_id, record_bytes_of
+from kvstore.store.values import IndexRecord, public_id, record_bytes_of
 
 if TYPE_CHECKING:
     from kvstore.store.context import StoreContext
@@ -30,7 +30,7 @@ def bytes_view(records: np.ndarray) -> memoryview:
 
 
 def record_chunks(
-    ctx: StoreContext, record: dict, start: int, stop: int, chunk_bytes: int = COPY_CHUNK_BYTES
+    ctx: StoreContext, record: IndexRecord, start: int, stop: int, chunk_bytes: int = COPY_CHUNK_BYTES
 ) -> Iterator[bytes]:
     """The stored bytes of records ``[start, stop)`` in order, from the journal or the archive.
 
@@ -64,28 +64,7 @@ def record_chunks(
     raise IntegrityError(f"the archive of {public_id(record['id'])!r} ends before record {stop}")
 
 
-def read_tokens(fd: int, rec_bytes: int, start: int, stop: int) -> np.ndarray:
-    """Tokens (int32[stop - start]) of records ``[start, stop)`` of a journal, touching only their pages.
-
-    The caller holds a lock that keeps the file from shrinking (a mapped page past the end of a
-    file would fault).
-    """
-    if stop <= start:
-        return np.empty(0, np.int32)
-    first = HEADER_BYTES + start * rec_bytes
-    aligned = first - first % mmap.ALLOCATIONGRANULARITY
-    length = HEADER_BYTES + stop * rec_bytes - aligned
-    mapped = mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=aligned)
-    try:
-        view = np.ndarray((stop - start,), dtype="<i4", buffer=mapped, offset=first - aligned, strides=(rec_bytes,))
-        tokens = view.astype(np.int32)
-        del view
-    finally:
-        mapped.close()
-    return tokens
-
-
-def tokens_of(ctx: StoreContext, record: dict, n_records: int) -> np.ndarray | None:
+def tokens_of(ctx: StoreContext, record: IndexRecord, n_records: int) -> np.ndarray | None:
     """The first ``n_records`` tokens (int32, fewer if the file holds fewer whole records) of a
     session, from its journal or, when parked, its archive; None for a session in another state."""
     rec_bytes = record_bytes_of(record)

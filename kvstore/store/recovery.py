@@ -43,7 +43,7 @@ from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
 from kvstore.store.integrity import Integrity, TurnHasher, complete_end
 from kvstore.store.removal import Removal, unlink_quietly
-from kvstore.store.values import KEY_PATTERN, Fingerprint, ModelInfo, geometry_of, tier_of, tier_record
+from kvstore.store.values import KEY_PATTERN, Fingerprint, IndexRecord, ModelInfo, geometry_of, tier_of, tier_record
 
 # kvstore.journal.AtomicFile names its temporary files so: the pid tells whether the writer still runs.
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\d+$")
@@ -60,15 +60,14 @@ class Recovery:
         self._integrity = Integrity(ctx)  # stateless over the context: re-hashes a file that came back
 
     # ------------------------------------------------------------------ one session, before a write
-    def match_journal(self, record: dict, journal: KVFile) -> dict:
+    def match_journal(self, record: IndexRecord, journal: KVFile) -> IndexRecord:
         """Reconcile one session whose journal count differs from the index (under its write lock)."""
-        expected_size = HEADER_BYTES + record["n_records"] * coli_kv.record_bytes(journal.geometry, journal.tier)
-        if journal.n_records == record["n_records"] and journal.size_bytes == expected_size:
+        if journal.holds(record["n_records"]):
             return record
         record, _ = self.reconcile_journal(record, journal)
         return record
 
-    def reconcile_journal(self, record: dict, journal: KVFile) -> tuple[dict, list[str]]:
+    def reconcile_journal(self, record: IndexRecord, journal: KVFile) -> tuple[IndexRecord, list[str]]:
         """Settle one active session's index against its open (writable) journal."""
         ctx = self.ctx
         sid = record["id"]
@@ -76,7 +75,7 @@ class Recovery:
         if journal.geometry != geometry_of(record):
             reason = "the journal is for another model: " + "; ".join(journal.geometry.mismatches(geometry_of(record)))
             with ctx.index.write() as txn:
-                record = ctx.update(txn, sid, state="damaged", problem=reason)
+                record = ctx.index.update(txn, sid, state="damaged", problem=reason)
             return record, [f"{sid}: {reason}; marked damaged"]
         if journal.stored_tier != tier_of(record):
             record = self._adopt_tier(record, journal)
@@ -104,10 +103,10 @@ class Recovery:
         size = journal.size_bytes
         if size != record["size_bytes"]:
             with ctx.index.write() as txn:
-                record = ctx.update(txn, sid, size_bytes=size)
+                record = ctx.index.update(txn, sid, size_bytes=size)
         return record, actions
 
-    def _adopt_tier(self, record: dict, journal: KVFile) -> dict:
+    def _adopt_tier(self, record: IndexRecord, journal: KVFile) -> IndexRecord:
         """Follow a journal rewritten in another tier: new fingerprint, re-hashed turns, prefixes."""
         ctx = self.ctx
         sid = record["id"]
@@ -128,7 +127,7 @@ class Recovery:
                 ctx.index.put_turn(txn, sid, turn)
             ctx.index.drop_prefix_blocks_from(txn, sid, 0)
             ctx.index.put_prefix_blocks(txn, sid, 0, hashes)
-            return ctx.update(
+            return ctx.index.update(
                 txn,
                 sid,
                 tier=tier_record(tier),
@@ -186,11 +185,13 @@ class Recovery:
             return [f"{sid}: finished an interrupted delete"]
         if state == "parked" and not has_archive and has_journal:
             with ctx.index.write() as txn:
-                record = ctx.update(txn, sid, state="active", problem="the archive was missing; the journal was kept")
+                record = ctx.index.update(
+                    txn, sid, state="active", problem="the archive was missing; the journal was kept"
+                )
             state, actions = "active", [f"{sid}: archive missing, journal kept (session active again)"]
         if state == "active" and not has_journal and has_archive:
             with ctx.index.write() as txn:
-                record = ctx.update(
+                record = ctx.index.update(
                     txn,
                     sid,
                     state="parked",
@@ -236,7 +237,7 @@ class Recovery:
         return getattr(exc, "filename", None) in (str(sidecar), sidecar.name)  # opened by path or by name (openat)
 
     # ------------------------------------------------------------------ damaged sessions, again
-    def recheck_damaged(self, record: dict) -> list[str]:
+    def recheck_damaged(self, record: IndexRecord) -> list[str]:
         """Give a damaged session back the state its files show, when they are sound again (its
         write lock held). Returns the action taken, or nothing when it stays damaged.
 
@@ -263,16 +264,16 @@ class Recovery:
                 return []
             return self._readmit(record, "active", turns, min(journal.n_records, record["n_records"]), journal)
 
-    def _readmit(self, record: dict, state: str, turns: list, stop: int, journal: KVFile | None) -> list[str]:
+    def _readmit(self, record: IndexRecord, state: str, turns: list, stop: int, journal: KVFile | None) -> list[str]:
         ctx = self.ctx
         sid = record["id"]
-        candidate = {**record, "state": state}
+        candidate: IndexRecord = {**record, "state": state}
         if journal is None or journal.stored_tier == tier_of(record):  # else reconcile adopts the new tier
             _, bad = self._integrity.check_turns(candidate, turns, stop)
             if bad is not None:
                 return []
         with ctx.index.write() as txn:
-            current = ctx.update(txn, sid, state=state, problem=None)
+            current = ctx.index.update(txn, sid, state=state, problem=None)
         what = "journal" if journal is not None else "archive"
         actions = [f"{sid}: its {what} is sound again (it was damaged: {record.get('problem')}); {state} again"]
         if journal is not None:
@@ -390,7 +391,7 @@ class Recovery:
 
     def _mark_damaged(self, sid: str, reason: str) -> str:
         with self.ctx.index.write() as txn:
-            self.ctx.update(txn, sid, state="damaged", problem=reason)
+            self.ctx.index.update(txn, sid, state="damaged", problem=reason)
         return f"{sid}: {reason}; marked damaged"
 
     def _sweep_orphans(self) -> list[str]:
@@ -437,7 +438,7 @@ class Recovery:
             with ctx.writing(key, timeout=0):
                 with FileLock(sidecar, timeout=0, dir_fd=ctx.dir_fd(ctx.journals)):
                     os.unlink(ctx.journals / temp_name)
-                if made and not ctx.indexed(key):
+                if made and not ctx.index.holds(key):
                     unlink_quietly(sidecar)  # the lock taken just now leaves no sidecar behind
         except (JournalLocked, PathRefused, FileNotFoundError):
             return False  # busy, a lock file that is not one (reported by sweep_sidecars), or gone

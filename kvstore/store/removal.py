@@ -22,7 +22,7 @@ from kvstore.journal import KVFile, fsync_dir, write_errors
 from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
 from kvstore.store.integrity import Integrity
-from kvstore.store.values import public_id
+from kvstore.store.values import IndexRecord, public_id
 
 
 def unlink_quietly(path: Path) -> None:
@@ -42,14 +42,14 @@ class Removal:
 
     def cut(
         self,
-        record: dict,
+        record: IndexRecord,
         journal: KVFile,
         keep: int,
         *,
         complete: bool,
         watermark: int | None = None,
         problem: str | None = None,
-    ) -> dict:
+    ) -> IndexRecord:
         """Index first, then journal: shorten a session to ``keep`` records (locks held).
 
         The watermark becomes ``min(watermark, keep)`` unless given; a turn cut by ``keep`` is
@@ -79,7 +79,7 @@ class Removal:
             if replacement is not None:
                 ctx.index.put_turn(txn, sid, replacement)
             ctx.index.drop_prefix_blocks_from(txn, sid, changes["prefix_blocks"])
-            record = ctx.update(txn, sid, **changes)
+            record = ctx.index.update(txn, sid, **changes)
         journal.truncate(keep)
         return record
 
@@ -94,7 +94,7 @@ class Removal:
                 raise SessionNotFound(f"no session {public_id(session_id)!r}")
             if record["state"] != "deleting":
                 with ctx.index.write() as txn:
-                    ctx.update(txn, session_id, state="deleting")  # invisible from here on
+                    ctx.index.update(txn, session_id, state="deleting")  # invisible from here on
             with write_errors(
                 f"deleting session {public_id(session_id)!r}",
                 "the session is hidden; deleting it again (or reopening the store) removes what is left",

@@ -1,9 +1,12 @@
-"""The :class:`SessionStore` facade: the store's public interface, delegating to one object per concern.
+"""The :class:`SessionStore` facade: the embedded backend of :class:`~kvstore.store.base.Store`,
+delegating to one object per concern.
 
 It builds the shared :class:`~kvstore.store.context.StoreContext` and the concern objects over it
 (the wiring is in ``__init__``), takes the locks that span concerns, and converts index records to
-the public value types. The behaviour of each operation is documented where it is implemented;
-the package docstring (``kvstore.store``) is the map.
+the public value types. A migrate, an append or a resume resolves the session once
+(``StoreContext.session``) and hands the handle to the module that owns the operation. The
+behaviour of each operation is documented where it is implemented; the package docstring
+(``kvstore.store``) is the map.
 """
 
 from __future__ import annotations
@@ -17,19 +20,29 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from kvstore.errors import InvalidRequest, JournalLocked
+from kvstore.errors import InvalidRequest
 from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
-from kvstore.store.budget import Eviction, Evictor, Reservations
+from kvstore.store.base import CAPABILITIES, Store
+from kvstore.store.budget import Evictor, Reservations
 from kvstore.store.context import StoreContext
-from kvstore.store.index import DEFAULT_MAP_SIZE, Index
-from kvstore.store.integrity import Integrity, VerifyReport
-from kvstore.store.maintenance import Maintenance, RepairReport
+from kvstore.store.index import DEFAULT_MAP_SIZE, Index, visible
+from kvstore.store.integrity import Integrity
+from kvstore.store.maintenance import Maintenance
 from kvstore.store.parking import Parking
-from kvstore.store.prefix import LookupResult, Prefixes
-from kvstore.store.reader import Resumed, SessionReader, check_fingerprint
+from kvstore.store.prefix import Prefixes
+from kvstore.store.reader import SessionReader
 from kvstore.store.recovery import Recovery
 from kvstore.store.removal import Removal
+from kvstore.store.results import (
+    AppendResult,
+    CacheCounts,
+    Eviction,
+    LookupResult,
+    RepairReport,
+    Resumed,
+    VerifyReport,
+)
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
     STATES,
@@ -38,16 +51,15 @@ from kvstore.store.values import (
     Progress,
     SessionInfo,
     public_id,
-    refuse_damaged,
     storage_key,
     tier_of,
     validate_tags,
 )
-from kvstore.store.writes import AppendResult, Writes
+from kvstore.store.writes import Writes
 from kvstore.tiers import Tier
 
 
-class SessionStore:
+class SessionStore(Store):
     """Sessions of MLA latent KV rows: create, append, resume, fork, look up, park, evict.
 
     Parameters
@@ -66,7 +78,12 @@ class SessionStore:
     is simply missing (:class:`SessionNotFound`, the same reason as for an id nobody has);
     ``owner=None`` acts as any owner, and refuses an id several owners have (:class:`InvalidRequest`)
     rather than pick one.
+
+    The embedded backend has every capability of :data:`~kvstore.store.base.CAPABILITIES`; open it
+    through :func:`kvstore.store.open` (a data folder).
     """
+
+    capabilities = frozenset(CAPABILITIES)
 
     def __init__(
         self,
@@ -108,15 +125,14 @@ class SessionStore:
             self._removal,
             self._recovery,
             self._parking,
-            self._prefixes,
         )
         self._maintenance = Maintenance(
             ctx, self._reservations, self._evictor, self._integrity, self._removal, self._recovery, self._parking
         )
-        self.reconcile_actions: list[str] = []
+        self._reconcile_actions: list[str] = []
         if reconcile:
             try:
-                self.reconcile_actions = self.reconcile()
+                self._reconcile_actions = self.reconcile()
             except BaseException:
                 ctx.close()
                 raise
@@ -128,8 +144,21 @@ class SessionStore:
     def __enter__(self) -> "SessionStore":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def reconcile_actions(self) -> list[str]:
+        """What the reconcile on open repaired (one line each; empty when opened with ``reconcile=False``)."""
+        return self._reconcile_actions
+
+    def schema_version(self) -> int:
+        """The LMDB index's schema version (``kvstore.migrations.index``)."""
+        return self._ctx.index.version()
+
+    def cache_counts(self) -> CacheCounts | None:
+        """None: the embedded store reads its own files, it keeps no cache."""
+        return None
 
     @property
     def data_dir(self) -> Path:
@@ -206,7 +235,7 @@ class SessionStore:
                 records = index.records(txn)
         out = []
         for record in records:
-            if not self._ctx.visible(record, owner):
+            if not visible(record, owner):
                 continue
             if model_name is not None and record["model"]["name"] != model_name:
                 continue
@@ -242,7 +271,7 @@ class SessionStore:
         out: dict[str, dict[str, int]] = {}
         names: dict[tuple, str] = {}  # a tier's index form -> its name (one lookup per distinct tier)
         for record in records:
-            if not self._ctx.visible(record, None):
+            if not visible(record, None):
                 continue
             stored = record["tier"]
             form = (stored["version"], stored.get("codec"), stored.get("bits"))
@@ -305,9 +334,9 @@ class SessionStore:
             with either as zeros) and counting them in ``AppendResult.sanitized``
         """
         started = time.perf_counter()
-        key = self._ctx.resolve(session_id, owner)
+        session = self._ctx.session(session_id, owner)
         result = self._writes.append(
-            key, tokens, L, R, I, complete_turn=complete_turn, owner=owner, reject_nonfinite=reject_nonfinite
+            session, tokens, L, R, I, complete_turn=complete_turn, reject_nonfinite=reject_nonfinite
         )
         self._ctx.stats.appended(time.perf_counter() - started)
         return result
@@ -334,9 +363,9 @@ class SessionStore:
         AppendResult — acknowledged only after the journal and the index both committed.
         """
         started = time.perf_counter()
-        key = self._ctx.resolve(session_id, owner)
+        session = self._ctx.session(session_id, owner)
         result = self._writes.append_records(
-            key, records, complete_turn=complete_turn, owner=owner, reject_nonfinite=reject_nonfinite
+            session, records, complete_turn=complete_turn, reject_nonfinite=reject_nonfinite
         )
         self._ctx.stats.appended(time.perf_counter() - started)
         return result
@@ -378,7 +407,7 @@ class SessionStore:
         checked = validate_tags(tags)
         key = self._ctx.resolve(session_id, owner)
         with self._ctx.index.write() as txn:
-            record = self._ctx.update(txn, key, tags=checked, updated=time.time())
+            record = self._ctx.index.update(txn, key, tags=checked, updated=time.time())
         return SessionInfo.from_record(record)
 
     # ------------------------------------------------------------------ resuming (kvstore.store.reader)
@@ -405,28 +434,17 @@ class SessionStore:
         The reader serves records ``[0, reused_tokens)``; appends may continue meanwhile, and
         nothing that shrinks or replaces the journal runs until the reader is closed.
         """
-        ctx = self._ctx
         started = time.perf_counter()  # a restore's seconds count the unpark and the verify
-        key = ctx.resolve(session_id, owner)
-        for _ in range(3):  # a parked session is unparked, then read; eviction may race us once
-            record = ctx.record(key, owner)
-            if expect is not None:
-                check_fingerprint(record, expect, override)
-            if record["state"] == "parked":
-                self.unpark(session_id, owner=owner)
-                continue
-            refuse_damaged(record)
-            lock = ctx.reading(key).acquire()
-            try:
-                record = ctx.record(key, owner)
-                if record["state"] != "active":
-                    lock.release()
-                    continue
-                return SessionReader(ctx, self._integrity, record, lock, verify, started=started)
-            except BaseException:
-                lock.release()
-                raise
-        raise JournalLocked(f"session {session_id!r} keeps being parked while it is resumed; try again")
+        return SessionReader(
+            self._ctx,
+            self._integrity,
+            self._ctx.session(session_id, owner),
+            verify=verify,
+            expect=expect,
+            override=override,
+            unpark=lambda: self.unpark(session_id, owner=owner),
+            started=started,
+        )
 
     def resume(
         self,
@@ -445,7 +463,8 @@ class SessionStore:
         the engine need not prefill), ``damaged_from`` when ``verify`` found a bad turn.
         """
         with self.reader(session_id, owner=owner, verify=verify, expect=expect, override=override) as reader:
-            return Resumed(reader.info, reader.load(), reader.n_records, reader.verified, reader.damaged_from)
+            records = reader.load()
+        return Resumed(reader.info, records, reader.n_records, reader.verified, reader.damaged_from)
 
     def last_turn_digest(self, info: SessionInfo) -> bytes:
         """The hash of the session's last turn as the index holds it (b"" before the first): with
@@ -543,7 +562,7 @@ class SessionStore:
         fingerprint, turn hashes and prefix blocks in one transaction. ``progress(records_done,
         records_total)``.
         """
-        return self._maintenance.migrate(self._ctx.resolve(session_id, owner), tier, owner, progress)
+        return self._maintenance.migrate(self._ctx.session(session_id, owner), tier, progress)
 
     # ------------------------------------------------------------------ recovery (kvstore.store.recovery)
     def reconcile(self) -> list[str]:

@@ -113,7 +113,7 @@ class StoreStats:
         self._lock = threading.Lock()
         self._lookups = self._hits = self._misses = 0
         self._lock_waits = self._lock_timeouts = 0
-        self._evictions = dict.fromkeys(EVICTION_ACTIONS, 0)
+        self._evictions: dict[str, int] = dict.fromkeys(EVICTION_ACTIONS, 0)
         self._evicted_bytes = 0
         self._restore_bytes = _Buckets(RESTORE_BYTES_BUCKETS)
         self._restore_seconds = _Buckets(RESTORE_SECONDS_BUCKETS)

@@ -1,7 +1,9 @@
 """What a session is, as values: ids, owners and tags (validated), the model, the fingerprint, the info.
 
-An index record is a plain dict (``kvstore.migrations.index`` encodes it); :class:`SessionInfo` is
-its typed, read-only view. The helpers at the bottom convert the record's tier and geometry fields.
+An index record is a JSON object (``kvstore.migrations.index`` encodes it), typed here as
+:class:`IndexRecord`; :class:`SessionInfo` is its read-only view. Both backends speak these values:
+the shared backend builds the same record from its rows. The helpers at the bottom convert the
+record's tier and geometry fields.
 """
 
 from __future__ import annotations
@@ -9,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypedDict
 
 from kvstore import tiers
-from kvstore.errors import InvalidRequest, InvalidSessionId, SessionDamaged
+from kvstore.errors import InvalidRequest, InvalidSessionId
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
 from kvstore.migrations import index as schema
@@ -32,6 +34,44 @@ MAX_RECORD_BYTES = 64 << 20
 MODEL_FIELDS = ("name", "revision", "weights_hash", "tokenizer_hash", "chat_template_hash", "attention_variant")
 
 Progress = Callable[[int, int], None]  # (done, total)
+
+
+class TierRecord(TypedDict):
+    """A tier as an index record stores it: the ``.coli_kv`` version, codec and bits."""
+
+    version: int
+    codec: int | None
+    bits: int | None
+
+
+class IndexRecord(TypedDict):
+    """A session's record in the index (LMDB ``sessions``: key -> this JSON object).
+
+    ``id`` is the storage key (``<id>~<owner>``), ``parent`` the key of the session it was forked
+    from; times are seconds since the epoch; ``fingerprint`` is :meth:`Fingerprint.key`;
+    ``prefix_blocks`` counts the chain hashes stored for it; ``last_used_ns`` orders the LRU.
+    :meth:`SessionInfo.from_record` is its public view.
+    """
+
+    id: str
+    owner: str
+    model: dict[str, Any]
+    geometry: list[int]
+    tier: TierRecord
+    n_records: int
+    watermark: int
+    created: float
+    updated: float
+    last_used: float
+    last_used_ns: int
+    size_bytes: int
+    tags: list[str]
+    state: str  # one of STATES, or "deleting" (hidden while a delete finishes)
+    parent: str | None
+    fork_point: int | None
+    problem: str | None
+    fingerprint: str
+    prefix_blocks: int
 
 
 # ---------------------------------------------------------------------------- validation
@@ -99,30 +139,28 @@ def check_record_size(geometry: Geometry, tier: Tier) -> None:
         )
 
 
-def refuse_damaged(record: dict[str, Any]) -> None:
-    """Raise :class:`SessionDamaged` (with the recorded problem) for a session marked damaged."""
-    if record["state"] == "damaged":
-        raise SessionDamaged(f"session {public_id(record['id'])!r} is damaged: {record.get('problem')}")
-
-
 # ---------------------------------------------------------------------------- index record fields
-def tier_record(tier: Tier) -> dict[str, Any]:
+def tier_record(tier: Tier) -> TierRecord:
     """A tier as the index record stores it (the file's version, codec and bits)."""
     return {"version": tier.version, "codec": tier.codec, "bits": tier.bits}
 
 
-def tier_of(record: dict[str, Any]) -> Tier:
-    """The tier of an index record."""
-    stored = record["tier"]
+def stored_tier(stored: TierRecord) -> Tier:
+    """The tier a record's ``tier`` field names."""
     return tiers.from_file(stored["version"], stored.get("codec"), stored.get("bits"))
 
 
-def geometry_of(record: dict[str, Any]) -> Geometry:
+def tier_of(record: IndexRecord) -> Tier:
+    """The tier of an index record."""
+    return stored_tier(record["tier"])
+
+
+def geometry_of(record: IndexRecord) -> Geometry:
     """The geometry of an index record (its six words)."""
     return Geometry(*record["geometry"])
 
 
-def record_bytes_of(record: dict[str, Any]) -> int:
+def record_bytes_of(record: IndexRecord) -> int:
     """Bytes per record of a session, from its index record."""
     return coli_kv.record_bytes(geometry_of(record), tier_of(record))
 
@@ -183,7 +221,7 @@ class Fingerprint:
 
     def key(self) -> str:
         """The stable digest the index stores (and prefix chains are seeded with)."""
-        return schema.fingerprint_key(self.model.to_dict(), self.geometry.words(), tier_record(self.tier))
+        return schema.fingerprint_key(self.model.to_dict(), self.geometry.words(), dict(tier_record(self.tier)))
 
     def mismatches(self, expected: "Fingerprint") -> list[str]:
         """``field: session X, expected Y`` for each field that differs."""
@@ -231,7 +269,7 @@ class SessionInfo:
     key: str
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> "SessionInfo":
+    def from_record(cls, record: IndexRecord) -> "SessionInfo":
         parent = record.get("parent")
         return cls(
             id=public_id(record["id"]),

@@ -4,6 +4,9 @@
   then one index transaction records the new count, the turn's hash, the prefix blocks and the
   watermark. The append is acknowledged only after both; a crash in between leaves journal records
   the index does not know, rolled back on open, so a client that retries does not duplicate rows.
+  It runs as one line: the session resolved once by the facade (a ``SessionHandle``), its write
+  lock, ``Parking.open_active`` (the record read again, the journal opened and settled), the
+  journal append, the index transaction, then the evictor.
 - **truncate**: the index commits the shorter count first, then the journal is cut (``removal``).
 - **create / fork**: the new file is published atomically first, then indexed; a file without an
   index entry is an unacknowledged creation (removed if empty, else moved to ``lost+found``).
@@ -16,35 +19,35 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
-from kvstore.errors import FormatError, InvalidRequest, JournalWriteError, NonFiniteValues, SessionExists
+from kvstore.errors import FormatError, InvalidRequest, JournalWriteError, SessionExists
 from kvstore.formats import coli_kv, nonfinite
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
 from kvstore.formats.nonfinite import Sanitized
 from kvstore.journal import KVFile, write_atomic
 from kvstore.migrations import index as schema
 from kvstore.store.budget import Evictor, Reservations
-from kvstore.store.context import StoreContext
-from kvstore.store.index import Turn
+from kvstore.store.context import SessionHandle, StoreContext
+from kvstore.store.index import Turn, refuse_damaged
 from kvstore.store.integrity import Integrity, turn_digest
 from kvstore.store.parking import Parking
-from kvstore.store.prefix import Prefixes
+from kvstore.store.prefix import block_tokens
 from kvstore.store.records import CountingChunks, bytes_view, record_chunks
 from kvstore.store.recovery import Recovery
 from kvstore.store.removal import Removal, unlink_quietly
+from kvstore.store.results import AppendResult, refuse_nonfinite
 from kvstore.store.values import (
     Fingerprint,
+    IndexRecord,
     ModelInfo,
     SessionInfo,
     check_record_size,
     geometry_of,
     public_id,
-    refuse_damaged,
     storage_key,
     tier_of,
     tier_record,
@@ -53,23 +56,6 @@ from kvstore.store.values import (
     validate_tags,
 )
 from kvstore.tiers import Tier
-
-
-@dataclass(frozen=True)
-class AppendResult:
-    info: SessionInfo
-    appended: int  # records written by this call
-    turn: tuple[int, int] | None  # the record range hashed as this call's turn (None for an empty call)
-    sanitized: Sanitized = Sanitized()  # non-finite values in the rows, stored as the tier's rule says
-
-
-def refuse_nonfinite(found: Sanitized) -> None:
-    """Raise :class:`NonFiniteValues` when ``found`` counts any (the caller asked for refusal)."""
-    if found.values:
-        raise NonFiniteValues(
-            f"the rows hold {found.describe()}; this store refuses non-finite values (reject_nonfinite, "
-            "kvstore serve --reject-nonfinite): nothing was written"
-        )
 
 
 class Writes:
@@ -84,7 +70,6 @@ class Writes:
         removal: Removal,
         recovery: Recovery,
         parking: Parking,
-        prefixes: Prefixes,
     ):
         self.ctx = ctx
         self._reservations = reservations
@@ -93,7 +78,6 @@ class Writes:
         self._removal = removal
         self._recovery = recovery
         self._parking = parking
-        self._prefixes = prefixes
 
     # ------------------------------------------------------------------ create
     def create(
@@ -130,7 +114,7 @@ class Writes:
                     unlink_quietly(sidecar)  # we held it: a refused create leaves no file behind
                     raise
                 now_ns = time.time_ns()
-                record = {
+                record: IndexRecord = {
                     "id": session_id,
                     "owner": owner,
                     "model": model.to_dict(),
@@ -182,26 +166,26 @@ class Writes:
 
     # ------------------------------------------------------------------ append
     def append(
-        self, session_id: str, tokens, L, R, I, *, complete_turn: bool, owner: str | None, reject_nonfinite: bool
+        self, session: SessionHandle, tokens, L, R, I, *, complete_turn: bool, reject_nonfinite: bool
     ) -> AppendResult:
         """Encode rows in the session's tier (``coli_kv.encode_records_counted``), then append them.
 
-        Non-finite values are stored by the tier's rule and counted (``AppendResult.sanitized``), or
-        refused with ``reject_nonfinite`` (:class:`NonFiniteValues`, before anything is written).
+        The tier is the one the resolving read found: rows encoded for a tier a migrate has changed
+        since are refused by the journal's validation, nothing written. Non-finite values are
+        stored by the tier's rule and counted (``AppendResult.sanitized``), or refused with
+        ``reject_nonfinite`` (:class:`NonFiniteValues`, before anything is written).
         """
-        record = self.ctx.record(session_id, owner)
-        encoded, found = coli_kv.encode_records_counted(geometry_of(record), tier_of(record), tokens, L, R, I)
+        encoded, found = coli_kv.encode_records_counted(session.geometry, session.tier, tokens, L, R, I)
         if reject_nonfinite:
             refuse_nonfinite(found)
-        return self.append_records(session_id, encoded, complete_turn=complete_turn, owner=owner, counted=found)
+        return self.append_records(session, encoded, complete_turn=complete_turn, counted=found)
 
     def append_records(
         self,
-        session_id: str,
+        session: SessionHandle,
         records: np.ndarray | bytes | bytearray | memoryview,
         *,
         complete_turn: bool,
-        owner: str | None,
         reject_nonfinite: bool = False,
         counted: Sanitized | None = None,
     ) -> AppendResult:
@@ -210,12 +194,10 @@ class Writes:
         Non-finite f32 values (v1 rows, indexer rows) are stored as 0 and counted, or refused with
         ``reject_nonfinite``; ``counted`` is the count of rows :meth:`append` encoded (already clean).
         """
-        ctx = self.ctx
-        validate_key(session_id)
-        with ctx.writing(session_id):
-            record = self._parking.active_locked(session_id, owner)
-            with ctx.open_journal(record, writable=True) as journal:
-                record = self._recovery.match_journal(record, journal)
+        ctx, key = self.ctx, session.key
+        with session.writing:
+            record, journal = self._parking.open_active(session)
+            with journal:
                 found = counted
                 if found is None:
                     records, found = self._sanitized(records, journal)
@@ -232,25 +214,28 @@ class Writes:
                     total = journal.append_records(rows, validate=False)  # validated above
                     size = journal.size_bytes
                     new_wm = total if complete_turn else record["watermark"]
-                    hashes, first_block = self._prefixes.new_blocks(record, journal, rows, new_wm)
+                    tokens = block_tokens(journal, rows, record["prefix_blocks"], count, new_wm)
                     now_ns = time.time_ns()
                     with ctx.index.write() as txn:
-                        ctx.index.put_turn(txn, session_id, Turn(count, total, complete_turn, digest))
-                        if hashes:
-                            ctx.index.put_prefix_blocks(txn, session_id, first_block, hashes)
-                        record = ctx.update(
+                        ctx.index.put_turn(txn, key, Turn(count, total, complete_turn, digest))
+                        blocks = (
+                            ctx.index.extend_prefix(txn, record, tokens)
+                            if tokens is not None
+                            else record["prefix_blocks"]
+                        )
+                        record = ctx.index.update(
                             txn,
-                            session_id,
+                            key,
                             n_records=total,
                             watermark=new_wm,
                             size_bytes=size,
                             updated=now_ns / 1e9,
                             last_used=now_ns / 1e9,
                             last_used_ns=now_ns,
-                            prefix_blocks=first_block + len(hashes) if hashes else record["prefix_blocks"],
+                            prefix_blocks=blocks,
                         )
                         self._reservations.settle(txn, reservation)
-        self._evictor.after_write(session_id)
+        self._evictor.after_write(key)
         return AppendResult(SessionInfo.from_record(record), total - count, (count, total), found)
 
     @staticmethod
@@ -269,26 +254,19 @@ class Writes:
             return records, Sanitized()
         return nonfinite.sanitize_records(records, journal.tier)
 
-    def _mark_complete(self, record: dict, journal: KVFile) -> dict:
+    def _mark_complete(self, record: IndexRecord, journal: KVFile) -> IndexRecord:
         """Mark the rows appended so far as a complete turn (the watermark moves to the count)."""
         ctx = self.ctx
         sid = record["id"]
         if record["watermark"] == record["n_records"]:
             return record
-        hashes, first_block = self._prefixes.new_blocks(record, journal, None, record["n_records"])
+        tokens = block_tokens(journal, None, record["prefix_blocks"], record["n_records"], record["n_records"])
         with ctx.index.write() as txn:
             turns = ctx.index.turns(txn, sid)
             if turns:
                 ctx.index.put_turn(txn, sid, turns[-1]._replace(complete=True))
-            if hashes:
-                ctx.index.put_prefix_blocks(txn, sid, first_block, hashes)
-            return ctx.update(
-                txn,
-                sid,
-                watermark=record["n_records"],
-                updated=time.time(),
-                prefix_blocks=first_block + len(hashes) if hashes else record["prefix_blocks"],
-            )
+            blocks = ctx.index.extend_prefix(txn, record, tokens) if tokens is not None else record["prefix_blocks"]
+            return ctx.index.update(txn, sid, watermark=record["n_records"], updated=time.time(), prefix_blocks=blocks)
 
     # ------------------------------------------------------------------ truncate
     def truncate(self, session_id: str, n_records: int, owner: str | None) -> SessionInfo:
@@ -362,7 +340,7 @@ class Writes:
                         unlink_quietly(path)
                         raise
                     now_ns = time.time_ns()
-                    record = {
+                    record: IndexRecord = {
                         **source,
                         "id": new_id,
                         "n_records": at,

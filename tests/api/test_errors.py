@@ -27,6 +27,7 @@ PACKAGES = (
     "kvstore.engine",
     "kvstore.api",
     "kvstore.cli",
+    "kvstore.connectors",
 )
 #: Where each layer's errors are defined (imported here so the walk below finds them by name).
 ERROR_MODULES = (

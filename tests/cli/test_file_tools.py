@@ -113,7 +113,7 @@ def test_migrate_from_v1_reproduces_the_reference_files(tmp_path, vectors, capsy
     before = src.read_bytes()
     dst = tmp_path / "dst.coli_kv"
     # the reference source holds a NaN on purpose (tests/vectors/README.md): damage, so refused
-    # unless allowed; the encoders zero it as FORMAT.md says
+    # unless allowed; the encoders zero it as docs/FORMAT.md says
     code, out, err = run(capsys, "migrate", str(src), str(dst), *args, "--json")
     assert code == 1 and "non-finite f32 values (NaN/inf): 1" in err and not dst.exists()
     code, out, err = run(capsys, "migrate", str(src), str(dst), *args, "--json", "--allow-damaged")

@@ -22,7 +22,7 @@ import pytest
 from kvstore.cli import main
 from kvstore.formats.coli_kv import MAX_LAYERS, MAX_WIDTH
 
-#: The header's words h0..h7 as FORMAT.md section 1 names them (word i at bytes 8 + 4i).
+#: The header's words h0..h7 as docs/FORMAT.md section 1 names them (word i at bytes 8 + 4i).
 HEADER_WORDS = ("n_layers", "kv_lora", "qk_rope", "index_hd", "nic", "vocab", "nrec", "tag")
 
 

@@ -2,23 +2,30 @@
 
 (Over 500 lines on purpose: one class is the whole suite, which each backend inherits whole.)
 
-A backend's test module subclasses :class:`StoreConformance` and implements :meth:`make_store`
-and the hooks that look at what the backend stores (:meth:`stored_image`, :meth:`flip_stored_byte`,
-:meth:`held_bytes`); everything else is the public interface of ``kvstore.store.SessionStore``:
-create/append/append_records/resume/reader/truncate/fork/lookup/park/unpark/delete/list/get/
-set_tags/verify/inspect/repair/migrate, budgets and eviction, owner visibility and typed errors.
-What only one backend has (LMDB schema upgrades, journal files, lost+found) stays in its own suite.
+A backend's test module subclasses :class:`StoreConformance`, names the backend's class
+(:attr:`StoreConformance.backend`) and implements :meth:`make_store` (through
+``kvstore.store.open``) and the hooks that look at what the backend stores (:meth:`stored_image`,
+:meth:`flip_stored_byte`, :meth:`held_bytes`); everything else is the interface
+``kvstore.store.Store``: create/append/append_records/resume/reader/truncate/fork/lookup/park/
+unpark/delete/list/get/set_tags/verify/inspect/repair/migrate, budgets and eviction, owner
+visibility and typed errors. What only one backend has (LMDB schema upgrades, journal files,
+lost+found) stays in its own suite.
 
-A backend without some operations names them in :attr:`StoreConformance.lacks`: their tests skip
-with the reason, and ``test_lacked_operations_raise_a_typed_error`` checks that each one raises
-``NotOnSharedStore`` naming it and changes nothing.
+What a backend lacks is data on its class (``Store.capabilities``, :attr:`StoreConformance.lacks`
+reads it): those tests skip with the reason, and ``test_lacked_operations_raise_a_typed_error``
+checks that each lacked call raises ``NotOnSharedStore`` naming it and changes nothing.
+``test_the_backend_keeps_the_interface`` fails when a method's signature drifts from the
+interface (``kvstore.store.interface_drift``); ``test_a_drifted_signature_is_reported`` shows
+that check failing on a planted drift.
 """
 
 from __future__ import annotations
 
 import abc
+import inspect
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -39,7 +46,7 @@ from kvstore.errors import (
 )
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry
-from kvstore.store import Fingerprint, ModelInfo, SessionStore
+from kvstore.store import CAPABILITIES, Fingerprint, ModelInfo, SessionStore, Store, interface_drift
 from store.support import GEOMETRY, MODEL, Rows, new_session
 
 TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(3)]
@@ -60,20 +67,28 @@ def compressible(n: int, seed: int):
 class StoreConformance(abc.ABC):
     """Subclass as ``class Test<Backend>Store(StoreConformance)`` and implement the hooks."""
 
-    #: What the backend does not have, as data: ``"park"`` (park and unpark), ``"repair"``,
-    #: ``"migrate"``, ``"hard_limit"`` (a store opened with ``hard_limit_bytes``), ``"journal_files"``
-    #: (``journal_path``, ``archive_path``: their tests are the backend's own). Their tests skip;
-    #: each raises ``NotOnSharedStore`` instead (``test_lacked_operations_raise_a_typed_error``).
-    lacks: frozenset[str] = frozenset()
-    #: Whether a resume re-hashes the turns it serves even without ``verify`` (it then refuses a
-    #: damaged turn with ``IntegrityError`` instead of serving it unchecked).
-    hashes_every_read: bool = False
+    #: The backend's class: what it can do is read from it (``capabilities``, ``hashes_every_read``).
+    backend: ClassVar[type[Store]]
+
+    @property
+    def lacks(self) -> frozenset[str]:
+        """What the backend does not have (``Store.lacks()``): ``"park"`` (park and unpark),
+        ``"repair"``, ``"migrate"``, ``"hard_limit"`` (a store opened with ``hard_limit_bytes``),
+        ``"journal_files"`` (``journal_path``, ``archive_path``: their tests are the backend's own).
+        Their tests skip; each raises ``NotOnSharedStore`` instead."""
+        return self.backend.lacks()
+
+    @property
+    def hashes_every_read(self) -> bool:
+        """Whether a resume re-hashes the turns it serves even without ``verify`` (it then refuses a
+        damaged turn with ``IntegrityError`` instead of serving it unchecked)."""
+        return self.backend.hashes_every_read
 
     def needs(self, *capabilities: str) -> None:
         """Skip the calling test, saying why, when the backend lacks one of ``capabilities``."""
         missing = sorted(set(capabilities) & self.lacks)
         if missing:
-            pytest.skip(f"{type(self).__name__} lacks {', '.join(missing)} (StoreConformance.lacks)")
+            pytest.skip(f"{self.backend.__name__} lacks {', '.join(missing)} (its capabilities)")
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
@@ -733,6 +748,43 @@ class StoreConformance(abc.ABC):
                 self.make_store(tmp_path / "data", **limits)
         with self.make_store(tmp_path / "data") as store:
             assert store.enforce_budget() == []  # no budget: nothing to evict
+
+    # ------------------------------------------------------------------ the interface, as declared
+    def test_the_backend_keeps_the_interface(self, store):
+        # every method and property of the interface, with its parameters (names, kinds, defaults,
+        # annotations); the factory gives this backend; its capabilities are known names
+        drift = interface_drift(self.backend)
+        assert not drift, "the backend drifted from kvstore.store.Store:\n" + "\n".join(drift)
+        assert isinstance(store, self.backend) and isinstance(store, Store)
+        assert self.backend.capabilities <= set(CAPABILITIES)
+        assert all(self.backend.supports(name) == (name not in self.lacks) for name in CAPABILITIES)
+        with pytest.raises(InvalidRequest, match="unknown store capability"):
+            self.backend.supports("teleport")
+
+    def test_a_drifted_signature_is_reported(self):
+        # The check above must be able to fail: plant a renamed parameter, a changed default, a
+        # property turned method and an abstract method left unimplemented in a subclass.
+        interface_migrate = Store.__dict__["migrate"]
+
+        class Drifted(self.backend):  # type: ignore[misc, valid-type]
+            def migrate(self, session_id, tier, *, who=None, progress=None):  # owner renamed
+                raise AssertionError("never called")
+
+            def get(self, session_id, *, owner="alice"):  # another default
+                raise AssertionError("never called")
+
+            def lock_timeout(self):  # a property in the interface
+                raise AssertionError("never called")
+
+            inspect = Store.__dict__["inspect"]  # abstract again: not implemented
+
+        found = interface_drift(Drifted)
+        assert any(line.startswith("Drifted.migrate(") and "owner" in line for line in found), found
+        assert any(line.startswith("Drifted.get(") for line in found), found
+        assert "Drifted.lock_timeout: a property in Store, not here" in found, found
+        assert "Drifted.inspect: missing" in found, found
+        assert len(found) == 4, found
+        assert list(inspect.signature(interface_migrate).parameters)[3] == "owner"
 
     # ------------------------------------------------------------------ what a backend lacks
     def test_lacked_operations_raise_a_typed_error(self, store, rows, tmp_path):

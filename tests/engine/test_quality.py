@@ -11,7 +11,7 @@ fp8 91-98%, int4 77-83%, polar4 66-80%. The floors sit below the lowest measurem
 with room for BLAS-order differences between machines, and follow each tier's element error:
 bf16 keeps 8 mantissa bits and Q8_0 ~7 bits per block (<= 0.4% relative), fp8 e4m3 keeps 3
 (<= 6.25% relative per element), and the 4-bit codecs measure a row rel-L2 of ~0.096 (int4) and
-~0.147 (polar) (FORMAT.md section 6). f32 must agree everywhere: its rows are the model's own.
+~0.147 (polar) (docs/FORMAT.md section 6). f32 must agree everywhere: its rows are the model's own.
 """
 
 from __future__ import annotations

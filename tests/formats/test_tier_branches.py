@@ -9,19 +9,10 @@ from tier_branches import REGISTRY_MODULES, chains_in_source, tier_branch_chains
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
-#: Files owned by another change that still hold one chain each, until it lands:
-#: ``kvstore/filetools.py`` (``_sanitized`` picks the repair by file version; ``KVRecords.sanitized``
-#: in ``kvstore.formats.records`` is the codec-driven replacement). An entry goes with its chain.
-AWAITING = {"kvstore/filetools.py": 1}
-
 
 def test_the_tree_has_no_tier_branch_chains():
     found = tier_branch_chains(ROOT)
-    awaiting = [chain for chain in found if chain.split(":")[0] in AWAITING]
-    others = [chain for chain in found if chain not in awaiting]
-    assert not others, "tier branch chains (give the difference to the tier's codec instead):\n" + "\n".join(others)
-    for file, allowed in AWAITING.items():
-        assert sum(chain.startswith(file + ":") for chain in awaiting) <= allowed, file
+    assert not found, "tier branch chains (give the difference to the tier's codec instead):\n" + "\n".join(found)
 
 
 def test_the_counter_catches_a_planted_chain(tmp_path):

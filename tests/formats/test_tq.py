@@ -1,4 +1,4 @@
-"""kvstore.formats.tq against the golden vectors, a literal reading of FORMAT.md 5-6, and properties."""
+"""kvstore.formats.tq against the golden vectors, a literal reading of docs/FORMAT.md 5-6, and properties."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ CASES = [(name, 1, 4) for name in GEOMETRIES] + [(name, 0, bits) for name in GEO
 
 
 def spec_row_bytes(n: int, codec: int, bits: int) -> int:
-    """rb(n) as FORMAT.md section 6 writes it (independent of tq.row_bytes)."""
+    """rb(n) as docs/FORMAT.md section 6 writes it (independent of tq.row_bytes)."""
     if codec == 1:
         return n // 2
     b1, b2 = bits, max(bits - 1, 1)
@@ -32,7 +32,7 @@ def spec_row_bytes(n: int, codec: int, bits: int) -> int:
 
 
 def v3_record_dtype(name: str, codec: int, bits: int) -> np.dtype:
-    """FORMAT.md section 2's v3 record, packed (the radius floats are unaligned)."""
+    """docs/FORMAT.md section 2's v3 record, packed (the radius floats are unaligned)."""
     n_layers, kv_lora, qk_rope, index_hd, nic, _, _ = GEOMETRIES[name]
     layer = np.dtype(
         [
@@ -166,7 +166,7 @@ def test_vector_special_rows_are_inert(vectors):
 
 
 # ----------------------------------------------------------------- literal spec references
-# Straight transcriptions of FORMAT.md's loops, slow and obviously right, to check the fast path.
+# Straight transcriptions of docs/FORMAT.md's loops, slow and obviously right, to check the fast path.
 
 
 def reference_hash(x: int) -> int:

@@ -19,7 +19,7 @@ TIERS = [(tq.CODEC_INT4, 4)] + [(tq.CODEC_POLAR, bits) for bits in range(2, 7)]
 
 
 def _v3_records(vectors, name: str, codec: int, bits: int) -> np.ndarray:
-    """The records of ``name.v3c{codec}b{bits}.coli_kv`` as FORMAT.md section 2 lays them out."""
+    """The records of ``name.v3c{codec}b{bits}.coli_kv`` as docs/FORMAT.md section 2 lays them out."""
     geometry, n = GEOMETRIES[name]
     layer = np.dtype(
         [
@@ -52,7 +52,7 @@ def test_decode_takes_only_what_encode_returned(codec, bits):
     expected = tq.dequantize_rows(codes, radii, 128, codec, bits)
     assert np.array_equal(back.view(np.uint32), expected.view(np.uint32))
     assert back.shape == rows.shape and back.dtype == np.float32
-    # mean rel-L2 per tier (FORMAT.md section 6 measures 0.096 for int4 and 0.147 for polar4)
+    # mean rel-L2 per tier (docs/FORMAT.md section 6 measures 0.096 for int4 and 0.147 for polar4)
     rel_l2 = np.linalg.norm(back - rows, axis=-1) / np.linalg.norm(rows, axis=-1)
     assert rel_l2.mean() < (0.12 if codec == tq.CODEC_INT4 else {2: 0.6, 3: 0.32, 4: 0.17, 5: 0.09, 6: 0.045}[bits])
     out = np.full(rows.shape, np.nan, np.float32)
@@ -85,7 +85,7 @@ def test_nonfinite_rows_are_counted_and_warned_about(codec, bits):
     )
     back = tq.decode(encoded)
     assert np.isfinite(back).all()
-    assert not back[1, 0].any() and not back[3, 1].any()  # FORMAT.md section 5: those rows are zeros
+    assert not back[1, 0].any() and not back[3, 1].any()  # docs/FORMAT.md section 5: those rows are zeros
     assert encoded.radii[1, 0] == 0 and encoded.radii[3, 1] == 0
     # the other rows are encoded as if nothing happened
     clean = rows.copy()

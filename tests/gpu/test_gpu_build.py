@@ -23,7 +23,7 @@ GEOMETRIES = [(k, r) for k in SPEC.kv_lora for r in SPEC.qk_rope]
 #: Threads of a split kernel's block (THREADS in the source) and the registers of an SM.
 THREADS, SM_REGISTERS = 256, 65536
 #: Spill traffic a kernel may have, bytes a thread: a few words are noise; a tile's worth is a
-#: regression that costs time on the H200 (docs/GPU.md).
+#: regression that costs time on the H200 (docs/GPU-LOG.md).
 MAX_SPILL = 64
 
 
@@ -82,7 +82,7 @@ def test_every_planned_launch_fits_the_devices_shared_memory(device):
 
 def test_the_h200_keeps_the_plans_it_was_measured_with():
     """On sm_90 every split kernel fits with the launch bounds' blocks per SM (16-head blocks two
-    to an SM): the plans of docs/GPU.md's tables."""
+    to an SM): the plans of docs/GPU-LOG.md's tables."""
     block, sm = nvrtc.DEVICE_SHARED_MEMORY["sm_90"]
     for (v2, k, r, fmt), needs in _needs().items():
         assert cuda_plan.fitting_m_tiles(needs, block, sm, 4) == {1: 2, 2: 1, 4: 1}, (v2, k, r, fmt, needs)

@@ -19,7 +19,7 @@ the first divergence the rest mostly disagree) and asserts a floor:
 - floors: fp8 75%, int4 40%, polar 30% — below the lowest seed with room for BLAS-order
   differences between machines, and ordered like each codec's row error. The rows themselves are
   checked too: relative L2 error against the f32 rows, fp8 (3 mantissa bits, per-row scale) in
-  (0, 0.05), int4 in (0, 0.15) and polar in (0, 0.2) (FORMAT.md section 6: ~0.096 and ~0.147).
+  (0, 0.05), int4 in (0, 0.15) and polar in (0, 0.2) (docs/FORMAT.md section 6: ~0.096 and ~0.147).
 """
 
 from __future__ import annotations

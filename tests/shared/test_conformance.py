@@ -2,9 +2,9 @@
 PostgreSQL cluster for the index and moto's standalone S3 server for the segments.
 
 ``TestSharedStore`` runs every test of the suite against :class:`SharedSessionStore`, the store a
-``kvstore serve --index --blobs`` replica answers its routes from; what the backend lacks
-(``lacks``) is skipped by the suite, which checks instead that each lacked operation raises
-``NotOnSharedStore``. One cluster and one S3 server serve every test (session fixtures of
+``kvstore serve --index --blobs`` replica answers its routes from (opened by ``kvstore.store.open``
+with the two URLs); what the backend lacks (its class's ``capabilities``) is skipped by the suite,
+which checks instead that each lacked operation raises ``NotOnSharedStore``. One cluster and one S3 server serve every test (session fixtures of
 ``tests/shared/conftest.py``); each test gets a fresh database and a fresh bucket.
 
 The hooks look at the stored bytes behind the store's back: the ``.coli_kv`` image is the header
@@ -22,6 +22,7 @@ import httpx
 import pytest
 import zstandard
 
+import kvstore.store
 from conformance.store import StoreConformance
 from kvstore.formats.coli_kv import HEADER_BYTES
 from kvstore.keys import IndexKeys
@@ -51,8 +52,7 @@ def flip_object_byte(store: SharedSessionStore, key: str, record_bytes: int, off
 
 
 class TestSharedStore(StoreConformance):
-    lacks = frozenset({"journal_files"})  # a session is segment objects: their tests are the backend's own
-    hashes_every_read = True  # a segment read whole is checked against its digest (docs/SCALE.md)
+    backend = SharedSessionStore  # lacks journal_files: a session is segment objects; hashes every read
 
     @pytest.fixture(autouse=True)
     def _servers(self, index_url, blobs_url, s3_server, monkeypatch):
@@ -62,7 +62,7 @@ class TestSharedStore(StoreConformance):
 
     # the suite types its store as the embedded one: the hooks take and give this backend's
     def make_store(self, path, **limits) -> Any:
-        return SharedSessionStore(self.index_url, self.blobs_url, data_dir=path, cache_bytes=0, **limits)
+        return kvstore.store.open(path, index_url=self.index_url, blobs_url=self.blobs_url, cache_bytes=0, **limits)
 
     def _keys(self, store: Any, session_id: str, owner: str | None) -> list[str]:
         if owner is not None:

@@ -96,7 +96,7 @@ def test_crash_between_truncate_commit_and_cut_finishes_the_cut(tmp_path):
     [
         # the archive is written, the index still says active: the archive is a leftover
         (
-            "StoreContext.update = lambda self, txn, sid, **c: os._exit(9) if c.get('state') == 'parked' else original(self, txn, sid, **c)",
+            "Index.update = lambda self, txn, sid, **c: os._exit(9) if c.get('state') == 'parked' else original(self, txn, sid, **c)",
             "active",
         ),
         # the index says parked, the journal was not unlinked yet: the journal is the leftover
@@ -114,8 +114,8 @@ def test_crash_during_park(tmp_path, patch, expected_state):
         f"""
         new_session(store)
         store.append("chat", *rows.make(30))
-        from kvstore.store.context import StoreContext
-        original = StoreContext.update
+        from kvstore.store.index import Index
+        original = Index.update
         {patch}
         store.park("chat")
         """,
@@ -140,9 +140,9 @@ def test_crash_during_unpark_before_commit(tmp_path):
         new_session(store)
         store.append("chat", *rows.make(30))
         store.park("chat")
-        from kvstore.store.context import StoreContext
-        original = StoreContext.update
-        StoreContext.update = lambda self, txn, sid, **c: os._exit(9) if c.get("state") == "active" else original(self, txn, sid, **c)
+        from kvstore.store.index import Index
+        original = Index.update
+        Index.update = lambda self, txn, sid, **c: os._exit(9) if c.get("state") == "active" else original(self, txn, sid, **c)
         store.unpark("chat")
         """,
     )

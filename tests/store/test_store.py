@@ -12,6 +12,7 @@ import stat
 
 import pytest
 
+import kvstore.store
 from conformance.store import StoreConformance
 from kvstore import tiers
 from kvstore.errors import CodecMismatch, IntegrityError, PathRefused
@@ -31,8 +32,10 @@ def flip_byte(path, offset):
 
 
 class TestEmbeddedStore(StoreConformance):
+    backend = SessionStore
+
     def make_store(self, path, **limits) -> SessionStore:
-        return SessionStore(path, **limits)
+        return kvstore.store.open(path, **limits)
 
     def stored_image(self, store, session_id, owner=None):
         # Whatever files the folder holds for that id (indexed or not), named <id>~<owner>.

@@ -27,18 +27,23 @@ Where each concern lives::
                  length and digest, a size budget, its own LRU)
     transfer.py  push / pull: sessions between an embedded SessionStore and a SharedStore, turn by
                  turn (``kvstore store push|pull``); imported by its users only
-    sessions.py  SharedSessionStore: SessionStore's interface over a SharedStore, for the service's
-                 routes (``kvstore serve --index --blobs``), the engine and the store conformance
+    sessions.py  SharedSessionStore: the store interface (``kvstore.store.Store``; every capability
+                 but ``journal_files``) over a SharedStore, for the service's routes (``kvstore
+                 serve --index --blobs``), the command line, the engine and the store conformance
                  suite: leases taken inside each write, committed snapshots for resume, both
-                 budgets; imported by its users only
+                 budgets; opened by ``kvstore.store.open`` given the index and blobs URLs
     upkeep.py    park, unpark, repair, migrate and the soft budget of SharedSessionStore
-    reading.py   SharedReader (a resume from one snapshot) and the checks on rows to append
+    reading.py   SharedReader (a ``kvstore.store.Reader``: a resume from one snapshot) and the checks
+                 on rows to append
     reports.py   verify and inspect of a shared session, as the embedded store reports them
 
 API keys in the index (table ``kv_keys``) are ``kvstore.keys.IndexKeys``, over ``SharedIndex``.
 
 What a session made of objects does not have — journal, archive and lock files —
-``SharedSessionStore`` refuses with ``NotOnSharedStore`` naming it.
+``SharedSessionStore`` refuses with ``NotOnSharedStore`` naming it. The value types it returns and
+the checks it shares with the embedded store are ``kvstore.store.values`` and
+``kvstore.store.results``: nothing here imports the embedded store's implementation, except
+``transfer.py``, which copies sessions between the two.
 """
 
 from kvstore.store.shared.blobs import BlobStore, ObjectInfo, parse_blobs_url

@@ -22,28 +22,15 @@ import os
 import tempfile
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.store.results import CacheCounts
 from kvstore.store.shared.index import Segment
 
 log = logging.getLogger("kvstore.store")
 
 SEGMENTS_DIR = "segments"
 DEFAULT_CACHE_BYTES = 8 << 30
-
-
-@dataclass(frozen=True)
-class CacheCounts:
-    """What the cache did since the replica started (``GET /metrics``)."""
-
-    hits: int  # reads served from a local copy
-    misses: int  # reads that went to the object store
-    damaged: int  # local copies refused by their length or digest (deleted, fetched again)
-    evictions: int  # copies removed to stay within the budget
-    bytes: int  # bytes held now
-    files: int  # copies held now
-    budget_bytes: int
 
 
 def _digest(payload: bytes | memoryview) -> bytes:

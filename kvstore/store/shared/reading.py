@@ -16,7 +16,7 @@ import numpy as np
 from kvstore.errors import BadScale, FormatError, InvalidRequest, SessionDamaged
 from kvstore.formats import coli_kv, fp8, nonfinite
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
-from kvstore.store.reader import ServedRows
+from kvstore.store.base import Reader
 from kvstore.store.shared.index import ReadPlan
 from kvstore.store.values import SessionInfo
 from kvstore.tiers import Tier
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 READ_CHUNK_BYTES = 4 << 20
 
 
-class SharedReader(ServedRows):
+class SharedReader(Reader):
     """A session's served records from one committed snapshot (the attributes of
     :class:`~kvstore.store.SessionReader`): segments are immutable and only added after the served
     range, so the bytes read later are those of the snapshot."""
@@ -44,7 +44,7 @@ class SharedReader(ServedRows):
     ):
         self._store = store
         self._plan = plan
-        self.info = info
+        self._info = info
         self.n_records = served
         self.record_bytes = plan.rec_bytes
         self.verified = verified
@@ -53,11 +53,10 @@ class SharedReader(ServedRows):
         self._read_bytes: int | None = None
         self._counting = threading.Lock()
 
-    def __enter__(self) -> "SharedReader":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    @property
+    def info(self) -> SessionInfo:
+        """The session as the snapshot this reader serves found it."""
+        return self._info
 
     def close(self) -> None:
         if self._read_bytes is not None:
@@ -72,9 +71,9 @@ class SharedReader(ServedRows):
             self._read_bytes = (self._read_bytes or 0) + len(body)
         return body
 
-    def iter_bytes(self, chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[bytes]:
-        """The served records' raw bytes in chunks of whole records."""
-        per = max(1, chunk_bytes // self.record_bytes)
+    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[bytes]:
+        """The served records' raw bytes in chunks of whole records (``chunk_bytes`` None: 4 MiB)."""
+        per = max(1, (READ_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // self.record_bytes)
         self._read_bytes = self._read_bytes or 0
         for start in range(0, self.n_records, per):
             yield self._read(start, min(start + per, self.n_records))
@@ -86,7 +85,7 @@ class SharedReader(ServedRows):
         if not 0 <= start <= start + count <= self.n_records:
             raise InvalidRequest(f"records [{start}, {start + count}) are not within the {self.n_records} served")
         body = self._read(start, start + count)
-        memoryview(out).cast("B")[: len(body)] = body
+        out.data.cast("B")[: len(body)] = body
         return count
 
     def load(self, *, strict: bool = False) -> KVRecords:

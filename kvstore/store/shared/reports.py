@@ -2,9 +2,9 @@
 
 A turn of the embedded store (one append, hashed in the index) is a segment here (one append, one
 immutable object whose blake2b-256 the commit recorded), so :func:`verify_session` answers the
-embedded :class:`~kvstore.store.integrity.VerifyReport` over the committed segments, and
+:class:`~kvstore.store.results.VerifyReport` over the committed segments, and
 :func:`inspect_session` the embedded ``inspect`` report over the session's ``.coli_kv`` image
-(:func:`kvstore.store.maintenance.records_report`). Both read one committed snapshot
+(:func:`kvstore.store.results.records_report`). Both read one committed snapshot
 (``SharedIndex.read_plan``), so an append committed meanwhile is neither half seen nor mistaken
 for damage.
 """
@@ -18,9 +18,7 @@ import numpy as np
 from kvstore.errors import InvalidRequest, SessionDamaged, SessionNotFound
 from kvstore.formats import coli_kv
 from kvstore.migrations import index as prefix_schema
-from kvstore.store.integrity import VerifyReport
-from kvstore.store.maintenance import records_report
-from kvstore.store.prefix import LookupResult, common_prefix, query_tokens
+from kvstore.store.results import LookupResult, VerifyReport, common_prefix, query_tokens, records_report
 from kvstore.store.shared.store import SharedStore
 from kvstore.store.values import Fingerprint, Progress, SessionInfo, public_id
 

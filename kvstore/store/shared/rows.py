@@ -9,12 +9,15 @@ uploaded object (:func:`publish_replacement`), prefix blocks and the objects lef
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from kvstore.errors import BudgetExceeded, LeaseExpired, SegmentLost, SessionNotFound, StaleLease
 from kvstore.store.values import public_id
+
+if TYPE_CHECKING:
+    from typing_extensions import LiteralString  # typing's own from Python 3.11
 
 #: ``pg_advisory_xact_lock`` key serializing eviction across replicas.
 EVICT_LOCK = 0x6B7673_0002
@@ -133,7 +136,7 @@ def hold_lease(conn: psycopg.Connection, key: str, token: int) -> None:
         raise LeaseExpired(f"the lease of token {token} on session {public_id(key)!r} expired; nothing was published")
 
 
-def lock_session(conn: psycopg.Connection, key: str, columns: str = "1") -> tuple:
+def lock_session(conn: psycopg.Connection, key: str, columns: LiteralString = "1") -> tuple:
     """Lock the session's row for this transaction and return ``columns`` of it (SQL column names
     of ``kv_sessions``, written by the caller); :class:`SessionNotFound` when there is none."""
     row = conn.execute(f"SELECT {columns} FROM kv_sessions WHERE key = %s FOR UPDATE", (key,)).fetchone()

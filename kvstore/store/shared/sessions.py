@@ -1,14 +1,15 @@
 """The session interface the service calls, over the shared backend (``kvstore serve --index --blobs``).
 
-:class:`SharedSessionStore` answers the calls the HTTP routes make on the embedded
-:class:`~kvstore.store.SessionStore` — create, get, list, set_tags, delete, append (raw records or
-arrays), reader / resume, usage, stats — with the same value types (:class:`SessionInfo`,
-:class:`AppendResult`, a reader with :class:`~kvstore.store.SessionReader`'s attributes), so the
-routes do not know which backend they talk to — fork, truncate, prefix lookup, verify, inspect,
+:class:`SharedSessionStore` implements the store interface (:class:`~kvstore.store.base.Store`)
+the embedded :class:`~kvstore.store.SessionStore` implements — create, get, list, set_tags, delete,
+append (raw records or arrays), reader / resume (a :class:`~kvstore.store.base.Reader`), usage,
+stats — with the same value types (:mod:`kvstore.store.values`, :mod:`kvstore.store.results`), so
+the routes do not know which backend they talk to — fork, truncate, prefix lookup, verify, inspect,
 park, unpark, repair, migrate and both budgets included (the store conformance suite,
 ``tests/conformance/store.py``, runs on both; the maintenance operations are
 :class:`~kvstore.store.shared.upkeep.Upkeep`'s). What it cannot have (journal, archive and lock
-files: a session is objects) raises :class:`NotOnSharedStore`, naming it (:func:`not_on_shared_store`).
+files: a session is objects; :attr:`SharedSessionStore.capabilities` lacks ``journal_files``)
+raises :class:`NotOnSharedStore`, naming it (:func:`not_on_shared_store`).
 
 Writes follow docs/SCALE.md: every append takes the session's lease (waiting up to
 ``lock_timeout`` while another replica holds it), uploads a segment, commits it fenced by the
@@ -49,12 +50,19 @@ from kvstore.errors import (
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
-from kvstore.store.budget import Eviction
-from kvstore.store.integrity import VerifyReport
-from kvstore.store.maintenance import RepairReport
-from kvstore.store.prefix import LookupResult
-from kvstore.store.reader import Resumed, check_fingerprint
-from kvstore.store.shared.cache import DEFAULT_CACHE_BYTES, CacheCounts, SegmentCache
+from kvstore.store.base import CAPABILITIES, Store
+from kvstore.store.results import (
+    AppendResult,
+    CacheCounts,
+    Eviction,
+    LookupResult,
+    RepairReport,
+    Resumed,
+    VerifyReport,
+    check_fingerprint,
+    refuse_nonfinite,
+)
+from kvstore.store.shared.cache import DEFAULT_CACHE_BYTES, SegmentCache
 from kvstore.store.shared.index import SharedIndex
 from kvstore.store.shared.reading import SharedReader, validated
 from kvstore.store.shared.reports import inspect_session, longest_prefix, verify_session
@@ -72,6 +80,7 @@ from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
     STATES,
     Fingerprint,
+    IndexRecord,
     ModelInfo,
     Progress,
     SessionInfo,
@@ -81,7 +90,6 @@ from kvstore.store.values import (
     validate_session_id,
     validate_tags,
 )
-from kvstore.store.writes import AppendResult, refuse_nonfinite
 from kvstore.tiers import Tier
 
 log = logging.getLogger("kvstore.store")
@@ -116,7 +124,7 @@ def not_on_shared_store(what: str) -> NotOnSharedStore:
     )
 
 
-class SharedSessionStore:
+class SharedSessionStore(Store):
     """Sessions of the shared store, through the interface the service uses.
 
     Parameters
@@ -140,6 +148,9 @@ class SharedSessionStore:
     InvalidRequest : a limit that is not a non-negative number of bytes
     """
 
+    capabilities = frozenset(CAPABILITIES) - {"journal_files"}  # a session is segment objects, not files
+    hashes_every_read = True  # a segment is fetched whole and checked against its digest (docs/SCALE.md)
+
     def __init__(
         self,
         index_url: str,
@@ -161,12 +172,11 @@ class SharedSessionStore:
         cache = SegmentCache(self._data_dir, cache_bytes) if cache_bytes > 0 and self._data_dir is not None else None
         self.shared = SharedStore.connect(index_url, blobs_url, ttl=lease_ttl, cache=cache)
         self.shared.hard_limit = hard_limit_bytes
-        self.lock_timeout = lock_timeout
+        self._lock_timeout = lock_timeout
         self.holder = default_holder()  # this replica, as the leases name it
-        self.stats = StoreStats()
-        self.reconcile_actions: list[str] = []  # what the embedded store repairs on open: nothing here
-        self.budget_bytes = budget_bytes
-        self.hard_limit_bytes = hard_limit_bytes
+        self._stats = StoreStats()
+        self._budget_bytes = budget_bytes
+        self._hard_limit_bytes = hard_limit_bytes
         self._upkeep = Upkeep(self)
         self._writers: dict[str, list] = {}  # key -> [lock, users]: one append per session at a time here
         self._writers_lock = threading.Lock()
@@ -180,6 +190,31 @@ class SharedSessionStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def lock_timeout(self) -> float:
+        return self._lock_timeout
+
+    @property
+    def stats(self) -> StoreStats:
+        return self._stats
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self._budget_bytes
+
+    @property
+    def hard_limit_bytes(self) -> int | None:
+        return self._hard_limit_bytes
+
+    @property
+    def reconcile_actions(self) -> list[str]:
+        """What the embedded store repairs on open: nothing here (see :meth:`reconcile`)."""
+        return []
+
+    def schema_version(self) -> int:
+        """The shared index's schema version (``kv_meta.schema_version``)."""
+        return self.index.version()
 
     @property
     def data_dir(self) -> Path:
@@ -205,7 +240,7 @@ class SharedSessionStore:
             )
         return keys[0]
 
-    def _record(self, row: dict[str, Any]) -> dict[str, Any]:
+    def _record(self, row: dict[str, Any]) -> IndexRecord:
         """A shared index row as the embedded index's record (what :class:`SessionInfo` reads)."""
         header = coli_kv.parse_header(row["header"])
         stored = row["record"] or {}
@@ -222,6 +257,7 @@ class SharedSessionStore:
             "created": row["created_ns"] / 1e9,
             "updated": row["updated_ns"] / 1e9,
             "last_used": row["last_used_ns"] / 1e9,
+            "last_used_ns": int(row["last_used_ns"]),
             "size_bytes": int(row["size_bytes"]),
             "tags": list(stored.get("tags") or ()),
             "state": row["state"],
@@ -503,7 +539,7 @@ class SharedSessionStore:
         verify: bool = False,
         expect: Fingerprint | None = None,
         override: Iterable[str] = (),
-    ) -> "SharedReader":
+    ) -> SharedReader:
         """Open a session for resuming: records ``[0, watermark)`` of one committed snapshot.
 
         ``verify`` re-hashes every segment served first (whole-object reads against the digests
@@ -676,7 +712,7 @@ class SharedSessionStore:
         self._upkeep.migrate(key, tier, progress)
         return self.get(public_id(key), owner=self.index.session(key)["owner"])
 
-    def enforce_budget(self, *, keep: Iterable[str] = (), progress: Any = None) -> list[Eviction]:
+    def enforce_budget(self, *, keep: Iterable[str] = (), progress: Progress | None = None) -> list[Eviction]:
         """Park the least recently used active sessions of the whole shared store (every replica's,
         the index's LRU), then delete the least recently used parked ones, until it fits
         ``budget_bytes``; what was evicted, in order. Sessions in ``keep`` (every owner's of those

@@ -658,7 +658,7 @@ class SharedStore:
         """The session as a ``.coli_kv`` file image: header with ``nrec`` = the committed count, then records."""
         n_records, rows = self.read_records(key)
         header = bytearray(self.index.session(key)["header"])
-        header[32:36] = np.int32(n_records).tobytes()  # h6 nrec, little-endian (FORMAT.md section 1)
+        header[32:36] = np.int32(n_records).tobytes()  # h6 nrec, little-endian (docs/FORMAT.md section 1)
         if len(header) != HEADER_BYTES:
             raise SessionDamaged(f"session {public_id(key)!r}: its header in the index is {len(header)} bytes")
         return bytes(header) + rows

@@ -41,10 +41,11 @@ from kvstore.errors import (
 )
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Header
+from kvstore.store.index import visible
 from kvstore.store.integrity import turn_digest
 from kvstore.store.records import record_chunks
 from kvstore.store.shared.store import SharedStore, default_holder
-from kvstore.store.values import Progress, geometry_of, public_id, record_bytes_of, tier_of
+from kvstore.store.values import IndexRecord, Progress, geometry_of, public_id, record_bytes_of, tier_of
 
 if TYPE_CHECKING:
     from kvstore.store.session_store import SessionStore
@@ -170,7 +171,7 @@ def _tiled(key: str, spans: list[Span], n_records: int) -> list[Span]:
 
 
 # ---------------------------------------------------------------------------- push
-def _shared_record(record: dict[str, Any]) -> dict[str, Any]:
+def _shared_record(record: IndexRecord) -> dict[str, Any]:
     """What the shared index keeps of an embedded session's record (its ``record`` column)."""
     return {
         "model": record["model"],
@@ -193,7 +194,7 @@ def _local_spans(local: "SessionStore", key: str) -> list[Span]:
         return [Span(t.start, t.end, t.complete, t.digest) for t in local.index.turns(txn, key)]
 
 
-def _turn_payloads(local: "SessionStore", record: dict[str, Any], spans: list[Span]) -> Iterator[tuple[Span, bytes]]:
+def _turn_payloads(local: "SessionStore", record: IndexRecord, spans: list[Span]) -> Iterator[tuple[Span, bytes]]:
     """Each span's stored bytes, from one pass over the journal (or the archive: one decompression)."""
     rec_bytes = record_bytes_of(record)
     chunks = record_chunks(local._ctx, record, spans[0].start, spans[-1].end)
@@ -209,7 +210,7 @@ def _turn_payloads(local: "SessionStore", record: dict[str, Any], spans: list[Sp
         del pending[:want]
 
 
-def _plan_push(local: "SessionStore", shared: SharedStore, record: dict[str, Any], row: dict | None) -> _Plan:
+def _plan_push(local: "SessionStore", shared: SharedStore, record: IndexRecord, row: dict | None) -> _Plan:
     key = record["id"]
     if record["state"] == "damaged":
         raise SessionDamaged(f"session {public_id(key)!r} is damaged: {record.get('problem')}")
@@ -245,10 +246,9 @@ def push(
     ------
     IndexUnavailable, BlobStoreUnavailable : a server is down; run the push again later
     """
-    ctx = local._ctx  # the store's own folders and locks: the rows are read as its readers read them
     holder = holder or f"push:{default_holder()}"
     with local.index.read() as txn:
-        records = [r for r in local.index.records(txn) if ctx.visible(r, owner)]
+        records = [r for r in local.index.records(txn) if visible(r, owner)]
     records.sort(key=lambda r: (r["created"], r["id"]))
     rows = {row["key"]: row for row in shared.index.sessions(owner)}
     report = TransferReport("push")
@@ -372,7 +372,7 @@ def _plan_pull(local: "SessionStore", shared: SharedStore, row: dict[str, Any]) 
     rec_bytes = coli_kv.record_bytes(header.geometry, header.tier)
     with local.index.read() as txn:
         record = local.index.get(txn, key)
-    if not local._ctx.visible(record, None):
+    if not visible(record, None):
         if (row["record"] or {}).get("model") is None:
             raise InvalidRequest(
                 f"session {public_id(key)!r} in the shared store records no model; the embedded store needs one"
@@ -492,7 +492,7 @@ def _pull_one(
         local.park(sid, owner=owner)
     ctx = local._ctx  # the times and lineage of the source: fields no public write sets
     with ctx.writing(key), ctx.index.write() as txn:
-        ctx.update(txn, key, **_local_fields(row))
+        ctx.index.update(txn, key, **_local_fields(row))
     action: Action = "created" if plan.create else "extended" if plan.missing else "updated"
     n_copied = sum(span.end - span.start for span in plan.missing)
     return Copied(sid, owner, action, plan.n_records, n_copied, copied)

@@ -31,8 +31,7 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.formats import coli_kv
-from kvstore.store.budget import Eviction
-from kvstore.store.maintenance import RepairReport
+from kvstore.store.results import Eviction, RepairReport
 from kvstore.store.shared import recode
 from kvstore.store.shared.reports import verify_session
 from kvstore.store.shared.store import Lease
