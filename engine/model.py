@@ -30,6 +30,7 @@ from torch.nn.attention.bias import causal_lower_right
 from kvstore import tiers
 from kvstore.engine.cache import encode_fields
 from kvstore.engine.config import ModelConfig
+from kvstore.engine.moe import DenseMLP, MoE, RoutedExperts, grouped_mm_available, has_triton
 
 __all__ = ["MLAForCausalLM", "rope_inv_freq"]
 
@@ -39,9 +40,6 @@ _LATENT_NORM_EPS = 1e-6
 # backends that materialize them (CPU); CUDA's fused kernels do not, and get a larger budget.
 _SCORE_BUDGET_BYTES = 256 << 20
 _FUSED_BUDGET_FACTOR = 16
-# Grouped GEMM (bf16 on sm90+ in CUDA builds): the routed experts' path on CUDA. The CPU keeps the
-# per-expert loop, whose summation order the transformers oracle tests pin.
-_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
 class RMSNorm(nn.Module):
@@ -280,183 +278,6 @@ class MLAttention(nn.Module):
         return out.transpose(0, 1)
 
 
-class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Router(nn.Module):
-    """Sigmoid scores, group-limited top-k on bias-corrected scores, weights from raw scores."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.n_experts = cfg.n_routed_experts
-        self.top_k = cfg.num_experts_per_tok
-        self.n_group = cfg.n_group
-        self.topk_group = cfg.topk_group
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.routed_scaling_factor = cfg.routed_scaling_factor
-        # Kept in f32 whatever the model dtype, as transformers does.
-        self.weight = nn.Parameter(torch.zeros(self.n_experts, cfg.hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias: torch.Tensor
-        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns expert indices int64[T, top_k] and their weights f32[T, top_k]."""
-        t = x.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
-        if self.topk_group < self.n_group:  # otherwise every group is kept and the mask is a no-op
-            per_group = self.n_experts // self.n_group
-            group_scores = choice.view(t, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-            expert_mask = group_mask[:, :, None].expand(t, self.n_group, per_group).reshape(t, self.n_experts)
-            choice = choice.masked_fill(expert_mask == 0, float("-inf"))
-        top_idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, top_idx)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return top_idx, weights * self.routed_scaling_factor
-
-
-class RoutedExperts(nn.Module):
-    """The routed experts of one layer, stacked: gate/up [E, I, hidden], down [E, hidden, I]."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_proj = nn.Parameter(torch.empty(e, i, h))
-        self.up_proj = nn.Parameter(torch.empty(e, i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        #: a decode step's few (token, expert) pairs on CUDA in bf16 or f16 run the Triton kernels of
-        #: engine/expert_kernels.py, which read each hit expert's weights at the copy bandwidth's
-        #: pace; False keeps the grouped GEMM (bf16) or the gathered / per-expert paths for every
-        #: size (:meth:`MLAForCausalLM.use_expert_kernels`; the benchmarks compare them)
-        self.triton_kernels = True
-
-    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        t, k = top_idx.shape
-        n_experts = self.gate_proj.shape[0]
-        half = x.dtype in (torch.bfloat16, torch.float16)
-        kernels = _expert_kernels() if self.triton_kernels and x.device.type == "cuda" and half else None
-        if kernels is not None and t * k <= kernels.MAX_PAIRS:
-            return kernels.routed_experts(x, top_idx, weights, self.gate_proj, self.up_proj, self.down_proj)
-        if _GROUPED_MM is not None and x.device.type == "cuda" and x.dtype == torch.bfloat16:
-            return self._grouped(x, top_idx, weights)
-        if x.device.type != "cpu" and (
-            t * k <= n_experts or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
-        ):
-            # few pairs, or a step compiled for (or captured in) a CUDA graph (the per-expert loop
-            # reads counts back to the host, which a capture cannot): gather the chosen experts' weights
-            return self._gathered(x, top_idx, weights)
-        return self._segmented(x, top_idx, weights)
-
-    def fuse_gate_up(self) -> None:
-        """Store gate and up as the two halves of one [E, 2I, hidden] tensor (the parameters become
-        views of it, values unchanged), so the grouped path runs one GEMM for both: a decode step
-        then launches two grouped GEMMs per layer instead of three, each reading its experts'
-        weights once. Done layer by layer: the extra memory is one layer's gate and up, briefly."""
-        if getattr(self, "_gate_up", None) is not None:
-            return
-        gate, up = self.gate_proj.data, self.up_proj.data
-        fused = torch.empty(gate.shape[0], 2 * gate.shape[1], gate.shape[2], dtype=gate.dtype, device=gate.device)
-        fused[:, : gate.shape[1]] = gate
-        fused[:, gate.shape[1] :] = up
-        self.gate_proj.data = fused[:, : gate.shape[1]]
-        self.up_proj.data = fused[:, gate.shape[1] :]
-        # a buffer, not a plain attribute: a later .to()/.float() converts it with the parameters,
-        # so the fused path never reads stale values (a non-persistent one: not in state_dict)
-        self.register_buffer("_gate_up", fused, persistent=False)
-
-    def _grouped(self, x, top_idx, weights):
-        """Grouped matmuls over the (token, expert) pairs sorted by expert: each hit expert's weights
-        are read once, in place (no gathered copy), and no count goes back to the host, so prefill
-        runs no per-expert loop and a decode step stays capturable in a CUDA graph."""
-        t, k = top_idx.shape
-        flat = top_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // k  # pairs are token-major: pair p belongs to token p // k
-        counts = torch.zeros(self.gate_proj.shape[0], dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount would sync
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        xs = x[token_of]
-        grouped_mm = _GROUPED_MM
-        if grouped_mm is None:  # forward only sends bf16 CUDA calls here when torch has it
-            raise RuntimeError("this torch build has no torch._grouped_mm")
-        gate_up = getattr(self, "_gate_up", None)
-        if gate_up is not None:  # one GEMM for both halves (fuse_gate_up)
-            both = grouped_mm(xs, gate_up.transpose(1, 2), offs=offsets)
-            gate, up = both[:, : self.gate_proj.shape[1]], both[:, self.gate_proj.shape[1] :]
-        else:
-            gate = grouped_mm(xs, self.gate_proj.transpose(1, 2), offs=offsets)
-            up = grouped_mm(xs, self.up_proj.transpose(1, 2), offs=offsets)
-        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
-        # Back to token-major order by a gather (no atomic adds: deterministic, and 6x faster than
-        # index_add_ at 32k tokens), then each token's k outputs weighted and summed in one bmm
-        # (f32 accumulation, one rounding).
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        y = y[inverse].view(t, k, -1)
-        return torch.bmm(weights.to(y.dtype)[:, None, :], y)[:, 0]
-
-    def _gathered(self, x, top_idx, weights):
-        """Few tokens: gather the chosen experts' weights and run one batched matmul (no host sync)."""
-        t, k = top_idx.shape
-        flat = top_idx.reshape(-1)
-        xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T*k, 1, hidden]
-        gate = torch.bmm(xs, self.gate_proj[flat].transpose(1, 2))
-        up = torch.bmm(xs, self.up_proj[flat].transpose(1, 2))
-        y = torch.bmm(F.silu(gate) * up, self.down_proj[flat].transpose(1, 2))[:, 0]  # [T*k, hidden]
-        y = y * weights.reshape(-1, 1).to(y.dtype)
-        return y.view(t, k, -1).sum(dim=1)
-
-    def _segmented(self, x, top_idx, weights):
-        """Many tokens: sort the (token, expert) pairs by expert and run one matmul per expert hit."""
-        t, k = top_idx.shape
-        flat_expert = top_idx.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        token_of = torch.arange(t, device=x.device).repeat_interleave(k)[order]
-        weight_of = weights.reshape(-1)[order]
-        counts = torch.bincount(flat_expert, minlength=self.gate_proj.shape[0]).tolist()
-        out = torch.zeros_like(x)
-        offset = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = token_of[offset : offset + count]
-            xe = x[rows]
-            h = F.silu(xe @ self.gate_proj[expert].T) * (xe @ self.up_proj[expert].T)
-            ye = (h @ self.down_proj[expert].T) * weight_of[offset : offset + count, None].to(x.dtype)
-            out.index_add_(0, rows, ye)
-            offset += count
-        return out
-
-
-class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate = Router(cfg)
-        self.experts = RoutedExperts(cfg)
-        self.shared_experts = (
-            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-            if cfg.n_shared_experts > 0
-            else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_idx, weights = self.gate(x)
-        out = self.experts(x, top_idx, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -622,10 +443,10 @@ class MLAForCausalLM(nn.Module):
 
         Returns True when the regions are compiled (False: not CUDA, or no triton).
         """
-        if self.device.type != "cuda" or not _has_triton():
+        if self.device.type != "cuda" or not has_triton():
             return False
         for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE) and _GROUPED_MM is not None:
+            if isinstance(layer.mlp, MoE) and grouped_mm_available():
                 layer.mlp.experts.fuse_gate_up()
         # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
         # step computes what the eager one does (not a more precise, different answer).
@@ -637,30 +458,6 @@ class MLAForCausalLM(nn.Module):
             compiled=True,
         )
         return True
-
-
-def _has_triton() -> bool:
-    try:
-        from torch.utils._triton import has_triton
-    except ImportError:
-        return False
-    return bool(has_triton())
-
-
-_EXPERT_MODULE = None
-
-
-def _expert_kernels():
-    """:mod:`kvstore.engine.expert_kernels` where its kernels run (triton present), else None;
-    looked up once (a compiled step reads the cached answer)."""
-    global _EXPERT_MODULE
-    if _EXPERT_MODULE is None:
-        _EXPERT_MODULE = False
-        if _has_triton():
-            from kvstore.engine import expert_kernels
-
-            _EXPERT_MODULE = expert_kernels
-    return _EXPERT_MODULE or None
 
 
 @dataclass(frozen=True)

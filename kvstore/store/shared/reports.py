@@ -6,7 +6,7 @@ immutable object whose blake2b-256 the commit recorded), so :func:`verify_sessio
 :func:`inspect_session` the embedded ``inspect`` report over the session's ``.coli_kv`` image
 (:func:`kvstore.store.results.records_report`). Both read one committed snapshot
 (``SharedIndex.read_plan``), so an append committed meanwhile is neither half seen nor mistaken
-for damage.
+for damage. :func:`record_of` gives a shared index row as the embedded index's record.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from kvstore.errors import InvalidRequest, SessionDamaged, SessionNotFound
 from kvstore.formats import coli_kv
 from kvstore.migrations import index as prefix_schema
 from kvstore.store.results import LookupResult, VerifyReport, common_prefix, query_tokens, records_report
-from kvstore.store.shared.store import SharedStore
-from kvstore.store.values import Fingerprint, Progress, SessionInfo, public_id
+from kvstore.store.shared.store import UNKNOWN_MODEL, SharedStore, fingerprint_key_of
+from kvstore.store.values import Fingerprint, IndexRecord, ModelInfo, Progress, SessionInfo, public_id, tier_record
 
 
 def verify_session(shared: SharedStore, key: str, progress: Progress | None = None) -> VerifyReport:
@@ -107,3 +107,32 @@ def longest_prefix(shared: SharedStore, owner: str, fingerprint: Fingerprint, to
         return None
     matched, _, row = best
     return LookupResult(public_id(row["key"]), matched, row["state"], int(row["n_records"]), int(row["watermark"]))
+
+
+def record_of(row: dict[str, Any]) -> IndexRecord:
+    """A shared index row as the embedded index's record (what :class:`SessionInfo` reads)."""
+    header = coli_kv.parse_header(row["header"])
+    stored = row["record"] or {}
+    model = ModelInfo.from_dict(stored["model"]) if stored.get("model") else UNKNOWN_MODEL
+    fingerprint = fingerprint_key_of(row)
+    return {
+        "id": row["key"],
+        "owner": row["owner"],
+        "model": model.to_dict(),
+        "geometry": list(header.geometry.words()),
+        "tier": tier_record(header.tier),
+        "n_records": int(row["n_records"]),
+        "watermark": int(row["watermark"]),
+        "created": row["created_ns"] / 1e9,
+        "updated": row["updated_ns"] / 1e9,
+        "last_used": row["last_used_ns"] / 1e9,
+        "last_used_ns": int(row["last_used_ns"]),
+        "size_bytes": int(row["size_bytes"]),
+        "tags": list(stored.get("tags") or ()),
+        "state": row["state"],
+        "parent": stored.get("parent"),
+        "fork_point": stored.get("fork_point"),
+        "problem": stored.get("problem"),
+        "fingerprint": fingerprint,
+        "prefix_blocks": 0,
+    }

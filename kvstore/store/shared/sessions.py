@@ -65,10 +65,9 @@ from kvstore.store.results import (
 from kvstore.store.shared.cache import DEFAULT_CACHE_BYTES, SegmentCache
 from kvstore.store.shared.index import SharedIndex
 from kvstore.store.shared.reading import SharedReader, validated
-from kvstore.store.shared.reports import inspect_session, longest_prefix, verify_session
+from kvstore.store.shared.reports import inspect_session, longest_prefix, record_of, verify_session
 from kvstore.store.shared.store import (
     DEFAULT_TTL_S,
-    UNKNOWN_MODEL,
     Lease,
     RequestKey,
     SharedStore,
@@ -80,13 +79,11 @@ from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
     STATES,
     Fingerprint,
-    IndexRecord,
     ModelInfo,
     Progress,
     SessionInfo,
     public_id,
     storage_key,
-    tier_record,
     validate_session_id,
     validate_tags,
 )
@@ -240,37 +237,9 @@ class SharedSessionStore(Store):
             )
         return keys[0]
 
-    def _record(self, row: dict[str, Any]) -> IndexRecord:
-        """A shared index row as the embedded index's record (what :class:`SessionInfo` reads)."""
-        header = coli_kv.parse_header(row["header"])
-        stored = row["record"] or {}
-        model = ModelInfo.from_dict(stored["model"]) if stored.get("model") else UNKNOWN_MODEL
-        fingerprint = fingerprint_key_of(row)
-        return {
-            "id": row["key"],
-            "owner": row["owner"],
-            "model": model.to_dict(),
-            "geometry": list(header.geometry.words()),
-            "tier": tier_record(header.tier),
-            "n_records": int(row["n_records"]),
-            "watermark": int(row["watermark"]),
-            "created": row["created_ns"] / 1e9,
-            "updated": row["updated_ns"] / 1e9,
-            "last_used": row["last_used_ns"] / 1e9,
-            "last_used_ns": int(row["last_used_ns"]),
-            "size_bytes": int(row["size_bytes"]),
-            "tags": list(stored.get("tags") or ()),
-            "state": row["state"],
-            "parent": stored.get("parent"),
-            "fork_point": stored.get("fork_point"),
-            "problem": stored.get("problem"),
-            "fingerprint": fingerprint,
-            "prefix_blocks": 0,
-        }
-
     def get(self, session_id: str, *, owner: str | None = None) -> SessionInfo:
         """The session as the shared index holds it now."""
-        return SessionInfo.from_record(self._record(self.index.session(self._key(session_id, owner))))
+        return SessionInfo.from_record(record_of(self.index.session(self._key(session_id, owner))))
 
     def list(
         self,
@@ -288,7 +257,7 @@ class SharedSessionStore(Store):
         key = fingerprint.key() if fingerprint is not None else None
         out = []
         for row in self.index.sessions(owner):
-            record = self._record(row)
+            record = record_of(row)
             if model_name is not None and record["model"]["name"] != model_name:
                 continue
             if state is not None and record["state"] != state:
@@ -340,13 +309,13 @@ class SharedSessionStore(Store):
         extra = {"fingerprint": Fingerprint(checked, geometry, tier).key(), "parent": None, "fork_point": None}
         key = self.shared.create(owner, geometry, tier, checked, session_id, tags, extra=extra)
         self._after_write(key)
-        return SessionInfo.from_record(self._record(self.index.session(key)))
+        return SessionInfo.from_record(record_of(self.index.session(key)))
 
     def set_tags(self, session_id: str, tags: Iterable[str], *, owner: str | None = None) -> SessionInfo:
         """Replace a session's tags."""
         key = self._key(session_id, owner)
         self.index.set_tags(key, validate_tags(tags), time.time_ns())
-        return SessionInfo.from_record(self._record(self.index.session(key)))
+        return SessionInfo.from_record(record_of(self.index.session(key)))
 
     def delete(self, session_id: str, *, owner: str | None = None) -> None:
         """Drop the session from the index (its lease too: a writer's commit is then refused), then
@@ -552,7 +521,7 @@ class SharedSessionStore(Store):
             self._upkeep.unpark_for_reading(key)
             row = self.index.session(key)
         plan = self.index.read_plan(key)
-        record = self._record(row)
+        record = record_of(row)
         if expect is not None:
             check_fingerprint(record, expect, override)
         served = min(plan.watermark, plan.n_records)
@@ -650,7 +619,7 @@ class SharedSessionStore(Store):
         """What the session's ``.coli_kv`` image holds: header fields, sizes, what a loader would
         neutralize (the embedded store's report; ``file`` names the segment objects' count and bytes)."""
         key = self._key(session_id, owner)
-        return inspect_session(self.shared, key, SessionInfo.from_record(self._record(self.index.session(key))))
+        return inspect_session(self.shared, key, SessionInfo.from_record(record_of(self.index.session(key))))
 
     # ------------------------------------------------------------------ what only the embedded store has
     def journal_path(self, session_id: str, *, owner: str | None = None) -> Path:
