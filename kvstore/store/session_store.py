@@ -45,10 +45,10 @@ from kvstore.store.results import (
 )
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
-    STATES,
     Fingerprint,
     ModelInfo,
     Progress,
+    SessionFilter,
     SessionInfo,
     public_id,
     storage_key,
@@ -223,10 +223,7 @@ class SessionStore(Store):
         fingerprint: Fingerprint | None = None,
     ) -> list[SessionInfo]:
         """Sessions matching every filter given (all ``tags`` must be present), oldest first."""
-        if state is not None and state not in STATES:
-            raise InvalidRequest(f"unknown state {state!r}: use one of {list(STATES)}")
-        wanted_tags = set(tags)
-        key = fingerprint.key() if fingerprint is not None else None
+        wanted = SessionFilter.of(model_name, tags, state, fingerprint)
         index = self._ctx.index
         with index.read() as txn:
             if owner is not None:
@@ -235,17 +232,8 @@ class SessionStore(Store):
                 records = index.records(txn)
         out = []
         for record in records:
-            if not visible(record, owner):
-                continue
-            if model_name is not None and record["model"]["name"] != model_name:
-                continue
-            if state is not None and record["state"] != state:
-                continue
-            if not wanted_tags <= set(record["tags"]):
-                continue
-            if key is not None and record["fingerprint"] != key:
-                continue
-            out.append(SessionInfo.from_record(record))
+            if visible(record, owner) and wanted.matches(record):
+                out.append(SessionInfo.from_record(record))
         out.sort(key=lambda info: (info.created, info.id))
         return out
 

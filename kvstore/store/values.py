@@ -240,6 +240,37 @@ class Fingerprint:
 
 
 @dataclass(frozen=True)
+class SessionFilter:
+    """The filters of ``Store.list``, checked once (:meth:`of`); a record matches when it matches
+    every filter given (all the tags present). Both backends list through it."""
+
+    model_name: str | None = None
+    tags: frozenset[str] = frozenset()
+    state: str | None = None
+    fingerprint: str | None = None  # Fingerprint.key()
+
+    @classmethod
+    def of(
+        cls,
+        model_name: str | None,
+        tags: Iterable[str],
+        state: str | None,
+        fingerprint: Fingerprint | None,
+    ) -> SessionFilter:
+        if state is not None and state not in STATES:
+            raise InvalidRequest(f"unknown state {state!r}: use one of {list(STATES)}")
+        return cls(model_name, frozenset(tags), state, fingerprint.key() if fingerprint is not None else None)
+
+    def matches(self, record: IndexRecord) -> bool:
+        return (
+            (self.model_name is None or record["model"]["name"] == self.model_name)
+            and (self.state is None or record["state"] == self.state)
+            and self.tags <= set(record["tags"])
+            and (self.fingerprint is None or record["fingerprint"] == self.fingerprint)
+        )
+
+
+@dataclass(frozen=True)
 class SessionInfo:
     """One session as the index records it (times are seconds since the epoch).
 

@@ -77,10 +77,10 @@ from kvstore.store.shared.store import (
 from kvstore.store.shared.upkeep import Upkeep
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
-    STATES,
     Fingerprint,
     ModelInfo,
     Progress,
+    SessionFilter,
     SessionInfo,
     public_id,
     storage_key,
@@ -251,20 +251,12 @@ class SharedSessionStore(Store):
         fingerprint: Fingerprint | None = None,
     ) -> list[SessionInfo]:
         """Sessions matching every filter given, oldest first (one query)."""
-        if state is not None and state not in STATES:
-            raise InvalidRequest(f"unknown state {state!r}: use one of {list(STATES)}")
-        wanted = set(tags)
-        key = fingerprint.key() if fingerprint is not None else None
+        wanted = SessionFilter.of(model_name, tags, state, fingerprint)
         out = []
         for row in self.index.sessions(owner):
             record = record_of(row)
-            if model_name is not None and record["model"]["name"] != model_name:
-                continue
-            if state is not None and record["state"] != state:
-                continue
-            if not wanted <= set(record["tags"]) or (key is not None and record["fingerprint"] != key):
-                continue
-            out.append(SessionInfo.from_record(record))
+            if wanted.matches(record):
+                out.append(SessionInfo.from_record(record))
         out.sort(key=lambda info: (info.created, info.id))
         return out
 
