@@ -58,6 +58,16 @@ class Settings:
     lease_ttl : seconds a replica's write lease on a session lasts (shared store only)
     cache_bytes : the size budget of a replica's local cache of segment objects in ``data_dir``
         (shared store only; None: 8 GiB, 0: no cache)
+    max_new_tokens : the most tokens one turn may ask for (a request asking more is refused)
+    max_batch : turns the engine decodes together (its decode slots; docs/SERVE.md)
+    max_queue : turns in flight beyond the slots, service-wide; one more gets 429 ``ServerBusy``
+    max_turns_per_owner : turns one owner may have in flight; one more gets 429 ``ServerBusy``
+    turn_deadline : seconds a turn may run before it is stopped (``finish_reason: deadline``);
+        None: no deadline
+    pool_bytes : device memory resident sessions keep between their turns (None: half the free
+        device memory on CUDA, 1 GiB elsewhere); least recently used sessions leave first
+    host_pool_bytes : pinned host memory sessions leaving the device move to (0: none; they are
+        restored from the store next time)
     """
 
     data_dir: Path = Path(config.DATA_DIR.value)
@@ -82,6 +92,13 @@ class Settings:
     blobs_url: str | None = None
     lease_ttl: float = config.LEASE_TTL_S.value
     cache_bytes: int | None = None
+    max_new_tokens: int = 4096
+    max_batch: int | None = None
+    max_queue: int = 64
+    max_turns_per_owner: int = 8
+    turn_deadline: float | None = 600.0
+    pool_bytes: int | None = None
+    host_pool_bytes: int = 0
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -89,7 +106,7 @@ class Settings:
             self.model_dir = Path(self.model_dir)
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ConfigError("max_body_bytes must be a positive number of bytes")
-        for name in ("session_waiters", "job_workers", "max_jobs", "max_jobs_per_owner"):
+        for name in ("session_waiters", "job_workers", "max_jobs", "max_jobs_per_owner", "max_new_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")
@@ -97,6 +114,7 @@ class Settings:
             raise ConfigError(f"lock_timeout must be 0 to 3600 seconds, not {self.lock_timeout!r}")
         self.tier, self.bits = self._engine_tier().name, None
         self._check_shared()
+        self._check_serving()
 
     @property
     def shared(self) -> bool:
@@ -117,6 +135,36 @@ class Settings:
             raise ConfigError(f"cache_bytes must be a number of bytes >= 0, not {self.cache_bytes!r}")
         if self.index_url is None and self.cache_bytes is not None:
             raise ConfigError("--cache-size: only a replica of a shared store (--index, --blobs) has a segment cache")
+
+    def _check_serving(self) -> None:
+        for name in ("max_batch", "max_turns_per_owner"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+        for name in ("max_queue", "host_pool_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, not {value!r}")
+        if self.pool_bytes is not None and (not isinstance(self.pool_bytes, int) or self.pool_bytes < 0):
+            raise ConfigError(f"pool_bytes must be a number of bytes >= 0, not {self.pool_bytes!r}")
+        if self.turn_deadline is not None and not (
+            isinstance(self.turn_deadline, (int, float)) and 0 < self.turn_deadline <= 7 * 24 * 3600
+        ):
+            raise ConfigError(f"turn_deadline must be 0 to 604800 seconds, not {self.turn_deadline!r}")
+
+    def scheduler_limits(self, device: str):
+        """The engine's :class:`~kvstore.engine.scheduler.SchedulerLimits` (decode slots: 16 on a
+        GPU, 8 on the CPU unless ``max_batch`` says)."""
+        from kvstore.engine.scheduler import SchedulerLimits
+
+        slots = self.max_batch if self.max_batch is not None else (8 if device == "cpu" else 16)
+        return SchedulerLimits(
+            max_batch=slots,
+            max_queue=self.max_queue,
+            max_turns_per_owner=self.max_turns_per_owner,
+            max_new_tokens=self.max_new_tokens,
+            turn_deadline=self.turn_deadline,
+        )
 
     def _engine_tier(self) -> tiers.Tier:
         spelled = self.tier.name if isinstance(self.tier, tiers.Tier) else self.tier

@@ -29,6 +29,14 @@ LIMITS = {
     "max_jobs": (int, "park/unpark/migrate jobs queued or running at once; one more gets 429 (default 64)"),
     "max_jobs_per_owner": (int, "the same, for one owner's jobs (default 16)"),
 }
+#: Settings fields of the engine's scheduler, given as ``--name`` flags (docs/SERVE.md "Limits").
+SERVING = {
+    "max_new_tokens": (int, "with --model: the most tokens one turn may ask for (default 4096)"),
+    "max_batch": (int, "with --model: turns decoded together, the engine's slots (default 16 on a GPU, 8 on the CPU)"),
+    "max_queue": (int, "with --model: turns in flight beyond the slots; one more gets 429 (default 64)"),
+    "max_turns_per_owner": (int, "with --model: turns one owner may have in flight; one more gets 429 (default 8)"),
+    "turn_deadline": (float, "with --model: seconds a turn may run before it is stopped (default 600)"),
+}
 
 
 def _log_to_stderr(level: str) -> None:
@@ -50,7 +58,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.api.settings import DEFAULT_MAX_BODY_BYTES, Settings
     from kvstore.store.index import DEFAULT_MAP_SIZE
 
-    given = (("--tier", args.tier), ("--device", args.device), ("--dtype", args.dtype))
+    given = [("--tier", args.tier), ("--device", args.device), ("--dtype", args.dtype)]
+    given += [("--pool-size", args.pool_size), ("--host-pool-size", args.host_pool_size)]
+    given += [("--" + name.replace("_", "-"), getattr(args, name)) for name in SERVING]
     engine_flags = [flag for flag, value in given if value is not None]
     if args.model is None and engine_flags:
         raise InvalidRequest(
@@ -68,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         hard_limit_bytes=parse_size(args.hard_limit),
         max_body_bytes=parse_size(args.max_body) or DEFAULT_MAX_BODY_BYTES,
         reject_nonfinite=args.reject_nonfinite,
-        **{name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None},
+        **{name: getattr(args, name) for name in (*LIMITS, *SERVING) if getattr(args, name) is not None},
         map_size=parse_size(args.index_size) or DEFAULT_MAP_SIZE,
         model_dir=Path(args.model) if args.model is not None else None,
         tier=args.tier.name if args.tier is not None else config.ENGINE_TIER.value,
@@ -78,6 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         blobs_url=blobs_url,
         **({"lease_ttl": args.lease_ttl} if args.lease_ttl is not None else {}),
         cache_bytes=parse_size(args.cache_size),
+        pool_bytes=parse_size(args.pool_size),
+        host_pool_bytes=parse_size(args.host_pool_size) or 0,
     )
     _log_to_stderr(args.log_level)
     app = create_app(settings, first_key=False)
@@ -169,7 +181,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="largest request body (default 256M); also the most an Arrow upload decodes to. JSON bodies have "
         "smaller limits per route (64K, 8M for token lists; docs/API.md 'Limits')",
     )
-    for name, (kind, what) in LIMITS.items():
+    for name, (kind, what) in (LIMITS | SERVING).items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=what)
     p.add_argument(
         "--reject-nonfinite",
@@ -195,6 +207,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="torch device of the engine: cpu (default), cuda, cuda:1, mps")
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="the engine's weights dtype (default float32)"
+    )
+    p.add_argument(
+        "--pool-size",
+        help="with --model: device memory resident sessions keep between turns, e.g. 20G (least recently used "
+        "leave first; default half the free GPU memory, 1G on the CPU)",
+    )
+    p.add_argument(
+        "--host-pool-size",
+        help="with --model: pinned host memory sessions leaving the device move to, e.g. 64G (default 0: none)",
     )
     p.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # an already bound socket
     p.set_defaults(func=cmd_serve)

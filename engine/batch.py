@@ -145,7 +145,7 @@ class DecodeBatches:
         tokens_in = torch.tensor([int(s.tokens[-1]) for s in sequences], dtype=torch.int64, device=device)
         positions_in = torch.tensor(lengths, dtype=torch.int64, device=device)
         offsets_in = torch.from_numpy(offsets).to(device)
-        step = self._step(pool, b, tokens_in, positions_in, offsets_in)
+        step = self.step_function(pool, b, tokens_in, positions_in, offsets_in)
         generator, _ = params.generator()
         ran = [[int(s.tokens[-1])] for s in sequences]  # tokens whose rows each step wrote
         live = np.ones(b, dtype=bool)
@@ -174,8 +174,13 @@ class DecodeBatches:
             seq.cache.copy_rows(pool, offset + n, n, len(run))
             seq.cache.commit(n, run)
 
-    def _step(self, pool: LatentCache, b: int, tokens_in, positions_in, offsets_in):
-        """A callable running one batched step from the input tensors, returning logits f32[B, vocab]."""
+    def step_function(self, pool: LatentCache, b: int, tokens_in, positions_in, offsets_in):
+        """A callable running one batched step from the input tensors, returning logits f32[B, vocab].
+
+        ``pool`` holds the rows: sequence ``i`` reads rows ``offsets_in[i] .. + positions_in[i]`` and
+        writes its token's row at ``offsets_in[i] + positions_in[i]``. On CUDA the step is captured
+        once per (pool storage, ``b``) and replayed; the callable copies the current inputs in first.
+        Also the continuous scheduler's step (:mod:`kvstore.engine.scheduler`)."""
         n_rows = pool.capacity
 
         def forward_from(tokens, positions, offsets):
@@ -185,6 +190,11 @@ class DecodeBatches:
             return forward_from(tokens_in, positions_in, offsets_in)
         key = (*pool.storage_key, b)
         if key not in self._graphs:
+            stale = [k for k in self._graphs if k[:2] != key[:2]]
+            if stale:  # graphs of a pool storage that is gone: their memory pool goes with them
+                for k in stale:
+                    del self._graphs[k]
+                self._graph_pool = None
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             # the graph reads these exact tensors: kept with it, refilled for each batch

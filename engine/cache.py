@@ -332,6 +332,12 @@ class LatentCache:
         full = self._allocate(n + max(0, headroom), zeros=False)
         del full
 
+    def pin(self) -> None:
+        """Move a host cache's row buffers to page-locked memory, so that copies to a CUDA device
+        from them are asynchronous (the host tier of ``kvstore.engine.pool``); else nothing."""
+        if self.device.type == "cpu" and torch.cuda.is_available():
+            self._fields = {name: field.pin_memory() for name, field in self._fields.items()}
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions (a no-op when ``n >= length``)."""
         if n < 0:

@@ -21,6 +21,7 @@ __all__ = [
     "KVStoreError",
     "ModelConfigError",
     "RestoreFailed",
+    "ServerBusy",
     "TierUnsupported",
     "WeightsError",
 ]
@@ -83,3 +84,14 @@ class RestoreFailed(KVStoreError, RuntimeError):
 
     The session and the cache are as they were: free device memory, or use a smaller tier, and retry.
     """
+
+
+# ---- serving many conversations (kvstore.engine.scheduler) ------------------------------------
+class ServerBusy(KVStoreError, RuntimeError):
+    """The scheduler runs as many turns as it allows (for this owner, or in all); this one was not
+    started and nothing was changed. Retry after ``retry_after`` seconds (the API's ``Retry-After``).
+    """
+
+    def __init__(self, reason: str, retry_after: float = 1.0):
+        super().__init__(reason)
+        self.retry_after = retry_after

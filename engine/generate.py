@@ -205,7 +205,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self._graphs = None
         self._batches = None  # kvstore.engine.batch.DecodeBatches, made on the first batch
-        if cuda_graphs and self.cache.device.type == "cuda":
+        #: decode steps on CUDA replay graphs (single sequence, batches and the scheduler alike)
+        self.cuda_graphs = bool(cuda_graphs) and self.cache.device.type == "cuda"
+        if self.cuda_graphs:
             from kvstore.engine.graphs import DecodeGraphs
 
             self._graphs = DecodeGraphs(model, self.cache)
@@ -308,11 +310,11 @@ class Engine:
         self.cache.restore_body(body, allow_requantize=allow_requantize, check_tokens=self._check_tokens)
         return self.cache.length
 
-    def restore_reader(self, reader, *, allow_requantize: bool = False) -> int:
+    def restore_reader(self, reader, *, allow_requantize: bool = False, into: LatentCache | None = None) -> int:
         """Load the served records of an open session reader (``SessionStore.reader``, either
-        backend) into the cache, read straight into the restore's ring (pinned on CUDA) chunk by
-        chunk while earlier chunks upload — as :meth:`restore_file` reads a file; all or nothing.
-        Returns the positions restored.
+        backend) into the cache (or ``into``, e.g. a resident session's), read straight into the
+        restore's ring (pinned on CUDA) chunk by chunk while earlier chunks upload — as
+        :meth:`restore_file` reads a file; all or nothing. Returns the positions restored.
 
         Raises
         ------
@@ -326,8 +328,9 @@ class Engine:
             raise GeometryMismatch(
                 "the session is for another model: " + "; ".join(reader.info.geometry.mismatches(expect))
             )
-        self.cache.restore_body(ReaderBody(reader), allow_requantize=allow_requantize, check_tokens=self._check_tokens)
-        return self.cache.length
+        cache = self.cache if into is None else into
+        cache.restore_body(ReaderBody(reader), allow_requantize=allow_requantize, check_tokens=self._check_tokens)
+        return cache.length
 
     def export_rows(self, start: int = 0, stop: int | None = None) -> StoredRows:
         """Cached rows as the journal stores them (the tier's own version, raw codes)."""
@@ -419,7 +422,7 @@ class Engine:
         """Run ``tokens`` after the cached ones without sampling (e.g. the last generated token of a
         turn, so a journal holds the whole conversation); returns how many were run."""
         ids = self._context(tokens)
-        self._prefill_into(self.cache, ids, self.cache.length)
+        self.prefill_into(self.cache, ids, self.cache.length)
         return int(ids.shape[0])
 
     def score(self, tokens, *, start: int = 0, absorbed: bool = True) -> torch.Tensor:
@@ -469,15 +472,15 @@ class Engine:
         for seq in sequences:
             self._check_tokens(np.asarray(seq.tokens, dtype=np.int64).reshape(-1))
         if self._batches is None:
-            self._batches = DecodeBatches(self.model, self._prefill_into, cuda_graphs=self._graphs is not None)
-        stops = self._stops(stop_tokens)
+            self._batches = DecodeBatches(self.model, self.prefill_into, cuda_graphs=self.cuda_graphs)
+        stops = self.stops(stop_tokens)
         return self._batches.run(sequences, max_new_tokens=max_new_tokens, params=params, stops=stops)
 
-    def _stops(self, stop_tokens: Sequence[int] | None) -> frozenset[int]:
+    def stops(self, stop_tokens: Sequence[int] | None) -> frozenset[int]:
         """The ids that end generation: ``stop_tokens``, or the model's ``eos_token_id`` when None."""
         return frozenset(int(t) for t in (self.config.eos_token_id if stop_tokens is None else stop_tokens))
 
-    def _prefill_into(self, cache: LatentCache, ids: np.ndarray, start: int) -> None:
+    def prefill_into(self, cache: LatentCache, ids: np.ndarray, start: int) -> None:
         """Run ``ids`` into ``cache`` from ``start`` in prefill chunks, computing no logits."""
         for a in range(0, ids.shape[0], self.prefill_chunk):
             chunk = ids[a : a + self.prefill_chunk]
@@ -509,7 +512,7 @@ class Engine:
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids = self._context(tokens)
-        stops = self._stops(stop_tokens)
+        stops = self.stops(stop_tokens)
         result = GenerationResult()
         return GenerationStream(self._steps(ids, params, max_new_tokens, stops, result), result)
 

@@ -2,10 +2,11 @@
 
 Served when the service runs with ``kvstore serve --model DIR``; without a model both answer
 ``503 EngineNotLoaded`` with how to start one. A call sends **the new turn only** (token ids, or
-text when the model folder has a tokenizer); the service restores the session into the engine's
-cache when the cache does not already hold it, prefills only the new tokens, generates, and
-appends the turn (prompt + answer) to the session as one complete turn
-(:mod:`kvstore.engine.session`).
+text when the model folder has a tokenizer); the service brings the session's rows onto the device
+when they are not resident, prefills only the new tokens, generates — in one batch with every
+other turn in flight (:mod:`kvstore.engine.scheduler`) — and appends the turn (prompt + answer) to
+the session as one complete turn (:mod:`kvstore.engine.session`). Past the owner's or the server's
+turns in flight the answer is 429 ``ServerBusy`` with ``Retry-After`` (docs/SERVE.md).
 
 Every answer reports the split: ``reused_tokens`` (stored rows reused) and ``prefilled_tokens``
 (run through the model), in the body, in the ``X-KV-Reused-Tokens`` / ``X-KV-Prefilled-Tokens`` /
@@ -15,8 +16,9 @@ Streaming (``"stream": true`` or ``Accept: text/event-stream``): server-sent eve
 (``{"token": id, "text": piece}``; characters split over tokens are held back until complete), a
 ``text`` event with any characters still held back at the end, then one ``done`` with the whole
 JSON result — or one ``error`` (``{"error", "reason"}``). Errors found before the first token (unknown session, fingerprint,
-restore) are plain JSON error responses, not streams. A client that leaves mid-stream stops the
-turn after the current token; what was generated is appended (``finish_reason: cancelled``).
+restore) are plain JSON error responses, not streams. A client that leaves — mid-stream, or while
+waiting for a non-streamed answer — stops the turn at the scheduler's next step; the tokens
+generated for it are appended (``finish_reason: cancelled``).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def engine_info(owner: Owner, engine: LoadedEngine) -> dict:
     "/sessions/{session_id}/generate",
     response_model=GenerateOut,
     summary="Run one turn on a session (restore, prefill the new tokens only, generate, append)",
-    responses={200: {"content": {EVENT_STREAM: {"schema": {"type": "string"}}}}},
+    responses={200: {"content": {EVENT_STREAM: {"schema": {"type": "string"}}}}, 429: {"model": ErrorBody}},
 )
 async def generate(
     request: Request,
@@ -107,60 +109,65 @@ async def generate(
     prompt = _prompt(body)
     options = _options(body, owner)
     streaming = body.stream or EVENT_STREAM in request.headers.get("accept", "")
-    # Turns wait for the one engine here, in the event loop, not in worker threads the other
-    # endpoints need (the engine's own lock is then never contended).
-    gate: asyncio.Lock = request.app.state.generate_gate
-    await gate.acquire()
+    # Admission (ServerBusy: 429), the session's hold and the restore happen in a worker thread;
+    # the turn then runs on the engine's scheduler with every other turn in flight.
+    try:
+        turn = await run_in_threadpool(lambda: engine.begin(session_id, prompt, **options))
+    except KVStoreError as exc:
+        metrics.record_failure(type(exc).__name__)
+        raise
     if not streaming:
         try:
-            result = await run_in_threadpool(lambda: engine.run(session_id, prompt, **options))
+            result = await _run_to_end(request, turn)
         except KVStoreError as exc:
             metrics.record_failure(type(exc).__name__)
             raise
-        finally:
-            gate.release()
         metrics.record_turn(result)
         return JSONResponse(
             _turn_json(result), headers=_split_headers(result.reused_tokens, result.prefilled_tokens, result.source)
         )
 
     events: queue.Queue = queue.Queue()
-    loop = asyncio.get_running_loop()
-    once = threading.Lock()
-
-    def release() -> None:  # exactly once: when the turn ends, or when it could not begin
-        if once.acquire(blocking=False):
-            loop.call_soon_threadsafe(gate.release)
-
-    def start():  # runs to its end even if this request is cancelled meanwhile
-        try:
-            turn = engine.begin(session_id, prompt, **options)
-        except BaseException:
-            release()
-            raise
-        try:
-            threading.Thread(
-                target=_produce, args=(turn, events, metrics, release), name=f"generate-{session_id}", daemon=True
-            ).start()
-        except BaseException:
-            turn.close()
-            release()
-            raise
-        return turn
-
     try:
-        turn = await run_in_threadpool(start)
-    except KVStoreError as exc:
-        metrics.record_failure(type(exc).__name__)
+        threading.Thread(
+            target=_produce, args=(turn, events, metrics), name=f"generate-{session_id}", daemon=True
+        ).start()
+    except BaseException:
+        turn.close()
         raise
     headers = _split_headers(turn.reused_tokens, turn.prefilled_tokens, turn.source)
     headers["Cache-Control"] = "no-cache"
     return StreamingResponse(_events(turn, events), media_type=EVENT_STREAM, headers=headers)
 
 
-def _produce(turn, events: queue.Queue, metrics: Metrics, release) -> None:
-    """Run the turn to its end in this thread (it owns the engine), queueing the events; ``release``
-    lets the next turn in when it is done."""
+#: How often a non-streamed turn checks that its client is still there (a step or so).
+DISCONNECT_POLL_S = 0.05
+
+
+async def _run_to_end(request: Request, turn):
+    """Iterate ``turn`` to its end in a worker thread; a client that leaves meanwhile cancels it at the
+    scheduler's next step (what was generated is stored, as for a streamed turn)."""
+
+    def consume():
+        with turn:
+            for _ in turn:
+                pass
+        return turn.final()
+
+    task = asyncio.ensure_future(run_in_threadpool(consume))
+    cancelled = False
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if not cancelled and await request.is_disconnected():
+            turn.cancel()
+            cancelled = True
+
+
+def _produce(turn, events: queue.Queue, metrics: Metrics) -> None:
+    """Run the turn to its end in this thread (the reader's side: tokens from the scheduler, then the
+    append), queueing the events."""
     from kvstore.engine.session import TextDeltas
 
     try:
@@ -187,7 +194,6 @@ def _produce(turn, events: queue.Queue, metrics: Metrics, release) -> None:
             )
         )
     finally:
-        release()
         events.put(None)
 
 

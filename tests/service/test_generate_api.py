@@ -103,7 +103,8 @@ def test_a_conversation_resumed_after_a_restart_prefills_only_the_new_turn(make_
 
 
 def test_refusals_are_clear_and_change_nothing(make_server, model_dir):
-    server = make_server("--model", str(model_dir), "--tier", "fp8")
+    # a pool that keeps one idle session resident: a turn on another session restores it from its journal
+    server = make_server("--model", str(model_dir), "--tier", "fp8", "--pool-size", "0")
     with server.client() as alice, server.client(OTHER_KEY) as bob:
         engine = alice.get("/engine").json()
         assert engine["cache_tier"] == "fp8" and engine["journal_tier"] == tiers.FP8.describe()
@@ -176,7 +177,7 @@ def test_refusals_are_clear_and_change_nothing(make_server, model_dir):
             "/sessions/theirs/generate",
             json={
                 "tokens": [11],
-                "max_new_tokens": 5000,
+                "max_new_tokens": 4096,
                 "stop": [],
                 "stream": True,
                 "override": ["model.weights_hash"],

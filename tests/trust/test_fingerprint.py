@@ -200,7 +200,7 @@ def test_a_v1_session_resumes_in_an_fp8_engine_and_the_file_upgrades_on_the_next
     report = fp8.resume("u")  # no override needed: f32 rows are lossless
     assert (report.source, report.reused_tokens) == ("journal", 7)
     assert path.read_bytes() == v1_bytes and store.get("u").tier == tiers.F32  # quantized in memory only
-    in_memory = fp8.engine.export_rows(0)
+    in_memory = fp8.resident_cache("u").export_rows(0)
     assert in_memory.version == 2
     result = fp8.run("u", [9, 10], **TURN)
     assert (result.source, result.reused_tokens, result.prefilled_tokens) == ("live", 7, 2)

@@ -108,7 +108,7 @@ def test_a_failed_restore_leaves_the_live_cache_and_the_session_as_they_were(cha
     a_records = _two_sessions(chat)
     failure = _check_untouched(chat, store, inject, monkeypatch, error, reason)
     if isinstance(failure, RestoreFailed):
-        assert "the live cache and the session are unchanged" in failure.reason
+        assert "the resident sessions and the session are unchanged" in failure.reason
     again = chat.run("a", [30], **TURN)
     assert (again.source, again.reused_tokens, again.prefilled_tokens) == ("live", a_records, 1)
 

@@ -130,7 +130,7 @@ def test_a_session_restore_refuses_a_corrupt_scale_naming_the_session_journal_an
         fresh = session_engine(store, tiny_folder, tiny, tier="fp8")  # nothing live: it must read the journal
         with pytest.raises(SessionDamaged, match=where + r".*`kvstore verify` names the turn"):
             fresh.resume("s")
-        assert fresh.engine.cache.length == 0
+        assert fresh.resident_cache("s") is None
         report = fresh.resume("s", verify=True)
         assert (report.reused_tokens, report.damaged_from) == (first.session.n_records, first.session.n_records)
         with store.reader("s") as reader:

@@ -1,0 +1,546 @@
+"""One scheduler owns the device: every turn in flight decodes in one batch (continuous batching).
+
+Turns are submitted as :class:`TurnWork` (a session's resident cache, the new tokens, the sampling
+parameters) from any thread; one scheduler thread runs them. Each **scheduler step**:
+
+1. settles turns cancelled or past their deadline while they wait;
+2. gives the free decode slots (``max_batch``) to turns whose prompt is prefilled, round-robin
+   over owners (the owner with the fewest turns decoding first), and, when none is free, makes room
+   for an owner that has nothing decoding (fairness, below);
+3. runs **one prefill chunk** (at most ``prefill_chunk`` tokens) of one turn, owners in turn — so a
+   long prompt is prefilled between decode steps, never freezing the others;
+4. runs **one batched decode step** over every turn holding a slot: one forward, one token each.
+
+The rows of the turns holding a slot live in one cache, the *arena*, each turn in a region of its
+own (its session's rows copied in when it joins, the rows it wrote copied back to its session's
+cache when it leaves), so a step is one ragged batch (``StepSlots.packed``; on CUDA a graph per
+(arena storage, batch size), :meth:`kvstore.engine.batch.DecodeBatches.step_function`). A turn's
+last prompt token is the input of its first decode step; each sampled token is the input of the
+next; the step after its last token writes that token's row and the turn leaves, so its session's
+cache then holds the whole conversation.
+
+**Fairness.** A turn whose owner has nothing decoding gets a decode slot at the next step if one is
+free or an owner holds two slots or more (that owner's most recently admitted turn yields: it is
+paused, its rows copied back, and resumes later where it stopped); otherwise within ``max_batch``
+steps (a turn keeps its slot at least that many steps before it yields to such an owner). So a
+waiting owner never waits for a whole turn of someone else. Steps are counted per turn
+(:attr:`TurnWork.waited_steps`): the tests assert on them, never on timings.
+
+**Limits** (:class:`SchedulerLimits`): slots, the turns one owner may have in flight and the turns
+the server queues (beyond them :class:`~kvstore.engine.errors.ServerBusy`, which the API answers
+with 429 and ``Retry-After``), the largest ``max_new_tokens``, a deadline per turn. A cancelled turn
+(its client left) stops at the next step, keeping exactly the tokens its reader took.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.engine.cache import LatentCache
+from kvstore.engine.errors import GenerationError, ServerBusy
+from kvstore.engine.generate import Engine, SamplingParams, sample_next
+
+__all__ = ["SchedulerLimits", "Scheduler", "TurnWork", "Outcome"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """What one scheduler allows (``kvstore serve`` flags in brackets).
+
+    Attributes
+    ----------
+    max_batch : turns decoding together, the decode slots (``--max-batch``)
+    max_queue : turns in flight beyond the slots, server-wide (``--max-queue``)
+    max_turns_per_owner : turns one owner may have in flight (``--max-turns-per-owner``)
+    max_new_tokens : the most tokens one turn may ask for (``--max-new-tokens``)
+    turn_deadline : seconds a turn may run (from its submission) before it is stopped
+        (``finish_reason == "deadline"``); None: no deadline (``--turn-deadline``)
+    prefill_chunk : prompt tokens per prefill chunk (one chunk per scheduler step)
+    """
+
+    max_batch: int = 16
+    max_queue: int = 64
+    max_turns_per_owner: int = 8
+    max_new_tokens: int = 4096
+    turn_deadline: float | None = 600.0
+    prefill_chunk: int = 512
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_turns_per_owner", "max_new_tokens", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise GenerationError(f"{name} must be a positive integer, not {value!r}")
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise GenerationError(f"max_queue must be an integer >= 0, not {self.max_queue!r}")
+        if self.turn_deadline is not None and not self.turn_deadline > 0:
+            raise GenerationError(f"turn_deadline must be a positive number of seconds, not {self.turn_deadline!r}")
+
+
+@dataclass
+class Outcome:
+    """How a turn's generation ended: the tokens its reader took, why it stopped, what it cost."""
+
+    tokens: list[int]
+    finish_reason: str  # stop, length, cancelled, deadline
+    prefilled_tokens: int
+    decoded: bool  # it had a decode step: the cache holds its prompt (and tokens) rows
+    seed: int | None
+    timings: dict[str, float]
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class TurnWork:
+    """One turn for the scheduler: run ``ids`` after the rows of ``cache``, then generate.
+
+    ``events`` receives ``("token", id)`` per generated token and one ``("end", Outcome)``.
+    """
+
+    owner: str
+    cache: LatentCache
+    ids: np.ndarray  # int64[T >= 1]: the new turn (the last one runs in the first decode step)
+    params: SamplingParams
+    max_new: int
+    stops: frozenset[int]
+    events: queue.Queue = field(default_factory=queue.Queue)
+    deadline: float | None = None
+    # -- scheduler state ------------------------------------------------------------------------
+    phase: str = "prefill"  # prefill -> ready -> decode (-> ready when paused) -> done
+    start: int = 0  # the cache's length when the turn began (its served rows)
+    prefilled: int = 0  # of ids[:-1]
+    generated: list[int] = field(default_factory=list)
+    sampling: bool = True  # False once the turn wants no more tokens (its last row is still to write)
+    next_input: int = 0
+    position: int = 0  # where next_input goes in the session
+    offset: int = 0  # the region's first arena row
+    room: int = 0  # the region's rows
+    admitted_step: int = -1  # the step it last got a slot at
+    slot_steps: int = 0  # steps in its current slot
+    ready_step: int = -1  # the step its prompt was prefilled at (or it was paused)
+    waited_steps: list[int] = field(default_factory=list)  # steps from ready to a slot, each time
+    decoded: bool = False
+    finish: str | None = None
+    cancel_at: int | None = None  # tokens the reader took when it cancelled
+    generator: Any = None
+    seed: int | None = None
+    began: float = field(default_factory=time.perf_counter)
+    timings: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
+
+    def cancel(self, delivered: int) -> None:
+        """Stop at the next step, keeping the first ``delivered`` tokens (those the reader took)."""
+        if self.cancel_at is None:
+            self.cancel_at = delivered
+
+
+class _Arena:
+    """The cache the decoding turns' rows live in, in regions given out first-fit."""
+
+    def __init__(self, template: LatentCache):
+        self.template = template
+        self.cache = LatentCache(template.tier, template.geometry, template.device)
+        self.free: list[tuple[int, int]] = []  # (offset, rows), sorted by offset
+        self.capacity = 0
+
+    def allocate(self, rows: int, live: list[TurnWork]) -> int:
+        for i, (offset, size) in enumerate(self.free):
+            if size >= rows:
+                self.free[i : i + 1] = [(offset + rows, size - rows)] if size > rows else []
+                return offset
+        # grow: the old regions keep their offsets; the new room is one free block at the end
+        new_capacity = max(rows + self.capacity, int(self.capacity * 1.5), 1024)
+        grown = LatentCache(self.template.tier, self.template.geometry, self.template.device)
+        grown.reserve(new_capacity)
+        for work in live:  # the rows each decoding turn has (its session's and those it wrote)
+            grown.copy_rows(self.cache, work.offset, work.offset, work.position)
+        self.cache = grown
+        tail = (self.capacity, grown.capacity - self.capacity)
+        self.capacity = grown.capacity
+        self._give_back(*tail)
+        return self.allocate(rows, live)
+
+    def release(self, offset: int, rows: int) -> None:
+        self._give_back(offset, rows)
+
+    def _give_back(self, offset: int, rows: int) -> None:
+        if rows <= 0:
+            return
+        self.free.append((offset, rows))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, size in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((start, size))
+        self.free = merged
+
+
+class Scheduler:
+    """The decode loop of one engine: turns join between steps, finished ones leave.
+
+    Parameters
+    ----------
+    engine : the model (its ``prefill_into`` runs prompt chunks into a session's cache)
+    limits : :class:`SchedulerLimits`
+    """
+
+    def __init__(self, engine: Engine, limits: SchedulerLimits | None = None):
+        from kvstore.engine.batch import DecodeBatches
+
+        self.engine = engine
+        self.limits = limits or SchedulerLimits(prefill_chunk=engine.prefill_chunk)
+        self._batches = DecodeBatches(engine.model, engine.prefill_into, cuda_graphs=engine.cuda_graphs)
+        self._cv = threading.Condition()
+        self._works: list[TurnWork] = []  # submitted, not done (any phase)
+        self._owners: deque[str] = deque()  # round-robin order of owners with work
+        self._inflight: dict[str, int] = {}  # owner -> turns begun and not closed
+        self._arena: _Arena | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        #: steps run, tokens generated, prefill chunks run, turns paused for fairness, turns refused
+        self.counters = {"steps": 0, "tokens": 0, "prefill_chunks": 0, "preempted": 0, "refused": 0}
+
+    # ------------------------------------------------------------------ admission (any thread)
+    def reserve(self, owner: str) -> None:
+        """Count a turn of ``owner`` in flight, or refuse it (:class:`ServerBusy`) past the limits."""
+        limits = self.limits
+        with self._cv:
+            mine = self._inflight.get(owner, 0)
+            total = sum(self._inflight.values())
+            if mine >= limits.max_turns_per_owner:
+                self.counters["refused"] += 1
+                raise ServerBusy(
+                    f"owner {owner!r} has {mine} turns in flight, the most this server runs for one owner "
+                    f"(--max-turns-per-owner {limits.max_turns_per_owner}); retry when one ends",
+                    retry_after=1,
+                )
+            if total >= limits.max_batch + limits.max_queue:
+                self.counters["refused"] += 1
+                raise ServerBusy(
+                    f"the server has {total} turns in flight ({limits.max_batch} decoding, {limits.max_queue} "
+                    "queued at most); retry shortly",
+                    retry_after=1,
+                )
+            self._inflight[owner] = mine + 1
+
+    def unreserve(self, owner: str) -> None:
+        with self._cv:
+            left = self._inflight.get(owner, 0) - 1
+            if left > 0:
+                self._inflight[owner] = left
+            else:
+                self._inflight.pop(owner, None)
+
+    def submit(self, work: TurnWork) -> None:
+        """Queue a turn (its owner reserved): it runs on the scheduler thread from the next step."""
+        ids = np.asarray(work.ids, dtype=np.int64).reshape(-1)
+        if ids.size < 1:
+            raise GenerationError("a turn needs at least one token to run")
+        if work.max_new > self.limits.max_new_tokens:
+            raise GenerationError(
+                f"max_new_tokens {work.max_new} is over this server's cap of {self.limits.max_new_tokens} "
+                "(--max-new-tokens)"
+            )
+        work.ids = ids
+        work.start = work.cache.length
+        work.generator, work.seed = work.params.generator()
+        if work.deadline is None and self.limits.turn_deadline is not None:
+            work.deadline = time.monotonic() + self.limits.turn_deadline
+        work.phase = "prefill" if ids.shape[0] > 1 else "ready"
+        with self._cv:
+            if work.phase == "ready":
+                work.ready_step = self.counters["steps"]
+            self._works.append(work)
+            if work.owner not in self._owners:
+                self._owners.append(work.owner)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="kvstore-scheduler", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def wake(self) -> None:
+        """Look at the turns again now (a cancel arrived)."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the loop (turns still in flight end as cancelled)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def status(self) -> dict[str, Any]:
+        """Turns decoding and waiting, per phase, with the counters (``/metrics``)."""
+        with self._cv:
+            phases = {"prefill": 0, "ready": 0, "decode": 0}
+            for work in self._works:
+                phases[work.phase] = phases.get(work.phase, 0) + 1
+            return {
+                **phases,
+                "in_flight": sum(self._inflight.values()),
+                "owners": len(self._inflight),
+                **self.counters,
+            }
+
+    # ------------------------------------------------------------------ the loop (its own thread)
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._works and not self._stopping:
+                    self._cv.wait()
+                stopping = self._stopping
+                works, self._works = (self._works, []) if stopping else ([], self._works)
+            if stopping:
+                for work in works:  # nothing of an unfinished turn is kept
+                    work.cache.truncate(work.start)
+                    work.decoded = False
+                    self._end(work, "cancelled")
+                return
+            try:
+                self._step()
+            except BaseException as exc:  # the engine failed: every turn in flight gets the error
+                log.exception("the scheduler's step failed")
+                with self._cv:
+                    works, self._works = self._works, []
+                for work in works:
+                    self._end(work, "error", error=exc)
+                self._arena = None
+
+    def _step(self) -> None:
+        with self._cv:
+            works = list(self._works)
+        now = time.monotonic()
+        for work in works:  # 1. turns that end before their next step
+            if work.phase == "decode":
+                continue
+            if work.cancel_at is not None or (work.deadline is not None and now >= work.deadline):
+                self._leave_waiting(work, "cancelled" if work.cancel_at is not None else "deadline")
+        with self._cv:
+            works = [w for w in self._works if w.phase != "done"]
+        self._admit(works)  # 2. slots
+        prefilling = [w for w in works if w.phase == "prefill"]
+        decoding = [w for w in works if w.phase == "decode"]
+        chunk_budget = 1 if decoding else len(prefilling)  # nothing decoding: prefill back to back
+        for work in self._fair_order(prefilling)[:chunk_budget]:  # 3. prefill
+            self._prefill_chunk(work)
+        if decoding:  # 4. decode
+            self._decode(decoding)
+        self.counters["steps"] += 1
+
+    # ------------------------------------------------------------------ slots and fairness
+    def _fair_order(self, works: list[TurnWork]) -> list[TurnWork]:
+        """``works`` one per owner in round-robin order, then again, oldest first within an owner."""
+        by_owner: dict[str, deque[TurnWork]] = {}
+        for work in works:
+            by_owner.setdefault(work.owner, deque()).append(work)
+        with self._cv:
+            order = [o for o in self._owners if o in by_owner]
+            if order:  # the next call starts one owner later
+                self._owners.rotate(-1)
+        out = []
+        while by_owner:
+            for owner in list(order):
+                queue_of = by_owner.get(owner)
+                if queue_of:
+                    out.append(queue_of.popleft())
+                    if not queue_of:
+                        del by_owner[owner]
+        return out
+
+    def _admit(self, works: list[TurnWork]) -> None:
+        active = [w for w in works if w.phase == "decode"]
+        ready = [w for w in works if w.phase == "ready"]
+        if not ready:
+            return
+        slots = self.limits.max_batch
+        counts: dict[str, int] = {}
+        for work in active:
+            counts[work.owner] = counts.get(work.owner, 0) + 1
+        # owners with the fewest turns decoding first; round-robin among equals
+        waiting = sorted(self._fair_order(ready), key=lambda w: counts.get(w.owner, 0))
+        for work in waiting:
+            if len(active) >= slots:
+                if counts.get(work.owner, 0):
+                    continue  # an owner already decoding waits for a free slot
+                victim = self._victim(active, counts)
+                if victim is None:
+                    continue
+                self._pause(victim)
+                active.remove(victim)
+                counts[victim.owner] -= 1
+            self._join(work, active)
+            active.append(work)
+            counts[work.owner] = counts.get(work.owner, 0) + 1
+
+    def _victim(self, active: list[TurnWork], counts: dict[str, int]) -> TurnWork | None:
+        """The turn that yields its slot to an owner with nothing decoding, or None (wait)."""
+        crowded = [w for w in active if counts.get(w.owner, 0) >= 2]
+        if crowded:
+            return max(crowded, key=lambda w: w.admitted_step)
+        ripe = [w for w in active if w.slot_steps >= self.limits.max_batch]
+        return max(ripe, key=lambda w: w.slot_steps) if ripe else None
+
+    def _join(self, work: TurnWork, active: list[TurnWork]) -> None:
+        """Give ``work`` a region of the arena holding its session's rows; it decodes from this step."""
+        if self._arena is None:
+            self._arena = _Arena(work.cache)
+        arena = self._arena
+        rows_left = (work.max_new - len(work.generated)) + 1
+        work.position = work.cache.length
+        work.room = work.position + rows_left
+        work.offset = arena.allocate(work.room, active)
+        arena.cache.copy_rows(work.cache, 0, work.offset, work.position)
+        if not work.decoded:
+            work.next_input = int(work.ids[-1])
+        work.phase = "decode"
+        work.waited_steps.append(self.counters["steps"] - work.ready_step)
+        work.admitted_step = self.counters["steps"]
+        work.slot_steps = 0
+
+    def _pause(self, work: TurnWork) -> None:
+        """Take ``work``'s slot back: the rows it wrote go to its session's cache; it resumes later."""
+        self._copy_back(work, work.position)
+        work.phase = "ready"
+        work.ready_step = self.counters["steps"]
+        self.counters["preempted"] += 1
+
+    def _copy_back(self, work: TurnWork, stop: int) -> None:
+        """Rows ``cache.length .. stop`` of the turn's region into its session's cache; the region is freed."""
+        arena, cache = self._arena, work.cache
+        assert arena is not None  # a decoding turn has a region
+        first = cache.length
+        if stop > first:
+            cache.reserve(stop)
+            cache.copy_rows(arena.cache, work.offset + first, first, stop - first)
+            # the tokens each row was computed for: the prompt's last, then the generated ones
+            ran = [int(work.ids[-1]), *work.generated][first - work.start - (work.ids.shape[0] - 1) :]
+            cache.commit(first, ran[: stop - first])
+        arena.release(work.offset, work.room)
+
+    # ------------------------------------------------------------------ prefill and decode
+    def _prefill_chunk(self, work: TurnWork) -> None:
+        began = time.perf_counter()
+        body = work.ids[:-1]
+        chunk = body[work.prefilled : work.prefilled + self.limits.prefill_chunk]
+        self.engine.prefill_into(work.cache, chunk, work.cache.length)
+        work.prefilled += chunk.shape[0]
+        work.timings["prefill"] += time.perf_counter() - began
+        self.counters["prefill_chunks"] += 1
+        if work.prefilled >= body.shape[0]:
+            work.phase = "ready"
+            work.ready_step = self.counters["steps"]
+
+    def _decode(self, active: list[TurnWork]) -> None:
+        arena = self._arena
+        assert arena is not None  # turns decode only after joining it
+        began = time.perf_counter()
+        device = arena.cache.device
+        tokens_in = torch.tensor([w.next_input for w in active], dtype=torch.int64, device=device)
+        positions_in = torch.tensor([w.position for w in active], dtype=torch.int64, device=device)
+        offsets_in = torch.tensor([w.offset for w in active], dtype=torch.int64, device=device)
+        step = self._batches.step_function(arena.cache, len(active), tokens_in, positions_in, offsets_in)
+        logits = step()
+        sampling = [i for i, w in enumerate(active) if w.sampling]
+        picked: dict[int, int] = {}
+        greedy = [i for i in sampling if active[i].params.greedy]
+        if greedy:
+            chosen = logits[greedy].argmax(dim=-1).tolist()
+            picked.update(zip(greedy, chosen))
+        for i in sampling:
+            if i not in picked:
+                work = active[i]
+                picked[i] = sample_next(logits[i], work.params, work.generator)
+        elapsed = time.perf_counter() - began
+        now = time.monotonic()
+        for i, work in enumerate(active):
+            work.timings["decode"] += elapsed
+            work.position += 1
+            work.slot_steps += 1
+            work.decoded = True
+            if i not in picked:  # its last token's row is written: it leaves
+                self._leave_decoding(work)
+                continue
+            token = picked[i]
+            work.generated.append(token)
+            work.next_input = token
+            self.counters["tokens"] += 1
+            work.events.put(("token", token))
+            if token in work.stops:
+                work.finish = "stop"
+            elif len(work.generated) >= work.max_new:
+                work.finish = "length"
+            elif work.deadline is not None and now >= work.deadline:
+                work.finish = "deadline"
+            if work.finish is not None:
+                work.sampling = False
+        for work in active:  # a reader that left: stop at this step, keeping what it took
+            if work.phase == "decode" and work.cancel_at is not None:
+                self._cancel_decoding(work)
+
+    def _cancel_decoding(self, work: TurnWork) -> None:
+        keep = min(work.cancel_at or 0, len(work.generated))
+        written = work.position - work.start - work.ids.shape[0]  # generated tokens whose row is written
+        del work.generated[keep:]
+        work.finish = "cancelled"
+        if written >= keep:
+            self._leave_decoding(work)
+        else:  # its last kept token still needs its row: one more step, sampling nothing
+            work.sampling = False
+            work.next_input = work.generated[-1]
+
+    def _leave_decoding(self, work: TurnWork) -> None:
+        stop = work.start + work.ids.shape[0] + len(work.generated)  # the prompt and every kept token
+        self._copy_back(work, stop)
+        self._end(work, work.finish or "length")
+
+    def _leave_waiting(self, work: TurnWork, reason: str) -> None:
+        """End a turn that holds no slot: a paused one keeps what it generated (its rows are in its
+        cache); one that never decoded stores nothing (the prefilled rows are dropped)."""
+        if work.decoded:
+            keep = len(work.generated) if work.cancel_at is None else min(work.cancel_at, len(work.generated))
+            written = work.cache.length - work.start - work.ids.shape[0]
+            if written < keep:  # its last kept token's row is missing: let it take one more slot
+                del work.generated[keep:]
+                work.sampling, work.next_input, work.finish = False, work.generated[-1], reason
+                return
+            del work.generated[keep:]
+            work.cache.truncate(work.start + work.ids.shape[0] + keep)
+        else:
+            work.cache.truncate(work.start)
+        self._end(work, reason)
+
+    def _end(self, work: TurnWork, reason: str, error: BaseException | None = None) -> None:
+        with self._cv:
+            if work in self._works:
+                self._works.remove(work)
+            if not any(w.owner == work.owner for w in self._works) and work.owner in self._owners:
+                self._owners.remove(work.owner)
+        work.phase = "done"
+        work.timings["generate"] = time.perf_counter() - work.began
+        work.events.put(
+            (
+                "end",
+                Outcome(
+                    list(work.generated),
+                    reason,
+                    int(work.ids.shape[0]) if work.decoded else work.prefilled,
+                    work.decoded,
+                    work.seed,
+                    dict(work.timings),
+                    error,
+                ),
+            )
+        )
