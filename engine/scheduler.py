@@ -129,6 +129,8 @@ class TurnWork:
     slot_steps: int = 0  # steps in its current slot
     ready_step: int = -1  # the step its prompt was prefilled at (or it was paused)
     waited_steps: list[int] = field(default_factory=list)  # steps from ready to a slot, each time
+    submitted_step: int = -1
+    ended_step: int = -1
     decoded: bool = False
     finish: str | None = None
     cancel_at: int | None = None  # tokens the reader took when it cancelled
@@ -259,8 +261,9 @@ class Scheduler:
             work.deadline = time.monotonic() + self.limits.turn_deadline
         work.phase = "prefill" if ids.shape[0] > 1 else "ready"
         with self._cv:
+            work.submitted_step = self.counters["steps"]
             if work.phase == "ready":
-                work.ready_step = self.counters["steps"]
+                work.ready_step = work.submitted_step
             self._works.append(work)
             if work.owner not in self._owners:
                 self._owners.append(work.owner)
@@ -529,6 +532,7 @@ class Scheduler:
             if not any(w.owner == work.owner for w in self._works) and work.owner in self._owners:
                 self._owners.remove(work.owner)
         work.phase = "done"
+        work.ended_step = self.counters["steps"]
         work.timings["generate"] = time.perf_counter() - work.began
         work.events.put(
             (

@@ -1,0 +1,204 @@
+"""The scheduler (``kvstore.engine.scheduler``): turns join and leave a batch between decode steps.
+
+Every turn must get exactly what it gets decoding alone (greedy, f32 cache, CPU: token-identical,
+as ``Engine.generate_batch`` is), however turns come and go, pause for fairness and resume; a long
+prompt is prefilled in chunks between decode steps; an owner with nothing decoding gets a slot
+within the documented number of steps; a cancelled turn keeps exactly the tokens its reader took.
+Steps are counted, never timed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvstore.engine import Engine, preset, random_model
+from kvstore.engine.errors import GenerationError, ServerBusy
+from kvstore.engine.generate import SamplingParams
+from kvstore.engine.scheduler import Outcome, Scheduler, SchedulerLimits, TurnWork
+
+GREEDY = SamplingParams(0.0, 1.0, 0, None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(preset("tiny"), seed=4)
+
+
+@pytest.fixture
+def engine(model):
+    return Engine(model, tier="f32")
+
+
+def context(vocab: int, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(2, vocab, n)
+
+
+def alone(model, ids, max_new: int, tier: str = "f32") -> list[int]:
+    return Engine(model, tier=tier).generate(ids, max_new_tokens=max_new, stop_tokens=()).tokens
+
+
+def turn(engine, owner: str, ids, max_new: int, **kw) -> TurnWork:
+    return TurnWork(owner, engine.new_cache(), np.asarray(ids), GREEDY, max_new, frozenset(), **kw)
+
+
+def drain(work: TurnWork, timeout: float = 120.0) -> tuple[list[int], Outcome]:
+    tokens = []
+    while True:
+        kind, value = work.events.get(timeout=timeout)
+        if kind == "end":
+            return tokens, value
+        tokens.append(value)
+
+
+def run_scheduler(engine, limits: SchedulerLimits) -> Scheduler:
+    return Scheduler(engine, limits)
+
+
+@pytest.mark.parametrize("tier", ["f32", "fp8", "int4", "q8"])
+def test_turns_joining_and_leaving_get_what_they_get_alone(model, tier):
+    engine = Engine(model, tier=tier)
+    vocab = model.config.vocab_size
+    plan = [(5, 7), (17, 3), (40, 5), (1, 9), (23, 2), (9, 6)]  # (prompt tokens, tokens to generate)
+    scheduler = run_scheduler(engine, SchedulerLimits(max_batch=3, prefill_chunk=8, turn_deadline=None))
+    try:
+        works = [turn(engine, f"o{i % 2}", context(vocab, n, seed=i), m) for i, (n, m) in enumerate(plan)]
+        for work in works[:3]:
+            scheduler.submit(work)
+        assert works[0].events.get(timeout=120)[0] == "token"  # the first wave decodes: the second joins it
+        for work in works[3:]:
+            scheduler.submit(work)
+        results = [drain(w) for w in works]
+    finally:
+        scheduler.close()
+    for work, (n, m), (tokens, outcome) in zip(works, plan, results):
+        want = alone(model, work.ids, m, tier)
+        assert outcome.tokens == want and outcome.finish_reason == "length" and outcome.decoded
+        # the session's cache holds the whole conversation: the prompt and every token, the last included
+        assert work.cache.length == n + m
+        assert work.cache.tokens.tolist() == [*work.ids.tolist(), *want]
+    # the events carried every token (the first one of the first turn was read above)
+    assert results[0][0] == results[0][1].tokens[1:] and all(t == o.tokens for t, o in results[1:])
+    steps = scheduler.counters["steps"]
+    assert steps < sum(m + 1 for _, m in plan)  # turns shared steps: a batch, not one after another
+    assert scheduler.counters["prefill_chunks"] >= sum(-(-(n - 1) // 8) for n, _ in plan if n > 1)
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(model, engine):
+    vocab = model.config.vocab_size
+    scheduler = run_scheduler(engine, SchedulerLimits(max_batch=4, prefill_chunk=16, turn_deadline=None))
+    try:
+        decoding = turn(engine, "a", context(vocab, 4, 1), 40)
+        scheduler.submit(decoding)
+        assert decoding.events.get(timeout=120)[0] == "token"
+        long_prompt = turn(engine, "b", context(vocab, 240, 2), 2)  # 15 chunks of 16
+        scheduler.submit(long_prompt)
+        drain(long_prompt)
+        drain(decoding)
+    finally:
+        scheduler.close()
+    assert long_prompt.ready_step - long_prompt.submitted_step >= 15  # one chunk per step
+    assert long_prompt.ready_step < decoding.ended_step  # the prefill ran while the other turn decoded
+    # the decoding turn had its decode step at every scheduler step of its life: never frozen
+    assert decoding.slot_steps == decoding.ended_step - decoding.admitted_step + 1  # every step, both ends
+
+
+def test_an_owner_with_nothing_decoding_gets_a_slot_at_the_next_step(model, engine):
+    vocab = model.config.vocab_size
+    scheduler = run_scheduler(engine, SchedulerLimits(max_batch=3, turn_deadline=None))
+    try:
+        flood = [turn(engine, "a", context(vocab, 3, 10 + i), 60) for i in range(5)]
+        for work in flood:
+            scheduler.submit(work)
+        for work in flood[:3]:
+            assert work.events.get(timeout=120)[0] == "token"  # three decode, two wait
+        other = turn(engine, "b", context(vocab, 1, 20), 3)
+        scheduler.submit(other)
+        tokens, outcome = drain(other)
+        # answered before the flooding owner's queued turns have run a single step
+        assert all(w.phase != "done" for w in flood) and not flood[4].decoded
+        results = [drain(w) for w in flood]
+    finally:
+        scheduler.close()
+    assert other.waited_steps[0] <= 1 and outcome.tokens == alone(model, other.ids, 3)  # the next step
+    assert scheduler.counters["preempted"] >= 1  # one of a's turns yielded its slot, then resumed
+    for work, (tokens, outcome) in zip(flood, results):
+        assert outcome.tokens == alone(model, work.ids, 60)  # paused and resumed: the same tokens
+
+
+def test_when_every_owner_holds_one_slot_a_waiting_owner_gets_one_within_the_batch_size(model, engine):
+    vocab = model.config.vocab_size
+    limits = SchedulerLimits(max_batch=2, turn_deadline=None)
+    scheduler = run_scheduler(engine, limits)
+    try:
+        held = [turn(engine, owner, context(vocab, 2, i), 30) for i, owner in enumerate("ab")]
+        for work in held:
+            scheduler.submit(work)
+        for work in held:
+            assert work.events.get(timeout=120)[0] == "token"
+        late = turn(engine, "c", context(vocab, 1, 9), 2)
+        scheduler.submit(late)
+        drain(late)
+        for work in held:
+            drain(work)
+    finally:
+        scheduler.close()
+    assert late.waited_steps[0] <= limits.max_batch + 1  # counted from the step it arrived in
+    assert all(w.ended_step > late.ended_step for w in held)  # never after a whole turn of someone else
+
+
+def test_a_cancelled_turn_keeps_exactly_the_tokens_its_reader_took(model, engine):
+    vocab = model.config.vocab_size
+    scheduler = run_scheduler(engine, SchedulerLimits(turn_deadline=None))
+    try:
+        work = turn(engine, "a", context(vocab, 6, 3), 200)
+        scheduler.submit(work)
+        taken = [work.events.get(timeout=120)[1] for _ in range(3)]
+        work.cancel(len(taken))
+        scheduler.wake()
+        _, outcome = drain(work)
+    finally:
+        scheduler.close()
+    assert outcome.finish_reason == "cancelled" and outcome.tokens == taken
+    assert work.cache.length == 6 + 3 and work.cache.tokens.tolist() == [*work.ids.tolist(), *taken]
+    assert taken == alone(model, work.ids, 3)
+
+
+def test_a_turn_cancelled_or_past_its_deadline_before_decoding_stores_nothing(model, engine):
+    vocab = model.config.vocab_size
+    scheduler = run_scheduler(engine, SchedulerLimits(max_batch=1, turn_deadline=None))
+    try:
+        first = turn(engine, "a", context(vocab, 3, 4), 50)
+        scheduler.submit(first)
+        assert first.events.get(timeout=120)[0] == "token"
+        waiting = turn(engine, "a", context(vocab, 12, 5), 5)  # the one slot is a's: it waits
+        waiting.cancel(0)
+        scheduler.submit(waiting)
+        late = turn(engine, "b", context(vocab, 12, 6), 5, deadline=time.monotonic() - 1)
+        scheduler.submit(late)
+        for work, reason in ((waiting, "cancelled"), (late, "deadline")):
+            tokens, outcome = drain(work)
+            assert (tokens, outcome.tokens, outcome.finish_reason, outcome.decoded) == ([], [], reason, False)
+            assert work.cache.length == 0  # what prefill wrote is gone: the session is as it was
+        first.cancel(1)
+        drain(first)
+    finally:
+        scheduler.close()
+
+
+def test_limits_refuse_a_turn_before_it_starts(engine):
+    scheduler = run_scheduler(engine, SchedulerLimits(max_batch=1, max_queue=1, max_turns_per_owner=2))
+    scheduler.reserve("a")
+    scheduler.reserve("a")
+    with pytest.raises(ServerBusy, match="max-turns-per-owner 2") as refused:
+        scheduler.reserve("a")
+    assert refused.value.retry_after >= 1
+    with pytest.raises(ServerBusy, match="in flight"):
+        scheduler.reserve("b")  # 1 decoding + 1 queued: the server is full
+    scheduler.unreserve("a")
+    scheduler.reserve("b")
+    assert scheduler.counters["refused"] == 2
+    with pytest.raises(GenerationError, match="cap of 4096"):
+        scheduler.submit(turn(engine, "a", [5], 5000))
