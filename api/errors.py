@@ -23,6 +23,7 @@ from kvstore.engine.errors import (
     GenerationError,
     ModelConfigError,
     RestoreFailed,
+    ServerBusy,
     TierUnsupported,
     WeightsError,
 )
@@ -64,8 +65,10 @@ __all__ = [
     "BodyTooLarge",
     "DuplicateJSONKey",
     "EngineNotLoaded",
+    "InvalidParameter",
     "JobNotFound",
     "JobQueueFull",
+    "ModelNotFound",
     "ServiceBusy",
     "SessionBusy",
     "Unauthorized",
@@ -142,6 +145,27 @@ class EngineNotLoaded(KVStoreError, RuntimeError):
     """
 
 
+class InvalidParameter(InvalidRequest):
+    """A request parameter has a value this service does not accept, or is one it does not implement.
+
+    ``param`` names the parameter (``messages[2].content``, ``logprobs``), ``code`` says what kind
+    of refusal it is (``unsupported_parameter``, ``context_length_exceeded``): the OpenAI-compatible
+    routes return both in their error object. Nothing was done; the reason says what is accepted.
+    """
+
+    def __init__(self, reason: str, param: str | None = None, code: str | None = None):
+        super().__init__(reason)
+        self.param = param
+        self.code = code
+
+
+class ModelNotFound(KVStoreError, LookupError):
+    """A request names a model this server does not serve (the ``model`` of an OpenAI-style request).
+
+    ``GET /v1/models`` lists the one it serves: send its id.
+    """
+
+
 # ---- the status of every error ----------------------------------------------------------------
 #: Error class (or its dotted name, for modules imported lazily) -> HTTP status. Subclasses
 #: inherit their nearest listed base's status.
@@ -195,6 +219,7 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     CacheLayoutUnsupported: 422,
     ConversationMismatch: 409,
     RestoreFailed: 503,
+    ServerBusy: 429,  # the scheduler's turns in flight, for the owner or in all (retry_after)
     # the service's own
     BodyTooLarge: 413,
     ServiceBusy: 429,
@@ -205,6 +230,8 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     Unauthorized: 401,
     JobNotFound: 404,
     EngineNotLoaded: 503,
+    InvalidParameter: 400,
+    ModelNotFound: 404,
 }
 
 
@@ -215,7 +242,7 @@ def retry_after(error: KVStoreError) -> int | None:
     if isinstance(error, JournalLocked):
         return 1
     seconds = getattr(error, "retry_after", None)
-    if not isinstance(error, (ServiceBusy, Unavailable, LeaseHeld)) or seconds is None:
+    if not isinstance(error, (ServiceBusy, ServerBusy, Unavailable, LeaseHeld)) or seconds is None:
         return None
     return max(1, math.ceil(seconds))
 

@@ -32,7 +32,7 @@ from kvstore.api.errors import BodyTooLarge, http_status, retry_after
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
 from kvstore.api.replica import IdempotencyKeys, IndexJobs, IndexKeyTable
-from kvstore.api.routers import console, files, generate, health, jobs, lookup, metrics, sessions
+from kvstore.api.routers import console, files, generate, health, jobs, lookup, metrics, openai, sessions
 from kvstore.api.routers.metrics import Metrics
 from kvstore.api.session_gates import SessionGates
 from kvstore.api.settings import Settings
@@ -238,6 +238,8 @@ def create_app(
         try:
             yield
         finally:
+            if app.state.engine is not None:
+                app.state.engine.close()  # the scheduler stops; turns in flight end as cancelled
             runner.shutdown()
             if given_store is None:
                 store.close()
@@ -257,7 +259,6 @@ def create_app(
     app.state.keys = keys
     app.state.metrics = Metrics(app.state)
     app.state.engine = None
-    app.state.generate_gate = asyncio.Lock()  # generate calls queue here for the one engine
     app.state.gates = SessionGates(settings.lock_timeout, settings.session_waiters)
     app.state.big_json = asyncio.Semaphore(1)  # JSON bodies over 64 KiB are parsed one at a time
     # the decorator form: each handler takes the error class it is registered for
@@ -269,7 +270,7 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.shared:
         app.add_middleware(IdempotencyKeys)
-    for module in (health, sessions, files, lookup, jobs, generate, metrics):
+    for module in (health, sessions, files, lookup, jobs, generate, metrics, openai):
         app.include_router(module.router)
     console.install(app)
     app.openapi = lambda: _openapi(app)
@@ -281,8 +282,24 @@ def _load_engine(settings: Settings, model_dir: Path, store: Store):
     folder, cached)."""
     from kvstore.engine.session import SessionEngine
 
+    threads = (
+        settings.torch_threads if settings.torch_threads is not None else (1 if settings.device == "cpu" else None)
+    )
+    if threads is not None:
+        import torch
+
+        # On the CPU torch's worker threads spin after every operation and take the cores the
+        # scheduler, the event loop and the turns' readers need between steps (docs/SERVE.md).
+        torch.set_num_threads(threads)
     engine = SessionEngine.from_folder(
-        model_dir, store, tier=settings.tier, device=settings.device, dtype=settings.dtype
+        model_dir,
+        store,
+        tier=settings.tier,
+        device=settings.device,
+        dtype=settings.dtype,
+        limits=settings.scheduler_limits(settings.device),
+        pool_bytes=settings.pool_bytes,
+        host_bytes=settings.host_pool_bytes,
     )
     described = engine.describe()
     log.info(

@@ -68,6 +68,9 @@ class Settings:
         device memory on CUDA, 1 GiB elsewhere); least recently used sessions leave first
     host_pool_bytes : pinned host memory sessions leaving the device move to (0: none; they are
         restored from the store next time)
+    torch_threads : torch's intra-op threads in this process (None: 1 on the CPU — torch's spinning
+        worker threads would starve the server's own between steps, docs/SERVE.md — and torch's
+        default elsewhere)
     """
 
     data_dir: Path = Path(config.DATA_DIR.value)
@@ -99,6 +102,7 @@ class Settings:
     turn_deadline: float | None = 600.0
     pool_bytes: int | None = None
     host_pool_bytes: int = 0
+    torch_threads: int | None = None
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -137,7 +141,7 @@ class Settings:
             raise ConfigError("--cache-size: only a replica of a shared store (--index, --blobs) has a segment cache")
 
     def _check_serving(self) -> None:
-        for name in ("max_batch", "max_turns_per_owner"):
+        for name in ("max_batch", "max_turns_per_owner", "torch_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")

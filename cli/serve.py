@@ -36,6 +36,10 @@ SERVING = {
     "max_queue": (int, "with --model: turns in flight beyond the slots; one more gets 429 (default 64)"),
     "max_turns_per_owner": (int, "with --model: turns one owner may have in flight; one more gets 429 (default 8)"),
     "turn_deadline": (float, "with --model: seconds a turn may run before it is stopped (default 600)"),
+    "torch_threads": (
+        int,
+        "with --model: torch's intra-op threads (default 1 with --device cpu, else torch's own)",
+    ),
 }
 
 

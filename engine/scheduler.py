@@ -256,6 +256,7 @@ class Scheduler:
             )
         work.ids = ids
         work.start = work.cache.length
+        work.sampling = work.max_new > 0  # none asked: the step only writes the prompt's last row
         work.generator, work.seed = work.params.generator()
         if work.deadline is None and self.limits.turn_deadline is not None:
             work.deadline = time.monotonic() + self.limits.turn_deadline

@@ -103,34 +103,37 @@ class TurnResult:
 class TextDeltas:
     """Text of a growing token list, piece by piece, never repeating what was shown.
 
-    A byte-level tokenizer can split one character over several tokens: trailing replacement
-    characters (an incomplete UTF-8 sequence) are held back until the next token completes them,
-    or until :meth:`rest` at the end.
+    A byte-level tokenizer can split one character over several tokens: a piece ending in a
+    replacement character (an incomplete UTF-8 sequence) is held back until the next token completes
+    it, or until :meth:`rest` at the end. Only a short window of tokens is decoded per call — the
+    tokens since the last piece, behind the ones before it, so that a tokenizer that spells a token
+    by its left neighbour (a leading space) spells it the same — so a long answer costs the same per
+    token as a short one.
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.shown = 0  # characters handed out so far
+        self._prefix = 0  # the window starts here: the tokens of the last piece given out
+        self._read = 0  # tokens whose text has been given out
 
     def _text(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def delta(self, tokens: Sequence[int]) -> str:
         """The new complete characters of ``tokens``' text since the last call."""
-        text = self._text(tokens)
-        stable = len(text)
-        while stable > self.shown and text[stable - 1] == "\ufffd":
-            stable -= 1
-        piece = text[self.shown : stable]
-        self.shown = max(self.shown, stable)
-        return piece
+        shown = self._text(tokens[self._prefix : self._read])
+        text = self._text(tokens[self._prefix :])
+        if len(text) <= len(shown) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(tokens)
+        return text[len(shown) :]
 
     def rest(self, tokens: Sequence[int]) -> str:
         """Whatever is left of the text (held-back characters included), at the end."""
-        text = self._text(tokens)
-        piece = text[self.shown :]
-        self.shown = max(self.shown, len(text))
-        return piece
+        shown = self._text(tokens[self._prefix : self._read])
+        text = self._text(tokens[self._prefix :])
+        self._prefix = self._read = len(tokens)
+        return text[len(shown) :]
 
 
 class Turn:
@@ -210,6 +213,12 @@ class Turn:
             self._chat.scheduler.wake()
 
     def __iter__(self) -> Iterator[int]:
+        for batch in self.batches():
+            yield from batch
+
+    def batches(self) -> Iterator[list[int]]:
+        """The generated ids in groups, each every token produced since the previous group (a
+        reader that falls behind catches up in one group); iterate the turn for one id at a time."""
         if self._started or self._closed:
             raise GenerationError("a turn can be iterated only once")
         self._started = True
@@ -231,16 +240,19 @@ class Turn:
             chat.scheduler.submit(work)
             outcome = None
             while outcome is None:
-                kind, value = work.events.get()
-                if kind == "end":
-                    outcome = value
-                    continue
+                events = [work.events.get()]
+                while not work.events.empty():
+                    events.append(work.events.get_nowait())
+                taken = []
                 with self._lock:
-                    taken = not self._cancel_requested  # tokens past a cancel are not the reader's
-                    if taken:
-                        self.tokens.append(value)
+                    for kind, value in events:
+                        if kind == "end":
+                            outcome = value
+                        elif not self._cancel_requested:  # tokens past a cancel are not the reader's
+                            self.tokens.append(value)
+                            taken.append(value)
                 if taken:
-                    yield value
+                    yield taken
             self._finish(outcome)
         finally:
             self.close()

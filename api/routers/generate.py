@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
 import threading
 from typing import Any
 
@@ -38,6 +37,7 @@ from kvstore.api.dependencies import LoadedEngine, Owner, SessionId
 from kvstore.api.json_body import StrictJSONRoute
 from kvstore.api.routers.metrics import Counters, Metrics
 from kvstore.api.schemas import EngineOut, ErrorBody, GenerateIn, GenerateOut
+from kvstore.api.streams import EventPipe
 from kvstore.errors import InvalidRequest, KVStoreError
 
 log = logging.getLogger("kvstore.api")
@@ -127,7 +127,7 @@ async def generate(
             _turn_json(result), headers=_split_headers(result.reused_tokens, result.prefilled_tokens, result.source)
         )
 
-    events: queue.Queue = queue.Queue()
+    events = EventPipe()
     try:
         threading.Thread(
             target=_produce, args=(turn, events, metrics), name=f"generate-{session_id}", daemon=True
@@ -165,46 +165,49 @@ async def _run_to_end(request: Request, turn):
             cancelled = True
 
 
-def _produce(turn, events: queue.Queue, metrics: Metrics) -> None:
+def _produce(turn, events: EventPipe, metrics: Metrics) -> None:
     """Run the turn to its end in this thread (the reader's side: tokens from the scheduler, then the
-    append), queueing the events."""
+    append), queueing its events in groups (one write for the tokens of several steps when the
+    client or this thread fell behind)."""
     from kvstore.engine.session import TextDeltas
 
     try:
         with turn:
             pieces = TextDeltas(turn.tokenizer)
             texts = turn.tokenizer is not None
-            for token in turn:
-                events.put(("token", {"token": token, "text": pieces.delta(turn.tokens) if texts else None}))
+            for batch in turn.batches():  # every token the scheduler produced since the last write
+                first = len(turn.tokens) - len(batch)
+                events.put(
+                    [
+                        (
+                            "token",
+                            {"token": token, "text": pieces.delta(turn.tokens[: first + i + 1]) if texts else None},
+                        )
+                        for i, token in enumerate(batch)
+                    ]
+                )
             tail = pieces.rest(turn.tokens) if texts else ""
             if tail:
-                events.put(("text", {"text": tail}))
+                events.put([("text", {"text": tail})])
         metrics.record_turn(turn.result)
-        events.put(("done", _turn_json(turn.result)))
+        events.put([("done", _turn_json(turn.result))])
     except KVStoreError as exc:
         metrics.record_failure(type(exc).__name__)
-        events.put(("error", {"error": type(exc).__name__, "reason": exc.reason}))
+        events.put([("error", {"error": type(exc).__name__, "reason": exc.reason})])
     except Exception as exc:
         log.exception("generate on %s failed", turn.session_id)
         metrics.record_failure("InternalError")
-        events.put(
-            (
-                "error",
-                {"error": "InternalError", "reason": f"{type(exc).__name__}: the turn failed; see the service log"},
-            )
-        )
+        reason = f"{type(exc).__name__}: the turn failed; see the service log"
+        events.put([("error", {"error": "InternalError", "reason": reason})])
     finally:
-        events.put(None)
+        events.close()
 
 
-async def _events(turn, events: queue.Queue):
-    """The queued events as server-sent events; a client that leaves cancels the turn."""
+async def _events(turn, events: EventPipe):
+    """The queued events as server-sent events (those that arrived together in one write); a client
+    that leaves cancels the turn."""
     try:
-        while True:
-            item = await run_in_threadpool(events.get)
-            if item is None:
-                return
-            name, data = item
-            yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
+        async for batch in events.batches():  # lists of (event, data), as the producer put them
+            yield "".join(f"event: {name}\ndata: {json.dumps(data)}\n\n" for group in batch for name, data in group)
     finally:
         turn.cancel()  # a no-op once the turn ended

@@ -14,14 +14,25 @@ Generation (``kvstore serve --model``), counted by the generate route:
 ``kvstore_prefilled_tokens_total``             context tokens run through the model (the new turns)
 ``kvstore_reused_tokens_total``                context tokens whose stored rows were reused
 ``kvstore_generated_tokens_total``             tokens generated
-``kvstore_restores_total{source}``             turns by where the reused rows came from: ``live`` cache,
-                                               ``journal`` (restored) or ``new`` (nothing stored)
-``kvstore_restored_tokens_total``              rows read from journals into the cache
+``kvstore_restores_total{source}``             turns by where the reused rows came from: ``live``
+                                               (resident), ``host`` (the host tier), ``journal`` /
+                                               ``shared`` (restored from the store) or ``new``
+``kvstore_restored_tokens_total``              rows brought in (host tier, journal, shared store)
 ``kvstore_appended_records_total``             records appended by generate calls
-``kvstore_turns_cancelled_total``              streams the client left early
-``kvstore_turn_seconds{phase}`` (histogram)    seconds of a turn's ``restore``, ``prefill``, ``decode``
-                                               and ``append``
+``kvstore_turns_cancelled_total``              turns whose client left before the end
+``kvstore_turn_seconds{phase}`` (histogram)    seconds of a turn's ``restore``, ``prefill``, ``decode``,
+                                               ``generate`` (submission to last token) and ``append``
 ``kvstore_engine_loaded`` (gauge)              1 when the server runs with ``--model``
+``kvstore_scheduler_turns{phase}`` (gauge)     turns in the scheduler: ``prefill``, ``ready`` (waiting for
+                                               a decode slot) and ``decode`` (in the batch)
+``kvstore_scheduler_in_flight`` (gauge)        turns begun and not ended (queued included)
+``kvstore_scheduler_steps_total``              scheduler steps (each: a prefill chunk, a batched step)
+``kvstore_scheduler_tokens_total``             tokens the batched steps sampled
+``kvstore_scheduler_preempted_total``          turns paused to give an owner with nothing decoding a slot
+``kvstore_scheduler_refused_total``            turns refused with 429 (an owner's or the server's limit)
+``kvstore_pool_sessions{where}`` (gauge)       resident sessions on the ``device`` and the ``host`` tier
+``kvstore_pool_bytes{where}`` (gauge)          their bytes; ``kvstore_pool_budget_bytes{where}`` the budgets
+``kvstore_pool_evictions_total{to}``           sessions leaving the device: ``host`` or ``dropped``
 ============================================== =======================================================
 
 The store (read from :class:`kvstore.store.stats.StoreStats` and the index at each scrape):
@@ -63,8 +74,9 @@ from kvstore.store.stats import EVICTION_ACTIONS, Distribution
 
 router = APIRouter(tags=["metrics"], route_class=StrictJSONRoute)
 
-RESTORE_SOURCES = ("live", "journal", "new")
-TURN_PHASES = ("restore", "prefill", "decode", "append")
+RESTORE_SOURCES = ("live", "host", "journal", "shared", "new")
+TURN_PHASES = ("restore", "prefill", "decode", "generate", "append")
+SCHEDULER_PHASES = ("prefill", "ready", "decode")
 # A turn's phases span a millisecond restore to a minute of CPU decoding.
 TURN_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -167,8 +179,11 @@ class ServiceCollector:
         engine_loaded = GaugeMetricFamily(
             "kvstore_engine_loaded", "1 when the service runs a model (kvstore serve --model)."
         )
-        engine_loaded.add_metric([], 1 if getattr(self.state, "engine", None) is not None else 0)
+        engine = getattr(self.state, "engine", None)
+        engine_loaded.add_metric([], 1 if engine is not None else 0)
         yield engine_loaded
+        if engine is not None:
+            yield from _serving(engine)
         store = getattr(self.state, "store", None)
         if not isinstance(store, Store):  # before the lifespan opened the store
             return
@@ -256,6 +271,37 @@ class ServiceCollector:
             tier_sessions.add_metric([tier], entry["sessions"])
         yield tier_bytes
         yield tier_sessions
+
+
+def _serving(engine) -> Iterator[Metric]:
+    """The scheduler's turns and counters and the resident pool (kvstore.engine.session.SessionEngine)."""
+    status = engine.scheduler.status()
+    turns = GaugeMetricFamily("kvstore_scheduler_turns", "Turns in the scheduler, by phase.", labels=["phase"])
+    for phase in SCHEDULER_PHASES:
+        turns.add_metric([phase], status[phase])
+    yield turns
+    yield GaugeMetricFamily("kvstore_scheduler_in_flight", "Turns begun and not ended.", value=status["in_flight"])
+    yield CounterMetricFamily("kvstore_scheduler_steps", "Scheduler steps run.", value=status["steps"])
+    yield CounterMetricFamily("kvstore_scheduler_tokens", "Tokens sampled by batched steps.", value=status["tokens"])
+    yield CounterMetricFamily(
+        "kvstore_scheduler_preempted", "Turns paused to give a waiting owner a slot.", value=status["preempted"]
+    )
+    yield CounterMetricFamily("kvstore_scheduler_refused", "Turns refused (429).", value=status["refused"])
+    pool = engine.pool.usage()
+    sessions = GaugeMetricFamily("kvstore_pool_sessions", "Resident sessions.", labels=["where"])
+    held = GaugeMetricFamily("kvstore_pool_bytes", "Bytes of resident sessions.", labels=["where"])
+    budget = GaugeMetricFamily("kvstore_pool_budget_bytes", "Budgets of the resident pool.", labels=["where"])
+    for where in ("device", "host"):
+        sessions.add_metric([where], pool[f"{where}_sessions"])
+        held.add_metric([where], pool[f"{where}_bytes"])
+        budget.add_metric([where], pool[f"{where}_budget"])
+    yield sessions
+    yield held
+    yield budget
+    evictions = CounterMetricFamily("kvstore_pool_evictions", "Sessions leaving the device.", labels=["to"])
+    evictions.add_metric(["host"], pool["evicted_to_host"])
+    evictions.add_metric(["dropped"], pool["evicted"])
+    yield evictions
 
 
 Counters = Annotated[Metrics, Depends(get_metrics)]

@@ -202,3 +202,15 @@ def test_limits_refuse_a_turn_before_it_starts(engine):
     assert scheduler.counters["refused"] == 2
     with pytest.raises(GenerationError, match="cap of 4096"):
         scheduler.submit(turn(engine, "a", [5], 5000))
+
+
+def test_a_turn_asking_no_tokens_stores_its_prompt_and_samples_nothing(model, engine):
+    scheduler = run_scheduler(engine, SchedulerLimits(turn_deadline=None))
+    try:
+        work = turn(engine, "a", context(model.config.vocab_size, 9, 7), 0)
+        scheduler.submit(work)
+        tokens, outcome = drain(work)
+    finally:
+        scheduler.close()
+    assert tokens == [] and outcome.tokens == [] and outcome.decoded and outcome.finish_reason == "length"
+    assert work.cache.length == 9 and work.cache.tokens.tolist() == work.ids.tolist()

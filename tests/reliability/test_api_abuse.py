@@ -103,12 +103,24 @@ def state_of(service: Service, sid: str, owner: str = "alice") -> tuple:
     return info["n_records"], info["watermark"], info["tags"], info["state"], info["tier"], rows
 
 
+def error_of(body: dict) -> tuple[str | None, str | None]:
+    """(error, reason) of an error answer: the service's ``{"error", "reason"}``, or on the
+    OpenAI-compatible routes OpenAI's ``{"error": {"message", "type", "param", "code"}}``, whose
+    code is the error's class in snake case (``engine_not_loaded``)."""
+    error = body.get("error")
+    if isinstance(error, dict) and set(body) == {"error"}:
+        code = error.get("code") or ""
+        return "".join(part.title() for part in code.split("_")), error.get("message")
+    return error, body.get("reason")
+
+
 def assert_error(response, *statuses: int) -> dict:
     """A JSON error with one of ``statuses`` (or the engine-less 503, which any route may give
     before it reads its arguments)."""
     body = response.json()
-    assert set(body) == {"error", "reason"} and body["reason"], body
-    engine_less = (response.status_code, body["error"]) == NO_ENGINE
+    error, reason = error_of(body)
+    assert error and reason, body
+    engine_less = (response.status_code, error) == NO_ENGINE
     assert response.status_code in statuses or engine_less, (response.status_code, response.text)
     return body
 
@@ -117,8 +129,8 @@ def no_server_error(ctx, response, case):
     """schemathesis check: no 5xx, except the engine-less 503 EngineNotLoaded."""
     if response.status_code >= 500:
         try:
-            error = response.json().get("error")
-        except ValueError:
+            error = error_of(response.json())[0]
+        except (ValueError, AttributeError):
             error = None
         if (response.status_code, error) != NO_ENGINE:
             raise AssertionError(f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:500]}")

@@ -1,0 +1,226 @@
+"""Serving many conversations through HTTP against the engine's own batch, in one run.
+
+    python bench/serve_bench.py [--device cpu] [--tier f32] [--clients 1 4 16 64] [--tokens 64] [--long 32768]
+
+A real ``kvstore serve --model`` (a random ``tiny`` model folder, or ``--model DIR``) in a child
+process; each client streams one turn on a session of its own (``POST /sessions/{id}/generate``,
+server-sent events) and records when each token arrives. For every client count:
+
+- **aggregate tok/s through HTTP**: tokens of every client / wall time from the first request to the
+  last token (what the server delivers while every client waits on it);
+- **in-process batch**: ``Engine.generate_batch`` on the same model, tier and prompts, in this
+  process while the server is idle, wall time including the prompts' prefill — the ratio says what
+  the scheduler and HTTP cost against the engine's own batch;
+- the ratio to **one client** (the same table's first row);
+- **time to first token**, p50 and p99 over the clients.
+
+Then, with ``--long N``: a session of N stored rows (written straight into the store before the
+server starts, so its first turn restores it from the journal) gets one turn while 15 other clients
+decode: its time to first token, and the others' worst gap between two tokens meanwhile against
+their median gap before it.
+
+On a 2-core machine the clients and the server share the cores: report the figures, not a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_common import KEY, Server, percentile  # noqa: E402
+
+OWNER = "bench"
+
+
+def _stream_turn(url: str, session_id: str, tokens: list[int], max_new: int, marks: list[float]) -> float:
+    """One streamed turn; appends each token's arrival time to ``marks``; returns the request's start."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=3600) as client:
+        began = time.perf_counter()
+        body = {"tokens": tokens, "max_new_tokens": max_new, "stop": [], "stream": True}
+        with client.stream("POST", f"/sessions/{session_id}/generate", json=body) as answer:
+            if answer.status_code != 200:
+                raise RuntimeError(f"{session_id}: {answer.status_code} {answer.read()!r}")
+            for line in answer.iter_lines():
+                if line.startswith("event: token"):
+                    marks.append(time.perf_counter())
+        return began
+
+
+def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+    return np.random.default_rng(seed).integers(2, vocab, n).tolist()
+
+
+def http_round(url: str, clients: int, prompt_len: int, tokens: int, vocab: int, round_id: int) -> dict:
+    sessions = [f"r{round_id}c{i}" for i in range(clients)]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as client:
+        for sid in sessions:  # the sessions exist (and are resident) before the timed turns
+            made = client.post(
+                f"/sessions/{sid}/generate", json={"tokens": [2], "create": True, "max_new_tokens": 0, "stop": []}
+            )
+            made.raise_for_status()
+    marks: list[list[float]] = [[] for _ in sessions]
+    starts = [0.0] * clients
+    errors: list[str] = []
+
+    def run(i: int) -> None:
+        try:
+            starts[i] = _stream_turn(url, sessions[i], _prompt(i, prompt_len, vocab), tokens, marks[i])
+        except Exception as exc:  # reported below
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(errors[0])
+    first, last = min(starts), max(m[-1] for m in marks)
+    ttft = [m[0] - s for m, s in zip(marks, starts)]
+    total = sum(len(m) for m in marks)
+    return {"tok_s": total / (last - first), "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99)}
+
+
+def in_process(model, tier: str, clients: int, prompt_len: int, tokens: int, vocab: int) -> float:
+    from kvstore.engine import BatchSequence, Engine
+
+    engine = Engine(model, tier=tier)
+    batch = [BatchSequence(engine.new_cache(), [2, *_prompt(i, prompt_len, vocab)]) for i in range(clients)]
+    began = time.perf_counter()
+    result = engine.generate_batch(batch, max_new_tokens=tokens, stop_tokens=())
+    return result.generated / (time.perf_counter() - began)
+
+
+def write_long_session(data: Path, folder: Path, tier: str, rows: int) -> None:
+    """A session of ``rows`` stored rows with the folder's fingerprint (random rows: a restore reads
+    and uploads them all the same)."""
+    from kvstore import tiers
+    from kvstore.engine.config import ModelConfig
+    from kvstore.engine.fingerprint import folder_model_info
+    from kvstore.store import open as open_store
+
+    config = ModelConfig.from_file(folder / "config.json")
+    geometry = config.coli_geometry()
+    tier_of = tiers.get(tier).file_tier
+    with open_store(data) as store:
+        store.create(OWNER, geometry, tier_of, folder_model_info(folder), session_id="long")
+        rng = np.random.default_rng(0)
+        for start in range(0, rows, 4096):
+            k = min(4096, rows - start)
+            L = rng.standard_normal((geometry.n_layers, k, geometry.kv_lora)).astype(np.float32)
+            R = rng.standard_normal((geometry.n_layers, k, geometry.qk_rope)).astype(np.float32)
+            store.append("long", rng.integers(2, geometry.vocab, k).astype(np.int32), L, R, owner=OWNER)
+
+
+def long_resume(url: str, others: int, vocab: int) -> dict:
+    """A turn on the long session while ``others`` clients decode: its TTFT, their worst gap."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as client:
+        for i in range(others):
+            client.post(
+                f"/sessions/o{i}/generate", json={"tokens": [2], "create": True, "max_new_tokens": 0, "stop": []}
+            ).raise_for_status()
+    marks: list[list[float]] = [[] for _ in range(others)]
+    threads = [
+        threading.Thread(target=_stream_turn, args=(url, f"o{i}", _prompt(i, 8, vocab), 1000, marks[i]))
+        for i in range(others)
+    ]
+    for thread in threads:
+        thread.start()
+    while any(len(m) < 20 for m in marks):  # every other client decodes steadily
+        time.sleep(0.01)
+    long_marks: list[float] = []
+    before = [b - a for m in marks for a, b in zip(m[-10:-1], m[-9:])]
+    began = _stream_turn_first(url, long_marks)
+    window = (began, long_marks[0])
+    gaps = [b - a for m in marks for a, b in zip(m, m[1:]) if window[0] <= b <= window[1] + 0.001]
+    for thread in threads:
+        thread.join()
+    return {
+        "ttft": long_marks[0] - began,
+        "worst_gap": max(gaps) if gaps else float("nan"),
+        "median_gap_before": statistics.median(before),
+    }
+
+
+def _stream_turn_first(url: str, marks: list[float]) -> float:
+    return _stream_turn(url, "long", [5, 6, 7], 4, marks)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a model folder (default: a random tiny one)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--tier", default=None, help="cache tier (default f32 on the CPU, fp8 elsewhere)")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--tokens", type=int, default=64, help="tokens each client generates")
+    parser.add_argument("--prompt", type=int, default=32, help="new-turn tokens each client sends")
+    parser.add_argument("--long", type=int, default=32768, help="rows of the long session (0: skip that part)")
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, help="torch threads of the server and of the in-process batch"
+    )
+    args = parser.parse_args()
+    tier = args.tier or ("f32" if args.device == "cpu" else "fp8")
+
+    from kvstore.engine.weights import load_model, write_random_model
+
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
+        folder = Path(args.model) if args.model else write_random_model(Path(tmp) / "tiny", "tiny", seed=0)
+        data = Path(tmp) / "data"
+        if args.long:
+            write_long_session(data, folder, tier, args.long)
+        slots = str(max(max(args.clients), 16))
+        extra = ["--model", str(folder), "--tier", tier, "--device", args.device, "--max-batch", slots]
+        extra += ["--max-turns-per-owner", slots, "--max-queue", slots]
+        if args.dtype:
+            extra += ["--dtype", args.dtype]
+        if args.torch_threads:
+            extra += ["--torch-threads", str(args.torch_threads)]
+            torch.set_num_threads(args.torch_threads)
+        server = Server(data, *extra, keys=f"{KEY}:{OWNER}")
+        model = load_model(folder, device=args.device, dtype=args.dtype)
+        vocab = model.config.vocab_size
+        try:
+            http_round(server.url, 1, args.prompt, 4, vocab, round_id=0)  # warm-up (first-call costs)
+            threads = torch.get_num_threads()
+            print(
+                f"serve_bench: {folder.name} on {args.device}, {tier} cache, {args.tokens} tokens per client, "
+                f"{threads} torch threads (server and in-process batch)"
+            )
+            print(
+                "| clients | HTTP tok/s | in-process batch tok/s | HTTP / batch | HTTP / one client | TTFT p50 ms | TTFT p99 ms |"
+            )
+            print("|---:|---:|---:|---:|---:|---:|---:|")
+            one = None
+            for round_id, clients in enumerate(args.clients, start=1):
+                http = http_round(server.url, clients, args.prompt, args.tokens, vocab, round_id)
+                batch = in_process(model, tier, clients, args.prompt, args.tokens, vocab)
+                one = one or http["tok_s"]
+                print(
+                    f"| {clients} | {http['tok_s']:.1f} | {batch:.1f} | {http['tok_s'] / batch:.2f} | "
+                    f"{http['tok_s'] / one:.2f} | {http['ttft_p50'] * 1e3:.1f} | {http['ttft_p99'] * 1e3:.1f} |"
+                )
+            if args.long:
+                long = long_resume(server.url, 15, vocab)
+                print(
+                    f"\n{args.long}-row session resumed from its journal while 15 others decode: time to first token "
+                    f"{long['ttft'] * 1e3:.1f} ms; the others' worst gap between tokens meanwhile "
+                    f"{long['worst_gap'] * 1e3:.1f} ms (median gap before: {long['median_gap_before'] * 1e3:.1f} ms)"
+                )
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
