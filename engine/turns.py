@@ -213,12 +213,17 @@ class Turn:
             self._chat.scheduler.wake()
 
     def __iter__(self) -> Iterator[int]:
-        for batch in self.batches():
-            yield from batch
+        for batch in self._read(grouped=False):
+            yield batch[0]
 
     def batches(self) -> Iterator[list[int]]:
         """The generated ids in groups, each every token produced since the previous group (a
         reader that falls behind catches up in one group); iterate the turn for one id at a time."""
+        return self._read(grouped=True)
+
+    def _read(self, *, grouped: bool) -> Iterator[list[int]]:
+        """Submit the turn, then yield its tokens (a group, or one at a time), counting as taken only
+        what was yielded; at the end, append the turn."""
         if self._started or self._closed:
             raise GenerationError("a turn can be iterated only once")
         self._started = True
@@ -241,7 +246,7 @@ class Turn:
             outcome = None
             while outcome is None:
                 events = [work.events.get()]
-                while not work.events.empty():
+                while grouped and not work.events.empty():
                     events.append(work.events.get_nowait())
                 taken = []
                 with self._lock:

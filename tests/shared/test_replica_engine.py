@@ -47,19 +47,20 @@ def test_a_conversation_continues_on_any_replica_without_re_prefill(tmp_path, ch
             with server.client() as alice:
                 got.append(_generate(alice, "chat", **turn))
         stored = [r["session"]["n_records"] for r in got]
-        # B restores what A wrote; A's live cache is stale after B's turn, so A restores again; then live
+        # B restores what A wrote from the shared store; A's resident rows are stale after B's turn,
+        # so A restores again; then they are live
         assert [(r["source"], r["reused_tokens"], r["prefilled_tokens"]) for r in got] == [
             ("new", 0, 5),
-            ("journal", stored[0], 3),
-            ("journal", stored[1], 2),
+            ("shared", stored[0], 3),
+            ("shared", stored[1], 2),
             ("live", stored[2], 1),
         ]
         assert [r["tokens"] for r in got] == [r["tokens"] for r in expected]
         assert stored == [r["session"]["n_records"] for r in expected]
         with a.client() as on_a, b.client() as on_b:
             assert _image(on_a) == _image(on_b) == expected_image  # the f32 rows of one uninterrupted run
-            assert metrics(on_a)['kvstore_restores_total{source="journal"}'] == 1
-            assert metrics(on_b)['kvstore_restores_total{source="journal"}'] == 1
+            assert metrics(on_a)['kvstore_restores_total{source="shared"}'] == 1
+            assert metrics(on_b)['kvstore_restores_total{source="shared"}'] == 1
             # the engine's other answers on a replica: its description, and a refused turn changes nothing
             assert on_a.get("/engine").json()["fingerprint"] == on_b.get("/engine").json()["fingerprint"]
             refused = on_b.post("/sessions/chat/generate", json={**TURN, "tokens": [10**9]})
