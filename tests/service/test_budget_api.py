@@ -111,9 +111,7 @@ def test_the_soft_budget_parks_then_deletes_least_recently_used_and_a_parked_ses
     session_bytes = 40 + TURN_BYTES
     budget = int(3.2 * session_bytes)  # three journals do not fit; parking saves only what zstd saves on f32 rows
     # a pool that keeps one idle session resident: a turn on an evicted session restores it from the store
-    server = make_server(
-        "--model", str(model_dir), "--budget", str(budget), "--pool-size", "0", log_level="warning"
-    )
+    server = make_server("--model", str(model_dir), "--budget", str(budget), "--pool-size", "0", log_level="warning")
     order = ["s1", "s2", "s3", "s4"]
     with server.client() as alice:
         for sid in order:
