@@ -167,10 +167,15 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=32, help="new-turn tokens each client sends")
     parser.add_argument("--long", type=int, default=32768, help="rows of the long session (0: skip that part)")
     parser.add_argument(
-        "--torch-threads", type=int, default=None, help="torch threads of the server and of the in-process batch"
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads of the server and of the in-process batch (default: the server's, 1 on the CPU)",
     )
     args = parser.parse_args()
     tier = args.tier or ("f32" if args.device == "cpu" else "fp8")
+    if args.torch_threads is None and args.device == "cpu":
+        args.torch_threads = 1  # what `kvstore serve` runs the CPU engine with: both sides alike
 
     from kvstore.engine.weights import load_model, write_random_model
 
