@@ -201,15 +201,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
         budget_bytes=parse_size(args.budget),
     ) as store:
         chat = SessionEngine.from_folder(args.model, store, tier=args.tier, device=args.device, dtype=args.dtype)
-        turn = chat.begin(
-            args.session,
-            prompt,
-            owner=args.owner,
-            create=not args.no_create,
-            verify=args.verify,
-            override=args.override,
-            **decode_kwargs(args),
-        )
+        try:
+            turn = chat.begin(
+                args.session,
+                prompt,
+                owner=args.owner,
+                create=not args.no_create,
+                verify=args.verify,
+                override=args.override,
+                **decode_kwargs(args),
+            )
+        except BaseException:
+            chat.close()
+            raise
         with turn:
             if turn.created and not args.json:
                 print(
@@ -221,6 +225,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     continue
                 sys.stdout.write(pieces.delta(turn.tokens) if turn.tokenizer is not None else f"{token} ")
                 sys.stdout.flush()
+        chat.close()  # the scheduler's thread: this command runs one turn
         result = turn.final()
         if not args.json and turn.tokenizer is not None:
             sys.stdout.write(pieces.rest(turn.tokens))
