@@ -18,7 +18,7 @@ from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KeyTable
 from kvstore.api.session_gates import SessionGates
 from kvstore.api.settings import Settings
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, Unavailable
 from kvstore.store import Store as StoreInterface
 from kvstore.store import validate_session_id
 
@@ -63,7 +63,8 @@ def require_owner(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     api_key: Annotated[str | None, Depends(_api_key)],
 ) -> str:
-    """The owner the presented API key maps to (401 without a known key)."""
+    """The owner the presented API key maps to (401 without a known key; 503 while a replica's
+    index, which holds its keys, has not answered since the replica started)."""
     key = bearer.credentials if bearer is not None else api_key
     if not key:
         raise Unauthorized("missing API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
@@ -79,7 +80,7 @@ async def presented_owner(request: Request) -> str | None:
     without raising, for code that runs before the route's dependencies."""
     try:
         return require_owner(request, await _bearer(request), await _api_key(request))
-    except Unauthorized:
+    except (Unauthorized, Unavailable):  # the route's own check answers (401, or 503 while the index is down)
         return None
 
 

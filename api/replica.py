@@ -9,7 +9,8 @@ the same interface (``kvstore.store.Store``) on either. This module holds what d
 - :class:`IndexKeyTable`: the API keys of the index (``kv_keys``), re-read at most every second, so
   every replica accepts the same keys and a revocation reaches all of them (an unknown key re-reads
   them sooner, so a new key works at once); while PostgreSQL is
-  down the keys read last keep working (the request itself then answers 503);
+  down the keys read last keep working (the request itself then answers 503), and a replica that
+  started while it was down answers 503 ``IndexUnavailable`` (not 401) until the keys are read;
 - :class:`IndexJobs`: the replica's jobs published to the index, found through any replica;
 - :class:`IdempotencyKeys`: an append's ``Idempotency-Key`` header, handed to the store, which
   applies the append once across every replica and answers a retry with the first result.
@@ -26,7 +27,7 @@ from starlette.routing import compile_path
 
 from kvstore import keys as store_keys
 from kvstore.api.keys import KeyTable
-from kvstore.errors import ConfigError, InvalidRequest, Unavailable
+from kvstore.errors import ConfigError, IndexUnavailable, InvalidRequest, Unavailable
 from kvstore.keys import Keyring
 from kvstore.store import Store
 
@@ -134,6 +135,7 @@ class IndexKeyTable(KeyTable):
         self._keys = None  # a kvstore.keys.IndexKeys (its own connection: key checks never wait on the store's)
         self._refresh_s = refresh_s
         self._read_at = float("-inf")
+        self._read_ok = False  # the index's keys were read at least once
 
     def attach(self, index_url: str) -> None:
         from kvstore.keys import IndexKeys
@@ -142,7 +144,12 @@ class IndexKeyTable(KeyTable):
         self.path = self._keys.path
         self._read_at = float("-inf")
         self._reload()
-        if len(self._ring) == 0:
+        if not self._read_ok:
+            log.warning(
+                "the API keys of %s cannot be read now: requests answer 503 IndexUnavailable until it answers",
+                self.path,
+            )
+        elif len(self._ring) == 0:
             log.warning(
                 "%s holds no API key and KVSTORE_API_KEYS is not set: every request will be refused until one is "
                 "made (kvstore keys create --owner NAME --index URL)",
@@ -159,6 +166,9 @@ class IndexKeyTable(KeyTable):
             with self._lock:
                 self._reload(MISS_REFRESH_S)
             owner = super().owner_for(key)
+        if owner is None and self._keys is not None and not self._read_ok:
+            # the key may well be in the index: say it is down (503, retry) rather than 401
+            raise IndexUnavailable(f"the API keys of {self.path} cannot be read now; retry")
         return owner
 
     def _reload(self, max_age: float | None = None) -> None:
@@ -172,3 +182,4 @@ class IndexKeyTable(KeyTable):
             log.warning("keeping the API keys read last: %s", exc.reason)
             return
         self._ring = Keyring([*self._env, *records])
+        self._read_ok = True

@@ -29,6 +29,7 @@ class ServeProcess:
         log_level: str = "warning",
         cwd: Path | None = None,
         start_timeout: float = 60.0,
+        ready_status: int = 200,
     ):
         self.data = data
         self.extra = extra
@@ -36,6 +37,7 @@ class ServeProcess:
         self.log_level = log_level
         self.cwd = cwd
         self.start_timeout = start_timeout
+        self.ready_status = ready_status  # what /health answers once it listens (503 while its index is down)
         self.process: subprocess.Popen | None = None
         self.launcher: tuple[str, ...] = ()  # a command the server runs under (it execs the rest)
         self.url = ""
@@ -79,7 +81,7 @@ class ServeProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.process.stdout.read()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2).status_code == self.ready_status:
                     return self
             except httpx.TransportError:
                 pass

@@ -41,14 +41,16 @@ def replicas(tmp_path, child_env, api_key):
     shared store named by flags for ``r0``, by KVSTORE_INDEX_URL / KVSTORE_BLOBS_URL otherwise."""
     started: list[ServeProcess] = []
 
-    def start(name: str, *options: str, endpoint: str | None = None, data: Path | None = None) -> ServeProcess:
+    def start(
+        name: str, *options: str, endpoint: str | None = None, data: Path | None = None, ready_status: int = 200
+    ) -> ServeProcess:
         env = {**child_env}
         if endpoint is not None:
             env["AWS_ENDPOINT_URL"] = endpoint
         extra = ["--lease-ttl", LEASE_TTL, *options]
         if name == "r0":
             extra += ["--index", env.pop("KVSTORE_INDEX_URL"), "--blobs", env.pop("KVSTORE_BLOBS_URL")]
-        server = ServeProcess(data or tmp_path / name, *extra, env=env)
+        server = ServeProcess(data or tmp_path / name, *extra, env=env, ready_status=ready_status)
         started.append(server.start())
         return server
 
@@ -261,6 +263,29 @@ def test_postgres_stopped_answers_503_then_resumes(replicas, api_key, pg_cluster
         assert answer.status_code == 200, answer.text
         acks.append((1, 3, *answer.json()["turn"]))
         check_acked(resume(http, "chat"), acks, 2)
+
+
+def test_a_replica_started_while_postgres_is_down_serves_once_it_is_back(replicas, api_key, pg_cluster):
+    """A replica (re)started during an index outage starts anyway, answers 503 IndexUnavailable with
+    Retry-After (not 401: its keys are in the index it cannot read), and attaches by itself — the
+    schema, the keys, the sessions — once PostgreSQL answers, with no restart."""
+    pg_cluster.stop("immediate")
+    try:
+        server = replicas("r1", ready_status=503)
+        with client(server, api_key) as http:
+            for answer in (http.get("/health"), http.get("/sessions"), http.post("/sessions", json={"id": "x"})):
+                assert answer.status_code == 503, (answer.request.url, answer.text)
+                assert answer.json()["error"] == "IndexUnavailable"
+                assert int(answer.headers["Retry-After"]) >= 1
+    finally:
+        pg_cluster.start()
+    with client(server, api_key) as http:
+        assert http.get("/health").status_code == 200
+        create(http, "after")
+        answer = append(http, "after", records(1, 0, 3))
+        assert answer.status_code == 200 and answer.json()["turn"] == [0, 3], answer.text
+        assert resume(http, "after") == records(1, 0, 3)
+        assert http.get("/sessions", headers={"Authorization": "Bearer nope"}).status_code == 401
 
 
 def test_every_replica_accepts_the_index_keys(replicas, api_key, index_url):

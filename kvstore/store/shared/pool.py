@@ -72,7 +72,14 @@ class ConnectionPool:
         self._idle: list[tuple[int, psycopg.Connection]] = []  # (generation, connection), most recent last
         self._generation = 0  # bumped by every failure: connections of an older one are not reused
         self._closed = False
-        self.run("creating the schema", self._ensure_schema)
+        # The schema is made (or checked) by the first call that reaches PostgreSQL: a replica started
+        # while the index is down starts anyway, answers 503 until it is back, then attaches by itself.
+        self._schema_ready = False
+        self._schema_lock = threading.Lock()
+        try:
+            self.run("creating the schema", lambda conn: None)
+        except IndexUnavailable:
+            pass  # every call raises it until the server answers; callers say so in their terms
 
     # ------------------------------------------------------------------ connection
     def close(self) -> None:
@@ -123,6 +130,8 @@ class ConnectionPool:
             conn, generation = None, -1
             try:
                 generation, conn = self._checkout()
+                if not self._schema_ready:
+                    self._schema(conn)
                 result = body(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 if conn is not None:
@@ -139,6 +148,13 @@ class ConnectionPool:
                 raise
             self._checkin(generation, conn)
             return result
+
+    def _schema(self, conn: psycopg.Connection) -> None:
+        """Make or upgrade the schema, once per pool (the first call that reaches PostgreSQL)."""
+        with self._schema_lock:
+            if not self._schema_ready:
+                self._ensure_schema(conn)
+                self._schema_ready = True
 
     @staticmethod
     def _ensure_schema(conn: psycopg.Connection) -> None:
