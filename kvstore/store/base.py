@@ -86,9 +86,11 @@ class Reader(ABC):
         return Header(self.info.geometry, self.info.tier, self.n_records).to_bytes()
 
     @abstractmethod
-    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[bytes]:
+    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[bytes | memoryview]:
         """The served records' raw bytes, in chunks of whole records (``chunk_bytes`` bytes at most
-        when it holds one; None: the backend's own size)."""
+        when it holds one; None: the backend's own size). A chunk is bytes-like (``bytes`` or a
+        ``memoryview``, which a server sends without copying it); it stays valid once the next is
+        taken."""
 
     @abstractmethod
     def load(self, *, strict: bool = False) -> KVRecords:

@@ -50,6 +50,7 @@ def test_hits_never_reach_the_object_store_and_damage_is_never_served(
     folder = tmp_path / "replica"
     with cached_store(index_url, blobs_url, fault_proxy.endpoint, folder, 1 << 30) as store:
         assert store.read_records(key) == (3 * ROWS, image)  # misses: whole objects fetched and kept
+        store.reads.flush()  # the copies are written off the reader's thread
         assert store.cache is not None
         counts = store.cache.counts()
         assert (counts.hits, counts.misses, counts.files, counts.bytes) == (0, 3, 3, len(image))
@@ -70,11 +71,13 @@ def test_hits_never_reach_the_object_store_and_damage_is_never_served(
         finally:
             fault_proxy.rate = 0.0
         assert store.read_records(key) == (3 * ROWS, image)  # fetched again, kept again
+        store.reads.flush()
         assert len(copies(folder)) == 3
         # a copy cut short, then one a ranged read meets after it changed on disk
         shorter = copies(folder)[1]
         shorter.write_bytes(shorter.read_bytes()[:-1])
         assert store.read_records(key, 0, 3 * ROWS) == (3 * ROWS, image)
+        store.reads.flush()
         ranged = copies(folder)[2]
         body = bytearray(ranged.read_bytes())
         body[-1] ^= 0xFF
@@ -114,6 +117,7 @@ def test_the_budget_evicts_the_least_recently_used_copies(writer, index_url, blo
         for first in (0, 1, 0, 2):  # 0 was read again: 1 is the least recently used when 2 arrives
             start = segments[first].first_record
             assert store.read_records(key, start, start + ROWS)[1] == image[start * rec_bytes() :][:segment_bytes]
+            store.reads.flush()
         assert store.cache is not None
         counts = store.cache.counts()
         assert counts.bytes <= counts.budget_bytes and counts.files == 2 and counts.evictions == 1
@@ -121,6 +125,7 @@ def test_the_budget_evicts_the_least_recently_used_copies(writer, index_url, blo
         assert store.read_records(key, 0, ROWS)[1] == image[:segment_bytes]  # kept though copied first
         assert store.cache.counts().hits == 2
         assert store.read_records(key, ROWS, 2 * ROWS)[1] == image[segment_bytes : 2 * segment_bytes]  # evicted
+        store.reads.flush()  # its copy kept again: another eviction
         assert store.cache.counts().misses == 4 and store.cache.counts().evictions == 2
     with cached_store(index_url, blobs_url, s3_server.endpoint, folder, segment_bytes) as smaller:
         assert smaller.cache is not None and smaller.cache.counts().files == 1  # a smaller budget on restart

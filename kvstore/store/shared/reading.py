@@ -63,20 +63,37 @@ class SharedReader(Reader):
             self._store.stats.restored(self._read_bytes, self._busy_s)
             self._read_bytes = None
 
-    def _read(self, start: int, stop: int) -> bytes:
+    def _read(self, start: int, stop: int) -> bytearray:
         started = time.perf_counter()
         body = self._store.shared.read_planned(self.info.key, self._plan, start, stop)
-        with self._counting:  # read_into runs on several threads at once
-            self._busy_s += time.perf_counter() - started
-            self._read_bytes = (self._read_bytes or 0) + len(body)
+        self._count(len(body), time.perf_counter() - started)
         return body
 
-    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[bytes]:
+    def _count(self, nbytes: int, seconds: float) -> None:
+        with self._counting:  # read_into runs on several threads at once
+            self._busy_s += seconds
+            self._read_bytes = (self._read_bytes or 0) + nbytes
+
+    def _stream(self, per: int) -> Iterator[memoryview]:
+        """Every served record in chunks of ``per`` records, the next ones fetched ahead (a download
+        waits on the object store only when the client reads faster than it serves)."""
+        self._read_bytes = self._read_bytes or 0
+        chunks = self._store.shared.stream_planned(self.info.key, self._plan, 0, self.n_records, per)
+        try:
+            while True:
+                started = time.perf_counter()
+                body = next(chunks, None)
+                if body is None:
+                    return
+                self._count(len(body), time.perf_counter() - started)
+                yield body
+        finally:
+            chunks.close()
+
+    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[bytes | memoryview]:
         """The served records' raw bytes in chunks of whole records (``chunk_bytes`` None: 4 MiB)."""
         per = max(1, (READ_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // self.record_bytes)
-        self._read_bytes = self._read_bytes or 0
-        for start in range(0, self.n_records, per):
-            yield self._read(start, min(start + per, self.n_records))
+        yield from self._stream(per)  # memoryviews: the server sends them without another copy
 
     def read_into(self, out: np.ndarray, start: int, count: int) -> int:
         """Served records ``[start, start + count)`` into ``out`` (u8, at least ``count`` records
@@ -110,14 +127,13 @@ class SharedReader(Reader):
 
     def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
         dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
-        self._read_bytes = self._read_bytes or 0
-        for start in range(0, self.n_records, batch_records):
-            stop = min(start + batch_records, self.n_records)
-            body = self._read(start, stop)
+        start = 0
+        for body in self._stream(max(1, batch_records)):
             records = np.frombuffer(body, dtype=dtype)
             if strict:
                 self.check_scales(records, start)
-            yield KVRecords(Header(self.info.geometry, self.info.tier, stop - start), records, HEADER_BYTES + len(body))
+            yield KVRecords(Header(self.info.geometry, self.info.tier, len(records)), records, HEADER_BYTES + len(body))
+            start += len(records)
 
 
 def validated(geometry: Geometry, tier: Tier, records) -> tuple[np.ndarray, nonfinite.Sanitized]:

@@ -15,10 +15,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
-import zstandard
 
 from kvstore import config as settings
 from kvstore.errors import (
@@ -35,6 +34,7 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, check_geomet
 from kvstore.migrations.index import PREFIX_BLOCK_TOKENS, chain_hashes, chain_seed
 from kvstore.store.shared.blobs import BlobStore
 from kvstore.store.shared.cache import SegmentCache
+from kvstore.store.shared.fetch import SegmentFetcher, digest_of
 from kvstore.store.shared.index import ReadPlan, Segment, SharedIndex
 from kvstore.store.values import (
     Fingerprint,
@@ -52,12 +52,6 @@ REQUEST_KEY_RETENTION_S = 24 * 3600.0  # how long an idempotency key answers a r
 JOB_RETENTION_S = 24 * 3600.0  # how long a finished job answers GET /jobs/{id} on every replica
 MAX_REQUEST_KEY_CHARS = 255
 DEFAULT_GC_GRACE_S = 3600.0
-_READ_THREADS = 8  # segments fetched in parallel by one read (one S3 stream is far below a NIC)
-
-
-def digest_of(payload: bytes | memoryview) -> bytes:
-    """blake2b-256 of a segment's bytes (kept in the index, checked on whole-segment reads)."""
-    return hashlib.blake2b(payload, digest_size=32).digest()
 
 
 @dataclass
@@ -178,7 +172,7 @@ class SharedStore:
         self.hard_limit: int | None = (
             None  # bytes the whole store may hold (None: no limit); writes past it are refused
         )
-        self._pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="kvstore-s3")
+        self.reads = SegmentFetcher(blobs, cache)  # parallel ranged GETs, the cache, read-ahead
 
     @classmethod
     def connect(cls, index_url: str, blobs_url: str, **options: Any) -> "SharedStore":
@@ -187,10 +181,10 @@ class SharedStore:
     @property
     def pool(self) -> ThreadPoolExecutor:
         """The threads that move objects (parallel segment reads and rewrites)."""
-        return self._pool
+        return self.reads.pool
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self.reads.close()
         self.index.close()
 
     def __enter__(self) -> "SharedStore":
@@ -442,7 +436,7 @@ class SharedStore:
         truncate keeps (objects are immutable, so the kept part is a new one)."""
         n = keep - segment.first_record
         # the whole object, checked against its digest: damage is refused, never re-hashed into a copy
-        whole = self._fetch(key, segment, 0, memoryview(bytearray(segment.nbytes)), verify=True)
+        whole = self.reads.whole(key, segment)
         kept = whole[: n * rec_bytes]
         name = self.segment_name(into, segment.first_record, token)
         self.index.add_intent(into, token, name, len(kept))
@@ -554,105 +548,36 @@ class SharedStore:
         end = plan.n_records if stop is None else min(stop, plan.n_records)
         return plan.n_records, self.read_planned(key, plan, start, end)
 
-    def read_planned(self, key: str, plan: ReadPlan, start: int, end: int) -> bytes:
+    def read_planned(self, key: str, plan: ReadPlan, start: int, end: int) -> bytearray:
         """Bytes of records ``[start, end)`` from the segments of ``plan`` (one snapshot, taken once
         by a reader that then streams its records in several reads); ``end <= plan.n_records``."""
+        self._check_range(plan, start, end)
+        return self.reads.read(key, plan, start, end)
+
+    def stream_planned(
+        self, key: str, plan: ReadPlan, start: int, end: int, chunk_records: int
+    ) -> Iterator[memoryview]:
+        """:meth:`read_planned` as chunks of ``chunk_records`` records, in order, the next ones fetched
+        ahead while one is consumed (``SegmentFetcher.stream``: a download's bounded read-ahead)."""
+        self._check_range(plan, start, end)
+        return self.reads.stream(key, plan, start, end, chunk_records)
+
+    @staticmethod
+    def _check_range(plan: ReadPlan, start: int, end: int) -> None:
         if not 0 <= start <= end <= plan.n_records:
             raise InvalidRequest(f"records [{start}, {end}) are not within the {plan.n_records} committed")
-        out = bytearray((end - start) * plan.rec_bytes)
-        view = memoryview(out)
-        jobs = []
-        for segment in plan.segments:
-            lo, hi = max(start, segment.first_record), min(end, segment.first_record + segment.n_records)
-            if lo >= hi:
-                continue
-            into = view[(lo - start) * plan.rec_bytes : (hi - start) * plan.rec_bytes]
-            offset = (lo - segment.first_record) * plan.rec_bytes
-            jobs.append(self._pool.submit(self._fetch, key, segment, offset, into))
-        covered = sum(len(job.result()) for job in jobs)  # result() re-raises a failed fetch
-        if covered != len(out):
-            raise SessionDamaged(
-                f"session {public_id(key)!r}: the committed segments cover {covered} of {len(out)} bytes"
-            )
-        return bytes(out)
 
     def first_damaged(
         self, key: str, plan: ReadPlan, end: int, progress: Callable[[int, int], None] | None = None
     ) -> int | None:
-        """Re-hash every segment of ``plan`` that starts before ``end`` (whole-object GETs checked
-        against their digest, several in parallel); the first record of the first one whose bytes
-        do not match, or None when all do. ``progress(bytes_hashed, bytes_total)`` as they finish.
-
-        A window of segments is in flight at a time, each buffer dropped once hashed: memory stays
-        a few segments whatever the session's size."""
-        chosen = [segment for segment in plan.segments if segment.first_record < end]
-        total, done, bad = sum(segment.nbytes for segment in chosen), 0, None
-        for at in range(0, len(chosen), 2 * _READ_THREADS):
-            window = chosen[at : at + 2 * _READ_THREADS]
-            for segment, job in zip(window, [self._pool.submit(self._sound, key, segment) for segment in window]):
-                if not job.result() and bad is None:
-                    bad = segment.first_record  # segments are in order: the first bad one found is the first
-                done += segment.nbytes
-                if progress is not None:
-                    progress(done, total)
-        return bad
-
-    def _sound(self, key: str, segment: Segment) -> bool:
-        try:
-            self.whole(key, segment)
-        except SessionDamaged:
-            return False
-        return True
+        """Re-hash every segment of ``plan`` that starts before ``end``: the first record of the first
+        one whose bytes do not match their digest, or None (``SegmentFetcher.first_damaged``)."""
+        return self.reads.first_damaged(key, plan, end, progress)
 
     def whole(self, key: str, segment: Segment) -> memoryview:
         """Every record byte of ``segment`` (decompressed if it is a parked one's), checked against
         the digest its commit recorded (:class:`SessionDamaged` if they differ)."""
-        return self._fetch(key, segment, 0, memoryview(bytearray(segment.nbytes)), verify=True)
-
-    def _fetch(self, key: str, segment: Segment, offset: int, into: memoryview, *, verify: bool = False) -> memoryview:
-        """Bytes ``[offset, offset + len(into))`` of ``segment`` into ``into``: from the local cache
-        when it holds a sound copy (``verify``: re-hashed now), else from the object store (a cache
-        miss fetches the whole object, checked against its digest, and keeps a copy). A compressed
-        object (a parked session's) is fetched whole, decompressed and checked every time."""
-        if segment.codec != "raw":
-            into[:] = self._unpacked(key, segment)[offset : offset + len(into)]
-            return into
-        cache = self.cache
-        if cache is not None:
-            if cache.read(segment, offset, into, verify=verify):
-                return into
-            if cache.fits(segment):
-                whole = self._fetch_remote(key, segment, 0, memoryview(bytearray(segment.nbytes)))
-                cache.put(segment, whole)
-                into[:] = whole[offset : offset + len(into)]
-                return into
-        return self._fetch_remote(key, segment, offset, into)
-
-    def _fetch_remote(self, key: str, segment: Segment, offset: int, into: memoryview) -> memoryview:
-        whole = offset == 0 and len(into) == segment.nbytes
-        for _ in range(2):  # one more GET if a whole segment's digest does not match
-            body = self.blobs.get(segment.object, offset, offset + len(into))
-            if len(body) == len(into) and (not whole or digest_of(body) == segment.digest):
-                into[:] = body
-                return into
-        raise SessionDamaged(
-            f"session {public_id(key)!r}: object {segment.object} does not hold the bytes its commit recorded "
-            f"(records {segment.first_record}..); it is not served"
-        )
-
-    def _unpacked(self, key: str, segment: Segment) -> bytes:
-        for _ in range(2):  # one more GET if the bytes do not decompress to the recorded digest
-            body = self.blobs.get(segment.object, 0, segment.object_bytes)
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=segment.nbytes)
-            except zstandard.ZstdError:
-                continue
-            if len(raw) == segment.nbytes and digest_of(raw) == segment.digest:
-                return raw
-        raise SessionDamaged(
-            f"session {public_id(key)!r}: the compressed object {segment.object} does not hold the bytes its commit "
-            f"recorded (records {segment.first_record}..); it is not served"
-        )
+        return self.reads.whole(key, segment)
 
     def file_bytes(self, key: str) -> bytes:
         """The session as a ``.coli_kv`` file image: header with ``nrec`` = the committed count, then records."""

@@ -1,0 +1,221 @@
+"""What a client of a replica gets: ``GET /sessions/{id}/resume`` through ``kvstore serve --index
+--blobs`` against the same objects fetched directly, in one run.
+
+Starts a throwaway PostgreSQL cluster and moto's standalone S3 server on loopback
+(tests/shared/servers.py), writes one DeepSeek-V3-geometry fp8 session (``--turns`` segments of
+``--turn`` rows, 145.9 MB by default) from this process, then starts two replicas that did not write
+it: one with no segment cache (every resume is cold: every byte from the object store) and one with
+its cache (the first resume fills it, the next ones are warm). Each figure is the median of
+``--reps`` whole downloads, timed at the client, with two clients: ``curl -o /dev/null`` (a C client:
+the server's rate) and httpx (a Python client reading the stream). The peers, same objects, same
+run:
+
+- direct parallel fetch: the session's segment objects with boto3 from the same moto, 8 MiB ranged
+  GETs on 16 threads into one buffer (what the replica's cold path could reach at best);
+- local read: the same bytes as one local file read whole (page cache) — the floor of a warm read.
+
+moto is a Python stand-in sharing the machine's cores with the replica and the client: the
+object-store figures are moto's on this box, not S3's.
+
+    PYTHONPATH=. python3 bench/replica_resume.py [--turns 8] [--turn 512] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import boto3
+import botocore.config
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from kvstore import tiers  # noqa: E402
+from kvstore.formats import coli_kv  # noqa: E402
+from kvstore.formats.coli_kv import Geometry  # noqa: E402
+from kvstore.keys import IndexKeys  # noqa: E402
+from kvstore.store.shared import BlobStore, SharedIndex, SharedStore  # noqa: E402
+from served import ServeProcess  # noqa: E402
+from shared.servers import MotoServer, PostgresCluster, postgres_bin  # noqa: E402
+
+GEOMETRY = Geometry(n_layers=61, kv_lora=512, qk_rope=64, index_hd=0, nic=0, vocab=129280)  # DeepSeek-V3
+TIER = tiers.get("fp8")
+PART_BYTES = 8 << 20
+FETCH_THREADS = 16
+
+
+def _write_sessions(
+    index_url: str, blobs_url: str, endpoint: str, names: list[str], turns: int, turn: int
+) -> tuple[str, int, list[str]]:
+    """Sessions ``names`` of owner alice, each the same rows in its own objects: the first one's key,
+    record bytes and segment object names."""
+    rng = np.random.default_rng(0)
+    encoded = []
+    for t in range(turns):
+        lat = rng.standard_normal((GEOMETRY.n_layers, turn, GEOMETRY.kv_lora), dtype=np.float32)
+        rope = rng.standard_normal((GEOMETRY.n_layers, turn, GEOMETRY.qk_rope), dtype=np.float32)
+        tokens = np.arange(t * turn, (t + 1) * turn, dtype=np.int32)
+        encoded.append(coli_kv.encode_records(GEOMETRY, TIER, tokens, lat, rope))
+    with SharedStore(SharedIndex(index_url), BlobStore(blobs_url, endpoint_url=endpoint)) as writer:
+        keys = []
+        for name in names:
+            key = writer.create("alice", GEOMETRY, TIER, session_id=name)
+            lease = writer.acquire(key)
+            for rows in encoded:
+                writer.append(lease, rows)
+            writer.release(lease)
+            keys.append(key)
+        plan = writer.index.read_plan(keys[0])
+        return keys[0], plan.n_records * plan.rec_bytes, [segment.object for segment in plan.segments]
+
+
+def _direct_fetch(s3, bucket: str, objects: list[str], size: int) -> float:
+    """Seconds to fetch every object into one buffer: ranged GETs of PART_BYTES on FETCH_THREADS."""
+    sizes = [s3.head_object(Bucket=bucket, Key=name)["ContentLength"] for name in objects]
+    out = memoryview(bytearray(sum(sizes)))
+    jobs, at = [], 0
+    for name, nbytes in zip(objects, sizes):
+        for lo in range(0, nbytes, PART_BYTES):
+            jobs.append((name, lo, min(lo + PART_BYTES, nbytes), at + lo))
+        at += nbytes
+
+    def get(job):
+        name, lo, hi, where = job
+        body = s3.get_object(Bucket=bucket, Key=name, Range=f"bytes={lo}-{hi - 1}")["Body"].read()
+        out[where : where + len(body)] = body
+        return len(body)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(FETCH_THREADS) as pool:
+        got = sum(pool.map(get, jobs))
+    elapsed = time.perf_counter() - t0
+    assert got == len(out) >= size, (got, size)
+    return elapsed
+
+
+def _local_read(path: Path) -> float:
+    """Seconds to read the file whole into a new buffer, as a process reading a local journal does."""
+    t0 = time.perf_counter()
+    got = len(path.read_bytes())
+    elapsed = time.perf_counter() - t0
+    assert got == path.stat().st_size
+    return elapsed
+
+
+def _curl(url: str, key: str, size: int) -> float:
+    done = subprocess.run(
+        ["curl", "-sS", "-o", "/dev/null", "-H", f"Authorization: Bearer {key}", "-w", "%{size_download} %{time_total}",
+         url],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    got, seconds = done.stdout.split()
+    assert int(got) == size, (got, size)
+    return float(seconds)
+
+
+def _httpx(url: str, key: str, size: int) -> float:
+    t0 = time.perf_counter()
+    got = 0
+    with httpx.stream("GET", url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as answer:
+        answer.raise_for_status()
+        for chunk in answer.iter_raw(4 << 20):
+            got += len(chunk)
+    elapsed = time.perf_counter() - t0
+    assert got == size, (got, size)
+    return elapsed
+
+
+def _median(fn, reps: int) -> float:
+    return statistics.median(fn() for _ in range(reps))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=8, help="segments (one per append)")
+    parser.add_argument("--turn", type=int, default=512, help="rows per segment")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    aws = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
+    os.environ.update(aws)
+    cluster, moto = PostgresCluster(postgres_bin()), MotoServer()
+    servers: list[ServeProcess] = []
+    try:
+        bucket = f"kv-{uuid.uuid4().hex[:8]}"
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=moto.endpoint,
+            config=botocore.config.Config(max_pool_connections=FETCH_THREADS),
+        )
+        s3.create_bucket(Bucket=bucket)
+        blobs_url, index_url = f"s3://{bucket}/kv", cluster.new_database()
+        # one session per cold read (a replica's cache meets each once), one to warm the replica up
+        names = ["chat", "warm-up", *(f"cold-{i}" for i in range(2 * args.reps))]
+        session_key, size, objects = _write_sessions(index_url, blobs_url, moto.endpoint, names, args.turns, args.turn)
+        with IndexKeys(index_url) as keys:
+            key = keys.create("alice")[1]
+        env = {**aws, "AWS_ENDPOINT_URL": moto.endpoint}
+        folder = Path(tempfile.mkdtemp(prefix="kvstore-replica-bench-"))
+        shared = ("--index", index_url, "--blobs", blobs_url)
+        path = "/sessions/chat/resume"
+
+        def replica(name: str, *options: str) -> ServeProcess:
+            server = ServeProcess(folder / name, *shared, *options, env=env).start()
+            servers.append(server)
+            return server
+
+        direct_s = _median(lambda: _direct_fetch(s3, bucket, objects, size), args.reps)
+        local = folder / "chat.rows"
+        with SharedStore(SharedIndex(index_url), BlobStore(blobs_url, endpoint_url=moto.endpoint)) as store:
+            local.write_bytes(store.read_records(session_key)[1])
+        local_s = _median(lambda: _local_read(local), args.reps)
+
+        rows = []
+        cold = replica("cold")
+        _curl(cold.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
+        fresh = iter(names[2:])
+        for client, fetch in (("curl", _curl), ("httpx", _httpx)):
+            cold_s = _median(
+                lambda fetch=fetch: fetch(f"{cold.url}/sessions/{next(fresh)}/resume", key, size), args.reps
+            )
+            rows.append((f"cold, its cache filling, {client}", cold_s, direct_s, "direct fetch"))
+        uncached = replica("uncached", "--cache-size", "0")
+        _curl(uncached.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
+        for client, fetch in (("curl", _curl), ("httpx", _httpx)):
+            cold_s = _median(lambda fetch=fetch: fetch(uncached.url + path, key, size), args.reps)
+            rows.append((f"cold, no cache (--cache-size 0), {client}", cold_s, direct_s, "direct fetch"))
+        cached = cold  # its cache holds "chat" once it has read it
+        _curl(cached.url + path, key, size)  # fills its cache
+        _curl(cached.url + path, key, size)  # its copies kept by then: this one is warm
+        for client, fetch in (("curl", _curl), ("httpx", _httpx)):
+            warm_s = _median(lambda fetch=fetch: fetch(cached.url + path, key, size), args.reps)
+            rows.append((f"warm (cache hits), {client}", warm_s, local_s, "local read"))
+
+        print(
+            f"session {size / 1e6:.1f} MB ({args.turns} segments of {args.turn} fp8 DeepSeek-V3 rows), "
+            f"PostgreSQL + moto on loopback, {os.cpu_count()} cores, medians of {args.reps}"
+        )
+        print(f"{'':40s} {'GB/s':>7s} {'ms':>7s}")
+        print(f"{'direct parallel fetch (boto3, 16 threads)':40s} {size / direct_s / 1e9:7.3f} {direct_s * 1e3:7.0f}")
+        print(f"{'local read (Path.read_bytes, page cache)':40s} {size / local_s / 1e9:7.3f} {local_s * 1e3:7.0f}")
+        print(f"{'resume through a replica':40s} {'GB/s':>7s} {'ms':>7s}  ratio")
+        for name, seconds, peer_s, peer in rows:
+            print(f"{name:40s} {size / seconds / 1e9:7.3f} {seconds * 1e3:7.0f}  {peer_s / seconds:.2f}x {peer}")
+    finally:
+        for server in servers:
+            server.stop_cleanly()
+        moto.close()
+        cluster.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

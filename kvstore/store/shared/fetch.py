@@ -1,0 +1,365 @@
+"""Reading committed segments: from this replica's cache or the object store, many GETs at once.
+
+Every byte served has been checked against the digest its segment's commit recorded (the shared
+backend's ``hashes_every_read``): a segment that is not in the cache is fetched **whole** — ranged
+GETs of ``part_bytes`` in parallel, since one S3 stream is far below a NIC (~100 MB/s) — hashed,
+fetched once more if it does not match (a torn read), then refused (:class:`SessionDamaged`).
+Concurrent readers of one object share that one fetch (single flight).
+
+- :meth:`SegmentFetcher.read`: records ``[start, end)`` into one buffer, every segment at once;
+- :meth:`SegmentFetcher.stream`: the same range as chunks in order, read in blocks of whole
+  segments with up to ``read_ahead_bytes`` of the next blocks in flight while the caller sends one
+  — a resume's download hides the object store's latency behind the client's reading, in bounded
+  memory (the read-ahead, or one segment if larger);
+- :meth:`SegmentFetcher.whole`: one segment's bytes.
+
+With a cache, a checked object is handed to the **keeper**, one thread at the lowest CPU priority
+that writes the copy (no second hash: it was checked), so writing copies waits for idle cores
+instead of slowing the reads that fetched them; objects waiting for it are held in memory up to
+:data:`KEEP_BACKLOG_BYTES` (past that one is not kept this time: a later read keeps it). A
+compressed object (a parked session's) is fetched whole, decompressed and checked every time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import sys
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator, NamedTuple
+
+import zstandard
+
+from kvstore.errors import SessionDamaged
+from kvstore.store.shared.blobs import BlobStore
+from kvstore.store.shared.cache import SegmentCache
+from kvstore.store.shared.index import ReadPlan, Segment
+from kvstore.store.values import public_id
+
+log = logging.getLogger("kvstore.store")
+
+PART_BYTES = 8 << 20  # one ranged GET
+FETCH_THREADS = 16  # segments in flight at once (and, apart, the parts of each)
+READ_AHEAD_BYTES = 64 << 20  # a stream's blocks fetched ahead of the one being consumed
+KEEP_BACKLOG_BYTES = 512 << 20  # checked objects waiting for the keeper to write them, at most
+
+
+def digest_of(payload: bytes | memoryview) -> bytes:
+    """blake2b-256 of a segment's bytes (kept in the index, checked on every read of a segment)."""
+    return hashlib.blake2b(payload, digest_size=32).digest()
+
+
+class Piece(NamedTuple):
+    """Bytes ``[offset, offset + nbytes)`` of ``segment``, at ``at`` in the caller's buffer."""
+
+    segment: Segment
+    offset: int
+    nbytes: int
+    at: int
+
+
+def pieces(plan: ReadPlan, start: int, end: int) -> list[Piece]:
+    """The pieces of records ``[start, end)`` of ``plan``: one per segment it overlaps, in order."""
+    out = []
+    for segment in plan.segments:
+        lo, hi = max(start, segment.first_record), min(end, segment.end)
+        if lo < hi:
+            offset = (lo - segment.first_record) * plan.rec_bytes
+            out.append(Piece(segment, offset, (hi - lo) * plan.rec_bytes, (lo - start) * plan.rec_bytes))
+    return out
+
+
+def blocks(plan: ReadPlan, start: int, end: int, min_bytes: int) -> list[tuple[int, int]]:
+    """Record ranges tiling ``[start, end)`` that end on segment boundaries (or at ``end``), each
+    at least ``min_bytes`` long unless it is the last: a stream's units of read-ahead."""
+    out, lo = [], start
+    for segment in plan.segments:
+        if segment.end <= lo or segment.first_record >= end or lo >= end:
+            continue
+        hi = min(segment.end, end)
+        if (hi - lo) * plan.rec_bytes >= min_bytes or hi == end:
+            out.append((lo, hi))
+            lo = hi
+    if lo < end:  # segments missing from the plan: the read's own check reports them
+        out.append((lo, end))
+    return out
+
+
+class _Keeper:
+    """Writes checked objects into the cache, one at a time, on a thread of its own at the lowest
+    CPU priority (on Linux a thread's nice value is its own)."""
+
+    def __init__(self, cache: SegmentCache, backlog_bytes: int):
+        self.cache = cache
+        self.backlog_bytes = backlog_bytes
+        self._queue: queue.SimpleQueue[tuple[Segment, memoryview] | threading.Event | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting: dict[str, memoryview] = {}  # object name -> its checked bytes, until written
+        self._waiting_bytes = 0
+        self._thread: threading.Thread | None = None
+
+    def waiting(self, segment: Segment) -> memoryview | None:
+        """The checked bytes of ``segment`` if they wait to be written (a reader copies them)."""
+        with self._lock:
+            return self._waiting.get(segment.object)
+
+    def offer(self, segment: Segment, checked: memoryview) -> bool:
+        """Queue a copy of ``segment`` (``checked``: its bytes, matched against its digest); False
+        when the backlog is full."""
+        with self._lock:
+            if segment.object in self._waiting:
+                return True
+            if self._waiting_bytes + segment.nbytes > self.backlog_bytes:
+                return False
+            self._waiting[segment.object] = checked
+            self._waiting_bytes += segment.nbytes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-cache-keeper", daemon=True)
+                self._thread.start()
+        self._queue.put((segment, checked))
+        return True
+
+    def flush(self) -> None:
+        """Return once every copy queued before the call is written (or refused)."""
+        with self._lock:
+            if self._thread is None:
+                return
+        written = threading.Event()
+        self._queue.put(written)
+        written.wait()
+
+    def close(self) -> None:
+        """Write what is queued, then stop."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        if sys.platform.startswith("linux"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except OSError:
+                pass  # it runs at the process's priority
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()  # a flush: everything queued before it is written
+                continue
+            segment, checked = item
+            try:
+                self.cache.put(segment, checked)
+            except Exception:  # a copy is an optimisation: one failure never stops the keeper
+                log.exception("segment cache: keeping %s failed", segment.object)
+            finally:
+                with self._lock:
+                    del self._waiting[segment.object]
+                    self._waiting_bytes -= segment.nbytes
+
+
+class SegmentFetcher:
+    """The segment reads of one :class:`~kvstore.store.shared.store.SharedStore` (its threads, its
+    cache, its fetches in flight). ``pool`` also runs the store's other object moves."""
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        cache: SegmentCache | None,
+        *,
+        part_bytes: int = PART_BYTES,
+        read_ahead_bytes: int = READ_AHEAD_BYTES,
+    ):
+        self.blobs = blobs
+        self.cache = cache
+        self.part_bytes = max(1, part_bytes)
+        self.read_ahead_bytes = max(1, read_ahead_bytes)
+        self.pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="kvstore-s3")
+        # the parts of whole-object fetches: their own threads, so a segment waiting for its parts
+        # never holds the threads that fetch them
+        self._parts = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="kvstore-s3-part")
+        self._fetching: dict[str, Future] = {}  # object name -> its whole, checked bytes
+        self._fetching_lock = threading.Lock()
+        self._keeper = _Keeper(cache, KEEP_BACKLOG_BYTES) if cache is not None else None
+
+    def flush(self) -> None:
+        """Return once the copies of the objects fetched so far are written to the cache."""
+        if self._keeper is not None:
+            self._keeper.flush()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self._parts.shutdown(wait=True)
+        if self._keeper is not None:
+            self._keeper.close()
+
+    # ------------------------------------------------------------------ ranges
+    def read(self, key: str, plan: ReadPlan, start: int, end: int) -> bytearray:
+        """Bytes of records ``[start, end)`` of ``plan`` (``0 <= start <= end <= plan.n_records``)."""
+        out = bytearray((end - start) * plan.rec_bytes)
+        self._wait(key, self._submit(key, plan, start, end, memoryview(out)), len(out))
+        return out
+
+    def stream(self, key: str, plan: ReadPlan, start: int, end: int, chunk_records: int) -> Iterator[memoryview]:
+        """Records ``[start, end)`` as chunks of at most ``chunk_records`` records, in order, read in
+        blocks of whole segments (at least ``part_bytes`` each) with the next blocks, up to
+        ``read_ahead_bytes``, in flight while the caller holds a chunk. Closing the iterator early
+        cancels what has not started."""
+        step = max(1, chunk_records) * plan.rec_bytes
+        todo = deque(blocks(plan, start, end, self.part_bytes))
+        pending: deque[tuple[bytearray, list[Future]]] = deque()
+        in_flight = 0
+
+        def submit_next() -> None:
+            nonlocal in_flight
+            while todo and (
+                not pending or in_flight + (todo[0][1] - todo[0][0]) * plan.rec_bytes <= self.read_ahead_bytes
+            ):
+                lo, hi = todo.popleft()
+                out = bytearray((hi - lo) * plan.rec_bytes)
+                pending.append((out, self._submit(key, plan, lo, hi, memoryview(out))))
+                in_flight += len(out)
+
+        try:
+            submit_next()
+            while pending:
+                out, jobs = pending.popleft()
+                self._wait(key, jobs, len(out))
+                in_flight -= len(out)
+                submit_next()
+                view = memoryview(out)
+                for at in range(0, len(out), step):
+                    yield view[at : at + step]
+        finally:
+            for _, jobs in pending:
+                for job in jobs:
+                    job.cancel()
+
+    def _submit(self, key: str, plan: ReadPlan, start: int, end: int, out: memoryview) -> list[Future]:
+        return [
+            self.pool.submit(self.fetch, key, piece.segment, piece.offset, out[piece.at : piece.at + piece.nbytes])
+            for piece in pieces(plan, start, end)
+        ]
+
+    @staticmethod
+    def _wait(key: str, jobs: list[Future], expected: int) -> None:
+        covered = sum(len(job.result()) for job in jobs)  # result() re-raises a failed fetch
+        if covered != expected:
+            raise SessionDamaged(
+                f"session {public_id(key)!r}: the committed segments cover {covered} of {expected} bytes"
+            )
+
+    def first_damaged(
+        self, key: str, plan: ReadPlan, end: int, progress: Callable[[int, int], None] | None = None
+    ) -> int | None:
+        """Re-hash every segment of ``plan`` that starts before ``end`` (several in parallel); the
+        first record of the first one whose bytes do not match their digest, or None.
+        ``progress(bytes_hashed, bytes_total)`` as they finish. A window of segments is in flight
+        at a time, each buffer dropped once hashed: memory stays a few segments."""
+        chosen = [segment for segment in plan.segments if segment.first_record < end]
+        total, done, bad = sum(segment.nbytes for segment in chosen), 0, None
+        for at in range(0, len(chosen), FETCH_THREADS):
+            window = chosen[at : at + FETCH_THREADS]
+            for segment, job in zip(window, [self.pool.submit(self._sound, key, segment) for segment in window]):
+                if not job.result() and bad is None:
+                    bad = segment.first_record  # segments are in order: the first bad one found is the first
+                done += segment.nbytes
+                if progress is not None:
+                    progress(done, total)
+        return bad
+
+    def _sound(self, key: str, segment: Segment) -> bool:
+        try:
+            self.whole(key, segment)
+        except SessionDamaged:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ one segment
+    def whole(self, key: str, segment: Segment) -> memoryview:
+        """Every record byte of ``segment`` (decompressed if it is a parked one's), re-hashed now
+        even from the cache (:class:`SessionDamaged` if they do not match the digest)."""
+        return self.fetch(key, segment, 0, memoryview(bytearray(segment.nbytes)), verify=True)
+
+    def fetch(self, key: str, segment: Segment, offset: int, into: memoryview, *, verify: bool = False) -> memoryview:
+        """Bytes ``[offset, offset + len(into))`` of ``segment`` into ``into``, checked: from the
+        cache when it holds a sound copy (``verify``: re-hashed now, else as the cache checks), or
+        from the whole object fetched and matched against its digest (then kept in the cache)."""
+        if segment.codec != "raw":
+            into[:] = self._unpacked(key, segment)[offset : offset + len(into)]
+            return into
+        if self.cache is not None and self.cache.read(segment, offset, into, verify=verify):
+            return into
+        checked = self._keeper.waiting(segment) if self._keeper is not None else None
+        if checked is None:
+            checked = self._checked(key, segment)
+        into[:] = checked[offset : offset + len(into)]
+        return into
+
+    def _checked(self, key: str, segment: Segment) -> memoryview:
+        """The whole object of ``segment``, matched against its digest; one fetch at a time per
+        object (a concurrent caller waits for the one in flight and shares its bytes)."""
+        with self._fetching_lock:
+            running = self._fetching.get(segment.object)
+            mine = running is None
+            if running is None:
+                running = self._fetching[segment.object] = Future()
+        if not mine:
+            return running.result()
+        try:
+            checked = self._remote_whole(key, segment, memoryview(bytearray(segment.nbytes)))
+        except BaseException as exc:
+            running.set_exception(exc)
+            with self._fetching_lock:
+                del self._fetching[segment.object]
+            raise
+        if self.cache is not None and self.cache.fits(segment) and self._keeper is not None:
+            # queued before this fetch is forgotten: a reader in between finds one or the other
+            self._keeper.offer(segment, checked)  # not kept when the backlog is full: a later read keeps it
+        running.set_result(checked)
+        with self._fetching_lock:
+            del self._fetching[segment.object]
+        return checked
+
+    def _remote(self, key: str, segment: Segment, offset: int, into: memoryview) -> None:
+        body = self.blobs.get(segment.object, offset, offset + len(into))
+        if len(body) != len(into):
+            raise SessionDamaged(
+                f"session {public_id(key)!r}: object {segment.object} is shorter than its commit recorded "
+                f"(records {segment.first_record}..); it is not served"
+            )
+        into[:] = body
+
+    def _remote_whole(self, key: str, segment: Segment, into: memoryview) -> memoryview:
+        """The whole object into ``into`` (ranged GETs of ``part_bytes`` in parallel), checked
+        against its digest; fetched once more if it does not match (a torn read), then refused."""
+        for _ in range(2):
+            jobs = [
+                self._parts.submit(self._remote, key, segment, lo, into[lo : min(lo + self.part_bytes, segment.nbytes)])
+                for lo in range(0, segment.nbytes, self.part_bytes)
+            ]
+            for job in jobs:
+                job.result()
+            if digest_of(into) == segment.digest:
+                return into
+        raise SessionDamaged(
+            f"session {public_id(key)!r}: object {segment.object} does not hold the bytes its commit recorded "
+            f"(records {segment.first_record}..); it is not served"
+        )
+
+    def _unpacked(self, key: str, segment: Segment) -> bytes:
+        for _ in range(2):  # one more GET if the bytes do not decompress to the recorded digest
+            body = self.blobs.get(segment.object, 0, segment.object_bytes)
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=segment.nbytes)
+            except zstandard.ZstdError:
+                continue
+            if len(raw) == segment.nbytes and digest_of(raw) == segment.digest:
+                return raw
+        raise SessionDamaged(
+            f"session {public_id(key)!r}: the compressed object {segment.object} does not hold the bytes its commit "
+            f"recorded (records {segment.first_record}..); it is not served"
+        )

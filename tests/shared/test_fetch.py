@@ -1,0 +1,160 @@
+"""How a replica reads segments (``kvstore.store.shared.fetch``): pieces and blocks that tile any
+range, a download's read-ahead bounded, one GET per byte when concurrent reads of one object miss
+the cache at once, and an object that does not match its digest never served nor kept. Real
+PostgreSQL, real S3 (moto's server); a BlobStore subclass records each GET it makes."""
+
+from __future__ import annotations
+
+import threading
+
+import boto3
+import numpy as np
+import pytest
+
+from kvstore.errors import SessionDamaged
+from kvstore.store.shared import BlobStore, SharedIndex, SharedStore
+from kvstore.store.shared.cache import SegmentCache
+from kvstore.store.shared.fetch import blocks, pieces
+from kvstore.store.shared.index import ReadPlan, Segment
+from shared.rows import GEOMETRY, TIER, rec_bytes, records
+
+ROWS = 40  # records per segment
+
+
+class CountedBlobs(BlobStore):
+    """The real BlobStore, recording the byte range of every GET it makes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gets: list[tuple[str, int, int]] = []
+        self._gets_lock = threading.Lock()
+
+    def get(self, name: str, start: int = 0, stop: int | None = None) -> bytes:
+        body = super().get(name, start, stop)
+        with self._gets_lock:
+            self.gets.append((name, start, start + len(body)))
+        return body
+
+
+def write_session(index_url, blobs_url, endpoint, segments: int) -> tuple[str, bytes]:
+    with SharedStore(SharedIndex(index_url), BlobStore(blobs_url, endpoint_url=endpoint)) as writer:
+        key = writer.create("alice", GEOMETRY, TIER, session_id="chat")
+        lease = writer.acquire(key)
+        for seq in range(segments):
+            writer.append(lease, records(1, seq, ROWS))
+        writer.release(lease)
+    return key, b"".join(records(1, seq, ROWS) for seq in range(segments))
+
+
+def reader_store(index_url, blobs_url, endpoint, cache: SegmentCache | None, *, part_records: int, ahead_records: int):
+    blobs = CountedBlobs(blobs_url, endpoint_url=endpoint)
+    store = SharedStore(SharedIndex(index_url), blobs, cache=cache)
+    store.reads.part_bytes = part_records * rec_bytes()
+    store.reads.read_ahead_bytes = ahead_records * rec_bytes()
+    return store, blobs
+
+
+def test_pieces_and_blocks_tile_any_range():
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        sizes = rng.integers(1, 30, size=rng.integers(1, 8))
+        firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        segments = [Segment(int(f), int(n), f"o{i}", int(n) * 7, b"", 1) for i, (f, n) in enumerate(zip(firsts, sizes))]
+        plan = ReadPlan(b"", 7, int(sizes.sum()), segments)
+        start = int(rng.integers(0, plan.n_records + 1))
+        end = int(rng.integers(start, plan.n_records + 1))
+        got = pieces(plan, start, end)
+        assert sum(p.nbytes for p in got) == (end - start) * 7
+        at = 0
+        for piece in got:  # in order, contiguous, each within its own segment
+            assert piece.at == at and 0 < piece.nbytes and piece.offset + piece.nbytes <= piece.segment.nbytes
+            at += piece.nbytes
+        least = int(rng.integers(1, 200))
+        spans = blocks(plan, start, end, least)
+        if start == end:
+            assert spans == []
+            continue
+        assert [lo for lo, _ in spans] == [start] + [hi for _, hi in spans[:-1]] and spans[-1][1] == end
+        bounds = {s.first_record for s in segments} | {end}
+        for lo, hi in spans:  # whole segments, at least `least` bytes unless the last
+            assert hi in bounds and ((hi - lo) * 7 >= least or hi == end)
+
+
+def test_concurrent_cold_reads_through_a_cache_get_each_byte_once_then_serve_from_the_copies(
+    index_url, blobs_url, s3_server, tmp_path
+):
+    key, image = write_session(index_url, blobs_url, s3_server.endpoint, 4)
+    cache = SegmentCache(tmp_path / "replica", 1 << 30)
+    # parts of 7 records: each object is several ranged GETs; four downloads of it at once
+    store, blobs = reader_store(index_url, blobs_url, s3_server.endpoint, cache, part_records=7, ahead_records=25)
+    with store:
+        plan = store.index.read_plan(key)
+        start = threading.Barrier(4)
+        served: list[bytes] = []
+
+        def download() -> None:
+            start.wait()
+            chunks = list(store.stream_planned(key, plan, 0, plan.n_records, 3))
+            assert all(len(chunk) <= 3 * rec_bytes() for chunk in chunks)
+            served.append(b"".join(chunks))
+
+        threads = [threading.Thread(target=download) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    # closing the store waited for its threads: the keeper has written the copies
+    assert served == [image] * 4
+    assert cache.counts().files == 4
+    for segment in plan.segments:  # every byte of every object fetched exactly once
+        ranges = sorted((lo, hi) for name, lo, hi in blobs.gets if name == segment.object)
+        assert ranges[0][0] == 0 and ranges[-1][1] == segment.nbytes and len(ranges) == -(-ROWS // 7)
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
+    store, blobs = reader_store(index_url, blobs_url, s3_server.endpoint, cache, part_records=7, ahead_records=25)
+    with store:
+        again = b"".join(store.stream_planned(key, plan, 5, plan.n_records - 2, 4))
+    assert again == image[5 * rec_bytes() : -2 * rec_bytes()] and blobs.gets == []  # the copies alone
+
+
+def test_a_download_reads_ahead_a_bounded_window(index_url, blobs_url, s3_server):
+    key, image = write_session(index_url, blobs_url, s3_server.endpoint, 6)
+    store, blobs = reader_store(index_url, blobs_url, s3_server.endpoint, None, part_records=10, ahead_records=100)
+    with store:
+        plan = store.index.read_plan(key)
+        stream = store.stream_planned(key, plan, 0, plan.n_records, 10)
+        assert bytes(next(stream)) == image[: 10 * rec_bytes()]
+        stream.close()  # a client gone after its first chunk: what was not started is cancelled
+    # the pool has finished (closing the store waits): the block taken and a window of 100 records
+    # behind it, in whole segments of 40: three of the six
+    fetched = sum(hi - lo for _, lo, hi in blobs.gets)
+    assert 0 < fetched <= 3 * ROWS * rec_bytes() < len(image)
+
+
+def test_an_object_that_does_not_match_its_digest_is_never_served_nor_kept(index_url, blobs_url, s3_server, tmp_path):
+    key, image = write_session(index_url, blobs_url, s3_server.endpoint, 3)
+    with SharedStore(SharedIndex(index_url), BlobStore(blobs_url, endpoint_url=s3_server.endpoint)) as plain:
+        plan = plain.index.read_plan(key)
+    victim = plan.segments[1]
+    s3 = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    bucket = blobs_url.removeprefix("s3://").split("/")[0]
+    body = bytearray(s3.get_object(Bucket=bucket, Key=victim.object)["Body"].read())
+    body[5] ^= 0x40
+    s3.put_object(Bucket=bucket, Key=victim.object, Body=bytes(body))  # damaged in the object store
+    cache = SegmentCache(tmp_path / "replica", 1 << 30)
+    store, blobs = reader_store(index_url, blobs_url, s3_server.endpoint, cache, part_records=9, ahead_records=200)
+    with store:
+        chunks = store.stream_planned(key, plan, 0, plan.n_records, 4)
+        served = b"".join(bytes(next(chunks)) for _ in range(ROWS // 4))  # the first segment's chunks
+        with pytest.raises(SessionDamaged):
+            next(chunks)  # the second segment's bytes are refused, not sent
+        chunks.close()
+        with pytest.raises(SessionDamaged):
+            store.read_planned(key, plan, ROWS + 3, ROWS + 5)  # a range of it: the whole is checked
+        assert store.first_damaged(key, plan, plan.n_records) == victim.first_record  # so does a verify
+    assert served == image[: ROWS * rec_bytes()]
+    held = memoryview(bytearray(victim.nbytes))
+    assert cache.read(plan.segments[0], 0, memoryview(bytearray(plan.segments[0].nbytes)))  # the sound one kept
+    assert not cache.read(victim, 0, held)  # the damaged one not
+    assert sum(1 for name, _, _ in blobs.gets if name == victim.object) == 2 * 3 * -(
+        -ROWS // 9
+    )  # fetched twice, thrice
