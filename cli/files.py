@@ -14,6 +14,7 @@ source, and ``export`` refuses an existing output unless ``--force``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvstore.cli import options, progress
@@ -25,7 +26,12 @@ _LISTS = ("problems", "damage", "notes", "damaged", "clean")
 
 
 def _inspect_text(report: dict) -> str:
-    lines = [table({key: value for key, value in report.items() if key not in _LISTS})]
+    # codec and bits name a v3 file's TurboQuant codec; a v1 or v2 file has neither (None in --json)
+    shown = {key: value for key, value in report.items() if key not in _LISTS}
+    for key in ("codec", "bits"):
+        if shown.get(key) is None:
+            shown.pop(key, None)
+    lines = [table(shown)]
     lines += [f"note: {note}" for note in report["notes"]]
     if report["damaged"]:
         lines += [f"damaged: {damage}" for damage in report["damage"]]
@@ -47,20 +53,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from kvstore.export import SUFFIXES, export
-    from kvstore.filetools import check_damage, check_output, load_source, records_dropped, repaired
+    from kvstore.filetools import SourceFile, check_damage, check_output, records_dropped
 
     if args.out.lower().endswith(SUFFIXES):  # the output is checked before the source is read
         check_output(args.out, overwrite=args.force, what="the export")
-    _, records = load_source(args.path)
-    warning = check_damage(args.path, records, allow=args.allow_damaged, doing="export")
-    with progress.bar("export", enabled=not args.json and not args.quiet) as update:
-        out = export(repaired(records) if warning else records, args.out, overwrite=args.force, progress=update)
-    report = {"source": args.path, "out": str(out), "records": records.n, "tier": records.tier.name}
+    # read a chunk at a time, judged first, then exported a batch at a time: whatever the file's size
+    with SourceFile(args.path) as source:
+        scan = source.scan()
+        warning = check_damage(args.path, scan, allow=args.allow_damaged, doing="export")
+        with progress.bar("export", enabled=not args.json and not args.quiet) as update:
+            out = export(source, args.out, overwrite=args.force, repair=warning is not None, progress=update)
+    report = {"source": args.path, "out": args.out, "records": scan.n, "tier": scan.tier.name}
+    where = args.out
+    if os.path.islink(args.out):  # a link is followed: the file written is where it leads
+        report["written"] = str(out)
+        where = f"{args.out} (written to {out})"
     if warning:
         warn(warning)
-        report["records_dropped"] = records_dropped(records)
+        report["records_dropped"] = records_dropped(scan)
     if not args.quiet:
-        emit(args, report, f"exported {records.n} records ({records.tier.describe()}) to {out}")
+        emit(args, report, f"exported {scan.n} records ({scan.tier.describe()}) to {where}")
     return 0
 
 
@@ -104,6 +116,8 @@ def cmd_repair(args: argparse.Namespace) -> int:
         return 0
     verb = "would" if args.dry_run else "did"
     lines = [f"{verb}: {action}" for action in report["actions"]]
+    if os.path.islink(args.path):  # a link is followed: say which file was (or would be) repaired
+        lines.append(f"file: {report['file']} (where {args.path} leads)")
     if report["backup"]:
         lines.append(f"backup: {report['backup']}")
     print("\n".join(lines))

@@ -8,6 +8,11 @@ not used.
 
 ``create`` prints the key once (only a salted digest is stored); ``list`` never prints a key, a
 digest or a salt: id, owner, state, created, expires, revoked and the key's last 4 characters.
+
+``--expires`` and every time in ``keys.json`` lie in 1970-01-01 .. 9999-12-31T23:59:59Z; an entry of
+``keys.json`` that cannot be used (a time out of that range, ...) is skipped: each command warns
+about it on stderr (position, id and owner, why) and works with the other keys, and a change keeps
+the entry as written.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 from kvstore.cli import options, store_cmd
-from kvstore.cli.output import emit
+from kvstore.cli.output import emit, warn
 
 
 def _keys(args: argparse.Namespace):
@@ -27,6 +32,15 @@ def _keys(args: argparse.Namespace):
         store_cmd.shared_modules()
         return IndexKeys(url)
     return KeyFile(options.data_folder(args.data))
+
+
+def _warn_skipped(keys) -> None:
+    """Warn (stderr) about each ``keys.json`` entry the command left aside (a shared index has none)."""
+    from kvstore.keys import KeyFile
+
+    if isinstance(keys, KeyFile):
+        for skipped in keys.document().skipped:
+            warn(skipped.describe(str(keys.path)))
 
 
 def _where(args: argparse.Namespace) -> str:
@@ -45,6 +59,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     expires = parse_expires(args.expires) if args.expires is not None else None
     keys = _keys(args)
     record, key = keys.create(owner, expires=expires)
+    _warn_skipped(keys)
     until = f", expires {format_time(record.expires)}" if record.expires is not None else ""
     text = (
         f"Created API key {record.id} for owner {owner!r}{until} in {keys.path} (shown once, keep it):\n"
@@ -56,12 +71,14 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from kvstore.keys import check_owner, utc_now
+    from kvstore.keys import KeyFile, check_owner, utc_now
 
     owner = check_owner(args.owner) if args.owner is not None else None
     keys = _keys(args)
     now = utc_now()
-    shown = [record.public(now) for record in keys.records() if owner is None or record.owner == owner]
+    records = keys.document().records if isinstance(keys, KeyFile) else keys.records()
+    _warn_skipped(keys)
+    shown = [record.public(now) for record in records if owner is None or record.owner == owner]
     emit(args, shown, _table(shown) if shown else f"no API keys in {keys.path}" + (f" for {owner!r}" if owner else ""))
     return 0
 
@@ -81,6 +98,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 
     keys = _keys(args)
     record, changed = keys.revoke(args.id)
+    _warn_skipped(keys)
     if changed:
         text = f"Revoked API key {record.id} of owner {record.owner!r}: the service refuses it from its next request"
     else:

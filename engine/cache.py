@@ -386,7 +386,8 @@ class LatentCache:
         Rows of the tier's own version are placed as stored (codes and scales/radii, no round
         trip); f32 (v1) rows are quantized into the tier; quantized rows restore into f32/bf16 by
         dequantization. Quantized rows of another kind would be quantized twice, which is lossy:
-        that needs ``allow_requantize=True``.
+        that needs ``allow_requantize=True``. Either way a row whose stored scale or radius no
+        encoder writes (``Tier.corrupt_scales``) is restored inert (zeros), never inf.
 
         The new state is built completely before it replaces the old one: on any error the cache
         is unchanged.

@@ -61,7 +61,14 @@ class StoredRows:
         return cls(tokens, tier.version, lc, rc, lc_scales, rc_scales, tier.codec, tier.bits)
 
     def dequantize(self, kv_lora: int, qk_rope: int) -> tuple[np.ndarray, np.ndarray]:
-        """f32 rows (L [n_layers, n, kv_lora], R [n_layers, n, qk_rope]) through the format codecs."""
+        """f32 rows (L [n_layers, n, kv_lora], R [n_layers, n, qk_rope]) through the format codecs.
+
+        A row whose stored scale or radius no encoder writes (``Tier.corrupt_scales``, the one bound
+        of every reader) reads as zeros, as the file loader, the device restore and a cache of the
+        rows' own tier read it: rows handed over in memory have no file or session to name, so they
+        are made inert rather than refused (the strict readers refuse such a row where they can say
+        where it is stored).
+        """
         tier = self.tier
         if tier is tiers.F32:
             return np.asarray(self.lc, np.float32), np.asarray(self.rc, np.float32)
@@ -69,6 +76,9 @@ class StoredRows:
         for codes, scales, width in ((self.lc, self.lc_scales, kv_lora), (self.rc, self.rc_scales, qk_rope)):
             with np.errstate(over="ignore", invalid="ignore"):
                 rows = tier.dequantize(codes, scales, width)
+            corrupt = tier.corrupt_scales(scales) if scales is not None else None
+            if corrupt is not None and corrupt.any():  # e.g. an fp8 scale of 1e37 on code 0x7E: 448 * 1e37 is inf
+                rows[corrupt] = 0.0
             if tier.rotated:
                 # A radius near the f32 limit (only a damaged file has one) overflows on the way back:
                 # such a row reads as zeros, as KVRecords.dequantize reads it.

@@ -17,21 +17,27 @@ Protocol (docs/FORMAT.md section 4), and what each step protects against:
   committed count and rewrites the tail rather than skipping it.
 
 Writers take an advisory lock (``kvstore.locks.FileLock`` on a ``<file>.lock`` sidecar, which
-survives the renames above), so two writers never interleave. Readers take no lock: the commit order
-guarantees they see a consistent prefix.
+survives the renames above), so two writers never interleave. The sidecar is named after the
+journal's real path (:func:`real_path`: every symbolic link resolved), so a writer that names the
+journal through a link and one that names it directly meet the same lock; a lock on the descriptor
+or the inode would not do, as every rewrite renames a new inode over the journal. A journal named
+through a link is written where the link leads: appends, rewrites (their temporary file and rename
+in the real file's folder) and the lock all follow it, and the link stays a link. Readers take no
+lock: the commit order guarantees they see a consistent prefix.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import mmap
 import os
 import stat
 import struct
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import BinaryIO, Iterable, Iterator
 
 import numpy as np
 
@@ -128,6 +134,27 @@ class AtomicFile:
         _pwrite_all(self._fd, payload, self.size)
         self.size += len(memoryview(payload).cast("B"))
 
+    @contextlib.contextmanager
+    def stream(self, buffer_bytes: int = 1 << 20) -> Iterator[BinaryIO]:
+        """A buffered, seekable file object on the image being written, for writers that need one
+        (a zip archive, Arrow IPC, Parquet), positioned after what :meth:`write` wrote. Its bytes go
+        through the same ``pwrite`` loop as :meth:`write`. It is flushed when the block ends
+        cleanly, before the image is fsynced and published (:attr:`size` then counts its bytes); a
+        block that raises drops what is still buffered (the image is discarded anyway)."""
+        if self._fd is None:
+            raise JournalClosed(f"{self.path.name}: write outside the AtomicFile's with-block")
+        raw = _ImageWriter(self._fd, self.size)
+        handle = io.BufferedWriter(raw, buffer_size=buffer_bytes)
+        try:
+            yield handle  # type: ignore[misc]  (a BufferedWriter is a binary file)
+            handle.flush()
+        except BaseException:
+            raw.discarding = True  # closing must not write again (a full disk would fail twice)
+            raise
+        finally:
+            handle.close()
+        self.size = max(self.size, raw.end)
+
     def __exit__(self, exc_type, exc, tb) -> None:
         fd, self._fd = self._fd, None
         if fd is None:
@@ -159,6 +186,41 @@ class AtomicFile:
             os.unlink(self._tmp)
         except FileNotFoundError:
             pass
+
+
+class _ImageWriter(io.RawIOBase):
+    """The image an :class:`AtomicFile` writes, as a seekable raw file (:meth:`AtomicFile.stream`):
+    every write is one ``pwrite`` loop at the current position."""
+
+    def __init__(self, fd: int, position: int):
+        self._fd = fd
+        self._position = position
+        self.end = position  # the largest offset written
+        self.discarding = False
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, payload) -> int:  # type: ignore[override]
+        view = memoryview(payload).cast("B")
+        if not self.discarding:
+            _pwrite_all(self._fd, view, self._position)
+        self._position += len(view)
+        self.end = max(self.end, self._position)
+        return len(view)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.end}[whence]
+        if base + offset < 0:
+            raise OSError(errno.EINVAL, "negative seek position")
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
 
 
 def open_regular(path: Path, flags: int, dir_fd: int | None = None, what: str = "a journal") -> int:
@@ -206,8 +268,21 @@ def read_tokens(fd: int, rec_bytes: int, start: int, stop: int) -> np.ndarray:
     return tokens
 
 
+def real_path(path: str | os.PathLike) -> Path:
+    """``path`` with every symbolic link resolved (of the file and of its folders): where the bytes
+    of a journal named through a link live, and the one name every alias of it shares.
+
+    A link that leads nowhere is resolved as far as it goes (a missing target is where a new file
+    is created); a loop stays a link, which every open then refuses.
+    """
+    return Path(os.path.realpath(path))
+
+
 def _writer_lock(target: Path, timeout: float, dir_fd: int | None = None) -> FileLock:
-    """The journal's writer lock, held: ``flock`` on the ``<file>.lock`` sidecar (it survives renames)."""
+    """The journal's writer lock, held: ``flock`` on the ``<file>.lock`` sidecar (it survives renames).
+
+    ``target`` is the journal's real path (:func:`real_path`), or its name in the folder ``dir_fd``.
+    """
     return FileLock(
         target.with_name(target.name + ".lock"),
         timeout=timeout,
@@ -218,8 +293,9 @@ def _writer_lock(target: Path, timeout: float, dir_fd: int | None = None) -> Fil
 
 @contextlib.contextmanager
 def writer_lock(path: str | os.PathLike, timeout: float = DEFAULT_LOCK_TIMEOUT_S):
-    """Hold the journal's writer lock (e.g. while a tool rewrites the file)."""
-    lock = _writer_lock(Path(path), timeout)
+    """Hold the journal's writer lock (e.g. while a tool rewrites the file); ``path`` may name the
+    journal through a symbolic link: the lock is the one of the file it leads to."""
+    lock = _writer_lock(real_path(path), timeout)
     try:
         yield
     finally:
@@ -245,8 +321,12 @@ class KVFile:
         tier: Tier,
         lock: FileLock | None,
         dir_fd: int | None = None,
+        target: Path | None = None,
     ):
-        self.path = path
+        self.path = path  # as the caller named it (messages)
+        # Where the bytes live: the real path (links resolved), or the name in the folder ``dir_fd``.
+        # Rewrites replace this file, in its own folder; the lock sidecar sits beside it.
+        self.target = target if target is not None else path
         self._dir_fd = dir_fd  # the folder's descriptor the file is (re)opened relative to, if given
         self._fd = fd
         self._header = header  # as stored on disk (its tier may differ from the active tier)
@@ -265,21 +345,26 @@ class KVFile:
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
         dir_fd: int | None = None,
     ) -> "KVFile":
-        """Create a new, empty journal (refuses to overwrite an existing file); ``dir_fd`` as in :meth:`open`."""
+        """Create a new, empty journal (refuses to overwrite an existing file); ``dir_fd`` as in :meth:`open`.
+
+        Without ``dir_fd``, a ``path`` that is a symbolic link leading to no file creates the file it
+        leads to (in that file's folder, under its lock); the link stays.
+        """
         path = Path(path)
+        target = path if dir_fd is not None else real_path(path)
         coli_kv.check_geometry(geometry, tier)
-        lock = _writer_lock(path, lock_timeout, dir_fd)
+        lock = _writer_lock(target, lock_timeout, dir_fd)
         try:
             header = Header(geometry, tier, 0)
             with write_errors(f"creating {path.name}", "no file was created"):
-                with AtomicFile(path, replace=False) as out:
+                with AtomicFile(target, replace=False) as out:
                     out.write(header.to_bytes())
                 # the file just linked there, never a link put in its place
-                fd = open_regular(path, os.O_RDWR, dir_fd)
+                fd = open_regular(target, os.O_RDWR, dir_fd)
         except BaseException:
             lock.release()
             raise
-        return cls(path, fd, header, 0, tier, lock, dir_fd)
+        return cls(path, fd, header, 0, tier, lock, dir_fd, target)
 
     @classmethod
     def open(
@@ -299,9 +384,12 @@ class KVFile:
         ----------
         geometry : the model fingerprint the caller expects (refused with GeometryMismatch if not)
         tier : the active cache tier (default: the file's own)
-        writable : take the writer lock (waits up to ``lock_timeout`` seconds)
+        writable : take the writer lock (waits up to ``lock_timeout`` seconds): the lock of the file
+            ``path`` leads to, so writers naming one journal through different links exclude each other
         follow_symlinks : False refuses a ``path`` that is a symbolic link (:class:`PathRefused`):
-            the session store's journals are regular files in its folder, never links out of it
+            the session store's journals are regular files in its folder, never links out of it.
+            True (without ``dir_fd``): a link is followed once, and the file it leads to is the one
+            appended to and rewritten (:attr:`target`)
         dir_fd : an open descriptor of ``path``'s folder: the journal and its lock sidecar are opened
             relative to it (``openat``, never following a link), so a folder replaced by a link after
             the caller checked it cannot redirect them (the session store passes its ``journals/``)
@@ -311,10 +399,20 @@ class KVFile:
         PathRefused : ``path`` (with ``follow_symlinks=False``) or its lock sidecar is a symbolic link
         """
         path = Path(path)
-        lock = _writer_lock(path, lock_timeout, dir_fd) if writable else None
+        if dir_fd is not None:
+            target = path  # opened by name in the folder the caller opened
+        elif follow_symlinks:
+            target = real_path(path)
+        else:
+            target = real_path(path.parent) / path.name  # the folder resolved, the name itself never followed
+        lock = _writer_lock(target, lock_timeout, dir_fd) if writable else None
         try:
             flags = os.O_RDWR if writable else os.O_RDONLY
-            fd = os.open(path, flags) if follow_symlinks and dir_fd is None else open_regular(path, flags, dir_fd)
+            fd = (
+                open_regular(target, flags, dir_fd)
+                if dir_fd is not None or not follow_symlinks
+                else os.open(target, flags)
+            )
             try:
                 header, committed = cls._read_commit(fd)
                 if geometry is not None and header.geometry != geometry:
@@ -328,7 +426,7 @@ class KVFile:
                         f"migrate it explicitly (kvstore migrate --tier {active.name}): "
                         + format_migrations.conversion(header.tier, active)
                     )
-                return cls(path, fd, header, committed, active, lock, dir_fd)
+                return cls(path, fd, header, committed, active, lock, dir_fd, target)
             except BaseException:
                 os.close(fd)
                 raise
@@ -558,13 +656,15 @@ class KVFile:
             records = records.slice(0, keep)
         total = records.n + (0 if extra is None else extra.shape[0])
         header = Header(self.geometry, self.tier, total)
-        with AtomicFile(self.path, replace=True) as out:
+        # The new image replaces the file the journal's name leads to, in that file's folder (a link
+        # naming it stays a link).
+        with AtomicFile(self.target, replace=True) as out:
             out.write(header.to_bytes())
             out.write(records.records)
             if extra is not None:
                 out.write(extra)
         # Swap the handle to the new inode (the lock is on the sidecar, unaffected).
-        new_fd = open_regular(self.path, os.O_RDWR, self._dir_fd)
+        new_fd = open_regular(self.target, os.O_RDWR, self._dir_fd)
         os.close(self._fd)
         self._fd = new_fd
         self._header = header

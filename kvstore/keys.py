@@ -18,6 +18,14 @@ for the same key in two files. ``keys.json``::
       {"owner": "carol", "key": "<the key itself, at least 16 characters>"}
     ]}
 
+Times (``created``, ``expires``, ``revoked``) are ISO 8601, read as UTC, and must lie in
+:data:`EARLIEST` .. :data:`LATEST` wherever they are parsed (``--expires``, ``keys.json``, the shared
+index), so no time a key carries can overflow a date computation later. An entry ``keys.json`` cannot
+use (a time out of that range, a malformed digest, an id given twice ...) is skipped, never the whole
+file: the others keep working, :meth:`KeyFile.records` logs the entry once (by its position, id and
+owner, never its digest), ``kvstore keys`` warns about it, and a change written by this module
+keeps it as it was.
+
 The last two forms (written before key ids, or by hand) are still read, and keys of any form in
 ``KVSTORE_API_KEYS`` too: such a key is checked by the SHA-256 of the whole key. An entry without an
 id gets one derived from that digest, so ``list`` and ``revoke`` reach it; the first write by this
@@ -36,6 +44,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -66,8 +75,14 @@ _SPAN_UNITS = {"h": "hours", "d": "days", "w": "weeks"}
 _NO_SALT = bytes(16)
 _NO_DIGEST = bytes(32)
 
+#: The range every key time must lie in (a span or date past it is refused; an entry holding one is skipped).
+EARLIEST = datetime(1970, 1, 1, tzinfo=timezone.utc)
+LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc)
+
 KeyState = Literal["active", "expired", "revoked"]
 _T = TypeVar("_T")
+
+log = logging.getLogger("kvstore.keys")
 
 
 def utc_now() -> datetime:
@@ -79,12 +94,33 @@ def format_time(when: datetime | None) -> str | None:
     return None if when is None else when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+class TimeOutOfRange(ValueError):
+    """A time that parses but lies outside :data:`EARLIEST` .. :data:`LATEST`."""
+
+
+def _range_text() -> str:
+    return f"{format_time(EARLIEST)} .. {format_time(LATEST)}"
+
+
+def checked_time(when: datetime) -> datetime:
+    """``when`` as an aware UTC datetime, if it lies in :data:`EARLIEST` .. :data:`LATEST` (a naive
+    one is UTC). Raises :class:`TimeOutOfRange` otherwise, never ``OverflowError``."""
+    try:
+        utc = when.replace(tzinfo=timezone.utc) if when.tzinfo is None else when.astimezone(timezone.utc)
+    except (OverflowError, ValueError):  # in its own zone near year 1 or 9999, past the ends in UTC
+        raise TimeOutOfRange(f"{when.isoformat()} is outside {_range_text()}") from None
+    if not EARLIEST <= utc <= LATEST:
+        raise TimeOutOfRange(f"{utc.isoformat().replace('+00:00', 'Z')} is outside {_range_text()}")
+    return utc
+
+
 def parse_time(text: str) -> datetime:
     """An ISO 8601 date or time as an aware UTC datetime: a date is its 00:00 UTC, a time without a
-    zone is UTC. Raises ``ValueError`` for anything else."""
+    zone is UTC. Raises ``ValueError`` for anything else, :class:`TimeOutOfRange` (a ``ValueError``)
+    for a time outside :data:`EARLIEST` .. :data:`LATEST`."""
     text = text.strip()
     when = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
-    return when.replace(tzinfo=timezone.utc) if when.tzinfo is None else when.astimezone(timezone.utc)
+    return checked_time(when)
 
 
 def parse_expires(text: str, now: datetime | None = None) -> datetime:
@@ -94,7 +130,7 @@ def parse_expires(text: str, now: datetime | None = None) -> datetime:
     Raises
     ------
     InvalidRequest
-        Neither form, a zero span, or a moment that is not in the future.
+        Neither form, a zero span, a moment that is not in the future, or one past :data:`LATEST`.
     """
     now = now or utc_now()
     span = _SPAN.fullmatch(text.strip())
@@ -102,9 +138,17 @@ def parse_expires(text: str, now: datetime | None = None) -> datetime:
         count = int(span[1])
         if count == 0:
             raise InvalidRequest(f"--expires {text!r}: a key must live longer than 0 {_SPAN_UNITS[span[2]]}")
-        return now + timedelta(**{_SPAN_UNITS[span[2]]: count})
+        length = timedelta(**{_SPAN_UNITS[span[2]]: count})
+        if length > LATEST - now:
+            raise InvalidRequest(
+                f"--expires {text!r}: that ends after {format_time(LATEST)}, the latest time a key may expire "
+                f"(give a shorter span, or no --expires for a key that never expires)"
+            )
+        return now + length
     try:
         when = parse_time(text)
+    except TimeOutOfRange as exc:
+        raise InvalidRequest(f"--expires {text!r}: {exc} (the times a key may carry)") from None
     except ValueError:
         raise InvalidRequest(
             f"--expires {text!r}: give a span (12h, 30d, 2w) or an ISO date or time "
@@ -251,6 +295,8 @@ def _time_field(entry: dict, name: str, where: str) -> datetime | None:
         if not isinstance(value, str):
             raise ValueError
         return parse_time(value)
+    except TimeOutOfRange as exc:
+        raise ConfigError(f"{where}: {name!r} {value!r} is out of range: {exc}") from None
     except ValueError:
         raise ConfigError(
             f"{where}: {name!r} must be an ISO 8601 time like 2025-05-01T10:00:00Z, not {value!r}"
@@ -306,14 +352,48 @@ def _record_of(entry: Any, where: str) -> KeyRecord:
 
 
 @dataclass(frozen=True)
+class SkippedEntry:
+    """A ``keys.json`` entry that could not be used: its position, the entry as written (kept, so
+    a rewrite of the file does not lose it) and why."""
+
+    index: int
+    entry: Any
+    reason: str
+
+    def describe(self, where: str) -> str:
+        """One line naming the entry by position, id and owner (never a digest or a key)."""
+        named = ""
+        if isinstance(self.entry, dict):
+            parts = [
+                f"{field} {self.entry[field]!r}" for field in ("id", "owner") if isinstance(self.entry.get(field), str)
+            ]
+            named = f" ({', '.join(parts)})" if parts else ""
+        return (
+            f"{where}: key entry {self.index}{named} is skipped, the other keys work: {self.reason}; "
+            "fix or remove the entry"
+        )
+
+
+@dataclass(frozen=True)
 class KeyDocument:
-    """A parsed ``keys.json``: its records and its other top-level fields (kept as they are)."""
+    """A parsed ``keys.json``: its records, its other top-level fields (kept as they are) and the
+    entries skipped (:func:`parse_document` with ``skip_bad``)."""
 
     records: tuple[KeyRecord, ...]
     rest: dict[str, Any]
+    skipped: tuple[SkippedEntry, ...] = ()
 
 
-def parse_document(text: bytes | str, where: str) -> KeyDocument:
+def parse_document(text: bytes | str, where: str, *, skip_bad: bool = False) -> KeyDocument:
+    """Parse a ``keys.json`` image.
+
+    Raises
+    ------
+    ConfigError
+        The file is not JSON, or has no ``keys`` list; an entry that cannot be used (each reason
+        names the entry), unless ``skip_bad``: then such entries (and a second entry for an id) are
+        left out of the records and listed in ``skipped``.
+    """
     try:
         document = json.loads(text)
     except ValueError as exc:
@@ -321,15 +401,21 @@ def parse_document(text: bytes | str, where: str) -> KeyDocument:
     entries = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(entries, list):
         raise ConfigError(f'{where} must hold {{"keys": [{{"owner": ..., "id": ..., ...}}, ...]}}')
-    records, seen = [], set()
-    for entry in entries:
-        record = _record_of(entry, where)
-        if record.id in seen:
-            raise ConfigError(f"{where}: two entries are key {record.id} (the same key twice, or a repeated id)")
+    records, seen, skipped = [], set(), []
+    for index, entry in enumerate(entries):
+        try:
+            record = _record_of(entry, where)
+            if record.id in seen:
+                raise ConfigError(f"{where}: two entries are key {record.id} (the same key twice, or a repeated id)")
+        except ConfigError as exc:
+            if not skip_bad:
+                raise
+            skipped.append(SkippedEntry(index, entry, exc.reason.removeprefix(f"{where}: ")))
+            continue
         seen.add(record.id)
         records.append(record)
     rest = {name: value for name, value in document.items() if name != "keys"}
-    return KeyDocument(tuple(records), rest)
+    return KeyDocument(tuple(records), rest, tuple(skipped))
 
 
 # ---------------------------------------------------------------------------- the file
@@ -347,6 +433,7 @@ class KeyFile:
         self.data_dir = Path(data_dir)
         self.path = self.data_dir / KEYS_FILE
         self.lock_timeout = lock_timeout
+        self._reported: set[str] = set()  # skipped entries already logged (each is logged once)
 
     def stamp(self) -> tuple[int, int, int, int] | None:
         """Changes whenever the file does (an atomic replace is a new inode); None when missing."""
@@ -357,7 +444,8 @@ class KeyFile:
         return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
     def document(self) -> KeyDocument:
-        """The file as it is now (no records when it is missing)."""
+        """The file as it is now (no records when it is missing); entries that cannot be used are
+        in ``skipped``, not in the records."""
         try:
             fd = open_regular(self.path, os.O_RDONLY, what=KEYS_FILE)
         except FileNotFoundError:
@@ -366,10 +454,17 @@ class KeyFile:
             text = source.read(MAX_FILE_BYTES + 1)
         if len(text) > MAX_FILE_BYTES:
             raise ConfigError(f"{self.path} is larger than {MAX_FILE_BYTES >> 20} MiB; it is not a keys file")
-        return parse_document(text, str(self.path))
+        return parse_document(text, str(self.path), skip_bad=True)
 
     def records(self) -> tuple[KeyRecord, ...]:
-        return self.document().records
+        """The usable keys; each entry skipped is logged (a warning), once for this object."""
+        document = self.document()
+        for skipped in document.skipped:
+            line = skipped.describe(str(self.path))
+            if line not in self._reported:
+                self._reported.add(line)
+                log.warning("%s", line)
+        return document.records
 
     def create(
         self, owner: str, *, expires: datetime | None = None, now: datetime | None = None
@@ -433,7 +528,7 @@ class KeyFile:
             document = self.document()
             records, answer = change(list(document.records))
             if records is not None:
-                self._write(records, rest=document.rest)
+                self._write(records, rest=document.rest, skipped=document.skipped)
         return answer
 
     def _write(
@@ -441,9 +536,12 @@ class KeyFile:
         records: Iterable[KeyRecord],
         *,
         rest: dict[str, Any] | None = None,
+        skipped: Iterable[SkippedEntry] = (),
         replace: bool = True,
     ) -> None:
-        entries = [record.entry() for record in records]
+        entries: list[Any] = [record.entry() for record in records]
+        for kept in skipped:  # as written, where they were: a change never drops an entry it cannot read
+            entries.insert(min(kept.index, len(entries)), kept.entry)
         image = json.dumps({**(rest or {}), "keys": entries}, indent=2) + "\n"
         with AtomicFile(self.path, replace=replace) as out:  # 0600, fsync, rename, fsync folder
             out.write(image.encode())
@@ -465,6 +563,7 @@ class IndexKeys:
 
         self.index = SharedIndex(url)
         self.path = f"the shared index {redacted_url(url)}"  # where the keys are, for messages
+        self._reported: set[str] = set()  # rows skipped and already logged (each is logged once)
 
     def close(self) -> None:
         self.index.close()
@@ -476,7 +575,17 @@ class IndexKeys:
         self.close()
 
     def records(self) -> tuple[KeyRecord, ...]:
-        return tuple(_record_of_row(row) for row in self.index.key_rows())
+        """The usable keys; a row whose times are out of range is skipped and logged."""
+        records = []
+        for row in self.index.key_rows():
+            try:
+                records.append(_record_of_row(row))
+            except TimeOutOfRange as exc:
+                line = f"{self.path}: key {row.get('id')} of owner {row.get('owner')!r} is skipped, the other keys work: {exc}"
+                if line not in self._reported:
+                    self._reported.add(line)
+                    log.warning("%s", line)
+        return tuple(records)
 
     def create(
         self, owner: str, *, expires: datetime | None = None, now: datetime | None = None
@@ -501,7 +610,7 @@ class IndexKeys:
 
 def _record_of_row(row: dict[str, Any]) -> KeyRecord:
     def utc(when: datetime | None) -> datetime | None:
-        return None if when is None else when.astimezone(timezone.utc)
+        return None if when is None else checked_time(when)
 
     return KeyRecord(
         id=row["id"],

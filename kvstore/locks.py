@@ -3,7 +3,8 @@
 Two users, one mechanism:
 
 - the journal (``kvstore.journal.KVFile``) takes an exclusive lock on its ``<file>.lock`` sidecar
-  while it writes, so two writers never interleave (the sidecar survives the journal's renames);
+  while it writes, so two writers never interleave (the sidecar survives the journal's renames, and
+  is named after the journal's real path, so writers naming it through different links meet it);
 - the session store (``kvstore.store``) takes per-session ``locks/<id>.write`` / ``.read`` locks
   and an ``evict.lock`` (the lock order is in the ``kvstore.store`` docstring).
 

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
+import zstandard
+
 from kvstore.errors import IntegrityError, JournalWriteError
+from kvstore.filetools import Scan, scan_stream
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
-from kvstore.journal import PreviousImage, write_atomic
+from kvstore.journal import PreviousImage, open_regular, write_atomic
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations import index as schema
 from kvstore.store import archive
@@ -43,6 +47,9 @@ from kvstore.store.values import (
     validate_key,
 )
 from kvstore.tiers import Tier
+
+#: Compressed bytes read from an archive at a time while it is inspected.
+ARCHIVE_READ_BYTES = 256 << 10
 
 
 class Maintenance:
@@ -67,7 +74,12 @@ class Maintenance:
         self._parking = parking
 
     def inspect(self, session_id: str, owner: str | None) -> dict[str, Any]:
-        """What the session's file holds: header fields, sizes and what a loader would neutralize."""
+        """What the session's file holds: header fields, sizes and what a loader would neutralize.
+
+        The journal (or the parked archive, decompressed as it is read) is judged a chunk at a time
+        (``filetools.scan_stream``): a call holds one chunk (``filetools.CHUNK_BYTES``) and what
+        judging a slice of it takes, whatever the session's size.
+        """
         ctx = self.ctx
         ctx.record(session_id, owner)
         with ctx.reading(session_id):
@@ -77,21 +89,17 @@ class Maintenance:
                 out["turns"] = len(ctx.index.turns(txn, session_id))
             if record["state"] == "active":
                 path = ctx.journal_path(session_id)
-                records = coli_kv.load(path)
-                out["file"] = {"path": f"journals/{path.name}", "bytes": records.file_size}
+                scan = _scan_journal(ctx.open_journal_fd(session_id))
+                out["file"] = {"path": f"journals/{path.name}", "bytes": scan.file_size}
             elif record["state"] == "parked":
                 path = ctx.archive_path(session_id)
-                records = coli_kv.parse(b"".join(archive.stream_archive(path)))
-                out["file"] = {
-                    "path": f"archive/{path.name}",
-                    "bytes": os.stat(path).st_size,
-                    "journal_bytes": records.file_size,
-                }
+                scan, archive_bytes = _scan_archive(path)
+                out["file"] = {"path": f"archive/{path.name}", "bytes": archive_bytes, "journal_bytes": scan.file_size}
             else:
                 out["file"] = None
                 out["problems"] = [record.get("problem")]
                 return out
-        out.update(records_report(records))
+        out.update(records_report(scan))
         return out
 
     def repair(
@@ -243,3 +251,35 @@ class Maintenance:
                         ) from exc
         self._evictor.after_write(key)
         return SessionInfo.from_record(record)
+
+
+# ---------------------------------------------------------------------------- inspect, a chunk at a time
+def _scan_journal(fd: int) -> Scan:
+    """Judge the journal open at ``fd`` (closed here) up to its size when opened."""
+    try:
+        size, offset = os.fstat(fd).st_size, 0
+
+        def readinto(view: memoryview) -> int:
+            nonlocal offset
+            n = os.preadv(fd, [view[: max(0, size - offset)]], offset) if offset < size else 0
+            offset += n
+            return n
+
+        return scan_stream(readinto, size=size)
+    finally:
+        os.close(fd)
+
+
+def _scan_archive(path: Path) -> tuple[Scan, int]:
+    """Judge a parked session's journal as its archive decompresses, a chunk at a time; returns the
+    scan and the archive's size. The frame's recorded size bounds what is allocated, its checksum is
+    checked at the end (a damaged archive is :class:`IntegrityError`, as ``archive`` reads it)."""
+    journal_bytes = archive.content_size(path)
+    fd = open_regular(path, os.O_RDONLY, what="an archive")
+    try:
+        with os.fdopen(fd, "rb") as raw:
+            archive_bytes = os.fstat(raw.fileno()).st_size
+            with zstandard.ZstdDecompressor().stream_reader(raw, read_size=ARCHIVE_READ_BYTES) as stream:
+                return scan_stream(stream.readinto, size=journal_bytes), archive_bytes
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"archive {path.name} is damaged ({exc}); it cannot be restored") from None

@@ -2,7 +2,8 @@
 
 - **park**: the archive is written atomically, the index switches to ``parked``, the journal is
   unlinked. A crash before the switch leaves an archive the index does not name (removed on open);
-  after it, a journal the index no longer names (removed on the next unpark or open).
+  after it, a journal the index no longer names (removed on the next unpark or open). A session
+  being read when the park starts is refused at once (``JournalLocked``), before any work.
 - **unpark**: the reverse, byte for byte: the journal is restored atomically from the archive and
   checked against the index, the index switches to ``active``, the archive is unlinked.
 
@@ -85,6 +86,12 @@ class Parking:
         if record["state"] == "parked":
             return record
         refuse_damaged(record)
+        # The switch below needs the read lock exclusively. A reader holding it now (a download, a
+        # verify) is met before the journal is compressed, not after: the park is refused at once
+        # (JournalLocked, nothing done) instead of compressing everything, then waiting for the
+        # reader while holding the write lock that the session's appends wait for.
+        with ctx.reading(session_id, exclusive=True, timeout=0):
+            pass
         journal_path, archive_path = ctx.journal_path(session_id), ctx.archive_path(session_id)
         with ctx.open_journal(record, writable=True) as journal:  # also keeps outside writers off
             record = self._recovery.match_journal(record, journal)

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from kvstore.errors import FingerprintMismatch, InvalidRequest, NonFiniteValues
+from kvstore.filetools import Scan
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import KVRecords
 from kvstore.formats.nonfinite import Sanitized
@@ -165,9 +166,10 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def records_report(records: coli_kv.KVRecords) -> dict[str, Any]:
+def records_report(records: coli_kv.KVRecords | Scan) -> dict[str, Any]:
     """What a session's ``.coli_kv`` image holds, as ``inspect`` reports it on every backend:
-    header fields, sizes and what a loader would neutralize."""
+    header fields, sizes and what a loader would neutralize — of loaded records, or of a
+    :class:`~kvstore.filetools.Scan` that judged them a chunk at a time (the same answers)."""
     header = records.header
     return {
         "header": {

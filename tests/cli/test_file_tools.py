@@ -370,15 +370,13 @@ def test_export_refuses_an_existing_output_unless_forced(tmp_path, vectors, caps
     with pytest.raises(InvalidRequest, match="exists; pass --force"):
         export(records, out)
     late = tmp_path / "late.arrow"
-    original_dequantize = records.dequantize
 
-    def dequantize_while_another_writer_creates_the_output():
-        late.write_bytes(b"theirs")
-        return original_dequantize()
+    def another_writer_creates_the_output_while_rows_are_encoded(done, total):
+        if done:
+            late.write_bytes(b"theirs")
 
-    records.dequantize = dequantize_while_another_writer_creates_the_output
     with pytest.raises(InvalidRequest, match="exists; pass --force"):
-        export(records, late)
+        export(records, late, progress=another_writer_creates_the_output_while_rows_are_encoded)
     assert late.read_bytes() == b"theirs" and not list(tmp_path.glob(".late.arrow.tmp*"))
 
 
@@ -420,3 +418,121 @@ def test_generate_refuses_a_damaged_journal_and_keeps_a_backup_when_allowed(mode
     resumed = coli_kv.load(journal)
     assert not resumed.problems.damaged and resumed.tokens[:n].tolist() == clean.tokens.tolist()
     assert resumed.n == n + 1 + 2  # the new turn after the whole records
+
+
+# ---------------------------------------------------------------------------- issue 39: what applies
+def test_inspect_prints_codec_and_bits_only_for_files_that_have_them(vectors, capsys):
+    for name, shown in (("small.v1.coli_kv", False), ("small.v2.coli_kv", False), ("small.v3c1b4.coli_kv", True)):
+        code, out, _ = run(capsys, "inspect", str(vectors / name))
+        assert code in (0, 1) and "None" not in out, out
+        keys = [line.split()[0] for line in out.splitlines() if line.strip()]
+        assert ("codec" in keys and "bits" in keys) is shown, out
+        report = json.loads(run(capsys, "inspect", str(vectors / name), "--json")[1])
+        assert (report["codec"], report["bits"]) == (("int4", 4) if shown else (None, None))
+
+
+# ---------------------------------------------------------------------------- issue 42: a chunk at a time
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_judging_a_file_a_chunk_at_a_time_finds_what_a_whole_load_finds(tmp_path, vectors, damage, monkeypatch):
+    from kvstore import filetools
+
+    path = tmp_path / "d.coli_kv"
+    path.write_bytes(bytes(DAMAGE[damage][0](vectors)))
+    loaded = coli_kv.load(path)
+    whole = (loaded.problems, filetools.damage_lines(loaded), filetools.leftover_notes(loaded))
+    for chunk in (1, 300, 1 << 20):  # chunks of one record, of a few, of the whole file
+        monkeypatch.setattr(filetools, "CHUNK_BYTES", chunk)
+        with filetools.SourceFile(path) as source:
+            scan = source.scan()
+        assert (scan.problems, filetools.damage_lines(scan), filetools.leftover_notes(scan)) == whole
+        assert (scan.n, scan.complete_records, scan.file_size) == (loaded.n, loaded.complete_records, loaded.file_size)
+
+
+@pytest.mark.parametrize("name", ["glm.v1.coli_kv", "glm.v2.coli_kv", "glm.v3c0b3.coli_kv", "glm.v3c1b4.coli_kv"])
+@pytest.mark.parametrize("suffix", [".npz", ".arrow", ".parquet"])
+def test_an_export_in_many_batches_holds_what_one_batch_holds(tmp_path, vectors, monkeypatch, name, suffix):
+    from kvstore import export as exporting
+    from kvstore.filetools import SourceFile
+
+    source = vectors / name
+    loaded = coli_kv.load(source)
+    L, R, index = loaded.dequantize()
+    monkeypatch.setattr(exporting, "BATCH_BYTES", 1)  # one record per batch
+    out = exporting.export(SourceFile(source), tmp_path / f"x{suffix}")
+    if suffix == ".npz":
+        with np.load(out) as z:
+            assert z["tokens"].tobytes() == loaded.tokens.tobytes()
+            assert z["L"].tobytes() == L.tobytes() and z["R"].tobytes() == R.tobytes()
+            assert z["I"].tobytes() == index.tobytes()
+        return
+    table = pa.ipc.open_file(out).read_all() if suffix == ".arrow" else pq.read_table(out)
+    reference = exporting.to_arrow_table(loaded)
+    assert table.column_names == reference.column_names and table.schema.metadata == reference.schema.metadata
+    for name in reference.column_names:  # byte for byte (a v1 file's NaN included); Parquet names list items "element"
+        got, want = table[name].combine_chunks(), reference[name].combine_chunks()
+        if isinstance(want, pa.FixedSizeListArray):
+            assert got.type.list_size == want.type.list_size and got.is_null().equals(want.is_null())
+            got, want = got.filter(got.is_valid()).flatten(), want.filter(want.is_valid()).flatten()
+        assert got.type == want.type and got.to_numpy(zero_copy_only=False).tobytes() == want.to_numpy().tobytes()
+
+
+# ---------------------------------------------------------------------------- issue 42: symbolic links
+def _link(tmp_path, name, target):
+    link = tmp_path / name
+    link.symlink_to(target)
+    return link
+
+
+def test_repair_through_a_link_repairs_the_file_it_leads_to(tmp_path, vectors, capsys):
+    (tmp_path / "real").mkdir()
+    real = tmp_path / "real" / "chat.coli_kv"
+    real.write_bytes((vectors / "small.v2.torn.coli_kv").read_bytes())
+    link = _link(tmp_path, "link.coli_kv", "real/chat.coli_kv")
+    code, out, _ = run(capsys, "repair", str(link))
+    assert code == 0 and "did: dropped 134 bytes past the last committed record" in out
+    assert f"file: {real} (where {link} leads)" in out and f"backup: {real}.bak" in out
+    assert link.is_symlink() and os.readlink(link) == "real/chat.coli_kv"  # still the link
+    assert run(capsys, "inspect", str(real))[0] == 0  # the real file is clean
+    assert (real.parent / "chat.coli_kv.bak").read_bytes() == (vectors / "small.v2.torn.coli_kv").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.coli_kv", "real"]  # nothing beside the link
+
+
+def test_migrate_and_export_write_where_a_link_leads_and_agree_on_existing_targets(tmp_path, vectors, capsys):
+    (tmp_path / "real").mkdir()
+    src = vectors / "small.v2.coli_kv"
+    for command, name, extra in (("migrate", "m.coli_kv", ["--tier", "int4"]), ("export", "e.npz", [])):
+        link = _link(tmp_path, f"link-{name}", f"real/{name}")  # leads to no file yet
+        code, _, err = run(capsys, command, str(src), str(link), *extra)
+        assert code == 0, err
+        assert link.is_symlink() and (tmp_path / "real" / name).is_file()
+        written = (tmp_path / "real" / name).read_bytes()
+        # the file it leads to exists now: both refuse without --force, naming the link and the file
+        code, _, err = run(capsys, command, str(src), str(link), *extra)
+        assert code == 2 and f"{link} (a link to {tmp_path / 'real' / name}): exists; pass --force" in err, err
+        assert (tmp_path / "real" / name).read_bytes() == written
+        assert run(capsys, command, str(src), str(link), *extra, "--force")[0] == 0
+        assert link.is_symlink() and os.readlink(link) == f"real/{name}"
+    code, out, _ = run(capsys, "export", str(src), str(tmp_path / "link-e.npz"), "--force", "--json")
+    assert json.loads(out)["written"] == str(tmp_path / "real" / "e.npz")
+    # a source named through a link is read, never written
+    source_link = _link(tmp_path, "src-link.coli_kv", src)
+    assert run(capsys, "migrate", str(source_link), str(tmp_path / "out.coli_kv"), "--tier", "f32")[0] == 0
+    assert source_link.is_symlink()
+    # a loop of links leads nowhere: refused, nothing written
+    loop = _link(tmp_path, "loop.npz", "loop.npz")
+    code, _, err = run(capsys, "export", str(src), str(loop), "--force")
+    assert code == 2 and "a loop" in err
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["e.npz", "m.coli_kv", "m.coli_kv.lock"]
+
+
+def test_generate_continues_a_journal_named_through_a_link(model_dir, tmp_path, capsys):
+    (tmp_path / "real").mkdir()
+    link = _link(tmp_path, "talk.coli_kv", "real/chat.coli_kv")  # leads to no file yet
+    base = ["generate", str(model_dir), "--journal", str(link), "--max-new-tokens", "2", "--stop"]
+    assert main([*base, "--ids", "5 6 7"]) == 0
+    first = coli_kv.load(tmp_path / "real" / "chat.coli_kv").n
+    assert main([*base, "--ids", "8 9"]) == 0
+    capsys.readouterr()
+    resumed = coli_kv.load(tmp_path / "real" / "chat.coli_kv")
+    assert link.is_symlink() and resumed.n == first + 2 + 2 and not resumed.problems.damaged
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["real", "talk.coli_kv"]

@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 
 from kvstore.errors import SessionDamaged
-from kvstore.store.shared import BlobStore, SharedIndex, SharedStore
+from kvstore.formats import coli_kv
+from kvstore.store.results import records_report
+from kvstore.store.shared import BlobStore, SharedIndex, SharedStore, reports
 from kvstore.store.shared.cache import SegmentCache
 from kvstore.store.shared.fetch import blocks, pieces
 from kvstore.store.shared.index import ReadPlan, Segment
+from kvstore.store.shared.sessions import SharedSessionStore
 from shared.rows import GEOMETRY, TIER, rec_bytes, records
 
 ROWS = 40  # records per segment
@@ -158,3 +161,21 @@ def test_an_object_that_does_not_match_its_digest_is_never_served_nor_kept(index
     assert sum(1 for name, _, _ in blobs.gets if name == victim.object) == 2 * 3 * -(
         -ROWS // 9
     )  # fetched twice, thrice
+
+
+def test_inspect_judges_the_records_as_they_stream_with_the_loaders_answers(
+    index_url, blobs_url, s3_server, monkeypatch, tmp_path
+):
+    """``inspect`` on the shared store reads a block of whole segments at a time (each checked) and
+    judges the image a chunk at a time: the report of loading the whole image, wherever the chunks
+    end."""
+    key, _ = write_session(index_url, blobs_url, s3_server.endpoint, 5)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    with SharedSessionStore(index_url, blobs_url, data_dir=tmp_path, cache_bytes=0) as store:
+        store.shared.reads.part_bytes = 50 * rec_bytes()  # blocks of two segments
+        whole = records_report(coli_kv.parse(store.shared.file_bytes(key)))
+        for chunk_records in (1, 3, 7, 1000):
+            monkeypatch.setattr(reports, "CHUNK_BYTES", chunk_records * rec_bytes())
+            report = store.inspect("chat", owner="alice")
+            assert {k: v for k, v in report.items() if k in whole} == whole
+            assert report["file"] == {"objects": 5, "bytes": coli_kv.HEADER_BYTES + 5 * ROWS * rec_bytes()}

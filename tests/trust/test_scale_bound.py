@@ -16,6 +16,7 @@ import torch
 from kvstore import tiers
 from kvstore.engine import Engine, make_cache
 from kvstore.engine.restore import FileBody, MemoryBody
+from kvstore.engine.rows import StoredRows
 from kvstore.errors import BadScale, FormatError
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Header
@@ -156,3 +157,34 @@ def test_an_append_of_raw_records_is_refused_by_the_same_bound_naming_the_record
         assert refused.type is FormatError  # the API's name for refused bytes (422 FormatError), as before
         assert store.get("s").n_records == 0
         assert store.append_records("s", rows.tobytes()).appended == 3
+
+
+@pytest.mark.parametrize("cache_tier", ["f32", "bf16", "q8", "fp8"])
+def test_stored_rows_handed_to_the_engine_restore_inert_in_every_cache(tmp_path, cache_tier):
+    # Issue 42, item 9: StoredRows built in memory (not read from a file, so never sanitized by a
+    # loader) restored into a cache of another representation went through StoredRows.dequantize,
+    # which decoded 448 * 1e37 = inf: inf rows, NaN logits. The rows' own tier (fp8) sanitized them.
+    # Every cache now reads the row as zeros, as the file loader and the device restore do.
+    engine = Engine.from_preset("tiny", seed=0, tier=cache_tier)
+    geometry = engine.config.coli_geometry()
+    _, records = damaged(tmp_path, geometry, "engine.coli_kv")
+    layers = records["layers"]
+    rows = StoredRows(
+        np.ascontiguousarray(records["token"]),
+        2,
+        np.ascontiguousarray(layers["Lc"].transpose(1, 0, 2)),
+        np.ascontiguousarray(layers["Rc"].transpose(1, 0, 2)),
+        np.ascontiguousarray(layers["Ls"].T),
+        np.ascontiguousarray(layers["Rs"].T),
+    )
+    L, _ = rows.dequantize(geometry.kv_lora, geometry.qk_rope)
+    assert np.isfinite(L).all() and not L[1, BAD].any()
+    engine.restore(rows, allow_requantize=True)
+    _, restored, _ = engine.cache.export_f32()
+    assert engine.cache.length == N and np.isfinite(restored).all() and not restored[1, BAD].any()
+    # the same rows read from the file through the device restore: the same cache, value for value
+    reference = Engine.from_preset("tiny", seed=0, tier=cache_tier)
+    reference.restore_file(tmp_path / "engine.coli_kv", allow_requantize=True)
+    assert all(np.array_equal(a, b) for a, b in zip(engine.cache.export_f32(), reference.cache.export_f32()))
+    logits, _, reused = engine.prefill(np.append(rows.tokens, 7))
+    assert reused == N and bool(torch.isfinite(logits).all())

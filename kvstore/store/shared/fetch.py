@@ -30,7 +30,7 @@ import sys
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Generator, NamedTuple
 
 import zstandard
 
@@ -203,11 +203,14 @@ class SegmentFetcher:
         self._wait(key, self._submit(key, plan, start, end, memoryview(out)), len(out))
         return out
 
-    def stream(self, key: str, plan: ReadPlan, start: int, end: int, chunk_records: int) -> Iterator[memoryview]:
+    def stream(
+        self, key: str, plan: ReadPlan, start: int, end: int, chunk_records: int, read_ahead_bytes: int | None = None
+    ) -> Generator[memoryview, None, None]:
         """Records ``[start, end)`` as chunks of at most ``chunk_records`` records, in order, read in
         blocks of whole segments (at least ``part_bytes`` each) with the next blocks, up to
-        ``read_ahead_bytes``, in flight while the caller holds a chunk. Closing the iterator early
-        cancels what has not started."""
+        ``read_ahead_bytes`` (None: the fetcher's), in flight while the caller holds a chunk (0: one
+        block at a time). Closing the iterator early cancels what has not started."""
+        ahead = self.read_ahead_bytes if read_ahead_bytes is None else read_ahead_bytes
         step = max(1, chunk_records) * plan.rec_bytes
         todo = deque(blocks(plan, start, end, self.part_bytes))
         pending: deque[tuple[bytearray, list[Future]]] = deque()
@@ -215,9 +218,7 @@ class SegmentFetcher:
 
         def submit_next() -> None:
             nonlocal in_flight
-            while todo and (
-                not pending or in_flight + (todo[0][1] - todo[0][0]) * plan.rec_bytes <= self.read_ahead_bytes
-            ):
+            while todo and (not pending or in_flight + (todo[0][1] - todo[0][0]) * plan.rec_bytes <= ahead):
                 lo, hi = todo.popleft()
                 out = bytearray((hi - lo) * plan.rec_bytes)
                 pending.append((out, self._submit(key, plan, lo, hi, memoryview(out))))

@@ -11,12 +11,15 @@ for damage. :func:`record_of` gives a shared index row as the embedded index's r
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 
 from kvstore.errors import InvalidRequest, SessionDamaged, SessionNotFound
+from kvstore.filetools import CHUNK_BYTES, chunks_reader, scan_stream
 from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import HEADER_BYTES
 from kvstore.migrations import index as prefix_schema
 from kvstore.store.results import LookupResult, VerifyReport, common_prefix, query_tokens, records_report
 from kvstore.store.shared.store import UNKNOWN_MODEL, SharedStore, fingerprint_key_of
@@ -65,13 +68,20 @@ def inspect_session(shared: SharedStore, key: str, info: SessionInfo) -> dict[st
     plan = shared.index.read_plan(key)
     header = bytearray(plan.header)
     header[32:36] = np.int32(plan.n_records).tobytes()  # nrec = the committed count, as file_bytes writes it
-    image = bytes(header) + shared.read_planned(key, plan, 0, plan.n_records)
-    records = coli_kv.parse(image)
+    # judged a chunk at a time as the records stream in, one block of whole segments at a time
+    # (each checked against its digest): never the whole image in memory
+    per = max(1, CHUNK_BYTES // plan.rec_bytes)
+    chunks = shared.stream_planned(key, plan, 0, plan.n_records, per, read_ahead_bytes=0)
+    try:
+        size = HEADER_BYTES + plan.n_records * plan.rec_bytes
+        scan = scan_stream(chunks_reader(itertools.chain([bytes(header)], chunks)), size=size)
+    finally:
+        chunks.close()
     return {
         "session": info.to_dict(),
         "turns": len(plan.segments),
-        "file": {"objects": len(plan.segments), "bytes": len(image)},
-        **records_report(records),
+        "file": {"objects": len(plan.segments), "bytes": scan.file_size},
+        **records_report(scan),
     }
 
 

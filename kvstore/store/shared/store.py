@@ -15,7 +15,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable
 
 import numpy as np
 
@@ -533,7 +533,7 @@ class SharedStore:
     def segments(self, key: str) -> list[Segment]:
         return self.index.read_plan(validate_key(key)).segments
 
-    def read_records(self, key: str, start: int = 0, stop: int | None = None) -> tuple[int, bytes]:
+    def read_records(self, key: str, start: int = 0, stop: int | None = None) -> tuple[int, bytearray]:
         """``(n_records, bytes of records [start, min(stop, n_records)))`` as committed at one instant.
 
         Raises
@@ -555,12 +555,20 @@ class SharedStore:
         return self.reads.read(key, plan, start, end)
 
     def stream_planned(
-        self, key: str, plan: ReadPlan, start: int, end: int, chunk_records: int
-    ) -> Iterator[memoryview]:
+        self,
+        key: str,
+        plan: ReadPlan,
+        start: int,
+        end: int,
+        chunk_records: int,
+        *,
+        read_ahead_bytes: int | None = None,
+    ) -> Generator[memoryview, None, None]:
         """:meth:`read_planned` as chunks of ``chunk_records`` records, in order, the next ones fetched
-        ahead while one is consumed (``SegmentFetcher.stream``: a download's bounded read-ahead)."""
+        ahead while one is consumed (``SegmentFetcher.stream``: a download's bounded read-ahead;
+        ``read_ahead_bytes`` 0 reads one block of whole segments at a time)."""
         self._check_range(plan, start, end)
-        return self.reads.stream(key, plan, start, end, chunk_records)
+        return self.reads.stream(key, plan, start, end, chunk_records, read_ahead_bytes)
 
     @staticmethod
     def _check_range(plan: ReadPlan, start: int, end: int) -> None:
