@@ -4,7 +4,7 @@ Keys are the records of ``<data>/keys.json`` (:mod:`kvstore.keys`, managed with 
 create|list|revoke``) and the keys of the ``KVSTORE_API_KEYS`` variable (``key:owner,...``). When the
 file is missing it is created (0600) with one fresh key for owner ``default``, stored only as a
 salted digest: the key is shown once, by whoever created the file (``kvstore serve`` prints it once
-it listens). The file is re-read when it changes, so a new key works and a revoked one is refused
+it listens, and creates no file when ``KVSTORE_API_KEYS`` gives the keys). The file is re-read when it changes, so a new key works and a revoked one is refused
 from the next request on. An expired or revoked key gets the same 401 as an unknown one; the log
 says why at debug level.
 """

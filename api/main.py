@@ -36,6 +36,7 @@ from kvstore.api.routers import console, files, generate, health, jobs, lookup, 
 from kvstore.api.routers.metrics import Metrics
 from kvstore.api.session_gates import SessionGates
 from kvstore.api.settings import Settings
+from kvstore.api.uploads import UploadBudget
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.store import Store
 
@@ -194,7 +195,10 @@ def create_app(
                 data_dir=Path(store_or_settings) if store_or_settings is not None else Path(config.DATA_DIR.value)
             )
     # a replica of a shared store reads its keys from the index (kvstore keys create --index ...)
-    created_key = ensure_keys_file(settings.data_dir) if first_key and not settings.shared else None
+    # keys given in KVSTORE_API_KEYS make no keys.json (as `kvstore serve` does)
+    created_key = (
+        ensure_keys_file(settings.data_dir) if first_key and not settings.shared and not settings.api_keys_env else None
+    )
     if created_key is not None:
         print(
             f"kvstore: created {settings.data_dir / KEYS_FILE} with an API key for owner 'default' "
@@ -260,6 +264,7 @@ def create_app(
     app.state.metrics = Metrics(app.state)
     app.state.engine = None
     app.state.gates = SessionGates(settings.lock_timeout, settings.session_waiters)
+    app.state.uploads = UploadBudget(settings.max_inflight_bytes or 0)  # bodies held at once (--max-inflight-bytes)
     app.state.big_json = asyncio.Semaphore(1)  # JSON bodies over 64 KiB are parsed one at a time
     # the decorator form: each handler takes the error class it is registered for
     app.exception_handler(KVStoreError)(_kvstore_error)

@@ -8,7 +8,7 @@ engine's cache tiers). For one release the old spellings are accepted too — th
 ``"v3:polar:3"``, ``"tq-int4"``, ...) and migrate's ``{"to": "v3", "codec": ..., "bits": ...}`` —
 and the response then carries ``Deprecation: true`` and ``Warning: 299 - "<note>"``, the note
 naming the canonical spelling; the server logs each old spelling once. An unknown tier is
-``422 UnknownTier`` with the known names.
+``422 UnknownTier`` with the names the field accepts (a session's: the file tiers only).
 
 **Out.** ``{"name": "fp8", "version": 2, "codec": null, "bits": null, "description": "..."}``:
 the object earlier releases returned, with the canonical ``name`` added.
@@ -93,7 +93,15 @@ def read_tier(spelled: str | TierObject, *, sessions: bool = True) -> TierRead:
         note = f"the tier object {spelled.spelled()} is deprecated: send the name {tier.name!r} instead"
         key = f"object {spelled.version}/{spelled.codec}/{spelled.bits}"
     else:
-        tier, note = tiers.resolve(spelled)
+        try:
+            tier, note = tiers.resolve(spelled)
+        except tiers.UnknownTier as exc:
+            if not (sessions and exc.reason.startswith("unknown tier")):
+                raise
+            # where a session's tier is wanted, the names listed are the ones that are accepted
+            raise tiers.UnknownTier(
+                f"unknown tier {spelled!r}; a session holds one of {', '.join(SESSION_TIERS)}"
+            ) from None
         key = spelled.strip().lower()
     if sessions and not tier.in_file:
         raise tiers.UnknownTier(

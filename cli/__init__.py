@@ -22,7 +22,11 @@ whole records, warns on stderr and says how many were dropped); 2 bad input or a
 that is missing, a folder, unreadable, not a ``.coli_kv`` file, a header field out of range, rows
 of another model), with one line ``kvstore: error: <reason>`` on stderr that names the file, the
 field and what was expected; 130 interrupted. Old option spellings print ``kvstore: warning: ...``
-once and still work; warnings about damage print ``kvstore: warning: ...`` too.
+once and still work; warnings about damage print ``kvstore: warning: ...`` too. A command given
+without its subcommand (``kvstore``, ``kvstore sessions``) prints the commands it has, as ``--help``
+does, on stderr, and exits 2. A command that runs a model (``new-model``, ``generate``, ``chat``,
+``hf-chat``, ``serve --model``) on an install without the engine extra exits 2 with one line that
+says ``pip install 'kvstore[engine]'``.
 
 This package is the top of the stack — the only part that may import every other one (``serve``
 starts :mod:`kvstore.api`). Each command imports what it needs when it runs, so building the
@@ -55,10 +59,18 @@ def fail(reason: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
+#: What argparse says when a command is given without its subcommand (the metavar of every level).
+_NO_SUBCOMMAND = "the following arguments are required: COMMAND"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        # a usage error is bad input like any other: one line, exit 2, naming the subcommand
         command = self.prog.removeprefix("kvstore").strip()
+        if message == _NO_SUBCOMMAND:
+            # nothing to do yet: show what there is to do, as --help does (on stderr: not an answer)
+            self.print_help(sys.stderr)
+            raise SystemExit(EXIT_BAD_INPUT)
+        # a usage error is bad input like any other: one line, exit 2, naming the subcommand
         raise SystemExit(fail(f"{command}: {message}" if command else message))
 
 
@@ -113,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             return fail(exc.reason, EXIT_DAMAGED)
         except (KVStoreError, SettingError) as exc:  # SettingError: a variable of kvstore.config
             return fail(exc.reason)
+        except ModuleNotFoundError as exc:  # a module of the engine extra, met past the command's own check
+            package = (exc.name or "").partition(".")[0]
+            if package not in options.ENGINE_PACKAGES:
+                raise
+            return fail(options.missing_engine_reason(args.command, [package]))
         except OSError as exc:  # a path the command did not check itself: still one line naming it
             where = ", ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
             return fail(f"{where or 'a file'}: {(exc.strerror or str(exc)).lower()}")

@@ -12,8 +12,13 @@ stdout and stderr ends with the split, e.g. ``[chat-1: 16 tokens (length); prefi
 (journal); 44 records, fp8 (v2, e4m3 codes + f32 scale)]``; ``--json`` prints the whole result as
 one JSON object instead.
 
-``--tier`` takes every tier (the engine caches bf16 and q8 too; their journals hold f32 rows).
-torch is imported when a command runs, never when the parser is built.
+``--tier`` takes every tier (the engine caches bf16 and q8 too; their journals hold f32 rows). A
+journal whose rows are of another tier than the cache's journal tier is refused before it is opened,
+with the ``--tier`` that continues it (an f32 journal is the exception: a quantized cache
+upgrades it on its first append).
+
+torch is imported when a command runs, never when the parser is built; without the ``engine``
+extra each command exits 2 with ``pip install 'kvstore[engine]'`` before it does anything.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import sys
 from pathlib import Path
 
 from kvstore.cli import options
-from kvstore.cli.output import emit, json_line, warn
+from kvstore.cli.output import emit, end_stream, json_line, warn
 from kvstore.engine.config import PRESETS
 from kvstore.errors import InvalidRequest
+from kvstore.tiers import Tier
 from kvstore.units import parse_size
 
 
@@ -60,6 +66,7 @@ def decode_kwargs(args: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------------------- new-model
 def cmd_new_model(args: argparse.Namespace) -> int:
+    options.require_engine("new-model")
     from kvstore.engine.weights import write_random_model
 
     options.folder_to_write(args.path, "a new (or existing) folder to write the model into")
@@ -85,7 +92,29 @@ def cmd_new_model(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- generate
+def journal_tier_refusal(journal: str, stored: Tier, cache: Tier) -> str | None:
+    """Why a journal holding ``stored`` records cannot take the rows of a ``cache`` tier (None: it can).
+
+    A cache journals ``cache.file_tier`` records (f32 for bf16 and q8). An f32 journal takes any
+    quantized cache (its rows are quantized in memory; the first append rewrites it); any other
+    difference would need a conversion the user asks for.
+    """
+    rows = cache.file_tier
+    if stored == rows or (stored.version == 1 and rows.version != 1):
+        return None
+    journals = (
+        f"--tier {rows.name} journals {rows.name} rows"
+        if rows == cache
+        else f"a {cache.name} cache journals {rows.name} rows"
+    )
+    return (
+        f"{journal} holds {stored.describe()} rows and {journals}: continue it with --tier {stored.name}, or "
+        f"convert it first (kvstore migrate {journal} OUT.coli_kv --tier {rows.name}, then --journal OUT.coli_kv)"
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    options.require_engine("generate")
     from kvstore.engine.generate import Engine
     from kvstore.engine.session import TextDeltas
     from kvstore.filetools import check_damage, check_output, keep_backup, load_source, naming, read_source
@@ -113,7 +142,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             # Judged before the writer lock (a refusal leaves no sidecar): a damaged journal is
             # refused (exit 1) unless --allow-damaged; then, under the lock, the journal as it is
             # is kept as a .bak before this turn writes to it.
-            _, stored = load_source(args.journal, expect=geometry)
+            _, stored = load_source(args.journal, expect=geometry)  # another model's journal: refused here
+            refusal = journal_tier_refusal(args.journal, stored.tier, args.tier)
+            if refusal is not None:
+                raise InvalidRequest(refusal)
             warning = check_damage(args.journal, stored, allow=args.allow_damaged, doing="generate")
             del stored
             with naming(args.journal):
@@ -168,7 +200,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             }
         )
         return 0
-    sys.stdout.write("\n")
+    end_stream()
     print(
         f"[{len(result.tokens)} tokens, {result.finish_reason}; prefilled {result.prefilled_tokens}, "
         f"reused {result.reused_tokens}; tier {args.tier.name}]",
@@ -190,6 +222,7 @@ def _new_turn(args: argparse.Namespace) -> list[int] | str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    options.require_engine("chat")
     import kvstore.store
     from kvstore.engine.session import SessionEngine, TextDeltas
 
@@ -232,7 +265,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.json:
         json_line(result.to_dict())
         return 0
-    sys.stdout.write("\n")
+    end_stream()
     session = result.session
     notes = []
     if result.damaged_from is not None:

@@ -16,7 +16,8 @@ owners have it, and created for ``default`` when nobody has it. Every turn of on
 on the session the run found or created.
 
 A tiny random model folder to try it on: ``kvstore new-model models/tiny`` (see docs/HF.md).
-torch and transformers are imported when the command runs, never when the parser is built.
+torch and transformers are imported when the command runs, never when the parser is built; without
+the ``engine`` extra the command exits 2 with ``pip install 'kvstore[engine]'``.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def _load(args: argparse.Namespace) -> tuple[CausalLM, Any]:
 
 
 def cmd_hf_chat(args: argparse.Namespace) -> int:
+    options.require_engine("hf-chat")
     import numpy as np
     import torch
 

@@ -7,12 +7,17 @@ release: :func:`resolve_tier` folds them into a tier through ``tiers.parse``, wh
 warning the CLI prints once as ``kvstore: warning: ...``. The tier is resolved after parsing (the
 old ``--codec``/``--bits`` options qualify it), so ``args.tier`` holds a ``Tier`` (or None) by the
 time a command runs.
+
+The engine is an extra of the install (``pip install 'kvstore[engine]'``): :func:`require_engine`
+refuses a command that runs a model, in one line that says how to add it, before anything is done.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +27,44 @@ from kvstore import DEFAULT_OWNER, config, tiers
 from kvstore.errors import InvalidRequest
 
 DEFAULT_DATA = config.DATA_DIR.value
+#: What the ``engine`` extra installs: the packages a command that runs a model imports.
+ENGINE_PACKAGES = ("torch", "transformers", "safetensors", "tokenizers")
+ENGINE_INSTALL = "pip install 'kvstore[engine]'"
+
+
+# ---------------------------------------------------------------------------- the engine extra
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # an import hook refused it, or a module set to None
+        return False
+
+
+def engine_install_hint() -> str:
+    """How to add the engine: ``pip install 'kvstore[engine]'``, and the same through the Python that
+    runs this kvstore (the ``pip`` on PATH may be another environment's). With kvstore installed, pip
+    keeps it (a checkout's editable install included) and adds the extra's packages."""
+    return f"{ENGINE_INSTALL} (into this kvstore's environment: {sys.executable} -m {ENGINE_INSTALL})"
+
+
+def missing_engine_reason(command: str, missing: list[str]) -> str:
+    """The one line a command that needs the engine prints when ``missing`` packages are absent."""
+    packages = ", ".join(missing)
+    return f"`kvstore {command}` runs the engine, which is not installed (no {packages}): {engine_install_hint()}"
+
+
+def require_engine(command: str) -> None:
+    """Refuse ``command`` (``new-model``, ``generate``, ...) when the engine extra is not installed.
+
+    Raises
+    ------
+    InvalidRequest
+        torch, transformers, safetensors or tokenizers cannot be imported: the reason names them and
+        says ``pip install 'kvstore[engine]'``.
+    """
+    missing = [package for package in ENGINE_PACKAGES if not _installed(package)]
+    if missing:
+        raise InvalidRequest(missing_engine_reason(command, missing))
 
 
 def listing(names: list[str]) -> str:
@@ -106,7 +149,15 @@ def resolve_tier(args: argparse.Namespace) -> None:
             )
         args.tier = tiers.get(option.default) if option.default is not None else None
         return
-    tier = tiers.parse(args.tier, codec=args.codec, bits=args.bits)
+    try:
+        tier = tiers.parse(args.tier, codec=args.codec, bits=args.bits)
+    except tiers.UnknownTier as exc:
+        if not (option.files_only and exc.reason.startswith("unknown tier")):
+            raise
+        # a file command lists the tiers it takes, not the engine's cache tiers as well
+        raise tiers.UnknownTier(
+            f"unknown tier {args.tier!r} (this command takes {listing(option.choices())})"
+        ) from None
     if option.files_only and not tier.in_file:
         raise InvalidRequest(
             f"tier {tier.name!r} is a cache tier with no .coli_kv format of its own: "
@@ -169,6 +220,28 @@ def data_folder(path: str | os.PathLike) -> Path:
     """``--data DIR`` as a path, refused when a file is in the way (a missing folder is created by
     the store)."""
     return folder_to_write(path, "the session store's data folder (or a new one)", "--data")
+
+
+def existing_store(path: str | os.PathLike) -> Path:
+    """``--data DIR`` of a command that only works on sessions already stored: the folder must hold
+    a session store, which such a command never creates.
+
+    Raises
+    ------
+    InvalidRequest
+        ``path`` is missing, not a folder, or holds no store: the reason names it and where stores
+        come from (a typo in ``--data`` is an error, not an empty store).
+    """
+    from kvstore.store.context import missing_store
+
+    data_folder(path)  # a file in the way is named as for any --data
+    why = missing_store(path)
+    if why is not None:
+        raise InvalidRequest(
+            f"--data {path}: no session store there ({why}); give the folder `kvstore serve` or "
+            f"`kvstore sessions create` used (default {DEFAULT_DATA})"
+        )
+    return Path(path)
 
 
 def require_model_folder(folder: str | os.PathLike) -> Path:

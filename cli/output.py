@@ -1,5 +1,7 @@
 """How every command prints: a report as text or as JSON (``--json``) and a stream of JSON lines
-(stdout carries only the answer, so it can be piped; progress bars are ``kvstore.cli.progress``)."""
+(stdout carries only the answer, so it can be piped; progress bars are ``kvstore.cli.progress``).
+A streamed answer ends with :func:`end_stream` before its report goes to stderr, so the two never
+share a line where they meet (a terminal, ``2>&1``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,13 @@ def emit(args: argparse.Namespace, payload: Any, text: str) -> None:
         print(json.dumps(payload, indent=2))
     else:
         print(text)
+
+
+def end_stream() -> None:
+    """End a streamed answer on stdout: its newline, flushed before anything goes to stderr (stdout is
+    buffered when it is not a terminal; unflushed, its last line would land after the report)."""
+    sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 def warn(reason: str) -> None:

@@ -1,9 +1,14 @@
 """``kvstore serve``: the HTTP service (FastAPI under uvicorn) over a data folder, optionally with the
 bundled engine (``--model DIR``) behind ``POST /sessions/{id}/generate``.
 
-A data folder without ``keys.json`` gets one with a first key for owner ``default``, printed once —
-only after the server listens: a start that fails (the port is taken, the store cannot be opened)
-creates no key and prints none, and exits 2.
+The listening socket is bound first, before the store is opened or anything is written: a port that
+is out of range, taken or not allowed is one line and exit 2, naming the address and what to do.
+Once the server listens it prints where (``kvstore: serving http://127.0.0.1:8000 ...``) and where
+its API keys come from. A data folder without ``keys.json`` gets one with a first key for owner
+``default``, printed once; a later start says how many keys the file holds and how to make another
+(``kvstore keys create``: a key is never shown twice). With ``KVSTORE_API_KEYS`` set the service
+takes its keys from there and creates no ``keys.json`` (one that exists is read too).
+A start that fails creates no key and prints none, and exits 2.
 
 The only command that imports :mod:`kvstore.api` (when it runs): the CLI is the one part above it.
 """
@@ -11,23 +16,34 @@ The only command that imports :mod:`kvstore.api` (when it runs): the CLI is the 
 from __future__ import annotations
 
 import argparse
+import errno
 import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore import config
 from kvstore.cli import options, store_cmd
 from kvstore.errors import InvalidRequest
 from kvstore.units import parse_size
 
+if TYPE_CHECKING:
+    from kvstore.api.settings import Settings
+    from kvstore.keys import KeyFile
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+BACKLOG = 2048  # uvicorn's own default
 #: Settings fields given as ``--name`` flags (their defaults are Settings'; docs/API.md "Limits").
 LIMITS = {
     "lock_timeout": (float, "seconds a request waits for a busy session before 409 JournalLocked (default 10)"),
     "session_waiters": (int, "requests of one owner that may wait for one session; one more gets 429 (default 16)"),
     "max_jobs": (int, "park/unpark/migrate jobs queued or running at once; one more gets 429 (default 64)"),
     "max_jobs_per_owner": (int, "the same, for one owner's jobs (default 16)"),
+    "header_timeout": (
+        float,
+        "seconds a connection may take to send a request's headers before it is answered 408 and closed (default 10)",
+    ),
 }
 #: Settings fields of the engine's scheduler, given as ``--name`` flags (docs/SERVE.md "Limits").
 SERVING = {
@@ -56,9 +72,6 @@ def _log_to_stderr(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvstore.api.main import create_app
     from kvstore.api.settings import DEFAULT_MAX_BODY_BYTES, Settings
     from kvstore.store.index import DEFAULT_MAP_SIZE
 
@@ -71,6 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"{', '.join(engine_flags)} only apply to the engine: give its model folder with --model DIR"
         )
     if args.model is not None:
+        options.require_engine("serve --model")
         options.require_model_folder(args.model)
     index_url = store_cmd.optional_index_url(args)
     blobs_url = store_cmd.optional_blobs_url(args)
@@ -81,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         budget_bytes=parse_size(args.budget),
         hard_limit_bytes=parse_size(args.hard_limit),
         max_body_bytes=parse_size(args.max_body) or DEFAULT_MAX_BODY_BYTES,
+        max_inflight_bytes=parse_size(args.max_inflight_bytes),
         reject_nonfinite=args.reject_nonfinite,
         **{name: getattr(args, name) for name in (*LIMITS, *SERVING) if getattr(args, name) is not None},
         map_size=parse_size(args.index_size) or DEFAULT_MAP_SIZE,
@@ -95,41 +110,151 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pool_bytes=parse_size(args.pool_size),
         host_pool_bytes=parse_size(args.host_pool_size) or 0,
     )
+    # a socket bound by the caller (tests, socket activation), else ours: bound before anything else
+    sockets = [socket.socket(fileno=args.fd)] if args.fd is not None else _bind(args.host, args.port)
+    try:
+        return _serve(args, settings, sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _serve(args: argparse.Namespace, settings: Settings, sockets: list[socket.socket]) -> int:
+    """Run the service on ``sockets`` until it stops; say where it listens and where its keys are."""
+    import logging
+
+    import uvicorn
+
+    from kvstore.api.connections import HeaderDeadline, raise_descriptor_limit
+    from kvstore.api.main import create_app
+
     _log_to_stderr(args.log_level)
     app = create_app(settings, first_key=False)
+    raised = raise_descriptor_limit()  # the default 1,024 descriptors is a fraction of what a server holds
+    if raised is not None and raised[0] != raised[1]:
+        logging.getLogger("kvstore").info("open-file limit raised from %d to %d", *raised)
     server_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=10,
+        http=HeaderDeadline,  # connections whose headers do not arrive in time are closed
     )
-    # a replica's keys are the shared index's (kvstore keys create --index): no keys.json to start
-    listening = (lambda: None) if settings.shared else (lambda: _print_first_key(settings.data_dir))
+    server_config.header_timeout = settings.header_timeout  # type: ignore[attr-defined]  # read by HeaderDeadline
+    bound = sockets[0].getsockname()
+    url = _url(bound[0] if args.fd is not None else args.host, bound[1])
+
+    def listening() -> None:
+        print(f"kvstore: serving {url} with the data folder {settings.data_dir} (Ctrl-C stops it)")
+        # a replica's keys are the shared index's (kvstore keys create --index): no keys.json to start
+        if not settings.shared:
+            _print_keys(settings.data_dir, settings.api_keys_env)
+        sys.stdout.flush()
+
     server = _listening_server(server_config, on_listening=listening)
     try:
-        if args.fd is not None:  # a socket bound by the caller (tests, socket activation)
-            server.run(sockets=[socket.socket(fileno=args.fd)])
-        else:
-            server.run()
+        server.run(sockets=sockets)
     except SystemExit as exc:  # uvicorn's way out of a failed startup; it logged the cause
         if server.started or exc.code in (None, 0):
             raise
-        where = f"socket {args.fd}" if args.fd is not None else f"http://{args.host}:{args.port}"
+        where = f"socket {args.fd}" if args.fd is not None else url
         raise InvalidRequest(f"the service did not start on {where} (the log above says why)") from None
     if server.failure is not None:
         raise server.failure
     return 0
 
 
-def _print_first_key(data_dir: Path) -> None:
-    """Create ``keys.json`` with a first key if it is missing, and print that key (once, on stdout)."""
-    from kvstore.keys import KEYS_FILE, KeyFile
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
-    created = KeyFile(data_dir).first_key()
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` names (as uvicorn's own would be), bound before
+    the service opens its store: a port that cannot be had stops the start with nothing written.
+
+    Raises
+    ------
+    InvalidRequest
+        The port is in use, not allowed, or ``host`` is not an address of this machine: one line
+        naming the address and what to do.
+    """
+    where = f"{host}:{port}"
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidRequest(
+            f"--host {host}: not a name or address this machine can listen on ({exc.strerror})"
+        ) from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(found):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # every address on the port the first one got
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(BACKLOG)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            reason = (
+                f"cannot listen on {where}: the port is in use (another `kvstore serve`, such as `make run`, "
+                f"may hold it); stop that one, or give another port with --port"
+            )
+        elif exc.errno == errno.EACCES:
+            reason = f"cannot listen on {where}: not allowed (ports below 1024 need privileges); give another port with --port"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            reason = f"cannot listen on {where}: {host} is not an address of this machine (--host)"
+        else:
+            reason = f"cannot listen on {where}: {(exc.strerror or str(exc)).lower()}"
+        raise InvalidRequest(reason) from None
+    return sockets
+
+
+def _print_keys(data_dir: Path, env_keys: str | None) -> None:
+    """Say where the service's API keys come from, on stdout, once it listens.
+
+    ``KVSTORE_API_KEYS`` set: its keys (and those of a ``keys.json`` that exists), no file created.
+    Else a missing ``keys.json`` is created with a first key for ``default``, printed once; an
+    existing one is counted, with how to make a key for someone who lost theirs.
+    """
+    from kvstore.keys import KEYS_FILE, KeyFile, env_records
+
+    keys = KeyFile(data_dir)
+    path = data_dir / KEYS_FILE
+    make_one = f"`kvstore keys create --owner NAME --data {data_dir}` makes another"
+    if env_keys:
+        counted = f"{_keys(len(env_records(env_keys)))} from KVSTORE_API_KEYS"
+        if keys.stamp() is not None:
+            counted += f" and {_keys(_active(keys))} in {path}"
+        print(f"kvstore: API keys: {counted}")
+        return
+    created = keys.first_key()
     if created is not None:
         record, key = created
+        print(f"Created {path} with an API key for owner {record.owner!r} (id {record.id}; shown once, keep it):")
+        print(f"  {key}")
+        return
+    active = _active(keys)
+    if active == 0:
         print(
-            f"Created {data_dir / KEYS_FILE} with an API key for owner {record.owner!r} "
-            f"(id {record.id}; shown once, keep it):"
+            f"kvstore: API keys: none active in {path}: `kvstore keys create --owner NAME --data {data_dir}` makes one"
         )
-        print(f"  {key}", flush=True)
+        return
+    print(f"kvstore: API keys: {_keys(active)} in {path} (each shown once, when made; lost one? {make_one})")
+
+
+def _active(keys: KeyFile) -> int:
+    return sum(record.state() == "active" for record in keys.records())
+
+
+def _keys(count: int) -> str:
+    return f"{count} key" if count == 1 else f"{count} keys"
 
 
 def _listening_server(config, on_listening: Callable[[], None]):
@@ -153,11 +278,24 @@ def _listening_server(config, on_listening: Callable[[], None]):
     return Server(config)
 
 
+def _port(text: str) -> int:
+    """``--port``: a TCP port, 0..65535 (argparse reports the reason as a usage error: exit 2)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a TCP port is a number 0..65535, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {port}")
+    return port
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``serve`` on the ``kvstore`` parser's subparsers."""
     p = sub.add_parser("serve", help="run the HTTP service")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    p.add_argument(
+        "--port", type=_port, default=8000, help="TCP port to listen on, 0..65535 (default 8000; 0: any free one)"
+    )
     options.add_data(p)
     store_cmd.add_shared(p)
     p.add_argument(
@@ -184,6 +322,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--max-body",
         help="largest request body (default 256M); also the most an Arrow upload decodes to. JSON bodies have "
         "smaller limits per route (64K, 8M for token lists; docs/API.md 'Limits')",
+    )
+    p.add_argument(
+        "--max-inflight-bytes",
+        help="request bodies of uploads held at once, service-wide, e.g. 2G (default 1G, or four of --max-body); "
+        "an upload past it gets 503 with Retry-After before its body is read",
     )
     for name, (kind, what) in (LIMITS | SERVING).items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=what)

@@ -1,7 +1,8 @@
 """``kvstore sessions ...`` and ``kvstore verify``: the session store on a data folder, no server.
 
 Every command opens the store of ``--data`` (default ``./data``), does one thing and prints a line
-or, with ``--json``, the whole report. Session ids are per owner: ``--owner`` acts as that owner
+or, with ``--json``, the whole report. Only ``create`` makes a store where the folder holds none;
+every other command refuses such a folder (exit 2, naming it) and leaves it as it was. Session ids are per owner: ``--owner`` acts as that owner
 (other owners' sessions, whatever their ids, are invisible); without it an id is looked up for any
 owner and refused (exit 2, naming the owners) when several owners have it. ``create`` gives its new
 session ``--owner`` (default ``default``). ``verify`` exits 1 when a turn does not match its hash; bad input raises a
@@ -32,10 +33,14 @@ GEOMETRY_WORDS = "n_layers,kv_lora,qk_rope,index_hd,nic,vocab"
 
 
 # ---------------------------------------------------------------------------- helpers
-def _store(args: argparse.Namespace, *, hard_limit_bytes: int | None = None) -> Store:
+def _store(args: argparse.Namespace, *, hard_limit_bytes: int | None = None, create: bool = False) -> Store:
     """The embedded store in ``--data``, or the shared one ``--index`` and ``--blobs`` name (also
     ``KVSTORE_INDEX_URL``, ``KVSTORE_BLOBS_URL``; no local folder, no cache): the same calls on
-    either, from the one factory (``kvstore.store.open``)."""
+    either, from the one factory (``kvstore.store.open``).
+
+    Only ``create`` makes a store where ``--data`` holds none: every other command works on sessions
+    already stored, so a folder without a store (a typo in ``--data``) is refused, not made empty.
+    """
     import kvstore.store
 
     index_url = store_cmd.optional_index_url(args)
@@ -48,6 +53,8 @@ def _store(args: argparse.Namespace, *, hard_limit_bytes: int | None = None) -> 
             cache_bytes=0,
             hard_limit_bytes=hard_limit_bytes,
         )
+    if not create:
+        return kvstore.store.open(options.existing_store(args.data), hard_limit_bytes=hard_limit_bytes, create=False)
     return kvstore.store.open(options.data_folder(args.data), hard_limit_bytes=hard_limit_bytes)
 
 
@@ -142,7 +149,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         geometry, tier = _geometry(args.geometry), args.tier
     else:
         raise InvalidRequest(f"give --geometry {GEOMETRY_WORDS} or --like FILE.coli_kv")
-    with _store(args, hard_limit_bytes=parse_size(args.hard_limit)) as store:
+    with _store(args, hard_limit_bytes=parse_size(args.hard_limit), create=True) as store:
         info = store.create(args.owner, geometry, tier, _model(args), session_id=args.id, tags=args.tag or ())
     emit(args, info.to_dict(), info.id)
     return 0

@@ -149,7 +149,8 @@ API_KEYS: Variable[str | None] = Variable(
     _text,
     None,
     "API keys the service accepts besides those of <data>/keys.json (or of a shared index), as "
-    "KEY:OWNER[,KEY:OWNER...] (`kvstore keys` manages the file's)",
+    "KEY:OWNER[,KEY:OWNER...]; when set, `kvstore serve` creates no keys.json and prints no key "
+    "(`kvstore keys` manages the file's)",
     "service",
     secret=True,
 )

@@ -24,7 +24,17 @@ NOT_RUN = "<!-- not run:"
 #: Lines of an ``sh`` block that change the terminal rather than run something in it.
 _CARRIED = re.compile(r"^(export |\. |source |cd )")
 #: Variables through which a parent process's Python environment would leak into the reader's.
-_LEAKS = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "CONDA_PREFIX", "PYTEST_ADDOPTS")
+#: ``PYTHONUNBUFFERED`` too: a reader's terminal buffers a piped stdout, which is how an answer and
+#: its report on stderr can come out of order.
+_LEAKS = (
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "CONDA_PREFIX",
+    "PYTEST_ADDOPTS",
+    "PYTHONUNBUFFERED",
+)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,13 @@ import pytest
 
 from doc_blocks import NOT_RUN, ROOT, Terminal, blocks, fenced_blocks
 
+#: A command that runs the engine (the ``engine`` extra): a walkthrough installs the extra before it.
+ENGINE_COMMAND = re.compile(
+    r"\bkvstore (new-model|generate|chat|hf-chat)\b|\bkvstore serve\b.*--model\b|kvstore\.engine\b"
+)
+#: The line that adds the engine extra to the activated virtualenv.
+ENGINE_INSTALL = re.compile(r"^pip install (-q )?'kvstore\[engine\]'", re.MULTILINE)
+
 #: The document -> the test that runs every runnable block of it.
 WALKTHROUGHS = {
     "README.md": "tests/test_docs.py",
@@ -59,6 +66,59 @@ def test_a_block_not_meant_to_run_says_so_on_the_line_before_it(tmp_path):
     assert [code for _, _, code in fenced_blocks(doc, ("sh", "python"))] == ["echo one\n", "print(2)\n"]
 
 
+def engine_before_use(doc) -> list[str]:
+    """Where a runnable block of ``doc`` uses the engine before any block installed it (empty: none)."""
+    installed = False
+    for _, _, code in fenced_blocks(doc, LANGUAGES):
+        install, used = ENGINE_INSTALL.search(code), ENGINE_COMMAND.search(code)
+        if used and not installed and (install is None or install.start() > used.start()):
+            return [f"{doc.name}: {used.group(0)!r} runs before the engine extra is installed"]
+        installed = installed or install is not None
+    return []
+
+
+def server_on_port_8000_without_a_word_on_make_run(doc) -> list[str]:
+    """A runnable ``kvstore serve`` on the default port whose prose does not say that ``make run``
+    holds that port (stop it, or ``--port``)."""
+    found = []
+    for prose, _, code in fenced_blocks(doc, LANGUAGES):
+        if "kvstore serve" in code and "--port" not in code:
+            paragraph = prose.strip().split("\n\n")[-1]
+            if "make run" not in paragraph or "--port" not in paragraph:
+                found.append(
+                    f"{doc.name}: {code.strip().splitlines()[0]!r} takes port 8000 and says nothing of make run"
+                )
+    return found
+
+
+def test_each_walkthrough_installs_the_engine_before_it_uses_it():
+    problems = [p for name in WALKTHROUGHS for p in engine_before_use(ROOT / name)]
+    assert problems == []
+    # and each of them uses it: the install line is there for a reason
+    assert all(
+        ENGINE_COMMAND.search((ROOT / name).read_text()) for name in ("README.md", "docs/ENGINE.md", "docs/HF.md")
+    )
+
+
+def test_the_engine_check_catches_a_walkthrough_that_skips_the_install(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("```sh\n. .venv/bin/activate\n```\n\n```sh\nkvstore new-model models/tiny\n```\n")
+    assert engine_before_use(doc) == ["doc.md: 'kvstore new-model' runs before the engine extra is installed"]
+    doc.write_text("```sh\n. .venv/bin/activate\npip install -q 'kvstore[engine]'\nkvstore new-model m\n```\n")
+    assert engine_before_use(doc) == []
+    doc.write_text("```sh\nkvstore new-model m\npip install 'kvstore[engine]'\n```\n")  # too late
+    assert engine_before_use(doc) == ["doc.md: 'kvstore new-model' runs before the engine extra is installed"]
+
+
+def test_each_server_a_walkthrough_starts_says_how_to_share_port_8000_with_make_run(tmp_path):
+    assert [p for name in WALKTHROUGHS for p in server_on_port_8000_without_a_word_on_make_run(ROOT / name)] == []
+    doc = tmp_path / "doc.md"
+    doc.write_text("Start the server:\n\n```sh\nkvstore serve --data ./data\n```\n")
+    assert server_on_port_8000_without_a_word_on_make_run(doc) == [
+        "doc.md: 'kvstore serve --data ./data' takes port 8000 and says nothing of make run"
+    ]
+
+
 def test_each_walkthrough_activates_kvstore_and_works_in_a_folder_of_its_own():
     folders = {}
     for name in WALKTHROUGHS:
@@ -96,5 +156,8 @@ def test_the_readme_runs_as_written(tmp_path):
     assert folder.is_relative_to(terminal.home)  # the examples wrote nothing into the checkout
     assert (folder / "models" / "tiny" / "config.json").is_file() and (folder / "chat.coli_kv").is_file()
     # the second `generate` resumed the journal the first wrote: only the new turn was prefilled
-    resumed = re.findall(r"prefilled (\d+), reused (\d+)", "\n".join(outputs))
+    resumed = re.findall(r"^\[\d+ tokens, \w+; prefilled (\d+), reused (\d+); tier fp8\]$", "\n".join(outputs), re.M)
     assert len(resumed) == 2 and resumed[0][1] == "0" and int(resumed[1][1]) > 0, resumed
+    # `kvstore chat` made the store in ./data (no server), and `sessions list` shows its session
+    assert (folder / "data" / "index").is_dir()
+    assert re.search(r"^hello  owner=default  model=tiny@local  fp8 ", "\n".join(outputs), re.M), outputs

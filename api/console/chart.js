@@ -1,5 +1,7 @@
 // The store chart: disk use as stacked bars (live journals, archive tier, damaged, reserved) against
-// the soft budget and the hard limit, drawn as inline SVG at the container's own width.
+// the soft budget and the hard limit, drawn as inline SVG at the container's own width. With neither
+// set there is no capacity to fill: no track is drawn behind the bars, and the axis runs to a round
+// size at least twice the use, so the bars show how much, never how full.
 
 import { s } from "./dom.js";
 import { bytes } from "./format.js";
@@ -22,10 +24,18 @@ const TOP = 30;
 
 const MIN_SEGMENT = 3; // px: a few KiB next to a budget of GiB still shows
 
-function bar(y, x0, width, segments, scale, title, total) {
+/** The smallest of 1, 2, 5, 10, 20, 50, 100, 200, 500 × 1024^k bytes that is at least ``n``. */
+export function roundSize(n) {
+  let unit = 1;
+  while (unit * 1024 <= n) unit *= 1024;
+  for (const m of [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]) if (m * unit >= n) return m * unit;
+  return 1024 * unit;
+}
+
+function bar(y, x0, width, segments, scale, title, total, track) {
   const group = s("g", { class: "bar" });
   group.append(s("text", { x: 0, y: y + BAR / 2 + 4, class: "bar-label" }, title));
-  group.append(s("rect", { x: x0, y, width, height: BAR, class: "track" }));
+  if (track) group.append(s("rect", { x: x0, y, width, height: BAR, class: "track" }));
   let x = x0;
   for (const seg of segments) {
     if (seg.bytes <= 0) continue;
@@ -64,7 +74,8 @@ export function drawStore(container, store) {
   const mineTotal = mine.reduce((sum, seg) => sum + seg.bytes, 0);
   const allLabel =
     bytes(store.used_bytes) + (store.budget_bytes ? ` · ${percent(store.used_bytes / store.budget_bytes)} of budget` : "");
-  const top = Math.max(total, store.budget_bytes || 0, store.hard_limit_bytes || 0, 1) * 1.06;
+  const capacity = Math.max(store.budget_bytes || 0, store.hard_limit_bytes || 0);
+  const top = capacity > 0 ? Math.max(total, capacity) * 1.06 : roundSize(Math.max(total, 1) * 2);
   const scale = plot / top;
   const height = TOP + 2 * BAR + GAP + 28;
   const summary =
@@ -76,9 +87,12 @@ export function drawStore(container, store) {
     "svg",
     { width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "aria-labelledby": "store-chart-title" },
     s("title", { id: "store-chart-title" }, `Disk use: ${summary}`),
-    bar(TOP, LABEL, plot, everyone, scale, "All owners", allLabel),
-    bar(TOP + BAR + GAP, LABEL, plot, mine, scale, "Yours", bytes(mineTotal)),
+    bar(TOP, LABEL, plot, everyone, scale, "All owners", allLabel, capacity > 0),
+    bar(TOP + BAR + GAP, LABEL, plot, mine, scale, "Yours", bytes(mineTotal), capacity > 0),
   );
+  if (capacity === 0) {
+    chart.append(s("text", { x: LABEL + plot, y: TOP - 8, "text-anchor": "end", class: "tick no-budget" }, "no budget or limit set"));
+  }
   const y1 = TOP + BAR + 4;
   if (store.budget_bytes !== null) {
     const x = LABEL + store.budget_bytes * scale;

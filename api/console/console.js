@@ -3,7 +3,7 @@
 
 import { drawStore, PARTS } from "./chart.js";
 import { h, put } from "./dom.js";
-import { ago, bytes, count, iso, when } from "./format.js";
+import { ago, bytes, count, iso, plural, when } from "./format.js";
 
 const KEY_NAME = "kvstore.console.key";
 const JOB_POLL_MS = 1000;
@@ -212,9 +212,9 @@ function renderStore() {
     ["Used", `${bytes(store.used_bytes)}`],
     ["Budget", store.budget_bytes === null ? "none set" : bytes(store.budget_bytes)],
     ["Hard limit", store.hard_limit_bytes === null ? "none set" : bytes(store.hard_limit_bytes)],
-    ...PARTS.map((p) => [p.label, `${bytes(store.store[p.state].bytes)} · ${count(store.store[p.state].sessions)} sessions`, p.css]),
+    ...PARTS.map((p) => [p.label, `${bytes(store.store[p.state].bytes)} · ${plural(store.store[p.state].sessions, "session")}`, p.css]),
     ["Reserved by writes", bytes(store.reserved_bytes), "seg-reserved"],
-    ...Object.entries(store.mine_by_tier).map(([tier, c]) => [`Yours, ${tier}`, `${bytes(c.bytes)} · ${count(c.sessions)} sessions`]),
+    ...Object.entries(store.mine_by_tier).map(([tier, c]) => [`Yours, ${tier}`, `${bytes(c.bytes)} · ${plural(c.sessions, "session")}`]),
   ];
   put(
     $("store-figures"),
@@ -326,7 +326,7 @@ function overview(session) {
     "dl",
     { class: "facts" },
     row("Model", `${model.name} @ ${model.revision}`),
-    row("Tier", `${session.tier.name} — ${session.tier.description}`),
+    row("Tier", session.tier.description), // "fp8 (v2, e4m3 codes + f32 scale)": the name leads it
     row(
       "Geometry",
       `${g.n_layers} layers × kv_lora ${g.kv_lora} + rope ${g.qk_rope}`,
@@ -360,7 +360,7 @@ function damageReport(session, inspected, inspectError) {
         "li",
         { class: last.ok ? "good" : "bad" },
         last.ok
-          ? `Last verify ${ago(last.time)}: every turn matches its hash${last.turns_checked !== undefined && last.turns_checked !== null ? ` (${count(last.turns_checked)} turns)` : ""}.`
+          ? `Last verify ${ago(last.time)}: every turn matches its hash${last.turns_checked !== undefined && last.turns_checked !== null ? ` (${plural(last.turns_checked, "turn")})` : ""}.`
           : `Last verify ${ago(last.time)}: the turn from record ${count(last.damaged_from)} does not match its hash; the records before it are intact.`,
       ),
     );
@@ -369,7 +369,8 @@ function damageReport(session, inspected, inspectError) {
   }
   if (inspected) {
     const problems = inspected.problems || [];
-    if (inspected.file) items.push(h("li", {}, `File ${inspected.file.path}: ${bytes(inspected.file.bytes)}, ${count(inspected.turns)} turns, ${count(inspected.loadable_records)} loadable records.`));
+    // the journal's size and counts; its file name inside the data folder is the store's business
+    if (inspected.file) items.push(h("li", {}, `Journal: ${bytes(inspected.file.bytes)}, ${plural(inspected.turns, "turn")}, ${plural(inspected.loadable_records, "loadable record")}.`));
     items.push(
       problems.length
         ? h("li", { class: "bad" }, "A loader would neutralize: ", h("ul", {}, problems.map((p) => h("li", {}, p))))
@@ -404,7 +405,7 @@ function reuseHistory(session) {
           "p",
           {},
           "Forks sharing its prefix: ",
-          children.flatMap((c, i) => [i ? ", " : "", h("a", { href: `#session=${encodeURIComponent(c.id)}` }, c.id), ` (${count(c.fork_point)} records)`]),
+          children.flatMap((c, i) => [i ? ", " : "", h("a", { href: `#session=${encodeURIComponent(c.id)}` }, c.id), ` (${plural(c.fork_point, "record")})`]),
         )
       : h("p", { class: "muted" }, "No forks."),
   );
@@ -552,8 +553,8 @@ async function verify(id) {
     }
     await refreshQuietly();
     const text = report.ok
-      ? `Verified ${id}: ${count(report.turns_checked)} turns, ${count(report.n_records)} records intact.`
-      : `Verify of ${id} found damage: turn ${report.first_bad.turn} (records ${count(report.first_bad.start)}–${count(report.first_bad.end)}) does not match its hash; ${count(report.good_records)} records before it are intact.`;
+      ? `Verified ${id}: ${plural(report.turns_checked, "turn")}, ${plural(report.n_records, "record")} intact.`
+      : `Verify of ${id} found damage: turn ${report.first_bad.turn} (records ${count(report.first_bad.start)}–${count(report.first_bad.end)}) does not match its hash; intact before it: ${plural(report.good_records, "record")}.`;
     detailMessage(text, report.ok ? "good" : "error");
     $("action-verify")?.focus();
   });
@@ -588,7 +589,7 @@ async function exportFile(id) {
       link.click();
       link.remove();
       setTimeout(() => URL.revokeObjectURL(url), 10000);
-      detailMessage(`Exported ${id}.coli_kv (${bytes(blob.size)}, ${count(response.headers.get("X-KV-Records"))} records).`, "good");
+      detailMessage(`Exported ${id}.coli_kv (${bytes(blob.size)}, ${plural(response.headers.get("X-KV-Records"), "record")}).`, "good");
     } catch (err) {
       detailMessage(describe(err), "error");
     }

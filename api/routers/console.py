@@ -75,6 +75,7 @@ def _swagger_ui_folder() -> Path:
 
 
 @router.get("/", include_in_schema=False)
+@router.head("/", include_in_schema=False)  # curl -I http://127.0.0.1:8000/
 async def console_page() -> Response:
     return Response((ASSETS / "index.html").read_bytes(), media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
 
@@ -92,9 +93,18 @@ async def console_asset(name: str) -> Response:
 
 
 @router.get("/docs", include_in_schema=False)
+@router.head("/docs", include_in_schema=False)
 async def api_docs(request: Request) -> HTMLResponse:
+    """Swagger UI from this origin, under the console's Content-Security-Policy: scripts, styles,
+    images and requests from this origin only, never framed. The one inline script (the page's
+    ``SwaggerUIBundle({...})`` call) is allowed by its SHA-256, computed from the page sent, so no
+    other inline script can run."""
+    import base64
+    import hashlib
+    import re
+
     root = request.scope.get("root_path", "").rstrip("/")
-    return get_swagger_ui_html(
+    page = get_swagger_ui_html(
         openapi_url=root + (request.app.openapi_url or "/openapi.json"),
         title=f"{request.app.title} - API docs",
         swagger_js_url=f"{root}{SWAGGER_ASSETS_URL}/swagger-ui-bundle.js",
@@ -103,6 +113,11 @@ async def api_docs(request: Request) -> HTMLResponse:
         # Swagger UI would send the schema to an online validator and show its badge
         swagger_ui_parameters={"validatorUrl": None},
     )
+    inline = re.findall(rb"<script>(.*?)</script>", bytes(page.body), flags=re.DOTALL)
+    hashes = " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(code).digest()).decode()}'" for code in inline)
+    policy = CONTENT_SECURITY_POLICY.replace("script-src 'self'", f"script-src 'self' {hashes}".rstrip())
+    page.headers.update({**_PAGE_HEADERS, "Content-Security-Policy": policy})
+    return page
 
 
 # ---------------------------------------------------------------------------- what this process served

@@ -1,4 +1,5 @@
-"""``GET /health``: liveness without credentials (reveals no session data)."""
+"""``GET /health``: liveness without credentials (reveals no session data); ``HEAD /health`` answers
+the same status and headers without the body (``curl -I``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ router = APIRouter(prefix="/health", tags=["health"], route_class=StrictJSONRout
 
 
 @router.get("", response_model=HealthOut, summary="Is the service up")
+@router.head("", response_model=HealthOut, include_in_schema=False)
 async def health(store: Store) -> HealthOut:
     # On the event loop: one LMDB read (MVCC, never waits for a writer) answers faster than a trip
     # through a worker thread, and a liveness check must not queue behind a busy thread pool.

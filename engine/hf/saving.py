@@ -98,7 +98,7 @@ def _check_continuation(stored: np.ndarray, tokens: np.ndarray, rows: int, sessi
     if n > rows:
         raise ConversationMismatch(
             f"session {session_id!r} holds {n} records but the cache only {rows} rows: it is not this "
-            f"conversation's cache (a prefix restore continues in a new session: fork it first)"
+            f"conversation's cache (save it under another session id, or delete the session to start over)"
         )
     at = first_difference(stored, tokens[:n])
     if at is not None:

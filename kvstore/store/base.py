@@ -103,7 +103,7 @@ class Reader(ABC):
 
     @abstractmethod
     def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
-        """Served records as KVRecords batches of at most ``batch_records``."""
+        """Served records as KVRecords batches of ``batch_records`` each, the last one shorter."""
 
     @abstractmethod
     def check_scales(self, records: np.ndarray, first_record: int) -> None:
@@ -395,6 +395,7 @@ def open(
     progress: Progress | None = None,
     lease_ttl: None = None,
     cache_bytes: None = None,
+    create: bool = True,
 ) -> SessionStore: ...
 
 
@@ -412,6 +413,7 @@ def open(
     progress: None = None,
     lease_ttl: float | None = None,
     cache_bytes: int | None = None,
+    create: bool = True,
 ) -> Store: ...
 
 
@@ -429,6 +431,7 @@ def open(
     progress: Progress | None = None,
     lease_ttl: float | None = None,
     cache_bytes: int | None = None,
+    create: bool = True,
 ) -> Store: ...
 
 
@@ -445,6 +448,7 @@ def open(
     progress: Progress | None = None,
     lease_ttl: float | None = None,
     cache_bytes: int | None = None,
+    create: bool = True,
 ) -> Store:
     """Open the session store the arguments name: the one place a backend is chosen.
 
@@ -463,6 +467,7 @@ def open(
     progress : ``(done, total)`` for the embedded index's schema upgrades on open; embedded only
     lease_ttl : seconds a shared write lease lasts (None: its default); shared only
     cache_bytes : the replica's segment cache budget (None: its default, 0: none); shared only
+    create : make the embedded store when ``data_dir`` holds none (False: refuse, creating nothing)
 
     Returns
     -------
@@ -472,7 +477,8 @@ def open(
     Raises
     ------
     InvalidRequest : one URL without the other, no data folder for the embedded store, an option
-        of the other backend, a limit that is not a non-negative number of bytes
+        of the other backend, a limit that is not a non-negative number of bytes; with
+        ``create=False``, a data folder that holds no store
     """
     if (index_url is None) != (blobs_url is None):
         raise InvalidRequest("name both the shared index (index_url) and the object store (blobs_url), or neither")
@@ -503,6 +509,12 @@ def open(
         )
     if data_dir is None:
         raise InvalidRequest("name the store's data folder (or a shared store's index_url and blobs_url)")
+    if not create:
+        from kvstore.store.context import missing_store
+
+        why = missing_store(data_dir)
+        if why is not None:
+            raise InvalidRequest(f"{data_dir}: no session store there ({why}); nothing was created")
     from kvstore.store.index import DEFAULT_MAP_SIZE
     from kvstore.store.session_store import SessionStore
 

@@ -64,6 +64,19 @@ READ_BUSY = "session {!r} is being read; try again when the download ends"
 JOURNAL_UNUSABLE = (FileNotFoundError, GeometryMismatch, CodecMismatch, FormatError)
 
 
+def missing_store(data_dir: str | os.PathLike) -> str | None:
+    """Why ``data_dir`` holds no session store (``"no such folder"``, ...), or None when it holds one:
+    the folder with the index a store writes on its first open (``index/data.mdb``)."""
+    root = Path(data_dir)
+    if not root.exists():
+        return "no such folder"
+    if not root.is_dir():
+        return "not a folder"
+    if not (root / "index" / "data.mdb").is_file():
+        return "a folder without a store's index/"
+    return None
+
+
 class SessionLock(FileLock):
     """A session's ``locks/<key>.write`` or ``.read``: its file exists only while the session does.
 

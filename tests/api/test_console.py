@@ -232,8 +232,8 @@ WAIT_MS = 60_000
 class Watched:
     """A page that may talk to the server under test only, and must log no error."""
 
-    def __init__(self, browser, base: str, viewport: dict[str, int]):
-        self.context = browser.new_context(viewport=viewport, accept_downloads=True)
+    def __init__(self, browser, base: str, viewport: dict[str, int], timezone_id: str | None = None):
+        self.context = browser.new_context(viewport=viewport, accept_downloads=True, timezone_id=timezone_id)
         self.page = self.context.new_page()
         # waits, not timings: a park job or a page load may take seconds on a loaded 2-core runner
         self.page.set_default_timeout(WAIT_MS)
@@ -436,3 +436,65 @@ def alice_get(server, keys, path: str) -> dict:
         response = alice.get(path)
         assert response.status_code == 200, response.text
         return response.json()
+
+
+def test_the_console_of_a_store_without_a_budget_reads_as_a_newcomer_expects(browser, make_server, keys):
+    """One session and no budget (what `make run` gives): counts in the singular, a chart that does
+    not look full, the tier named once, times with their zone, no file names of the store's own, and
+    a sign-in help that says what to do about a lost key."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=WAIT_MS)
+    server = make_server()
+    with server.client(keys["alice"]) as alice:
+        make_session(alice, "chat-a", (12, 7))
+    ARTIFACTS.mkdir(exist_ok=True)
+    # a zone that is not the machine's: the times must say which one they are in
+    watched = Watched(browser, server.url, {"width": 1280, "height": 800}, timezone_id="Asia/Kolkata")
+    page = watched.page
+    try:
+        page.goto(server.url + "/")
+        help_text = page.locator("#api-key-help")
+        expect(help_text).to_contain_text("kvstore keys create --owner NAME --data DIR")
+        page.get_by_label("API key").fill(keys["alice"])
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.locator(".session-link")).to_have_count(1)
+
+        figures = page.locator("#store-figures")
+        journals = figures.locator("div", has_text="Journals (active)").locator("dd")
+        expect(journals).to_have_text(re.compile(r" · 1 session$"))
+        expect(figures.locator("div", has_text="Yours, fp8").locator("dd")).to_have_text(re.compile(r" · 1 session$"))
+        expect(figures.locator("div", has_text="Damaged").locator("dd")).to_have_text(re.compile(r" · 0 sessions$"))
+
+        # no capacity to fill: no track behind the bars, and the bars take at most half the axis
+        chart = page.locator("#store-chart svg")
+        expect(chart.locator(".no-budget")).to_have_text("no budget or limit set")
+        assert chart.locator("rect.track").count() == 0
+        widths = page.evaluate(
+            """() => {
+                const svg = document.querySelector('#store-chart svg');
+                const used = [...svg.querySelectorAll('.bar')][0];
+                const filled = [...used.querySelectorAll('rect')].reduce((w, r) => w + Number(r.getAttribute('width')), 0);
+                const ticks = [...svg.querySelectorAll('text.tick:not(.no-budget)')].map((t) => Number(t.getAttribute('x')));
+                return { filled, axis: Math.max(...ticks) - Math.min(...ticks) };
+            }"""
+        )
+        assert 0 < widths["filled"] <= widths["axis"] / 2, widths
+
+        page.locator(".session-link", has_text="chat-a").click()
+        detail = page.locator("#detail")
+        expect(page.locator("#detail-title")).to_have_text("Session chat-a")
+        tier = detail.locator(".facts div", has_text="Tier").locator("dd")
+        expect(tier).to_have_text("fp8 (v2, e4m3 codes + f32 scale)")
+        created = detail.locator(".facts div", has_text="Created").locator("dd")
+        expect(created).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\+05:30$"))
+        expect(detail).to_contain_text("Journal: ")
+        expect(detail).to_contain_text("2 turns, 19 loadable records.")
+        text = detail.inner_text()
+        assert "~alice" not in text and "journals/" not in text, text  # the store's own file name
+        page.get_by_role("button", name="Verify").click()
+        expect(page.locator("#detail-message")).to_have_text("Verified chat-a: 2 turns, 19 records intact.")
+        page.screenshot(path=str(ARTIFACTS / "console-no-budget-1280x800.png"))
+        watched.check()
+    finally:
+        watched.close()

@@ -199,12 +199,47 @@ def test_serve_prints_the_first_key_once_it_listens_and_the_key_works(tmp_path):
         server.stop_cleanly()
     printed = KEY_LINE.findall(before + server.output)
     assert printed == [key] and key not in (data / "keys.json").read_text()
+    assert f"kvstore: serving {server.url} with the data folder {data} (Ctrl-C stops it)" in before
     again = ServeProcess(data).start()
     try:
         assert status(again, key) == 200
     finally:
         again.stop_cleanly()
     assert "kvs_" not in again.output
+    # a later start says where the keys are and how whoever lost theirs gets another
+    assert (
+        f"kvstore: API keys: 1 key in {data}/keys.json (each shown once, when made; lost one? "
+        f"`kvstore keys create --owner NAME --data {data}` makes another)"
+    ) in again.output.splitlines()
+
+
+def test_serve_with_keys_in_the_environment_makes_no_keys_file_and_prints_no_key(tmp_path):
+    data = tmp_path / "data"
+    key = "demo-key-0123456789abcdef"
+    server = ServeProcess(data, env={"KVSTORE_API_KEYS": f"{key}:alice"}, log_level="info").start()
+    try:
+        found, before = read_until(server.process, re.compile(r"^kvstore: API keys: .*$", re.MULTILINE))
+        assert found.group(0) == "kvstore: API keys: 1 key from KVSTORE_API_KEYS"
+        assert status(server, key) == 200
+    finally:
+        server.stop_cleanly()
+    assert not (data / "keys.json").exists()
+    assert "kvs_" not in before + server.output and "default" not in before + server.output
+    # a keys.json made later (kvstore keys create) is read beside the variable's keys, and counted
+    made = subprocess.run(
+        [sys.executable, "-m", "kvstore", "keys", "create", "--owner", "bob", "--data", str(data), "--json"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    again = ServeProcess(data, env={"KVSTORE_API_KEYS": f"{key}:alice"}).start()
+    try:
+        assert status(again, key) == 200 and status(again, json.loads(made.stdout)["key"]) == 200
+    finally:
+        again.stop_cleanly()
+    assert f"kvstore: API keys: 1 key from KVSTORE_API_KEYS and 1 key in {data}/keys.json" in again.output
 
 
 def test_serve_on_a_taken_port_exits_2_and_makes_no_key(tmp_path):
@@ -224,9 +259,9 @@ def test_serve_on_a_taken_port_exits_2_and_makes_no_key(tmp_path):
     finally:
         taken.close()
     assert done.returncode == 2, done.stderr
-    assert "kvs_" not in done.stdout + done.stderr and not (data / "keys.json").exists()
-    assert "address already in use" in done.stderr.lower()
-    assert done.stderr.splitlines()[-1] == (
-        f"kvstore: error: the service did not start on http://127.0.0.1:{port} (the log above says why)"
+    # bound before anything else: one line naming the address and what to do, nothing written
+    assert done.stdout == "" and done.stderr == (
+        f"kvstore: error: cannot listen on 127.0.0.1:{port}: the port is in use (another `kvstore serve`, such "
+        f"as `make run`, may hold it); stop that one, or give another port with --port\n"
     )
-    assert "Traceback" not in done.stderr
+    assert not data.exists()

@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
+import kvstore.store
 from kvstore import tiers
 from kvstore.cli import build_parser, main
-from kvstore.errors import SessionNotFound
+from kvstore.errors import InvalidRequest, SessionNotFound
 from kvstore.formats import coli_kv
 
 
@@ -33,7 +34,10 @@ def test_commands_register_on_the_main_parser(tmp_path):
     args = parser.parse_args(["serve", "--port", "9000"])
     assert (args.host, args.port, args.data) == ("127.0.0.1", 9000, "./data")
     show = parser.parse_args(["sessions", "show", "nope", "--data", str(tmp_path / "d")])
-    with pytest.raises(SessionNotFound):  # bad input raises; main() maps it to exit 2
+    with pytest.raises(InvalidRequest, match="no session store there"):  # bad input raises; main() maps it to exit 2
+        show.func(show)
+    kvstore.store.open(tmp_path / "d").close()
+    with pytest.raises(SessionNotFound):
         show.func(show)
 
 

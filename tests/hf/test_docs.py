@@ -1,7 +1,7 @@
 """docs/HF.md runs as written, every block in order, in a new terminal (nothing of kvstore on PATH
 until the page activates it) and the folder the page says to work in: the model, the command line
 turns, then the persist / restart / continue scripts, each saved under the name the page gives it
-and run in a new process."""
+and run in a new process; then the first script once more, as a reader trying it again does."""
 
 from __future__ import annotations
 
@@ -46,3 +46,6 @@ def test_the_documented_example_resumes_in_a_new_process(tmp_path):
     assert "reused 31, prefilled 10" in ran["resume_turn.py"]  # only " And then?" ran through the model
     # 31 + 10 + 16 stored; no new turn: the last stored token runs again, not the conversation (issue 21)
     assert "reused 56, prefilled 1" in ran["continue_turn.py"]
+    # run again, as a reader trying it twice does: save_turn.py starts the conversation over
+    again = terminal.run("sh", "python save_turn.py", timeout=300)
+    assert again.returncode == 0 and again.stdout == ran["save_turn.py"], again.stderr[-3000:]
