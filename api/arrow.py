@@ -20,14 +20,16 @@ uploads are encoded into the session's tier (quantized) on arrival.
 from __future__ import annotations
 
 import struct
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
 from kvstore.api.errors import BodyTooLarge
 from kvstore.errors import GeometryMismatch, InvalidRequest, KVStoreError
+from kvstore.formats import coli_kv, nonfinite
 from kvstore.formats.coli_kv import Geometry, KVRecords, Tier
+from kvstore.formats.nonfinite import Sanitized
 
 END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
@@ -70,15 +72,6 @@ def stream_messages(geometry: Geometry, tier: Tier, batches: Iterator[KVRecords]
     for records in batches:
         yield batch_message(records, schema)
     yield END_OF_STREAM
-
-
-def _rows(table: pa.Table, name: str, layers: int, width: int) -> np.ndarray:
-    column = table.column(name)
-    values = column.combine_chunks().flatten()
-    if column.null_count or values.null_count:
-        raise InvalidRequest(f"column {name} holds nulls")
-    n = table.num_rows
-    return values.to_numpy(zero_copy_only=False).reshape(n, layers, width).transpose(1, 0, 2)
 
 
 # ---- the upload's bounds, read from each message's metadata before its body is decoded --------
@@ -251,21 +244,9 @@ def _check_batch(
     return rows
 
 
-def rows_from_stream(body: bytes | bytearray | memoryview, geometry: Geometry, *, max_decoded_bytes: int):
-    """Parse an uploaded IPC stream into ``(tokens int32[n], L, R, I | None)`` for ``encode_records``.
-
-    The stream is read message by message: its schema is checked against ``geometry`` and every
-    record batch's rows and buffer sizes against the geometry and ``max_decoded_bytes`` *before*
-    any batch is decompressed (the messages are views of ``body``), so what a body decodes to is
-    bounded like the body itself and a refused one costs no more memory than its own bytes.
-
-    Raises
-    ------
-    BodyTooLarge : the rows would decode to more than ``max_decoded_bytes``, or the stream holds
-        more than :data:`MAX_BATCHES` record batches (413)
-    GeometryMismatch : a row column of another width (409)
-    InvalidRequest : not an IPC stream of this session's schema (400)
-    """
+def _checked_batches(body: bytes | bytearray | memoryview, geometry: Geometry, max_decoded_bytes: int):
+    """The upload's record batches, every bound checked before any is decoded (see
+    :func:`rows_from_stream`); each batch's buffers are views of ``body`` unless compressed."""
     try:
         messages = pa.ipc.MessageReader.open_stream(pa.py_buffer(body))
         first = messages.read_next_message()
@@ -283,18 +264,89 @@ def rows_from_stream(body: bytes | bytearray | memoryview, geometry: Geometry, *
                 )
             rows += _check_batch(message, layout, rows, max_decoded_bytes)
             checked.append(message)
-        table = pa.Table.from_batches([pa.ipc.read_record_batch(m, schema) for m in checked], schema=schema)
-        table.validate(full=True)
+        batches = [pa.ipc.read_record_batch(m, schema) for m in checked]
+        for batch in batches:
+            batch.validate(full=True)
     except (pa.ArrowException, OSError, ValueError, StopIteration) as exc:
         if isinstance(exc, KVStoreError):
             raise
         raise InvalidRequest(f"the body is not a valid Arrow IPC stream ({str(exc) or 'it holds no schema'})") from None
+    return batches, rows
+
+
+class BatchRows(NamedTuple):
+    """One record batch's rows: views of its buffers, layer-major (``encode_records``' arguments)."""
+
+    tokens: np.ndarray
+    L: np.ndarray
+    R: np.ndarray
+    I: np.ndarray | None
+
+
+def _batch_rows(batch: pa.RecordBatch, geometry: Geometry) -> BatchRows:
     g = geometry
-    token_column = table.column("token")
+    token_column = batch.column("token")
     if token_column.null_count:
         raise InvalidRequest("column token holds nulls")
-    tokens = token_column.to_numpy()
-    L = _rows(table, "L", g.n_layers, g.kv_lora)
-    R = _rows(table, "R", g.n_layers, g.qk_rope)
-    I = _rows(table, "I", g.nic, g.index_hd) if g.nic else None
+
+    def rows(name: str, layers: int, width: int) -> np.ndarray:
+        column = batch.column(name)
+        values = column.flatten()
+        if column.null_count or values.null_count:
+            raise InvalidRequest(f"column {name} holds nulls")
+        return values.to_numpy(zero_copy_only=False).reshape(batch.num_rows, layers, width).transpose(1, 0, 2)
+
+    return BatchRows(
+        token_column.to_numpy(),
+        rows("L", g.n_layers, g.kv_lora),
+        rows("R", g.n_layers, g.qk_rope),
+        rows("I", g.nic, g.index_hd) if g.nic else None,
+    )
+
+
+def rows_from_stream(body: bytes | bytearray | memoryview, geometry: Geometry, *, max_decoded_bytes: int):
+    """Parse an uploaded IPC stream into ``(tokens int32[n], L, R, I | None)`` for ``encode_records``.
+
+    The stream is read message by message: its schema is checked against ``geometry`` and every
+    record batch's rows and buffer sizes against the geometry and ``max_decoded_bytes`` *before*
+    any batch is decompressed (the messages are views of ``body``), so what a body decodes to is
+    bounded like the body itself and a refused one costs no more memory than its own bytes.
+    (:func:`records_from_stream` encodes a batch at a time instead, holding no copy of the rows.)
+
+    Raises
+    ------
+    BodyTooLarge : the rows would decode to more than ``max_decoded_bytes``, or the stream holds
+        more than :data:`MAX_BATCHES` record batches (413)
+    GeometryMismatch : a row column of another width (409)
+    InvalidRequest : not an IPC stream of this session's schema (400)
+    """
+    batches, n = _checked_batches(body, geometry, max_decoded_bytes)
+    g = geometry
+    parts = [_batch_rows(batch, geometry) for batch in batches]
+    if not parts:
+        empty = np.zeros((g.n_layers, 0, g.kv_lora), np.float32), np.zeros((g.n_layers, 0, g.qk_rope), np.float32)
+        return np.zeros(0, np.int32), *empty, (np.zeros((g.nic, 0, g.index_hd), np.float32) if g.nic else None)
+    tokens = np.concatenate([part.tokens for part in parts])
+    L = np.concatenate([part.L for part in parts], axis=1)
+    R = np.concatenate([part.R for part in parts], axis=1)
+    I = np.concatenate([part.I for part in parts if part.I is not None], axis=1) if g.nic else None
     return tokens, L, R, I
+
+
+def records_from_stream(
+    body: bytes | bytearray | memoryview, geometry: Geometry, tier: Tier, *, max_decoded_bytes: int
+) -> tuple[np.ndarray, Sanitized]:
+    """An uploaded IPC stream encoded into ``tier``'s records, a record batch at a time: the rows are
+    never copied out of ``body`` (uncompressed batches are views of it), so an upload holds its body,
+    its records and one batch's work. Non-finite values are stored by the tier's rule and counted
+    (``coli_kv.encode_records_counted``). Raises as :func:`rows_from_stream`."""
+    batches, n = _checked_batches(body, geometry, max_decoded_bytes)
+    records = np.zeros(n, dtype=coli_kv.record_dtype(geometry, tier))
+    parts, at = [], 0
+    for batch in batches:
+        tokens, L, R, I = _batch_rows(batch, geometry)
+        encoded, found = coli_kv.encode_records_counted(geometry, tier, tokens, L, R, I)
+        records[at : at + batch.num_rows] = encoded
+        parts.append((at, found))
+        at += batch.num_rows
+    return records, nonfinite.combined(parts)

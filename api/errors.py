@@ -73,6 +73,7 @@ __all__ = [
     "SessionBusy",
     "Unauthorized",
     "UnsupportedMediaType",
+    "UploadsBusy",
     "http_status",
     "retry_after",
 ]
@@ -114,6 +115,12 @@ class JobQueueFull(ServiceBusy):
 class SessionBusy(ServiceBusy):
     """As many requests as the service lets wait for one session are already waiting for it; this one
     was refused at once, before doing anything. Retry after ``Retry-After`` seconds."""
+
+
+class UploadsBusy(ServiceBusy):
+    """The request bodies the service is holding (uploads being read or decoded) already fill its
+    budget (``kvstore serve --max-inflight-bytes``); this one was refused before its body was read.
+    Retry after ``Retry-After`` seconds (503: the service, not the caller, is short of memory)."""
 
 
 class UnsupportedMediaType(KVStoreError, ValueError):
@@ -225,6 +232,7 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     ServiceBusy: 429,
     JobQueueFull: 429,
     SessionBusy: 429,
+    UploadsBusy: 503,
     DuplicateJSONKey: 422,
     UnsupportedMediaType: 415,
     Unauthorized: 401,

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import config, tiers
+from kvstore.api.connections import DEFAULT_HEADER_TIMEOUT_S
 from kvstore.api.jobs import DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_PER_OWNER
+from kvstore.api.uploads import DEFAULT_MAX_INFLIGHT_BYTES
 from kvstore.errors import ConfigError
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
 from kvstore.store.index import DEFAULT_MAP_SIZE
@@ -32,6 +34,12 @@ class Settings:
         replica of a shared store both are the whole shared store's (its LRU sessions parked, then
         deleted; a write past the hard limit refused in its commit)
     max_body_bytes : request bodies larger than this are refused with 413 before being read
+    max_inflight_bytes : upload bodies held at once, service-wide (``kvstore.api.uploads``); an
+        append that would pass it is refused with 503 ``UploadsBusy`` and ``Retry-After`` before
+        its body is read; at least ``max_body_bytes`` (None: 1 GiB, or four of the largest body)
+    header_timeout : seconds a connection may take to send a request's headers (from its opening,
+        or from a new request's first byte) before it is answered 408 and closed
+        (``kvstore.api.connections``)
     api_keys_env : ``key:owner,key:owner`` (the ``KVSTORE_API_KEYS`` variable by default, read
         when the settings are built)
     lock_timeout : seconds a request waits for a session another request (or process) holds before
@@ -77,6 +85,8 @@ class Settings:
     budget_bytes: int | None = None
     hard_limit_bytes: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_inflight_bytes: int | None = None
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     map_size: int = DEFAULT_MAP_SIZE
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     session_waiters: int = DEFAULT_SESSION_WAITERS
@@ -110,10 +120,21 @@ class Settings:
             self.model_dir = Path(self.model_dir)
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ConfigError("max_body_bytes must be a positive number of bytes")
+        if self.max_inflight_bytes is None:
+            self.max_inflight_bytes = max(DEFAULT_MAX_INFLIGHT_BYTES, 4 * self.max_body_bytes)
+        if not isinstance(self.max_inflight_bytes, int) or self.max_inflight_bytes < self.max_body_bytes:
+            raise ConfigError(
+                f"max_inflight_bytes ({self.max_inflight_bytes!r}) must be at least max_body_bytes "
+                f"({self.max_body_bytes}): a body of the largest size must fit (--max-inflight-bytes, --max-body)"
+            )
         for name in ("session_waiters", "job_workers", "max_jobs", "max_jobs_per_owner", "max_new_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+        if not isinstance(self.header_timeout, (int, float)) or not 0 < self.header_timeout <= 3600:
+            raise ConfigError(
+                f"header_timeout must be more than 0 and at most 3600 seconds, not {self.header_timeout!r}"
+            )
         if not isinstance(self.lock_timeout, (int, float)) or not 0 <= self.lock_timeout <= 3600:
             raise ConfigError(f"lock_timeout must be 0 to 3600 seconds, not {self.lock_timeout!r}")
         self.tier, self.bits = self._engine_tier().name, None

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from api_common import GLM, MODEL, TIER, Server, v2_records
+from api_common import GEOMETRY_JSON, GLM, MODEL, TIER, Server, v2_records
 
 from kvstore import tiers
 from kvstore.formats import coli_kv
@@ -114,6 +114,78 @@ def bench_inspect(mb: int, clients: int) -> list[str]:
     return lines
 
 
+def _arrow_body(n: int, seed: int) -> bytes:
+    """An Arrow IPC upload of ``n`` GLM-geometry rows (f32 values, one record batch per 256 rows)."""
+    import pyarrow as pa
+
+    from kvstore.api import arrow
+
+    rng = np.random.default_rng(seed)
+    schema = arrow.schema_for(GLM)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        for start in range(0, n, 256):
+            k = min(256, n - start)
+            L = rng.standard_normal((k, GLM.n_layers * GLM.kv_lora), dtype=np.float32)
+            R = rng.standard_normal((k, GLM.n_layers * GLM.qk_rope), dtype=np.float32)
+            columns = [
+                pa.array(np.arange(start, start + k, dtype=np.int32)),
+                pa.FixedSizeListArray.from_arrays(pa.array(L.reshape(-1)), GLM.n_layers * GLM.kv_lora),
+                pa.FixedSizeListArray.from_arrays(pa.array(R.reshape(-1)), GLM.n_layers * GLM.qk_rope),
+            ]
+            writer.write_batch(pa.record_batch(columns, schema=schema))
+    return sink.getvalue().to_pybytes()
+
+
+def bench_append(mb: int, clients: int) -> list[str]:
+    """``clients`` concurrent appends of ``mb`` MiB bodies (Arrow, then raw records), each to its
+    own fp8 session: the server's peak RSS growth against the bodies in flight."""
+    rows_arrow = mb * MiB // (4 * GLM.n_layers * (GLM.kv_lora + GLM.qk_rope))
+    rows_raw = mb * MiB // coli_kv.record_bytes(GLM, TIER)
+    bodies = {
+        "arrow": [_arrow_body(rows_arrow, seed) for seed in range(clients)],
+        "raw": [v2_records(rows_raw, seed).tobytes() for seed in range(clients)],
+    }
+    media = {"arrow": "application/vnd.apache.arrow.stream", "raw": "application/octet-stream"}
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-hardening-") as folder:
+        server = Server(Path(folder) / "data", "--max-body", f"{2 * mb}M")
+        try:
+            with server.client() as client:
+                for i in range(clients + 1):
+                    body = {"id": f"s{i}", "model": MODEL, "geometry": GEOMETRY_JSON, "tier": "fp8"}
+                    client.post("/sessions", json=body).raise_for_status()
+                warm = _arrow_body(64, 99)
+                client.post("/sessions/s0/append", content=warm, headers={"Content-Type": media["arrow"]})
+            for kind in ("arrow", "raw"):
+                pid = server.process.pid
+                time.sleep(0.5)
+                before = _status(pid, "VmRSS")
+                _reset_peak(pid)
+
+                def one(i: int, kind: str = kind) -> int:
+                    with server.client() as c:
+                        answer = c.post(
+                            f"/sessions/s{i + 1}/append",
+                            content=bodies[kind][i],
+                            headers={"Content-Type": media[kind]},
+                        )
+                        answer.raise_for_status()
+                        return answer.json()["appended"]
+
+                with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                    appended = list(pool.map(one, range(clients)))
+                grown = _status(pid, "VmHWM") - before
+                sent = sum(len(b) for b in bodies[kind])
+                lines.append(
+                    f"| append {kind}, {clients} at once | {clients} x {sent / clients / MiB:.0f} MiB bodies "
+                    f"({sum(appended)} rows) | {grown / MiB:.0f} MiB | {grown / sent:.2f}x the bodies |"
+                )
+        finally:
+            server.stop()
+    return lines
+
+
 #: Run a command as the child of a small shell, which waits for it: a process's peak RSS
 #: (``ru_maxrss``) starts at its parent's when the parent execs it, so a child forked by this process
 #: (large after building the files) would report this process's peak, not its own.
@@ -174,7 +246,7 @@ def bench_export(sizes: list[float]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", nargs="?", choices=["inspect", "export", "both"], default="both")
+    parser.add_argument("what", nargs="?", choices=["inspect", "export", "append", "both"], default="both")
     parser.add_argument("--mb", type=float, nargs="+", help="journal size(s) in MiB (inspect: 100; export: 23 47)")
     parser.add_argument("--clients", type=int, default=4, help="concurrent inspects (default 4)")
     args = parser.parse_args()
@@ -185,6 +257,9 @@ def main() -> None:
             print(line)
     if args.what in ("export", "both"):
         for line in bench_export(args.mb or [23, 47]):
+            print(line)
+    if args.what == "append":
+        for line in bench_append(int((args.mb or [100])[0]), args.clients):
             print(line)
 
 

@@ -213,25 +213,32 @@ def _encode(geometry: Geometry, tier: Tier, tokens, L, R, I, *, zero_f32: bool) 
     elif I is not None and np.size(I):
         raise GeometryMismatch("the model has no indexer layers (nic = 0) but I rows were given")
     tier = tier.file_tier
-    # [n_layers, n, w] -> [n, n_layers, w]: the record order
-    fields = {"L": L.transpose(1, 0, 2), "R": R.transpose(1, 0, 2)}
-    if index is not None:
-        fields["I"] = index.transpose(1, 0, 2)
-    found, masks = nonfinite.count(tier, fields)
-    for field, bad in masks.items() if zero_f32 else ():
-        if field == "I" or tier.version == 1:  # f32 fields: the value becomes 0 (the codecs have their own rule)
-            fields[field] = np.where(bad, np.float32(0.0), fields[field])
     records = np.zeros(n, dtype=record_dtype(g, tier))
     records["token"] = tokens
     layers = records["layers"]
-    for which in ("L", "R"):
-        codes, scales = tier.quantize(fields[which])
-        layers[which + "c"] = codes
-        if scales is not None:
-            layers[which + "s"] = scales
-    if g.nic:
-        records["index"] = fields["I"]
-    return records, found
+    # a slice of tokens at a time (records are independent): the masks and the codecs' temporaries
+    # stay a slice's size whatever the upload's
+    step = nonfinite.slice_rows(g.n_layers * (g.kv_lora + g.qk_rope) + g.nic * g.index_hd)
+    parts = []
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        # [n_layers, n, w] -> [n, n_layers, w]: the record order
+        fields = {"L": L[:, lo:hi].transpose(1, 0, 2), "R": R[:, lo:hi].transpose(1, 0, 2)}
+        if index is not None:
+            fields["I"] = index[:, lo:hi].transpose(1, 0, 2)
+        found, masks = nonfinite.count(tier, fields)
+        parts.append((lo, found))
+        for field, bad in masks.items() if zero_f32 else ():
+            if field == "I" or tier.version == 1:  # f32 fields: the value becomes 0 (the codecs have their own rule)
+                fields[field] = np.where(bad, np.float32(0.0), fields[field])
+        for which in ("L", "R"):
+            codes, scales = tier.quantize(fields[which])
+            layers[which + "c"][lo:hi] = codes
+            if scales is not None:
+                layers[which + "s"][lo:hi] = scales
+        if g.nic:
+            records["index"][lo:hi] = fields["I"]
+    return records, nonfinite.combined(parts)
 
 
 def encode_file(

@@ -16,7 +16,10 @@ import numpy as np
 
 from kvstore.formats.tiers import Tier
 
-__all__ = ["Sanitized", "count", "sanitize_records"]
+__all__ = ["SLICE_VALUES", "Sanitized", "combined", "count", "sanitize_records", "slice_rows"]
+
+#: f32 values judged at a time: the masks and temporaries of a large upload stay this size.
+SLICE_VALUES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,22 @@ class Sanitized:
         return {"values": self.values, "rows_zeroed": self.rows_zeroed}
 
 
+def combined(parts: list[tuple[int, Sanitized]]) -> Sanitized:
+    """The count of consecutive slices of records: ``(first record of the slice, its count)``,
+    in record order."""
+    first = next(((at + part.first[0], *part.first[1:]) for at, part in parts if part.first is not None), None)
+    return Sanitized(
+        sum(part.values for _, part in parts),
+        sum(part.rows_zeroed for _, part in parts),
+        first,  # type: ignore[arg-type]
+    )
+
+
+def slice_rows(values_per_record: int) -> int:
+    """Records judged at a time when each holds ``values_per_record`` values (:data:`SLICE_VALUES`)."""
+    return max(1, SLICE_VALUES // max(1, values_per_record))
+
+
 def count(tier: Tier, fields: dict[str, np.ndarray]) -> tuple[Sanitized, dict[str, np.ndarray]]:
     """Count the non-finite values of f32 fields in record order (``field -> [n, layers, width]``),
     and the L/R rows ``tier``'s codec stores as zeros because of them (the indexer rows ``"I"`` are
@@ -90,22 +109,32 @@ def sanitize_records(records: np.ndarray, tier: Tier) -> tuple[np.ndarray, Sanit
 
     The codes of the quantized tiers are not values (a corrupt scale or NaN code is refused by the
     journal, never guessed); ``records`` is returned as is when it holds no non-finite value, else
-    a copy.
+    a copy. Judged a slice of records at a time (:data:`SLICE_VALUES`): the masks stay small.
 
     Returns
     -------
     (records, :class:`Sanitized`)
     """
-    fields = {}
+    names = []
     if tier.file_tier.version == 1:
-        fields = {"L": records["layers"]["Lc"], "R": records["layers"]["Rc"]}
+        names = [("L", "Lc"), ("R", "Rc")]
     if records.dtype.names is not None and "index" in records.dtype.names:
-        fields["I"] = records["index"]
-    found, masks = count(tier, fields)
-    if not masks:
-        return records, found
-    fixed = np.array(records, copy=True)
-    for field, bad in masks.items():
-        target = fixed["index"] if field == "I" else fixed["layers"][field + "c"]
-        target[bad] = 0.0
-    return fixed, found
+        names.append(("I", "index"))
+    if not names or records.shape[0] == 0:
+        return records, Sanitized()
+
+    def field(rows: np.ndarray, column: str) -> np.ndarray:
+        return rows[column] if column == "index" else rows["layers"][column]
+
+    step = slice_rows(sum(int(np.prod(field(records[:1], column).shape[1:])) for _, column in names))
+    fixed, parts = records, []
+    for lo in range(0, records.shape[0], step):
+        part = fixed[lo : lo + step]
+        found, masks = count(tier, {name: field(part, column) for name, column in names})
+        parts.append((lo, found))
+        if masks and fixed is records:  # the first non-finite value: from here on, a copy is fixed
+            fixed = np.array(records, copy=True)
+            part = fixed[lo : lo + part.shape[0]]
+        for name, bad in masks.items():
+            field(part, dict(names)[name])[bad] = 0.0
+    return fixed, combined(parts)

@@ -51,7 +51,7 @@ from kvstore.errors import (
     KVStoreError,
     PathRefused,
 )
-from kvstore.formats import coli_kv, fp8
+from kvstore.formats import coli_kv, fp8, nonfinite
 from kvstore.formats.coli_kv import HEADER_BYTES, NREC_OFFSET, Geometry, Header, KVRecords, Tier
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S, FileLock
 from kvstore.migrations import formats as format_migrations
@@ -590,6 +590,14 @@ class KVFile:
         tokens = records["token"]
         if tokens.min() < 0 or tokens.max() >= self.geometry.vocab:
             raise FormatError(f"token ids must be in [0, {self.geometry.vocab})")
+        g = self.geometry
+        # a slice at a time: the checks' temporaries stay a slice's size whatever the upload's
+        step = nonfinite.slice_rows(g.n_layers * (g.kv_lora + g.qk_rope) + g.nic * g.index_hd)
+        for lo in range(0, records.shape[0], step):
+            self._check_slice(records[lo : lo + step], lo)
+        return records
+
+    def _check_slice(self, records: np.ndarray, first_record: int) -> None:
         layers = records["layers"]
         if self.tier.version == 1:
             if not (np.isfinite(layers["Lc"]).all() and np.isfinite(layers["Rc"]).all()):
@@ -599,7 +607,11 @@ class KVFile:
             # FormatError as before (the API's error name for refused bytes), not its BadScale subclass
             try:
                 coli_kv.check_scales(
-                    records, self.tier, source="the rows to append", advice="no encoder writes it: nothing was written"
+                    records,
+                    self.tier,
+                    source="the rows to append",
+                    first_record=first_record,
+                    advice="no encoder writes it: nothing was written",
                 )
             except BadScale as exc:
                 raise FormatError(exc.reason) from None
@@ -607,7 +619,6 @@ class KVFile:
                 raise FormatError("rows hold fp8 NaN codes (0x7F/0xFF), which no encoder writes")
         if self.geometry.nic and not np.isfinite(records["index"]).all():
             raise FormatError("indexer rows hold NaN or infinite values")
-        return records
 
     def truncate(self, n: int) -> int:
         """Keep the first ``n`` records; never publishes more than are committed and complete.

@@ -51,6 +51,9 @@ The store (read from :class:`kvstore.store.stats.StoreStats` and the index at ea
                                                and ``hard_limit`` (when set)
 ``kvstore_store_tier_bytes{tier}`` (gauge)     journal + archive bytes per tier (``fp8``, ``int4``, ...)
 ``kvstore_store_tier_sessions{tier}`` (gauge)  sessions per tier
+``kvstore_upload_bytes_held`` (gauge)          bytes of upload bodies held now; ``kvstore_upload_budget_bytes``
+                                               bounds it (``--max-inflight-bytes``)
+``kvstore_uploads_refused_total``              uploads refused to keep it (503 ``UploadsBusy``)
 ============================================== =======================================================
 
 Plus the process's own (``process_cpu_seconds_total``, ``process_resident_memory_bytes``,
@@ -184,6 +187,22 @@ class ServiceCollector:
         yield engine_loaded
         if engine is not None:
             yield from _serving(engine)
+        uploads = getattr(self.state, "uploads", None)
+        if uploads is not None:  # kvstore.api.uploads: the bodies held at once, and the budget
+            yield GaugeMetricFamily(
+                "kvstore_upload_bytes_held",
+                "Bytes of upload bodies held now (being read or decoded).",
+                value=uploads.held,
+            )
+            yield GaugeMetricFamily(
+                "kvstore_upload_budget_bytes", "Upload bytes held at once at most (--max-inflight-bytes).",
+                value=uploads.budget_bytes,
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                "kvstore_uploads_refused",
+                "Uploads refused (503 UploadsBusy) to keep the budget.",
+                value=uploads.refused,
+            )
         store = getattr(self.state, "store", None)
         if not isinstance(store, Store):  # before the lifespan opened the store
             return

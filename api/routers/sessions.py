@@ -52,6 +52,8 @@ from kvstore.api.schemas import (
     TruncateIn,
     VerifyOut,
 )
+from kvstore.api.session_gates import Admission
+from kvstore.api.settings import Settings
 from kvstore.api.tier_fields import (
     MAX_TIER_CHARS,
     SESSION_TIERS,
@@ -59,10 +61,13 @@ from kvstore.api.tier_fields import (
     mark_deprecated,
     read_tier,
 )
+from kvstore.api.uploads import UploadBudget, declared_bytes
 from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
-from kvstore.store import Fingerprint, ModelInfo, Reader
+from kvstore.store import AppendResult, Fingerprint, ModelInfo, Reader, SessionInfo
+from kvstore.store import Store as StoreInterface
+from kvstore.store.results import refuse_nonfinite
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody} for status in (400, 401, 404, 409, 413, 415, 422, 429, 507)
@@ -168,38 +173,57 @@ async def append_rows(
     instead (422 ``NonFiniteValues`` naming the count and the first one, nothing written)."""
     kind = require_media_type(request, RAW_MEDIA_TYPE, ARROW_MEDIA_TYPE)
     info = await run_in_threadpool(store.get, session_id, owner=owner)  # 404 before reading a big body
-    async with gates.admitted(owner, session_id) as admission:  # 429 before reading it, too
-        body = await read_body(request, settings.max_body_bytes)
-        if kind == RAW_MEDIA_TYPE:
-            result = await admission.call(
-                store.append_records,
-                session_id,
-                body,
-                complete_turn=complete_turn,
-                owner=owner,
-                reject_nonfinite=settings.reject_nonfinite,
-            )
-        else:
-            tokens, L, R, I = await run_in_threadpool(
-                lambda: arrow.rows_from_stream(body, info.geometry, max_decoded_bytes=settings.max_body_bytes)
-            )
-            result = await admission.call(
-                store.append,
-                session_id,
-                tokens,
-                L,
-                R,
-                I,
-                complete_turn=complete_turn,
-                owner=owner,
-                reject_nonfinite=settings.reject_nonfinite,
-            )
+    uploads: UploadBudget = request.app.state.uploads
+    # 429 (this session's waiters) or 503 (the service's upload budget) before reading it, too
+    async with gates.admitted(owner, session_id) as admission:
+        with uploads.holding(declared_bytes(request, settings.max_body_bytes)):
+            body = await read_body(request, settings.max_body_bytes)
+            if kind == RAW_MEDIA_TYPE:
+                result = await admission.call(
+                    store.append_records,
+                    session_id,
+                    body,
+                    complete_turn=complete_turn,
+                    owner=owner,
+                    reject_nonfinite=settings.reject_nonfinite,
+                )
+            else:
+                result = await _append_arrow(body, session_id, info, complete_turn, owner, store, settings, admission)
     return {
         "session": _out(result.info),
         "appended": result.appended,
         "turn": list(result.turn) if result.turn else None,
         "sanitized": result.sanitized.to_dict(),
     }
+
+
+async def _append_arrow(
+    body: bytearray | memoryview,
+    session_id: str,
+    info: SessionInfo,
+    complete_turn: bool,
+    owner: str,
+    store: StoreInterface,
+    settings: Settings,
+    admission: Admission,
+) -> AppendResult:
+    """Encode an Arrow upload in the session's tier a record batch at a time (the rows are never
+    copied out of the body), then append the records (a tier a migrate changed since is refused by
+    the store's validation, nothing written). Non-finite values are counted as encoded."""
+    records, found = await run_in_threadpool(
+        lambda: arrow.records_from_stream(body, info.geometry, info.tier, max_decoded_bytes=settings.max_body_bytes)
+    )
+    if settings.reject_nonfinite:
+        refuse_nonfinite(found)
+    result = await admission.call(
+        store.append_records,
+        session_id,
+        records,
+        complete_turn=complete_turn,
+        owner=owner,
+        reject_nonfinite=settings.reject_nonfinite,
+    )
+    return dataclasses.replace(result, sanitized=found)  # the store found them zeroed already
 
 
 def _expected(info, params: dict[str, str | None], tier: Tier | None, geometry: str | None) -> Fingerprint | None:

@@ -26,7 +26,7 @@ from kvstore.store.context import SessionHandle, SessionLock, StoreContext
 from kvstore.store.index import refuse_damaged
 from kvstore.store.integrity import Integrity
 from kvstore.store.records import COPY_CHUNK_BYTES, pread_exact
-from kvstore.store.results import check_fingerprint
+from kvstore.store.results import check_fingerprint, checked_override
 from kvstore.store.values import Fingerprint, IndexRecord, SessionInfo, stored_tier
 
 
@@ -76,6 +76,7 @@ class SessionReader(Reader):
         self._info: SessionInfo | None = None
         key = session.key
         record = session.record
+        checked_override(override)  # a misspelt override is refused, a fingerprint given or not
         for attempt in range(3):  # a parked session is unparked, then read; eviction may race us once
             if attempt:
                 record = ctx.index.current(key, session.owner)

@@ -119,13 +119,21 @@ class CacheCounts:
 
 
 # ---------------------------------------------------------------------------- checks both backends make
-def check_fingerprint(record: IndexRecord, expect: Fingerprint, override: Iterable[str]) -> None:
-    """Raise :class:`FingerprintMismatch` naming each field of ``expect`` the session differs in
-    (``override``: fields not to compare, ``model.*`` or ``tier`` only)."""
+def checked_override(override: Iterable[str]) -> set[str]:
+    """The fields a resume is told not to compare, each ``model.*`` or ``tier`` (``InvalidRequest``
+    naming any other: a misspelt override is refused, never silently ignored), whether or not the
+    caller states a fingerprint to compare."""
     skip = set(override)
     unknown = skip - {f"model.{n}" for n in MODEL_FIELDS} - {"tier"}
     if unknown:
         raise InvalidRequest(f"cannot override {sorted(unknown)}: only model.* fields and tier can be overridden")
+    return skip
+
+
+def check_fingerprint(record: IndexRecord, expect: Fingerprint, override: Iterable[str]) -> None:
+    """Raise :class:`FingerprintMismatch` naming each field of ``expect`` the session differs in
+    (``override``: fields not to compare, ``model.*`` or ``tier`` only)."""
+    skip = checked_override(override)
     found = SessionInfo.from_record(record).fingerprint.mismatches(expect)
     blocking = [m for m in found if m.split(":")[0] not in skip]
     if blocking:

@@ -290,6 +290,8 @@ def test_geometry_and_fingerprint_mismatches(alice):
     assert "model.weights_hash" in body["reason"]
     ok = alice.get("/sessions/chat/resume", params={"weights_hash": "other", "override": "model.weights_hash"})
     assert ok.status_code == 200 and ok.headers["x-kv-reused-tokens"] == "2"
+    body = assert_error(alice.get("/sessions/chat/resume", params={"override": "bogus"}), 400, "InvalidRequest")
+    assert "cannot override ['bogus']" in body["reason"]  # refused, not ignored, with no fingerprint stated
     assert_error(alice.get("/sessions/chat/resume", params={"tier": "int4"}), 409, "FingerprintMismatch")
     assert (
         alice.get(
@@ -448,8 +450,8 @@ def test_a_client_that_leaves_mid_download_releases_the_session(alice):
 
 
 def test_keys_json_edits_apply_without_a_restart(server, keys):
-    path = server.data / "keys.json"
-    document = json.loads(path.read_text())
+    path = server.data / "keys.json"  # none yet: the server's keys come from KVSTORE_API_KEYS
+    document = json.loads(path.read_text()) if path.exists() else {"keys": []}
     document["keys"].append({"owner": "carol", "key": "carol-key-0123456789abcdef"})
     path.write_text(json.dumps(document))
     with server.client("carol-key-0123456789abcdef") as carol:

@@ -351,6 +351,9 @@ class StoreConformance(abc.ABC):
             store.resume("chat", expect=Fingerprint(same.model, Geometry(2, 32, 8, 4, 1, 999), tiers.FP8))
         with pytest.raises(InvalidRequest):
             store.resume("chat", expect=resaved, override={"geometry.vocab"})
+        for bogus in ({"bogus"}, {"model.weights_hash", "modle.name"}):  # misspelt: refused, never ignored
+            with pytest.raises(InvalidRequest, match="cannot override"):
+                store.resume("chat", override=bogus)  # no fingerprint stated: refused all the same
 
     # ------------------------------------------------------------------ truncate
     def test_truncate_mid_turn_rehashes_the_cut_turn(self, store, rows):

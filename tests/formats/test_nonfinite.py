@@ -79,3 +79,26 @@ def test_raw_f32_records_are_sanitized_on_a_copy():
     v2["index"][0, 0, 1] = np.inf
     fixed, found = nonfinite.sanitize_records(v2, tiers.FP8)
     assert found == Sanitized(1, 0, (0, "I", 0, 1)) and fixed["index"][0, 0, 1] == 0
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.name)
+@pytest.mark.parametrize("slice_values", [1, 90, 300, 1 << 22])
+def test_large_uploads_are_judged_a_slice_at_a_time_with_the_same_bytes_and_count(tier, slice_values, monkeypatch):
+    """Encoding and sanitizing work a slice of records at a time (their temporaries stay a slice's
+    size): whatever the slice, the records are byte for byte those of one pass and the count names
+    the same first value, across slice boundaries."""
+    tokens, L, R, I = rows(n=37, seed=4)
+    L[1, 20, 7] = np.nan
+    R[0, 11, 1] = np.inf
+    I[0, 30, 2] = -np.inf
+    I[0, 11, 3] = np.nan
+    whole, whole_found = coli_kv.encode_records_counted(GEOMETRY, tier, tokens, L, R, I)
+    raw = coli_kv.encode_records(GEOMETRY, tier, tokens, L, R, I)  # f32 fields kept as given
+    whole_clean, whole_sanitized = nonfinite.sanitize_records(raw, tier)
+    monkeypatch.setattr(nonfinite, "SLICE_VALUES", slice_values)
+    sliced, found = coli_kv.encode_records_counted(GEOMETRY, tier, tokens, L, R, I)
+    assert sliced.tobytes() == whole.tobytes() and found == whole_found
+    assert found.first == (11, "R", 0, 1) and found.values == 4
+    clean, sanitized = nonfinite.sanitize_records(raw, tier)
+    assert clean.tobytes() == whole_clean.tobytes() and sanitized == whole_sanitized
+    assert clean is not raw and np.isnan(raw["index"][11, 0, 3])  # the caller's records untouched

@@ -235,3 +235,24 @@ def test_closed_handle_is_refused(tmp_path):
     journal.close()
     with pytest.raises(JournalClosed):
         journal.append(*rows(1))
+
+
+@pytest.mark.parametrize("slice_values", [1, 500, 1 << 22])
+def test_appended_rows_are_checked_a_slice_at_a_time_naming_the_bad_record(tmp_path, slice_values, monkeypatch):
+    """The checks of an append run a slice of records at a time (their temporaries stay small): a
+    bad row in any slice is refused naming its record in the whole upload, and nothing is written."""
+    from kvstore.formats import nonfinite
+
+    monkeypatch.setattr(nonfinite, "SLICE_VALUES", slice_values)
+    path = tmp_path / "s.coli_kv"
+    with KVFile.create(path, GEOMETRY, tiers.FP8) as journal:
+        records = coli_kv.encode_records(GEOMETRY, tiers.FP8, *rows(30))
+        scaled, coded = records.copy(), records.copy()
+        scaled["layers"]["Rs"][23, 2] = 1e37  # past the bound every encoder keeps
+        coded["layers"]["Lc"][17, 1, 5] = 0x7F  # an fp8 NaN code
+        with pytest.raises(FormatError, match=r"record 23 \(token \d+\), layer 2"):
+            journal.append_records(scaled)
+        with pytest.raises(FormatError, match="fp8 NaN codes"):
+            journal.append_records(coded)
+        assert journal.n_records == 0
+        assert journal.append_records(records) == 30

@@ -573,6 +573,57 @@ def _status_without_body(url: str, path: str, length: int) -> bytes:
     return reply.split(b"\r\n", 1)[0]
 
 
+def test_uploads_held_at_once_are_bounded_service_wide(tmp_path):
+    """--max-inflight-bytes (item 7 of issue 42): the bodies of uploads the service holds at once are
+    bounded across sessions and owners; one that would pass the budget is refused on its headers —
+    503 UploadsBusy with Retry-After, its body never read — and goes in once the others are done."""
+    body = arrow_rows(GEOMETRY, 64, compression=None)
+    size = len(body)
+    service = start(tmp_path, "--max-body", str(size), "--max-inflight-bytes", str(2 * size))
+    host, port = service.url.removeprefix("http://").split(":")
+    try:
+        with service.client() as alice, service.client("bob") as bob:
+            for client, sid in ((alice, "a"), (alice, "b"), (alice, "d"), (bob, "c")):
+                create(client, sid)
+            # two uploads send their headers and half their body, then stall: they hold the budget
+            stalled = []
+            for sid in ("a", "b"):
+                sock = socket.create_connection((host, int(port)), timeout=30)
+                head = (
+                    f"POST /sessions/{sid}/append HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['alice']}\r\n"
+                    f"Content-Type: {ARROW}\r\nContent-Length: {size}\r\n\r\n"
+                )
+                sock.sendall(head.encode() + body[: size // 2])
+                stalled.append(sock)
+            deadline = time.monotonic() + 30
+            while _metric(alice, "kvstore_upload_bytes_held") < 2 * size:
+                assert time.monotonic() < deadline, "the stalled uploads are not counted as held"
+                time.sleep(0.02)
+            refused = bob.post("/sessions/c/append", content=body, headers={"Content-Type": ARROW})
+            assert refused.status_code == 503 and refused.json()["error"] == "UploadsBusy", refused.text
+            assert int(refused.headers["Retry-After"]) >= 1
+            # headers declaring a body and no byte of it: answered without waiting for it
+            assert _status_without_body(service.url, "/sessions/d/append", size).startswith(b"HTTP/1.1 503")
+            assert _metric(alice, "kvstore_uploads_refused_total") == 2
+            for sock in stalled:  # the stalled ones finish and are acknowledged
+                sock.sendall(body[size // 2 :])
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+                sock.close()
+            assert _metric(alice, "kvstore_upload_bytes_held") == 0
+            answer = bob.post("/sessions/c/append", content=body, headers={"Content-Type": ARROW})
+            assert answer.status_code == 200 and answer.json()["appended"] == 64, answer.text
+    finally:
+        stop(service)
+
+
+def _metric(client: httpx.Client, name: str) -> float:
+    """One unlabelled sample of ``GET /metrics``."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
 def test_a_wait_longer_than_the_lock_timeout_answers_409(tmp_path):
     service = start(tmp_path, "--lock-timeout", "1")
     try:
@@ -612,10 +663,13 @@ def test_every_limit_is_a_documented_setting():
     ).stdout
     docs = (Path(__file__).resolve().parents[2] / "docs" / "API.md").read_text()
     limits = docs[docs.index("### Limits") : docs.index("## API keys")]
-    for flag in ["--max-body", *(f"--{name.replace('_', '-')}" for name in LIMITS)]:
+    for flag in ["--max-body", "--max-inflight-bytes", *(f"--{name.replace('_', '-')}" for name in LIMITS)]:
         assert flag in shown, flag
         assert f"`{flag} " in limits, flag
-    for error in ("413 BodyTooLarge", "429 SessionBusy", "429 JobQueueFull", "409 JournalLocked", "Retry-After"):
+    for error in (
+        "413 BodyTooLarge", "429 SessionBusy", "429 JobQueueFull", "409 JournalLocked", "503 UploadsBusy", "408",
+        "Retry-After",
+    ):  # fmt: skip
         assert error in limits, error
     assert str(JSON_BODY_BYTES // 1024) in limits and str(TOKENS_BODY_BYTES >> 20) in limits
     assert f"at most {BIG_BODY_VALUES} arrays" in limits and str(arrow.MAX_BATCHES) in limits

@@ -415,9 +415,12 @@ def test_the_servers_limits_answer_429_with_retry_after_and_cap_max_tokens(make_
     with (
         server.client() as http,
         http.stream(
-            "POST", "/v1/completions", json={"model": "tiny", "prompt": "Go", "max_tokens": 400, "stream": True}
+            "POST",
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "Go", "max_tokens": 400, "temperature": 0, "stream": True},
         ) as busy,
     ):
+        # greedy: this turn surely runs all 400 tokens (a sampled one may draw the end token at once)
         next(busy.iter_lines())  # alice's one turn is in flight
         with pytest.raises(openai.RateLimitError) as refused:
             api.chat.completions.create(model="tiny", messages=say, max_tokens=2)

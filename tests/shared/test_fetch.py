@@ -1,5 +1,4 @@
-"""How a replica reads segments (``kvstore.store.shared.fetch``): pieces and blocks that tile any
-range, a download's read-ahead bounded, one GET per byte when concurrent reads of one object miss
+"""How a replica reads segments (``kvstore.store.shared.fetch``): pieces that tile any range, a download's read-ahead bounded, one GET per byte when concurrent reads of one object miss
 the cache at once, and an object that does not match its digest never served nor kept. Real
 PostgreSQL, real S3 (moto's server); a BlobStore subclass records each GET it makes."""
 
@@ -16,7 +15,7 @@ from kvstore.formats import coli_kv
 from kvstore.store.results import records_report
 from kvstore.store.shared import BlobStore, SharedIndex, SharedStore, reports
 from kvstore.store.shared.cache import SegmentCache
-from kvstore.store.shared.fetch import blocks, pieces
+from kvstore.store.shared.fetch import pieces
 from kvstore.store.shared.index import ReadPlan, Segment
 from kvstore.store.shared.sessions import SharedSessionStore
 from shared.rows import GEOMETRY, TIER, rec_bytes, records
@@ -57,7 +56,7 @@ def reader_store(index_url, blobs_url, endpoint, cache: SegmentCache | None, *, 
     return store, blobs
 
 
-def test_pieces_and_blocks_tile_any_range():
+def test_pieces_tile_any_range():
     rng = np.random.default_rng(5)
     for _ in range(300):
         sizes = rng.integers(1, 30, size=rng.integers(1, 8))
@@ -72,15 +71,6 @@ def test_pieces_and_blocks_tile_any_range():
         for piece in got:  # in order, contiguous, each within its own segment
             assert piece.at == at and 0 < piece.nbytes and piece.offset + piece.nbytes <= piece.segment.nbytes
             at += piece.nbytes
-        least = int(rng.integers(1, 200))
-        spans = blocks(plan, start, end, least)
-        if start == end:
-            assert spans == []
-            continue
-        assert [lo for lo, _ in spans] == [start] + [hi for _, hi in spans[:-1]] and spans[-1][1] == end
-        bounds = {s.first_record for s in segments} | {end}
-        for lo, hi in spans:  # whole segments, at least `least` bytes unless the last
-            assert hi in bounds and ((hi - lo) * 7 >= least or hi == end)
 
 
 def test_concurrent_cold_reads_through_a_cache_get_each_byte_once_then_serve_from_the_copies(

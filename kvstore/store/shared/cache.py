@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import tempfile
 import threading
@@ -114,22 +115,61 @@ class SegmentCache:
                     if handle.readinto(into) != len(into):
                         raise _Damaged
         except OSError:  # no copy (or an unreadable one): the object store serves it
-            with self._lock:
-                self._misses += 1
-                self._forget(name)
+            self._missed(name)
             return False
         except _Damaged:
-            path.unlink(missing_ok=True)
-            with self._lock:
-                self._damaged += 1
-                self._misses += 1
-                self._forget(name)
+            self._missed(name, damaged=path)
             return False
+        self._hit(name)
+        return True
+
+    def view(self, segment: Segment, *, verify: bool = False) -> memoryview | None:
+        """The local copy of ``segment`` as a read-only view of the mapped file — no copy: the page
+        cache's pages themselves — or None (a miss; a copy that fails its check is deleted). Checked
+        as :meth:`read` checks. The view stays valid while it is held, even if the copy is evicted
+        meanwhile (an unlinked file's pages live until the last map goes)."""
+        name, path = self._file(segment.object)
+        try:
+            with open(path, "rb") as handle:
+                stat = os.fstat(handle.fileno())
+                identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+                if stat.st_size != segment.nbytes or segment.nbytes == 0:
+                    raise _Damaged
+                # read in now, by this (worker) thread: whoever touches the view later never waits on the disk
+                populate = getattr(mmap, "MAP_POPULATE", 0)
+                mapped = memoryview(
+                    mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+                )
+            with self._lock:
+                checked = self._checked.get(name) == identity
+            if verify or not checked:
+                if _digest(mapped) != segment.digest:
+                    raise _Damaged
+                with self._lock:
+                    self._checked[name] = identity
+        except OSError:  # no copy (or an unreadable one): the object store serves it
+            self._missed(name)
+            return None
+        except _Damaged:
+            self._missed(name, damaged=path)
+            return None
+        self._hit(name)
+        return mapped
+
+    def _hit(self, name: str) -> None:
         with self._lock:
             self._hits += 1
             if name in self._lru:
                 self._lru.move_to_end(name)
-        return True
+
+    def _missed(self, name: str, damaged: Path | None = None) -> None:
+        """A miss; ``damaged``: the copy failed its check and is deleted."""
+        if damaged is not None:
+            damaged.unlink(missing_ok=True)
+        with self._lock:
+            self._damaged += damaged is not None
+            self._misses += 1
+            self._forget(name)
 
     # ------------------------------------------------------------------ writing
     def fits(self, segment: Segment) -> bool:

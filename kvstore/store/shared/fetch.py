@@ -7,10 +7,10 @@ fetched once more if it does not match (a torn read), then refused (:class:`Sess
 Concurrent readers of one object share that one fetch (single flight).
 
 - :meth:`SegmentFetcher.read`: records ``[start, end)`` into one buffer, every segment at once;
-- :meth:`SegmentFetcher.stream`: the same range as chunks in order, read in blocks of whole
-  segments with up to ``read_ahead_bytes`` of the next blocks in flight while the caller sends one
-  — a resume's download hides the object store's latency behind the client's reading, in bounded
-  memory (the read-ahead, or one segment if larger);
+- :meth:`SegmentFetcher.stream`: the same range as chunks in order — views of the cache's mapped
+  copies or of the fetched objects, never copied — with up to ``read_ahead_bytes`` of the next
+  segments read while the caller sends one: a resume's download hides the object store's latency
+  behind the client's reading, in bounded memory (the read-ahead, or one segment if larger);
 - :meth:`SegmentFetcher.whole`: one segment's bytes.
 
 With a cache, a checked object is handed to the **keeper**, one thread at the lowest CPU priority
@@ -70,22 +70,6 @@ def pieces(plan: ReadPlan, start: int, end: int) -> list[Piece]:
         if lo < hi:
             offset = (lo - segment.first_record) * plan.rec_bytes
             out.append(Piece(segment, offset, (hi - lo) * plan.rec_bytes, (lo - start) * plan.rec_bytes))
-    return out
-
-
-def blocks(plan: ReadPlan, start: int, end: int, min_bytes: int) -> list[tuple[int, int]]:
-    """Record ranges tiling ``[start, end)`` that end on segment boundaries (or at ``end``), each
-    at least ``min_bytes`` long unless it is the last: a stream's units of read-ahead."""
-    out, lo = [], start
-    for segment in plan.segments:
-        if segment.end <= lo or segment.first_record >= end or lo >= end:
-            continue
-        hi = min(segment.end, end)
-        if (hi - lo) * plan.rec_bytes >= min_bytes or hi == end:
-            out.append((lo, hi))
-            lo = hi
-    if lo < end:  # segments missing from the plan: the read's own check reports them
-        out.append((lo, end))
     return out
 
 
@@ -206,38 +190,54 @@ class SegmentFetcher:
     def stream(
         self, key: str, plan: ReadPlan, start: int, end: int, chunk_records: int, read_ahead_bytes: int | None = None
     ) -> Generator[memoryview, None, None]:
-        """Records ``[start, end)`` as chunks of at most ``chunk_records`` records, in order, read in
-        blocks of whole segments (at least ``part_bytes`` each) with the next blocks, up to
-        ``read_ahead_bytes`` (None: the fetcher's), in flight while the caller holds a chunk (0: one
-        block at a time). Closing the iterator early cancels what has not started."""
+        """Records ``[start, end)`` as chunks of at most ``chunk_records`` records, in order: views of
+        each segment's checked bytes — the cache's mapped copy, or the fetched object — never copied
+        here. The next segments, up to ``read_ahead_bytes`` of them (None: the fetcher's; 0: one at
+        a time), are read while the caller holds a chunk; closing the iterator early cancels what
+        has not started."""
         ahead = self.read_ahead_bytes if read_ahead_bytes is None else read_ahead_bytes
         step = max(1, chunk_records) * plan.rec_bytes
-        todo = deque(blocks(plan, start, end, self.part_bytes))
-        pending: deque[tuple[bytearray, list[Future]]] = deque()
+        todo = deque(pieces(plan, start, end))
+        covered, expected = sum(piece.nbytes for piece in todo), (end - start) * plan.rec_bytes
+        if covered != expected:
+            raise SessionDamaged(
+                f"session {public_id(key)!r}: the committed segments cover {covered} of {expected} bytes"
+            )
+        pending: deque[tuple[Piece, Future]] = deque()
         in_flight = 0
 
         def submit_next() -> None:
             nonlocal in_flight
-            while todo and (not pending or in_flight + (todo[0][1] - todo[0][0]) * plan.rec_bytes <= ahead):
-                lo, hi = todo.popleft()
-                out = bytearray((hi - lo) * plan.rec_bytes)
-                pending.append((out, self._submit(key, plan, lo, hi, memoryview(out))))
-                in_flight += len(out)
+            while todo and (not pending or in_flight + todo[0].nbytes <= ahead):
+                piece = todo.popleft()
+                pending.append((piece, self.pool.submit(self._view, key, piece)))
+                in_flight += piece.nbytes
 
         try:
             submit_next()
             while pending:
-                out, jobs = pending.popleft()
-                self._wait(key, jobs, len(out))
-                in_flight -= len(out)
+                piece, job = pending.popleft()
+                view = job.result()  # re-raises a failed read
+                in_flight -= piece.nbytes
                 submit_next()
-                view = memoryview(out)
-                for at in range(0, len(out), step):
+                for at in range(0, piece.nbytes, step):
                     yield view[at : at + step]
         finally:
-            for _, jobs in pending:
-                for job in jobs:
-                    job.cancel()
+            for _, job in pending:
+                job.cancel()
+
+    def _view(self, key: str, piece: Piece) -> memoryview:
+        """``piece``'s checked bytes without a copy: a slice of the cache's mapped copy, of an object
+        waiting for the keeper, or of the object fetched whole now."""
+        segment, lo, hi = piece.segment, piece.offset, piece.offset + piece.nbytes
+        if segment.codec != "raw":
+            return memoryview(self._unpacked(key, segment))[lo:hi]
+        whole = self.cache.view(segment) if self.cache is not None else None
+        if whole is None and self._keeper is not None:
+            whole = self._keeper.waiting(segment)
+        if whole is None:
+            whole = self._checked(key, segment)
+        return whole[lo:hi]
 
     def _submit(self, key: str, plan: ReadPlan, start: int, end: int, out: memoryview) -> list[Future]:
         return [

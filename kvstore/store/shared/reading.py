@@ -128,12 +128,35 @@ class SharedReader(Reader):
     def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
         dtype = coli_kv.record_dtype(self.info.geometry, self.info.tier)
         start = 0
-        for body in self._stream(max(1, batch_records)):
+        per = max(1, batch_records)
+        for body in _exactly(self._stream(per), per * dtype.itemsize):
             records = np.frombuffer(body, dtype=dtype)
             if strict:
                 self.check_scales(records, start)
             yield KVRecords(Header(self.info.geometry, self.info.tier, len(records)), records, HEADER_BYTES + len(body))
             start += len(records)
+
+
+def _exactly(views: Iterator[memoryview], size: int) -> Iterator[memoryview]:
+    """``views`` (whole records, cut at segment ends) as chunks of exactly ``size`` bytes, the last
+    one shorter: a chunk inside one view is that view's slice, one across views a joined copy."""
+    held: list[memoryview] = []
+    held_bytes = 0
+    for view in views:
+        at = 0
+        while at < len(view):
+            if not held and len(view) - at >= size:
+                yield view[at : at + size]
+                at += size
+                continue
+            take = min(size - held_bytes, len(view) - at)
+            held.append(view[at : at + take])
+            held_bytes, at = held_bytes + take, at + take
+            if held_bytes == size:
+                yield memoryview(b"".join(held))
+                held, held_bytes = [], 0
+    if held:
+        yield memoryview(b"".join(held))
 
 
 def validated(geometry: Geometry, tier: Tier, records) -> tuple[np.ndarray, nonfinite.Sanitized]:

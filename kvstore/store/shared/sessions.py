@@ -60,6 +60,7 @@ from kvstore.store.results import (
     Resumed,
     VerifyReport,
     check_fingerprint,
+    checked_override,
     refuse_nonfinite,
 )
 from kvstore.store.shared.cache import DEFAULT_CACHE_BYTES, SegmentCache
@@ -507,6 +508,7 @@ class SharedSessionStore(Store):
         in the index); a mismatch is a miss from that segment on, as on the embedded store.
         """
         started = time.perf_counter()
+        checked_override(override)  # a misspelt override is refused, a fingerprint given or not
         key = self._key(session_id, owner)
         row = self.index.session(key)
         if row["state"] == "parked":
