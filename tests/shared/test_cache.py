@@ -6,6 +6,7 @@ Real PostgreSQL, real S3 (moto's server, behind the fault proxy to prove a hit n
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,17 @@ def test_the_budget_evicts_the_least_recently_used_copies(writer, index_url, blo
         assert smaller.cache is not None and smaller.cache.counts().files == 1  # a smaller budget on restart
 
 
+def wait_for_cached_bytes(http, size: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = http.get("/metrics").text.splitlines()
+        held = next(float(line.split()[1]) for line in lines if line.startswith("kvstore_cache_bytes "))
+        if held >= size:
+            return
+        assert time.monotonic() < deadline, f"the cache holds {held:.0f} bytes after {timeout} s, not {size}"
+        time.sleep(0.05)
+
+
 def test_a_replica_serves_from_its_cache_and_reports_it(replicas, api_key, tmp_path):  # noqa: F811
     first = replicas("r1", "--cache-size", "64M")
     with client(first, api_key) as http:
@@ -138,6 +150,8 @@ def test_a_replica_serves_from_its_cache_and_reports_it(replicas, api_key, tmp_p
         for seq in range(3):
             assert append(http, "chat", records(1, seq, ROWS)).status_code == 200
         image = resume(http, "chat")
+        # the copies are written by the keeper thread after the bytes were served: wait for them
+        wait_for_cached_bytes(http, 3 * ROWS * rec_bytes())
         assert resume(http, "chat") == image
         text = http.get("/metrics").text
     assert "kvstore_cache_hits_total 3.0" in text and "kvstore_cache_misses_total 3.0" in text
