@@ -19,6 +19,9 @@ same number of bytes measured in the same run (the physical peer).
 Decode tokens/s per tier (after a resume at the first length) is reported with its ratio to the
 f32 tier, and KV bytes per token per tier with the ratio to f32.
 
+``--rows`` also resumes from rows already in host memory (``Engine.restore(StoredRows)``, a fresh
+engine with its graphs warmed) beside ``restore_file`` of the same rows.
+
 ``--host-path`` also times the host restore the device path replaced (``coli_kv.load`` +
 ``StoredRows.from_records`` + ``restore``) on the same files, in a table of its own, and checks that
 both paths leave the same rows in the cache.
@@ -106,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", help="where the .coli_kv files go (default: a temporary folder)")
     parser.add_argument("--host-path", action="store_true", help="also time the host restore path (before/after table)")
     parser.add_argument(
+        "--rows",
+        action="store_true",
+        help="also resume from rows held in host memory (Engine.restore(StoredRows)) beside restore_file",
+    )
+    parser.add_argument(
         "--store",
         action="store_true",
         help="also resume through a session store (SessionStore.reader -> Engine.restore_reader), as a server does",
@@ -143,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_rows = {}
     host_rows = []
     store_rows = []
+    memory_rows = []
     store = None
     try:
         for length in args.lengths:
@@ -192,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     host_rows.append((length, tier, host_seconds, restore_seconds, path.stat().st_size, same_rows))
                     del host
+                if args.rows:
+                    memory_rows.append(
+                        _rows_resume(model, tier, length, stored, path, engine, args.prefill_chunk, device)
+                    )
                 if args.store:
                     store = store or _store(workdir)
                     store_rows.append(
@@ -265,6 +278,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_fmt_seconds(step_seconds):>11s} {_fmt_seconds(seconds + step_seconds):>13s} "
                 f"{_fmt_seconds(file_seconds):>11s} {'same' if same_rows else 'DIFFER':>8s}"
             )
+    if memory_rows:
+        print("\nResume from rows in host memory (a fresh engine, graphs warmed: Engine.restore(StoredRows))")
+        print("beside restore_file of the same rows; first call of each, then the best of 3 more")
+        print(
+            f"{'tokens':>7s} {'tier':>9s} {'rows 1st':>11s} {'rows':>11s} {'GB/s':>6s} {'file 1st':>11s} {'file':>11s} "
+            f"{'rows/file':>9s} {'rows':>8s}"
+        )
+        for length, tier, rows_first, rows_best, file_first, file_best, size, same_rows in memory_rows:
+            print(
+                f"{length:7d} {tier:>9s} {_fmt_seconds(rows_first):>11s} {_fmt_seconds(rows_best):>11s} "
+                f"{size / rows_best / 1e9:6.2f} {_fmt_seconds(file_first):>11s} {_fmt_seconds(file_best):>11s} "
+                f"{rows_best / file_best:8.2f}x {'same' if same_rows else 'DIFFER':>8s}"
+            )
     f32_rate = decode_rows.get("f32")
     print(f"\nDecode after a resume at {args.lengths[0]} tokens ({args.decode_tokens} tokens, greedy)")
     print(f"{'tier':>9s} {'tokens/s':>9s} {'vs f32':>7s} {'KV B/token':>11s} {'vs f32':>7s}")
@@ -276,6 +302,25 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{rate / f32_rate:6.2f}x" if f32_rate else "    -"
         print(f"{tier:>9s} {rate:9.1f} {ratio:>7s} {kv:11d} {f32_bytes / kv:6.2f}x")
     return 0
+
+
+def _rows_resume(model, tier, length, stored, path, reference, prefill_chunk, device):
+    """Restore ``stored`` (host StoredRows) into a fresh warmed engine, and ``path`` (the same rows as
+    a file) into another: (length, tier, rows first s, rows best s, file first s, file best s, file
+    bytes, same rows as ``reference``'s)."""
+    engines = []
+    for _ in range(2):
+        engine = Engine(model, tier=tier, prefill_chunk=prefill_chunk)
+        engine.warm_graphs(length + 1)
+        engines.append(engine)
+    rows_engine, file_engine = engines
+    rows_times = [_timed(device, partial(rows_engine.restore, stored))[0] for _ in range(4)]
+    file_times = [_timed(device, partial(file_engine.restore_file, path))[0] for _ in range(4)]
+    same = rows_engine.export_rows(0, length).record_array(reference.config.coli_geometry()).tobytes() == (
+        reference.export_rows(0, length).record_array(reference.config.coli_geometry()).tobytes()
+    )
+    size = path.stat().st_size
+    return length, tier, rows_times[0], min(rows_times[1:]), file_times[0], min(file_times[1:]), size, same
 
 
 def _store(workdir: Path):

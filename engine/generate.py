@@ -33,7 +33,7 @@ import torch
 
 from kvstore.engine.cache import LatentCache, make_cache
 from kvstore.engine.config import ModelConfig, preset
-from kvstore.engine.errors import GenerationError, GeometryMismatch
+from kvstore.engine.errors import CacheError, GenerationError, GeometryMismatch
 from kvstore.engine.model import MLAForCausalLM
 from kvstore.engine.rows import StoredRows
 from kvstore.tiers import Tier
@@ -257,9 +257,27 @@ class Engine:
 
     # -- cache ----------------------------------------------------------------------------------------
     def restore(self, rows: StoredRows, *, allow_requantize: bool = False) -> None:
-        """Load journaled rows into the cache (all or nothing); see :meth:`LatentCache.restore`."""
-        self._check_tokens(rows.tokens)
-        self.cache.restore(rows, allow_requantize=allow_requantize)
+        """Load journaled rows held in host memory into the cache (all or nothing); conversions as
+        :meth:`LatentCache.restore` makes them.
+
+        On a device the rows take :meth:`restore_file`'s path (``engine.restore.RowsBody``: laid out
+        as records into the pinned ring by several threads, uploaded once, split and sanitized on
+        the device); on the CPU they are placed where they lie (:meth:`LatentCache.restore`).
+
+        Raises
+        ------
+        GeometryMismatch, CodecMismatch, CacheError, GenerationError (token ids outside the vocabulary)
+        """
+        if self.device.type == "cpu":
+            self._check_tokens(rows.tokens)
+            self.cache.restore(rows, allow_requantize=allow_requantize)
+            return
+        from kvstore.engine.restore import RowsBody
+
+        if rows.tokens.ndim != 1:
+            raise CacheError(f"tokens must be 1-D, got shape {rows.tokens.shape}")
+        body = RowsBody(rows, self.config.coli_geometry())
+        self.cache.restore_body(body, allow_requantize=allow_requantize, check_tokens=self._check_tokens)
 
     def restore_file(
         self,

@@ -66,6 +66,7 @@ __all__ = [
     "MemoryBody",
     "Placement",
     "RecordLayout",
+    "RowsBody",
     "fill",
     "read_threads",
     "reserve_buffers",
@@ -390,6 +391,68 @@ class ReaderBody:
 
     def close(self) -> None:
         pass  # the reader is its caller's to close
+
+
+class RowsBody:
+    """Rows already in host memory as a journal stores them (``StoredRows``, layer-major): each
+    chunk's records are laid out by the reading threads straight into the restore's ring (pinned on
+    CUDA), so rows handed over in memory take the path a file takes — one interleaving copy on the
+    host, one upload, the split and the sanitize on the device — instead of a pageable copy per
+    field. Not strict: rows in memory have no file or session to name, so a corrupt scale is made
+    inert, as ``LatentCache.restore`` makes it.
+
+    Raises
+    ------
+    GeometryMismatch : the rows' shapes are not those ``geometry``'s records hold for their tier
+    """
+
+    strict = False
+
+    def __init__(self, rows, geometry: Geometry, *, source: str = "the rows handed over"):
+        tier = rows.tier
+        self.source = source
+        self.header: Header = Header(geometry, tier, rows.n)
+        self.n = rows.n
+        self.layout = RecordLayout.of(geometry, tier)
+        self._dtype = coli_kv.record_dtype(geometry, tier)
+        one = (self._dtype.fields or {})["layers"][0].base
+        n_layers = geometry.n_layers
+        wanted = {
+            "Lc": (n_layers, rows.n, *one["Lc"].shape),
+            "Rc": (n_layers, rows.n, *one["Rc"].shape),
+        }
+        given = {"Lc": rows.lc.shape, "Rc": rows.rc.shape}
+        if tier.version != 1:
+            wanted.update(Ls=(n_layers, rows.n), Rs=(n_layers, rows.n))
+            given.update(
+                Ls=None if rows.lc_scales is None else rows.lc_scales.shape,
+                Rs=None if rows.rc_scales is None else rows.rc_scales.shape,
+            )
+        wrong = [f"{name} {given[name]} (expected {shape})" for name, shape in wanted.items() if given[name] != shape]
+        if rows.tokens.shape != (rows.n,) or wrong:
+            raise GeometryMismatch(f"the rows do not fit this model's {tier.name} records: " + "; ".join(wrong))
+        self._rows = rows
+
+    geometry = property(lambda self: self.header.geometry)
+    tier = property(lambda self: self.header.tier)
+    limit = MemoryBody.limit
+
+    def read_into(self, out: np.ndarray, start: int, count: int) -> int:
+        """Rows ``start .. start+count-1`` as records into ``out`` (u8, contiguous); returns ``count``.
+        Plain strided copies: numpy runs them without the GIL, so the ring's threads overlap."""
+        rows, stop = self._rows, start + count
+        records = out[: count * self.layout.rec_bytes].view(self._dtype)
+        records["token"] = rows.tokens[start:stop]
+        layers = records["layers"]
+        layers["Lc"] = rows.lc[:, start:stop].transpose(1, 0, 2)
+        layers["Rc"] = rows.rc[:, start:stop].transpose(1, 0, 2)
+        if self.tier.version != 1:
+            layers["Ls"] = rows.lc_scales[:, start:stop].T
+            layers["Rs"] = rows.rc_scales[:, start:stop].T
+        return count
+
+    def close(self) -> None:
+        pass
 
 
 def _check_strict(body, host: np.ndarray, first_record: int) -> None:

@@ -20,8 +20,8 @@ import torch
 
 from kvstore import tiers
 from kvstore.engine import Engine, hf, make_cache
-from kvstore.engine.errors import CodecMismatch, GenerationError
-from kvstore.engine.restore import FileBody, MemoryBody, RecordLayout
+from kvstore.engine.errors import CodecMismatch, GenerationError, GeometryMismatch
+from kvstore.engine.restore import FileBody, MemoryBody, RecordLayout, RowsBody
 from kvstore.engine.rows import StoredRows
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
@@ -321,6 +321,45 @@ def test_memory_body_limit_and_layout_views_agree_with_numpy(tmp_path):
     assert body.n == 7 and body.host_rows().shape[0] == 7
 
 
+def _raw_rows(records: np.ndarray, tier: Tier) -> StoredRows:
+    """The records' rows handed over as they are (layer-major, damage and all, nothing sanitized):
+    what a caller of ``Engine.restore`` may hold."""
+    layers = records["layers"]
+    rows = [np.ascontiguousarray(layers[name].swapaxes(0, 1)) for name in ("Lc", "Rc")]
+    scales = [None, None]
+    if tier.version != 1:
+        scales = [np.ascontiguousarray(layers[name].T) for name in ("Ls", "Rs")]
+    return StoredRows(records["token"].copy(), tier.version, *rows, *scales, tier.codec, tier.bits)
+
+
+@pytest.mark.parametrize("tier_name", CACHE_TIERS)
+@pytest.mark.parametrize("file_name", list(FILES))
+def test_rows_in_memory_take_the_ring_and_give_the_host_path_bytes(file_name, tier_name):
+    """``RowsBody``: StoredRows laid out as records into the ring by the reading threads, then split
+    on the device as a file is — the same cache, byte for byte, as ``LatentCache.restore``'s
+    placing of the same rows, damaged ones included (NaN codes, corrupt scales and radii)."""
+    version, codec, bits = FILES[file_name]
+    tier = tiers.from_file(version, codec, bits)
+    rows = _raw_rows(_records(GEOMETRY, tier, seed=7), tier)
+    host = _cache(tier_name)
+    host.restore(rows, allow_requantize=True)
+    ring = _cache(tier_name)
+    ring.restore_body(RowsBody(rows, GEOMETRY), allow_requantize=True, chunk_bytes=CHUNK)
+    _assert_same(_state(ring), _state(host))
+
+
+def test_rows_that_do_not_fit_the_models_records_are_refused_before_anything_is_read():
+    rows = _raw_rows(_records(GEOMETRY, tiers.FP8, seed=1), tiers.FP8)
+    for bad in (
+        StoredRows(rows.tokens, 2, rows.lc[:2], rows.rc[:2], rows.lc_scales[:2], rows.rc_scales[:2]),  # layers
+        StoredRows(rows.tokens, 2, rows.lc[..., :-1], rows.rc, rows.lc_scales, rows.rc_scales),  # width
+        StoredRows(rows.tokens[:-1], 2, rows.lc, rows.rc, rows.lc_scales, rows.rc_scales),  # tokens
+        StoredRows(rows.tokens, 2, rows.lc, rows.rc, None, rows.rc_scales),  # a scale missing
+    ):
+        with pytest.raises(GeometryMismatch):
+            RowsBody(bad, GEOMETRY)
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-equal, except that NaNs need only sit in the same places: the f32 -> bf16 conversion of a
     NaN keeps a payload that depends on where it ran."""
@@ -343,10 +382,13 @@ def test_cuda_restore_gives_the_host_path_rows(tmp_path, file_name, tier_name):
     path = _damaged_file(tmp_path, file_name)
     host = make_cache(tier_name, GEOMETRY, "cuda")
     host.restore(StoredRows.from_records(coli_kv.load(path)), allow_requantize=True)
-    for restore in ("records", "file"):
+    for restore in ("records", "rows", "file"):
         cache = make_cache(tier_name, GEOMETRY, "cuda")
         if restore == "records":
             cache.restore_records(coli_kv.load(path), allow_requantize=True)
+        elif restore == "rows":  # Engine.restore's path: StoredRows through the pinned ring
+            rows = StoredRows.from_records(coli_kv.load(path))
+            cache.restore_body(RowsBody(rows, GEOMETRY), allow_requantize=True, chunk_bytes=CHUNK)
         else:
             with FileBody(path) as body:
                 cache.restore_body(body, allow_requantize=True, chunk_bytes=CHUNK)
