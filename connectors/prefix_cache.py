@@ -10,7 +10,9 @@ An engine that keeps one latent row per token and layer (vLLM's MLA paged cache 
   is a miss counted as ``refused`` too: it is never loaded.
 - :meth:`PrefixCache.load` — the rows of tokens ``[start, stop)`` of a session that lookup found,
   re-hashed against the index first (``verify``): damaged, missing or refused rows raise, so the
-  engine recomputes instead of attending to wrong KV.
+  engine recomputes instead of attending to wrong KV. A session whose rows fail verification is
+  quarantined (deleted, counted in ``quarantined``): kept, every later request would find it, fail
+  and recompute, and its own prompt's next save would be skipped as stored already.
 - :meth:`PrefixCache.save` — a prompt's rows as a new session (one per distinct prompt, its id
   derived from the fingerprint and the tokens, so the same prompt saved twice is stored once).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -37,10 +40,12 @@ import numpy as np
 import kvstore.store
 from kvstore import config, tiers
 from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient
-from kvstore.errors import ConfigError, KVStoreError, SessionExists
+from kvstore.errors import ConfigError, IntegrityError, KVStoreError, SessionExists
 from kvstore.formats.coli_kv import Geometry
 from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
 from kvstore.tiers import Tier
+
+logger = logging.getLogger(__name__)
 
 # The bytes of each weight file that the sampled hash reads: its head, its tail and this many
 # evenly spaced windows, so two checkpoints of one shape (another seed, another fine-tune) differ
@@ -51,6 +56,10 @@ SAMPLE_BYTES = 1 << 20
 
 class LoadFailed(KVStoreError, LookupError):
     """Stored rows could not be served (missing, damaged, refused): the engine must recompute them."""
+
+
+class RowsDamaged(LoadFailed):
+    """Stored rows failed verification; the session was quarantined (see :meth:`PrefixCache.load`)."""
 
 
 # ---------------------------------------------------------------------------- fingerprint
@@ -199,6 +208,7 @@ class CacheStats:
     loads: int = 0
     loaded_tokens: int = 0  # rows written into the engine's cache
     load_errors: int = 0
+    quarantined: int = 0  # stored sessions dropped because their rows failed verification
     saves: int = 0
     saved_tokens: int = 0
     save_errors: int = 0
@@ -330,17 +340,32 @@ class PrefixCache:
     def load(self, session_id: str, start: int, stop: int) -> np.ndarray:
         """Rows of tokens ``[start, stop)`` of a session, f32 ``[n_layers, stop - start, kv_lora + qk_rope]``.
 
+        A session whose rows fail verification is quarantined: deleted from the store (counted in
+        ``quarantined``), so the next lookup of its prompt misses and the next save stores it anew.
+
         Raises
         ------
+        RowsDamaged
+            The rows before ``stop`` failed verification (the session was quarantined).
         LoadFailed
-            The session is gone, was written under another fingerprint, failed verification before
-            ``stop``, or holds fewer rows; counted in ``load_errors``. Nothing partial is returned.
+            The session is gone, was written under another fingerprint or holds fewer rows. Both
+            are counted in ``load_errors``; nothing partial is returned.
         """
         try:
-            served = self.client.resume(session_id, self.fingerprint, self.verify)
+            try:
+                served = self.client.resume(session_id, self.fingerprint, self.verify)
+            except IntegrityError as exc:  # e.g. a session the store marked damaged
+                self._quarantine(session_id, str(exc))
+                raise RowsDamaged(str(exc)) from exc
+            if served.damaged_from is not None:
+                self._quarantine(session_id, f"records from {served.damaged_from} on fail verification")
             if served.records.n < stop:
-                damaged = f" (damaged from record {served.damaged_from})" if served.damaged_from is not None else ""
-                raise LoadFailed(f"session {session_id!r} serves {served.records.n} rows, {stop} needed{damaged}")
+                if served.damaged_from is not None:
+                    raise RowsDamaged(
+                        f"session {session_id!r} serves {served.records.n} rows, {stop} needed "
+                        f"(damaged from record {served.damaged_from}; quarantined)"
+                    )
+                raise LoadFailed(f"session {session_id!r} serves {served.records.n} rows, {stop} needed")
             L, R, _ = served.records.slice(start, stop).dequantize()
         except (KVStoreError, OSError) as exc:
             reason = f"load {session_id}[{start}:{stop}]: {exc}"
@@ -351,6 +376,19 @@ class PrefixCache:
         rows = np.concatenate([L, R], axis=-1)
         self._count(loads=1, loaded_tokens=stop - start)
         return rows
+
+    def _quarantine(self, session_id: str, reason: str) -> None:
+        """Drop a session whose rows fail verification. Kept, it would be found by every later
+        lookup, fail every load, and make its own prompt's save a no-op ("stored already"); dropped,
+        the next save of that prompt replaces it. (Two processes finding the same damage may race:
+        the later delete can drop a fresh copy the other just saved: a future miss, never wrong rows.)"""
+        try:
+            self.client.delete(session_id)
+        except (KVStoreError, OSError) as exc:  # gone already, or the store unreachable: not counted
+            self._count(error=f"quarantine {session_id}: {exc}")
+            return
+        logger.warning("kvstore connector: session %s quarantined (deleted): %s", session_id, reason)
+        self._count(quarantined=1, error=f"quarantined {session_id}: {reason}")
 
     # ------------------------------------------------------------------ save
     def session_id_for(self, tokens: np.ndarray) -> str:

@@ -69,6 +69,7 @@ COUNTERS = (
     "loads",
     "loaded_tokens",
     "load_errors",
+    "quarantined",
     "saves",
     "saved_tokens",
     "save_errors",
@@ -228,6 +229,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._gathered: dict[str, np.ndarray] = {}  # req -> f32[n_layers, n, width] being filled
         self._filled: dict[str, set[int]] = {}  # req -> the layers gathered so far
         self._failed_blocks: set[int] = set()
+        # requests whose load failed: their cache holds no stored rows where the load should have
+        # put them, so the rows gathered for their prompt's save would be wrong KV
+        self._load_failed: set[str] = set()
         self._sent: set[str] = set()  # finished requests whose conversation save is done
         logger.info(
             "kvstore connector (%s): store %s, owner %s, tier %s, fingerprint %s",
@@ -389,6 +393,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             except LoadFailed as exc:
                 first, last = load.start // self.block_size, (load.stop - 1) // self.block_size
                 self._failed_blocks.update(load.block_ids[first : last + 1])
+                self._load_failed.add(load.req_id)
                 logger.warning("kvstore connector: %s; vLLM recomputes those tokens", exc)
                 continue
             slots = _slots(load.block_ids, self.block_size, load.start, load.stop)
@@ -427,9 +432,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         for save in meta.saves:
             rows = self._gathered.pop(save.req_id, None)
             filled = self._filled.pop(save.req_id, set())
+            if save.req_id in self._load_failed:
+                # what was gathered holds the blocks the failed load left as they were; vLLM
+                # recomputes them, and the conversation's save at the end holds the right rows
+                self._load_failed.discard(save.req_id)
+                continue
             # a prompt some layer did not hand over is not saved: a partial row set would be wrong KV
             if rows is not None and len(filled) == self.geometry.n_layers:
                 self.cache.save(save.tokens, rows)
+        for save in meta.finished:
+            self._load_failed.discard(save.req_id)
 
     def _gather(self, block_ids: list[int], n: int) -> np.ndarray:
         """Rows of token positions ``[0, n)`` of every layer, f32 ``[n_layers, n, width]``."""
@@ -442,6 +454,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose conversation is saved: vLLM frees their blocks now."""
+        self._load_failed -= finished_req_ids  # finished with no save planned
         sent, self._sent = self._sent, set()
         return (sent or None), None
 

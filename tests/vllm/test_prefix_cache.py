@@ -14,6 +14,7 @@ from kvstore.connectors.prefix_cache import (
     CacheConfig,
     LoadFailed,
     PrefixCache,
+    RowsDamaged,
     model_fingerprint,
     open_store,
     sampled_weights_hash,
@@ -85,20 +86,46 @@ def test_rows_of_another_fingerprint_are_refused_and_counted(store, changed):
     assert asking.stats.load_errors == 1
 
 
+def alter(store, session_id: str, owner: str, record: int) -> None:
+    """Change one latent value of ``record`` (layer 0) in the session's journal: plausible, wrong."""
+    path = store.journal_path(session_id, owner=owner)
+    header, _ = read_header(path)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + record * header.rec_bytes + 4)
+        value = np.frombuffer(f.read(4), dtype="<f4")[0]
+        f.seek(HEADER_BYTES + record * header.rec_bytes + 4)
+        f.write(np.float32(value + 0.5).tobytes())
+
+
 def test_altered_rows_fail_verification_and_are_never_served(store):
     cache = PrefixCache(store, "team-a", fingerprint())
     session = cache.save(PROMPT, ROWS)
-    path = store.journal_path(session, owner="team-a")
-    header, _ = read_header(path)
-    with open(path, "r+b") as f:
-        f.seek(HEADER_BYTES + 50 * header.rec_bytes + 4)
-        f.write(np.float32(123.0).tobytes())
+    alter(store, session, "team-a", 50)
     assert cache.lookup(PROMPT) is not None  # the tokens are intact: the index still finds it
-    with pytest.raises(LoadFailed, match="serves 0 rows"):
+    with pytest.raises(RowsDamaged, match="serves 0 rows"):
         cache.load(session, 0, 192)
     with pytest.raises(LoadFailed):
         cache.load("vllm-missing", 0, 16)
     assert cache.stats.load_errors == 2 and cache.stats.loaded_tokens == 0
+    assert cache.stats.quarantined == 1  # the damaged session; a missing one is not quarantined
+
+
+def test_a_prefix_that_fails_verification_is_replaced_by_the_next_save(store):
+    cache = PrefixCache(store, "team-a", fingerprint())
+    session = cache.save(PROMPT, ROWS)
+    alter(store, session, "team-a", 120)
+    with pytest.raises(RowsDamaged):
+        cache.load(session, 0, 192)
+    # quarantined: the next request of the prompt misses (nothing offered that would fail again)...
+    assert cache.lookup(PROMPT) is None
+    # ...and its save stores the rows anew instead of being skipped as "stored already"
+    assert cache.save(PROMPT, ROWS) == session
+    found = cache.lookup(PROMPT)
+    assert found is not None and found.session_id == session
+    loaded = cache.load(session, 0, 192)
+    assert loaded.tobytes() == ROWS[:, :192].tobytes()  # bit-exact
+    stats = cache.stats
+    assert (stats.quarantined, stats.saves, stats.load_errors, stats.loads) == (1, 2, 1, 1)
 
 
 @pytest.mark.parametrize(("tier", "bound"), [(tiers.FP8, 0.08), (tiers.INT4, 0.2)])

@@ -168,6 +168,27 @@ def test_damaged_pages_are_never_handed_back(store):
     assert storage.counters()["load_errors"] == 1
 
 
+def test_a_damaged_page_is_replaced_by_the_next_set(store):
+    storage = backend({"store": store})
+    values = pages(2, seed=10)
+    storage.batch_set(KEYS[:2], values)
+    client = storage.cache.client
+    path = client.store.journal_path(storage.cache.page_id(KEYS[0]), owner="sglang")  # type: ignore[attr-defined]
+    header, _ = read_header(path)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 7 * header.rec_bytes + 4)
+        f.write(np.float32(321.0).tobytes())
+    assert storage.get(KEYS[0], target()) is None
+    # quarantined: SGLang sees the page missing, computes it and stores it anew
+    assert storage.batch_exists(KEYS[:2]) == 0
+    assert storage.batch_set(KEYS[:1], values[:1])
+    assert storage.batch_exists(KEYS[:2]) == 2
+    got = storage.get(KEYS[0], target())
+    assert got is not None and torch.equal(got, values[0])
+    counters = storage.counters()
+    assert (counters["quarantined"], counters["load_errors"], counters["saves"]) == (1, 1, 3)
+
+
 def test_another_owner_never_sees_the_pages(store):
     backend({"store": store, "owner": "team-a"}).batch_set(KEYS[:2], pages(2))
     other = backend({"store": store, "owner": "team-b"})
@@ -245,6 +266,11 @@ def test_service_mode_damaged_pages_are_refused_and_a_wrong_key_stops_at_start(s
     out = target()
     assert alice.get(KEYS[5], out) is None and not out.any()
     assert alice.counters()["load_errors"] == 1
+    # the service verified, found the damage; the page was quarantined and a new set replaces it
+    assert alice.counters()["quarantined"] == 1 and alice.batch_exists([KEYS[5]]) == 0
+    assert alice.set(KEYS[5], value)
+    got = alice.get(KEYS[5], target())
+    assert got is not None and torch.equal(got, value)
     alice.close()
 
 
