@@ -23,10 +23,17 @@ The counters reach vLLM's own metrics (``get_kv_connector_stats``: the ``vllm:kv
 of its Prometheus ``/metrics`` and its periodic "KV Transfer metrics" log line). The store is a
 folder every vLLM process on the machine may share (``store``: embedded mode) or a running
 ``kvstore serve`` (``url`` and an API key: service mode, shared across machines). See docs/VLLM.md.
+
+On vLLM's CPU platform, loads are exact only with vLLM's torch rotary op
+(``compilation_config={"custom_ops": ["-rotary_embedding"]}``): vLLM CPU's own rotary kernel ignores
+the token stride of MLA's rope key (a strided view), so the rows a prefill computes depend on how the
+prompt was chunked, and a process that loads a prefix then computes the rest gets other rows than
+one that computes it all. The connector warns at start when that kernel is on.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -165,6 +172,26 @@ def _geometry(vllm_config: "VllmConfig") -> Geometry:
     return Geometry(int(hf.num_hidden_layers), int(kv_lora), int(qk_rope), 0, 0, int(hf.vocab_size))
 
 
+# What docs/VLLM.md asks CPU users to set: vLLM's torch rotary op instead of its CPU kernel.
+TORCH_ROTARY = {"custom_ops": ["-rotary_embedding"]}
+
+
+def cpu_rotary_kernel_on(vllm_config: Any) -> bool:
+    """Whether vLLM runs on its CPU platform with its own rotary kernel (custom op ``rotary_embedding``
+    on, as ``CustomOp.enabled`` decides it): that kernel ignores the rope key's token stride, so
+    loaded and computed rows disagree (docs/VLLM.md)."""
+    try:
+        from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+    except ImportError:
+        return False
+    if not current_platform.is_cpu():
+        return False
+    ops = list(getattr(vllm_config.compilation_config, "custom_ops", None) or [])
+    if "-rotary_embedding" in ops:
+        return False
+    return "+rotary_embedding" in ops or "none" not in ops
+
+
 def _layer_number(name: str) -> int:
     found = re.findall(r"\d+", name)
     return int(found[0]) if found else -1
@@ -189,6 +216,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 "kvstore connector: kv_load_failure_policy is %r; with 'recompute' a failed load is recomputed "
                 "instead of failing the request",
                 transfer.kv_load_failure_policy,
+            )
+        if cpu_rotary_kernel_on(vllm_config):
+            logger.warning(
+                "kvstore connector: vLLM's CPU rotary kernel is on; it ignores the rope key's stride, so rows "
+                "loaded from the store differ from the rows this process would compute and generated tokens "
+                "can differ. Set compilation_config=%s (vLLM's torch rotary op) for exact loads (docs/VLLM.md)",
+                json.dumps(TORCH_ROTARY),
             )
         self.block_size = vllm_config.cache_config.block_size
         self.geometry = _geometry(vllm_config)

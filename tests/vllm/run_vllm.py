@@ -4,8 +4,11 @@ Run with vLLM's venv: ``python run_vllm.py SPEC.json OUT.json``. SPEC holds ``mo
 ``prompts`` (lists of token ids, run one after another so each sees what the previous stored; an
 entry ``{"after": i, "extra": [...]}`` continues prompt ``i``'s conversation: its tokens, the
 tokens generated for it, then ``extra``), ``max_tokens`` (one for all, or one per prompt),
-``connector`` (the ``kv_connector_extra_config``, or null for no connector) and ``metrics`` (true:
-vLLM's stats on, and OUT gets vLLM's own ``vllm:kvstore_*`` counters).
+``connector`` (the ``kv_connector_extra_config``, or null for no connector), ``metrics`` (true:
+vLLM's stats on, and OUT gets vLLM's own ``vllm:kvstore_*`` counters) and ``torch_rotary`` (default
+true: vLLM's torch rotary op, ``custom_ops: ["-rotary_embedding"]``, the configuration docs/VLLM.md
+gives; false: vLLM CPU's own rotary kernel, which ignores the rope key's token stride, so the rows a
+prefill computes depend on how the prompt was chunked).
 OUT gets, per prompt, the prompt, the generated token ids and the first generated token's top logprobs.
 vLLM spawns workers, so everything runs under the ``__main__`` guard.
 """
@@ -47,6 +50,8 @@ def main(spec_path: str, out_path: str) -> None:
         # on CPU this is the share of the machine's memory vLLM reserves: the tiny model needs little
         gpu_memory_utilization=spec.get("memory_share", 0.1),
         kv_transfer_config=transfer,
+        # exact loads on CPU (docs/VLLM.md): vLLM CPU's rotary kernel reads MLA's strided rope key wrong
+        compilation_config={"custom_ops": ["-rotary_embedding"]} if spec.get("torch_rotary", True) else None,
         disable_log_stats=not spec.get("metrics", False),
     )
     limits = spec["max_tokens"]

@@ -1,6 +1,14 @@
 """The kvstore connector inside real vLLM processes (vLLM's own venv, CPU, a tiny random DeepSeek-V3).
 
-Four vLLM processes share one model folder (float32, so equal inputs give equal tokens):
+Every process runs vLLM's torch rotary op (``custom_ops: ["-rotary_embedding"]``, the configuration
+docs/VLLM.md gives for CPU) unless it says otherwise: vLLM CPU's own rotary kernel ignores the rope
+key's token stride, so the rows a prefill computes depend on how the prompt was chunked and a loaded
+prefix is not what this process would have computed (``chunking``, below, shows it on the rows).
+
+vLLM processes share one model folder (float32, so equal inputs give equal tokens):
+
+0. ``baseline``: no connector; A, B and F computed from their first token: the tokens every run
+   below must generate.
 
 1. ``first`` (embedded mode, vLLM's own metrics on): an empty store folder; prompt A (300 tokens)
    is computed and saved, and when it finishes, its conversation (A and the tokens generated for
@@ -15,9 +23,11 @@ Four vLLM processes share one model folder (float32, so equal inputs give equal 
    server's ``/metrics`` lookups, hits and misses equal the two processes' counters.
 4. ``altered`` (embedded mode): a copy of the store whose rows were changed on disk, plus rows of
    prompt C stored under another model's fingerprint. Verification refuses the changed rows, so
-   vLLM recomputes A and B (the computed reference for both), and C's rows are refused by
-   fingerprint. (F has no computed reference: vLLM's CPU prefill of a prompt of another length
-   does not give bit-equal rows for the same leading tokens, so F's tokens are not compared.)
+   vLLM recomputes A, B and F, and quarantines their sessions; C's rows are refused by fingerprint.
+5. ``chunking``: two processes (a fresh store each), with and without the torch rotary op: A, then
+   A and 40 more tokens, which loads A's 288 tokens and computes the rest; rows 288..300 are
+   computed in one chunk with A and in another chunk after the load. With the torch op they agree;
+   with vLLM CPU's kernel they do not, and the connector warns at start.
 
 vLLM's venv comes from tests/vllm/setup_venv.sh (``.vllm-venv``, or ``$KVSTORE_VLLM_VENV``); without
 it these tests skip, except in CI (``KVSTORE_CI=1``), where they fail.
@@ -58,9 +68,19 @@ PROMPT_C = RNG.integers(2, 512, size=200).tolist()
 NEXT_TURN = {"after": 0, "extra": RNG.integers(2, 512, size=40).tolist()}  # F: A's conversation, continued
 
 
-def run_vllm(tmp: Path, model: Path, prompts: list, connector: dict | None, metrics: bool = False) -> list[dict]:
+def run_vllm(
+    tmp: Path,
+    model: Path,
+    prompts: list,
+    connector: dict | None,
+    metrics: bool = False,
+    *,
+    torch_rotary: bool = True,
+    max_tokens: int = MAX_TOKENS,
+) -> list[dict]:
     """Run ``prompts`` one after another in a new vLLM process; each result's tokens and first logprobs
-    (with ``metrics``, vLLM's own ``vllm:kvstore_*`` counters are in ``tmp/out.json``)."""
+    (with ``metrics``, vLLM's own ``vllm:kvstore_*`` counters are in ``tmp/out.json``; vLLM's log in
+    ``tmp/vllm.log``)."""
     spec = tmp / "spec.json"
     out = tmp / "out.json"
     spec.write_text(
@@ -68,9 +88,10 @@ def run_vllm(tmp: Path, model: Path, prompts: list, connector: dict | None, metr
             {
                 "model": str(model),
                 "prompts": prompts,
-                "max_tokens": MAX_TOKENS,
+                "max_tokens": max_tokens,
                 "connector": connector,
                 "metrics": metrics,
+                "torch_rotary": torch_rotary,
             }
         )
     )
@@ -123,6 +144,12 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("store") / "kv"
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, model):
+    """A, B and F computed by vLLM alone (no connector)."""
+    return run_vllm(tmp_path_factory.mktemp("baseline"), model, [PROMPT_A, PROMPT_B, NEXT_TURN], None)
 
 
 @pytest.fixture(scope="module")
@@ -189,39 +216,73 @@ def altered(tmp_path_factory, model, store, served):
         rows = np.random.default_rng(1).standard_normal((2, len(PROMPT_C), 576)).astype(np.float32)
         assert PrefixCache(opened, "vllm", other).save(PROMPT_C, rows) is not None
     results = run_vllm(
-        tmp, model, [PROMPT_A, PROMPT_B, PROMPT_C], {"store": str(copy), "stats_dir": str(tmp / "stats")}
+        tmp, model, [PROMPT_A, PROMPT_B, PROMPT_C, NEXT_TURN], {"store": str(copy), "stats_dir": str(tmp / "stats")}
     )
     return results, stats(tmp / "stats")
 
 
-def test_a_new_process_loads_the_stored_prefix_and_generates_the_same_tokens(first, second, altered):
+@pytest.fixture(scope="module")
+def chunking(tmp_path_factory, model):
+    """Per rotary setting: (max |difference| of rows 288..300 of A computed with A vs after loading
+    A's 288 tokens, the largest |value| there, vLLM's log)."""
+    from kvstore.store import SessionStore
+
+    out = {}
+    for torch_rotary in (True, False):
+        tmp = tmp_path_factory.mktemp("torch-rotary" if torch_rotary else "cpu-rotary")
+        longer = PROMPT_A + NEXT_TURN["extra"]
+        connector = {"store": str(tmp / "kv"), "stats_dir": str(tmp / "stats")}
+        run_vllm(tmp, model, [PROMPT_A, longer], connector, torch_rotary=torch_rotary, max_tokens=1)
+        assert stats(tmp / "stats")["worker"]["loaded_tokens"] == 288
+        with SessionStore(tmp / "kv") as opened:
+            rows = {}
+            for info in opened.list(owner="vllm"):
+                records = opened.resume(info.id, owner="vllm").records
+                L, R, _ = records.dequantize()
+                rows[records.n] = np.concatenate([L, R], axis=-1)
+        with_a, after_load = rows[len(PROMPT_A)][:, 288:300], rows[len(longer)][:, 288:300]
+        out[torch_rotary] = (
+            float(np.abs(with_a - after_load).max()),
+            float(np.abs(with_a).max()),
+            (tmp / "vllm.log").read_text(),
+        )
+    return out
+
+
+def test_a_new_process_loads_the_stored_prefix_and_generates_the_same_tokens(baseline, first, second, altered):
     (computed_a, _, _), first_stats, _ = first
     (loaded_a, _), second_stats = second
-    (recomputed_a, _, _), _ = altered
+    (recomputed_a, _, _, _), _ = altered
     # A, B, F and their three conversations; the new process stores nothing it found stored
     assert first_stats["scheduler"]["misses"] == 1 and first_stats["worker"]["saves"] == 6
     assert second_stats["worker"]["saves"] == 0
     sched, worker = second_stats["scheduler"], second_stats["worker"]
     assert sched["hits"] == 2 and sched["lookups"] == sched["hits"] + sched["misses"]
     assert worker["loads"] == 2 and worker["loaded_tokens"] == 288 + 288 and worker["load_errors"] == 0
-    assert loaded_a["tokens"] == computed_a["tokens"] == recomputed_a["tokens"]
+    assert loaded_a["tokens"] == computed_a["tokens"] == recomputed_a["tokens"] == baseline[0]["tokens"]
     assert len(loaded_a["tokens"]) == MAX_TOKENS
 
 
-def test_a_shared_prefix_with_another_suffix_loads_the_shared_blocks(first, altered):
+def test_a_shared_prefix_with_another_suffix_loads_the_shared_blocks(baseline, first, second, altered):
     (_, loaded_b, _), first_stats, _ = first
-    (_, computed_b, _), _ = altered
+    (_, computed_b, _, _), _ = altered
+    (_, loaded_b_again), _ = second
     # B shares A's first 256 tokens: those are loaded, its own 44 computed (F loads 304, below)
     assert first_stats["scheduler"]["hits"] == 2 and first_stats["worker"]["loaded_tokens"] == 256 + 304
-    assert loaded_b["tokens"] == computed_b["tokens"]
+    # the same tokens as vLLM alone, whether 256 (first) or 288 (second) of them were loaded
+    assert loaded_b["tokens"] == loaded_b_again["tokens"] == computed_b["tokens"] == baseline[1]["tokens"]
 
 
-def test_a_next_turn_loads_the_previous_answers_rows_too(first, store, altered):
+def test_a_next_turn_loads_the_previous_answers_rows_too(baseline, first, store, altered):
     from kvstore.store import SessionStore
 
     (a, _, next_turn), first_stats, _ = first
+    (_, _, _, recomputed_next_turn), _ = altered
     assert next_turn["prompt"] == a["prompt"] + a["tokens"] + NEXT_TURN["extra"]
     assert len(next_turn["tokens"]) == MAX_TOKENS
+    # 304 tokens loaded (the previous turn and its answer), the rest computed: the tokens of vLLM alone
+    assert next_turn["prompt"] == recomputed_next_turn["prompt"] == baseline[2]["prompt"]
+    assert next_turn["tokens"] == recomputed_next_turn["tokens"] == baseline[2]["tokens"]
     # A's conversation was saved with the rows of A and of its answer but the last token (never fed
     # back): 311 tokens, whole blocks of 16 of them loaded, past A's prompt of 300
     assert first_stats["worker"]["saved_tokens"] == 300 + 311 + 300 + 311 + 352 + 363
@@ -255,8 +316,10 @@ def test_vllms_own_metrics_carry_the_connectors_counters(first):
 def test_altered_rows_are_refused_by_verification_and_recomputed(altered):
     _, counts = altered
     sched, worker = counts["scheduler"], counts["worker"]
-    # the index still finds A and B (their tokens are intact); their rows fail the turn hashes
-    assert sched["hits"] == 2 and worker["load_errors"] == 2 and worker["loaded_tokens"] == 0
+    # the index still finds A, B and F (their tokens are intact); their rows fail the turn hashes,
+    # and each failing session is quarantined so that the next save of its prompt replaces it
+    assert sched["hits"] == 3 and worker["load_errors"] == 3 and worker["loaded_tokens"] == 0
+    assert worker["quarantined"] == 3
 
 
 def test_another_owner_never_loads_the_prefix_and_the_server_counts_every_lookup(first, served):
@@ -275,7 +338,17 @@ def test_another_owner_never_loads_the_prefix_and_the_server_counts_every_lookup
 
 
 def test_rows_of_another_model_are_refused_by_fingerprint(altered):
-    (_, _, other), counts = altered
+    (_, _, other, _), counts = altered
     sched = counts["scheduler"]
-    assert sched["refused"] == 1 and sched["lookups"] == 3 and sched["hits"] + sched["misses"] == 3
+    assert sched["refused"] == 1 and sched["lookups"] == 4 and sched["hits"] + sched["misses"] == 4
     assert len(other["tokens"]) == MAX_TOKENS
+
+
+def test_rows_after_a_load_equal_rows_computed_in_one_chunk_only_with_the_torch_rotary_op(chunking):
+    torch_diff, torch_scale, torch_log = chunking[True]
+    kernel_diff, kernel_scale, kernel_log = chunking[False]
+    print(f"rows 288..300, max |with A - after load|: torch rotary {torch_diff:.3g}, CPU kernel {kernel_diff:.3g}")
+    assert torch_diff <= 1e-5 * torch_scale
+    assert kernel_diff > 1e-2 * kernel_scale  # the chunk-dependent rows the connector warns about
+    warning = "vLLM's CPU rotary kernel is on"
+    assert warning in kernel_log and warning not in torch_log
