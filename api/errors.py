@@ -57,6 +57,7 @@ from kvstore.errors import (
     SessionExists,
     SessionNotFound,
     StaleLease,
+    TooManySessions,
     Unavailable,
 )
 
@@ -195,6 +196,7 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     InvalidSessionId: 400,
     InvalidRequest: 400,
     BudgetExceeded: 507,
+    TooManySessions: 409,  # the owner's sessions (--max-sessions-per-owner): no retry helps until some go
     FingerprintMismatch: 409,
     IntegrityError: 409,  # SessionDamaged too
     IndexFull: 507,

@@ -52,6 +52,7 @@ __all__ = [
     "IndexFull",
     "IndexIOError",
     "IntegrityError",
+    "InvalidCursor",
     "InvalidRequest",
     "InvalidSessionId",
     "JournalClosed",
@@ -61,6 +62,7 @@ __all__ = [
     "SessionDamaged",
     "SessionExists",
     "SessionNotFound",
+    "TooManySessions",
     # the shared backend (kvstore.store.shared, docs/SCALE.md)
     "BlobStoreError",
     "BlobStoreUnavailable",
@@ -150,6 +152,22 @@ class InvalidRequest(KVStoreError, ValueError):
     """An argument is out of range or malformed (a record count past the end, a bad upload).
 
     The reason names the argument and what it takes; nothing was changed.
+    """
+
+
+class InvalidCursor(InvalidRequest):
+    """A list's ``cursor`` is not one a list handed out (changed, cut short, or made up).
+
+    Nothing was listed: pass the ``next_cursor`` of the page before unchanged, or none to start
+    from the oldest session.
+    """
+
+
+class TooManySessions(KVStoreError, RuntimeError):
+    """The owner already has as many sessions as the store allows one owner
+    (``kvstore serve --max-sessions-per-owner``); nothing was created.
+
+    Delete sessions the owner no longer needs (``DELETE /sessions/{id}``), or raise the limit.
     """
 
 

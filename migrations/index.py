@@ -29,9 +29,15 @@ History (what each version holds):
    is simply a key that does not exist. The step renames the files (through the store, see
    :class:`MigrationContext`) before its transaction commits; a crash in between leaves files
    already renamed, which the step, run again on the next open, finds in place.
+5. ``listing-and-counts`` — ``by_created``: ``owner \\0 created_ns:u64be key`` -> b"" and
+   ``created``: ``created_ns:u64be key`` -> b"" (a page of a list, oldest first, is a cursor range
+   scan from the position the previous page ended at, :func:`listing_key`); ``counts``: sessions and
+   bytes by state and by tier name, store-wide and per owner (:func:`count_key` ->
+   ``sessions:i64be bytes:i64be``), kept by every write of a record, so a scrape, a summary and a
+   per-owner cap read a few keys instead of every record. A session being deleted is in neither.
 
 >>> [step.name for step in plan(1)]
-['owner-and-lru-indexes', 'prefix-blocks', 'owner-scoped-ids']
+['owner-and-lru-indexes', 'prefix-blocks', 'owner-scoped-ids', 'listing-and-counts']
 >>> storage_key("chat-1", "alice"), public_id("chat-1~alice"), key_owner("chat-1~alice")
 ('chat-1~alice', 'chat-1', 'alice')
 >>> plan(CURRENT_VERSION)
@@ -44,13 +50,14 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 
+from kvstore.formats.tiers import from_file
 from kvstore.migrations.errors import IndexSchemaError
 
-CURRENT_VERSION = 4
+CURRENT_VERSION = 5
 SCHEMA_KEY = b"schema_version"
 USAGE_KEY = b"usage_bytes"  # sum of size_bytes over the sessions (journal + archive bytes)
 PREFIX_BLOCK_KEY = b"prefix_block_tokens"
@@ -67,11 +74,27 @@ DB_LRU = b"lru"
 DB_PREFIX = b"prefix"
 DB_PREFIX_OF = b"prefix_of"
 DB_RESERVATIONS = b"reservations"
+DB_BY_CREATED = b"by_created"
+DB_CREATED = b"created"
+DB_COUNTS = b"counts"
 DATABASES_BY_VERSION = {
     1: (DB_META, DB_SESSIONS, DB_TURNS),
     2: (DB_META, DB_SESSIONS, DB_TURNS, DB_BY_OWNER, DB_LRU),
     3: (DB_META, DB_SESSIONS, DB_TURNS, DB_BY_OWNER, DB_LRU, DB_PREFIX, DB_PREFIX_OF, DB_RESERVATIONS),
     4: (DB_META, DB_SESSIONS, DB_TURNS, DB_BY_OWNER, DB_LRU, DB_PREFIX, DB_PREFIX_OF, DB_RESERVATIONS),
+    5: (
+        DB_META,
+        DB_SESSIONS,
+        DB_TURNS,
+        DB_BY_OWNER,
+        DB_LRU,
+        DB_PREFIX,
+        DB_PREFIX_OF,
+        DB_RESERVATIONS,
+        DB_BY_CREATED,
+        DB_CREATED,
+        DB_COUNTS,
+    ),
 }
 MAX_DBS = 16
 
@@ -80,6 +103,11 @@ KEY_SEP = "~"  # between a session's id and its owner in its storage key: neithe
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _TURN = struct.Struct(">IIB")
+_COUNT = struct.Struct(">qq")  # sessions, bytes (signed: a delta is applied before its pair)
+COUNT_STATE = b"state"  # count_key kinds: store-wide by state, by tier; per owner by state, by tier
+COUNT_TIER = b"tier"
+COUNT_OWNER_STATE = b"owner-state"
+COUNT_OWNER_TIER = b"owner-tier"
 
 
 # ------------------------------------------------------------------ key layouts (version 4)
@@ -150,6 +178,41 @@ def pack_u32(value: int) -> bytes:
 
 def unpack_u32(value: bytes) -> int:
     return _U32.unpack(value)[0]
+
+
+def created_ns(record: Mapping[str, Any]) -> int:
+    """A record's creation time in integer nanoseconds: the listing order. A record that carries
+    them exactly (``created_ns``: a shared index's row) gives those; an embedded record its
+    ``created`` seconds, rounded (distinct float seconds of this era differ by more than 200 ns,
+    so the rounded values keep the floats' order)."""
+    exact = record.get("created_ns")
+    return int(exact) if exact is not None else int(round(float(record["created"]) * 1e9))
+
+
+def listing_key(owner: str | None, created: int, session_id: str) -> bytes:
+    """The key of a session in ``by_created`` (``owner`` given) or ``created`` (None): keys sort as
+    ``(created_ns, storage key)``, the order lists are read in."""
+    position = _U64.pack(created) + session_id.encode()
+    return position if owner is None else owner.encode() + SEP + position
+
+
+def listing_session(key: bytes, owner: str | None) -> str:
+    """The storage key a ``listing_key`` names."""
+    skip = 0 if owner is None else len(owner.encode()) + 1
+    return key[skip + _U64.size :].decode()
+
+
+def count_key(kind: bytes, *names: str) -> bytes:
+    """A counter of ``counts``: ``kind \\0 name [\\0 name]`` (an owner, then a state or tier name)."""
+    return SEP.join((kind, *(name.encode() for name in names)))
+
+
+def pack_count(sessions: int, nbytes: int) -> bytes:
+    return _COUNT.pack(sessions, nbytes)
+
+
+def unpack_count(value: bytes | None) -> tuple[int, int]:
+    return _COUNT.unpack(value) if value is not None else (0, 0)
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
@@ -303,6 +366,49 @@ def _scope_ids_by_owner(ctx: MigrationContext) -> None:
             ctx.txn.put(lru_key(record["last_used_ns"], new), b"", db=lru)
 
 
+def tier_name(stored: Mapping[str, Any]) -> str:
+    """The tier name (``kvstore.tiers``) of a record's ``tier`` field, by its file version, codec and bits."""
+    return from_file(stored["version"], stored.get("codec"), stored.get("bits")).name
+
+
+def tally(records: Iterable[Mapping[str, Any]]) -> dict[bytes, tuple[int, int]]:
+    """Every ``counts`` entry of ``records`` (a session being deleted counts nowhere)."""
+    groups: dict[tuple[str, str, tuple], list[int]] = {}  # (owner, state, tier form) -> [sessions, bytes]
+    for record in records:
+        if record.get("state") == "deleting":
+            continue
+        stored = record["tier"]
+        group = groups.setdefault(
+            (record["owner"], record["state"], (stored["version"], stored.get("codec"), stored.get("bits"))), [0, 0]
+        )
+        group[0] += 1
+        group[1] += int(record["size_bytes"])
+    out: dict[bytes, list[int]] = {}
+    for (owner, state, form), (n, nbytes) in groups.items():
+        tier = from_file(*form).name
+        for key in (
+            count_key(COUNT_STATE, state),
+            count_key(COUNT_TIER, tier),
+            count_key(COUNT_OWNER_STATE, owner, state),
+            count_key(COUNT_OWNER_TIER, owner, tier),
+        ):
+            entry = out.setdefault(key, [0, 0])
+            entry[0] += n
+            entry[1] += nbytes
+    return {key: (n, nbytes) for key, (n, nbytes) in out.items()}
+
+
+def _add_listing_and_counts(ctx: MigrationContext) -> None:
+    by_created, created, counts = ctx.db(DB_BY_CREATED), ctx.db(DB_CREATED), ctx.db(DB_COUNTS)
+    records = [record for _, record in _each_record(ctx)]
+    for record in records:
+        if record.get("state") != "deleting":
+            ctx.txn.put(listing_key(record["owner"], created_ns(record), record["id"]), b"", db=by_created)
+            ctx.txn.put(listing_key(None, created_ns(record), record["id"]), b"", db=created)
+    for key, (n, nbytes) in tally(records).items():
+        ctx.txn.put(key, pack_count(n, nbytes), db=counts)
+
+
 STEPS: dict[int, SchemaStep] = {}
 
 
@@ -318,6 +424,14 @@ register(
 register(
     SchemaStep(
         3, "owner-scoped-ids", "session ids per owner: store every session under <id>~<owner>", _scope_ids_by_owner
+    )
+)
+register(
+    SchemaStep(
+        4,
+        "listing-and-counts",
+        "index sessions by creation (paged lists) and count them by state, tier and owner",
+        _add_listing_and_counts,
     )
 )
 

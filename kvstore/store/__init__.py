@@ -11,10 +11,11 @@ Where each concern lives (one file each; the facade delegates to one object per 
 sharing one :class:`~kvstore.store.context.StoreContext`)::
 
     base.py           Store and Reader: the interface, CAPABILITIES, open(), interface_drift()
-    values.py         ModelInfo, Fingerprint, SessionInfo, IndexRecord; id/owner/tag validation;
-                      record fields (both backends)
+    values.py         ModelInfo, Fingerprint, SessionInfo, IndexRecord, ListCursor (a list's page
+                      position); id/owner/tag validation; record fields (both backends)
     results.py        AppendResult, Resumed, VerifyReport, RepairReport, LookupResult, Eviction,
-                      CacheCounts; the checks both backends make (fingerprint, lookup tokens, NaN)
+                      CacheCounts, SessionCounts; the checks both backends make (fingerprint,
+                      lookup tokens, NaN)
     session_store.py  SessionStore: the embedded backend's facade, the wiring of the concerns
     context.py        StoreContext: folders and confined paths, the index, the per-session locks,
                       the limits, opening a session's journal; SessionHandle (a session resolved once)
@@ -23,7 +24,9 @@ sharing one :class:`~kvstore.store.context.StoreContext`)::
     reader.py         SessionReader: opening a session for resuming, and serving its records
     integrity.py      turn hashes (TurnHasher), verify, re-hashing a cut turn
     removal.py        cut (index first, then journal) and delete (hide, remove files, drop entries)
-    recovery.py       reconcile on open: roll back, clamp, adopt, orphan sweep, usage recount
+    recovery.py       reconcile on open: roll back, clamp, adopt, orphan sweep, usage and counts
+                      recount (one index scan; a session's files are looked at under its locks only
+                      when their names, sizes or headers disagree with its record)
     parking.py        park / unpark (archive.py: the zstd archive of a parked journal); the active
                       record and open journal a write starts from
     prefix.py         prefix lookup; the tokens of the blocks an append completes
@@ -97,6 +100,9 @@ Index layout (LMDB named databases, versioned by ``kvstore.migrations.index``)::
     prefix        chain_hash[16] key -> blocks:u32be    (lookup: sessions holding a chain hash)
     prefix_of     key \\0 block:u32be -> chain_hash[16] (a session's chain, to extend or drop)
     reservations  token -> pid:u64be bytes:u64be        (hard-limit bytes of writers in flight)
+    by_created    owner \\0 created_ns:u64be key -> b""  (an owner's sessions oldest first: paged lists)
+    created       created_ns:u64be key -> b""          (every owner's, oldest first)
+    counts        kind \\0 [owner \\0] state|tier -> sessions:i64be bytes:i64be (summaries, the owner cap)
 """
 
 from kvstore.store.base import CAPABILITIES, Reader, Store, interface_drift
@@ -109,12 +115,15 @@ from kvstore.store.results import (
     LookupResult,
     RepairReport,
     Resumed,
+    SessionCounts,
+    Tally,
     VerifyReport,
 )
 from kvstore.store.session_store import SessionStore
 from kvstore.store.values import (
     Fingerprint,
     IndexRecord,
+    ListCursor,
     ModelInfo,
     SessionInfo,
     validate_owner,
@@ -128,15 +137,18 @@ __all__ = [
     "Eviction",
     "Fingerprint",
     "IndexRecord",
+    "ListCursor",
     "LookupResult",
     "ModelInfo",
     "Reader",
     "RepairReport",
     "Resumed",
+    "SessionCounts",
     "SessionInfo",
     "SessionReader",
     "SessionStore",
     "Store",
+    "Tally",
     "VerifyReport",
     "interface_drift",
     "validate_owner",

@@ -29,7 +29,16 @@ import numpy as np
 from kvstore.errors import InvalidRequest
 from kvstore.formats.coli_kv import Geometry, Header, KVRecords
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
-from kvstore.store.results import AppendResult, CacheCounts, Eviction, LookupResult, RepairReport, Resumed, VerifyReport
+from kvstore.store.results import (
+    AppendResult,
+    CacheCounts,
+    Eviction,
+    LookupResult,
+    RepairReport,
+    Resumed,
+    SessionCounts,
+    VerifyReport,
+)
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import Fingerprint, ModelInfo, Progress, SessionInfo
 from kvstore.tiers import Tier
@@ -189,6 +198,12 @@ class Store(ABC):
 
     @property
     @abstractmethod
+    def max_sessions_per_owner(self) -> int | None:
+        """The most sessions one owner may have: a create or fork past it is refused with
+        ``TooManySessions``, nothing created (None: no cap)."""
+
+    @property
+    @abstractmethod
     def stats(self) -> StoreStats:
         """This store's counts of lookups, restores, appends, lock waits and evictions."""
 
@@ -219,16 +234,35 @@ class Store(ABC):
         tags: Iterable[str] = (),
         state: str | None = None,
         fingerprint: Fingerprint | None = None,
+        limit: int | None = None,
+        after: str | None = None,
     ) -> list[SessionInfo]:
-        """Sessions matching every filter given (all ``tags`` must be present), oldest first."""
+        """Sessions matching every filter given (all ``tags`` must be present), oldest first
+        (by creation time, then key).
+
+        ``limit``: at most that many (a page; None: every one). ``after``: the :attr:`SessionInfo.cursor`
+        of the last session of the page before; the list goes on from just after it, read from the
+        index's order without reading the sessions before it (``InvalidCursor`` for text that is not
+        a cursor). Paging through a store changed meanwhile gives every session that existed
+        throughout exactly once; one created meanwhile comes at the end.
+        """
+
+    @abstractmethod
+    def counts(self, *, owner: str | None = None) -> SessionCounts:
+        """Sessions and their bytes by state and by tier, of ``owner`` (None: every owner), as the
+        index keeps them: read without going through the sessions."""
+
+    @abstractmethod
+    def existing(self, session_ids: Iterable[str], *, owner: str) -> set[str]:
+        """Which of ``session_ids`` ``owner`` has (one index read for them all, no scan)."""
 
     @abstractmethod
     def usage(self) -> dict[str, int | None]:
         """``used_bytes``, ``reserved_bytes``, ``budget_bytes``, ``hard_limit_bytes``."""
 
-    @abstractmethod
     def usage_by_tier(self) -> dict[str, dict[str, int]]:
-        """Per tier name: ``{"bytes": ..., "sessions": ...}``."""
+        """Per tier name: ``{"bytes": ..., "sessions": ...}`` (:meth:`counts`' tiers)."""
+        return {tier: entry.to_dict() for tier, entry in self.counts().by_tier.items()}
 
     # ------------------------------------------------------------------ writing
     @abstractmethod
@@ -396,6 +430,7 @@ def open(
     lease_ttl: None = None,
     cache_bytes: None = None,
     create: bool = True,
+    max_sessions_per_owner: int | None = None,
 ) -> SessionStore: ...
 
 
@@ -414,6 +449,7 @@ def open(
     lease_ttl: float | None = None,
     cache_bytes: int | None = None,
     create: bool = True,
+    max_sessions_per_owner: int | None = None,
 ) -> Store: ...
 
 
@@ -432,6 +468,7 @@ def open(
     lease_ttl: float | None = None,
     cache_bytes: int | None = None,
     create: bool = True,
+    max_sessions_per_owner: int | None = None,
 ) -> Store: ...
 
 
@@ -449,6 +486,7 @@ def open(
     lease_ttl: float | None = None,
     cache_bytes: int | None = None,
     create: bool = True,
+    max_sessions_per_owner: int | None = None,
 ) -> Store:
     """Open the session store the arguments name: the one place a backend is chosen.
 
@@ -468,6 +506,8 @@ def open(
     lease_ttl : seconds a shared write lease lasts (None: its default); shared only
     cache_bytes : the replica's segment cache budget (None: its default, 0: none); shared only
     create : make the embedded store when ``data_dir`` holds none (False: refuse, creating nothing)
+    max_sessions_per_owner : the most sessions one owner may have; a create or fork past it is
+        refused with ``TooManySessions`` (None: no cap)
 
     Returns
     -------
@@ -477,8 +517,8 @@ def open(
     Raises
     ------
     InvalidRequest : one URL without the other, no data folder for the embedded store, an option
-        of the other backend, a limit that is not a non-negative number of bytes; with
-        ``create=False``, a data folder that holds no store
+        of the other backend, a limit that is not a non-negative number of bytes (or, for the cap,
+        a positive number of sessions); with ``create=False``, a data folder that holds no store
     """
     if (index_url is None) != (blobs_url is None):
         raise InvalidRequest("name both the shared index (index_url) and the object store (blobs_url), or neither")
@@ -500,6 +540,7 @@ def open(
             lock_timeout=lock_timeout,
             budget_bytes=budget_bytes,
             hard_limit_bytes=hard_limit_bytes,
+            max_sessions_per_owner=max_sessions_per_owner,
             **options,
         )
     given = [name for name, value in (("lease_ttl", lease_ttl), ("cache_bytes", cache_bytes)) if value is not None]
@@ -526,7 +567,22 @@ def open(
         lock_timeout=lock_timeout,
         reconcile=reconcile,
         progress=progress,
+        max_sessions_per_owner=max_sessions_per_owner,
     )
+
+
+def check_session_cap(value: Any) -> int | None:
+    """``max_sessions_per_owner`` as both backends take it: a positive integer, or None (no cap)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidRequest(f"max_sessions_per_owner must be a positive number of sessions, not {value!r}")
+    return value
+
+
+def check_page(limit: Any) -> int | None:
+    """A list's ``limit`` as both backends take it: a positive integer, or None (every session)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1):
+        raise InvalidRequest(f"limit must be a positive number of sessions, not {limit!r}")
+    return None if limit is None else int(limit)
 
 
 # ---------------------------------------------------------------------------- the interface, checked

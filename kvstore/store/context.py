@@ -174,6 +174,7 @@ class StoreContext:
     ----------
     data_dir : the store's folder (created 0700 if missing)
     budget_bytes, hard_limit_bytes : the disk limits (validated by the caller; None: none)
+    max_sessions_per_owner : the most sessions one owner may have (validated by the caller; None: no cap)
     map_size : the LMDB map size of the index in bytes
     lock_timeout : seconds an operation waits for a session another writer holds
     progress : callback ``(done, total)`` for index schema upgrades on open
@@ -197,9 +198,11 @@ class StoreContext:
         map_size: int,
         lock_timeout: float,
         progress: Progress | None,
+        max_sessions_per_owner: int | None = None,
     ):
         self.budget_bytes = budget_bytes
         self.hard_limit_bytes = hard_limit_bytes
+        self.max_sessions_per_owner = max_sessions_per_owner
         self.lock_timeout = lock_timeout
         self.stats = StoreStats()  # what operators see in GET /metrics (kvstore.store.stats)
         root = Path(data_dir)

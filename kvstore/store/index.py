@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, TypeGuard, cast
+from typing import Any, Callable, Generator, Iterable, Iterator, NamedTuple, TypeGuard, cast
 
 import lmdb
 import numpy as np
@@ -38,7 +38,14 @@ from kvstore.errors import (
 from kvstore.locks import pid_alive
 from kvstore.migrations import index as schema
 from kvstore.migrations.index import (
+    COUNT_OWNER_STATE,
+    COUNT_OWNER_TIER,
+    COUNT_STATE,
+    COUNT_TIER,
+    DB_BY_CREATED,
     DB_BY_OWNER,
+    DB_COUNTS,
+    DB_CREATED,
     DB_LRU,
     DB_META,
     DB_PREFIX,
@@ -47,7 +54,7 @@ from kvstore.migrations.index import (
     DB_SESSIONS,
     DB_TURNS,
 )
-from kvstore.store.values import IndexRecord
+from kvstore.store.values import STATES, IndexRecord
 
 DEFAULT_MAP_SIZE = 1 << 30  # a sparse file: the map only reserves address space
 _LMDB_FILES = ("data.mdb", "lock.mdb")
@@ -109,6 +116,21 @@ def _free_bytes(folder: Path) -> int | None:
     except OSError:
         return None
     return info.f_bavail * info.f_frsize
+
+
+_TIER_NAMES: dict[tuple, str] = {}  # a record's tier form -> its name (a few distinct forms in a store)
+
+
+def _counted(record: IndexRecord | None) -> tuple[str, str, str, int] | None:
+    """What a visible record adds to the counts: owner, state, tier name, bytes."""
+    if record is None:
+        return None
+    stored = record["tier"]
+    form = (stored["version"], stored.get("codec"), stored.get("bits"))
+    name = _TIER_NAMES.get(form)
+    if name is None:
+        name = _TIER_NAMES[form] = schema.tier_name(stored)
+    return record["owner"], record["state"], name, int(record["size_bytes"])
 
 
 class Turn(NamedTuple):
@@ -349,7 +371,8 @@ class Index:
             pass
 
     def put(self, txn, record: IndexRecord, previous: IndexRecord | None = None) -> None:
-        """Write ``record``; keeps the owner and LRU indexes and the usage counter in step."""
+        """Write ``record``; keeps the owner, LRU and listing indexes, the counts and the usage
+        counter in step (``previous``: the record it replaces, None for a new one)."""
         sid = record["id"]
         txn.put(schema.session_key(sid), schema.encode_record(dict(record)), db=self._db(DB_SESSIONS))
         visible = record["state"] != "deleting"
@@ -361,9 +384,48 @@ class Index:
             txn.put(schema.owner_key(record["owner"], sid), b"", db=self._db(DB_BY_OWNER))
         elif was_visible is not None:
             txn.delete(schema.owner_key(was_visible["owner"], sid), db=self._db(DB_BY_OWNER))
+        self._list(txn, sid, record if visible else None, was_visible)
+        self._count(txn, record if visible else None, was_visible)
         delta = record["size_bytes"] - (previous["size_bytes"] if previous is not None else 0)
         if delta:
             self.add_usage(txn, delta)
+
+    def _list(self, txn, sid: str, now: IndexRecord | None, before: IndexRecord | None) -> None:
+        """Keep the session's two listing entries (by owner, and store-wide) where its creation puts it."""
+        old = (before["owner"], schema.created_ns(before)) if before is not None else None
+        new = (now["owner"], schema.created_ns(now)) if now is not None else None
+        if old == new:
+            return  # most writes (appends, touches) move nothing
+        by_created, created = self._db(DB_BY_CREATED), self._db(DB_CREATED)
+        if old is not None:
+            txn.delete(schema.listing_key(old[0], old[1], sid), db=by_created)
+            txn.delete(schema.listing_key(None, old[1], sid), db=created)
+        if new is not None:
+            txn.put(schema.listing_key(new[0], new[1], sid), b"", db=by_created)
+            txn.put(schema.listing_key(None, new[1], sid), b"", db=created)
+
+    def _count(self, txn, now: IndexRecord | None, before: IndexRecord | None) -> None:
+        """Move the session's contribution to the counts from what ``before`` held to what ``now`` holds."""
+        old, new = _counted(before), _counted(now)
+        if old == new:
+            return  # a touch, or an append that did not change the size
+        counts = self._db(DB_COUNTS)
+        for part, sign in ((old, -1), (new, 1)):
+            if part is None:
+                continue
+            owner, state, tier, size = part
+            for key in (
+                schema.count_key(COUNT_STATE, state),
+                schema.count_key(COUNT_TIER, tier),
+                schema.count_key(COUNT_OWNER_STATE, owner, state),
+                schema.count_key(COUNT_OWNER_TIER, owner, tier),
+            ):
+                sessions, nbytes = schema.unpack_count(txn.get(key, db=counts))
+                sessions, nbytes = sessions + sign, nbytes + sign * size
+                if sessions == 0 and nbytes == 0:
+                    txn.delete(key, db=counts)  # an owner who has gone leaves no entry behind
+                else:
+                    txn.put(key, schema.pack_count(sessions, nbytes), db=counts)
 
     def remove(self, txn, record: IndexRecord) -> None:
         """Drop a session and every entry that belongs to it."""
@@ -376,6 +438,63 @@ class Index:
     def records(self, txn) -> list[IndexRecord]:
         with txn.cursor(db=self._db(DB_SESSIONS)) as cursor:
             return [cast(IndexRecord, schema.decode_record(value)) for _, value in cursor]
+
+    def listed(self, txn, owner: str | None, after: tuple[int, str] | None = None) -> Generator[str, None, None]:
+        """Visible sessions' keys (``owner``'s, or every owner's), oldest first (``(created_ns,
+        key)``), from just after ``after``: a cursor range scan, read as the caller goes."""
+        prefix = owner.encode() + schema.SEP if owner is not None else b""
+        start = prefix if after is None else schema.listing_key(owner, *after)
+        with txn.cursor(db=self._db(DB_BY_CREATED if owner is not None else DB_CREATED)) as cursor:
+            if not cursor.set_range(start):
+                return
+            for key in cursor.iternext(keys=True, values=False):
+                if not key.startswith(prefix):
+                    return
+                if after is not None and key == start:
+                    continue  # the last session of the page before
+                yield schema.listing_session(bytes(key), owner)
+
+    def counts(self, txn, owner: str | None = None) -> dict[str, dict[str, tuple[int, int]]]:
+        """``{"state": {state: (sessions, bytes)}, "tier": {tier name: (sessions, bytes)}}`` of
+        ``owner``'s sessions, or of every owner's: a few keys of ``counts``, never the records."""
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        for kind, name in (
+            (COUNT_STATE if owner is None else COUNT_OWNER_STATE, "state"),
+            (COUNT_TIER if owner is None else COUNT_OWNER_TIER, "tier"),
+        ):
+            prefix = schema.count_key(kind, *(() if owner is None else (owner,))) + schema.SEP
+            found: dict[str, tuple[int, int]] = {}
+            with txn.cursor(db=self._db(DB_COUNTS)) as cursor:
+                if cursor.set_range(prefix):
+                    for key, value in cursor:
+                        if not key.startswith(prefix):
+                            break
+                        found[bytes(key[len(prefix) :]).decode()] = schema.unpack_count(bytes(value))
+            out[name] = found
+        return out
+
+    def owner_count(self, txn, owner: str) -> int:
+        """How many visible sessions ``owner`` has (one key per state)."""
+        counts = self._db(DB_COUNTS)
+        return sum(
+            schema.unpack_count(txn.get(schema.count_key(COUNT_OWNER_STATE, owner, state), db=counts))[0]
+            for state in STATES
+        )
+
+    def recount(self, txn, records: list[IndexRecord]) -> bool:
+        """Set ``counts`` to what ``records`` (every record) hold; whether it held something else."""
+        wanted = {key: schema.pack_count(*value) for key, value in schema.tally(records).items()}
+        counts = self._db(DB_COUNTS)
+        with txn.cursor(db=counts) as cursor:
+            held = {bytes(key): bytes(value) for key, value in cursor}
+        if held == wanted:
+            return False
+        for key in held.keys() - wanted.keys():
+            txn.delete(key, db=counts)
+        for key, value in wanted.items():
+            if held.get(key) != value:
+                txn.put(key, value, db=counts)
+        return True
 
     def keys_of_id(self, txn, session_id: str) -> list[tuple[str, IndexRecord]]:
         """(storage key, record) of every owner's session with the public id ``session_id``."""
@@ -399,6 +518,11 @@ class Index:
                         break
                     out.append(key[len(start) :].decode())
         return out
+
+    def owned(self, txn, owner: str, keys: Iterable[str]) -> list[str]:
+        """Those of ``keys`` that are visible sessions of ``owner`` (one ``by_owner`` probe each)."""
+        by_owner = self._db(DB_BY_OWNER)
+        return [key for key in keys if txn.get(schema.owner_key(owner, key), db=by_owner) is not None]
 
     def least_recently_used(self, txn) -> list[str]:
         """Visible session ids, least recently used first."""

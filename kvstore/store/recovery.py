@@ -36,8 +36,8 @@ from pathlib import Path
 
 from kvstore.errors import FormatError, JournalLocked, PathRefused
 from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import HEADER_BYTES
-from kvstore.journal import KVFile, fsync_dir, move_durably
+from kvstore.formats.coli_kv import HEADER_BYTES, Header
+from kvstore.journal import KVFile, fsync_dir, move_durably, open_regular
 from kvstore.locks import FileLock, pid_alive
 from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
@@ -58,6 +58,7 @@ class Recovery:
         self.ctx = ctx
         self._removal = removal
         self._integrity = Integrity(ctx)  # stateless over the context: re-hashes a file that came back
+        self._headers: dict[tuple, tuple[bytes, int]] = {}  # a model and tier -> its header, record bytes
 
     # ------------------------------------------------------------------ one session, before a write
     def match_journal(self, record: IndexRecord, journal: KVFile) -> IndexRecord:
@@ -139,17 +140,31 @@ class Recovery:
     # ------------------------------------------------------------------ the whole store, on open
     def reconcile(self) -> list[str]:
         """Repair the index from the journals; sessions another request holds are skipped (that
-        request settles them). Returns one line per repair made."""
+        request settles them). Returns one line per repair made.
+
+        Its cost is one read of the index and one listing of each folder, plus a header read per
+        active journal: a session whose files agree with its record (the one file its state names,
+        a regular file, its header's model and tier, its count and size) is left as it is without
+        taking its locks. Only a session that disagrees — a torn or unacknowledged tail, a missing
+        or extra file, an interrupted park, delete or migrate, a damaged or hostile file — is
+        settled under its write lock, as before (``_reconcile_locked``); likewise only lock files
+        and journals the index does not name are looked at under their locks.
+        """
         ctx = self.ctx
         actions: list[str] = []
-        with ctx.index.write() as txn:
+        with ctx.index.write() as txn:  # one scan, and the counters checked against it, atomically
             purged = ctx.index.purge_dead_reservations(txn)
+            records = ctx.index.records(txn)
+            recounted = self._recount(txn, records)
         if purged:
             actions.append(f"released {purged} space reservations of writers that no longer run")
-        actions.extend(self.sweep_sidecars())
-        with ctx.index.read() as txn:
-            ids = [r["id"] for r in ctx.index.records(txn)]
-        for sid in ids:
+        known = {r["id"] for r in records}
+        journals, archives = _listing(ctx.dir_fd(ctx.journals)), _listing(ctx.dir_fd(ctx.archives))
+        actions.extend(self.sweep_sidecars(known=known, journals=journals))
+        for record in records:
+            sid = record["id"]
+            if self._agrees(record, journals, archives):
+                continue
             try:
                 with ctx.writing(sid, timeout=0):
                     actions.extend(self._reconcile_locked(sid))
@@ -157,9 +172,51 @@ class Recovery:
                 continue
             except PathRefused as exc:  # one session's hostile file never keeps the store from opening
                 actions.append(f"{sid}: left alone: {exc.reason}")
-        actions.extend(self._sweep_orphans())
-        actions.extend(self._recount_usage())
+        actions.extend(self._sweep_orphans(known))
+        actions.extend(recounted)
         return actions
+
+    def _agrees(self, record: IndexRecord, journals: dict[str, int], archives: dict[str, int]) -> bool:
+        """Whether a session's files agree with its record, looked at without its locks: an active
+        session has its journal alone (a regular file), whose header names the record's model and
+        tier and whose committed count and size are the record's; a parked one has its archive alone.
+        ``journals`` / ``archives``: each folder's entries (:func:`_listing`). Anything else
+        (a damaged or deleting session included) is for ``_reconcile_locked`` to settle."""
+        sid = record["id"]
+        journal, archived = f"{sid}.coli_kv", f"{sid}.coli_kv.zst"
+        if record["state"] == "parked":
+            return archives.get(archived, -1) >= 0 and journal not in journals
+        if record["state"] != "active" or journals.get(journal, -1) < 0 or archived in archives:
+            return False
+        expected, rec_bytes = self._header_of(record)
+        try:
+            fd = open_regular(self.ctx.journals / journal, os.O_RDONLY, self.ctx.dir_fd(self.ctx.journals))
+        except (OSError, PathRefused):
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, HEADER_BYTES, 0)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        # the header of the record's model and tier, byte for byte, but for its count (h6)
+        if len(head) != HEADER_BYTES or head[:32] != expected[:32] or head[36:] != expected[36:]:
+            return False
+        n_records = record["n_records"]
+        nrec = int.from_bytes(head[32:36], "little", signed=True)
+        held = min(nrec, (size - HEADER_BYTES) // rec_bytes)  # KVFile.holds, from the header
+        return held == n_records and size == HEADER_BYTES + n_records * rec_bytes == record["size_bytes"]
+
+    def _header_of(self, record: IndexRecord) -> tuple[bytes, int]:
+        """The header bytes (count 0) and record bytes of a record's model and tier (a few distinct ones)."""
+        stored = record["tier"]
+        form = (*record["geometry"], stored["version"], stored.get("codec"), stored.get("bits"))
+        found = self._headers.get(form)
+        if found is None:
+            header = Header(geometry_of(record), tier_of(record), 0)
+            found = self._headers[form] = (header.to_bytes(), header.rec_bytes)
+        return found
 
     def _reconcile_locked(self, sid: str) -> list[str]:
         ctx = self.ctx
@@ -282,8 +339,13 @@ class Recovery:
         return actions
 
     # ------------------------------------------------------------------ sidecars
-    def sweep_sidecars(self) -> list[str]:
+    def sweep_sidecars(self, *, known: set[str] | None = None, journals: dict[str, int] | None = None) -> list[str]:
         """Remove lock files that lock nothing; never count them as damage. Returns one line each.
+
+        ``known``: the keys the index held when the caller read it, ``journals``: the journal
+        folder's entries (:func:`_listing`); a lock file of a key in ``known``, or a journal's lock beside its
+        journal, locks something and is passed over without being locked (None: every one is
+        looked at under its locks).
 
         - a symbolic link where a lock file belongs (``locks/``, ``journals/*.coli_kv.lock``): the
           link goes (its target is neither opened nor touched);
@@ -307,7 +369,7 @@ class Recovery:
                 actions.append(self._not_a_file(ctx.locks, entry.name))
             else:
                 stale_sessions.add(stem)
-        for key in sorted(stale_sessions):
+        for key in sorted(stale_sessions - (known or set())):
             if self._remove_session_locks(key):
                 actions.append(f"removed the lock files of {key!r} in locks/: no such session")
         for entry in os.scandir(ctx.journals):
@@ -317,6 +379,8 @@ class Recovery:
                 actions.append(self._remove_link(ctx.journals, entry.name))
             elif not entry.is_file(follow_symlinks=False):
                 actions.append(self._not_a_file(ctx.journals, entry.name))
+            elif journals is not None and entry.name[: -len(".lock")] in journals:
+                continue  # its journal is there: the lock is its writers'
             elif self._remove_journal_lock(ctx.journals / entry.name):
                 actions.append(f"removed journals/{entry.name}: the lock of a journal that no longer exists")
         for folder in (ctx.locks, ctx.data_dir):
@@ -394,8 +458,9 @@ class Recovery:
             self.ctx.index.update(txn, sid, state="damaged", problem=reason)
         return f"{sid}: {reason}; marked damaged"
 
-    def _sweep_orphans(self) -> list[str]:
-        """Files without an index entry: temp files of dead writers, unacknowledged creations."""
+    def _sweep_orphans(self, known: set[str] | None = None) -> list[str]:
+        """Files without an index entry: temp files of dead writers, unacknowledged creations
+        (``known``: the keys the index held when the caller read it; their files are not orphans)."""
         ctx = self.ctx
         actions: list[str] = []
         for folder, suffix in ((ctx.journals, ".coli_kv"), (ctx.archives, ".coli_kv.zst")):
@@ -411,7 +476,7 @@ class Recovery:
                 if not entry.name.endswith(suffix):
                     continue
                 sid = entry.name[: -len(suffix)]
-                if not KEY_PATTERN.fullmatch(sid) or entry.is_symlink():
+                if not KEY_PATTERN.fullmatch(sid) or entry.is_symlink() or (known is not None and sid in known):
                     continue
                 try:
                     with ctx.writing(sid, timeout=0):
@@ -460,13 +525,31 @@ class Recovery:
         move_durably(path, target)
         return f"moved {folder.name}/{name} to lost+found/{target.name}: it has no index entry"
 
-    def _recount_usage(self) -> list[str]:
+    def _recount(self, txn, records: list[IndexRecord]) -> list[str]:
+        """Set the usage counter and the counts to what ``records`` (every record, read in ``txn``) hold."""
         index = self.ctx.index
-        with index.write() as txn:
-            records = [r for r in index.records(txn) if r["state"] != "deleting"]
-            counted = sum(r["size_bytes"] for r in records)
-            if counted != index.usage(txn):
-                before = index.usage(txn)
-                index.set_usage(txn, counted)
-                return [f"disk usage recounted: {before} -> {counted} bytes"]
-        return []
+        actions = []
+        # every record's bytes, a session being deleted's too: its files are there until the delete
+        # finishes, and finishing it (Index.remove) takes them off the counter then
+        counted = sum(r["size_bytes"] for r in records)
+        before = index.usage(txn)
+        if counted != before:
+            index.set_usage(txn, counted)
+            actions.append(f"disk usage recounted: {before} -> {counted} bytes")
+        if index.recount(txn, records):
+            actions.append("session counts recounted from the index's records")
+        return actions
+
+
+def _listing(folder_fd: int) -> dict[str, int]:
+    """What one of the store's folders (its open descriptor) holds, name -> size of a regular file,
+    or -1 for anything else (a link, a folder, a FIFO): one listing, no link followed."""
+    out = {}
+    with os.scandir(folder_fd) as entries:
+        for entry in entries:
+            try:
+                regular = entry.is_file(follow_symlinks=False)
+                out[entry.name] = entry.stat(follow_symlinks=False).st_size if regular else -1
+            except FileNotFoundError:  # removed while listed
+                continue
+    return out

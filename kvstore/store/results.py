@@ -19,7 +19,15 @@ from kvstore.filetools import Scan
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import KVRecords
 from kvstore.formats.nonfinite import Sanitized
-from kvstore.store.values import MODEL_FIELDS, Fingerprint, IndexRecord, SessionInfo, public_id, validate_owner
+from kvstore.store.values import (
+    MODEL_FIELDS,
+    STATES,
+    Fingerprint,
+    IndexRecord,
+    SessionInfo,
+    public_id,
+    validate_owner,
+)
 
 
 # ---------------------------------------------------------------------------- results
@@ -103,6 +111,42 @@ class Eviction:
     session_id: str
     action: str  # "parked" or "deleted"
     freed_bytes: int
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Sessions, and the bytes they hold (journal + archive, or segment objects)."""
+
+    sessions: int = 0
+    bytes: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"sessions": self.sessions, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class SessionCounts:
+    """An owner's sessions, or the whole store's, by state (every state of ``STATES``, zeros
+    included) and by tier name (tiers holding sessions only): what ``Store.counts`` returns."""
+
+    by_state: dict[str, Tally]
+    by_tier: dict[str, Tally]
+
+    @classmethod
+    def of(cls, by_state: dict[str, tuple[int, int]], by_tier: dict[str, tuple[int, int]]) -> SessionCounts:
+        """From ``(sessions, bytes)`` pairs; a state missing is zero, a tier of no session is left out."""
+        return cls(
+            {state: Tally(*by_state.get(state, (0, 0))) for state in STATES},
+            {tier: Tally(*pair) for tier, pair in sorted(by_tier.items()) if pair[0] > 0},
+        )
+
+    @property
+    def sessions(self) -> int:
+        return sum(entry.sessions for entry in self.by_state.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(entry.bytes for entry in self.by_state.values())
 
 
 @dataclass(frozen=True)

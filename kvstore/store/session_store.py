@@ -11,6 +11,7 @@ behaviour of each operation is documented where it is implemented; the package d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -23,7 +24,7 @@ import numpy as np
 from kvstore.errors import InvalidRequest
 from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
-from kvstore.store.base import CAPABILITIES, Store
+from kvstore.store.base import CAPABILITIES, Store, check_page, check_session_cap
 from kvstore.store.budget import Evictor, Reservations
 from kvstore.store.context import StoreContext
 from kvstore.store.index import DEFAULT_MAP_SIZE, Index, visible
@@ -41,18 +42,20 @@ from kvstore.store.results import (
     LookupResult,
     RepairReport,
     Resumed,
+    SessionCounts,
     VerifyReport,
 )
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
     Fingerprint,
+    ListCursor,
     ModelInfo,
     Progress,
     SessionFilter,
     SessionInfo,
     public_id,
     storage_key,
-    tier_of,
+    validate_owner,
     validate_tags,
 )
 from kvstore.store.writes import Writes
@@ -71,6 +74,8 @@ class SessionStore(Store):
     lock_timeout : seconds an operation waits for a session another writer holds
     reconcile : repair the index from the journals on open (see ``kvstore.store.recovery``)
     progress : callback ``(done, total)`` for index schema upgrades on open
+    max_sessions_per_owner : the most sessions one owner may have (None: no cap); a create or fork
+        past it raises :class:`TooManySessions`, nothing created
 
     Session ids are per owner: two owners may both have ``chat-1`` (the store keeps each under
     ``<id>~<owner>``, :attr:`SessionInfo.key`). Every method that takes ``owner`` looks up that
@@ -95,6 +100,7 @@ class SessionStore(Store):
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
         reconcile: bool = True,
         progress: Progress | None = None,
+        max_sessions_per_owner: int | None = None,
     ):
         for name, value in (("budget_bytes", budget_bytes), ("hard_limit_bytes", hard_limit_bytes)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -106,9 +112,9 @@ class SessionStore(Store):
             map_size=map_size,
             lock_timeout=lock_timeout,
             progress=progress,
+            max_sessions_per_owner=check_session_cap(max_sessions_per_owner),
         )
         self._ctx = ctx
-        self._tier_usage: tuple[int, dict[str, dict[str, int]]] | None = None  # (index txn id, usage)
         # The concerns, each over the shared context, each given the ones it calls (no cycles).
         self._integrity = Integrity(ctx)
         self._reservations = Reservations(ctx)
@@ -196,6 +202,10 @@ class SessionStore(Store):
     def lock_timeout(self) -> float:
         return self._ctx.lock_timeout
 
+    @property
+    def max_sessions_per_owner(self) -> int | None:
+        return self._ctx.max_sessions_per_owner
+
     def journal_path(self, session_id: str, *, owner: str | None = None) -> Path:
         """``journals/<id>~<owner>.coli_kv`` (PathRefused if it is a symbolic link). With ``owner`` the
         path whether or not the session exists; without, the path of the one session of that id."""
@@ -221,55 +231,49 @@ class SessionStore(Store):
         tags: Iterable[str] = (),
         state: str | None = None,
         fingerprint: Fingerprint | None = None,
+        limit: int | None = None,
+        after: str | None = None,
     ) -> list[SessionInfo]:
-        """Sessions matching every filter given (all ``tags`` must be present), oldest first."""
+        """Sessions matching every filter given (all ``tags`` must be present), oldest first.
+
+        Read in the index's creation order (``by_created`` for an owner, ``created`` for every
+        owner: a cursor range scan from ``after``), each session's record read as it comes, until
+        ``limit`` match: a page costs its own sessions (plus those a filter passes over), never the
+        store's. See :meth:`Store.list` for ``limit`` and ``after``.
+        """
         wanted = SessionFilter.of(model_name, tags, state, fingerprint)
+        limit = check_page(limit)
+        position = ListCursor.decode(after) if after is not None else None
+        index = self._ctx.index
+        out: list[SessionInfo] = []
+        with index.read() as txn:
+            start = (position.created_ns, position.key) if position is not None else None
+            with contextlib.closing(index.listed(txn, owner, start)) as keys:
+                for key in keys:
+                    record = index.get(txn, key)
+                    if visible(record, owner) and wanted.matches(record):
+                        out.append(SessionInfo.from_record(record))
+                        if limit is not None and len(out) >= limit:
+                            break
+        return out
+
+    def counts(self, *, owner: str | None = None) -> SessionCounts:
+        """Sessions and bytes by state and tier (``owner``'s, or every owner's): the index's
+        ``counts``, kept by every write of a record, so a few keys are read whatever the store holds."""
         index = self._ctx.index
         with index.read() as txn:
-            if owner is not None:
-                records = [index.get(txn, sid) for sid in index.owner_sessions(txn, owner)]
-            else:
-                records = index.records(txn)
-        out = []
-        for record in records:
-            if visible(record, owner) and wanted.matches(record):
-                out.append(SessionInfo.from_record(record))
-        out.sort(key=lambda info: (info.created, info.id))
-        return out
+            found = index.counts(txn, owner)
+        return SessionCounts.of(found["state"], found["tier"])
+
+    def existing(self, session_ids: Iterable[str], *, owner: str) -> set[str]:
+        """Which of ``session_ids`` ``owner`` has: one ``by_owner`` key each, in one read."""
+        keys = {storage_key(sid, validate_owner(owner)): sid for sid in session_ids}
+        with self._ctx.index.read() as txn:
+            return {keys[key] for key in self._ctx.index.owned(txn, owner, keys)}
 
     def usage(self) -> dict[str, int | None]:
         """Bytes the store holds (journals + archives), bytes reserved by writers, and the limits."""
         return self._reservations.usage()
-
-    def usage_by_tier(self) -> dict[str, dict[str, int]]:
-        """Per tier name: ``{"bytes": journal + archive bytes, "sessions": count}`` of every owner's
-        sessions (a session being deleted is left out).
-
-        One scan of the index (about 30 µs a session, the JSON records' decoding), made again only
-        when the index has committed a write since the last call (LMDB's transaction id), so a
-        scrape of a quiet store costs nothing.
-        """
-        index = self._ctx.index
-        with index.read() as txn:
-            generation = txn.id()
-            cached = self._tier_usage
-            if cached is not None and cached[0] == generation:
-                return {tier: dict(entry) for tier, entry in cached[1].items()}
-            records = index.records(txn)
-        out: dict[str, dict[str, int]] = {}
-        names: dict[tuple, str] = {}  # a tier's index form -> its name (one lookup per distinct tier)
-        for record in records:
-            if not visible(record, None):
-                continue
-            stored = record["tier"]
-            form = (stored["version"], stored.get("codec"), stored.get("bits"))
-            if form not in names:
-                names[form] = tier_of(record).name
-            entry = out.setdefault(names[form], {"bytes": 0, "sessions": 0})
-            entry["bytes"] += int(record["size_bytes"])
-            entry["sessions"] += 1
-        self._tier_usage = (generation, out)
-        return {tier: dict(entry) for tier, entry in out.items()}
 
     @property
     def stats(self) -> StoreStats:

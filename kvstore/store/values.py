@@ -8,13 +8,15 @@ record's tier and geometry fields.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypedDict
+from typing import Any, Callable, ClassVar, Iterable, TypedDict
 
 from kvstore import tiers
-from kvstore.errors import InvalidRequest, InvalidSessionId
+from kvstore.errors import InvalidCursor, InvalidRequest, InvalidSessionId
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
 from kvstore.migrations import index as schema
@@ -44,7 +46,11 @@ class TierRecord(TypedDict):
     bits: int | None
 
 
-class IndexRecord(TypedDict):
+class _ExactTimes(TypedDict, total=False):
+    created_ns: int  # the creation time exactly, where the index holds it so (a shared index's row)
+
+
+class IndexRecord(_ExactTimes):
     """A session's record in the index (LMDB ``sessions``: key -> this JSON object).
 
     ``id`` is the storage key (``<id>~<owner>``), ``parent`` the key of the session it was forked
@@ -271,6 +277,47 @@ class SessionFilter:
 
 
 @dataclass(frozen=True)
+class ListCursor:
+    """A position in a list of sessions, ordered oldest first: the creation time and storage key
+    of the last session a page held. Handed out as opaque text (:meth:`encode`); a list given it
+    continues with the sessions after that position, so a session deleted meanwhile never shifts a
+    page, and one created meanwhile comes at the end."""
+
+    created_ns: int
+    key: str
+
+    VERSION: ClassVar[str] = "1"
+    MAX_CHARS: ClassVar[int] = 400  # the longest a cursor this version writes is ~280 characters
+
+    def encode(self) -> str:
+        text = f"{self.VERSION}.{self.created_ns}.{self.key}"
+        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, text: Any) -> ListCursor:
+        """The position ``text`` (an :meth:`encode` result) holds; :class:`InvalidCursor` for
+        anything else, checked before it is used."""
+        refused = InvalidCursor(
+            "cursor is not one a list of sessions handed out: pass the last page's next_cursor unchanged "
+            "(or none, to start from the oldest session)"
+        )
+        if not isinstance(text, str) or not 0 < len(text) <= cls.MAX_CHARS or not text.isascii():
+            raise refused
+        try:
+            decoded = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode("ascii")
+        except (binascii.Error, ValueError):
+            raise refused from None
+        version, _, rest = decoded.partition(".")
+        created, _, key = rest.partition(".")
+        valid_key = KEY_PATTERN.fullmatch(key) is not None and schema.key_owner(key) is not None  # <id>~<owner>
+        if version != cls.VERSION or not created.isdigit() or int(created) >= 1 << 64 or not valid_key:
+            raise refused
+        if cls(int(created), key).encode() != text:  # one spelling per position: nothing else slips through
+            raise refused
+        return cls(int(created), key)
+
+
+@dataclass(frozen=True)
 class SessionInfo:
     """One session as the index records it (times are seconds since the epoch).
 
@@ -298,6 +345,7 @@ class SessionInfo:
     fingerprint_key: str
     prefix_blocks: int
     key: str
+    created_ns: int  # the creation time the lists are ordered by (``created`` is it in seconds)
 
     @classmethod
     def from_record(cls, record: IndexRecord) -> "SessionInfo":
@@ -322,7 +370,13 @@ class SessionInfo:
             fingerprint_key=record["fingerprint"],
             prefix_blocks=record.get("prefix_blocks", 0),
             key=record["id"],
+            created_ns=schema.created_ns(record),
         )
+
+    @property
+    def cursor(self) -> str:
+        """Where a list continues after this session (``Store.list(after=...)``): opaque text."""
+        return ListCursor(self.created_ns, self.key).encode()
 
     @property
     def fingerprint(self) -> Fingerprint:

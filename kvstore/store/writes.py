@@ -9,7 +9,10 @@
   journal append, the index transaction, then the evictor.
 - **truncate**: the index commits the shorter count first, then the journal is cut (``removal``).
 - **create / fork**: the new file is published atomically first, then indexed; a file without an
-  index entry is an unacknowledged creation (removed if empty, else moved to ``lost+found``).
+  index entry is an unacknowledged creation (removed if empty, else moved to ``lost+found``). With
+  a cap on an owner's sessions, both are refused (:class:`TooManySessions`) before any file is
+  made, and again in the transaction that would index the new session (the count is the index's
+  own, kept by every write, so two creates at once never both take the last place).
 
 Every write reserves its bytes under the hard limit first and settles the reservation in the
 transaction that commits it (``budget``).
@@ -24,7 +27,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from kvstore.errors import FormatError, InvalidRequest, JournalWriteError, SessionExists
+from kvstore.errors import FormatError, InvalidRequest, JournalWriteError, SessionExists, TooManySessions
 from kvstore.formats import coli_kv, nonfinite
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
 from kvstore.formats.nonfinite import Sanitized
@@ -97,6 +100,8 @@ class Writes:
         session_id = storage_key(session_id if session_id is not None else uuid.uuid4().hex, owner)
         check_record_size(geometry, tier)
         exists = f"session {public_id(session_id)!r} already exists"  # only ever the caller's own
+        with ctx.index.read() as txn:
+            self._refuse_past_cap(txn, owner)  # before any lock or file: a refusal leaves nothing
         with ctx.writing(session_id):
             path = ctx.journal_path(session_id)
             self._removal.finish_interrupted_delete(session_id)
@@ -139,6 +144,7 @@ class Writes:
                     with ctx.index.write() as txn:
                         if ctx.index.get(txn, session_id) is not None:
                             raise SessionExists(exists)
+                        self._refuse_past_cap(txn, owner)
                         ctx.index.put(txn, record)
                         self._reservations.settle(txn, reservation)
                 except BaseException:
@@ -147,6 +153,19 @@ class Writes:
                     raise
         self._evictor.after_write(session_id)
         return SessionInfo.from_record(record)
+
+    def _refuse_past_cap(self, txn, owner: str) -> None:
+        """Raise :class:`TooManySessions` when ``owner`` already has the most sessions the store
+        allows one owner (``max_sessions_per_owner``; None: no cap). The count is the index's own."""
+        cap = self.ctx.max_sessions_per_owner
+        if cap is None:
+            return
+        held = self.ctx.index.owner_count(txn, owner)
+        if held >= cap:
+            raise TooManySessions(
+                f"owner {owner!r} has {held} sessions, the most one owner may have (--max-sessions-per-owner "
+                f"{cap}); nothing was created: delete sessions no longer needed, then create again"
+            )
 
     def _clear_orphan(self, session_id: str, path: Path) -> None:
         """A journal left by a creation that crashed before it was indexed: empty ones go."""
@@ -303,6 +322,9 @@ class Writes:
         exists = f"session {public_id(new_id)!r} already exists"  # only ever the caller's own
         if new_id == session_id:
             raise SessionExists(exists)
+        owner_of_fork = schema.key_owner(new_id) or ""
+        with ctx.index.read() as txn:
+            self._refuse_past_cap(txn, owner_of_fork)  # before any lock or file: a refusal leaves nothing
         with ctx.writing(new_id):
             self._removal.finish_interrupted_delete(new_id)
             with ctx.index.read() as txn:
@@ -359,6 +381,7 @@ class Writes:
                     }
                     try:
                         with ctx.index.write() as txn:
+                            self._refuse_past_cap(txn, owner_of_fork)
                             ctx.index.put(txn, record)
                             for turn in turns:
                                 ctx.index.put_turn(txn, new_id, turn)

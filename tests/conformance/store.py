@@ -22,6 +22,7 @@ that check failing on a planted drift.
 from __future__ import annotations
 
 import abc
+import base64
 import inspect
 import threading
 from pathlib import Path
@@ -37,12 +38,14 @@ from kvstore.errors import (
     FormatError,
     GeometryMismatch,
     IntegrityError,
+    InvalidCursor,
     InvalidRequest,
     InvalidSessionId,
     NonFiniteValues,
     NotOnSharedStore,
     SessionExists,
     SessionNotFound,
+    TooManySessions,
 )
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry
@@ -241,6 +244,186 @@ class StoreConformance(abc.ABC):
         with pytest.raises(InvalidRequest):
             store.set_tags("chat", [f"t{i}" for i in range(33)])
         assert store.get("chat").tags == ("a", "b")
+
+    # ------------------------------------------------------------------ paging, counts, the cap per owner
+    @staticmethod
+    def pages(store, limit: int, **filters) -> list[list[str]]:
+        """Every page of a list of ``limit``, followed cursor to cursor: the ids of each (a list that
+        never ends fails, after more pages than the store holds sessions)."""
+        out, after = [], None
+        for _ in range(len(store.list()) + 2):
+            page = store.list(limit=limit, after=after, **filters)
+            assert len(page) <= limit
+            if not page:
+                return out
+            out.append([info.id for info in page])
+            after = page[-1].cursor
+        raise AssertionError(f"the pages never end: {out[:4]} ...")
+
+    def test_pages_give_every_session_once_in_order(self, store):
+        ids = [f"s{i:02d}" for i in range(11)]
+        for sid in ids:
+            new_session(store, sid, tags=["even"] if int(sid[1:]) % 2 == 0 else [])
+        new_session(store, "b1", owner="bob")
+        everything = [info.id for info in store.list(owner="alice")]
+        assert everything == ids  # oldest first, as created
+        assert self.pages(store, 4, owner="alice") == [ids[0:4], ids[4:8], ids[8:11]]
+        assert self.pages(store, 11, owner="alice") == [ids]
+        assert sum(self.pages(store, 5), []) == [info.id for info in store.list()] == [*ids, "b1"]
+        evens = [sid for sid in ids if int(sid[1:]) % 2 == 0]
+        assert self.pages(store, 2, owner="alice", tags=["even"]) == [evens[0:2], evens[2:4], evens[4:6]]
+        assert self.pages(store, 3, owner="alice", state="active") == [ids[0:3], ids[3:6], ids[6:9], ids[9:11]]
+        assert self.pages(store, 3, owner="alice", state="parked") == []
+        assert self.pages(store, 3, owner="bob") == [["b1"]]
+        # a cursor is a position, not an owner's: bob's cursor in alice's list goes on from its time
+        assert [i.id for i in store.list(owner="alice", after=store.get("b1").cursor)] == []
+
+    def test_pages_survive_sessions_created_and_deleted_between_them(self, store):
+        for i in range(6):
+            new_session(store, f"s{i}")
+        first = store.list(owner="alice", limit=2)
+        assert [i.id for i in first] == ["s0", "s1"]
+        store.delete("s1", owner="alice")  # the cursor's own session, gone
+        store.delete("s2", owner="alice")  # one the next page would have held
+        new_session(store, "a-new")  # sorts first by id, comes last by creation
+        assert [i.id for i in store.list(owner="alice", after=first[-1].cursor)] == ["s3", "s4", "s5", "a-new"]
+        seen = [info.id for info in first]
+        after = first[-1].cursor
+        for _ in range(10):  # 4 sessions left: 2 pages and an empty one (a list that never ends fails)
+            page = store.list(owner="alice", limit=2, after=after)
+            if not page:
+                break
+            seen += [info.id for info in page]
+            after = page[-1].cursor
+        assert seen == ["s0", "s1", "s3", "s4", "s5", "a-new"] and len(set(seen)) == len(seen)
+
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            "", "x", "not a cursor", "é" * 4, "A" * 401, 7,
+            # base64 of what a cursor holds, wrong: a key without its owner, another version, a negative
+            # time, a time past 64 bits, a path, padding written out
+            *(base64.urlsafe_b64encode(text.encode()).decode().rstrip("=") for text in (
+                "1.1.a", "2.1.a~alice", "1.-1.a~alice", f"1.{1 << 64}.a~alice", "1.1.../etc~alice", "1.1.a~alice~x",
+            )),
+            base64.urlsafe_b64encode(b"1.1.a~alice").decode(),
+        ],
+    )  # fmt: skip
+    def test_a_bad_cursor_is_refused(self, store, bad):
+        new_session(store)
+        with pytest.raises(InvalidCursor, match="cursor is not one a list of sessions handed out"):
+            store.list(after=bad)
+        good = store.get("chat").cursor
+        with pytest.raises(InvalidCursor):
+            store.list(after=good[:-1] + ("A" if good[-1] != "A" else "B"))  # one character changed
+        assert store.list(after=good) == []
+
+    @pytest.mark.parametrize("limit", [0, -1, True, 1.5, "10"])
+    def test_a_bad_limit_is_refused(self, store, limit):
+        with pytest.raises(InvalidRequest, match="limit"):
+            store.list(limit=limit)
+
+    def test_counts_follow_every_write(self, store, rows):
+        def expected(owner=None):
+            infos = store.list(owner=owner)
+            by_state = {state: {"sessions": 0, "bytes": 0} for state in ("active", "parked", "damaged")}
+            by_tier: dict = {}
+            for info in infos:
+                for table, name in ((by_state, info.state), (by_tier, info.tier.name)):
+                    entry = table.setdefault(name, {"sessions": 0, "bytes": 0})
+                    entry["sessions"] += 1
+                    entry["bytes"] += info.size_bytes
+            return by_state, by_tier
+
+        def check():
+            for owner in (None, "alice", "bob", "nobody"):
+                counts = store.counts(owner=owner)
+                by_state, by_tier = expected(owner)
+                assert {k: v.to_dict() for k, v in counts.by_state.items()} == by_state, owner
+                assert {k: v.to_dict() for k, v in counts.by_tier.items()} == by_tier, owner
+                assert counts.sessions == len(store.list(owner=owner))
+            assert store.usage_by_tier() == expected()[1]
+
+        check()
+        new_session(store, "a")
+        new_session(store, "b", tier=tiers.INT4)
+        new_session(store, "c", owner="bob")
+        check()
+        store.append("a", *compressible(40, 1), owner="alice")
+        store.append("c", *rows.make(3), owner="bob")
+        check()
+        store.fork("a", new_id="f", owner="alice")
+        store.truncate("a", 10, owner="alice")
+        check()
+        if "park" not in self.lacks:
+            store.park("f", owner="alice")
+            check()
+            assert store.counts(owner="alice").by_state["parked"].sessions == 1
+        store.delete("b", owner="alice")
+        store.delete("c", owner="bob")
+        check()
+        assert store.counts(owner="bob").sessions == 0 and store.counts(owner="bob").by_tier == {}
+        assert store.counts().sessions == 2
+
+    def test_existing_answers_for_one_owner(self, store):
+        new_session(store, "a")
+        new_session(store, "b", owner="bob")
+        assert store.existing(["a", "b", "zzz"], owner="alice") == {"a"}
+        assert store.existing(["a", "b"], owner="bob") == {"b"}
+        assert store.existing([], owner="alice") == set()
+        store.delete("a", owner="alice")
+        assert store.existing(["a"], owner="alice") == set()
+
+    def test_the_cap_per_owner_refuses_the_next_create_and_creates_nothing(self, tmp_path, rows):
+        with self.make_store(tmp_path / "capped", max_sessions_per_owner=3) as store:
+            assert store.max_sessions_per_owner == 3
+            for sid in ("a", "b", "c"):
+                new_session(store, sid)
+            store.append("a", *rows.make(2), owner="alice")
+            before = [info.to_dict() for info in store.list()], store.usage()["used_bytes"]
+            with pytest.raises(TooManySessions, match=r"'alice' has 3 sessions.*--max-sessions-per-owner 3"):
+                new_session(store, "d")
+            with pytest.raises(TooManySessions):
+                store.fork("a", new_id="d", owner="alice")
+            with pytest.raises(TooManySessions):
+                store.create("alice", GEOMETRY, tiers.FP8, MODEL)  # a generated id too
+            assert ([info.to_dict() for info in store.list()], store.usage()["used_bytes"]) == before
+            assert self.stored_image(store, "d", "alice") is None and store.counts(owner="alice").sessions == 3
+            # every owner has their own count
+            for sid in ("a", "b", "c"):
+                new_session(store, sid, owner="bob")
+            with pytest.raises(TooManySessions, match="'bob' has 3"):
+                new_session(store, "d", owner="bob")
+            # a delete frees a place at once
+            store.delete("b", owner="alice")
+            assert new_session(store, "d").id == "d"
+            with pytest.raises(TooManySessions):
+                store.fork("d", new_id="e", owner="alice")
+            assert store.counts(owner="alice").sessions == 3 and store.counts(owner="bob").sessions == 3
+        with pytest.raises(InvalidRequest, match="max_sessions_per_owner"):
+            self.make_store(tmp_path / "bad", max_sessions_per_owner=0)
+
+    def test_the_cap_holds_under_concurrent_creates(self, tmp_path):
+        with self.make_store(tmp_path / "capped", max_sessions_per_owner=5) as store:
+            outcomes: list[str] = []
+            lock = threading.Lock()
+
+            def create(i: int) -> None:
+                try:
+                    new_session(store, f"s{i}")
+                    result = "made"
+                except TooManySessions:
+                    result = "refused"
+                with lock:
+                    outcomes.append(result)
+
+            threads = [threading.Thread(target=create, args=(i,)) for i in range(12)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert sorted(outcomes) == ["made"] * 5 + ["refused"] * 7
+            assert len(store.list(owner="alice")) == 5 == store.counts(owner="alice").sessions
 
     # ------------------------------------------------------------------ append / resume / reader
     @pytest.mark.parametrize("tier", TIERS, ids=lambda t: t.describe())

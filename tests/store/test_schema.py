@@ -81,7 +81,7 @@ def test_upgrade_from_schema_1(tmp_path):
     write_v1_index(data, old)
     seen = []
     with SessionStore(data, progress=lambda done, total: seen.append((done, total))) as store:
-        assert store.index.version() == schema.CURRENT_VERSION and seen == [(1, 3), (2, 3), (3, 3)]
+        assert store.index.version() == schema.CURRENT_VERSION and seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
         assert [s.id for s in store.list(owner="alice")] == ["first"]
         assert store.get("first").tags == ("old",) and store.get("first").prefix_blocks == 3
         fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
@@ -115,6 +115,7 @@ def test_schema_steps_are_numbered_and_named():
         (1, 2, "owner-and-lru-indexes"),
         (2, 3, "prefix-blocks"),
         (3, 4, "owner-scoped-ids"),
+        (4, 5, "listing-and-counts"),
     ]
     with pytest.raises(IndexSchemaError):
         schema.plan(0)
@@ -152,7 +153,7 @@ def test_owner_scoped_ids_rename_the_files_and_a_crash_mid_step_is_finished_on_t
     names = sorted(p.name for p in (data / "journals").iterdir())
     assert names == ["branch~alice.coli_kv", "chat~bob.coli_kv", "first~alice.coli_kv"]
     with SessionStore(data) as store:
-        assert store.index.version() == 4
+        assert store.index.version() == schema.CURRENT_VERSION
         assert [line for line in store.reconcile_actions if not line.startswith("disk usage")] == []  # none moved
         assert sorted(p.name for p in (data / "journals").glob("*.coli_kv")) == names
         assert not (data / "locks" / "chat.write").exists()

@@ -36,6 +36,7 @@ from kvstore.store.shared.rows import (
     put_blocks,
     segment_of,
     unlisted,
+    within_cap,
 )
 from kvstore.store.values import public_id
 
@@ -63,8 +64,10 @@ class SharedIndex(Rewrites):
         now_ns: int,
         *,
         hard_limit: int | None = None,
+        max_sessions: int | None = None,
     ) -> None:
-        """A new empty session (``SessionExists``; ``BudgetExceeded`` past ``hard_limit``)."""
+        """A new empty session (``SessionExists``; ``BudgetExceeded`` past ``hard_limit``;
+        ``TooManySessions`` when its owner already has ``max_sessions``)."""
 
         def body(conn: psycopg.Connection) -> None:
             with conn.transaction():
@@ -75,6 +78,7 @@ class SharedIndex(Rewrites):
                 ).fetchone()
                 if row is None:
                     raise SessionExists(f"session {public_id(key)!r} already exists")
+                within_cap(conn, owner, max_sessions)
                 fit(conn, HEADER_BYTES, hard_limit)
 
         self.run("creating a session", body)
@@ -116,15 +120,27 @@ class SharedIndex(Rewrites):
 
         return self.run("deleting a session", body)
 
-    def sessions(self, owner: str | None = None) -> list[dict[str, Any]]:
-        """Every session's row (``owner``: that owner's only), oldest first, as :meth:`session` gives it."""
+    def sessions(
+        self,
+        owner: str | None = None,
+        *,
+        after: tuple[int, str] | None = None,
+        limit: int | None = None,
+        state: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Sessions' rows (``owner``: that owner's only; ``state``: in that state only), oldest first
+        (``created_ns``, then key), as :meth:`session` gives them: after the position ``after``
+        (keyset paging: an index range, ``kv_sessions_listing`` or ``kv_sessions_created``), at most
+        ``limit`` (None: all)."""
+        created, key = after if after is not None else (-1, "")
 
         def body(conn: psycopg.Connection) -> list[dict[str, Any]]:
             cur = conn.execute(
                 "SELECT key, owner, header, rec_bytes, n_records, size_bytes, watermark, record, state, "
-                "created_ns, updated_ns, last_used_ns FROM kv_sessions WHERE %(owner)s::text IS NULL OR owner = %(owner)s "
-                "ORDER BY created_ns, key",
-                {"owner": owner},
+                "created_ns, updated_ns, last_used_ns FROM kv_sessions "
+                "WHERE (%(owner)s::text IS NULL OR owner = %(owner)s) AND (%(state)s::text IS NULL OR state = %(state)s) "
+                "AND (created_ns, key) > (%(created)s, %(key)s) ORDER BY created_ns, key LIMIT %(limit)s",
+                {"owner": owner, "state": state, "created": created, "key": key, "limit": limit},
             )
             names = [column.name for column in cur.description or ()]
             found = [dict(zip(names, row)) for row in cur.fetchall()]
@@ -133,6 +149,37 @@ class SharedIndex(Rewrites):
             return found
 
         return self.run("listing sessions", body)
+
+    def counts(self, owner: str | None = None) -> list[tuple[str, bytes, int, int]]:
+        """``(state, header, sessions, bytes)`` per state and distinct header (model geometry and
+        tier) of ``owner``'s sessions (None: every owner's): one aggregate in PostgreSQL."""
+
+        def body(conn: psycopg.Connection) -> list[tuple[str, bytes, int, int]]:
+            rows = conn.execute(
+                "SELECT state, header, count(*), coalesce(sum(size_bytes), 0) FROM kv_sessions "
+                "WHERE %(owner)s::text IS NULL OR owner = %(owner)s GROUP BY state, header",
+                {"owner": owner},
+            ).fetchall()
+            return [(str(r[0]), bytes(r[1]), int(r[2]), int(r[3])) for r in rows]
+
+        return self.run("counting sessions", body)
+
+    def existing(self, keys: list[str]) -> set[str]:
+        """Those of ``keys`` that are sessions (one query)."""
+
+        def body(conn: psycopg.Connection) -> set[str]:
+            return {str(r[0]) for r in conn.execute("SELECT key FROM kv_sessions WHERE key = ANY(%s)", (keys,))}
+
+        return self.run("looking up sessions", body)
+
+    def owner_sessions(self, owner: str) -> int:
+        """How many sessions ``owner`` has (``kv_owners``, kept by a trigger: one row)."""
+
+        def body(conn: psycopg.Connection) -> int:
+            row = conn.execute("SELECT sessions FROM kv_owners WHERE owner = %s", (owner,)).fetchone()
+            return int(row[0]) if row is not None else 0
+
+        return self.run("counting an owner's sessions", body)
 
     def update_meta(
         self,

@@ -134,6 +134,7 @@ def record_of(row: dict[str, Any]) -> IndexRecord:
         "n_records": int(row["n_records"]),
         "watermark": int(row["watermark"]),
         "created": row["created_ns"] / 1e9,
+        "created_ns": int(row["created_ns"]),  # exactly: the listing order and its cursors
         "updated": row["updated_ns"] / 1e9,
         "last_used": row["last_used_ns"] / 1e9,
         "last_used_ns": int(row["last_used_ns"]),

@@ -24,6 +24,7 @@ from kvstore.store.shared.rows import (
     lock_session,
     publish_replacement,
     put_blocks,
+    within_cap,
 )
 from kvstore.store.values import public_id
 
@@ -43,6 +44,7 @@ class Rewrites(Housekeeping):
         now_ns: int,
         *,
         hard_limit: int | None = None,
+        max_sessions: int | None = None,
     ) -> None:
         """Publish a fork in one transaction: the new session's row, the source's segment rows that
         end at or before ``at`` (the objects are shared: immutable, named once), ``replacement`` (a
@@ -59,6 +61,7 @@ class Rewrites(Housekeeping):
         RecordCountMismatch : the source changed since the plan (fork again)
         SegmentLost : the replacement's intent was collected (upload again)
         BudgetExceeded : the fork would take the store past ``hard_limit`` bytes
+        TooManySessions : the source's owner already has ``max_sessions``
         """
 
         def body(conn: psycopg.Connection) -> None:
@@ -90,6 +93,7 @@ class Rewrites(Housekeeping):
                 ).fetchone()  # fmt: skip
                 if made is None:
                     raise SessionExists(f"session {public_id(new_key)!r} already exists")
+                within_cap(conn, str(src[0]), max_sessions)
                 conn.execute(
                     f"INSERT INTO kv_segments (key, {SEGMENT_COLUMNS}) SELECT %s, {SEGMENT_COLUMNS} FROM kv_segments "
                     "WHERE key = %s AND first_record + n_records <= %s",

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from kvstore.errors import BudgetExceeded, LeaseExpired, SegmentLost, SessionNotFound, StaleLease
+from kvstore.errors import BudgetExceeded, LeaseExpired, SegmentLost, SessionNotFound, StaleLease, TooManySessions
 from kvstore.store.values import public_id
 
 if TYPE_CHECKING:
@@ -159,6 +159,21 @@ def fit(conn: psycopg.Connection, grow: int, limit: int | None) -> None:
         raise BudgetExceeded(
             f"writing {grow} bytes would take the shared store to {used} bytes, over its hard limit of {limit}; "
             "nothing was written. Delete or park sessions, or raise the limit"
+        )
+
+
+def within_cap(conn: psycopg.Connection, owner: str, cap: int | None) -> None:
+    """Refuse a new session of ``owner`` past ``cap`` sessions, run in the transaction that inserted
+    its row: the insert's trigger counted it in ``kv_owners`` and holds that owner's row until the
+    commit, so concurrent creates of one owner (on any replica) take turns and cannot overshoot."""
+    if cap is None:
+        return
+    row = conn.execute("SELECT sessions FROM kv_owners WHERE owner = %s", (owner,)).fetchone()
+    held = (int(row[0]) if row is not None else 0) - 1  # the owner's sessions before this one
+    if held >= cap:
+        raise TooManySessions(
+            f"owner {owner!r} has {held} sessions, the most one owner may have (--max-sessions-per-owner "
+            f"{cap}); nothing was created: delete sessions no longer needed, then create again"
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 #: ``pg_advisory_xact_lock`` key serializing schema creation and upgrades across replicas.
 SCHEMA_LOCK = 0x6B7673_0001
 
-CURRENT_VERSION = 6
+CURRENT_VERSION = 7
 
 #: version reached -> the statements that reach it from the version before.
 STEPS: dict[int, tuple[str, ...]] = {
@@ -131,6 +131,36 @@ STEPS: dict[int, tuple[str, ...]] = {
             updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
         )""",
         "CREATE INDEX IF NOT EXISTS kv_jobs_owner ON kv_jobs (owner, updated_at)",
+    ),
+    # many sessions: a page of a list is an index range after the last page's (created_ns, key)
+    # (keyset paging, oldest first); each owner's count of sessions is kept by a trigger on every
+    # insert and delete of a session row (create, fork, push, delete, eviction), so the cap on an
+    # owner's sessions reads one row, and its update serializes that owner's creates until commit
+    7: (
+        "CREATE INDEX IF NOT EXISTS kv_sessions_listing ON kv_sessions (owner, created_ns, key)",
+        "CREATE INDEX IF NOT EXISTS kv_sessions_created ON kv_sessions (created_ns, key)",
+        """CREATE TABLE IF NOT EXISTS kv_owners (
+            owner text PRIMARY KEY,
+            sessions bigint NOT NULL CHECK (sessions >= 0)
+        )""",
+        # no session row comes or goes while the counts are taken and the trigger is put in place
+        "LOCK TABLE kv_sessions IN SHARE ROW EXCLUSIVE MODE",
+        "DELETE FROM kv_owners",
+        "INSERT INTO kv_owners (owner, sessions) SELECT owner, count(*) FROM kv_sessions GROUP BY owner",
+        """CREATE OR REPLACE FUNCTION kv_count_owner_sessions() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF TG_OP = 'INSERT' THEN
+                INSERT INTO kv_owners (owner, sessions) VALUES (NEW.owner, 1)
+                    ON CONFLICT (owner) DO UPDATE SET sessions = kv_owners.sessions + 1;
+            ELSE
+                UPDATE kv_owners SET sessions = sessions - 1 WHERE owner = OLD.owner;
+            END IF;
+            RETURN NULL;
+        END
+        $$""",
+        "DROP TRIGGER IF EXISTS kv_sessions_owner_count ON kv_sessions",
+        "CREATE TRIGGER kv_sessions_owner_count AFTER INSERT OR DELETE ON kv_sessions "
+        "FOR EACH ROW EXECUTE FUNCTION kv_count_owner_sessions()",
     ),
 }
 

@@ -45,12 +45,13 @@ from kvstore.errors import (
     SessionExists,
     SessionNotFound,
     StaleLease,
+    TooManySessions,
     Unavailable,
 )
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
-from kvstore.store.base import CAPABILITIES, Store
+from kvstore.store.base import CAPABILITIES, Store, check_page, check_session_cap
 from kvstore.store.results import (
     AppendResult,
     CacheCounts,
@@ -58,6 +59,7 @@ from kvstore.store.results import (
     LookupResult,
     RepairReport,
     Resumed,
+    SessionCounts,
     VerifyReport,
     check_fingerprint,
     checked_override,
@@ -79,12 +81,14 @@ from kvstore.store.shared.upkeep import Upkeep
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
     Fingerprint,
+    ListCursor,
     ModelInfo,
     Progress,
     SessionFilter,
     SessionInfo,
     public_id,
     storage_key,
+    validate_owner,
     validate_session_id,
     validate_tags,
 )
@@ -140,6 +144,9 @@ class SharedSessionStore(Store):
     hard_limit_bytes : the whole shared store's hard limit (None: none): a write that would take it
         past is refused with :class:`BudgetExceeded`, nothing written (checked in the commit
         transaction, serialized across replicas; give every replica the same limit)
+    max_sessions_per_owner : the most sessions one owner may have (None: no cap): a create or fork
+        past it is refused with :class:`TooManySessions`, nothing created (counted by the index in
+        the transaction that inserts the session, serialized per owner across replicas)
 
     Raises
     ------
@@ -160,6 +167,7 @@ class SharedSessionStore(Store):
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         budget_bytes: int | None = None,
         hard_limit_bytes: int | None = None,
+        max_sessions_per_owner: int | None = None,
     ):
         for name, value in (("budget_bytes", budget_bytes), ("hard_limit_bytes", hard_limit_bytes)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -170,6 +178,7 @@ class SharedSessionStore(Store):
         cache = SegmentCache(self._data_dir, cache_bytes) if cache_bytes > 0 and self._data_dir is not None else None
         self.shared = SharedStore.connect(index_url, blobs_url, ttl=lease_ttl, cache=cache)
         self.shared.hard_limit = hard_limit_bytes
+        self.shared.max_sessions = check_session_cap(max_sessions_per_owner)
         self._lock_timeout = lock_timeout
         self.holder = default_holder()  # this replica, as the leases name it
         self._stats = StoreStats()
@@ -196,6 +205,10 @@ class SharedSessionStore(Store):
     @property
     def stats(self) -> StoreStats:
         return self._stats
+
+    @property
+    def max_sessions_per_owner(self) -> int | None:
+        return self.shared.max_sessions
 
     @property
     def budget_bytes(self) -> int | None:
@@ -250,16 +263,46 @@ class SharedSessionStore(Store):
         tags: Iterable[str] = (),
         state: str | None = None,
         fingerprint: Fingerprint | None = None,
+        limit: int | None = None,
+        after: str | None = None,
     ) -> list[SessionInfo]:
-        """Sessions matching every filter given, oldest first (one query)."""
+        """Sessions matching every filter given, oldest first: keyset pages of the index's order
+        (``(created_ns, key)`` after the cursor's), the state filtered by PostgreSQL, the others
+        here, until ``limit`` match (see :meth:`Store.list`)."""
         wanted = SessionFilter.of(model_name, tags, state, fingerprint)
-        out = []
-        for row in self.index.sessions(owner):
-            record = record_of(row)
-            if wanted.matches(record):
-                out.append(SessionInfo.from_record(record))
-        out.sort(key=lambda info: (info.created, info.id))
-        return out
+        limit = check_page(limit)
+        position = ListCursor.decode(after) if after is not None else None
+        start = (position.created_ns, position.key) if position is not None else None
+        batch = None if limit is None else max(limit, 100)  # a filter may pass over rows: read ahead
+        out: list[SessionInfo] = []
+        while True:
+            rows = self.index.sessions(owner, after=start, limit=batch, state=state)
+            for row in rows:
+                record = record_of(row)
+                if wanted.matches(record):
+                    out.append(SessionInfo.from_record(record))
+                    if limit is not None and len(out) >= limit:
+                        return out
+            if batch is None or len(rows) < batch:
+                return out
+            start = (int(rows[-1]["created_ns"]), str(rows[-1]["key"]))
+
+    def counts(self, *, owner: str | None = None) -> SessionCounts:
+        """Sessions and bytes by state and tier (``owner``'s, or every owner's): one aggregate that
+        PostgreSQL computes over the index (this process reads a row per state and tier)."""
+        by_state: dict[str, tuple[int, int]] = {}
+        by_tier: dict[str, tuple[int, int]] = {}
+        for state, header, sessions, nbytes in self.index.counts(owner):
+            tier = coli_kv.parse_header(header).tier.name
+            for table, name in ((by_state, state), (by_tier, tier)):
+                held = table.get(name, (0, 0))
+                table[name] = (held[0] + sessions, held[1] + nbytes)
+        return SessionCounts.of(by_state, by_tier)
+
+    def existing(self, session_ids: Iterable[str], *, owner: str) -> set[str]:
+        """Which of ``session_ids`` ``owner`` has (one query)."""
+        keys = {storage_key(sid, validate_owner(owner)): sid for sid in session_ids}
+        return {keys[key] for key in self.index.existing(list(keys))} if keys else set()
 
     def usage(self) -> dict[str, int | None]:
         """Bytes of every session's records and headers in the shared store (all replicas)."""
@@ -275,14 +318,6 @@ class SharedSessionStore(Store):
         """This replica's segment cache: hits, misses, damaged copies refused, evictions, size
         (None without a cache); ``GET /metrics`` reports them."""
         return self.shared.cache.counts() if self.shared.cache is not None else None
-
-    def usage_by_tier(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-        for header, sessions, nbytes in self.index.usage():
-            entry = out.setdefault(coli_kv.parse_header(header).tier.name, {"bytes": 0, "sessions": 0})
-            entry["bytes"] += nbytes
-            entry["sessions"] += sessions
-        return out
 
     # ------------------------------------------------------------------ writing
     def create(
@@ -575,6 +610,12 @@ class SharedSessionStore(Store):
             validate_session_id(new_id)
         if new_key == source:
             raise SessionExists(f"session {public_id(new_key)!r} already exists")
+        cap = self.shared.max_sessions
+        if cap is not None and self.index.owner_sessions(row["owner"]) >= cap:  # before any upload
+            raise TooManySessions(
+                f"owner {row['owner']!r} has {cap} or more sessions, the most one owner may have "
+                f"(--max-sessions-per-owner {cap}); nothing was created: delete sessions no longer needed"
+            )
         stored = dict(row["record"] or {})
         record = {
             **stored,

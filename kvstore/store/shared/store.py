@@ -172,6 +172,7 @@ class SharedStore:
         self.hard_limit: int | None = (
             None  # bytes the whole store may hold (None: no limit); writes past it are refused
         )
+        self.max_sessions: int | None = None  # sessions one owner may have (None: no cap); creates past it refused
         self.reads = SegmentFetcher(blobs, cache)  # parallel ranged GETs, the cache, read-ahead
 
     @classmethod
@@ -220,8 +221,9 @@ class SharedStore:
             **(extra or {}),
         }
         self.index.create_session(
-            key, owner, header, record_bytes(geometry, tier), record, time.time_ns(), hard_limit=self.hard_limit
-        )
+            key, owner, header, record_bytes(geometry, tier), record, time.time_ns(), hard_limit=self.hard_limit,
+            max_sessions=self.max_sessions,
+        )  # fmt: skip
         return key
 
     def delete(self, key: str) -> None:
@@ -476,6 +478,7 @@ class SharedStore:
                 self.index.fork_session(
                     source, new_key, point, [(s.first_record, s.object) for s in below], replacement,
                     {**record, "fork_point": point}, watermark, time.time_ns(), hard_limit=self.hard_limit,
+                    max_sessions=self.max_sessions,
                 )  # fmt: skip
             except RecordCountMismatch:
                 if replacement is not None:
