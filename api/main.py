@@ -156,6 +156,7 @@ def open_store(settings: Settings) -> Store:
         "budget_bytes": settings.budget_bytes,
         "hard_limit_bytes": settings.hard_limit_bytes,
         "lock_timeout": settings.lock_timeout,
+        "max_sessions_per_owner": settings.max_sessions_per_owner,
     }
     if settings.index_url is not None and settings.blobs_url is not None:  # Settings checks both or neither
         return kvstore.store.open(

@@ -142,8 +142,14 @@ class SessionOut(BaseModel):
     fingerprint: str
 
 
+#: ``GET /sessions``: sessions per page when ``limit`` is not given, and the most one page may hold.
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+
+
 class SessionList(BaseModel):
-    sessions: list[SessionOut]
+    sessions: list[SessionOut] = Field(description="one page, oldest first")
+    next_cursor: str | None = Field(description="pass it as ``cursor`` for the next page; null: this page is the last")
 
 
 class TagsIn(Strict):

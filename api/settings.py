@@ -21,6 +21,7 @@ from kvstore.store.index import DEFAULT_MAP_SIZE
 
 DEFAULT_MAX_BODY_BYTES = 256 << 20  # a 256-token turn of a 78-layer fp8 model is ~12 MiB
 DEFAULT_SESSION_WAITERS = 16  # 8 writers and their readers on one session wait; the 17th is told to retry
+DEFAULT_MAX_SESSIONS_PER_OWNER = 100_000  # generous: bounds what one key can make (~250 creates/s over HTTP)
 
 
 @dataclass
@@ -49,6 +50,9 @@ class Settings:
     job_workers : threads running long jobs (park, unpark, migrate)
     max_jobs, max_jobs_per_owner : jobs queued or running at once, service-wide and per owner; one
         more is refused with 429 ``JobQueueFull`` and ``Retry-After``
+    max_sessions_per_owner : sessions one owner may have (the store counts them in its index); a
+        create or fork past it is refused with 409 ``TooManySessions``, nothing created (None: no
+        cap). On a replica, the whole shared store's count of the owner's sessions
     stream_chunk_bytes : bytes per chunk when streaming rows out
     reject_nonfinite : refuse appended rows holding NaN or infinity (422 ``NonFiniteValues``)
         instead of storing them by the tier's rule and counting them in the answer's ``sanitized``
@@ -94,6 +98,7 @@ class Settings:
     job_workers: int = 2
     max_jobs: int = DEFAULT_MAX_PENDING
     max_jobs_per_owner: int = DEFAULT_MAX_PENDING_PER_OWNER
+    max_sessions_per_owner: int | None = DEFAULT_MAX_SESSIONS_PER_OWNER
     stream_chunk_bytes: int = 4 << 20
     reject_nonfinite: bool = False
     model_dir: Path | None = None
@@ -162,7 +167,7 @@ class Settings:
             raise ConfigError("--cache-size: only a replica of a shared store (--index, --blobs) has a segment cache")
 
     def _check_serving(self) -> None:
-        for name in ("max_batch", "max_turns_per_owner", "torch_threads"):
+        for name in ("max_batch", "max_turns_per_owner", "torch_threads", "max_sessions_per_owner"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")

@@ -40,6 +40,11 @@ LIMITS = {
     "session_waiters": (int, "requests of one owner that may wait for one session; one more gets 429 (default 16)"),
     "max_jobs": (int, "park/unpark/migrate jobs queued or running at once; one more gets 429 (default 64)"),
     "max_jobs_per_owner": (int, "the same, for one owner's jobs (default 16)"),
+    "max_sessions_per_owner": (
+        int,
+        "sessions one owner may have; one more create or fork gets 409 TooManySessions, nothing created "
+        "(default 100000; with --index, counted across every replica)",
+    ),
     "header_timeout": (
         float,
         "seconds a connection may take to send a request's headers before it is answered 408 and closed (default 10)",

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,10 +125,35 @@ def _read_tokens(args: argparse.Namespace) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- commands
+LIST_PAGE = 1000  # sessions read (and printed) at a time by ``sessions list``
+
+
 def cmd_list(args: argparse.Namespace) -> int:
+    """Every matching session, a page of the store's list at a time (cursor to cursor), each page
+    printed before the next is read: what the command holds is one page, whatever the store holds.
+    The output is the same as printing the whole list at once (``--json``: one indented array)."""
+    as_json = getattr(args, "json", False)
+    shown = 0
     with _store(args) as store:
-        infos = store.list(owner=args.owner, model_name=args.model, tags=args.tag or (), state=args.state)
-    emit(args, [i.to_dict() for i in infos], "\n".join(_summary(i) for i in infos) or "(no sessions)")
+        after = None
+        while True:
+            page = store.list(
+                owner=args.owner, model_name=args.model, tags=args.tag or (), state=args.state,
+                limit=LIST_PAGE, after=after,
+            )  # fmt: skip
+            if not page:
+                break
+            if as_json:
+                items = (textwrap.indent(json.dumps(info.to_dict(), indent=2), "  ") for info in page)
+                print(("[\n" if shown == 0 else ",\n") + ",\n".join(items), end="")
+            else:
+                print("\n".join(_summary(info) for info in page))
+            shown += len(page)
+            after = page[-1].cursor
+    if as_json:
+        print("\n]" if shown else "[]")
+    elif shown == 0:
+        print("(no sessions)")
     return 0
 
 

@@ -7,6 +7,7 @@ import { ago, bytes, count, iso, plural, when } from "./format.js";
 
 const KEY_NAME = "kvstore.console.key";
 const JOB_POLL_MS = 1000;
+const PAGE = 100; // sessions per page of GET /sessions; "Show more" asks for the next one
 
 const $ = (id) => document.getElementById(id);
 
@@ -14,6 +15,8 @@ const state = {
   key: sessionStorage.getItem(KEY_NAME),
   owner: null,
   sessions: [],
+  moreCursor: null, // next_cursor after the sessions shown (null: every session is shown)
+  wanted: PAGE, // how many sessions the table shows at least (a refresh reads that many again)
   activity: {},
   store: null,
   jobs: [],
@@ -100,7 +103,9 @@ async function signIn(event) {
 
 function signOut(message = "") {
   sessionStorage.removeItem(KEY_NAME);
-  Object.assign(state, { key: null, owner: null, sessions: [], activity: {}, store: null, jobs: [], selected: null });
+  Object.assign(state, {
+    key: null, owner: null, sessions: [], moreCursor: null, wanted: PAGE, activity: {}, store: null, jobs: [], selected: null,
+  });
   clearTimeout(state.jobTimer);
   $("app").hidden = true;
   $("who").hidden = true;
@@ -120,14 +125,28 @@ async function enter(me, moveFocus) {
 }
 
 // ---------------------------------------------------------------------------- loading
+/** The owner's sessions, oldest first, a page at a time until ``state.wanted`` are read (or all). */
+async function loadSessions() {
+  let sessions = [];
+  let cursor = null;
+  do {
+    const query = `limit=${PAGE}` + (cursor === null ? "" : `&cursor=${encodeURIComponent(cursor)}`);
+    const page = await api(`/sessions?${query}`);
+    sessions = sessions.concat(page.sessions);
+    cursor = page.next_cursor;
+  } while (cursor !== null && sessions.length < state.wanted);
+  return { sessions, cursor };
+}
+
 async function refresh() {
   const [sessions, activity, store, jobs] = await Promise.all([
-    api("/sessions"),
+    loadSessions(),
     api("/console/activity"),
     api("/console/store"),
     api("/jobs"),
   ]);
   state.sessions = sessions.sessions;
+  state.moreCursor = sessions.cursor;
   state.activity = activity.sessions;
   state.store = store;
   state.jobs = jobs;
@@ -200,7 +219,23 @@ function renderSessions() {
       ),
       h("tbody", {}, rows),
     ),
+    state.moreCursor === null
+      ? null
+      : h(
+          "p",
+          { class: "more" },
+          h("button", { type: "button", id: "more-sessions", class: "quiet" }, "Show more sessions"),
+          h("span", { class: "muted" }, ` ${plural(state.sessions.length, "session")} shown, oldest first`),
+        ),
   );
+}
+
+async function showMoreSessions() {
+  const page = await api(`/sessions?limit=${PAGE}&cursor=${encodeURIComponent(state.moreCursor)}`);
+  state.sessions = state.sessions.concat(page.sessions);
+  state.moreCursor = page.next_cursor;
+  state.wanted = state.sessions.length;
+  renderSessions();
 }
 
 // ---------------------------------------------------------------------------- store chart
@@ -647,6 +682,12 @@ function start() {
   $("signin-form").addEventListener("submit", signIn);
   $("sign-out").addEventListener("click", () => signOut("Signed out."));
   $("refresh").addEventListener("click", refreshQuietly);
+  $("sessions").addEventListener("click", (event) => {
+    if (event.target instanceof Element && event.target.id === "more-sessions") {
+      event.target.disabled = true;
+      showMoreSessions().catch((err) => flash(describe(err), "error"));
+    }
+  });
   $("confirm-cancel").addEventListener("click", () => closeDialog("cancel"));
   $("confirm-ok").addEventListener("click", () => closeDialog("delete"));
   $("confirm-delete").addEventListener("cancel", (event) => {

@@ -7,10 +7,12 @@ answer what no other route does:
 
 - ``GET /console/me``: the owner the key belongs to (shown as "signed in as");
 - ``GET /console/store``: the store's disk use (budget, hard limit) split into live journals and
-  the archive tier, store-wide and the caller's own by tier (totals only, no other owner's names);
+  the archive tier, store-wide and the caller's own by tier (totals only, no other owner's names):
+  the index's counts (``Store.counts``), kept as sessions are written, never a pass over them;
 - ``GET /console/activity``: per session of the caller, the resumes, generate calls and verifies
   this process served (the console's "reuse history" and "verify status"). It lives in memory: a
-  restart forgets it; the index's ``state``/``problem`` are what survives.
+  restart forgets it; the index's ``state``/``problem`` are what survives. It holds at most
+  ``SESSIONS_PER_OWNER`` sessions per owner, which one index read checks are still there.
 
 ``/docs`` is FastAPI's Swagger UI page pointed at the Swagger UI files of the
 ``swagger-ui-bundle-v2`` package, served under ``/docs/assets``; the console page and its assets
@@ -37,7 +39,6 @@ import kvstore
 from kvstore.api.dependencies import Owner, Store, presented_owner
 from kvstore.api.json_body import StrictJSONRoute
 from kvstore.api.schemas import ARROW_MEDIA_TYPE, COLI_KV_MEDIA_TYPE, RAW_MEDIA_TYPE, ErrorBody
-from kvstore.store.values import STATES
 
 ASSETS = Path(__file__).resolve().parent.parent / "console"
 SWAGGER_ASSETS_URL = "/docs/assets"
@@ -298,31 +299,20 @@ async def me(owner: Owner) -> dict:
     return {"owner": owner, "version": kvstore.__version__}
 
 
-def _summarize(infos, key) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for info in infos:
-        counted = out.setdefault(key(info), {"sessions": 0, "bytes": 0})
-        counted["sessions"] += 1
-        counted["bytes"] += info.size_bytes
-    return out
-
-
 @router.get(
     "/console/store", response_model=StoreOut, responses=_JSON_ERRORS, summary="Disk use: budget, journals, archive"
 )
 def store_use(owner: Owner, store: Store) -> dict:
     usage = store.usage()
-    everyone = store.list()
-    mine = [info for info in everyone if info.owner == owner]
-    by_state = {state: {"sessions": 0, "bytes": 0} for state in STATES}
+    everyone, mine = store.counts(), store.counts(owner=owner)
     return {
         "used_bytes": usage["used_bytes"],
         "reserved_bytes": usage["reserved_bytes"],
         "budget_bytes": usage["budget_bytes"],
         "hard_limit_bytes": usage["hard_limit_bytes"],
-        "store": {**by_state, **_summarize(everyone, lambda info: info.state)},
-        "mine": {**by_state, **_summarize(mine, lambda info: info.state)},
-        "mine_by_tier": _summarize(mine, lambda info: info.tier.name),
+        "store": {state: entry.to_dict() for state, entry in everyone.by_state.items()},
+        "mine": {state: entry.to_dict() for state, entry in mine.by_state.items()},
+        "mine_by_tier": {tier: entry.to_dict() for tier, entry in mine.by_tier.items()},
     }
 
 
@@ -334,8 +324,9 @@ def store_use(owner: Owner, store: Store) -> dict:
 )
 async def activity(request: Request, owner: Owner, store: Store) -> dict:
     recorded = request.app.state.console_activity.of(owner)
-    # a session deleted by another process (or the CLI) is dropped here, not shown with old activity
-    present = {info.id for info in await run_in_threadpool(store.list, owner=owner)}
+    # a session deleted by another process (or the CLI) is dropped here, not shown with old activity;
+    # only the sessions recorded (at most SESSIONS_PER_OWNER) are looked up, never the owner's list
+    present = await run_in_threadpool(store.existing, list(recorded), owner=owner) if recorded else set()
     return {
         "since": request.app.state.console_started,
         "sessions": {sid: entry for sid, entry in recorded.items() if sid in present},

@@ -35,7 +35,8 @@ Generation (``kvstore serve --model``), counted by the generate route:
 ``kvstore_pool_evictions_total{to}``           sessions leaving the device: ``host`` or ``dropped``
 ============================================== =======================================================
 
-The store (read from :class:`kvstore.store.stats.StoreStats` and the index at each scrape):
+The store (read from :class:`kvstore.store.stats.StoreStats` and the index at each scrape; the
+index's counts are kept by every write, so a scrape reads a few keys whatever the store holds):
 
 ============================================== =======================================================
 ``kvstore_lookups_total``                      prefix lookups answered; ``kvstore_lookup_hits_total``
@@ -51,6 +52,7 @@ The store (read from :class:`kvstore.store.stats.StoreStats` and the index at ea
                                                and ``hard_limit`` (when set)
 ``kvstore_store_tier_bytes{tier}`` (gauge)     journal + archive bytes per tier (``fp8``, ``int4``, ...)
 ``kvstore_store_tier_sessions{tier}`` (gauge)  sessions per tier
+``kvstore_store_sessions{state}`` (gauge)      sessions by state: ``active``, ``parked``, ``damaged``
 ``kvstore_upload_bytes_held`` (gauge)          bytes of upload bodies held now; ``kvstore_upload_budget_bytes``
                                                bounds it (``--max-inflight-bytes``)
 ``kvstore_uploads_refused_total``              uploads refused to keep it (503 ``UploadsBusy``)
@@ -280,16 +282,20 @@ class ServiceCollector:
             yield GaugeMetricFamily(
                 "kvstore_cache_budget_bytes", "Size budget of the local segment cache.", value=cache.budget_bytes
             )
-        by_tier = store.usage_by_tier()
+        counts = store.counts()  # kept by the index as it is written: never a scan of the sessions
         tier_bytes = GaugeMetricFamily(
             "kvstore_store_tier_bytes", "Journal and archive bytes of the sessions of each tier.", labels=["tier"]
         )
         tier_sessions = GaugeMetricFamily("kvstore_store_tier_sessions", "Sessions of each tier.", labels=["tier"])
-        for tier, entry in sorted(by_tier.items()):
-            tier_bytes.add_metric([tier], entry["bytes"])
-            tier_sessions.add_metric([tier], entry["sessions"])
+        for tier, entry in counts.by_tier.items():
+            tier_bytes.add_metric([tier], entry.bytes)
+            tier_sessions.add_metric([tier], entry.sessions)
         yield tier_bytes
         yield tier_sessions
+        by_state = GaugeMetricFamily("kvstore_store_sessions", "Sessions by state.", labels=["state"])
+        for state, entry in counts.by_state.items():
+            by_state.add_metric([state], entry.sessions)
+        yield by_state
 
 
 def _serving(engine) -> Iterator[Metric]:

@@ -1,5 +1,9 @@
 """``/sessions``: create, list, append rows, resume, truncate, fork, park/unpark, verify, delete.
 
+The list is paged (``limit``, ``cursor``; the answer's ``next_cursor`` leads to the next page, null
+after the last): a page costs its own sessions whatever the owner holds. A create or fork past the
+owner's cap (``kvstore serve --max-sessions-per-owner``) is ``409 TooManySessions``, nothing made.
+
 Rows travel in binary only:
 
 - ``application/octet-stream``: raw ``.coli_kv`` record bytes of the session's tier (no header),
@@ -22,7 +26,7 @@ import dataclasses
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvstore.api import arrow
@@ -40,6 +44,8 @@ from kvstore.api.json_body import StrictJSONRoute
 from kvstore.api.schemas import (
     ARROW_MEDIA_TYPE,
     COLI_KV_MEDIA_TYPE,
+    DEFAULT_PAGE,
+    MAX_PAGE,
     RAW_MEDIA_TYPE,
     AppendOut,
     CreateSession,
@@ -65,7 +71,7 @@ from kvstore.api.uploads import UploadBudget, declared_bytes
 from kvstore.errors import InvalidRequest
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
-from kvstore.store import AppendResult, Fingerprint, ModelInfo, Reader, SessionInfo
+from kvstore.store import AppendResult, Fingerprint, ListCursor, ModelInfo, Reader, SessionInfo
 from kvstore.store import Store as StoreInterface
 from kvstore.store.results import refuse_nonfinite
 
@@ -119,16 +125,29 @@ async def create_session(body: CreateSession, response: Response, owner: Owner, 
     return _out(info)
 
 
-@router.get("", response_model=SessionList, summary="List the caller's sessions")
+@router.get("", response_model=SessionList, summary="List the caller's sessions, a page at a time")
 def list_sessions(
     *,
     model: Annotated[str | None, Query(max_length=256, description="model name")] = None,
     tag: Annotated[list[str], Query(default_factory=list, description="sessions holding every tag given")],
     state: Literal["active", "parked", "damaged"] | None = None,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_PAGE, description=f"sessions per page (at most {MAX_PAGE})")
+    ] = DEFAULT_PAGE,
+    cursor: Annotated[
+        str | None,
+        Query(max_length=ListCursor.MAX_CHARS, description="the next_cursor of the page before (none: the first page)"),
+    ] = None,
     owner: Owner,
     store: Store,
-) -> dict:
-    return {"sessions": [_out(i) for i in store.list(owner=owner, model_name=model, tags=tag, state=state)]}
+) -> Response:
+    # One more than the page is read, so the last page says so (next_cursor null) without a request
+    # that comes back empty. The page is read from the index's order (kvstore.store.Store.list), and
+    # its JSON is made here, in the worker thread: the event loop (and /health) never encodes it.
+    found = store.list(owner=owner, model_name=model, tags=tag, state=state, limit=limit + 1, after=cursor)
+    page = found[:limit]
+    more = len(found) > limit
+    return JSONResponse({"sessions": [_out(i) for i in page], "next_cursor": page[-1].cursor if more else None})
 
 
 @router.get("/{session_id}", response_model=SessionOut, summary="One session")

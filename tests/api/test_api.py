@@ -110,7 +110,7 @@ def test_owner_isolation(alice, bob, keys):
         lambda: bob.delete("/sessions/secret"),
     ):
         assert_error(call(), 404, "SessionNotFound")
-    assert bob.get("/sessions").json() == {"sessions": []}
+    assert bob.get("/sessions").json() == {"sessions": [], "next_cursor": None}
     job = alice.post("/sessions/secret/park").json()
     assert_error(bob.get(f"/jobs/{job['id']}"), 404, "JobNotFound")
     wait_job(alice, job)

@@ -498,3 +498,39 @@ def test_the_console_of_a_store_without_a_budget_reads_as_a_newcomer_expects(bro
         watched.check()
     finally:
         watched.close()
+
+
+def test_the_console_shows_sessions_a_page_at_a_time(browser, make_server, keys, tmp_path):
+    """More sessions than a page (issue 42, item 5): the first 100, oldest first, and "Show more
+    sessions" reads the next page; a refresh keeps as many shown."""
+    from playwright.sync_api import expect
+
+    import kvstore.store
+    from store.support import new_session
+
+    expect.set_options(timeout=WAIT_MS)
+    data = tmp_path / "data"
+    with kvstore.store.open(data) as store:
+        for i in range(130):
+            new_session(store, f"s{i:03d}", owner="alice")
+    server = make_server(data=data)
+    watched = Watched(browser, server.url, {"width": 1280, "height": 800})
+    page = watched.page
+    try:
+        page.goto(server.url + "/")
+        page.get_by_label("API key").fill(keys["alice"])
+        page.get_by_role("button", name="Sign in").click()
+        links = page.locator(".session-link")
+        expect(links).to_have_count(100)
+        expect(links.first).to_have_text("s000")
+        expect(links.last).to_have_text("s099")
+        expect(page.locator("#sessions .more")).to_contain_text("100 sessions shown, oldest first")
+        page.get_by_role("button", name="Show more sessions").click()
+        expect(links).to_have_count(130)
+        expect(links.last).to_have_text("s129")
+        expect(page.get_by_role("button", name="Show more sessions")).to_have_count(0)
+        page.get_by_role("button", name="Refresh").click()
+        expect(links).to_have_count(130)
+        watched.check()
+    finally:
+        watched.close()

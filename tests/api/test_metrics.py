@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RAW = "application/octet-stream"
 GEOMETRY_JSON = {"n_layers": 2, "kv_lora": 32, "qk_rope": 8, "index_hd": 4, "nic": 1, "vocab": 1000}
 # label names a sample may carry: none of them can hold an owner, a session id or a key
-SAFE_LABELS = {"outcome", "error", "source", "phase", "action", "tier", "le"}
+SAFE_LABELS = {"outcome", "error", "source", "phase", "action", "tier", "state", "le"}
 SAFE_LABELS |= {"implementation", "major", "minor", "patchlevel", "version"}  # python_info
 
 

@@ -207,7 +207,7 @@ def test_without_a_model_generation_answers_503_with_the_reason(make_server):
         assert answer.status_code == 503
         assert answer.json()["error"] == "EngineNotLoaded" and "kvstore serve --model DIR" in answer.json()["reason"]
         assert alice.get("/engine").status_code == 503
-        assert alice.get("/sessions").json() == {"sessions": []}  # nothing was created
+        assert alice.get("/sessions").json() == {"sessions": [], "next_cursor": None}  # nothing was created
         page = anonymous.get("/metrics")  # no credentials: process totals only
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
         assert re.search(r"^kvstore_engine_loaded 0\.0$", page.text, re.MULTILINE)
