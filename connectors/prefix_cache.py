@@ -16,8 +16,13 @@ An engine that keeps one latent row per token and layer (vLLM's MLA paged cache 
 - :meth:`PrefixCache.save` — a prompt's rows as a new session (one per distinct prompt, its id
   derived from the fingerprint and the tokens, so the same prompt saved twice is stored once).
 
-Rows are handed over as f32 ``[n_layers, n, kv_lora + qk_rope]``; the store encodes them in the
-cache's tier (f32, fp8, int4, ...) and dequantizes them on load. The store is a local folder
+Rows are handed over as f32 ``[n_layers, n, kv_lora + qk_rope]``, encoded in the cache's tier (f32,
+fp8, int4, ...) and dequantized on load.
+
+The check before a load runs at memory speed: a save records the XXH3-128 of the session's record
+bytes as a tag (:data:`ROWS_DIGEST_TAG`), and a load compares the served bytes with it instead of
+re-hashing them with the store's blake2b-256 turn hashes (which every append still records, for
+``kvstore verify`` and the API). A session saved before the tag existed is verified by the turn hashes. The store is a local folder
 (embedded mode) or a running ``kvstore serve`` reached with an API key (service mode): one code
 path over :mod:`kvstore.connectors.store_client`.
 """
@@ -36,16 +41,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 import kvstore.store
 from kvstore import config, tiers
-from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient
+from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient, encode_rows
 from kvstore.errors import ConfigError, IntegrityError, KVStoreError, SessionExists
 from kvstore.formats.coli_kv import Geometry
 from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
 from kvstore.tiers import Tier
 
 logger = logging.getLogger(__name__)
+
+# The connectors' own check of a session's rows: the tag a save records, then the XXH3-128 (hex) of
+# every record of the session as stored. Fast enough to run before every load (blake2b-256 cost 60%
+# of a load); not cryptographic, which is enough against damage (bit flips, torn or edited files):
+# whoever can rewrite the index that holds it could rewrite the blake2b hashes beside it too. The
+# version names what the digest covers; a session with no tag of this version (saved before it
+# existed) is verified by the store's blake2b-256 turn hashes instead, so old entries still verify.
+ROWS_DIGEST_TAG = "rows.xxh3-128.v1="
 
 # The bytes of each weight file that the sampled hash reads: its head, its tail and this many
 # evenly spaced windows, so two checkpoints of one shape (another seed, another fine-tune) differ
@@ -60,6 +74,19 @@ class LoadFailed(KVStoreError, LookupError):
 
 class RowsDamaged(LoadFailed):
     """Stored rows failed verification; the session was quarantined (see :meth:`PrefixCache.load`)."""
+
+
+def rows_digest(records: np.ndarray) -> str:
+    """XXH3-128 (32 hex digits) of records' bytes (a structured array [n] of one record type)."""
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(records).view(np.uint8).data)
+
+
+def recorded_digest(tags) -> str | None:
+    """The rows digest a save recorded among a session's tags (None: none of this version)."""
+    for tag in tags:
+        if tag.startswith(ROWS_DIGEST_TAG):
+            return tag[len(ROWS_DIGEST_TAG) :]
+    return None
 
 
 # ---------------------------------------------------------------------------- fingerprint
@@ -116,7 +143,8 @@ class CacheConfig:
     tier : how rows are stored: ``f32`` (default, exact), ``fp8``, ``int4``, ``polar2``..``polar6``
     model_name, revision, weights_hash : the model part of the fingerprint (defaults: the engine's
         model path or id, its revision or ``main``, the sampled hash of the folder's weights)
-    verify : re-hash the stored turns before each load (default true)
+    verify : check the stored rows before each load (default true): their XXH3-128, or the store's
+        turn hashes for sessions saved without one
     min_tokens : prompts shorter than this are neither looked up nor saved (default 64, the
         store's prefix block)
     stats_dir : a folder where each connector process keeps its counters as JSON (optional)
@@ -352,11 +380,20 @@ class PrefixCache:
             are counted in ``load_errors``; nothing partial is returned.
         """
         try:
+            expected = None
+            if self.verify:  # the index's answer is small; the rows are checked against it below
+                stored = self.client.stored(session_id)
+                expected = recorded_digest(stored.tags) if stored is not None else None
             try:
-                served = self.client.resume(session_id, self.fingerprint, self.verify)
+                # without a recorded digest, the store re-hashes the turns (blake2b-256) as it reads
+                served = self.client.resume(session_id, self.fingerprint, self.verify and expected is None)
             except IntegrityError as exc:  # e.g. a session the store marked damaged
                 self._quarantine(session_id, str(exc))
                 raise RowsDamaged(str(exc)) from exc
+            if expected is not None and rows_digest(served.records.records) != expected:
+                reason = f"the {served.records.n} rows of session {session_id!r} do not match their XXH3-128"
+                self._quarantine(session_id, reason)
+                raise RowsDamaged(f"{reason} (quarantined)")
             if served.damaged_from is not None:
                 self._quarantine(session_id, f"records from {served.damaged_from} on fail verification")
             if served.records.n < stop:
@@ -415,15 +452,17 @@ class PrefixCache:
         ``"failed"`` (the reason counted in ``save_errors``; nothing is left behind)."""
         g = self.fingerprint.geometry
         rows = np.ascontiguousarray(rows, dtype=np.float32)
-        try:
-            self.client.create(session_id, self.fingerprint)
+        try:  # encoded here, so that the digest is of the very bytes the journal will hold
+            records = encode_rows(self.fingerprint, tokens, rows[..., : g.kv_lora], rows[..., g.kv_lora :])
+            tags = (ROWS_DIGEST_TAG + rows_digest(records),)
+            self.client.create(session_id, self.fingerprint, tags)
         except SessionExists:
             return "exists"
         except (KVStoreError, OSError) as exc:
             self._count(save_errors=1, error=f"save: {exc}")
             return "failed"
         try:
-            self.client.append(session_id, self.fingerprint, tokens, rows[..., : g.kv_lora], rows[..., g.kv_lora :])
+            self.client.append_records(session_id, records)
         except (KVStoreError, OSError) as exc:
             self._count(save_errors=1, error=f"save: {exc}")
             try:  # an empty session would only shadow a later save of the same rows

@@ -13,6 +13,9 @@
 
 Both raise kvstore's typed errors: :class:`SessionExists` when a save finds the prompt stored
 already, :class:`ServiceError` for any other refusal or an unreachable service.
+
+A save hands over records already encoded (:func:`encode_rows`), so the bytes the connector hashes
+for its fast check (``prefix_cache.rows_digest``) are the bytes the journal holds.
 """
 
 from __future__ import annotations
@@ -45,10 +48,17 @@ class Found:
 
 @dataclass(frozen=True)
 class Stored:
-    """What the index says of one stored session: its fingerprint and the rows a resume serves."""
+    """What the index says of one stored session: its fingerprint, the rows a resume serves, its tags."""
 
     fingerprint_key: str
     watermark: int
+    tags: tuple[str, ...] = ()
+
+
+def encode_rows(fingerprint: Fingerprint, tokens: np.ndarray, L, R) -> np.ndarray:
+    """Rows as the records the store writes (structured array [n]; non-finite f32 values stored as
+    0, as the journal does)."""
+    return coli_kv.encode_records_counted(fingerprint.geometry, fingerprint.tier, tokens, L, R)[0]
 
 
 @dataclass(frozen=True)
@@ -77,9 +87,11 @@ class StoreClient(Protocol):
         """The owner's session ``session_id`` as the index has it (no journal read), None when missing."""
         ...
 
-    def create(self, session_id: str, fingerprint: Fingerprint) -> None: ...
+    def create(self, session_id: str, fingerprint: Fingerprint, tags: tuple[str, ...] = ()) -> None: ...
 
-    def append(self, session_id: str, fingerprint: Fingerprint, tokens: np.ndarray, L, R) -> None: ...
+    def append_records(self, session_id: str, records: np.ndarray) -> None:
+        """Append records of :func:`encode_rows` as one complete turn."""
+        ...
 
     def delete(self, session_id: str) -> None: ...
 
@@ -110,13 +122,15 @@ class LocalClient:
             info = self.store.get(session_id, owner=self.owner)
         except SessionNotFound:
             return None
-        return Stored(info.fingerprint_key, info.watermark)
+        return Stored(info.fingerprint_key, info.watermark, tuple(info.tags))
 
-    def create(self, session_id: str, fingerprint: Fingerprint) -> None:
-        self.store.create(self.owner, fingerprint.geometry, fingerprint.tier, fingerprint.model, session_id=session_id)
+    def create(self, session_id: str, fingerprint: Fingerprint, tags: tuple[str, ...] = ()) -> None:
+        self.store.create(
+            self.owner, fingerprint.geometry, fingerprint.tier, fingerprint.model, session_id=session_id, tags=tags
+        )
 
-    def append(self, session_id: str, fingerprint: Fingerprint, tokens: np.ndarray, L, R) -> None:
-        self.store.append(session_id, tokens, L, R, owner=self.owner)
+    def append_records(self, session_id: str, records: np.ndarray) -> None:
+        self.store.append_records(session_id, records, complete_turn=True, owner=self.owner)
 
     def delete(self, session_id: str) -> None:
         self.store.delete(session_id, owner=self.owner)
@@ -214,21 +228,20 @@ class ServiceClient:
         if answer.status_code == 404:
             return None
         session = self._checked(answer, what).json()
-        return Stored(str(session["fingerprint"]), int(session["watermark"]))
+        return Stored(str(session["fingerprint"]), int(session["watermark"]), tuple(session.get("tags") or ()))
 
-    def create(self, session_id: str, fingerprint: Fingerprint) -> None:
-        body = {"id": session_id, **_fingerprint_json(fingerprint)}
+    def create(self, session_id: str, fingerprint: Fingerprint, tags: tuple[str, ...] = ()) -> None:
+        body = {"id": session_id, **_fingerprint_json(fingerprint), "tags": list(tags)}
         self._checked(self._call("POST", "/sessions", "create", json=body), "create")
 
-    def append(self, session_id: str, fingerprint: Fingerprint, tokens: np.ndarray, L, R) -> None:
-        rows = coli_kv.encode_records(fingerprint.geometry, fingerprint.tier, tokens, L, R)
+    def append_records(self, session_id: str, records: np.ndarray) -> None:
         what = f"append {session_id}"
         answer = self._call(
             "POST",
             f"/sessions/{session_id}/append",
             what,
             params={"complete_turn": "true"},
-            content=rows.tobytes(),
+            content=records.tobytes(),
             headers={"Content-Type": "application/octet-stream"},
         )
         self._checked(answer, what)

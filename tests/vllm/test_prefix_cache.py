@@ -11,12 +11,15 @@ import pytest
 
 from kvstore import tiers
 from kvstore.connectors.prefix_cache import (
+    ROWS_DIGEST_TAG,
     CacheConfig,
     LoadFailed,
     PrefixCache,
     RowsDamaged,
     model_fingerprint,
     open_store,
+    recorded_digest,
+    rows_digest,
     sampled_weights_hash,
 )
 from kvstore.errors import ConfigError
@@ -102,7 +105,7 @@ def test_altered_rows_fail_verification_and_are_never_served(store):
     session = cache.save(PROMPT, ROWS)
     alter(store, session, "team-a", 50)
     assert cache.lookup(PROMPT) is not None  # the tokens are intact: the index still finds it
-    with pytest.raises(RowsDamaged, match="serves 0 rows"):
+    with pytest.raises(RowsDamaged, match="do not match their XXH3-128"):
         cache.load(session, 0, 192)
     with pytest.raises(LoadFailed):
         cache.load("vllm-missing", 0, 16)
@@ -126,6 +129,37 @@ def test_a_prefix_that_fails_verification_is_replaced_by_the_next_save(store):
     assert loaded.tobytes() == ROWS[:, :192].tobytes()  # bit-exact
     stats = cache.stats
     assert (stats.quarantined, stats.saves, stats.load_errors, stats.loads) == (1, 2, 1, 1)
+
+
+def test_a_save_records_the_rows_xxh3_and_a_load_checks_it(store):
+    cache = PrefixCache(store, "team-a", fingerprint())
+    session = cache.save(PROMPT, ROWS)
+    info = store.get(session, owner="team-a")
+    (tag,) = [t for t in info.tags if t.startswith(ROWS_DIGEST_TAG)]
+    records = store.resume(session, owner="team-a").records.records
+    assert tag == ROWS_DIGEST_TAG + rows_digest(records) and len(tag) <= 64  # of the very bytes stored
+    assert cache.load(session, 0, 200).tobytes() == ROWS.tobytes()
+    # the digest is what the load checks: a wrong one refuses rows the store's turn hashes would pass
+    store.set_tags(session, [ROWS_DIGEST_TAG + "0" * 32], owner="team-a")
+    assert store.verify(session, owner="team-a").ok
+    with pytest.raises(RowsDamaged, match="XXH3-128"):
+        cache.load(session, 0, 64)
+    assert cache.stats.quarantined == 1
+
+
+def test_a_session_saved_without_the_digest_is_verified_by_the_turn_hashes(store):
+    cache = PrefixCache(store, "team-a", fingerprint())
+    # as a connector before the digest existed saved it: no tag
+    session = cache.session_id_for(PROMPT)
+    store.create("team-a", GEOMETRY, tiers.F32, fingerprint().model, session_id=session)
+    store.append(session, PROMPT, ROWS[..., :512], ROWS[..., 512:], owner="team-a")
+    assert not store.get(session, owner="team-a").tags
+    assert cache.load(session, 0, 200).tobytes() == ROWS.tobytes()
+    alter(store, session, "team-a", 199)
+    with pytest.raises(RowsDamaged, match="serves 0 rows"):
+        cache.load(session, 0, 200)
+    # a future version's digest is not taken for this one's: the turn hashes decide
+    assert recorded_digest([ROWS_DIGEST_TAG.replace("v1", "v2") + "0" * 32, "team:x"]) is None
 
 
 @pytest.mark.parametrize(("tier", "bound"), [(tiers.FP8, 0.08), (tiers.INT4, 0.2)])
