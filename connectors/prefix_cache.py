@@ -148,6 +148,8 @@ class CacheConfig:
     min_tokens : prompts shorter than this are neither looked up nor saved (default 64, the
         store's prefix block)
     stats_dir : a folder where each connector process keeps its counters as JSON (optional)
+    save_queue : vLLM: saves that may wait for the background writer (default 4); a save finding the
+        queue full is skipped (``save_skipped``); 0 writes each save inside the step
     """
 
     store: str | None = None
@@ -162,6 +164,7 @@ class CacheConfig:
     verify: bool = True
     min_tokens: int = 64
     stats_dir: str | None = None
+    save_queue: int = 4
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "CacheConfig":
@@ -202,6 +205,9 @@ class CacheConfig:
                 raise ConfigError(f"kvstore connector: {key!r} must be a string")
         verify = extra.get("verify", True)
         min_tokens = extra.get("min_tokens", 64)
+        save_queue = extra.get("save_queue", 4)
+        if not isinstance(save_queue, int) or isinstance(save_queue, bool) or save_queue < 0:
+            raise ConfigError("kvstore connector: 'save_queue' must be 0 or a positive integer")
         if not isinstance(verify, bool):
             raise ConfigError("kvstore connector: 'verify' must be true or false")
         if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
@@ -219,6 +225,7 @@ class CacheConfig:
             verify=verify,
             min_tokens=min_tokens,
             stats_dir=extra.get("stats_dir"),
+            save_queue=save_queue,
         )
 
 
@@ -240,6 +247,10 @@ class CacheStats:
     saves: int = 0
     saved_tokens: int = 0
     save_errors: int = 0
+    save_skipped: int = 0  # saves dropped because the background writer's queue was full
+    save_pending: int = 0  # a gauge: saves queued for the background writer or being written
+    finished_planned: int = 0  # scheduler: finished requests whose conversation save was asked for
+    finished_done: int = 0  # worker: such requests settled (saved, failed or given up)
     errors: list[str] = field(default_factory=list)  # the last few reasons, newest last
 
     def note_error(self, reason: str) -> None:
@@ -474,11 +485,18 @@ class PrefixCache:
         return "saved"
 
     # ------------------------------------------------------------------ counters
+    def count(self, **increments: int) -> None:
+        """Add to counters kept outside this class's calls (e.g. the background writer's)."""
+        self._add(increments, None)
+
     def count_save_error(self, reason: str) -> None:
         """A save that failed before reaching :meth:`save` (e.g. reading the engine's cache)."""
         self._count(save_errors=1, error=f"save: {reason}")
 
     def _count(self, *, error: str | None = None, **increments: int) -> None:
+        self._add(increments, error)
+
+    def _add(self, increments: dict[str, int], error: str | None) -> None:
         with self._lock:
             for name, amount in increments.items():
                 setattr(self.stats, name, getattr(self.stats, name) + amount)

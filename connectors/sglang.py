@@ -146,6 +146,8 @@ def _config(extra: dict[str, Any] | None) -> CacheConfig:
     extra = {k: v for k, v in (extra or {}).items() if k not in SGLANG_KEYS}
     if "min_tokens" in extra:
         raise ConfigError("kvstore backend: 'min_tokens' is for the vLLM connector; SGLang stores whole pages")
+    if "save_queue" in extra:
+        raise ConfigError("kvstore backend: 'save_queue' is for the vLLM connector; SGLang's own threads call set")
     if "url" not in extra:
         extra.setdefault("owner", "sglang")
     return CacheConfig.from_extra(extra)

@@ -12,9 +12,12 @@ one ``.coli_kv`` row per token. The scheduler side asks the store for the longes
 each new prompt (:class:`~kvstore.connectors.prefix_cache.PrefixCache`; whole vLLM blocks, at
 least one prompt token left to compute) and plans the load; the worker side writes the stored rows
 into the request's blocks before the forward pass, and gathers each prompt's rows, layer by
-layer, in the step that completes its prefill, then saves them as one session; when the request
-finishes, the whole conversation so far (prompt and generated tokens) is saved too, so a next turn
-that continues it loads the previous answer's rows as well. A load that fails
+layer, in the step that completes its prefill, then hands them to a background writer
+(:class:`~kvstore.connectors.save_writer.SaveWriter`: encoding, writing and fsync off the step; a
+full queue skips the save, counted in ``save_skipped``) that saves them as one session; when the
+request finishes, the whole conversation so far (prompt and generated tokens) is saved too, and the
+request is reported finished only once that save is settled, so a next turn that continues it loads
+the previous answer's rows as well. A load that fails
 (missing, damaged, another fingerprint) marks its blocks through
 :meth:`KVStoreConnector.get_block_ids_with_load_errors`, so vLLM recomputes them
 (``kv_load_failure_policy: "recompute"``) rather than attend to wrong KV.
@@ -55,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # pyright: i
 
 from kvstore.connectors.prefix_cache import CacheConfig, LoadFailed, PrefixCache, model_fingerprint, open_client
 from kvstore.connectors.prefix_cache import sampled_weights_hash as _sampled_weights_hash
+from kvstore.connectors.save_writer import SaveWriter
 from kvstore.errors import ConfigError
 from kvstore.formats.coli_kv import Geometry
 
@@ -80,6 +84,7 @@ COUNTERS = (
     "saves",
     "saved_tokens",
     "save_errors",
+    "save_skipped",
 )
 
 
@@ -267,6 +272,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         # put them, so the rows gathered for their prompt's save would be wrong KV
         self._load_failed: set[str] = set()
         self._sent: set[str] = set()  # finished requests whose conversation save is done
+        # encoding, writing and fsync off the step (save_queue 0: in the step, as the rows arrive)
+        self._writer: SaveWriter | None = None
+        if role != KVConnectorRole.SCHEDULER and self.config.save_queue > 0:
+            self._writer = SaveWriter(self.cache, self.config.save_queue)
         logger.info(
             "kvstore connector (%s): store %s, owner %s, tier %s, fingerprint %s",
             role_name,
@@ -349,6 +358,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if save is None:
             return False, None
         self._finished_saves.append(save)
+        self.cache.count(finished_planned=1)
         return True, None
 
     def _conversation(self, request: Any, block_ids: list[int]) -> SaveSpec | None:
@@ -459,10 +469,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         for save in meta.finished:
             try:  # the blocks are held for this save: read every layer straight from the cache
-                self.cache.save(save.tokens, self._gather(save.block_ids, len(save.tokens)))
+                rows = self._gather(save.block_ids, len(save.tokens))
             except Exception as exc:  # never keep vLLM's blocks: a failed save is a future miss
                 self.cache.count_save_error(f"{save.req_id}: {exc}")
-            self._sent.add(save.req_id)
+                self._sent.add(save.req_id)
+                self.cache.count(finished_done=1)
+                continue
+            self._save(save.tokens, rows, report=save.req_id)
         for save in meta.saves:
             rows = self._gathered.pop(save.req_id, None)
             filled = self._filled.pop(save.req_id, set())
@@ -473,9 +486,28 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             # a prompt some layer did not hand over is not saved: a partial row set would be wrong KV
             if rows is not None and len(filled) == self.geometry.n_layers:
-                self.cache.save(save.tokens, rows)
+                self._save(save.tokens, rows)
         for save in meta.finished:
             self._load_failed.discard(save.req_id)
+
+    def _save(self, tokens: list[int], rows: np.ndarray, report: str | None = None) -> None:
+        """Hand rows to the background writer (skipped and counted when its queue is full), or save
+        them now without one; ``report``: the finished request to report once the save is settled."""
+        if self._writer is not None:
+            self._writer.submit(tokens, rows, report)
+            return
+        try:
+            self.cache.save(tokens, rows)
+        except Exception as exc:  # a failed save is a future miss, never a failed step
+            self.cache.count_save_error(str(exc))
+        if report is not None:
+            self._sent.add(report)
+            self.cache.count(finished_done=1)
+
+    def shutdown(self) -> None:
+        """Write the saves still queued, then stop the writer (vLLM calls this as it stops)."""
+        if self._writer is not None:
+            self._writer.close(timeout=60.0)
 
     def _gather(self, block_ids: list[int], n: int) -> np.ndarray:
         """Rows of token positions ``[0, n)`` of every layer, f32 ``[n_layers, n, width]``."""
@@ -490,6 +522,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         """Finished requests whose conversation is saved: vLLM frees their blocks now."""
         self._load_failed -= finished_req_ids  # finished with no save planned
         sent, self._sent = self._sent, set()
+        if self._writer is not None:  # conversations whose save is durable, failed or given up
+            sent |= self._writer.finished()
         return (sent or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -10,6 +10,10 @@ true: vLLM's torch rotary op, ``custom_ops: ["-rotary_embedding"]``, the configu
 gives; false: vLLM CPU's own rotary kernel, which ignores the rope key's token stride, so the rows a
 prefill computes depend on how the prompt was chunked).
 OUT gets, per prompt, the prompt, the generated token ids and the first generated token's top logprobs.
+With a connector that keeps counters (``stats_dir``), each prompt is followed by a wait until the
+connector's background writer has settled every save handed to it and every finished request's
+conversation save the scheduler asked for (``save_pending == 0``, ``finished_done ==
+finished_planned``), so the next prompt finds what this one stored.
 vLLM spawns workers, so everything runs under the ``__main__`` guard.
 """
 
@@ -18,6 +22,33 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
+
+# How long to wait for the connector's saves to settle before going on regardless (a stuck writer
+# then shows as a test's missing save, not as a hang).
+SETTLE_S = 120.0
+
+
+def saves_settled(stats_dir: str) -> bool:
+    """Whether the connector processes' counters show no save queued or being written, and every
+    conversation save the scheduler asked for settled by a worker."""
+    totals = {"save_pending": 0, "finished_planned": 0, "finished_done": 0}
+    for path in Path(stats_dir).glob("*.json"):
+        try:
+            counts = json.loads(path.read_text())
+        except (OSError, ValueError):  # replaced atomically, but a file may be gone between the calls
+            return False
+        for name in totals:
+            totals[name] += int(counts.get(name, 0))
+    return totals["save_pending"] == 0 and totals["finished_done"] == totals["finished_planned"]
+
+
+def wait_for_saves(stats_dir: str | None) -> None:
+    if stats_dir is None:
+        return
+    deadline = time.monotonic() + SETTLE_S
+    while not saves_settled(stats_dir) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -68,6 +99,7 @@ def main(spec_path: str, out_path: str) -> None:
         started = time.perf_counter()
         (output,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
         seconds = time.perf_counter() - started
+        wait_for_saves((spec.get("connector") or {}).get("stats_dir"))
         completion = output.outputs[0]
         first = completion.logprobs[0] if completion.logprobs else {}
         results.append(

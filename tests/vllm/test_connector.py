@@ -255,6 +255,10 @@ def test_a_new_process_loads_the_stored_prefix_and_generates_the_same_tokens(bas
     (recomputed_a, _, _, _), _ = altered
     # A, B, F and their three conversations; the new process stores nothing it found stored
     assert first_stats["scheduler"]["misses"] == 1 and first_stats["worker"]["saves"] == 6
+    # the saves ran on the background writer: none skipped, and each finished request was reported
+    # (its blocks freed) only once its conversation's save had settled
+    assert first_stats["worker"]["save_skipped"] == 0 and first_stats["worker"]["save_pending"] == 0
+    assert first_stats["scheduler"]["finished_planned"] == first_stats["worker"]["finished_done"] == 3
     assert second_stats["worker"]["saves"] == 0
     sched, worker = second_stats["scheduler"], second_stats["worker"]
     assert sched["hits"] == 2 and sched["lookups"] == sched["hits"] + sched["misses"]

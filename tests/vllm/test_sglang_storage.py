@@ -202,6 +202,7 @@ def test_the_configuration_and_the_host_pool_are_checked_with_typed_errors(store
     for extra, reason in [
         ({}, "needs either 'store'"),
         ({"store": store, "min_tokens": 16}, "whole pages"),
+        ({"store": store, "save_queue": 2}, "is for the vLLM connector"),
         ({"store": store, "tier": "q8"}, "not stored in files"),
         ({"store": store, "page_bytes": 1}, "unknown kvstore connector settings"),
     ]:

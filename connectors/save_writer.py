@@ -1,0 +1,116 @@
+"""Saves off the serving step: a background writer with a bounded queue, for a connector's worker.
+
+An engine's step hands over rows already on the host (a prompt's rows, a finished conversation's)
+and returns at once; one thread encodes, writes and fsyncs them through
+:meth:`~kvstore.connectors.prefix_cache.PrefixCache.save`, one save after another. The queue holds
+at most ``capacity`` saves: a save that finds it full is skipped and counted (``save_skipped``),
+never waited for, because a step must not stall behind the disk; a skipped save is a future miss.
+
+A save may carry a request id to report: the id is handed back by :meth:`SaveWriter.finished` only
+once its save is durable, failed, or was given up (skipped), so an engine that holds the request's
+cache blocks until then (vLLM's ``get_finished``) frees them only when nothing reads them any more.
+Counters: ``save_pending`` (saves queued or being written: a gauge), ``finished_done`` (reported
+requests settled), plus those of :meth:`PrefixCache.save`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.connectors.prefix_cache import PrefixCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Save:
+    tokens: list[int] | np.ndarray
+    rows: np.ndarray
+    report: str | None  # the request id to report once the save is settled
+
+
+class SaveWriter:
+    """One background thread saving rows through ``cache``; at most ``capacity`` saves waiting.
+
+    Parameters
+    ----------
+    cache : the prefix cache saves go through (its counters count them)
+    capacity : saves that may wait for the thread (1 or more)
+    """
+
+    def __init__(self, cache: PrefixCache, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"a save writer needs room for 1 save or more, got {capacity}")
+        self.cache = cache
+        self._queue: queue.Queue[_Save | None] = queue.Queue(maxsize=capacity)
+        self._settled: set[str] = set()
+        self._settled_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvstore-save-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, tokens, rows: np.ndarray, report: str | None = None) -> bool:
+        """Queue a save of ``rows`` (f32 ``[n_layers, n, width]``, owned by the writer from now on);
+        False when the queue is full or the writer closed: the save is skipped (``save_skipped``)
+        and ``report``, if any, is settled at once (given up)."""
+        save = _Save(tokens, rows, report)
+        if not self._closed:
+            self.cache.count(save_pending=1)
+            try:
+                self._queue.put_nowait(save)
+                return True
+            except queue.Full:
+                self.cache.count(save_pending=-1)
+        self.cache.count(save_skipped=1)
+        self._settle(report)
+        return False
+
+    def finished(self) -> set[str]:
+        """The reported request ids settled since the last call (durable, failed or given up)."""
+        with self._settled_lock:
+            settled, self._settled = self._settled, set()
+        return settled
+
+    def flush(self) -> None:
+        """Wait until every queued save is settled."""
+        self._queue.join()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the queued saves, then stop the thread (waits at most ``timeout`` seconds)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)  # after the queued saves: they are written first
+        self._thread.join(timeout)
+
+    def _settle(self, report: str | None) -> None:
+        if report is None:
+            return
+        with self._settled_lock:
+            self._settled.add(report)
+        self.cache.count(finished_done=1)
+
+    def _run(self) -> None:
+        while True:
+            save = self._queue.get()
+            try:
+                if save is None:
+                    return
+                try:
+                    self.cache.save(save.tokens, save.rows)
+                except Exception as exc:  # a failed save is a future miss, never the engine's error
+                    logger.warning("kvstore connector: a background save failed: %s", exc)
+                    self.cache.count_save_error(str(exc))
+                finally:
+                    self.cache.count(save_pending=-1)
+                    self._settle(save.report)
+            finally:
+                self._queue.task_done()
+
+
+__all__ = ["SaveWriter"]
