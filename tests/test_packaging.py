@@ -36,6 +36,7 @@ CORE = {
     "tqdm",
     "prometheus-client",
     "swagger-ui-bundle-v2",
+    "xxhash",  # the connectors' check of the rows they load (XXH3-128)
 }
 #: Run first in a probe: torch and the rest of the engine cannot be imported, as on the core install.
 WITHOUT_ENGINE = (
