@@ -5,7 +5,8 @@ model's latent rows by prompt prefix, with counters) over ``kvstore.connectors.s
 local store folder, or a running ``kvstore serve`` with an API key); ``kvstore.connectors.vllm`` is vLLM's
 ``KVConnectorBase_V1`` over it, imported only inside vLLM (it needs vLLM and torch).
 ``kvstore.connectors.save_writer`` takes the vLLM connector's saves off the serving step (a
-background writer with a bounded queue). ``kvstore.connectors.page_cache`` keeps pages by an engine's page keys over the same client, and
+background writer with a bounded queue). ``kvstore.connectors.hot_tier`` keeps recently loaded or
+saved rows in host memory in front of the store (an LRU within ``hot_bytes``). ``kvstore.connectors.page_cache`` keeps pages by an engine's page keys over the same client, and
 ``kvstore.connectors.sglang`` is SGLang's ``HiCacheStorage`` over it (it needs torch; SGLang's own
 base class when SGLang is installed).
 """

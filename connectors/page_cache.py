@@ -28,6 +28,7 @@ from typing import Iterable
 
 import numpy as np
 
+from kvstore.connectors.hot_tier import HotTier
 from kvstore.connectors.prefix_cache import LoadFailed, PrefixCache
 from kvstore.connectors.store_client import StoreClient
 from kvstore.errors import KVStoreError
@@ -45,7 +46,8 @@ class PageCache(PrefixCache):
 
     Parameters
     ----------
-    store, owner, fingerprint, verify, stats_path : as :class:`PrefixCache`
+    store, owner, fingerprint, verify, stats_path, hot : as :class:`PrefixCache` (a page loaded or
+        saved is one hot-tier entry)
     page_size : tokens per page (rows per stored session)
     id_prefix : what the session ids start with (the engine's name)
 
@@ -65,8 +67,9 @@ class PageCache(PrefixCache):
         id_prefix: str = "page",
         verify: bool = True,
         stats_path: str | os.PathLike | None = None,
+        hot: HotTier | None = None,
     ):
-        super().__init__(store, owner, fingerprint, verify=verify, min_tokens=1, stats_path=stats_path)
+        super().__init__(store, owner, fingerprint, verify=verify, min_tokens=1, stats_path=stats_path, hot=hot)
         if page_size < 1:
             raise ValueError(f"page_size must be 1 or more, got {page_size}")
         self.page_size = page_size

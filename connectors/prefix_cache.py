@@ -45,9 +45,10 @@ import xxhash
 
 import kvstore.store
 from kvstore import config, tiers
+from kvstore.connectors.hot_tier import HotKey, HotTier
 from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient, encode_rows
 from kvstore.errors import ConfigError, IntegrityError, KVStoreError, SessionExists
-from kvstore.formats.coli_kv import Geometry
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
 from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
 from kvstore.tiers import Tier
 
@@ -66,6 +67,9 @@ ROWS_DIGEST_TAG = "rows.xxh3-128.v1="
 # without reading hundreds of gigabytes at every engine start.
 SAMPLE_WINDOWS = 16
 SAMPLE_BYTES = 1 << 20
+# The hot tier's default budget (``hot_bytes``): 1 GiB of host memory per connector process holds
+# ~230k tokens of the tests' 2-layer rows, or ~7k tokens of DeepSeek-V3's 61 layers in f32.
+HOT_BYTES = 1 << 30
 
 
 class LoadFailed(KVStoreError, LookupError):
@@ -150,6 +154,8 @@ class CacheConfig:
     stats_dir : a folder where each connector process keeps its counters as JSON (optional)
     save_queue : vLLM: saves that may wait for the background writer (default 4); a save finding the
         queue full is skipped (``save_skipped``); 0 writes each save inside the step
+    hot_bytes : the hot tier's budget: rows of recently loaded or saved sessions kept in host memory
+        (default :data:`HOT_BYTES`; 0: no hot tier), see :mod:`kvstore.connectors.hot_tier`
     """
 
     store: str | None = None
@@ -165,6 +171,7 @@ class CacheConfig:
     min_tokens: int = 64
     stats_dir: str | None = None
     save_queue: int = 4
+    hot_bytes: int = HOT_BYTES
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "CacheConfig":
@@ -208,6 +215,9 @@ class CacheConfig:
         save_queue = extra.get("save_queue", 4)
         if not isinstance(save_queue, int) or isinstance(save_queue, bool) or save_queue < 0:
             raise ConfigError("kvstore connector: 'save_queue' must be 0 or a positive integer")
+        hot_bytes = extra.get("hot_bytes", HOT_BYTES)
+        if not isinstance(hot_bytes, int) or isinstance(hot_bytes, bool) or hot_bytes < 0:
+            raise ConfigError("kvstore connector: 'hot_bytes' must be 0 (no hot tier) or a number of bytes")
         if not isinstance(verify, bool):
             raise ConfigError("kvstore connector: 'verify' must be true or false")
         if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
@@ -226,6 +236,7 @@ class CacheConfig:
             min_tokens=min_tokens,
             stats_dir=extra.get("stats_dir"),
             save_queue=save_queue,
+            hot_bytes=hot_bytes,
         )
 
 
@@ -251,6 +262,10 @@ class CacheStats:
     save_pending: int = 0  # a gauge: saves queued for the background writer or being written
     finished_planned: int = 0  # scheduler: finished requests whose conversation save was asked for
     finished_done: int = 0  # worker: such requests settled (saved, failed or given up)
+    hot_hits: int = 0  # loads served from the hot tier (host memory)
+    hot_misses: int = 0  # loads the hot tier could not serve (read from the store)
+    hot_evictions: int = 0  # entries this cache's puts pushed out of the hot tier
+    hot_bytes: int = 0  # a gauge: bytes the hot tier holds
     errors: list[str] = field(default_factory=list)  # the last few reasons, newest last
 
     def note_error(self, reason: str) -> None:
@@ -305,6 +320,8 @@ class PrefixCache:
     verify : re-hash stored turns before a load
     min_tokens : prompts shorter than this are not looked up (a miss) nor saved
     stats_path : a JSON file the counters are written to after each change (optional)
+    hot : a hot tier in host memory in front of the store (optional; it may be shared by caches
+        of other fingerprints or owners: entries are keyed by both)
     """
 
     def __init__(
@@ -316,6 +333,7 @@ class PrefixCache:
         verify: bool = True,
         min_tokens: int = 64,
         stats_path: str | os.PathLike | None = None,
+        hot: HotTier | None = None,
     ):
         if isinstance(store, Store):
             if owner is None:
@@ -334,6 +352,7 @@ class PrefixCache:
         self._key = fingerprint.key()
         g = fingerprint.geometry
         self.row_width = g.kv_lora + g.qk_rope
+        self.hot = hot if hot is not None and hot.budget > 0 else None
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens) -> Match | None:
@@ -382,6 +401,10 @@ class PrefixCache:
         A session whose rows fail verification is quarantined: deleted from the store (counted in
         ``quarantined``), so the next lookup of its prompt misses and the next save stores it anew.
 
+        With a hot tier, rows this process loaded (checked) or saved earlier are copied from host
+        memory (``hot_hits``); else the store's rows are read and checked, and all of them are kept
+        in the tier for the next load (``hot_misses``). The array returned is the caller's.
+
         Raises
         ------
         RowsDamaged
@@ -390,6 +413,13 @@ class PrefixCache:
             The session is gone, was written under another fingerprint or holds fewer rows. Both
             are counted in ``load_errors``; nothing partial is returned.
         """
+        if self.hot is not None:
+            entry = self.hot.get(self._hot_key(session_id))
+            if entry is not None and entry.shape[1] >= stop:
+                rows = entry[:, start:stop].copy()  # the entry is never written: no lock needed
+                self._count(hot_hits=1, loads=1, loaded_tokens=stop - start)
+                return rows
+            self._count(hot_misses=1)
         try:
             expected = None
             if self.verify:  # the index's answer is small; the rows are checked against it below
@@ -414,14 +444,21 @@ class PrefixCache:
                         f"(damaged from record {served.damaged_from}; quarantined)"
                     )
                 raise LoadFailed(f"session {session_id!r} serves {served.records.n} rows, {stop} needed")
-            L, R, _ = served.records.slice(start, stop).dequantize()
+            if self.hot is not None and served.damaged_from is None:
+                # every served row, checked: the tier answers later loads of any range of them
+                L, R, _ = served.records.dequantize()
+                everything = np.concatenate([L, R], axis=-1)
+                self._keep_hot(session_id, everything)  # the tier keeps its own copy
+                rows = np.ascontiguousarray(everything[:, start:stop])
+            else:
+                L, R, _ = served.records.slice(start, stop).dequantize()
+                rows = np.concatenate([L, R], axis=-1)
         except (KVStoreError, OSError) as exc:
             reason = f"load {session_id}[{start}:{stop}]: {exc}"
             self._count(load_errors=1, error=reason)
             if isinstance(exc, LoadFailed):
                 raise
             raise LoadFailed(reason) from exc
-        rows = np.concatenate([L, R], axis=-1)
         self._count(loads=1, loaded_tokens=stop - start)
         return rows
 
@@ -430,6 +467,7 @@ class PrefixCache:
         lookup, fail every load, and make its own prompt's save a no-op ("stored already"); dropped,
         the next save of that prompt replaces it. (Two processes finding the same damage may race:
         the later delete can drop a fresh copy the other just saved: a future miss, never wrong rows.)"""
+        self._drop_hot(session_id)
         try:
             self.client.delete(session_id)
         except (KVStoreError, OSError) as exc:  # gone already, or the store unreachable: not counted
@@ -476,13 +514,35 @@ class PrefixCache:
             self.client.append_records(session_id, records)
         except (KVStoreError, OSError) as exc:
             self._count(save_errors=1, error=f"save: {exc}")
+            self._drop_hot(session_id)
             try:  # an empty session would only shadow a later save of the same rows
                 self.client.delete(session_id)
             except (KVStoreError, OSError):
                 pass
             return "failed"
         self._count(saves=1, saved_tokens=int(tokens.size))
+        if self.hot is not None:  # the rows as a load will read them back (quantized, non-finite as 0)
+            n = int(records.shape[0])
+            written = KVRecords(Header(g, self.fingerprint.tier, n), records, HEADER_BYTES + records.nbytes)
+            L, R, _ = written.dequantize()
+            self._keep_hot(session_id, np.concatenate([L, R], axis=-1))
         return "saved"
+
+    # ------------------------------------------------------------------ hot tier
+    def _hot_key(self, session_id: str) -> HotKey:
+        return (self.owner, self._key, session_id)
+
+    def _keep_hot(self, session_id: str, rows: np.ndarray) -> None:
+        """Keep rows this process checked or wrote in the hot tier (counting what it evicted)."""
+        if self.hot is None:
+            return
+        evicted = self.hot.put(self._hot_key(session_id), rows)
+        self._add({"hot_evictions": evicted}, None, hot_bytes=self.hot.nbytes)
+
+    def _drop_hot(self, session_id: str) -> None:
+        """Forget a session this process deletes: quarantined, or a save that failed halfway."""
+        if self.hot is not None and self.hot.drop(self._hot_key(session_id)):
+            self._add({}, None, hot_bytes=self.hot.nbytes)
 
     # ------------------------------------------------------------------ counters
     def count(self, **increments: int) -> None:
@@ -496,12 +556,14 @@ class PrefixCache:
     def _count(self, *, error: str | None = None, **increments: int) -> None:
         self._add(increments, error)
 
-    def _add(self, increments: dict[str, int], error: str | None) -> None:
+    def _add(self, increments: dict[str, int], error: str | None, hot_bytes: int | None = None) -> None:
         with self._lock:
             for name, amount in increments.items():
                 setattr(self.stats, name, getattr(self.stats, name) + amount)
             if error is not None:
                 self.stats.note_error(error)
+            if hot_bytes is not None:  # a gauge: set, not added
+                self.stats.hot_bytes = hot_bytes
         self._write_stats()
 
     def _write_stats(self) -> None:

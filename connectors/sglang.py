@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstore.connectors.hot_tier import HotTier
 from kvstore.connectors.page_cache import PAGE_VOCAB, PageCache
 from kvstore.connectors.prefix_cache import (
     CacheConfig,
@@ -208,6 +209,7 @@ class KVStoreHiCacheStorage(_Base):
             id_prefix="sglang",
             verify=self.config.verify,
             stats_path=stats_path,
+            hot=HotTier(self.config.hot_bytes) if self.config.hot_bytes else None,
         )
         logger.info(
             "kvstore HiCache storage: store %s, owner %s, tier %s, %d layers x %d-token pages, fingerprint %s",

@@ -20,7 +20,9 @@ request is reported finished only once that save is settled, so a next turn that
 the previous answer's rows as well. A load that fails
 (missing, damaged, another fingerprint) marks its blocks through
 :meth:`KVStoreConnector.get_block_ids_with_load_errors`, so vLLM recomputes them
-(``kv_load_failure_policy: "recompute"``) rather than attend to wrong KV.
+(``kv_load_failure_policy: "recompute"``) rather than attend to wrong KV. The worker keeps the rows it
+recently loaded or saved in a hot tier in host memory (``hot_bytes``,
+:mod:`~kvstore.connectors.hot_tier`), shared by its requests: a load of those is a memory copy.
 
 The counters reach vLLM's own metrics (``get_kv_connector_stats``: the ``vllm:kvstore_*`` counters
 of its Prometheus ``/metrics`` and its periodic "KV Transfer metrics" log line). The store is a
@@ -56,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # pyright: i
     KVConnectorStats,
 )
 
+from kvstore.connectors.hot_tier import HotTier
 from kvstore.connectors.prefix_cache import CacheConfig, LoadFailed, PrefixCache, model_fingerprint, open_client
 from kvstore.connectors.prefix_cache import sampled_weights_hash as _sampled_weights_hash
 from kvstore.connectors.save_writer import SaveWriter
@@ -85,6 +88,9 @@ COUNTERS = (
     "saved_tokens",
     "save_errors",
     "save_skipped",
+    "hot_hits",
+    "hot_misses",
+    "hot_evictions",
 )
 
 
@@ -248,6 +254,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         stats_path = None
         if self.config.stats_dir:
             stats_path = Path(self.config.stats_dir) / f"{role_name}-{os.getpid()}.json"
+        # the worker loads and saves: its requests share one hot tier (the scheduler only looks up)
+        hot = HotTier(self.config.hot_bytes) if role != KVConnectorRole.SCHEDULER and self.config.hot_bytes else None
         self.cache = PrefixCache(
             open_client(self.config),
             None,
@@ -255,6 +263,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             verify=self.config.verify,
             min_tokens=self.config.min_tokens,
             stats_path=stats_path,
+            hot=hot,
         )
         # scheduler side
         self._planned: dict[str, tuple[str, int, int]] = {}  # req -> (session, start, stop), lookup done

@@ -89,6 +89,22 @@ def test_pages_round_trip_exactly_and_every_page_looked_up_is_a_hit_or_a_miss(st
     assert len(list((tmp_path / "stats").glob("sglang-*-tp0.json"))) == 1
 
 
+def test_pages_set_or_got_before_come_from_the_hot_tier_bit_for_bit(store):
+    values = pages(3, seed=4, dtype=torch.bfloat16)
+    writer = backend({"store": store}, dtype=torch.bfloat16)
+    assert writer.batch_set(KEYS[:3], values)
+    reader = backend({"store": store}, dtype=torch.bfloat16)  # another process would start empty too
+    first = reader.batch_get(KEYS[:3], [target(torch.bfloat16) for _ in range(3)])  # from the store
+    again = reader.batch_get(KEYS[:3], [target(torch.bfloat16) for _ in range(3)])  # from memory
+    own = writer.batch_get(KEYS[:3], [target(torch.bfloat16) for _ in range(3)])  # the pages it set
+    for got in (first, again, own):
+        assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
+    stats, mine = reader.counters(), writer.counters()
+    assert (stats["hot_misses"], stats["hot_hits"], stats["hot_bytes"]) == (3, 3, 3 * LAYERS * PAGE * WIDTH * 4)
+    assert (mine["hot_misses"], mine["hot_hits"]) == (0, 3)
+    assert backend({"store": store, "hot_bytes": 0}, dtype=torch.bfloat16).cache.hot is None
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["f32-cache", "bf16-cache", "fp8-cache"]
@@ -152,7 +168,9 @@ def test_another_models_pages_are_refused_and_counted(store):
 
 
 def test_damaged_pages_are_never_handed_back(store):
-    storage = backend({"store": store})
+    # no hot tier: the process that wrote the pages would serve them from its memory (the bytes it
+    # wrote; tests/vllm/test_hot_tier.py); the check of what is on disk is what is tested here
+    storage = backend({"store": store, "hot_bytes": 0})
     storage.batch_set(KEYS[:2], pages(2, seed=9))
     client = storage.cache.client
     path = client.store.journal_path(storage.cache.page_id(KEYS[0]), owner="sglang")  # type: ignore[attr-defined]
@@ -169,7 +187,7 @@ def test_damaged_pages_are_never_handed_back(store):
 
 
 def test_a_damaged_page_is_replaced_by_the_next_set(store):
-    storage = backend({"store": store})
+    storage = backend({"store": store, "hot_bytes": 0})  # the disk's copy is checked (see above)
     values = pages(2, seed=10)
     storage.batch_set(KEYS[:2], values)
     client = storage.cache.client
@@ -253,7 +271,7 @@ def test_service_mode_round_trips_for_the_keys_owner_only(server):
 def test_service_mode_damaged_pages_are_refused_and_a_wrong_key_stops_at_start(server):
     with pytest.raises(ConfigError, match="refused the API key"):
         backend({"url": server.url, "api_key": "not-a-key-of-this-server-000000"})
-    alice = backend({"url": server.url, "api_key": KEY_A})
+    alice = backend({"url": server.url, "api_key": KEY_A, "hot_bytes": 0})  # the served copy is checked
     (value,) = pages(1, seed=8)
     assert alice.set(KEYS[5], value)
     session_id = alice.cache.page_id(KEYS[5])

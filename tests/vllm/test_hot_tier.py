@@ -1,0 +1,233 @@
+"""The connectors' hot tier (kvstore.connectors.hot_tier) in front of a real store: hits equal the
+disk load bit for bit, the byte budget holds (least recently used out first; an entry larger than
+the budget is not kept), another fingerprint or owner never hits another's entry, a quarantine or a
+failed save drops the entry, and threads loading one prefix never see torn rows. No vLLM."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore import tiers
+from kvstore.connectors.hot_tier import HotTier
+from kvstore.connectors.prefix_cache import CacheConfig, LoadFailed, PrefixCache, RowsDamaged, model_fingerprint
+from kvstore.errors import ConfigError
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, read_header
+from kvstore.store import SessionStore
+
+GEOMETRY = Geometry(2, 512, 64, 0, 0, 1000)
+RNG = np.random.default_rng(11)
+PROMPT = RNG.integers(0, 1000, size=200).astype(np.int32)
+ROWS = RNG.standard_normal((2, 200, 576)).astype(np.float32)
+ENTRY = ROWS.nbytes  # one prompt's rows in the tier (2 x 200 x 576 f32: 921,600 bytes)
+
+
+def fingerprint(tier=tiers.F32, weights="sampled-blake2b:one"):
+    return model_fingerprint(
+        name="tiny",
+        revision="main",
+        geometry=GEOMETRY,
+        tier=tier,
+        attention_variant="vllm-mla:float32",
+        weights_hash=weights,
+    )
+
+
+def prompt(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1000, size=200).astype(np.int32)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SessionStore(tmp_path / "kv") as opened:
+        yield opened
+
+
+def alter(store, session_id: str, owner: str, record: int) -> None:
+    """Change one latent value of ``record`` (layer 0) in the session's journal."""
+    path = store.journal_path(session_id, owner=owner)
+    header, _ = read_header(path)
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + record * header.rec_bytes + 4)
+        value = np.frombuffer(f.read(4), dtype="<f4")[0]
+        f.seek(HEADER_BYTES + record * header.rec_bytes + 4)
+        f.write(np.float32(value + 0.5).tobytes())
+
+
+@pytest.mark.parametrize("tier", [tiers.F32, tiers.FP8, tiers.INT4], ids=lambda t: t.name)
+def test_a_hot_hit_is_bit_for_bit_the_disk_load(store, tier):
+    disk = PrefixCache(store, "team-a", fingerprint(tier))  # no hot tier: every load reads the store
+    hot = PrefixCache(store, "team-a", fingerprint(tier), hot=HotTier(4 * ENTRY))
+    rows = ROWS.copy()
+    rows[1, 7, 3] = np.nan  # stored as the journal stores it (0): the tier must hold that, not the NaN
+    session = hot.save(PROMPT, rows)
+    assert session is not None
+    for start, stop in [(0, 200), (16, 144), (0, 64)]:
+        from_disk = disk.load(session, start, stop)
+        from_memory = hot.load(session, start, stop)  # the save's entry
+        assert from_memory.tobytes() == from_disk.tobytes()
+        assert from_memory.flags.writeable and from_memory.flags.c_contiguous  # the caller's copy
+    assert (hot.stats.hot_hits, hot.stats.hot_misses, hot.stats.loads) == (3, 0, 3)
+    # an entry made by a load (not a save) is the same bytes too
+    loader = PrefixCache(store, "team-a", fingerprint(tier), hot=HotTier(4 * ENTRY))
+    first = loader.load(session, 16, 144)
+    again = loader.load(session, 0, 200)
+    assert first.tobytes() == disk.load(session, 16, 144).tobytes()
+    assert again.tobytes() == disk.load(session, 0, 200).tobytes()
+    assert (loader.stats.hot_misses, loader.stats.hot_hits, loader.stats.hot_bytes) == (1, 1, ENTRY)
+    # a hit's rows are the caller's: writing them leaves the entry as it was
+    again[:] = 0
+    assert loader.load(session, 0, 200).tobytes() == disk.load(session, 0, 200).tobytes()
+
+
+def test_a_hit_reads_no_journal(store):
+    cache = PrefixCache(store, "team-a", fingerprint(), hot=HotTier(2 * ENTRY))
+    session = cache.save(PROMPT, ROWS)
+    assert session is not None
+    store.journal_path(session, owner="team-a").unlink()  # the disk copy gone: memory still answers
+    assert cache.load(session, 0, 200).tobytes() == ROWS.tobytes()
+    assert cache.stats.hot_hits == 1 and cache.stats.load_errors == 0
+
+
+def test_the_budget_holds_and_the_least_recently_used_goes_first(store):
+    tier = HotTier(2 * ENTRY + 100)  # room for two prompts' rows
+    cache = PrefixCache(store, "team-a", fingerprint(), hot=tier)
+    a, b, c = (cache.save(prompt(seed), ROWS) for seed in (1, 2, 3))
+    assert a and b and c
+    assert tier.nbytes <= tier.budget and len(tier) == 2  # c's save pushed a (the oldest) out
+    assert cache.stats.hot_evictions == 1 and cache.stats.hot_bytes == 2 * ENTRY
+    cache.load(b, 0, 64)  # b is now the most recently used: the next entry pushes c out, not b
+    assert cache.stats.hot_hits == 1
+    cache.load(a, 0, 64)  # a miss (read from disk, kept again)
+    assert cache.stats.hot_misses == 1 and cache.stats.hot_evictions == 2
+    assert tier.nbytes <= tier.budget
+    hits = cache.stats.hot_hits
+    cache.load(b, 0, 64)
+    cache.load(a, 0, 64)
+    assert cache.stats.hot_hits == hits + 2
+    cache.load(c, 0, 64)
+    assert cache.stats.hot_misses == 2  # c was the one evicted
+
+
+def test_an_entry_larger_than_the_budget_is_not_kept(store):
+    tier = HotTier(ENTRY - 1)
+    cache = PrefixCache(store, "team-a", fingerprint(), hot=tier)
+    session = cache.save(PROMPT, ROWS)
+    assert session is not None and len(tier) == 0 and tier.nbytes == 0
+    assert cache.load(session, 0, 200).tobytes() == ROWS.tobytes()  # from disk, still right
+    assert (cache.stats.hot_misses, cache.stats.hot_hits, cache.stats.hot_bytes) == (1, 0, 0)
+    assert len(tier) == 0
+
+
+def test_another_fingerprint_or_owner_never_hits_anothers_entry(store):
+    shared = HotTier(8 * ENTRY)  # one tier behind caches of two models and two owners
+    mine = PrefixCache(store, "team-a", fingerprint(), hot=shared)
+    session = mine.save(PROMPT, ROWS)
+    assert session is not None and len(shared) == 1
+    other_model = PrefixCache(store, "team-a", fingerprint(weights="sampled-blake2b:two"), hot=shared)
+    other_owner = PrefixCache(store, "team-b", fingerprint(), hot=shared)
+    for other in (other_model, other_owner):
+        with pytest.raises(LoadFailed):  # the store refuses (another fingerprint) or has no such session
+            other.load(session, 0, 64)
+        assert (other.stats.hot_hits, other.stats.hot_misses, other.stats.load_errors) == (0, 1, 1)
+    assert mine.load(session, 0, 64).tobytes() == ROWS[:, :64].tobytes() and mine.stats.hot_hits == 1
+
+
+def test_rows_that_fail_verification_are_quarantined_and_never_kept(store):
+    writer = PrefixCache(store, "team-a", fingerprint())  # saves without a tier: the entry is the load's
+    session = writer.save(PROMPT, ROWS)
+    assert session is not None
+    tier = HotTier(4 * ENTRY)
+    cache = PrefixCache(store, "team-a", fingerprint(), hot=tier)
+    alter(store, session, "team-a", 30)
+    with pytest.raises(RowsDamaged):
+        cache.load(session, 0, 200)
+    assert cache.stats.quarantined == 1 and len(tier) == 0 and cache.stats.hot_bytes == 0
+
+
+def test_a_quarantine_found_by_another_cache_of_the_process_drops_the_shared_entry(store):
+    tier = HotTier(4 * ENTRY)
+    first = PrefixCache(store, "team-a", fingerprint(), hot=tier)
+    session = first.save(PROMPT, ROWS)
+    assert session is not None and len(tier) == 1
+    second = PrefixCache(store, "team-a", fingerprint(), hot=tier)
+    second._quarantine(session, "damaged (found by another request's load)")
+    assert len(tier) == 0
+    with pytest.raises(LoadFailed):
+        first.load(session, 0, 64)  # gone from memory and from the store: a miss, never the old entry
+    assert first.stats.hot_misses == 1
+
+
+def test_a_failed_save_drops_the_entry(store, monkeypatch):
+    tier = HotTier(4 * ENTRY)
+    cache = PrefixCache(store, "team-a", fingerprint(), hot=tier)
+    session = cache.session_id_for(PROMPT)
+    tier.put(cache._hot_key(session), ROWS)  # as if an earlier copy of this id were held
+
+    def refuse(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cache.client, "append_records", refuse)
+    assert cache.save(PROMPT, ROWS) is None and cache.stats.save_errors == 1
+    assert len(tier) == 0
+
+
+def test_threads_loading_one_prefix_never_see_torn_rows(store):
+    tier = HotTier(3 * ENTRY)  # room for 3 of the 4 prompts: loads evict and re-add entries as they go
+    cache = PrefixCache(store, "team-a", fingerprint(), hot=tier)
+    prompts = [prompt(seed) for seed in range(4)]
+    expected = {}
+    for i, tokens in enumerate(prompts):
+        rows = np.full((2, 200, 576), float(i), dtype=np.float32) + ROWS
+        session = cache.save(tokens, rows)
+        assert session is not None
+        expected[session] = rows.tobytes()
+    sessions = list(expected)
+    wrong: list[str] = []
+    start = threading.Barrier(6)
+
+    def load(worker: int) -> None:
+        start.wait()
+        for step in range(40):
+            session = sessions[(worker + step) % len(sessions)]
+            if cache.load(session, 0, 200).tobytes() != expected[session]:
+                wrong.append(session)
+
+    threads = [threading.Thread(target=load, args=(w,)) for w in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong
+    stats = cache.stats
+    assert stats.hot_hits + stats.hot_misses == stats.loads == 240 and stats.load_errors == 0
+    assert stats.hot_hits > 0 and stats.hot_evictions > 0 and tier.nbytes <= tier.budget
+
+
+def test_pinned_entries_when_torch_sees_cuda():
+    if not torch.cuda.is_available():
+        assert not HotTier(ENTRY).pinned  # plain memory; asking for pinned is a clear error
+        with pytest.raises(ValueError, match="needs torch with CUDA"):
+            HotTier(ENTRY, pinned=True)
+        return
+    tier = HotTier(ENTRY)
+    assert tier.pinned
+    tier.put(("o", "f", "s"), ROWS)
+    entry = tier.get(("o", "f", "s"))
+    assert entry is not None and entry.tobytes() == ROWS.tobytes() and not entry.flags.writeable
+
+
+def test_hot_bytes_is_a_setting_with_a_default_and_0_turns_it_off(store):
+    assert CacheConfig.from_extra({"store": "/srv/kv"}).hot_bytes == 1 << 30
+    assert CacheConfig.from_extra({"store": "/srv/kv", "hot_bytes": 0}).hot_bytes == 0
+    for bad in (-1, "1GiB", True, 1.5):
+        with pytest.raises(ConfigError, match="'hot_bytes'"):
+            CacheConfig.from_extra({"store": "/srv/kv", "hot_bytes": bad})
+    off = PrefixCache(store, "team-a", fingerprint(), hot=HotTier(0))
+    assert off.hot is None
+    session = off.save(PROMPT, ROWS)
+    assert session is not None and off.load(session, 0, 64).tobytes() == ROWS[:, :64].tobytes()
+    assert (off.stats.hot_hits, off.stats.hot_misses, off.stats.hot_bytes) == (0, 0, 0)
