@@ -153,6 +153,38 @@ def test_an_object_that_does_not_match_its_digest_is_never_served_nor_kept(index
     )  # fetched twice, thrice
 
 
+def test_segments_are_matched_by_their_blake3_check_and_older_ones_by_their_digest(index_url, blobs_url, s3_server):
+    """Schema 8 records each segment's BLAKE3-256 (what a read matches); a segment committed before
+    has none and is matched by its blake2b digest: both serve sound bytes and refuse changed ones."""
+    import psycopg
+
+    from kvstore.store.shared.rows import check_of, digest_of
+
+    key, image = write_session(index_url, blobs_url, s3_server.endpoint, 2)
+    with SharedStore(SharedIndex(index_url), BlobStore(blobs_url, endpoint_url=s3_server.endpoint)) as plain:
+        plan = plain.index.read_plan(key)
+    per = ROWS * rec_bytes()
+    for i, segment in enumerate(plan.segments):
+        body = image[i * per : (i + 1) * per]
+        assert segment.check == check_of(body) and segment.digest == digest_of(body)
+        assert segment.holds(body) and not segment.holds(body[:-1] + bytes([body[-1] ^ 1]))
+    with psycopg.connect(index_url, autocommit=True) as conn:  # the first one as committed before schema 8
+        conn.execute("UPDATE kv_segments SET check_digest = NULL WHERE object = %s", (plan.segments[0].object,))
+    store, _ = reader_store(index_url, blobs_url, s3_server.endpoint, None, part_records=9, ahead_records=200)
+    with store:
+        older = store.index.read_plan(key)
+        assert older.segments[0].check is None and older.segments[1].check is not None
+        assert store.read_planned(key, older, 0, older.n_records) == image
+        s3 = boto3.client("s3", endpoint_url=s3_server.endpoint)
+        bucket = blobs_url.removeprefix("s3://").split("/")[0]
+        for segment in older.segments:  # each damaged in turn: refused by its digest, then by its check
+            whole = s3.get_object(Bucket=bucket, Key=segment.object)["Body"].read()
+            s3.put_object(Bucket=bucket, Key=segment.object, Body=bytes([whole[0] ^ 0x10]) + whole[1:])
+            with pytest.raises(SessionDamaged):
+                store.read_planned(key, older, segment.first_record, segment.end)
+            s3.put_object(Bucket=bucket, Key=segment.object, Body=whole)
+
+
 def test_inspect_judges_the_records_as_they_stream_with_the_loaders_answers(
     index_url, blobs_url, s3_server, monkeypatch, tmp_path
 ):

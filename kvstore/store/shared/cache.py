@@ -34,10 +34,6 @@ SEGMENTS_DIR = "segments"
 DEFAULT_CACHE_BYTES = 8 << 30
 
 
-def _digest(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=32).digest()
-
-
 class SegmentCache:
     """Whole segment objects on local disk, at most ``budget_bytes``, least recently used evicted.
 
@@ -101,11 +97,11 @@ class SegmentCache:
                     checked = self._checked.get(name) == identity
                 if verify or not checked:
                     if whole:  # straight into the caller's buffer, hashed there
-                        if handle.readinto(into) != len(into) or _digest(into) != segment.digest:
+                        if handle.readinto(into) != len(into) or not segment.holds(into):
                             raise _Damaged
                     else:
                         body = handle.read()
-                        if len(body) != segment.nbytes or _digest(body) != segment.digest:
+                        if len(body) != segment.nbytes or not segment.holds(body):
                             raise _Damaged
                         into[:] = memoryview(body)[offset : offset + len(into)]
                     with self._lock:
@@ -143,7 +139,7 @@ class SegmentCache:
             with self._lock:
                 checked = self._checked.get(name) == identity
             if verify or not checked:
-                if _digest(mapped) != segment.digest:
+                if not segment.holds(mapped):
                     raise _Damaged
                 with self._lock:
                     self._checked[name] = identity

@@ -22,7 +22,6 @@ compressed object (a parked session's) is fetched whole, decompressed and checke
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
@@ -46,11 +45,6 @@ PART_BYTES = 8 << 20  # one ranged GET
 FETCH_THREADS = 16  # segments in flight at once (and, apart, the parts of each)
 READ_AHEAD_BYTES = 64 << 20  # a stream's blocks fetched ahead of the one being consumed
 KEEP_BACKLOG_BYTES = 512 << 20  # checked objects waiting for the keeper to write them, at most
-
-
-def digest_of(payload: bytes | memoryview) -> bytes:
-    """blake2b-256 of a segment's bytes (kept in the index, checked on every read of a segment)."""
-    return hashlib.blake2b(payload, digest_size=32).digest()
 
 
 class Piece(NamedTuple):
@@ -344,7 +338,7 @@ class SegmentFetcher:
             ]
             for job in jobs:
                 job.result()
-            if digest_of(into) == segment.digest:
+            if segment.holds(into):
                 return into
         raise SessionDamaged(
             f"session {public_id(key)!r}: object {segment.object} does not hold the bytes its commit recorded "
@@ -358,7 +352,7 @@ class SegmentFetcher:
                 raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=segment.nbytes)
             except zstandard.ZstdError:
                 continue
-            if len(raw) == segment.nbytes and digest_of(raw) == segment.digest:
+            if len(raw) == segment.nbytes and segment.holds(raw):
                 return raw
         raise SessionDamaged(
             f"session {public_id(key)!r}: the compressed object {segment.object} does not hold the bytes its commit "

@@ -438,6 +438,7 @@ class SharedIndex(Rewrites):
         request: tuple[str, bytes] | None = None,
         blocks: tuple[int, list[bytes]] = (0, []),
         hard_limit: int | None = None,
+        check: bytes | None = None,
     ) -> tuple[Segment, bool]:
         """The commit point: record the segment and the new count, fenced by ``token``.
 
@@ -445,6 +446,7 @@ class SharedIndex(Rewrites):
         ``request``: the client's idempotency key and the digest of its request, recorded with the
         result in the same transaction (:meth:`request_result` answers a retry from it).
         ``blocks``: ``(first block, chain hashes)`` of the prefix blocks the new watermark completes.
+        ``check``: the records' BLAKE3-256, which reads match (``rows.check_of``).
 
         Returns the segment and whether this call committed it (False: an earlier attempt did).
 
@@ -487,9 +489,9 @@ class SharedIndex(Rewrites):
                 if nbytes != n_records * int(count[1]):
                     raise SegmentLost(f"the upload {object_name} holds {nbytes} bytes, not {n_records} records")
                 conn.execute(
-                    "INSERT INTO kv_segments (key, first_record, n_records, object, nbytes, digest, token, complete) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                    (key, start, n_records, object_name, nbytes, digest, token, complete),
+                    "INSERT INTO kv_segments (key, first_record, n_records, object, nbytes, digest, token, complete, "
+                    "check_digest) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    (key, start, n_records, object_name, nbytes, digest, token, complete, check),
                 )
                 conn.execute(
                     "UPDATE kv_sessions SET n_records = %(end)s, size_bytes = size_bytes + %(nbytes)s, "
@@ -508,7 +510,7 @@ class SharedIndex(Rewrites):
                     )
                 put_blocks(conn, key, *blocks)
                 fit(conn, nbytes, hard_limit)
-                return Segment(start, n_records, object_name, nbytes, digest, token, complete), True
+                return Segment(start, n_records, object_name, nbytes, digest, token, complete, check=check), True
 
         return self.run("committing an append", body)
 

@@ -32,6 +32,7 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Header
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations.index import chain_hashes, chain_seed
 from kvstore.store.shared.index import ReadPlan, Segment
+from kvstore.store.shared.rows import check_of
 from kvstore.store.shared.store import UNKNOWN_MODEL, Lease, SharedStore, digest_of
 from kvstore.store.values import Fingerprint, ModelInfo, Progress, check_record_size, public_id
 from kvstore.tiers import Tier
@@ -102,7 +103,9 @@ def migrate(
     def convert(segment: Segment, raw: memoryview) -> tuple[bytes, Segment]:
         records = coli_kv.parse(Header(geometry, source.tier, segment.n_records).to_bytes() + bytes(raw))
         body = format_migrations.convert(records, tier).tobytes()
-        return body, replace(segment, nbytes=len(body), digest=digest_of(body), codec="raw", stored_bytes=None)
+        return body, replace(
+            segment, nbytes=len(body), digest=digest_of(body), codec="raw", stored_bytes=None, check=check_of(body)
+        )
 
     def count(done_bytes: int, total_bytes: int) -> None:  # records converted, as the embedded store reports
         if progress is not None:

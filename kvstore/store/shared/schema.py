@@ -9,7 +9,7 @@ from __future__ import annotations
 #: ``pg_advisory_xact_lock`` key serializing schema creation and upgrades across replicas.
 SCHEMA_LOCK = 0x6B7673_0001
 
-CURRENT_VERSION = 7
+CURRENT_VERSION = 8
 
 #: version reached -> the statements that reach it from the version before.
 STEPS: dict[int, tuple[str, ...]] = {
@@ -162,6 +162,9 @@ STEPS: dict[int, tuple[str, ...]] = {
         "CREATE TRIGGER kv_sessions_owner_count AFTER INSERT OR DELETE ON kv_sessions "
         "FOR EACH ROW EXECUTE FUNCTION kv_count_owner_sessions()",
     ),
+    # a segment's BLAKE3-256, matched before any byte of it is served (rows.check_of); segments
+    # committed before keep NULL and are checked by their blake2b digest, as before
+    8: ("ALTER TABLE kv_segments ADD COLUMN IF NOT EXISTS check_digest bytea",),
 }
 
 META_TABLE = "CREATE TABLE IF NOT EXISTS kv_meta (name text PRIMARY KEY, value text NOT NULL)"

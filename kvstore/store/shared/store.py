@@ -34,8 +34,9 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, check_geomet
 from kvstore.migrations.index import PREFIX_BLOCK_TOKENS, chain_hashes, chain_seed
 from kvstore.store.shared.blobs import BlobStore
 from kvstore.store.shared.cache import SegmentCache
-from kvstore.store.shared.fetch import SegmentFetcher, digest_of
+from kvstore.store.shared.fetch import SegmentFetcher
 from kvstore.store.shared.index import ReadPlan, Segment, SharedIndex
+from kvstore.store.shared.rows import check_of, digest_of
 from kvstore.store.values import (
     Fingerprint,
     ModelInfo,
@@ -99,6 +100,7 @@ class Prepared:
     complete: bool = True
     request: tuple[str, bytes] | None = None  # (idempotency key, request digest), recorded by the commit
     blocks: tuple[int, list[bytes]] = (0, [])  # prefix blocks the commit's watermark completes
+    check: bytes | None = None  # BLAKE3-256 of the payload, what reads match
 
 
 @dataclass(frozen=True)
@@ -341,8 +343,9 @@ class SharedStore:
         doubt = lease.in_doubt
         name = doubt.object if doubt is not None else self._upload(lease, start, payload)
         return Prepared(
-            name, start, n, digest, payload, complete, (request.value, request_digest) if request else None, blocks
-        )
+            name, start, n, digest, payload, complete, (request.value, request_digest) if request else None, blocks,
+            check_of(payload),
+        )  # fmt: skip
 
     def commit(self, lease: Lease, prepared: "Prepared") -> AppendAck:
         """Step 3, the commit point: publish a prepared segment, fenced by ``lease.token``."""
@@ -352,7 +355,7 @@ class SharedStore:
                 segment, _ = self.index.commit(
                     lease.key, lease.token, prepared.start, prepared.n_records, name, prepared.digest, lease.ttl,
                     time.time_ns(), prepared.complete, request=prepared.request, blocks=prepared.blocks,
-                    hard_limit=self.hard_limit,
+                    hard_limit=self.hard_limit, check=prepared.check,
                 )  # fmt: skip
             except BudgetExceeded:
                 lease.in_doubt = None
@@ -443,7 +446,9 @@ class SharedStore:
         name = self.segment_name(into, segment.first_record, token)
         self.index.add_intent(into, token, name, len(kept))
         self.blobs.put(name, kept)
-        return Segment(segment.first_record, n, name, len(kept), digest_of(kept), token, segment.complete)
+        return Segment(
+            segment.first_record, n, name, len(kept), digest_of(kept), token, segment.complete, check=check_of(kept)
+        )
 
     def fork(
         self, source: str, new_key: str, at: int | None, record: dict[str, Any], *, attempts: int = 3
