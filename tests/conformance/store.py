@@ -468,6 +468,12 @@ class StoreConformance(abc.ABC):
             assert reader.body_bytes == len(expected) == 9 * reader.record_bytes
             assert reader.load().record_bytes() == expected
             assert b"".join(reader.iter_bytes(chunk_bytes=2 * reader.record_bytes + 1)) == expected
+            # whole chunks of what was asked, across turns too: the first chunk, which a server reads
+            # before its answer starts, holds that many records whatever the turns' sizes
+            sizes = [
+                len(chunk) // reader.record_bytes for chunk in reader.iter_bytes(chunk_bytes=6 * reader.record_bytes)
+            ]
+            assert sizes == [6, 3]
             batches = list(reader.iter_batches(4))
             assert [b.n for b in batches] == [4, 4, 1] and b"".join(b.record_bytes() for b in batches) == expected
             image = reader.header_bytes() + b"".join(reader.iter_bytes())

@@ -93,7 +93,9 @@ class SharedReader(Reader):
     def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[bytes | memoryview]:
         """The served records' raw bytes in chunks of whole records (``chunk_bytes`` None: 4 MiB)."""
         per = max(1, (READ_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // self.record_bytes)
-        yield from self._stream(per)  # memoryviews: the server sends them without another copy
+        # memoryviews the server sends without another copy (a chunk across two segments is joined):
+        # whole chunks, so the first one a server reads before its 200 holds as many bytes as asked
+        yield from _exactly(self._stream(per), per * self.record_bytes)
 
     def read_into(self, out: np.ndarray, start: int, count: int) -> int:
         """Served records ``[start, start + count)`` into ``out`` (u8, at least ``count`` records
