@@ -263,6 +263,9 @@ def test_a_new_process_loads_the_stored_prefix_and_generates_the_same_tokens(bas
     sched, worker = second_stats["scheduler"], second_stats["worker"]
     assert sched["hits"] == 2 and sched["lookups"] == sched["hits"] + sched["misses"]
     assert worker["loads"] == 2 and worker["loaded_tokens"] == 288 + 288 and worker["load_errors"] == 0
+    # every load went through the hot tier: a hit from memory or a miss read from the store
+    for counts in (first_stats["worker"], worker):
+        assert counts["hot_hits"] + counts["hot_misses"] == counts["loads"] and counts["hot_evictions"] == 0
     assert loaded_a["tokens"] == computed_a["tokens"] == recomputed_a["tokens"] == baseline[0]["tokens"]
     assert len(loaded_a["tokens"]) == MAX_TOKENS
 
@@ -309,7 +312,8 @@ def test_a_next_turn_loads_the_previous_answers_rows_too(baseline, first, store,
 def test_vllms_own_metrics_carry_the_connectors_counters(first):
     _, counted, in_vllm = first
     both = {name: counted["scheduler"][name] + counted["worker"][name] for name in counted["scheduler"]}
-    for name in ("lookups", "hits", "misses", "refused", "matched_tokens", "loads", "loaded_tokens", "load_errors"):
+    names = ("lookups", "hits", "misses", "refused", "matched_tokens", "loads", "loaded_tokens", "load_errors")
+    for name in names + ("hot_hits", "hot_misses"):
         assert in_vllm.get(name, 0) == both[name], name
     assert in_vllm["lookups"] == in_vllm["hits"] + in_vllm["misses"] == 3
     # the last conversation is saved in the step after the last request finished, which vLLM may
