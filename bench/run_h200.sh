@@ -5,7 +5,8 @@
 #   2. the kernel table (bench/gpu_attention.py), where the kernel's time goes (bench/gpu_stages.py)
 #      and the f32/bf16 Triton kernels against the torch path (bench/gpu_dense.py);
 #      the routed experts' Triton kernels against the grouped GEMM (bench/engine_experts.py);
-#   3. engine resume vs re-prefill on a random-weight DeepSeek-V2-Lite-geometry model;
+#   3. engine resume vs re-prefill on a random-weight DeepSeek-V2-Lite-geometry model, and a resume from
+#      rows in host memory (Engine.restore) beside restore_file;
 #   4. transformers restore + first token vs re-running the prompt, same geometry;
 #   5. decode speed: plain vs CUDA-graph steps per tier and context, 16 sessions batched, peak memory.
 # Usage: OUT=/some/dir bench/run_h200.sh [engine-tiers...]
@@ -24,7 +25,7 @@ step() { echo; echo "== $1 ($(date +%T))"; }
 if want tests; then
 step "gpu tests"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/engine/test_gpu.py tests/engine/test_graphs.py \
-    tests/engine/test_batch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+    tests/engine/test_batch.py tests/engine/test_device_restore.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
 fi
 
 if want kernels; then
@@ -50,7 +51,7 @@ fi
 if want engine; then
 step "engine resume vs re-prefill (v2-lite, bf16)"
 python3 bench/engine_resume.py --device cuda --preset v2-lite --workdir /tmp/kv-engine \
-    --tiers ${ENGINE_TIERS:-f32 fp8 int4} 2>&1 | tee "$OUT/engine.log" | tail -n 40
+    --tiers ${ENGINE_TIERS:-f32 fp8 int4} --rows 2>&1 | tee "$OUT/engine.log" | tail -n 40
 rm -rf /tmp/kv-engine
 fi
 
