@@ -44,6 +44,8 @@ class ServeProcess:
         self.output = ""
 
     def start(self):
+        if self.running():  # a second process would outlive whoever stops this one
+            raise RuntimeError(f"the server of {self.data} is running already")
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))

@@ -59,7 +59,7 @@ def test_pages_hold_every_session_once_oldest_first_with_filters(make_server, ke
     data = tmp_path / "data"
     ids = fill(data, "alice", 250, tag_every=3)
     fill(data, "bob", 5)
-    server = make_server(data=data).start()
+    server = make_server(data=data)
     with server.client(keys["alice"]) as alice:
         first = alice.get("/sessions").json()
         assert [s["id"] for s in first["sessions"]] == ids[:DEFAULT_PAGE] and first["next_cursor"]
@@ -113,7 +113,7 @@ def test_bad_paging_is_refused_with_a_typed_error(server, alice, params, status,
 
 
 def test_the_cap_refuses_the_next_create_per_owner_and_creates_nothing(make_server, keys, tmp_path):
-    server = make_server("--max-sessions-per-owner", "3").start()
+    server = make_server("--max-sessions-per-owner", "3")
     with server.client(keys["alice"]) as alice, server.client(keys["bob"]) as bob:
         for sid in ("a", "b", "c"):
             assert create(alice, sid).status_code == 201
