@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore import tiers
-from kvstore.filetools import migrate_file
+from kvstore.filerewrite import migrate_file
 from kvstore.formats import coli_kv, fp8
 from kvstore.formats.coli_kv import Geometry, Header, Tier
 from kvstore.journal import KVFile

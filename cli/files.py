@@ -90,7 +90,7 @@ def _record_bytes(path: str) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from kvstore.filetools import migrate_file
+    from kvstore.filerewrite import migrate_file
 
     if args.tier is None:
         raise InvalidRequest(f"give the target with --tier NAME ({options.listing(args.tier_option.choices())})")
@@ -107,7 +107,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    from kvstore.filetools import repair_file
+    from kvstore.filerewrite import repair_file
 
     with progress.bar("repair", enabled=not args.json, bytes_per_unit=_record_bytes(args.path)) as update:
         report = repair_file(args.path, dry_run=args.dry_run, backup=not args.no_backup, progress=update)

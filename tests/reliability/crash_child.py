@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
 
 from kvstore import tiers
-from kvstore.filetools import migrate_file, repair_file  # noqa: E402
+from kvstore.filerewrite import migrate_file, repair_file  # noqa: E402
 from kvstore.formats.coli_kv import Tier  # noqa: E402
 from kvstore.journal import KVFile  # noqa: E402
 from reliability.workload import GEOMETRY, turn_rows  # noqa: E402

@@ -158,7 +158,7 @@ def test_repair_survives_sigkill(tmp_path, trials, figures):
     damaged = damaged_file()
     reference = tmp_path / "reference.coli_kv"
     reference.write_bytes(damaged)
-    from kvstore.filetools import repair_file
+    from kvstore.filerewrite import repair_file
 
     repair_file(reference, backup=False)
     repaired = reference.read_bytes()

@@ -15,7 +15,7 @@ import pytest
 from kvstore import tiers
 from kvstore.errors import KVStoreError
 from kvstore.export import export
-from kvstore.filetools import migrate_file, repair_file
+from kvstore.filerewrite import migrate_file, repair_file
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Header
 from kvstore.journal import KVFile
