@@ -88,7 +88,7 @@ def _summary(info) -> str:
 
 
 def _write_output(path: Path, payload: bytes) -> None:
-    from kvstore.journal import AtomicFile
+    from kvstore.durable import AtomicFile
 
     with AtomicFile(path, replace=True) as out:
         out.write(payload)

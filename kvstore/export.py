@@ -39,10 +39,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from kvstore.durable import AtomicFile, write_errors
 from kvstore.errors import FormatError, InvalidRequest
 from kvstore.filetools import SourceFile, check_output, repaired
 from kvstore.formats.coli_kv import Geometry, Header, KVRecords
-from kvstore.journal import AtomicFile, write_errors
 
 SUFFIXES = (".npz", ".arrow", ".parquet")
 #: Decoded rows (f32 bytes) per batch an export holds at once.

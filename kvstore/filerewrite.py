@@ -15,6 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
+from kvstore.durable import write_atomic
 from kvstore.errors import MigrationError
 from kvstore.filetools import (
     Progress,
@@ -30,7 +31,7 @@ from kvstore.filetools import (
     repaired,
 )
 from kvstore.formats.coli_kv import HEADER_BYTES, Header, KVRecords, Tier
-from kvstore.journal import write_atomic, writer_lock
+from kvstore.journal import writer_lock
 from kvstore.migrations import formats as format_migrations
 
 __all__ = ["migrate_file", "repair_file"]

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from kvstore.durable import AtomicFile, read_whole, write_errors
 from kvstore.errors import (
     CodecMismatch,
     FileDamaged,
@@ -47,7 +48,7 @@ from kvstore.errors import (
 )
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords, Problems, Tier
-from kvstore.journal import AtomicFile, read_whole, real_path, write_errors
+from kvstore.journal import real_path
 
 Progress = Callable[[int, int], None]
 

@@ -34,7 +34,7 @@ has no id to find a salt by).
 
 Writes (a new key, a revocation, the first key of a new folder) hold ``locks/keys.lock`` from the
 read to the rename, so two ``kvstore keys`` processes never lose each other's change, and replace
-the file atomically (:class:`kvstore.journal.AtomicFile`, mode 0600): a server re-reading it sees
+the file atomically (:class:`kvstore.durable.AtomicFile`, mode 0600): a server re-reading it sees
 the old file or the new one, never half of one.
 """
 
@@ -55,8 +55,9 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from kvstore import DEFAULT_OWNER
+from kvstore.durable import AtomicFile
 from kvstore.errors import ConfigError, InvalidRequest, PathRefused
-from kvstore.journal import AtomicFile, open_regular
+from kvstore.journal import open_regular
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S, FileLock
 from kvstore.store.values import OWNER_PATTERN
 

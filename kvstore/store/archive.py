@@ -2,7 +2,7 @@
 
 The frame holds the journal's exact bytes (header + committed records) with zstd's content size
 and checksum, so unparking reproduces the journal byte for byte and a damaged archive is refused
-instead of restored. Both directions write through ``kvstore.journal.AtomicFile``: a crash leaves
+instead of restored. Both directions write through ``kvstore.durable.AtomicFile``: a crash leaves
 either no new file or a complete one.
 """
 
@@ -14,8 +14,9 @@ from typing import Callable, Iterator
 
 import zstandard
 
+from kvstore.durable import AtomicFile
 from kvstore.errors import IntegrityError
-from kvstore.journal import AtomicFile, open_regular
+from kvstore.journal import open_regular
 
 CHUNK_BYTES = 8 << 20
 COMPRESSION_LEVEL = 3  # the cheap end: parking is I/O-bound, fp8/TQ codes compress little anyway

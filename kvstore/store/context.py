@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.durable import fsync_dir, write_errors
 from kvstore.errors import (
     CodecMismatch,
     FormatError,
@@ -36,7 +37,7 @@ from kvstore.errors import (
 )
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
-from kvstore.journal import KVFile, fsync_dir, open_regular, write_errors
+from kvstore.journal import KVFile, open_regular
 from kvstore.locks import FileLock
 from kvstore.migrations import index as schema
 from kvstore.store import records

@@ -20,11 +20,12 @@ from typing import Any
 
 import zstandard
 
+from kvstore.durable import PreviousImage, write_atomic
 from kvstore.errors import IntegrityError, JournalWriteError
 from kvstore.filetools import Scan, scan_stream
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
-from kvstore.journal import PreviousImage, open_regular, write_atomic
+from kvstore.journal import open_regular
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations import index as schema
 from kvstore.store import archive

@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 import time
 
+from kvstore.durable import fsync_dir, write_errors
 from kvstore.errors import IntegrityError, SessionDamaged
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry
-from kvstore.journal import KVFile, fsync_dir, write_errors
+from kvstore.journal import KVFile
 from kvstore.store import archive
 from kvstore.store.budget import Reservations
 from kvstore.store.context import JOURNAL_UNUSABLE, SessionHandle, StoreContext

@@ -34,10 +34,11 @@ import re
 import time
 from pathlib import Path
 
+from kvstore.durable import fsync_dir, move_durably
 from kvstore.errors import FormatError, JournalLocked, PathRefused
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Header
-from kvstore.journal import KVFile, fsync_dir, move_durably, open_regular
+from kvstore.journal import KVFile, open_regular
 from kvstore.locks import FileLock, pid_alive
 from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
@@ -45,7 +46,7 @@ from kvstore.store.integrity import Integrity, TurnHasher, complete_end
 from kvstore.store.removal import Removal, unlink_quietly
 from kvstore.store.values import KEY_PATTERN, Fingerprint, IndexRecord, ModelInfo, geometry_of, tier_of, tier_record
 
-# kvstore.journal.AtomicFile names its temporary files so: the pid tells whether the writer still runs.
+# kvstore.durable.AtomicFile names its temporary files so: the pid tells whether the writer still runs.
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\d+$")
 JOURNAL_LOCK_SUFFIX = ".coli_kv.lock"  # kvstore.journal's writer lock beside each journal
 SESSION_LOCK_SUFFIXES = (".write", ".read")  # StoreContext.writing / reading, in locks/

@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.durable import fsync_dir, write_errors
 from kvstore.errors import SessionNotFound
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES
-from kvstore.journal import KVFile, fsync_dir, write_errors
+from kvstore.journal import KVFile
 from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
 from kvstore.store.integrity import Integrity

@@ -27,11 +27,12 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from kvstore.durable import write_atomic
 from kvstore.errors import FormatError, InvalidRequest, JournalWriteError, SessionExists, TooManySessions
 from kvstore.formats import coli_kv, nonfinite
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
 from kvstore.formats.nonfinite import Sanitized
-from kvstore.journal import KVFile, write_atomic
+from kvstore.journal import KVFile
 from kvstore.migrations import index as schema
 from kvstore.store.budget import Evictor, Reservations
 from kvstore.store.context import SessionHandle, StoreContext
