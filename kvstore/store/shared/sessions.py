@@ -17,6 +17,10 @@ lease's token, then releases the lease so the next append may come through any r
 whose commit got no answer (PostgreSQL down) keeps its lease and the attempt in doubt: the
 client's retry of the same bytes settles it, so it is appended exactly once; with an idempotency
 key (:data:`CURRENT_REQUEST`) a retry through any other replica answers the first result too.
+
+Why this file is over 700 lines: it is one class, the interface's ~50 methods each a short
+delegation to the index, the segment store, the readers or the upkeep; the work itself lives in
+those modules, and cutting the class would only split the interface across files.
 """
 
 from __future__ import annotations
