@@ -246,7 +246,7 @@ def _check_batch(
 
 def _checked_batches(body: bytes | bytearray | memoryview, geometry: Geometry, max_decoded_bytes: int):
     """The upload's record batches, every bound checked before any is decoded (see
-    :func:`rows_from_stream`); each batch's buffers are views of ``body`` unless compressed."""
+    :func:`records_from_stream`); each batch's buffers are views of ``body`` unless compressed."""
     try:
         messages = pa.ipc.MessageReader.open_stream(pa.py_buffer(body))
         first = messages.read_next_message()
@@ -304,14 +304,18 @@ def _batch_rows(batch: pa.RecordBatch, geometry: Geometry) -> BatchRows:
     )
 
 
-def rows_from_stream(body: bytes | bytearray | memoryview, geometry: Geometry, *, max_decoded_bytes: int):
-    """Parse an uploaded IPC stream into ``(tokens int32[n], L, R, I | None)`` for ``encode_records``.
+def records_from_stream(
+    body: bytes | bytearray | memoryview, geometry: Geometry, tier: Tier, *, max_decoded_bytes: int
+) -> tuple[np.ndarray, Sanitized]:
+    """An uploaded IPC stream encoded into ``tier``'s records, a record batch at a time: the rows are
+    never copied out of ``body`` (uncompressed batches are views of it), so an upload holds its body,
+    its records and one batch's work. Non-finite values are stored by the tier's rule and counted
+    (``coli_kv.encode_records_counted``).
 
     The stream is read message by message: its schema is checked against ``geometry`` and every
     record batch's rows and buffer sizes against the geometry and ``max_decoded_bytes`` *before*
     any batch is decompressed (the messages are views of ``body``), so what a body decodes to is
     bounded like the body itself and a refused one costs no more memory than its own bytes.
-    (:func:`records_from_stream` encodes a batch at a time instead, holding no copy of the rows.)
 
     Raises
     ------
@@ -320,26 +324,6 @@ def rows_from_stream(body: bytes | bytearray | memoryview, geometry: Geometry, *
     GeometryMismatch : a row column of another width (409)
     InvalidRequest : not an IPC stream of this session's schema (400)
     """
-    batches, n = _checked_batches(body, geometry, max_decoded_bytes)
-    g = geometry
-    parts = [_batch_rows(batch, geometry) for batch in batches]
-    if not parts:
-        empty = np.zeros((g.n_layers, 0, g.kv_lora), np.float32), np.zeros((g.n_layers, 0, g.qk_rope), np.float32)
-        return np.zeros(0, np.int32), *empty, (np.zeros((g.nic, 0, g.index_hd), np.float32) if g.nic else None)
-    tokens = np.concatenate([part.tokens for part in parts])
-    L = np.concatenate([part.L for part in parts], axis=1)
-    R = np.concatenate([part.R for part in parts], axis=1)
-    I = np.concatenate([part.I for part in parts if part.I is not None], axis=1) if g.nic else None
-    return tokens, L, R, I
-
-
-def records_from_stream(
-    body: bytes | bytearray | memoryview, geometry: Geometry, tier: Tier, *, max_decoded_bytes: int
-) -> tuple[np.ndarray, Sanitized]:
-    """An uploaded IPC stream encoded into ``tier``'s records, a record batch at a time: the rows are
-    never copied out of ``body`` (uncompressed batches are views of it), so an upload holds its body,
-    its records and one batch's work. Non-finite values are stored by the tier's rule and counted
-    (``coli_kv.encode_records_counted``). Raises as :func:`rows_from_stream`."""
     batches, n = _checked_batches(body, geometry, max_decoded_bytes)
     records = np.zeros(n, dtype=coli_kv.record_dtype(geometry, tier))
     parts, at = [], 0

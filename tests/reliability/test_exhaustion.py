@@ -159,12 +159,14 @@ def _batches(geometry, sizes: list[int]) -> bytes:
 
 def test_an_upload_of_very_many_record_batches_is_refused_before_they_are_read():
     # 100,000 empty batches (34 MiB) took 300 MiB and 6 s to read: each batch is objects, whatever its rows
-    tokens, L, R, I = arrow.rows_from_stream(
-        _batches(GEOMETRY, [1] * arrow.MAX_BATCHES), GEOMETRY, max_decoded_bytes=64 * MiB
+    records, _ = arrow.records_from_stream(
+        _batches(GEOMETRY, [1] * arrow.MAX_BATCHES), GEOMETRY, tiers.F32, max_decoded_bytes=64 * MiB
     )
-    assert tokens.shape == (arrow.MAX_BATCHES,) and L.shape[1] == arrow.MAX_BATCHES
+    assert records["token"].shape == (arrow.MAX_BATCHES,) and records["layers"]["Lc"].shape[0] == arrow.MAX_BATCHES
     with pytest.raises(BodyTooLarge, match=f"more than {arrow.MAX_BATCHES} record batches"):
-        arrow.rows_from_stream(_batches(GEOMETRY, [0] * (arrow.MAX_BATCHES + 1)), GEOMETRY, max_decoded_bytes=64 * MiB)
+        arrow.records_from_stream(
+            _batches(GEOMETRY, [0] * (arrow.MAX_BATCHES + 1)), GEOMETRY, tiers.F32, max_decoded_bytes=64 * MiB
+        )
 
 
 # ---------------------------------------------------------------------------------- item 2
