@@ -68,6 +68,8 @@ __all__ = [
     "RecordLayout",
     "RowsBody",
     "fill",
+    "split_blocks",
+    "split_bytes",
     "read_threads",
     "reserve_buffers",
 ]
@@ -217,18 +219,34 @@ class Placement:
     def apply(self, raw: torch.Tensor, fields: dict[str, torch.Tensor], start: int) -> None:
         """Place the records of ``raw`` (u8[rows, rec_bytes] on the target's device) at rows
         ``start .. start+rows-1`` of every target field ([n_layers, capacity, ...])."""
-        rows = raw.shape[0]
+        # Both sides in record order ([rows, n_layers, ...]): torch's CPU copy walks the source's
+        # rows sequentially then, several times faster than layer-major order.
+        self._place(lambda name: self.layout.field(raw, name), raw.shape[0], fields, start, record_order=True)
+
+    def apply_split(self, chunk: torch.Tensor, rows: int, fields: dict[str, torch.Tensor], start: int) -> None:
+        """As :meth:`apply`, for a chunk already split by field (u8, :func:`split_blocks`'s layout:
+        one layer-major ``[n_layers, rows, bytes]`` block per field, the record dtype's order)."""
+        blocks = split_blocks(self.layout, chunk, rows)
+        self._place(blocks.__getitem__, rows, fields, start, record_order=False)
+
+    def _place(self, field_of: Callable, rows: int, fields: dict[str, torch.Tensor], start: int, *, record_order: bool):
+        """``field_of(name)``: the chunk's field ``name`` as u8 ``[rows, n_layers, bytes]`` when
+        ``record_order``, else ``[n_layers, rows, bytes]``."""
+
+        def layer_major(name: str) -> torch.Tensor:
+            return field_of(name).transpose(0, 1) if record_order else field_of(name)
+
         if self.encode is not None:  # (then native is None: one or the other, checked on creation)
-            lc, rc = self.decode(raw)
+            lc, rc = self._decode(layer_major)
             for name, value in self.encode(lc, rc).items():
                 fields[name][:, start : start + rows] = value
             return
         placed = {}
         for target, source in (self.native or {}).items():
-            # Both sides in record order ([rows, n_layers, ...]): torch's CPU copy walks the
-            # source's rows sequentially then, several times faster than layer-major order.
-            dst = fields[target][:, start : start + rows].transpose(0, 1)
-            src = self.layout.field(raw, source)
+            dst = fields[target][:, start : start + rows]
+            if record_order:
+                dst = dst.transpose(0, 1)
+            src = field_of(source)
             if dst.dtype == self.layout.stored[source]:
                 _copy_bytes(_bytes_of(dst), src)
             else:  # v1 f32 rows into a narrower float target: converted by the copy itself
@@ -240,11 +258,10 @@ class Placement:
 
     def decode(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's rows as f32 (L [n_layers, rows, kv_lora], R [n_layers, rows, qk_rope]), sanitized."""
+        return self._decode(lambda name: self.layout.field(raw, name).transpose(0, 1))
+
+    def _decode(self, layer_major: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.geometry
-
-        def layer_major(name: str) -> torch.Tensor:
-            return self.layout.field(raw, name).transpose(0, 1)
-
         if self.tier.version == 1:
             return _f32(layer_major("Lc")).contiguous(), _f32(layer_major("Rc")).contiguous()
         out = []
@@ -255,6 +272,34 @@ class Placement:
             codecs.sanitize_tier_(self.tier, codes, scales, self.corrupt)
             out.append(dequantize(self.tier, codes, scales, width))
         return out[0], out[1]
+
+
+_BLOCK_ALIGN = 16  # every block starts aligned, so f32 scales are viewed (not copied) as floats
+
+
+def _block_offsets(layout: RecordLayout, rows: int) -> tuple[dict[str, tuple[int, int]], int]:
+    offsets, offset = {}, 0
+    for name, (_, size) in layout.fields.items():
+        offsets[name] = (offset, size)
+        offset += -(-layout.n_layers * rows * size // _BLOCK_ALIGN) * _BLOCK_ALIGN
+    return offsets, offset
+
+
+def split_bytes(layout: RecordLayout, rows: int) -> int:
+    """Bytes of a split chunk of ``rows`` rows (:func:`split_blocks`)."""
+    return _block_offsets(layout, rows)[1]
+
+
+def split_blocks(layout: RecordLayout, chunk, rows: int) -> dict:
+    """A split chunk's fields: ``chunk`` (u8, numpy or torch, at least :func:`split_bytes`) holds
+    one ``[n_layers, rows, bytes]`` block per field, in the record dtype's field order, each at a
+    16-byte-aligned offset — the layer-major layout a cache keeps, so a split chunk is placed by
+    plain copies."""
+    offsets, _ = _block_offsets(layout, rows)
+    return {
+        name: chunk[offset : offset + layout.n_layers * rows * size].reshape(layout.n_layers, rows, size)
+        for name, (offset, size) in offsets.items()
+    }
 
 
 # ---------------------------------------------------------------------------- sources of records
@@ -394,12 +439,14 @@ class ReaderBody:
 
 
 class RowsBody:
-    """Rows already in host memory as a journal stores them (``StoredRows``, layer-major): each
-    chunk's records are laid out by the reading threads straight into the restore's ring (pinned on
-    CUDA), so rows handed over in memory take the path a file takes — one interleaving copy on the
-    host, one upload, the split and the sanitize on the device — instead of a pageable copy per
-    field. Not strict: rows in memory have no file or session to name, so a corrupt scale is made
-    inert, as ``LatentCache.restore`` makes it.
+    """Rows already in host memory as a journal stores them (``StoredRows``, layer-major), taken by
+    the path a file takes — the reading threads copy each chunk into the restore's ring (pinned on
+    CUDA), it is uploaded once and placed on the device — but *split*: the rows are layer-major
+    already, as the cache keeps them, so a chunk holds one ``[n_layers, rows, bytes]`` block per
+    field (:func:`split_blocks`) filled by contiguous copies, and is placed by plain copies, with no
+    interleaving into records on the host and no split on the device. Not strict: rows in memory
+    have no file or session to name, so a corrupt scale is made inert, as ``LatentCache.restore``
+    makes it.
 
     Raises
     ------
@@ -407,6 +454,7 @@ class RowsBody:
     """
 
     strict = False
+    split = True  # read_into fills split_blocks' layout, not records
 
     def __init__(self, rows, geometry: Geometry, *, source: str = "the rows handed over"):
         tier = rows.tier
@@ -414,42 +462,42 @@ class RowsBody:
         self.header: Header = Header(geometry, tier, rows.n)
         self.n = rows.n
         self.layout = RecordLayout.of(geometry, tier)
-        self._dtype = coli_kv.record_dtype(geometry, tier)
-        one = (self._dtype.fields or {})["layers"][0].base
+        one = (coli_kv.record_dtype(geometry, tier).fields or {})["layers"][0].base
         n_layers = geometry.n_layers
-        wanted = {
-            "Lc": (n_layers, rows.n, *one["Lc"].shape),
-            "Rc": (n_layers, rows.n, *one["Rc"].shape),
-        }
-        given = {"Lc": rows.lc.shape, "Rc": rows.rc.shape}
+        arrays = {"Lc": rows.lc, "Rc": rows.rc}
         if tier.version != 1:
-            wanted.update(Ls=(n_layers, rows.n), Rs=(n_layers, rows.n))
-            given.update(
-                Ls=None if rows.lc_scales is None else rows.lc_scales.shape,
-                Rs=None if rows.rc_scales is None else rows.rc_scales.shape,
-            )
-        wrong = [f"{name} {given[name]} (expected {shape})" for name, shape in wanted.items() if given[name] != shape]
+            arrays.update(Ls=rows.lc_scales, Rs=rows.rc_scales)
+        # each field as the record dtype stores it (element dtype, elements per row)
+        self._fields = {}
+        wrong = []
+        for name in self.layout.fields:
+            sub = (one.fields or {})[name][0]
+            shape = (n_layers, rows.n, *sub.shape)
+            given = arrays.get(name)
+            if given is None or given.shape != shape:
+                wrong.append(f"{name} {None if given is None else given.shape} (expected {shape})")
+                continue
+            self._fields[name] = (given, sub.base, int(np.prod(sub.shape, dtype=np.int64)))
         if rows.tokens.shape != (rows.n,) or wrong:
             raise GeometryMismatch(f"the rows do not fit this model's {tier.name} records: " + "; ".join(wrong))
-        self._rows = rows
+        self._tokens = rows.tokens
 
     geometry = property(lambda self: self.header.geometry)
     tier = property(lambda self: self.header.tier)
     limit = MemoryBody.limit
 
     def read_into(self, out: np.ndarray, start: int, count: int) -> int:
-        """Rows ``start .. start+count-1`` as records into ``out`` (u8, contiguous); returns ``count``.
-        Plain strided copies: numpy runs them without the GIL, so the ring's threads overlap."""
-        rows, stop = self._rows, start + count
-        records = out[: count * self.layout.rec_bytes].view(self._dtype)
-        records["token"] = rows.tokens[start:stop]
-        layers = records["layers"]
-        layers["Lc"] = rows.lc[:, start:stop].transpose(1, 0, 2)
-        layers["Rc"] = rows.rc[:, start:stop].transpose(1, 0, 2)
-        if self.tier.version != 1:
-            layers["Ls"] = rows.lc_scales[:, start:stop].T
-            layers["Rs"] = rows.rc_scales[:, start:stop].T
+        """Rows ``start .. start+count-1`` into ``out`` (u8, contiguous, at least
+        :func:`split_bytes`) in :func:`split_blocks`' layout; returns ``count``. Contiguous copies
+        per layer, run by numpy without the GIL, so the ring's threads overlap."""
+        blocks = split_blocks(self.layout, out, count)
+        for name, (array, stored, elems) in self._fields.items():
+            block = blocks[name].view(stored).reshape(self.layout.n_layers, count, elems)
+            np.copyto(block, array[:, start : start + count].reshape(block.shape), casting="same_kind")
         return count
+
+    def tokens(self, start: int, count: int) -> np.ndarray:
+        return self._tokens[start : start + count]
 
     def close(self) -> None:
         pass
@@ -580,6 +628,9 @@ def _pipeline(
     starts = list(range(0, n, per_chunk))
     slots = min(len(starts), 2 * threads)
     slot_bytes = min(per_chunk, n) * rec
+    split = getattr(body, "split", False)  # chunks in split_blocks' layout, tokens from the body
+    if split:
+        slot_bytes = max(slot_bytes, split_bytes(body.layout, min(per_chunk, n)))
     if cuda:
         ring = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
         views = [buffer.numpy() for buffer in ring]
@@ -618,8 +669,11 @@ def _pipeline(
             got = wait(pending.pop(i))
             slot = i % slots
             if got:
-                size = got * rec
-                tokens[a : a + got] = _tokens_of(views[slot][:size].reshape(got, rec))
+                size = split_bytes(body.layout, got) if split else got * rec
+                if split:
+                    tokens[a : a + got] = body.tokens(a, got)
+                else:
+                    tokens[a : a + got] = _tokens_of(views[slot][:size].reshape(got, rec))
                 if cuda:
                     raw = stage[:size]
                     raw.copy_(ring[slot][:size], non_blocking=True)
@@ -629,7 +683,10 @@ def _pipeline(
                     raw = ring[slot][:size]
                 else:  # a blocking copy: the slot is free once it returns
                     raw = ring[slot][:size].to(device)
-                placement.apply(raw.view(got, rec), fields, a)
+                if split:
+                    placement.apply_split(raw, got, fields, a)
+                else:
+                    placement.apply(raw.view(got, rec), fields, a)
             filled = a + got
             if got < min(per_chunk, n - a):
                 break  # the file ended early: keep the complete records before it
