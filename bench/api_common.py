@@ -49,7 +49,7 @@ def v2_records(n: int, seed: int) -> np.ndarray:
 class Server:
     """``python -m kvstore.cli serve`` on a socket bound here (``keys``: its ``KVSTORE_API_KEYS``)."""
 
-    def __init__(self, data: Path, *extra: str, keys: str = f"{KEY}:bench"):
+    def __init__(self, data: Path, *extra: str, keys: str = f"{KEY}:bench", start_timeout: float = 60):
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
@@ -74,7 +74,8 @@ class Server:
             env=env,
         )
         listener.close()
-        deadline = time.monotonic() + 60
+        began = time.monotonic()
+        deadline = began + start_timeout
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
@@ -84,6 +85,7 @@ class Server:
             if time.monotonic() > deadline or self.process.poll() is not None:
                 raise RuntimeError("the server did not start")
             time.sleep(0.05)
+        self.started_s = time.monotonic() - began
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600)

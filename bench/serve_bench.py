@@ -101,6 +101,25 @@ def in_process(model, tier: str, clients: int, prompt_len: int, tokens: int, voc
     return result.generated / (time.perf_counter() - began)
 
 
+def random_folder(folder: Path, args) -> Path:
+    """A random model folder of ``args.preset`` in ``args.dtype``, its weights drawn on ``args.device``
+    (V2-Lite's 15.7 B parameters take seconds on a GPU, minutes on a CPU)."""
+    from kvstore.engine.config import preset
+    from kvstore.engine.tokenizer import write_byte_tokenizer
+    from kvstore.engine.weights import random_model, save_model
+
+    began = time.perf_counter()
+    cfg = preset(args.preset)
+    model = random_model(cfg, seed=0, device=args.device, dtype=args.dtype)
+    save_model(model, folder, dtype=args.dtype)
+    write_byte_tokenizer(folder, cfg)
+    del model
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    print(f"serve_bench: wrote a random {args.preset} model folder in {time.perf_counter() - began:.1f} s")
+    return folder
+
+
 def write_long_session(data: Path, folder: Path, tier: str, rows: int) -> None:
     """A session of ``rows`` stored rows with the folder's fingerprint (random rows: a restore reads
     and uploads them all the same)."""
@@ -158,7 +177,10 @@ def _stream_turn_first(url: str, marks: list[float]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a model folder (default: a random tiny one)")
+    parser.add_argument("--model", help="a model folder (default: a random one of --preset)")
+    parser.add_argument(
+        "--preset", default="tiny", help="the random model's preset (tiny, v2-lite); its weights drawn on --device"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--tier", default=None, help="cache tier (default f32 on the CPU, fp8 elsewhere)")
@@ -177,10 +199,10 @@ def main() -> int:
     if args.torch_threads is None and args.device == "cpu":
         args.torch_threads = 1  # what `kvstore serve` runs the CPU engine with: both sides alike
 
-    from kvstore.engine.weights import load_model, write_random_model
+    from kvstore.engine.weights import load_model
 
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
-        folder = Path(args.model) if args.model else write_random_model(Path(tmp) / "tiny", "tiny", seed=0)
+        folder = Path(args.model) if args.model else random_folder(Path(tmp) / args.preset, args)
         data = Path(tmp) / "data"
         if args.long:
             write_long_session(data, folder, tier, args.long)
@@ -192,7 +214,8 @@ def main() -> int:
         if args.torch_threads:
             extra += ["--torch-threads", str(args.torch_threads)]
             torch.set_num_threads(args.torch_threads)
-        server = Server(data, *extra, keys=f"{KEY}:{OWNER}")
+        server = Server(data, *extra, keys=f"{KEY}:{OWNER}", start_timeout=900)
+        print(f"serve_bench: the server answered /health {server.started_s:.1f} s after it was started")
         model = load_model(folder, device=args.device, dtype=args.dtype)
         vocab = model.config.vocab_size
         try:
