@@ -154,6 +154,29 @@ API_KEYS: Variable[str | None] = Variable(
     "service",
     secret=True,
 )
+ENCRYPT: Variable[bool] = Variable(
+    "KVSTORE_ENCRYPT",
+    _switch,
+    False,
+    "1: open the embedded store encrypted at rest (the default of `--encrypt`; docs/SECURITY.md); a store "
+    "created encrypted is opened encrypted whatever this says",
+    "service",
+)
+KEK_FILE: Variable[Path | None] = Variable(
+    "KVSTORE_KEK_FILE",
+    _path,
+    None,
+    "the file holding the key-encryption key of an encrypted store (the default of `--kek-file`)",
+    "service",
+)
+KEK: Variable[str | None] = Variable(
+    "KVSTORE_KEK",
+    _text,
+    None,
+    "the key-encryption key itself (64 hex digits or base64 of 32 bytes), when KVSTORE_KEK_FILE is unset",
+    "service",
+    secret=True,
+)
 INDEX_URL: Variable[str | None] = Variable(
     "KVSTORE_INDEX_URL",
     _text,
@@ -259,6 +282,9 @@ RELIABILITY_JSON: Variable[Path | None] = Variable(
 #: Every variable, in the order docs/CONFIG.md lists them.
 VARIABLES: tuple[Variable[Any], ...] = (
     API_KEYS,
+    ENCRYPT,
+    KEK_FILE,
+    KEK,
     INDEX_URL,
     BLOBS_URL,
     AWS_ENDPOINT_URL,

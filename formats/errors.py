@@ -59,6 +59,15 @@ class BadMagic(FormatError):
     (or one written by a newer kvstore)."""
 
 
+class EncryptedJournal(BadMagic):
+    """The file is a journal encrypted at rest (magic ``COLIKVE\0``, docs/SECURITY.md): its rows
+    cannot be read without its owner's key, and no ``.coli_kv`` reader misreads it.
+
+    Export the session through the service (``kvstore export --data DIR --session ID``, or the
+    HTTP resume download), which hands out a plaintext ``.coli_kv``.
+    """
+
+
 class BadHeader(FormatError):
     """A header field is out of range or inconsistent (negative widths, an unknown tag, ...).
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.formats import tiers
-from kvstore.formats.errors import BadHeader, BadMagic, TruncatedHeader
+from kvstore.formats.errors import BadHeader, BadMagic, EncryptedJournal, TruncatedHeader
 from kvstore.formats.tiers import Tier
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
 HEADER_BYTES = 40
 MAGICS = {b"COLIKV1\0": 1, b"COLIKV2\0": 2, b"COLIKV3\0": 3}
 MAGIC_OF = {version: magic for magic, version in MAGICS.items()}
+SEALED_MAGIC = b"COLIKVE\0"  # a journal encrypted at rest (docs/SECURITY.md): never read as rows here
 NREC_OFFSET = 32  # h6: the commit point (docs/FORMAT.md section 4)
 # Widths bigger than this are not a model; refusing them early keeps a hostile header from
 # sizing anything (STYLE rule 2). nrec is bounded by the file size instead.
@@ -214,6 +215,11 @@ def parse_header(buf: bytes | bytearray | memoryview | np.ndarray) -> Header:
         )
     raw = np.frombuffer(view, dtype=HEADER_DTYPE, count=1)[0]
     magic = bytes(view[:8])  # not raw["magic"]: numpy's S8 strips the trailing NUL
+    if magic == SEALED_MAGIC:
+        raise EncryptedJournal(
+            "this journal is encrypted at rest (magic COLIKVE); its rows need its owner's key: "
+            "export it through the service (kvstore export --data DIR ..., or the HTTP resume download)"
+        )
     if magic not in MAGICS:
         raise BadMagic(
             f"not a .coli_kv file: magic (header bytes 0..7) is {magic!r}, expected "

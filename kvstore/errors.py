@@ -19,6 +19,7 @@ from kvstore.formats.errors import (
     BadMagic,
     BadScale,
     CodecMismatch,
+    EncryptedJournal,
     FormatError,
     GeometryMismatch,
     KVStoreError,
@@ -34,6 +35,7 @@ __all__ = [
     "BadMagic",
     "BadScale",
     "CodecMismatch",
+    "EncryptedJournal",
     "FormatError",
     "GeometryMismatch",
     "IndexSchemaError",
@@ -75,6 +77,9 @@ __all__ = [
     "SegmentLost",
     "StaleLease",
     "Unavailable",
+    "KeyShredded",
+    "KeyUnavailable",
+    "SealBroken",
 ]
 
 
@@ -298,3 +303,23 @@ class ConfigError(KVStoreError, SettingError):
     The reason names the setting and the form it takes. (A ``SettingError`` too: the error
     ``kvstore.config`` raises for a variable that does not parse, and a ``ValueError``.)
     """
+
+
+# ---- encryption at rest (docs/SECURITY.md) ----------------------------------------------------
+class SealBroken(IntegrityError):
+    """Encrypted bytes failed authentication: a changed bit, a frame spliced or moved from another
+    file, or another key. Nothing was decrypted into rows; the reason names the file and where.
+
+    Restore the file from a backup, or cut the session back (``kvstore sessions repair``).
+    """
+
+
+class KeyUnavailable(KVStoreError, PermissionError):
+    """The key an encrypted store needs is not at hand: no key-encryption key given (``--kek-file``
+    or ``KVSTORE_KEK``), another one than the keyring was wrapped with, or a store opened with
+    encryption when it was created without (or the reverse). Nothing was read or written."""
+
+
+class KeyShredded(SessionDamaged):
+    """The owner's data keys were destroyed (``kvstore crypto shred``): the session's rows are
+    unreadable by design, for good. Delete the session."""

@@ -35,6 +35,7 @@ import os
 import stat
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -54,6 +55,9 @@ from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S, FileLock
 from kvstore.migrations import formats as format_migrations
 
 MAX_RECORDS = 2**31 - 1  # h6 is an int32
+
+if TYPE_CHECKING:
+    from kvstore.sealed import Sealing
 
 
 def open_regular(path: Path, flags: int, dir_fd: int | None = None, what: str = "a journal") -> int:
@@ -177,8 +181,11 @@ class KVFile:
         *,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
         dir_fd: int | None = None,
+        sealing: "Sealing | None" = None,
     ) -> "KVFile":
         """Create a new, empty journal (refuses to overwrite an existing file); ``dir_fd`` as in :meth:`open`.
+
+        With ``sealing`` the journal is encrypted at rest (:class:`kvstore.sealed.SealedKVFile`).
 
         Without ``dir_fd``, a ``path`` that is a symbolic link leading to no file creates the file it
         leads to (in that file's folder, under its lock); the link stays.
@@ -189,6 +196,11 @@ class KVFile:
         lock = _writer_lock(target, lock_timeout, dir_fd)
         try:
             header = Header(geometry, tier, 0)
+            if sealing is not None:
+                from kvstore.sealed import SealedKVFile
+
+                with write_errors(f"creating {path.name}", "no file was created"):
+                    return SealedKVFile.create_sealed(path, target, header, tier, lock, dir_fd, sealing)
             with write_errors(f"creating {path.name}", "no file was created"):
                 with AtomicFile(target, replace=False) as out:
                     out.write(header.to_bytes())
@@ -210,6 +222,7 @@ class KVFile:
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S,
         follow_symlinks: bool = True,
         dir_fd: int | None = None,
+        sealing: "Sealing | None" = None,
     ) -> "KVFile":
         """Open an existing journal.
 
@@ -226,6 +239,9 @@ class KVFile:
         dir_fd : an open descriptor of ``path``'s folder: the journal and its lock sidecar are opened
             relative to it (``openat``, never following a link), so a folder replaced by a link after
             the caller checked it cannot redirect them (the session store passes its ``journals/``)
+        sealing : the keys of an encrypted store: the journal must be encrypted at rest (a
+            plaintext one is refused, never mixed in) and opens as a :class:`kvstore.sealed.SealedKVFile`;
+            without it an encrypted journal is refused (:class:`EncryptedJournal`)
 
         Raises
         ------
@@ -247,6 +263,10 @@ class KVFile:
                 else os.open(target, flags)
             )
             try:
+                if sealing is not None:
+                    from kvstore.sealed import SealedKVFile
+
+                    return SealedKVFile.open_sealed(path, fd, target, geometry, tier, lock, dir_fd, sealing)
                 header, committed = cls._read_commit(fd)
                 if geometry is not None and header.geometry != geometry:
                     raise GeometryMismatch(
@@ -374,10 +394,7 @@ class KVFile:
                 raise FormatError(f"{total} records exceed the format's limit of {MAX_RECORDS}")
             if self.upgrade_pending:
                 return self._rewrite(extra=records)
-            offset = HEADER_BYTES + committed * dtype.itemsize
-            pwrite_all(self._fd, records.data.cast("B"), offset)
-            os.fsync(self._fd)  # data first: the counter must never point at unwritten rows
-            self._publish(total, committed)
+            self._write_tail(records, committed, total)
         except OSError as exc:
             self._committed = None
             raise JournalWriteError(
@@ -389,6 +406,13 @@ class KVFile:
         self._committed = total
         self._header = self._header.with_nrec(total)
         return total
+
+    def _write_tail(self, records: np.ndarray, committed: int, total: int) -> None:
+        """Write ``records`` past the commit point ``committed``, fsync, then publish ``total``."""
+        offset = HEADER_BYTES + committed * records.dtype.itemsize
+        pwrite_all(self._fd, records.data.cast("B"), offset)
+        os.fsync(self._fd)  # data first: the counter must never point at unwritten rows
+        self._publish(total, committed)
 
     def _publish(self, count: int, previous: int) -> None:
         """Write h6 and fsync it. If that fails, put the previous count back (best effort): the
@@ -466,9 +490,8 @@ class KVFile:
             target = min(n, committed)
             if self.upgrade_pending:
                 return self._rewrite(keep=target)
-            self._publish(target, committed)  # the lower commit point is durable before bytes disappear
-            os.ftruncate(self._fd, HEADER_BYTES + target * self._header.rec_bytes)
-            os.fsync(self._fd)
+            if not self._cut(target, committed):
+                return self._rewrite(keep=target)
         except OSError as exc:
             self._committed = None
             raise JournalWriteError(f"truncate of {self.path.name} failed ({exc.strerror or exc})") from exc
@@ -478,6 +501,29 @@ class KVFile:
         self._committed = target
         self._header = self._header.with_nrec(target)
         return target
+
+    def _cut(self, target: int, committed: int) -> bool:
+        """Lower the commit point to ``target`` in place (False: it cannot be, rewrite instead)."""
+        self._publish(target, committed)  # the lower commit point is durable before bytes disappear
+        os.ftruncate(self._fd, HEADER_BYTES + target * self._header.rec_bytes)
+        os.fsync(self._fd)
+        return True
+
+    def read_range(self, start: int, stop: int) -> bytes:
+        """The stored bytes of committed records ``[start, stop)`` (the caller keeps the file from
+        shrinking)."""
+        self._check_open()
+        rec = self._header.rec_bytes
+        return os.pread(self._fd, (stop - start) * rec, HEADER_BYTES + start * rec) if stop > start else b""
+
+    def load_header(self) -> Header:
+        """The stored header as a ``.coli_kv`` header (nrec: the committed records)."""
+        return self._header.with_nrec(self._commit_point())
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the header and the committed records: what a copy of the journal holds."""
+        return HEADER_BYTES + self.n_records * self._header.rec_bytes
 
     def upgrade(self) -> None:
         """Perform a pending lazy upgrade now (an atomic rewrite in the active tier)."""

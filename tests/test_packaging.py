@@ -37,6 +37,7 @@ CORE = {
     "prometheus-client",
     "swagger-ui-bundle-v2",
     "xxhash",  # the connectors' check of the rows they load (XXH3-128)
+    "cryptography",  # encryption at rest (AES-256-GCM, HKDF: kvstore.crypto)
 }
 #: Run first in a probe: torch and the rest of the engine cannot be imported, as on the core install.
 WITHOUT_ENGINE = (

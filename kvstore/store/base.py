@@ -44,6 +44,7 @@ from kvstore.store.values import Fingerprint, ModelInfo, Progress, SessionInfo
 from kvstore.tiers import Tier
 
 if TYPE_CHECKING:
+    from kvstore.crypto.kek import KeyProvider
     from kvstore.store.session_store import SessionStore
 
 #: Every capability a backend may declare in :attr:`Store.capabilities`, and the calls it covers.
@@ -431,6 +432,7 @@ def open(
     cache_bytes: None = None,
     create: bool = True,
     max_sessions_per_owner: int | None = None,
+    kek: KeyProvider | None = None,
 ) -> SessionStore: ...
 
 
@@ -450,6 +452,7 @@ def open(
     cache_bytes: int | None = None,
     create: bool = True,
     max_sessions_per_owner: int | None = None,
+    kek: KeyProvider | None = None,
 ) -> Store: ...
 
 
@@ -469,6 +472,7 @@ def open(
     cache_bytes: int | None = None,
     create: bool = True,
     max_sessions_per_owner: int | None = None,
+    kek: KeyProvider | None = None,
 ) -> Store: ...
 
 
@@ -487,6 +491,7 @@ def open(
     cache_bytes: int | None = None,
     create: bool = True,
     max_sessions_per_owner: int | None = None,
+    kek: KeyProvider | None = None,
 ) -> Store:
     """Open the session store the arguments name: the one place a backend is chosen.
 
@@ -508,6 +513,9 @@ def open(
     create : make the embedded store when ``data_dir`` holds none (False: refuse, creating nothing)
     max_sessions_per_owner : the most sessions one owner may have; a create or fork past it is
         refused with ``TooManySessions`` (None: no cap)
+    kek : the key-encryption key of a store encrypted at rest (``kvstore.crypto.KeyProvider``;
+        docs/SECURITY.md): a new store is created encrypted, an encrypted one needs it (None: a
+        plaintext store); embedded only for now
 
     Returns
     -------
@@ -523,7 +531,9 @@ def open(
     if (index_url is None) != (blobs_url is None):
         raise InvalidRequest("name both the shared index (index_url) and the object store (blobs_url), or neither")
     if index_url is not None and blobs_url is not None:
-        given = [name for name, value in (("map_size", map_size), ("progress", progress)) if value is not None]
+        given = [
+            name for name, value in (("map_size", map_size), ("progress", progress), ("kek", kek)) if value is not None
+        ]
         if given:
             raise InvalidRequest(f"{', '.join(given)}: options of the embedded store, not of a shared one")
         from kvstore.store.shared.sessions import SharedSessionStore
@@ -568,6 +578,7 @@ def open(
         reconcile=reconcile,
         progress=progress,
         max_sessions_per_owner=max_sessions_per_owner,
+        kek=kek,
     )
 
 

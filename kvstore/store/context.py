@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.crypto.kek import KeyProvider
+from kvstore.crypto.keyring import Keyring, open_keyring
 from kvstore.durable import fsync_dir, write_errors
 from kvstore.errors import (
     CodecMismatch,
@@ -40,6 +42,7 @@ from kvstore.formats.coli_kv import Geometry
 from kvstore.journal import KVFile, open_regular
 from kvstore.locks import FileLock
 from kvstore.migrations import index as schema
+from kvstore.sealed import Sealing
 from kvstore.store import records
 from kvstore.store.index import Index, visible
 from kvstore.store.stats import StoreStats
@@ -200,6 +203,7 @@ class StoreContext:
         lock_timeout: float,
         progress: Progress | None,
         max_sessions_per_owner: int | None = None,
+        kek: KeyProvider | None = None,
     ):
         self.budget_bytes = budget_bytes
         self.hard_limit_bytes = hard_limit_bytes
@@ -214,6 +218,8 @@ class StoreContext:
                 f"the data folder {root} is not a folder (a file, or a symbolic link that leads nowhere or loops)"
             ) from None
         self.data_dir = root.resolve()
+        # encryption at rest (docs/SECURITY.md): None for a plaintext store; decided before the index exists
+        self.keyring: Keyring | None = open_keyring(self.data_dir, kek)
         self._folders: dict[Path, tuple[int, int, int]] = {}  # folder -> (descriptor, device, inode)
         try:
             self.journals = self._folder("journals")
@@ -304,6 +310,10 @@ class StoreContext:
 
     def archive_path(self, session_id: str) -> Path:
         return self._confined(self.archives, f"{validate_key(session_id)}.coli_kv.zst")
+
+    def sealing(self, session_id: str) -> Sealing | None:
+        """What seals the session's files in an encrypted store (None in a plaintext one)."""
+        return None if self.keyring is None else Sealing.for_key(self.keyring, validate_key(session_id))
 
     def open_journal_fd(self, session_id: str) -> int:
         """A read-only descriptor of the session's journal, opened relative to ``journals/`` without
@@ -434,6 +444,7 @@ class StoreContext:
             lock_timeout=self.lock_timeout,
             follow_symlinks=False,
             dir_fd=self.dir_fd(self.journals),
+            sealing=self.sealing(path.name.removesuffix(".coli_kv")),
         )
 
     def journal_damaged(self, session_id: str, failure: Exception) -> SessionDamaged:

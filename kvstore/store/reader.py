@@ -21,6 +21,7 @@ import numpy as np
 from kvstore.errors import BadScale, IntegrityError, InvalidRequest, JournalLocked, SessionDamaged
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
+from kvstore.journal import KVFile
 from kvstore.store.base import Reader
 from kvstore.store.context import SessionHandle, SessionLock, StoreContext
 from kvstore.store.index import refuse_damaged
@@ -68,6 +69,7 @@ class SessionReader(Reader):
         started: float | None = None,
     ):
         self._fd = -1
+        self._sealed: KVFile | None = None  # an encrypted store's journal: reads decrypt its frames
         self._lock: SessionLock | None = None
         self._stats = ctx.stats
         self._counting = threading.Lock()
@@ -102,8 +104,14 @@ class SessionReader(Reader):
         self._busy_s = time.perf_counter() - (started if started is not None else time.perf_counter())
         opened = time.perf_counter()
         try:
-            self._fd = ctx.open_journal_reader(session.journal)
-            header = coli_kv.parse_header(os.pread(self._fd, HEADER_BYTES, 0))
+            if ctx.keyring is not None:
+                self._sealed = ctx.open_journal_file(
+                    session.journal, Geometry(*record["geometry"]), stored_tier(record["tier"]), writable=False
+                )
+                header = self._sealed.load_header()
+            else:
+                self._fd = ctx.open_journal_reader(session.journal)
+                header = coli_kv.parse_header(os.pread(self._fd, HEADER_BYTES, 0))
             self._geometry, self._tier = Geometry(*record["geometry"]), stored_tier(record["tier"])
             if header.geometry != self._geometry or header.tier != self._tier:
                 raise IntegrityError(
@@ -148,7 +156,7 @@ class SessionReader(Reader):
         self._count_read(0, 0.0)
         while offset < end:
             started = time.perf_counter()
-            chunk = os.pread(self._fd, min(chunk_bytes, end - offset), offset)
+            chunk = self._pread(min(chunk_bytes, end - offset), offset)
             if not chunk:
                 raise IntegrityError(f"the journal of {self.info.id!r} ended at byte {offset} of {end}")
             self._count_read(len(chunk), time.perf_counter() - started)
@@ -159,6 +167,18 @@ class SessionReader(Reader):
         """All served records with one read (KVRecords, ``n = n_records``); ``strict``: see
         :meth:`check_scales`."""
         started = time.perf_counter()
+        if self._sealed is not None:
+            body = self._sealed.read_range(0, self.n_records)
+            if len(body) != self.body_bytes:
+                raise IntegrityError(
+                    f"the journal of {self.info.id!r} ended at record {len(body) // self.record_bytes}"
+                )
+            dtype = coli_kv.record_dtype(self._geometry, self._tier)
+            records = np.frombuffer(body, dtype=dtype, count=self.n_records)
+            if strict:
+                self.check_scales(records, 0)
+            self._count_read(len(body), time.perf_counter() - started)
+            return KVRecords(Header(self._geometry, self._tier, self.n_records), records, HEADER_BYTES + len(body))
         body = bytearray(self.body_bytes)
         view = memoryview(body)
         got = 0
@@ -187,6 +207,13 @@ class SessionReader(Reader):
             raise InvalidRequest(f"records [{start}, {start + count}) are not within the {self.n_records} served")
         started = time.perf_counter()
         view = out.data.cast("B")[: count * self.record_bytes]
+        if self._sealed is not None:  # only the frames covering the range are decrypted
+            plain = self._sealed.read_range(start, start + count)
+            if len(plain) != len(view):
+                raise IntegrityError(f"the journal of {self.info.id!r} ended inside records [{start}, {start + count})")
+            view[:] = plain
+            self._count_read(len(plain), time.perf_counter() - started)
+            return count
         got = 0
         while got < len(view):  # one preadv returns at most 2 GiB
             n = os.preadv(self._fd, [view[got:]], HEADER_BYTES + start * self.record_bytes + got)
@@ -206,7 +233,7 @@ class SessionReader(Reader):
         for start in range(0, self.n_records, batch_records):
             started = time.perf_counter()
             stop = min(start + batch_records, self.n_records)
-            raw = pread_exact(self._fd, (stop - start) * self.record_bytes, HEADER_BYTES + start * self.record_bytes)
+            raw = self._pread((stop - start) * self.record_bytes, HEADER_BYTES + start * self.record_bytes)
             if len(raw) != (stop - start) * self.record_bytes:
                 raise IntegrityError(
                     f"the journal of {self.info.id!r} ended inside record {start + len(raw) // self.record_bytes}"
@@ -216,6 +243,16 @@ class SessionReader(Reader):
                 self.check_scales(records, start)
             self._count_read(len(raw), time.perf_counter() - started)
             yield KVRecords(Header(self._geometry, self._tier, stop - start), records, HEADER_BYTES + len(raw))
+
+    def _pread(self, nbytes: int, offset: int) -> bytes:
+        """``nbytes`` of the journal's plaintext image from ``offset`` (header + records; whole
+        records past the header), decrypted from an encrypted store's frames."""
+        if self._sealed is None:
+            return pread_exact(self._fd, nbytes, offset)
+        first = (offset - HEADER_BYTES) // self.record_bytes
+        skip = offset - HEADER_BYTES - first * self.record_bytes
+        last = -(-(offset - HEADER_BYTES + nbytes) // self.record_bytes)
+        return self._sealed.read_range(first, last)[skip : skip + nbytes]
 
     def check_scales(self, records: np.ndarray, first_record: int) -> None:
         """Refuse served records holding a scale/radius no encoder writes (``Tier.corrupt_scales``).
@@ -250,6 +287,9 @@ class SessionReader(Reader):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._sealed is not None:
+            self._sealed.close()
+            self._sealed = None
         if self._lock is not None:
             self._lock.release()
 

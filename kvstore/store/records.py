@@ -7,14 +7,17 @@ or write lock, which keeps the files from shrinking or being replaced meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
+from kvstore.durable import pwrite_all
 from kvstore.errors import IntegrityError
 from kvstore.formats.coli_kv import HEADER_BYTES
 from kvstore.journal import read_tokens
+from kvstore.sealed import SealedImage
 from kvstore.store import archive
 from kvstore.store.values import IndexRecord, public_id, record_bytes_of
 
@@ -40,6 +43,9 @@ def record_chunks(
     """
     rec_bytes = record_bytes_of(record)
     first, last = HEADER_BYTES + start * rec_bytes, HEADER_BYTES + stop * rec_bytes
+    if ctx.keyring is not None:
+        yield from _sealed_chunks(ctx, record, start, stop, max(1, chunk_bytes // rec_bytes))
+        return
     if record["state"] == "active":
         fd = ctx.open_journal_fd(record["id"])
         try:
@@ -68,6 +74,11 @@ def tokens_of(ctx: StoreContext, record: IndexRecord, n_records: int) -> np.ndar
     """The first ``n_records`` tokens (int32, fewer if the file holds fewer whole records) of a
     session, from its journal or, when parked, its archive; None for a session in another state."""
     rec_bytes = record_bytes_of(record)
+    if ctx.keyring is not None and record["state"] in ("active", "parked"):
+        with sealed_source(ctx, record) as source:
+            upto = min(n_records, source.n_records)
+            raw = source.read_range(0, upto)
+        return np.ndarray((upto,), "<i4", raw, 0, (rec_bytes,)).astype(np.int32)
     if record["state"] == "active":
         fd = ctx.open_journal_fd(record["id"])
         try:
@@ -80,6 +91,39 @@ def tokens_of(ctx: StoreContext, record: IndexRecord, n_records: int) -> np.ndar
         complete = (len(head) - HEADER_BYTES) // rec_bytes
         return np.ndarray((max(complete, 0),), "<i4", head, HEADER_BYTES, (rec_bytes,)).astype(np.int32)
     return None
+
+
+@contextlib.contextmanager
+def sealed_source(ctx: StoreContext, record: IndexRecord) -> Iterator[SealedImage]:
+    """An encrypted store's session records where they are: its journal, or (parked) its archive
+    decompressed into an anonymous in-memory file (the archive holds the sealed journal's bytes)."""
+    sealing = ctx.sealing(record["id"])
+    if sealing is None:
+        raise IntegrityError("sealed_source is for a store encrypted at rest")
+    if record["state"] == "active":
+        fd = ctx.open_journal_fd(record["id"])
+    else:
+        fd = os.memfd_create(f"unsealed-{public_id(record['id'])}", os.MFD_CLOEXEC)
+        try:
+            offset = 0
+            for chunk in archive.stream_archive(ctx.archive_path(record["id"])):
+                pwrite_all(fd, chunk, offset)
+                offset += len(chunk)
+        except BaseException:
+            os.close(fd)
+            raise
+    try:
+        yield SealedImage(fd, sealing, f"{public_id(record['id'])} ({record['state']})")
+    finally:
+        os.close(fd)
+
+
+def _sealed_chunks(ctx: StoreContext, record: IndexRecord, start: int, stop: int, per_chunk: int) -> Iterator[bytes]:
+    with sealed_source(ctx, record) as source:
+        if source.n_records < stop:
+            raise IntegrityError(f"the files of {public_id(record['id'])!r} end before record {stop}")
+        for lo in range(start, stop, per_chunk):
+            yield source.read_range(lo, min(lo + per_chunk, stop))
 
 
 def pread_exact(fd: int, nbytes: int, offset: int) -> bytes:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from kvstore.durable import fsync_dir, move_durably
-from kvstore.errors import FormatError, JournalLocked, PathRefused
+from kvstore.errors import FormatError, IntegrityError, JournalLocked, PathRefused
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Header
 from kvstore.journal import KVFile, open_regular
@@ -84,7 +84,6 @@ class Recovery:
             actions.append(
                 f"{sid}: the journal was rewritten as {journal.stored_tier.describe()} (an interrupted migrate); index follows it"
             )
-        rec_bytes = coli_kv.record_bytes(journal.geometry, journal.stored_tier)
         on_disk = journal.n_records
         indexed = record["n_records"]
         if on_disk < indexed:
@@ -96,7 +95,7 @@ class Recovery:
                 record, journal, keep, complete=False, watermark=complete_end(turns, keep, record), problem=why
             )
             actions.append(f"{sid}: {why}")
-        elif on_disk > indexed or journal.size_bytes != HEADER_BYTES + indexed * rec_bytes:
+        elif on_disk > indexed or not journal.holds(indexed):  # holds: sizes a sealed journal's frames too
             if on_disk > indexed:
                 actions.append(f"{sid}: rolled back {on_disk - indexed} unacknowledged records")
             else:
@@ -273,10 +272,16 @@ class Recovery:
             if not has_journal:
                 return actions + [self._mark_damaged(sid, "the journal is missing")]
             try:
-                journal = KVFile.open(journal_path, writable=True, lock_timeout=0, dir_fd=ctx.dir_fd(ctx.journals))
+                journal = KVFile.open(
+                    journal_path,
+                    writable=True,
+                    lock_timeout=0,
+                    dir_fd=ctx.dir_fd(ctx.journals),
+                    sealing=ctx.sealing(sid),
+                )
             except JournalLocked:
                 return actions  # an outside tool is writing it; settle next time
-            except (FormatError, OSError) as exc:
+            except (FormatError, OSError, IntegrityError) as exc:  # IntegrityError: a sealed frame refused
                 if self._sidecar_failed(journal_path, exc):  # the lock, not the journal: no damage
                     return actions + [f"{sid}: left alone: {getattr(exc, 'reason', exc)}"]
                 return actions + [self._mark_damaged(sid, f"the journal cannot be read: {getattr(exc, 'reason', exc)}")]
@@ -314,7 +319,9 @@ class Recovery:
         if has_archive:
             return self._readmit(record, "parked", turns, record["n_records"], journal=None)
         try:
-            journal = KVFile.open(journal_path, writable=True, lock_timeout=0, dir_fd=ctx.dir_fd(ctx.journals))
+            journal = KVFile.open(
+                journal_path, writable=True, lock_timeout=0, dir_fd=ctx.dir_fd(ctx.journals), sealing=ctx.sealing(sid)
+            )
         except (FormatError, OSError):  # still unreadable, or its lock busy: stays damaged
             return []
         with journal:

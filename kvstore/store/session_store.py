@@ -21,6 +21,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from kvstore.crypto.kek import KeyProvider
+from kvstore.crypto.keyring import Keyring
 from kvstore.errors import InvalidRequest
 from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
@@ -76,6 +78,7 @@ class SessionStore(Store):
     progress : callback ``(done, total)`` for index schema upgrades on open
     max_sessions_per_owner : the most sessions one owner may have (None: no cap); a create or fork
         past it raises :class:`TooManySessions`, nothing created
+    kek : the key-encryption key of a store encrypted at rest (docs/SECURITY.md; None: plaintext)
 
     Session ids are per owner: two owners may both have ``chat-1`` (the store keeps each under
     ``<id>~<owner>``, :attr:`SessionInfo.key`). Every method that takes ``owner`` looks up that
@@ -101,6 +104,7 @@ class SessionStore(Store):
         reconcile: bool = True,
         progress: Progress | None = None,
         max_sessions_per_owner: int | None = None,
+        kek: KeyProvider | None = None,
     ):
         for name, value in (("budget_bytes", budget_bytes), ("hard_limit_bytes", hard_limit_bytes)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -113,6 +117,7 @@ class SessionStore(Store):
             lock_timeout=lock_timeout,
             progress=progress,
             max_sessions_per_owner=check_session_cap(max_sessions_per_owner),
+            kek=kek,
         )
         self._ctx = ctx
         # The concerns, each over the shared context, each given the ones it calls (no cycles).
@@ -193,6 +198,15 @@ class SessionStore(Store):
     @property
     def budget_bytes(self) -> int | None:
         return self._ctx.budget_bytes
+
+    @property
+    def keyring(self) -> Keyring | None:
+        """The data keys of a store encrypted at rest (None: a plaintext store)."""
+        return self._ctx.keyring
+
+    @property
+    def encrypted(self) -> bool:
+        return self._ctx.keyring is not None
 
     @property
     def hard_limit_bytes(self) -> int | None:

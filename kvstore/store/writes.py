@@ -34,6 +34,7 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
 from kvstore.formats.nonfinite import Sanitized
 from kvstore.journal import KVFile
 from kvstore.migrations import index as schema
+from kvstore.sealed import write_sealed
 from kvstore.store.budget import Evictor, Reservations
 from kvstore.store.context import SessionHandle, StoreContext
 from kvstore.store.index import Turn, refuse_damaged
@@ -113,9 +114,16 @@ class Writes:
             with self._reservations.reserve(HEADER_BYTES) as reservation:
                 sidecar = path.with_name(path.name + ".lock")  # the journal's writer lock (kvstore.journal)
                 try:
-                    KVFile.create(
-                        path, geometry, tier, lock_timeout=ctx.lock_timeout, dir_fd=ctx.dir_fd(ctx.journals)
-                    ).close()
+                    created = KVFile.create(
+                        path,
+                        geometry,
+                        tier,
+                        lock_timeout=ctx.lock_timeout,
+                        dir_fd=ctx.dir_fd(ctx.journals),
+                        sealing=ctx.sealing(session_id),
+                    )
+                    created_bytes = created.size_bytes
+                    created.close()
                 except JournalWriteError:
                     unlink_quietly(sidecar)  # we held it: a refused create leaves no file behind
                     raise
@@ -132,7 +140,7 @@ class Writes:
                     "updated": now_ns / 1e9,
                     "last_used": now_ns / 1e9,
                     "last_used_ns": now_ns,
-                    "size_bytes": HEADER_BYTES,  # the empty journal just created (never re-read by path)
+                    "size_bytes": created_bytes,  # the empty journal just created (never re-read by path)
                     "tags": tags,
                     "state": "active",
                     "parent": None,
@@ -353,7 +361,19 @@ class Writes:
                 with self._reservations.reserve(size) as reservation:
                     chunks = (np.frombuffer(c, np.uint8) for c in record_chunks(ctx, source, 0, at))
                     try:
-                        write_atomic(path, Header(geometry, tier, at), CountingChunks(chunks, rec_bytes), replace=False)
+                        sealing = ctx.sealing(new_id)
+                        if sealing is None:
+                            write_atomic(
+                                path, Header(geometry, tier, at), CountingChunks(chunks, rec_bytes), replace=False
+                            )
+                        else:  # the copy is sealed anew: its own salt, bound to the fork's identity
+                            size = write_sealed(
+                                path,
+                                sealing,
+                                Header(geometry, tier, at),
+                                CountingChunks(chunks, rec_bytes),
+                                replace=False,
+                            )
                     except FileExistsError:
                         raise
                     except BaseException:

@@ -1,0 +1,512 @@
+"""The journal encrypted at rest (docs/SECURITY.md, "The encrypted journal"): :class:`SealedKVFile`.
+
+Byte layout (little-endian), magic ``COLIKVE\\0`` so no ``.coli_kv`` reader (the C engine,
+``kvstore inspect``/``repair``/``migrate``/``export``, ``coli_kv.parse_header``) reads it as rows::
+
+    header, 88 bytes, plaintext
+      0   8  magic  COLIKVE\\0
+      8  24  h0..h5 the geometry words of the .coli_kv header (docs/FORMAT.md section 1)
+     32   4  h6 nrec: records committed: the commit point, as in a plaintext journal
+     36   4  h7 tag of the plaintext tier
+     40   8  the plaintext file's magic (COLIKV1/2/3\\0: the tier's file version)
+     48   4  container version (1)
+     52   4  the owner's data-key version the file is sealed under
+     56  32  salt: random per file (HKDF salt of the file's subkey)
+    frames, back to back from byte 88, one per append batch (at most FRAME_BYTES of records each)
+      0   4  first record index
+      4   4  record count k (>= 1)
+      8   8  ciphertext length = k * rec_bytes + 16
+     16  12  nonce: 96 random bits, fresh for every frame ever written
+     28   .  AES-256-GCM ciphertext of the k records (their .coli_kv bytes), then its 16-byte tag
+
+The file's subkey is ``HKDF-SHA256(owner data key, salt, "kvstore v1 journal " + identity)``
+(identity: the session's storage key ``<id>~<owner>``). Each frame's associated data is the header
+without h6 (magic, geometry, tier, plaintext magic, container and key version, salt), the identity
+and the frame header's first 16 bytes: a frame is bound to its file, its session, its position and
+its length, so it cannot be spliced, reordered, moved to another file or cut short unnoticed. h6 is
+not authenticated (it changes with every append): lowering it is a truncation, which the index's
+record count and turn hashes detect; raising it finds no frame to serve.
+
+Durability is the plaintext journal's (``kvstore.journal``): frames are written past the commit
+point and fsynced, then h6 is written and fsynced. A crash leaves bytes past the last committed
+frame, ignored by every reader and overwritten by the next append with new frames under new random
+nonces (a counter could repeat after a dropped frame; a random nonce under a per-file key cannot,
+short of a 2^-96 draw). A truncate at a frame boundary lowers h6 then shortens the file; one
+inside a frame rewrites the file (a new file, a new salt) through the atomic rewrite path.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+
+from kvstore.crypto.seal import SALT_BYTES, TAG_BYTES, derive_subkey, new_nonce
+from kvstore.durable import AtomicFile, pwrite_all
+from kvstore.errors import FormatError, JournalWriteError, SealBroken
+from kvstore.formats import coli_kv
+from kvstore.formats.coli_kv import HEADER_BYTES, NREC_OFFSET, Header, KVRecords
+from kvstore.formats.layout import SEALED_MAGIC
+
+if TYPE_CHECKING:
+    from kvstore.crypto.keyring import Keyring
+
+SEALED_HEADER_BYTES = 88
+FRAME_HEADER_BYTES = 28
+CONTAINER_VERSION = 1
+FRAME_BYTES = 1 << 20  # records of one frame at most (one AEAD call each; a range read decrypts whole frames)
+_HEAD = struct.Struct("<8s8i8sII32s")
+_FRAME = struct.Struct("<IIQ12s")
+_WALK_WINDOW = 1 << 16
+
+
+def is_sealed(head: bytes) -> bool:
+    """Whether the first bytes of a file are an encrypted journal's magic."""
+    return bytes(head[:8]) == SEALED_MAGIC
+
+
+@dataclass(frozen=True)
+class Sealing:
+    """What opens or seals one journal: the store's keyring, the owner whose key seals it and the
+    file's identity (the session's storage key), bound into every frame."""
+
+    keyring: "Keyring"
+    owner: str
+    identity: str
+
+    @classmethod
+    def for_key(cls, keyring: "Keyring", storage_key: str) -> "Sealing":
+        """The sealing of the store journal ``<id>~<owner>.coli_kv``."""
+        return cls(keyring, storage_key.rsplit("~", 1)[-1], storage_key)
+
+
+@dataclass(frozen=True)
+class SealedHeader:
+    header: Header  # the plaintext .coli_kv header it stands for (nrec as stored in h6)
+    key_version: int
+    salt: bytes
+
+    def to_bytes(self) -> bytes:
+        plain = self.header.to_bytes()
+        words = struct.unpack("<8i", plain[8:HEADER_BYTES])
+        return _HEAD.pack(
+            SEALED_MAGIC, *words[:6], words[6], words[7], plain[:8], CONTAINER_VERSION, self.key_version, self.salt
+        )
+
+    def bound(self) -> bytes:
+        """The header bytes every frame authenticates (all but h6)."""
+        raw = self.to_bytes()
+        return raw[:NREC_OFFSET] + raw[NREC_OFFSET + 4 :]
+
+    @classmethod
+    def parse(cls, raw: bytes, name: str) -> "SealedHeader":
+        if len(raw) < SEALED_HEADER_BYTES:
+            raise FormatError(f"{name}: an encrypted journal's header is {SEALED_HEADER_BYTES} bytes, {len(raw)} found")
+        magic, *rest = _HEAD.unpack(raw[:SEALED_HEADER_BYTES])
+        words, plain_magic, version, key_version, salt = rest[:8], rest[8], rest[9], rest[10], rest[11]
+        if magic != SEALED_MAGIC or version != CONTAINER_VERSION:
+            raise FormatError(f"{name}: not an encrypted journal of container version {CONTAINER_VERSION}")
+        header = coli_kv.parse_header(plain_magic + struct.pack("<8i", *words))
+        return cls(header, key_version, salt)
+
+
+class FrameTable:
+    """The committed frames of a sealed journal: first record, count, ciphertext offset and length
+    (numpy arrays, found by walking the frame headers once on open)."""
+
+    def __init__(self) -> None:
+        self.firsts: list[int] = []
+        self.counts: list[int] = []
+        self.offsets: list[int] = []  # of each frame's header
+        self.ends: list[int] = []  # the byte after each frame
+        self.end = SEALED_HEADER_BYTES  # the byte after the last committed frame
+        self.n_records = 0
+
+    def add(self, first: int, count: int, offset: int, ct_len: int) -> None:
+        self.firsts.append(first)
+        self.counts.append(count)
+        self.offsets.append(offset)
+        self.end = offset + FRAME_HEADER_BYTES + ct_len
+        self.ends.append(self.end)
+        self.n_records = first + count
+
+    def cut(self, n_frames: int) -> None:
+        """Keep the first ``n_frames`` frames."""
+        del self.firsts[n_frames:], self.counts[n_frames:], self.offsets[n_frames:], self.ends[n_frames:]
+        self.end = self.ends[-1] if n_frames else SEALED_HEADER_BYTES
+        self.n_records = self.firsts[-1] + self.counts[-1] if n_frames else 0
+
+    def boundary(self, n_records: int) -> int | None:
+        """How many frames hold exactly the first ``n_records`` records, or None when that count
+        falls inside a frame."""
+        if n_records == 0:
+            return 0
+        for k in range(len(self.firsts) - 1, -1, -1):  # per frame from the end: a cut is near it
+            end = self.firsts[k] + self.counts[k]
+            if end == n_records:
+                return k + 1
+            if end < n_records:
+                return None
+        return None
+
+    def covering(self, start: int, stop: int) -> tuple[int, int]:
+        """Frames ``[i, j)`` that hold records ``[start, stop)``."""
+        firsts = np.asarray(self.firsts, dtype=np.int64)
+        i = int(np.searchsorted(firsts, start, side="right")) - 1
+        j = int(np.searchsorted(firsts, stop, side="left"))
+        return max(i, 0), j
+
+
+class FrameCodec:
+    """Sealing and opening frames of one file (its subkey and associated-data prefix)."""
+
+    def __init__(self, sealing: Sealing, head: SealedHeader, name: str):
+        key = sealing.keyring.key(sealing.owner, head.key_version)
+        self._aead = derive_subkey(key.secret, head.salt, b"journal " + sealing.identity.encode())
+        self._bound = head.bound() + sealing.identity.encode() + b"\0"
+        self.rec_bytes = head.header.rec_bytes
+        self.name = name
+
+    def seal(self, first: int, payload: memoryview) -> bytes:
+        """One frame (header + ciphertext + tag) holding ``payload``'s whole records."""
+        count = len(payload) // self.rec_bytes
+        nonce = new_nonce()
+        prefix = struct.pack("<IIQ", first, count, len(payload) + TAG_BYTES)
+        return prefix + nonce + self._aead.encrypt(nonce, payload, self._bound + prefix)
+
+    def open(self, frame_header: bytes, ciphertext: bytes | memoryview) -> bytes:
+        first, count, _, nonce = _FRAME.unpack(frame_header)
+        try:
+            return self._aead.decrypt(nonce, ciphertext, self._bound + frame_header[:16])
+        except InvalidTag:
+            raise SealBroken(
+                f"{self.name}: the frame of records [{first}, {first + count}) failed authentication (a changed "
+                "byte, a frame moved from elsewhere, or another key); nothing of it was decrypted"
+            ) from None
+
+    def frames(self, first: int, body: memoryview) -> list[bytes]:
+        """``body`` (whole records) as frames of at most :data:`FRAME_BYTES`, first record ``first``."""
+        per = max(1, FRAME_BYTES // self.rec_bytes) * self.rec_bytes
+        return [self.seal(first + lo // self.rec_bytes, body[lo : lo + per]) for lo in range(0, len(body), per)]
+
+
+def walk(fd: int, rec_bytes: int, nrec: int, name: str) -> FrameTable:
+    """The frames of the committed records (``min(nrec, records in whole frames present)``).
+
+    A frame header that is inconsistent before the commit point is damage (:class:`SealBroken`);
+    a file that ends early stops the walk at its last whole frame (as a short plaintext journal
+    stops at its last whole record). One ``pread`` per window of headers, never per record.
+    """
+    table = FrameTable()
+    size = os.fstat(fd).st_size
+    offset, expected = SEALED_HEADER_BYTES, 0
+    window_start, window = offset, b""
+    while expected < nrec:
+        if offset + FRAME_HEADER_BYTES > size:
+            break
+        if not (window_start <= offset and offset + FRAME_HEADER_BYTES <= window_start + len(window)):
+            window_start, window = offset, os.pread(fd, _WALK_WINDOW, offset)
+        at = offset - window_start
+        first, count, ct_len, _ = _FRAME.unpack(window[at : at + FRAME_HEADER_BYTES])
+        if first != expected or count < 1 or ct_len != count * rec_bytes + TAG_BYTES or first + count > nrec:
+            raise SealBroken(
+                f"{name}: the frame at byte {offset} does not follow record {expected} "
+                f"(first {first}, count {count}, length {ct_len}); the journal is damaged there"
+            )
+        if offset + FRAME_HEADER_BYTES + ct_len > size:
+            break
+        table.add(first, count, offset, ct_len)
+        offset, expected = table.end, first + count
+    return table
+
+
+def read_frames(fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int) -> bytes:
+    """The plaintext records of frames ``[i, j)``: one ``pread`` for all, one AEAD call per frame."""
+    if i >= j:
+        return b""
+    lo, hi = table.offsets[i], table.ends[j - 1]
+    raw = memoryview(_pread_exact(fd, hi - lo, lo))
+    if len(raw) != hi - lo:
+        raise SealBroken(f"{codec.name}: the journal ended inside its committed frames")
+    parts = []
+    for k in range(i, j):
+        at = table.offsets[k] - lo
+        ct_len = table.counts[k] * codec.rec_bytes + TAG_BYTES
+        head = bytes(raw[at : at + FRAME_HEADER_BYTES])
+        parts.append(codec.open(head, raw[at + FRAME_HEADER_BYTES : at + FRAME_HEADER_BYTES + ct_len]))
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
+    parts, got = [], 0
+    while got < nbytes:
+        chunk = os.pread(fd, nbytes - got, offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def read_records(fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int) -> bytes:
+    """The plaintext bytes of records ``[start, stop)`` (within the committed ones): only the frames
+    covering them are read and decrypted."""
+    if stop <= start:
+        return b""
+    i, j = table.covering(start, stop)
+    plain = read_frames(fd, codec, table, i, j)
+    lo = (start - table.firsts[i]) * codec.rec_bytes
+    return plain[lo : lo + (stop - start) * codec.rec_bytes]
+
+
+def write_image(
+    target: Path, sealing: Sealing, header: Header, bodies: Iterable[memoryview | np.ndarray], *, replace: bool
+) -> tuple[SealedHeader, FrameTable]:
+    """A whole sealed journal (header nrec = the records of ``bodies``), atomically: a new salt and
+    the owner's current data key. Returns its header and frames."""
+    key = sealing.keyring.current(sealing.owner)
+    head = SealedHeader(header, key.version, os.urandom(SALT_BYTES))
+    codec = FrameCodec(sealing, head, target.name)
+    table = FrameTable()
+    first = 0
+    with AtomicFile(target, replace=replace) as out:
+        out.write(head.to_bytes())
+        for chunk in bodies:
+            body = np.ascontiguousarray(chunk).data.cast("B") if isinstance(chunk, np.ndarray) else chunk.cast("B")
+            for frame in codec.frames(first, body):
+                count = struct.unpack_from("<I", frame, 4)[0]
+                table.add(first, count, out.size, len(frame) - FRAME_HEADER_BYTES)
+                out.write(frame)
+                first += count
+    if first != header.nrec:
+        raise FormatError(f"{target.name}: sealed {first} records, the header says {header.nrec}")
+    return head, table
+
+
+class SealedImage:
+    """A sealed journal's committed records read from an open descriptor (a journal, or an archive
+    decompressed into memory): :meth:`read_range` decrypts only the frames covering a range."""
+
+    def __init__(self, fd: int, sealing: Sealing, name: str):
+        self.fd = fd
+        self.name = name
+        self.head = SealedHeader.parse(os.pread(fd, SEALED_HEADER_BYTES, 0), name)
+        self.table = walk(fd, self.head.header.rec_bytes, self.head.header.nrec, name)
+        self.codec = FrameCodec(sealing, self.head, name)
+
+    @property
+    def n_records(self) -> int:
+        return self.table.n_records
+
+    @property
+    def header(self) -> Header:
+        """The plaintext ``.coli_kv`` header the file stands for (nrec: the committed records)."""
+        return self.head.header.with_nrec(self.table.n_records)
+
+    def read_range(self, start: int, stop: int) -> bytes:
+        return read_records(self.fd, self.codec, self.table, start, min(stop, self.table.n_records))
+
+
+def write_sealed(target: Path, sealing: Sealing, header: Header, chunks: Iterable[np.ndarray], *, replace: bool) -> int:
+    """``write_atomic`` for an encrypted store: ``header`` + record chunks sealed into a new file,
+    atomically (``write_errors`` names what was kept). Returns the file's size in bytes."""
+    from kvstore.durable import write_errors
+
+    with write_errors(f"writing {target.name}", "the previous file (if any) is intact"):
+        _, table = write_image(target, sealing, header, chunks, replace=replace)
+    return table.end
+
+
+def append_frames(fd: int, codec: FrameCodec, table: FrameTable, records: memoryview, name: str) -> int:
+    """Write frames of ``records`` past the commit point and fsync them (not the commit point
+    itself: the caller publishes h6 next). Returns the new record count."""
+    first, offset = table.n_records, table.end
+    frames = codec.frames(first, records)
+    pwrite_all(fd, b"".join(frames) if len(frames) > 1 else frames[0], offset)
+    os.fsync(fd)  # data first: h6 must never point at frames not on disk
+    for frame in frames:
+        count = struct.unpack_from("<I", frame, 4)[0]
+        table.add(first, count, offset, len(frame) - FRAME_HEADER_BYTES)
+        offset += len(frame)
+        first += count
+    return first
+
+
+def publish(fd: int, count: int, previous: int) -> None:
+    """Write h6 and fsync it; on failure put the previous count back (best effort) and raise."""
+    try:
+        pwrite_all(fd, struct.pack("<i", count), NREC_OFFSET)
+        os.fsync(fd)  # the commit point itself
+    except OSError:
+        try:
+            pwrite_all(fd, struct.pack("<i", previous), NREC_OFFSET)
+            os.fsync(fd)
+        except OSError:
+            pass
+        raise
+
+
+def load_records(fd: int, codec: FrameCodec, table: FrameTable, header: Header) -> KVRecords:
+    """Every committed record, parsed and sanitized as ``coli_kv.parse`` parses a plaintext file."""
+    body = read_frames(fd, codec, table, 0, len(table.firsts))
+    return coli_kv.parse(header.with_nrec(table.n_records).to_bytes() + body)
+
+
+__all__ = [
+    "FRAME_BYTES",
+    "SEALED_HEADER_BYTES",
+    "FrameCodec",
+    "FrameTable",
+    "JournalWriteError",
+    "SealedHeader",
+    "Sealing",
+    "is_sealed",
+    "read_records",
+    "walk",
+    "write_image",
+]
+
+
+# ---------------------------------------------------------------------------- the journal
+from kvstore.journal import KVFile, open_regular  # noqa: E402  (journal.py imports this module lazily)
+
+
+class SealedKVFile(KVFile):
+    """A :class:`~kvstore.journal.KVFile` whose records are sealed in frames (module docstring).
+
+    The same interface and the same protocol; opened through ``KVFile.open``/``create`` with
+    ``sealing``. Reads decrypt only the frames covering the records asked for.
+    """
+
+    def __init__(self, path, fd, head: SealedHeader, table: FrameTable, tier, lock, dir_fd, target, sealing: Sealing):
+        super().__init__(path, fd, head.header.with_nrec(table.n_records), table.n_records, tier, lock, dir_fd, target)
+        self._sealing = sealing
+        self._set_image(head, table)
+
+    def _set_image(self, head: SealedHeader, table: FrameTable) -> None:
+        self._head = head
+        self._codec_of: FrameCodec | None = None  # made on first read or write: opening needs no key
+        self._table = table
+
+    @property
+    def _codec(self) -> FrameCodec:
+        if self._codec_of is None:
+            self._codec_of = FrameCodec(self._sealing, self._head, self.path.name)
+        return self._codec_of
+
+    @classmethod
+    def create_sealed(cls, path, target, header: Header, tier, lock, dir_fd, sealing: Sealing) -> "SealedKVFile":
+        head, table = write_image(target, sealing, header, [], replace=False)
+        fd = open_regular(target, os.O_RDWR, dir_fd)
+        return cls(path, fd, head, table, tier, lock, dir_fd, target, sealing)
+
+    @classmethod
+    def open_sealed(cls, path, fd, target, geometry, tier, lock, dir_fd, sealing: Sealing) -> "SealedKVFile":
+        from kvstore.errors import CodecMismatch, GeometryMismatch, KeyUnavailable
+
+        raw = os.pread(fd, SEALED_HEADER_BYTES, 0)
+        if not is_sealed(raw):
+            raise KeyUnavailable(
+                f"{path.name} is a plaintext journal in a store encrypted at rest; it is not mixed in "
+                "(move it out, or seal it with `kvstore crypto rotate-key`)"
+            )
+        head = SealedHeader.parse(raw, path.name)
+        header = head.header
+        if geometry is not None and header.geometry != geometry:
+            raise GeometryMismatch(
+                f"{path.name} is for another model: " + "; ".join(header.geometry.mismatches(geometry))
+            )
+        active = tier or header.tier
+        if header.tier != active:
+            raise CodecMismatch(f"{path.name} is {header.tier.describe()} but the active tier is {active.describe()}")
+        table = walk(fd, header.rec_bytes, header.nrec, path.name)
+        return cls(path, fd, head, table, active, lock, dir_fd, target, sealing)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def key_version(self) -> int:
+        """The owner's data-key version this file is sealed under."""
+        return self._head.key_version
+
+    @property
+    def committed_bytes(self) -> int:
+        self._commit_point()
+        return self._table.end
+
+    def _commit_point(self) -> int:
+        self._check_open()
+        if self._committed is None:  # after a failure: trust the disk, not memory
+            head = SealedHeader.parse(os.pread(self._fd, SEALED_HEADER_BYTES, 0), self.path.name)
+            self._set_image(head, walk(self._fd, head.header.rec_bytes, head.header.nrec, self.path.name))
+            self._committed = self._table.n_records
+            self._header = head.header.with_nrec(self._committed)
+        return self._committed
+
+    def holds(self, n_records: int) -> bool:
+        return self.n_records == n_records and self.size_bytes == self._table.end
+
+    # ------------------------------------------------------------------ reading
+    def read_range(self, start: int, stop: int) -> bytes:
+        self._check_open()
+        return read_records(self._fd, self._codec, self._table, start, min(stop, self._commit_point()))
+
+    def read_tokens(self, start: int, stop: int) -> np.ndarray:
+        raw = self.read_range(start, stop)
+        dtype = coli_kv.record_dtype(self.geometry, self._header.tier)
+        return np.frombuffer(raw, dtype=dtype)["token"].astype(np.int32)
+
+    def load(self) -> KVRecords:
+        self._check_open()
+        self._commit_point()
+        return load_records(self._fd, self._codec, self._table, self._header)
+
+    # ------------------------------------------------------------------ writing
+    def _write_tail(self, records: np.ndarray, committed: int, total: int) -> None:
+        got = append_frames(self._fd, self._codec, self._table, records.data.cast("B"), self.path.name)
+        if got != total:
+            raise FormatError(f"{self.path.name}: sealed up to record {got}, expected {total}")
+        publish(self._fd, total, committed)
+
+    def _publish(self, count: int, previous: int) -> None:
+        publish(self._fd, count, previous)
+
+    def _cut(self, target: int, committed: int) -> bool:
+        frames = self._table.boundary(target)
+        if frames is None:
+            return False  # inside a frame: the caller rewrites the file (a new salt, new frames)
+        publish(self._fd, target, committed)  # the lower commit point is durable before bytes disappear
+        self._table.cut(frames)
+        os.ftruncate(self._fd, self._table.end)
+        os.fsync(self._fd)
+        return True
+
+    def _rewrite(self, extra: np.ndarray | None = None, keep: int | None = None) -> int:
+        records = self.load()
+        if keep is not None:
+            records = records.slice(0, keep)
+        bodies = [np.ascontiguousarray(records.records).data.cast("B")]
+        if extra is not None:
+            bodies.append(np.ascontiguousarray(extra).data.cast("B"))
+        total = records.n + (0 if extra is None else extra.shape[0])
+        header = Header(self.geometry, self.tier, total)
+        head, table = write_image(self.target, self._sealing, header, bodies, replace=True)
+        new_fd = open_regular(self.target, os.O_RDWR, self._dir_fd)
+        os.close(self._fd)
+        self._fd = new_fd
+        self._set_image(head, table)
+        self._header = header
+        self._committed = total
+        return total
+
+    def reseal(self) -> int:
+        """Rewrite the file under the owner's current data key (atomically: a new file, a new salt);
+        returns the key version it is sealed under now."""
+        self._require_writer()
+        if self._head.key_version != self._sealing.keyring.current(self._sealing.owner).version:
+            self._rewrite()
+        return self._head.key_version
