@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -58,6 +60,8 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 # Host pool layouts whose flat page is [layers, page, row] or [page, layers, row].
 LAYER_MAJOR = frozenset({"layer_first", "page_first_direct"})
 PAGE_MAJOR = frozenset({"page_first"})
+# Pages of one batch_get / batch_set handled at once (page-cache reads and fsyncs scale to about four)
+BATCH_THREADS = max(2, min(4, os.cpu_count() or 1))
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -179,6 +183,8 @@ class KVStoreHiCacheStorage(_Base):
         self.client: StoreClient = open_client(self.config)
         self.format: PageFormat | None = None
         self._cache: PageCache | None = None
+        self._pool: ThreadPoolExecutor | None = None  # a batch's pages, made on the first batch
+        self._pool_lock = threading.Lock()
 
     # ------------------------------------------------------------------ set-up
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -262,18 +268,19 @@ class KVStoreHiCacheStorage(_Base):
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
         targets = target_locations if target_locations is not None else [None] * len(keys)
-        return [self.get(key, target) for key, target in zip(keys, targets, strict=True)]
+        return self._each(self.get, keys, targets)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Pages read straight into the host pool at ``host_indices`` (``interface_v1``)."""
         pool, size = self.mem_pool_host, self.page_format.page_size
-        done = []
-        for i, key in enumerate(keys):
+
+        def get_one(key: str, index: int) -> bool:
             page = self.get(key, pool.get_dummy_flat_data_page())
-            if page is not None:
-                pool.set_from_flat_data_page(int(host_indices[i * size]), page)
-            done.append(page is not None)
-        return done
+            if page is not None:  # pages go to distinct slots of the pool: the threads never overlap
+                pool.set_from_flat_data_page(index, page)
+            return page is not None
+
+        return self._each(get_one, keys, [int(host_indices[i * size]) for i in range(len(keys))])
 
     # ------------------------------------------------------------------ set
     def set(
@@ -289,12 +296,26 @@ class KVStoreHiCacheStorage(_Base):
     ) -> bool:
         if values is None:
             return False
-        return all([self.set(key, value) for key, value in zip(keys, values, strict=True)])
+        return all(self._each(self.set, keys, list(values)))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Pages written from the host pool at ``host_indices`` (``interface_v1``)."""
         pool, size = self.mem_pool_host, self.page_format.page_size
-        return [self.set(key, pool.get_data_page(int(host_indices[i * size]), flat=True)) for i, key in enumerate(keys)]
+        pages = [pool.get_data_page(int(host_indices[i * size]), flat=True) for i in range(len(keys))]
+        return self._each(self.set, keys, pages)
+
+    def _each(self, call: Callable[[str, Any], Any], keys: list[str], values: list[Any]) -> list[Any]:
+        """``call(key, value)`` for each pair, in order of the keys: a batch's pages on a few threads
+        (each page is its own session: their fsyncs wait together, their encodes and copies run
+        outside the GIL), one page on the caller's thread."""
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys for {len(values)} pages")
+        if len(keys) < 2:
+            return [call(key, value) for key, value in zip(keys, values)]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=BATCH_THREADS, thread_name_prefix="kvstore-hicache")
+        return list(self._pool.map(call, keys, values))
 
     # ------------------------------------------------------------------ housekeeping
     def clear(self) -> None:
@@ -303,6 +324,9 @@ class KVStoreHiCacheStorage(_Base):
         logger.info("kvstore backend: clear() leaves the shared store alone (its budget evicts)")
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         close = getattr(self.client, "close", None)
         if close is not None:
             close()
