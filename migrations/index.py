@@ -35,9 +35,14 @@ History (what each version holds):
    bytes by state and by tier name, store-wide and per owner (:func:`count_key` ->
    ``sessions:i64be bytes:i64be``), kept by every write of a record, so a scrape, a summary and a
    per-owner cap read a few keys instead of every record. A session being deleted is in neither.
+6. ``expiry`` — ``expiry``: ``expires_ns:u64be key`` -> b"" for each visible session that has a
+   time-to-live (records gain ``ttl_s``, its own, and ``expires_ns``: its last use plus the TTL in
+   force), so the sweep reads the expired ones from the front of one range, never every record;
+   ``owner_ttl``: ``owner`` -> ``ttl_ns:u64be``, the default TTL of an owner's sessions that have
+   none of their own. Both start empty (no session had a TTL before).
 
 >>> [step.name for step in plan(1)]
-['owner-and-lru-indexes', 'prefix-blocks', 'owner-scoped-ids', 'listing-and-counts']
+['owner-and-lru-indexes', 'prefix-blocks', 'owner-scoped-ids', 'listing-and-counts', 'expiry']
 >>> storage_key("chat-1", "alice"), public_id("chat-1~alice"), key_owner("chat-1~alice")
 ('chat-1~alice', 'chat-1', 'alice')
 >>> plan(CURRENT_VERSION)
@@ -57,7 +62,7 @@ import numpy as np
 from kvstore.formats.tiers import from_file
 from kvstore.migrations.errors import IndexSchemaError
 
-CURRENT_VERSION = 5
+CURRENT_VERSION = 6
 SCHEMA_KEY = b"schema_version"
 USAGE_KEY = b"usage_bytes"  # sum of size_bytes over the sessions (journal + archive bytes)
 PREFIX_BLOCK_KEY = b"prefix_block_tokens"
@@ -77,6 +82,8 @@ DB_RESERVATIONS = b"reservations"
 DB_BY_CREATED = b"by_created"
 DB_CREATED = b"created"
 DB_COUNTS = b"counts"
+DB_EXPIRY = b"expiry"  # expires_ns:u64be key -> b"" (sessions with a TTL, soonest first)
+DB_OWNER_TTL = b"owner_ttl"  # owner -> its default time-to-live in ns (u64be)
 DATABASES_BY_VERSION = {
     1: (DB_META, DB_SESSIONS, DB_TURNS),
     2: (DB_META, DB_SESSIONS, DB_TURNS, DB_BY_OWNER, DB_LRU),
@@ -94,6 +101,21 @@ DATABASES_BY_VERSION = {
         DB_BY_CREATED,
         DB_CREATED,
         DB_COUNTS,
+    ),
+    6: (
+        DB_META,
+        DB_SESSIONS,
+        DB_TURNS,
+        DB_BY_OWNER,
+        DB_LRU,
+        DB_PREFIX,
+        DB_PREFIX_OF,
+        DB_RESERVATIONS,
+        DB_BY_CREATED,
+        DB_CREATED,
+        DB_COUNTS,
+        DB_EXPIRY,
+        DB_OWNER_TTL,
     ),
 }
 MAX_DBS = 16
@@ -160,6 +182,15 @@ def lru_key(last_used_ns: int, session_id: str) -> bytes:
     return _U64.pack(last_used_ns) + session_id.encode()
 
 
+def expiry_key(expires_ns: int, session_id: str) -> bytes:
+    return _U64.pack(max(0, int(expires_ns))) + session_id.encode()
+
+
+def expiry_entry(key: bytes) -> tuple[int, str]:
+    """``(expires_ns, session key)`` of an ``expiry`` entry."""
+    return _U64.unpack(key[:8])[0], key[8:].decode()
+
+
 def lru_session(key: bytes) -> str:
     return key[_U64.size :].decode()
 
@@ -174,6 +205,14 @@ def prefix_of_key(session_id: str, block: int) -> bytes:
 
 def pack_u32(value: int) -> bytes:
     return _U32.pack(value)
+
+
+def pack_u64(value: int) -> bytes:
+    return _U64.pack(value)
+
+
+def unpack_u64(value: bytes) -> int:
+    return _U64.unpack(value)[0]
 
 
 def unpack_u32(value: bytes) -> int:
@@ -409,6 +448,12 @@ def _add_listing_and_counts(ctx: MigrationContext) -> None:
         ctx.txn.put(key, pack_count(n, nbytes), db=counts)
 
 
+def _add_expiry(ctx: MigrationContext) -> None:
+    # no session had a time-to-live before this version: both databases start empty
+    ctx.db(DB_EXPIRY)
+    ctx.db(DB_OWNER_TTL)
+
+
 STEPS: dict[int, SchemaStep] = {}
 
 
@@ -432,6 +477,16 @@ register(
         "listing-and-counts",
         "index sessions by creation (paged lists) and count them by state, tier and owner",
         _add_listing_and_counts,
+    )
+)
+
+
+register(
+    SchemaStep(
+        5,
+        "expiry",
+        "index sessions by when they expire; each owner's default time-to-live",
+        _add_expiry,
     )
 )
 

@@ -33,6 +33,7 @@ from kvstore.store.results import (
     AppendResult,
     CacheCounts,
     Eviction,
+    Expiry,
     LookupResult,
     RepairReport,
     Resumed,
@@ -55,6 +56,10 @@ CAPABILITIES: dict[str, str] = {
     "hard_limit": "a hard limit on the bytes stored (hard_limit_bytes)",
     "journal_files": "journal and archive files (journal_path, archive_path)",
 }
+
+#: Expired sessions one :meth:`Store.expire` call deletes at most (a sweep calls it again while a
+#: batch comes back full).
+EXPIRE_BATCH = 100
 
 _StoreT = TypeVar("_StoreT", bound="Store")
 _ReaderT = TypeVar("_ReaderT", bound="Reader")
@@ -276,8 +281,10 @@ class Store(ABC):
         *,
         session_id: str | None = None,
         tags: Iterable[str] = (),
+        ttl_s: float | None = None,
     ) -> SessionInfo:
-        """Create an empty session."""
+        """Create an empty session; ``ttl_s``: its own time-to-live (see :meth:`set_ttl`; None: its
+        owner's, if any)."""
 
     @abstractmethod
     def append(
@@ -330,6 +337,31 @@ class Store(ABC):
     @abstractmethod
     def set_tags(self, session_id: str, tags: Iterable[str], *, owner: str | None = None) -> SessionInfo:
         """Replace a session's tags."""
+
+    # ------------------------------------------------------------------ expiry
+    @abstractmethod
+    def set_ttl(self, session_id: str, ttl_s: float | None, *, owner: str | None = None) -> SessionInfo:
+        """Set a session's own time-to-live in seconds (None: drop it, its owner's applies, if any).
+
+        A session expires ``ttl`` seconds after its last use (create, append, resume, this call):
+        ``SessionInfo.expires_at``. An expired session is gone to every call at once
+        (``SessionNotFound``, as a missing id), whether or not :meth:`expire` deleted it yet.
+        """
+
+    @abstractmethod
+    def owner_ttl(self, owner: str) -> float | None:
+        """``owner``'s default time-to-live in seconds (None: none)."""
+
+    @abstractmethod
+    def set_owner_ttl(self, owner: str, ttl_s: float | None) -> int:
+        """Set (None: drop) the time-to-live of ``owner``'s sessions that have none of their own,
+        counted from each one's last use; returns how many sessions it applies to now."""
+
+    @abstractmethod
+    def expire(self, *, limit: int = EXPIRE_BATCH) -> list[Expiry]:
+        """Delete at most ``limit`` expired sessions, soonest expired first, as a delete does (their
+        files or objects go); a session in use (a writer, a reader, a lease) or used again since it
+        was found expired is kept. What was deleted (the sweep's metrics count it)."""
 
     # ------------------------------------------------------------------ resuming
     @abstractmethod

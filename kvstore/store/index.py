@@ -46,15 +46,17 @@ from kvstore.migrations.index import (
     DB_BY_OWNER,
     DB_COUNTS,
     DB_CREATED,
+    DB_EXPIRY,
     DB_LRU,
     DB_META,
+    DB_OWNER_TTL,
     DB_PREFIX,
     DB_PREFIX_OF,
     DB_RESERVATIONS,
     DB_SESSIONS,
     DB_TURNS,
 )
-from kvstore.store.values import STATES, IndexRecord
+from kvstore.store.values import STATES, IndexRecord, expired, expires_ns
 
 DEFAULT_MAP_SIZE = 1 << 30  # a sparse file: the map only reserves address space
 _LMDB_FILES = ("data.mdb", "lock.mdb")
@@ -67,8 +69,15 @@ _ENVIRONMENTS_LOCK = threading.Lock()
 
 
 def visible(record: IndexRecord | None, owner: str | None) -> TypeGuard[IndexRecord]:
-    """Whether ``owner`` (None: anyone) may see ``record`` (a session being deleted is gone)."""
-    return record is not None and record["state"] != "deleting" and (owner is None or record["owner"] == owner)
+    """Whether ``owner`` (None: anyone) may see ``record``: a session being deleted is gone, and so
+    is one whose time-to-live ran out, whether or not the sweep (``Maintenance.expire``) removed it
+    yet, so expiry is exact to every caller however late the sweep runs."""
+    return (
+        record is not None
+        and record["state"] != "deleting"
+        and (owner is None or record["owner"] == owner)
+        and not expired(record, time.time_ns())
+    )
 
 
 def refuse_damaged(record: IndexRecord) -> None:
@@ -365,18 +374,28 @@ class Index:
         try:
             with self.write() as txn:
                 record = self.get(txn, session_id)
-                if record is not None and record["state"] != "deleting":
+                # an expired session is never brought back by a use (a reader that opened just before)
+                if record is not None and record["state"] != "deleting" and not expired(record, now_ns):
                     self.update(txn, session_id, last_used=now_ns / 1e9, last_used_ns=now_ns)
         except (IndexFull, IndexIOError):
             pass
 
     def put(self, txn, record: IndexRecord, previous: IndexRecord | None = None) -> None:
-        """Write ``record``; keeps the owner, LRU and listing indexes, the counts and the usage
-        counter in step (``previous``: the record it replaces, None for a new one)."""
+        """Write ``record``; keeps the owner, LRU, listing and expiry indexes, the counts and the
+        usage counter in step (``previous``: the record it replaces, None for a new one).
+
+        ``record["expires_ns"]`` is set here (in ``record`` itself) from its last use and the TTL in
+        force: its own ``ttl_s``, else its owner's (:meth:`owner_ttl`), so every write that moves
+        ``last_used_ns`` (an append, a resume's touch) pushes the expiry back.
+        """
         sid = record["id"]
+        record["expires_ns"] = expires_ns(
+            record["last_used_ns"], record.get("ttl_s"), self.owner_ttl(txn, record["owner"])
+        )
         txn.put(schema.session_key(sid), schema.encode_record(dict(record)), db=self._db(DB_SESSIONS))
         visible = record["state"] != "deleting"
         was_visible = previous if previous is not None and previous["state"] != "deleting" else None
+        self._expiry(txn, sid, record["expires_ns"] if visible else None, was_visible)
         if was_visible is not None and (not visible or was_visible["last_used_ns"] != record["last_used_ns"]):
             txn.delete(schema.lru_key(was_visible["last_used_ns"], sid), db=self._db(DB_LRU))
         if visible:
@@ -389,6 +408,54 @@ class Index:
         delta = record["size_bytes"] - (previous["size_bytes"] if previous is not None else 0)
         if delta:
             self.add_usage(txn, delta)
+
+    def _expiry(self, txn, sid: str, when: int | None, before: IndexRecord | None) -> None:
+        """Keep the session's ``expiry`` entry at ``when`` (None: it has none)."""
+        old = before.get("expires_ns") if before is not None else None
+        if old == when:
+            return
+        if old is not None:
+            txn.delete(schema.expiry_key(old, sid), db=self._db(DB_EXPIRY))
+        if when is not None:
+            txn.put(schema.expiry_key(when, sid), b"", db=self._db(DB_EXPIRY))
+
+    # ------------------------------------------------------------------ expiry
+    def owner_ttl(self, txn, owner: str) -> float | None:
+        """``owner``'s default time-to-live in seconds (None: none)."""
+        stored = txn.get(owner.encode(), db=self._db(DB_OWNER_TTL))
+        return None if stored is None else schema.unpack_u64(bytes(stored)) / 1e9
+
+    def set_owner_ttl(self, txn, owner: str, ttl_s: float | None) -> int:
+        """Set (None: drop) ``owner``'s default time-to-live, and move the expiry of each of the
+        owner's sessions without a TTL of its own to match (one ``by_owner`` range, in ``txn``);
+        returns how many sessions it moved. A session expired already stays expired."""
+        key = owner.encode()
+        if ttl_s is None:
+            txn.delete(key, db=self._db(DB_OWNER_TTL))
+        else:
+            txn.put(key, schema.pack_u64(int(round(ttl_s * 1e9))), db=self._db(DB_OWNER_TTL))
+        moved, now_ns = 0, time.time_ns()
+        for sid in self.owner_sessions(txn, owner):
+            record = self.get(txn, sid)
+            # an expired session stays expired (gone to every caller): never brought back by a longer TTL
+            if visible(record, None) and record.get("ttl_s") is None and not expired(record, now_ns):
+                self.put(txn, cast(IndexRecord, dict(record)), record)
+                moved += 1
+        return moved
+
+    def expired_keys(self, txn, now_ns: int, limit: int) -> list[str]:
+        """At most ``limit`` keys of sessions expired at ``now_ns``, soonest expired first: the
+        front of the ``expiry`` range, read no further than ``now_ns`` (never every record)."""
+        out: list[str] = []
+        with txn.cursor(db=self._db(DB_EXPIRY)) as cursor:
+            if not cursor.first():
+                return out
+            for key in cursor.iternext(keys=True, values=False):
+                when, sid = schema.expiry_entry(bytes(key))
+                if when > now_ns or len(out) >= limit:
+                    break
+                out.append(sid)
+        return out
 
     def _list(self, txn, sid: str, now: IndexRecord | None, before: IndexRecord | None) -> None:
         """Keep the session's two listing entries (by owner, and store-wide) where its creation puts it."""
@@ -520,9 +587,14 @@ class Index:
         return out
 
     def owned(self, txn, owner: str, keys: Iterable[str]) -> list[str]:
-        """Those of ``keys`` that are visible sessions of ``owner`` (one ``by_owner`` probe each)."""
+        """Those of ``keys`` that are visible sessions of ``owner`` (one ``by_owner`` probe each, and
+        the record of each found: an expired one is not among them)."""
         by_owner = self._db(DB_BY_OWNER)
-        return [key for key in keys if txn.get(schema.owner_key(owner, key), db=by_owner) is not None]
+        return [
+            key
+            for key in keys
+            if txn.get(schema.owner_key(owner, key), db=by_owner) is not None and visible(self.get(txn, key), owner)
+        ]
 
     def least_recently_used(self, txn) -> list[str]:
         """Visible session ids, least recently used first."""

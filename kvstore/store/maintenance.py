@@ -1,4 +1,4 @@
-"""The file tools on stored sessions: inspect, repair, migrate.
+"""The file tools on stored sessions (inspect, repair, migrate) and expiry.
 
 - **inspect** reports what a session's file holds (header, sizes, what a loader would neutralize).
 - **repair** makes the journal and the index agree and drops what cannot be trusted: bytes past
@@ -9,6 +9,12 @@
   resolved once by the facade (a ``SessionHandle``), its write lock, ``Parking.open_active`` (the
   record read again, the journal opened and settled), the turns read and checked against the
   loaded records, the rewrite under the exclusive read lock, the index transaction, the evictor.
+- **expiry**: a session's own time-to-live (``set_ttl``) and an owner's default (``set_owner_ttl``),
+  counted from the session's last use (its ``last_used_ns``: create, append, resume, a TTL change);
+  the index keeps ``expires_ns`` in each record and an ``expiry`` range ordered by it. An expired
+  session is invisible at once (``index.visible``); ``expire`` deletes a batch of them, soonest
+  expired first, each under its two locks taken without waiting (one in use is left for a later
+  sweep) and only if it is still expired when read again under them (``Removal.delete_locked``).
 """
 
 from __future__ import annotations
@@ -21,31 +27,36 @@ from typing import Any
 import zstandard
 
 from kvstore.durable import PreviousImage, write_atomic
-from kvstore.errors import IntegrityError, JournalWriteError
+from kvstore.errors import IntegrityError, JournalLocked, JournalWriteError, SessionNotFound
 from kvstore.filetools import Scan, scan_stream
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
 from kvstore.journal import open_regular
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations import index as schema
+from kvstore.sealed import sealed_bytes_bound, write_sealed
 from kvstore.store import archive
 from kvstore.store.budget import Evictor, Reservations
 from kvstore.store.context import JOURNAL_UNUSABLE, SessionHandle, StoreContext
 from kvstore.store.integrity import Integrity, TurnHasher, complete_end, first_bad_turn
 from kvstore.store.parking import Parking
-from kvstore.store.records import bytes_view
+from kvstore.store.records import bytes_view, sealed_source
 from kvstore.store.recovery import Recovery
 from kvstore.store.removal import Removal
-from kvstore.store.results import RepairReport, records_report
+from kvstore.store.results import Expiry, RepairReport, records_report
 from kvstore.store.values import (
     Fingerprint,
+    IndexRecord,
     ModelInfo,
     Progress,
     SessionInfo,
     check_record_size,
+    check_ttl,
+    public_id,
     stored_tier,
     tier_record,
     validate_key,
+    validate_owner,
 )
 from kvstore.tiers import Tier
 
@@ -88,7 +99,9 @@ class Maintenance:
             out: dict[str, Any] = {"session": SessionInfo.from_record(record).to_dict()}
             with ctx.index.read() as txn:
                 out["turns"] = len(ctx.index.turns(txn, session_id))
-            if record["state"] == "active":
+            if ctx.keyring is not None and record["state"] in ("active", "parked"):
+                scan, out["file"] = _scan_sealed(ctx, record)  # the records decrypted, as a journal holds them
+            elif record["state"] == "active":
                 path = ctx.journal_path(session_id)
                 scan = _scan_journal(ctx.open_journal_fd(session_id))
                 out["file"] = {"path": f"journals/{path.name}", "bytes": scan.file_size}
@@ -194,6 +207,8 @@ class Maintenance:
                 hasher = TurnHasher(turns, new_rec_bytes)
                 chunks = hasher.wrap(format_migrations.convert_chunks(records, tier, progress=step))
                 size = HEADER_BYTES + total * new_rec_bytes
+                if ctx.keyring is not None:
+                    size = sealed_bytes_bound(total * new_rec_bytes, new_rec_bytes, 1 << 20)
                 with (
                     self._reservations.reserve(size) as reservation,
                     session.replacing,
@@ -201,7 +216,13 @@ class Maintenance:
                 ):
                     unsynced = None
                     try:
-                        write_atomic(journal.path, Header(geometry, tier, total), chunks, replace=True)
+                        sealing = ctx.sealing(key)
+                        if sealing is None:
+                            write_atomic(journal.path, Header(geometry, tier, total), chunks, replace=True)
+                        else:  # an encrypted store: the new tier's records sealed anew (kvstore.sealed)
+                            size = write_sealed(
+                                journal.path, sealing, Header(geometry, tier, total), chunks, replace=True
+                            )
                     except JournalWriteError as exc:
                         if coli_kv.read_header(journal.path)[0].tier != tier:
                             raise  # the old journal is in place: nothing changed
@@ -253,8 +274,76 @@ class Maintenance:
         self._evictor.after_write(key)
         return SessionInfo.from_record(record)
 
+    # ------------------------------------------------------------------ expiry
+    def set_ttl(self, key: str, owner: str | None, ttl_s: float | None) -> IndexRecord:
+        """Set (None: drop) the session's own time-to-live under its write lock; the change is a use
+        of the session, so it expires ``ttl_s`` seconds from now (or by its owner's TTL)."""
+        ttl_s = check_ttl(ttl_s)
+        ctx = self.ctx
+        with ctx.writing(key):
+            ctx.record(key, owner)  # gone (expired, swept, deleted) while the lock was awaited: 404
+            now_ns = time.time_ns()
+            with ctx.index.write() as txn:
+                return ctx.index.update(txn, key, ttl_s=ttl_s, last_used=now_ns / 1e9, last_used_ns=now_ns)
+
+    def set_owner_ttl(self, owner: str, ttl_s: float | None) -> int:
+        """Set (None: drop) ``owner``'s default time-to-live; returns how many of its sessions (those
+        without a TTL of their own) now expire by it, counted from each one's last use."""
+        validate_owner(owner)
+        ttl_s = check_ttl(ttl_s)
+        with self.ctx.index.write() as txn:
+            return self.ctx.index.set_owner_ttl(txn, owner, ttl_s)
+
+    def owner_ttl(self, owner: str) -> float | None:
+        validate_owner(owner)
+        with self.ctx.index.read() as txn:
+            return self.ctx.index.owner_ttl(txn, owner)
+
+    def expire(self, limit: int) -> list[Expiry]:
+        """Delete at most ``limit`` expired sessions, soonest expired first (see the module docstring)."""
+        ctx = self.ctx
+        now_ns = time.time_ns()
+        with ctx.index.read() as txn:
+            keys = ctx.index.expired_keys(txn, now_ns, limit)
+            expiries = {key: (ctx.index.get(txn, key) or {}).get("expires_ns") for key in keys}
+        swept: list[Expiry] = []
+        for key in keys:
+            try:
+                with ctx.writing(key, timeout=0):
+                    freed = self._removal.delete_locked(key, None, read_timeout=0, expired_at=now_ns)
+            except (JournalLocked, SessionNotFound):
+                continue  # in use (a writer, a reader), or deleted meanwhile: a later sweep sees it again
+            if freed is None:
+                continue  # used again since the expiry range was read: kept
+            ctx.stats.expired(freed)
+            when = expiries.get(key)
+            swept.append(Expiry(public_id(key), ctx.owner_of(key), (when or now_ns) / 1e9, freed))
+        return swept
+
 
 # ---------------------------------------------------------------------------- inspect, a chunk at a time
+def _scan_sealed(ctx: StoreContext, record: IndexRecord) -> tuple[Scan, dict[str, Any]]:
+    """Judge an encrypted store's session as its plaintext journal image (decrypted in memory),
+    and name its file with the bytes it takes on disk."""
+    with sealed_source(ctx, record) as source:
+        image = source.header.to_bytes() + source.read_range(0, source.n_records)
+    offset = 0
+
+    def readinto(view: memoryview) -> int:
+        nonlocal offset
+        n = min(len(view), len(image) - offset)
+        view[:n] = image[offset : offset + n]
+        offset += n
+        return n
+
+    scan = scan_stream(readinto, size=len(image))
+    if record["state"] == "active":
+        path = ctx.journal_path(record["id"])
+        return scan, {"path": f"journals/{path.name}", "bytes": path.stat().st_size}
+    path = ctx.archive_path(record["id"])
+    return scan, {"path": f"archive/{path.name}", "bytes": path.stat().st_size, "journal_bytes": len(image)}
+
+
 def _scan_journal(fd: int) -> Scan:
     """Judge the journal open at ``fd`` (closed here) up to its size when opened."""
     try:

@@ -7,6 +7,10 @@
 - **delete**: the index hides the session (state ``deleting``), the files go, the entries go. A
   delete that stops after hiding is finished by the next delete of the id, a create or fork into
   it, or the next store open.
+- **expiry** deletes the same way (``delete_locked(..., expired_at=)``, from the sweep
+  ``Maintenance.expire``): the record is read again under both locks and the session is deleted only
+  if it is still expired then (an append or resume since moved its expiry: it is kept). A create
+  into the id of an expired session not yet swept deletes it first.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from kvstore.journal import KVFile
 from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
 from kvstore.store.integrity import Integrity
-from kvstore.store.values import IndexRecord, public_id
+from kvstore.store.values import IndexRecord, expired, public_id
 
 
 def unlink_quietly(path: Path) -> None:
@@ -84,8 +88,21 @@ class Removal:
         journal.truncate(keep)
         return record
 
-    def delete_locked(self, session_id: str, owner: str | None, *, read_timeout: float | None = None) -> None:
-        """Hide the session, remove its files, drop its entries (write lock held)."""
+    def delete_locked(
+        self,
+        session_id: str,
+        owner: str | None,
+        *,
+        read_timeout: float | None = None,
+        expired_at: int | None = None,
+    ) -> int | None:
+        """Hide the session, remove its files, drop its entries (write lock held); returns the bytes
+        it held.
+
+        ``expired_at`` (ns since the epoch): delete only a session expired at that instant, checked
+        on the record read under both locks; one whose expiry moved since (used again, its TTL
+        changed) is left as it is, and None is returned.
+        """
         ctx = self.ctx
         with ctx.reading(session_id, exclusive=True, timeout=read_timeout):
             with ctx.index.read() as txn:
@@ -93,6 +110,9 @@ class Removal:
             # A session a failed delete already hid ("deleting") is finished by deleting it again.
             if record is None or (owner is not None and record["owner"] != owner):
                 raise SessionNotFound(f"no session {public_id(session_id)!r}")
+            if expired_at is not None and (record["state"] == "deleting" or not expired(record, expired_at)):
+                return None
+            freed = int(record["size_bytes"])
             if record["state"] != "deleting":
                 with ctx.index.write() as txn:
                     ctx.index.update(txn, session_id, state="deleting")  # invisible from here on
@@ -107,14 +127,19 @@ class Removal:
                     ctx.index.remove(txn, current)
         for suffix in (".read", ".write"):
             unlink_quietly(ctx.locks / f"{session_id}{suffix}")  # a lock file left behind is harmless
+        return freed
 
     def finish_interrupted_delete(self, session_id: str) -> None:
-        """Finish a delete that hid ``session_id`` but could not remove its files (write lock held),
-        so the id can be used again without reopening the store."""
+        """Finish a delete that hid ``session_id`` but could not remove its files, or delete it if
+        it expired and the sweep has not come yet (write lock held), so the id can be used again."""
         with self.ctx.index.read() as txn:
             record = self.ctx.index.get(txn, session_id)
-        if record is not None and record["state"] == "deleting":
+        if record is None:
+            return
+        if record["state"] == "deleting":
             self.delete_locked(session_id, None)
+        elif expired(record, now := time.time_ns()):
+            self.delete_locked(session_id, None, expired_at=now)
 
     def remove_files(self, session_id: str) -> None:
         """Unlink the session's journal, archive and journal lock sidecar; make the unlinks durable."""

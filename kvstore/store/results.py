@@ -114,6 +114,24 @@ class Eviction:
 
 
 @dataclass(frozen=True)
+class Expiry:
+    """A session the expiry sweep deleted (its time-to-live ran out), and the bytes that freed."""
+
+    session_id: str
+    owner: str
+    expired_at: float  # when it expired (seconds since the epoch)
+    freed_bytes: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "session_id": self.session_id,
+            "owner": self.owner,
+            "expired_at": self.expired_at,
+            "freed_bytes": self.freed_bytes,
+        }
+
+
+@dataclass(frozen=True)
 class Tally:
     """Sessions, and the bytes they hold (journal + archive, or segment objects)."""
 

@@ -26,7 +26,7 @@ from kvstore.crypto.keyring import Keyring
 from kvstore.errors import InvalidRequest
 from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
-from kvstore.store.base import CAPABILITIES, Store, check_page, check_session_cap
+from kvstore.store.base import CAPABILITIES, EXPIRE_BATCH, Store, check_page, check_session_cap
 from kvstore.store.budget import Evictor, Reservations
 from kvstore.store.context import StoreContext
 from kvstore.store.index import DEFAULT_MAP_SIZE, Index, visible
@@ -41,6 +41,7 @@ from kvstore.store.results import (
     AppendResult,
     CacheCounts,
     Eviction,
+    Expiry,
     LookupResult,
     RepairReport,
     Resumed,
@@ -55,6 +56,7 @@ from kvstore.store.values import (
     Progress,
     SessionFilter,
     SessionInfo,
+    check_ttl,
     public_id,
     storage_key,
     validate_owner,
@@ -196,10 +198,6 @@ class SessionStore(Store):
         return self._ctx.index
 
     @property
-    def budget_bytes(self) -> int | None:
-        return self._ctx.budget_bytes
-
-    @property
     def keyring(self) -> Keyring | None:
         """The data keys of a store encrypted at rest (None: a plaintext store)."""
         return self._ctx.keyring
@@ -207,6 +205,10 @@ class SessionStore(Store):
     @property
     def encrypted(self) -> bool:
         return self._ctx.keyring is not None
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self._ctx.budget_bytes
 
     @property
     def hard_limit_bytes(self) -> int | None:
@@ -304,14 +306,20 @@ class SessionStore(Store):
         *,
         session_id: str | None = None,
         tags: Iterable[str] = (),
+        ttl_s: float | None = None,
     ) -> SessionInfo:
-        """Create an empty session (its journal holds only the header).
+        """Create an empty session (its journal holds only the header); ``ttl_s``: its own
+        time-to-live, set right after (a crash in between leaves it without one: kept, not lost).
 
         Raises
         ------
         SessionExists, InvalidSessionId, BadHeader (a geometry no model has), BudgetExceeded
         """
-        return self._writes.create(owner, geometry, tier, model, session_id, tags)
+        ttl_s = check_ttl(ttl_s)
+        info = self._writes.create(owner, geometry, tier, model, session_id, tags)
+        if ttl_s is None:
+            return info
+        return SessionInfo.from_record(self._maintenance.set_ttl(info.key, owner, ttl_s))
 
     def append(
         self,
@@ -415,6 +423,23 @@ class SessionStore(Store):
         with self._ctx.index.write() as txn:
             record = self._ctx.index.update(txn, key, tags=checked, updated=time.time())
         return SessionInfo.from_record(record)
+
+    # ------------------------------------------------------------------ expiry (kvstore.store.maintenance)
+    def set_ttl(self, session_id: str, ttl_s: float | None, *, owner: str | None = None) -> SessionInfo:
+        """Set (None: drop) a session's own time-to-live; see :meth:`Store.set_ttl`."""
+        return SessionInfo.from_record(self._maintenance.set_ttl(self._ctx.resolve(session_id, owner), owner, ttl_s))
+
+    def owner_ttl(self, owner: str) -> float | None:
+        return self._maintenance.owner_ttl(owner)
+
+    def set_owner_ttl(self, owner: str, ttl_s: float | None) -> int:
+        """Set (None: drop) ``owner``'s default time-to-live; see :meth:`Store.set_owner_ttl`."""
+        return self._maintenance.set_owner_ttl(owner, ttl_s)
+
+    def expire(self, *, limit: int = EXPIRE_BATCH) -> list[Expiry]:
+        """Delete at most ``limit`` expired sessions (their journals and archives), soonest expired
+        first; see :meth:`Store.expire` and ``kvstore.store.maintenance``."""
+        return self._maintenance.expire(check_page(limit) or EXPIRE_BATCH)
 
     # ------------------------------------------------------------------ resuming (kvstore.store.reader)
     def reader(

@@ -22,6 +22,8 @@ What is counted, and where:
   (timeout 0, e.g. eviction skipping a busy session) is neither.
 - **evictions** (``kvstore.store.budget``): sessions parked or deleted to keep the soft budget,
   and the bytes that freed.
+- **expiries** (``Store.expire``): sessions the expiry sweep deleted (their time-to-live ran out),
+  and the bytes that freed.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class StatsSnapshot:
     lock_timeouts: int
     evictions: dict[str, int]  # action ("parked", "deleted") -> sessions
     evicted_bytes: int
+    expired: int = 0  # sessions the expiry sweep deleted
+    expired_bytes: int = 0
 
 
 class StoreStats:
@@ -115,6 +119,7 @@ class StoreStats:
         self._lock_waits = self._lock_timeouts = 0
         self._evictions: dict[str, int] = dict.fromkeys(EVICTION_ACTIONS, 0)
         self._evicted_bytes = 0
+        self._expired = self._expired_bytes = 0
         self._restore_bytes = _Buckets(RESTORE_BYTES_BUCKETS)
         self._restore_seconds = _Buckets(RESTORE_SECONDS_BUCKETS)
         self._append_seconds = _Buckets(APPEND_SECONDS_BUCKETS)
@@ -149,6 +154,11 @@ class StoreStats:
             self._evictions[action] = self._evictions.get(action, 0) + 1
             self._evicted_bytes += max(0, freed_bytes)
 
+    def expired(self, freed_bytes: int) -> None:
+        with self._lock:
+            self._expired += 1
+            self._expired_bytes += max(0, freed_bytes)
+
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             return StatsSnapshot(
@@ -162,4 +172,6 @@ class StoreStats:
                 lock_timeouts=self._lock_timeouts,
                 evictions=dict(self._evictions),
                 evicted_bytes=self._evicted_bytes,
+                expired=self._expired,
+                expired_bytes=self._expired_bytes,
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, TypedDict
@@ -48,6 +49,11 @@ class TierRecord(TypedDict):
 
 class _ExactTimes(TypedDict, total=False):
     created_ns: int  # the creation time exactly, where the index holds it so (a shared index's row)
+    # expiry (absent in records written before it: no TTL): the session's own time-to-live in
+    # seconds (None: its owner's applies, if any), and when it expires, in ns since the epoch
+    # (None: never) = last_used_ns + the TTL in force (its own, else its owner's); see expires_ns()
+    ttl_s: float | None
+    expires_ns: int | None
 
 
 class IndexRecord(_ExactTimes):
@@ -143,6 +149,54 @@ def check_record_size(geometry: Geometry, tier: Tier) -> None:
         raise InvalidRequest(
             f"a record of this geometry and tier is {size} bytes; kvstore stores records of at most {MAX_RECORD_BYTES}"
         )
+
+
+#: The longest time-to-live a session or owner may have (about 100 years): expiry times stay in int64 ns.
+MAX_TTL_S = 100 * 365 * 86400
+_TTL_SPAN = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
+_TTL_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def check_ttl(ttl_s: Any, what: str = "ttl_s") -> float | None:
+    """A time-to-live as both backends take it: a positive, finite number of seconds up to
+    :data:`MAX_TTL_S`, or None (no TTL of its own). Raises :class:`InvalidRequest`."""
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s):
+        raise InvalidRequest(f"{what} must be a number of seconds (or none), not {ttl_s!r}")
+    if not 0 < ttl_s <= MAX_TTL_S:
+        raise InvalidRequest(f"{what} must be more than 0 and at most {MAX_TTL_S} seconds (100 years), not {ttl_s!r}")
+    return float(ttl_s)
+
+
+def parse_ttl(text: str, what: str = "--ttl") -> float | None:
+    """A time-to-live as the command line writes it: seconds (``3600``) or a span (``90s``, ``30m``,
+    ``12h``, ``30d``, ``2w``); ``none`` for no TTL. Raises :class:`InvalidRequest`."""
+    spelled = text.strip().lower()
+    if spelled == "none":
+        return None
+    found = _TTL_SPAN.fullmatch(spelled)
+    if found is None:
+        raise InvalidRequest(f"{what}: {text!r} is not seconds or a span like 90s, 30m, 12h, 30d, 2w (or none)")
+    return check_ttl(float(found.group(1)) * _TTL_UNITS[found.group(2)], what)
+
+
+def expires_ns(last_used_ns: int, own_ttl_s: float | None, owner_ttl_s: float | None) -> int | None:
+    """When a session last used at ``last_used_ns`` expires: its own TTL, else its owner's, counted
+    from its last use (None: neither is set, it never expires)."""
+    ttl = own_ttl_s if own_ttl_s is not None else owner_ttl_s
+    return None if ttl is None else int(last_used_ns) + int(round(ttl * 1e9))
+
+
+def _seconds(ns: int | None) -> float | None:
+    return None if ns is None else ns / 1e9
+
+
+def expired(record: IndexRecord, now_ns: int) -> bool:
+    """Whether ``record``'s session has expired at ``now_ns`` (an expired session is gone to every
+    caller, swept or not)."""
+    when = record.get("expires_ns")
+    return when is not None and when <= now_ns
 
 
 # ---------------------------------------------------------------------------- index record fields
@@ -346,6 +400,8 @@ class SessionInfo:
     prefix_blocks: int
     key: str
     created_ns: int  # the creation time the lists are ordered by (``created`` is it in seconds)
+    ttl_s: float | None = None  # its own time-to-live (None: its owner's applies, if any)
+    expires_at: float | None = None  # when it expires (seconds since the epoch; None: never)
 
     @classmethod
     def from_record(cls, record: IndexRecord) -> "SessionInfo":
@@ -371,6 +427,8 @@ class SessionInfo:
             prefix_blocks=record.get("prefix_blocks", 0),
             key=record["id"],
             created_ns=schema.created_ns(record),
+            ttl_s=record.get("ttl_s"),
+            expires_at=_seconds(record.get("expires_ns")),
         )
 
     @property
@@ -407,4 +465,6 @@ class SessionInfo:
             "fork_point": self.fork_point,
             "problem": self.problem,
             "fingerprint": self.fingerprint_key,
+            "ttl_s": self.ttl_s,
+            "expires_at": self.expires_at,
         }

@@ -81,7 +81,7 @@ def test_upgrade_from_schema_1(tmp_path):
     write_v1_index(data, old)
     seen = []
     with SessionStore(data, progress=lambda done, total: seen.append((done, total))) as store:
-        assert store.index.version() == schema.CURRENT_VERSION and seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+        assert store.index.version() == schema.CURRENT_VERSION and seen == [(k, 5) for k in range(1, 6)]
         assert [s.id for s in store.list(owner="alice")] == ["first"]
         assert store.get("first").tags == ("old",) and store.get("first").prefix_blocks == 3
         fingerprint = Fingerprint(ModelInfo.from_dict(MODEL), GEOMETRY, tiers.FP8)
@@ -116,6 +116,7 @@ def test_schema_steps_are_numbered_and_named():
         (2, 3, "prefix-blocks"),
         (3, 4, "owner-scoped-ids"),
         (4, 5, "listing-and-counts"),
+        (5, 6, "expiry"),
     ]
     with pytest.raises(IndexSchemaError):
         schema.plan(0)

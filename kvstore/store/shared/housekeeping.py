@@ -7,6 +7,7 @@ transaction. :class:`~kvstore.store.shared.index.SharedIndex` adds sessions, lea
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable
 
 import psycopg
@@ -57,8 +58,9 @@ class Housekeeping(ConnectionPool):
                 "FROM unnest(%s::bytea[]) WITH ORDINALITY AS q(chain, i) "
                 "JOIN kv_prefix p ON p.chain = q.chain AND p.block = q.i - 1 "
                 "JOIN kv_sessions s ON s.key = p.key AND s.owner = %s "
+                "AND (s.expires_ns IS NULL OR s.expires_ns > %s) "  # an expired session is gone: never matched
                 "GROUP BY p.key, s.n_records, s.watermark, s.last_used_ns, s.state, s.header",
-                (chains, owner),
+                (chains, owner, time.time_ns()),
             )
             names = [column.name for column in cur.description or ()]
             found = [dict(zip(names, row)) for row in cur.fetchall()]

@@ -8,6 +8,7 @@ on time (lease expiry, GC grace) use PostgreSQL's ``clock_timestamp()``: one clo
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable
 
 import psycopg
@@ -45,6 +46,29 @@ __all__ = ["DEFAULT_POOL_SIZE", "Grant", "ReadPlan", "Segment", "SharedIndex", "
 #: ``pg_advisory_xact_lock`` key serializing eviction across replicas.
 EVICT_LOCK = 0x6B7673_0002
 
+#: The columns of a session's row as :meth:`SharedIndex.session` gives it.
+SESSION_COLUMNS = (
+    "key, owner, header, rec_bytes, n_records, size_bytes, watermark, record, state, "
+    "created_ns, updated_ns, last_used_ns, ttl_ns, expires_ns"
+)
+#: The condition a row of ``kv_sessions`` (as ``s``) meets while its session has not expired; the
+#: statement passes ``now_ns`` (this replica's clock, the one its writes stamp last_used_ns with).
+LIVE = "(s.expires_ns IS NULL OR s.expires_ns > %(now_ns)s)"
+
+
+def drop_sessions(conn: psycopg.Connection, keys: list[str]) -> dict[str, list[str]]:
+    """Delete the sessions ``keys`` (rows locked by the caller), their segments and intents, in the
+    caller's transaction: per key, the objects no session lists any more (the caller deletes them
+    from the object store after the commit). What a delete, an eviction and the expiry sweep share."""
+    listed: dict[str, list[str]] = {key: [] for key in keys}
+    for key, name in conn.execute("DELETE FROM kv_segments WHERE key = ANY(%s) RETURNING key, object", (keys,)):
+        listed[key].append(name)
+    pending: dict[str, list[str]] = {key: [] for key in keys}
+    for key, name in conn.execute("DELETE FROM kv_pending WHERE key = ANY(%s) RETURNING key, object", (keys,)):
+        pending[key].append(name)
+    conn.execute("DELETE FROM kv_sessions WHERE key = ANY(%s)", (keys,))
+    return {key: unlisted(conn, listed[key]) + pending[key] for key in keys}
+
 
 class SharedIndex(Rewrites):
     """The shared index at ``url``: sessions, leases, commits and reads (one transaction per call);
@@ -65,32 +89,43 @@ class SharedIndex(Rewrites):
         *,
         hard_limit: int | None = None,
         max_sessions: int | None = None,
-    ) -> None:
+        ttl_ns: int | None = None,
+    ) -> list[str]:
         """A new empty session (``SessionExists``; ``BudgetExceeded`` past ``hard_limit``;
-        ``TooManySessions`` when its owner already has ``max_sessions``)."""
+        ``TooManySessions`` when its owner already has ``max_sessions``); ``ttl_ns``: its own
+        time-to-live. An expired session of that key not swept yet (no live lease) is deleted first,
+        in the same transaction: returns its objects, for the caller to delete."""
 
-        def body(conn: psycopg.Connection) -> None:
+        def body(conn: psycopg.Connection) -> list[str]:
             with conn.transaction():
+                gone = conn.execute(
+                    "SELECT key FROM kv_sessions s WHERE key = %(key)s AND s.expires_ns <= %(now_ns)s AND NOT EXISTS "
+                    "(SELECT 1 FROM kv_leases l WHERE l.key = s.key AND l.expires_at > clock_timestamp()) "
+                    "FOR UPDATE SKIP LOCKED",
+                    {"key": key, "now_ns": now_ns},
+                ).fetchall()
+                objects = drop_sessions(conn, [key])[key] if gone else []
                 row = conn.execute(
-                    "INSERT INTO kv_sessions (key, owner, header, rec_bytes, record, created_ns, updated_ns, last_used_ns) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (key) DO NOTHING RETURNING key",
-                    (key, owner, header, rec_bytes, Jsonb(record), now_ns, now_ns, now_ns),
+                    "INSERT INTO kv_sessions (key, owner, header, rec_bytes, record, created_ns, updated_ns, last_used_ns, "
+                    "ttl_ns) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (key) DO NOTHING RETURNING key",
+                    (key, owner, header, rec_bytes, Jsonb(record), now_ns, now_ns, now_ns, ttl_ns),
                 ).fetchone()
                 if row is None:
                     raise SessionExists(f"session {public_id(key)!r} already exists")
                 within_cap(conn, owner, max_sessions)
                 fit(conn, HEADER_BYTES, hard_limit)
+                return objects
 
-        self.run("creating a session", body)
+        return self.run("creating a session", body)
 
     def session(self, key: str) -> dict[str, Any]:
-        """The session's row as a dict (``SessionNotFound`` when there is none)."""
+        """The session's row as a dict (``SessionNotFound`` when there is none, or it expired: an
+        expired session is gone whether or not the sweep deleted it yet)."""
 
         def body(conn: psycopg.Connection) -> dict[str, Any]:
             cur = conn.execute(
-                "SELECT key, owner, header, rec_bytes, n_records, size_bytes, watermark, record, state, "
-                "created_ns, updated_ns, last_used_ns FROM kv_sessions WHERE key = %s",
-                (key,),
+                f"SELECT {SESSION_COLUMNS} FROM kv_sessions s WHERE key = %(key)s AND {LIVE}",
+                {"key": key, "now_ns": time.time_ns()},
             )
             row = cur.fetchone()
             if row is None:
@@ -110,13 +145,7 @@ class SharedIndex(Rewrites):
                 # the session's row first: a fork copying its segments holds it FOR SHARE, so the two
                 # take turns and the check below sees the fork's rows
                 lock_session(conn, key)
-                listed = [r[0] for r in conn.execute("DELETE FROM kv_segments WHERE key = %s RETURNING object", (key,))]
-                objects = unlisted(conn, listed)
-                objects += [
-                    r[0] for r in conn.execute("DELETE FROM kv_pending WHERE key = %s RETURNING object", (key,))
-                ]
-                conn.execute("DELETE FROM kv_sessions WHERE key = %s", (key,))
-            return objects
+                return drop_sessions(conn, [key])[key]
 
         return self.run("deleting a session", body)
 
@@ -128,7 +157,7 @@ class SharedIndex(Rewrites):
         limit: int | None = None,
         state: str | None = None,
     ) -> list[dict[str, Any]]:
-        """Sessions' rows (``owner``: that owner's only; ``state``: in that state only), oldest first
+        """Live sessions' rows (``owner``: that owner's only; ``state``: in that state only), oldest first
         (``created_ns``, then key), as :meth:`session` gives them: after the position ``after``
         (keyset paging: an index range, ``kv_sessions_listing`` or ``kv_sessions_created``), at most
         ``limit`` (None: all)."""
@@ -136,11 +165,17 @@ class SharedIndex(Rewrites):
 
         def body(conn: psycopg.Connection) -> list[dict[str, Any]]:
             cur = conn.execute(
-                "SELECT key, owner, header, rec_bytes, n_records, size_bytes, watermark, record, state, "
-                "created_ns, updated_ns, last_used_ns FROM kv_sessions "
+                f"SELECT {SESSION_COLUMNS} FROM kv_sessions s "
                 "WHERE (%(owner)s::text IS NULL OR owner = %(owner)s) AND (%(state)s::text IS NULL OR state = %(state)s) "
-                "AND (created_ns, key) > (%(created)s, %(key)s) ORDER BY created_ns, key LIMIT %(limit)s",
-                {"owner": owner, "state": state, "created": created, "key": key, "limit": limit},
+                f"AND (created_ns, key) > (%(created)s, %(key)s) AND {LIVE} ORDER BY created_ns, key LIMIT %(limit)s",
+                {
+                    "owner": owner,
+                    "state": state,
+                    "created": created,
+                    "key": key,
+                    "limit": limit,
+                    "now_ns": time.time_ns(),
+                },
             )
             names = [column.name for column in cur.description or ()]
             found = [dict(zip(names, row)) for row in cur.fetchall()]
@@ -165,10 +200,14 @@ class SharedIndex(Rewrites):
         return self.run("counting sessions", body)
 
     def existing(self, keys: list[str]) -> set[str]:
-        """Those of ``keys`` that are sessions (one query)."""
+        """Those of ``keys`` that are sessions, not expired (one query)."""
 
         def body(conn: psycopg.Connection) -> set[str]:
-            return {str(r[0]) for r in conn.execute("SELECT key FROM kv_sessions WHERE key = ANY(%s)", (keys,))}
+            found = conn.execute(
+                f"SELECT key FROM kv_sessions s WHERE key = ANY(%(keys)s) AND {LIVE}",
+                {"keys": keys, "now_ns": time.time_ns()},
+            )
+            return {str(r[0]) for r in found}
 
         return self.run("looking up sessions", body)
 
@@ -238,12 +277,13 @@ class SharedIndex(Rewrites):
         self.run("setting a session's tags", body)
 
     def keys_of_id(self, session_id: str) -> list[str]:
-        """The keys of every owner's session named ``session_id``."""
+        """The keys of every owner's session named ``session_id`` (expired ones are gone)."""
 
         def body(conn: psycopg.Connection) -> list[str]:
             prefix = session_id + "~"  # keys are <id>~<owner>; an id holds no '~'
             rows = conn.execute(
-                "SELECT key FROM kv_sessions WHERE left(key, %s) = %s ORDER BY key", (len(prefix), prefix)
+                f"SELECT key FROM kv_sessions s WHERE left(key, %(n)s) = %(prefix)s AND {LIVE} ORDER BY key",
+                {"n": len(prefix), "prefix": prefix, "now_ns": time.time_ns()},
             )
             return [r[0] for r in rows]
 
@@ -312,21 +352,96 @@ class SharedIndex(Rewrites):
                         break
                     victims.append((str(key), int(size)))
                     excess -= int(size)
-                names = [key for key, _ in victims]
-                listed: dict[str, list[str]] = {key: [] for key in names}
-                for key, name in conn.execute(
-                    "DELETE FROM kv_segments WHERE key = ANY(%s) RETURNING key, object", (names,)
-                ).fetchall():
-                    listed[key].append(name)
-                pending: dict[str, list[str]] = {key: [] for key in names}
-                for key, name in conn.execute(
-                    "DELETE FROM kv_pending WHERE key = ANY(%s) RETURNING key, object", (names,)
-                ).fetchall():
-                    pending[key].append(name)
-                conn.execute("DELETE FROM kv_sessions WHERE key = ANY(%s)", (names,))
-                return [(key, size, unlisted(conn, listed[key]) + pending[key]) for key, size in victims]
+                dropped = drop_sessions(conn, [key for key, _ in victims])
+                return [(key, size, dropped[key]) for key, size in victims]
 
         return self.run("evicting sessions", body)
+
+    # ------------------------------------------------------------------ expiry
+    def set_ttl(self, key: str, ttl_ns: int | None, now_ns: int) -> None:
+        """Set (None: drop) a live session's own time-to-live; the change is a use (last_used_ns =
+        ``now_ns``), so it expires that long from now (``SessionNotFound``: none, or expired)."""
+
+        def body(conn: psycopg.Connection) -> None:
+            row = conn.execute(
+                f"UPDATE kv_sessions s SET ttl_ns = %(ttl)s, last_used_ns = greatest(last_used_ns, %(now_ns)s), "
+                f"updated_ns = %(now_ns)s WHERE key = %(key)s AND {LIVE} RETURNING key",
+                {"ttl": ttl_ns, "now_ns": now_ns, "key": key},
+            ).fetchone()
+            if row is None:
+                raise SessionNotFound(f"no session {public_id(key)!r}")
+
+        self.run("setting a session's time-to-live", body)
+
+    def owner_ttl(self, owner: str) -> int | None:
+        """``owner``'s default time-to-live in ns (None: none)."""
+
+        def body(conn: psycopg.Connection) -> int | None:
+            row = conn.execute("SELECT ttl_ns FROM kv_owner_ttl WHERE owner = %s", (owner,)).fetchone()
+            return int(row[0]) if row is not None else None
+
+        return self.run("reading an owner's time-to-live", body)
+
+    def set_owner_ttl(self, owner: str, ttl_ns: int | None, now_ns: int) -> int:
+        """Set (None: drop) ``owner``'s default time-to-live, and move the expiry of the owner's live
+        sessions without one of their own to match (the trigger recomputes it), in one transaction;
+        how many sessions it moved. An expired session stays expired."""
+
+        def body(conn: psycopg.Connection) -> int:
+            with conn.transaction():
+                if ttl_ns is None:
+                    conn.execute("DELETE FROM kv_owner_ttl WHERE owner = %s", (owner,))
+                else:
+                    conn.execute(
+                        "INSERT INTO kv_owner_ttl (owner, ttl_ns) VALUES (%s, %s) "
+                        "ON CONFLICT (owner) DO UPDATE SET ttl_ns = EXCLUDED.ttl_ns",
+                        (owner, ttl_ns),
+                    )
+                moved = conn.execute(
+                    f"UPDATE kv_sessions s SET ttl_ns = ttl_ns WHERE owner = %(owner)s AND ttl_ns IS NULL AND {LIVE}",
+                    {"owner": owner, "now_ns": now_ns},
+                )
+                return moved.rowcount
+
+        return self.run("setting an owner's time-to-live", body)
+
+    def expired_keys(self, now_ns: int, limit: int) -> list[str]:
+        """At most ``limit`` keys of sessions expired at ``now_ns``, soonest expired first (the
+        front of ``kv_sessions_expiry``, never every row)."""
+
+        def body(conn: psycopg.Connection) -> list[str]:
+            rows = conn.execute(
+                "SELECT key FROM kv_sessions WHERE expires_ns <= %s ORDER BY expires_ns, key LIMIT %s",
+                (now_ns, limit),
+            )
+            return [str(r[0]) for r in rows]
+
+        return self.run("finding expired sessions", body)
+
+    def expire(self, keys: list[str], now_ns: int) -> list[tuple[str, str, int, int, list[str]]]:
+        """Delete those of ``keys`` still expired at ``now_ns`` in one transaction: each row locked
+        (``FOR UPDATE SKIP LOCKED``: one a fork, a delete or a lease grant holds is skipped), then
+        its expiry read again under the lock, and any live lease looked for again (a writer using
+        it keeps it). ``(key, owner, expires_ns, freed bytes, objects no session lists any more)``
+        per session deleted; the caller deletes the objects."""
+
+        def body(conn: psycopg.Connection) -> list[tuple[str, str, int, int, list[str]]]:
+            with conn.transaction():
+                locked = conn.execute(
+                    "SELECT key FROM kv_sessions WHERE key = ANY(%s) ORDER BY key FOR UPDATE SKIP LOCKED", (keys,)
+                ).fetchall()
+                # read again now that they are locked (a statement of its own: it sees every commit
+                # before it), so a use or a lease since the list was read keeps the session
+                victims = conn.execute(
+                    "SELECT key, owner, expires_ns, size_bytes FROM kv_sessions s WHERE key = ANY(%s) "
+                    "AND expires_ns <= %s AND NOT EXISTS (SELECT 1 FROM kv_leases l WHERE l.key = s.key "
+                    "AND l.expires_at > clock_timestamp()) ORDER BY expires_ns, key",
+                    ([r[0] for r in locked], now_ns),
+                ).fetchall()
+                dropped = drop_sessions(conn, [str(r[0]) for r in victims])
+                return [(str(k), str(o), int(e), int(n), dropped[str(k)]) for k, o, e, n in victims]
+
+        return self.run("deleting expired sessions", body) if keys else []
 
     # ------------------------------------------------------------------ leases
     def acquire(self, key: str, holder: str, ttl: float) -> Grant:
@@ -516,13 +631,15 @@ class SharedIndex(Rewrites):
 
     # ------------------------------------------------------------------ reads
     def read_plan(self, key: str, start: int = 0, stop: int | None = None) -> ReadPlan:
-        """The header, count and committed segments overlapping ``[start, stop)``, from one snapshot."""
+        """The header, count and committed segments overlapping ``[start, stop)``, from one snapshot
+        (``SessionNotFound``: no such session, or it expired)."""
 
         def body(conn: psycopg.Connection) -> ReadPlan:
             with conn.transaction():
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 row = conn.execute(
-                    "SELECT header, rec_bytes, n_records, watermark FROM kv_sessions WHERE key = %s", (key,)
+                    f"SELECT header, rec_bytes, n_records, watermark FROM kv_sessions s WHERE key = %(key)s AND {LIVE}",
+                    {"key": key, "now_ns": time.time_ns()},
                 ).fetchone()
                 if row is None:
                     raise SessionNotFound(f"no session {public_id(key)!r}")
@@ -541,8 +658,10 @@ class SharedIndex(Rewrites):
         """Mark a session used now (the global LRU)."""
 
         def body(conn: psycopg.Connection) -> None:
+            # an expired session is never brought back by a use (a reader that opened just before)
             conn.execute(
-                "UPDATE kv_sessions SET last_used_ns = greatest(last_used_ns, %s) WHERE key = %s", (now_ns, key)
+                f"UPDATE kv_sessions s SET last_used_ns = greatest(last_used_ns, %(now_ns)s) WHERE key = %(key)s AND {LIVE}",
+                {"now_ns": now_ns, "key": key},
             )
 
         self.run("marking a session used", body)

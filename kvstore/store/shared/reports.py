@@ -146,4 +146,6 @@ def record_of(row: dict[str, Any]) -> IndexRecord:
         "problem": stored.get("problem"),
         "fingerprint": fingerprint,
         "prefix_blocks": 0,
+        "ttl_s": int(row["ttl_ns"]) / 1e9 if row.get("ttl_ns") is not None else None,
+        "expires_ns": int(row["expires_ns"]) if row.get("expires_ns") is not None else None,
     }

@@ -68,7 +68,7 @@ class Rewrites(Housekeeping):
             with conn.transaction():
                 # FOR SHARE: a delete or truncate of the source waits for this fork (and sees its rows)
                 src = conn.execute(
-                    "SELECT owner, header, rec_bytes, n_records, state FROM kv_sessions WHERE key = %s FOR SHARE",
+                    "SELECT owner, header, rec_bytes, n_records, state, ttl_ns FROM kv_sessions WHERE key = %s FOR SHARE",
                     (source,),
                 ).fetchone()
                 if src is None:
@@ -84,11 +84,11 @@ class Rewrites(Housekeeping):
                     )
                 made = conn.execute(
                     "INSERT INTO kv_sessions (key, owner, header, rec_bytes, n_records, size_bytes, watermark, record, "
-                    "created_ns, updated_ns, last_used_ns) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                    "created_ns, updated_ns, last_used_ns, ttl_ns) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
                     "ON CONFLICT (key) DO NOTHING RETURNING key",
                     (
                         new_key, src[0], src[1], src[2], at, HEADER_BYTES + at * int(src[2]), watermark, Jsonb(record),
-                        now_ns, now_ns, now_ns,
+                        now_ns, now_ns, now_ns, src[5],  # a fork keeps its source's own time-to-live
                     ),
                 ).fetchone()  # fmt: skip
                 if made is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 #: ``pg_advisory_xact_lock`` key serializing schema creation and upgrades across replicas.
 SCHEMA_LOCK = 0x6B7673_0001
 
-CURRENT_VERSION = 8
+CURRENT_VERSION = 9
 
 #: version reached -> the statements that reach it from the version before.
 STEPS: dict[int, tuple[str, ...]] = {
@@ -165,6 +165,29 @@ STEPS: dict[int, tuple[str, ...]] = {
     # a segment's BLAKE3-256, matched before any byte of it is served (rows.check_of); segments
     # committed before keep NULL and are checked by their blake2b digest, as before
     8: ("ALTER TABLE kv_segments ADD COLUMN IF NOT EXISTS check_digest bytea",),
+    # expiry: a session's own time-to-live (ttl_ns, NULL: none) and each owner's default
+    # (kv_owner_ttl); expires_ns (NULL: never) = last_used_ns + the TTL in force, kept by a trigger
+    # on every write of last_used_ns, ttl_ns or owner (a commit, a touch, a TTL change), so the sweep
+    # reads the expired sessions from the front of one index, never every row
+    9: (
+        "ALTER TABLE kv_sessions ADD COLUMN IF NOT EXISTS ttl_ns bigint CHECK (ttl_ns > 0)",
+        "ALTER TABLE kv_sessions ADD COLUMN IF NOT EXISTS expires_ns bigint",
+        """CREATE TABLE IF NOT EXISTS kv_owner_ttl (
+            owner text PRIMARY KEY,
+            ttl_ns bigint NOT NULL CHECK (ttl_ns > 0)
+        )""",
+        """CREATE OR REPLACE FUNCTION kv_session_expiry() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            NEW.expires_ns := NEW.last_used_ns
+                + coalesce(NEW.ttl_ns, (SELECT ttl_ns FROM kv_owner_ttl WHERE owner = NEW.owner));
+            RETURN NEW;
+        END
+        $$""",
+        "DROP TRIGGER IF EXISTS kv_sessions_expiry ON kv_sessions",
+        "CREATE TRIGGER kv_sessions_expiry BEFORE INSERT OR UPDATE OF last_used_ns, ttl_ns, owner ON kv_sessions "
+        "FOR EACH ROW EXECUTE FUNCTION kv_session_expiry()",
+        "CREATE INDEX IF NOT EXISTS kv_sessions_expiry ON kv_sessions (expires_ns) WHERE expires_ns IS NOT NULL",
+    ),
 }
 
 META_TABLE = "CREATE TABLE IF NOT EXISTS kv_meta (name text PRIMARY KEY, value text NOT NULL)"

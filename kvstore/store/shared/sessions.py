@@ -55,11 +55,12 @@ from kvstore.errors import (
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
-from kvstore.store.base import CAPABILITIES, Store, check_page, check_session_cap
+from kvstore.store.base import CAPABILITIES, EXPIRE_BATCH, Store, check_page, check_session_cap
 from kvstore.store.results import (
     AppendResult,
     CacheCounts,
     Eviction,
+    Expiry,
     LookupResult,
     RepairReport,
     Resumed,
@@ -90,6 +91,7 @@ from kvstore.store.values import (
     Progress,
     SessionFilter,
     SessionInfo,
+    check_ttl,
     public_id,
     storage_key,
     validate_owner,
@@ -333,13 +335,16 @@ class SharedSessionStore(Store):
         *,
         session_id: str | None = None,
         tags: Iterable[str] = (),
+        ttl_s: float | None = None,
     ) -> SessionInfo:
-        """Create an empty session (``SessionExists`` when the owner has one of that id)."""
+        """Create an empty session (``SessionExists`` when the owner has one of that id); ``ttl_s``:
+        its own time-to-live, in the same transaction."""
         checked = ModelInfo.from_dict(model)
+        ttl_s = check_ttl(ttl_s)
         if session_id is not None:
             validate_session_id(session_id)
         extra = {"fingerprint": Fingerprint(checked, geometry, tier).key(), "parent": None, "fork_point": None}
-        key = self.shared.create(owner, geometry, tier, checked, session_id, tags, extra=extra)
+        key = self.shared.create(owner, geometry, tier, checked, session_id, tags, extra=extra, ttl_s=ttl_s)
         self._after_write(key)
         return SessionInfo.from_record(record_of(self.index.session(key)))
 
@@ -353,6 +358,42 @@ class SharedSessionStore(Store):
         """Drop the session from the index (its lease too: a writer's commit is then refused), then
         its objects."""
         self.shared.delete(self._key(session_id, owner))
+
+    # ------------------------------------------------------------------ expiry
+    def set_ttl(self, session_id: str, ttl_s: float | None, *, owner: str | None = None) -> SessionInfo:
+        """Set (None: drop) a session's own time-to-live (a use: it expires that long from now); see
+        :meth:`Store.set_ttl`. The row's expiry is recomputed by the index's trigger."""
+        ttl_s = check_ttl(ttl_s)
+        key = self._key(session_id, owner)
+        self.index.set_ttl(key, None if ttl_s is None else int(round(ttl_s * 1e9)), time.time_ns())
+        return SessionInfo.from_record(record_of(self.index.session(key)))
+
+    def owner_ttl(self, owner: str) -> float | None:
+        found = self.index.owner_ttl(validate_owner(owner))
+        return None if found is None else found / 1e9
+
+    def set_owner_ttl(self, owner: str, ttl_s: float | None) -> int:
+        """Set (None: drop) ``owner``'s default time-to-live, for every replica; see :meth:`Store.set_owner_ttl`."""
+        validate_owner(owner)
+        ttl_s = check_ttl(ttl_s)
+        return self.index.set_owner_ttl(owner, None if ttl_s is None else int(round(ttl_s * 1e9)), time.time_ns())
+
+    def expire(self, *, limit: int = EXPIRE_BATCH) -> list[Expiry]:
+        """Delete at most ``limit`` expired sessions of the whole shared store, soonest expired first:
+        the keys read from the index's expiry order, then one transaction that locks them, reads
+        their expiry and leases again and deletes those still expired and not written (a session
+        with a live lease, or used since, is kept); then their objects, as a delete does. Replicas
+        may sweep at once: a row another holds is skipped."""
+        limit = check_page(limit) or EXPIRE_BATCH
+        now_ns = time.time_ns()
+        keys = self.index.expired_keys(now_ns, limit)
+        swept: list[Expiry] = []
+        for key, owner, expires_ns, freed, objects in self.index.expire(keys, now_ns):
+            for name in objects:
+                self.shared.blobs.delete(name)
+            self.stats.expired(freed)
+            swept.append(Expiry(public_id(key), owner, expires_ns / 1e9, freed))
+        return swept
 
     def append(
         self,

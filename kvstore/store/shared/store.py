@@ -207,11 +207,13 @@ class SharedStore:
         tags: Iterable[str] = (),
         *,
         extra: dict[str, Any] | None = None,
+        ttl_s: float | None = None,
     ) -> str:
         """Create an empty session; returns its key ``<id>~<owner>``.
 
         ``extra``: more fields of the session's record (what ``store push`` carries over: parent,
-        fork point, fingerprint, the embedded state).
+        fork point, fingerprint, the embedded state). ``ttl_s``: its own time-to-live. An expired
+        session of that id not swept yet is deleted first (its objects too).
         """
         validate_owner(owner)
         check_geometry(geometry, tier)
@@ -222,10 +224,13 @@ class SharedStore:
             "tags": validate_tags(tags),
             **(extra or {}),
         }
-        self.index.create_session(
+        ttl_ns = None if ttl_s is None else int(round(ttl_s * 1e9))
+        replaced = self.index.create_session(
             key, owner, header, record_bytes(geometry, tier), record, time.time_ns(), hard_limit=self.hard_limit,
-            max_sessions=self.max_sessions,
+            max_sessions=self.max_sessions, ttl_ns=ttl_ns,
         )  # fmt: skip
+        for name in replaced:  # an expired session's objects, its row deleted with the create
+            self.blobs.delete(name)
         return key
 
     def delete(self, key: str) -> None:
