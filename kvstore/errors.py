@@ -311,7 +311,10 @@ class SealBroken(IntegrityError):
     file, or another key. Nothing was decrypted into rows; the reason names the file and where.
 
     Restore the file from a backup, or cut the session back (``kvstore sessions repair``).
+    ``first_record``: the first record of the refused frame, when known.
     """
+
+    first_record: int | None = None
 
 
 class KeyUnavailable(KVStoreError, PermissionError):

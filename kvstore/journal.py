@@ -516,6 +516,14 @@ class KVFile:
         rec = self._header.rec_bytes
         return os.pread(self._fd, (stop - start) * rec, HEADER_BYTES + start * rec) if stop > start else b""
 
+    def size_after_truncate(self, n: int) -> int:
+        """The file's size once :meth:`truncate` has kept ``n`` committed records."""
+        return HEADER_BYTES + min(n, self.n_records) * coli_kv.record_bytes(self.geometry, self.tier)
+
+    def growth(self, nbytes: int) -> int:
+        """Bytes an append of ``nbytes`` of records adds to the file (what a store reserves)."""
+        return nbytes
+
     def load_header(self) -> Header:
         """The stored header as a ``.coli_kv`` header (nrec: the committed records)."""
         return self._header.with_nrec(self._commit_point())

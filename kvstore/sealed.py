@@ -41,7 +41,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -63,6 +63,15 @@ FRAME_BYTES = 1 << 20  # records of one frame at most (one AEAD call each; a ran
 _HEAD = struct.Struct("<8s8i8sII32s")
 _FRAME = struct.Struct("<IIQ12s")
 _WALK_WINDOW = 1 << 16
+
+
+def read_any_header(path: Path) -> Header:
+    """The ``.coli_kv`` header a journal stands for, plaintext or sealed (its h6 as stored)."""
+    with open(path, "rb") as f:
+        head = f.read(SEALED_HEADER_BYTES)
+    if is_sealed(head):
+        return SealedHeader.parse(head, path.name).header
+    return coli_kv.parse_header(head[:HEADER_BYTES])
 
 
 def is_sealed(head: bytes) -> bool:
@@ -184,10 +193,13 @@ class FrameCodec:
         try:
             return self._aead.decrypt(nonce, ciphertext, self._bound + frame_header[:16])
         except InvalidTag:
-            raise SealBroken(
+            broken = SealBroken(
                 f"{self.name}: the frame of records [{first}, {first + count}) failed authentication (a changed "
-                "byte, a frame moved from elsewhere, or another key); nothing of it was decrypted"
-            ) from None
+                "byte, a frame moved from elsewhere, or another key); nothing of it was decrypted: "
+                "`kvstore sessions repair` cuts the session back to its last good turn"
+            )
+            broken.first_record = first  # where the damage starts (a store's verify names its turn)
+            raise broken from None
 
     def frames(self, first: int, body: memoryview) -> list[bytes]:
         """``body`` (whole records) as frames of at most :data:`FRAME_BYTES`, first record ``first``."""
@@ -310,6 +322,42 @@ class SealedImage:
 
     def read_range(self, start: int, stop: int) -> bytes:
         return read_records(self.fd, self.codec, self.table, start, min(stop, self.table.n_records))
+
+    def iter_range(self, start: int, stop: int, chunk_records: int) -> Iterator[bytes]:
+        """Records ``[start, stop)`` in chunks of about ``chunk_records`` that end on frames: a frame
+        refused (:class:`SealBroken`) is raised after every good record before it was yielded."""
+        stop = min(stop, self.table.n_records)
+        if stop <= start:
+            return
+        i, j = self.table.covering(start, stop)
+        rec = self.codec.rec_bytes
+        while i < j:
+            k = i + 1
+            while k < j and self.table.firsts[k] + self.table.counts[k] - self.table.firsts[i] <= chunk_records:
+                k += 1
+            try:
+                plain = read_frames(self.fd, self.codec, self.table, i, k)
+            except SealBroken:
+                for single in range(i, k):  # yield the good frames before the refused one, then raise
+                    plain = read_frames(self.fd, self.codec, self.table, single, single + 1)
+                    lo = max(start - self.table.firsts[single], 0) * rec
+                    hi = (
+                        min(stop, self.table.firsts[single] + self.table.counts[single]) - self.table.firsts[single]
+                    ) * rec
+                    yield plain[lo:hi]
+                raise
+            lo = max(start - self.table.firsts[i], 0) * rec
+            hi = (min(stop, self.table.firsts[k - 1] + self.table.counts[k - 1]) - self.table.firsts[i]) * rec
+            yield plain[lo:hi]
+            i = k
+
+
+def sealed_bytes_bound(nbytes: int, rec_bytes: int, chunk_bytes: int) -> int:
+    """At most the size of a sealed journal holding ``nbytes`` of records written from chunks of at
+    most ``chunk_bytes`` (what a store reserves before a copy)."""
+    per = max(1, FRAME_BYTES // rec_bytes) * rec_bytes
+    frames = -(-nbytes // per) + -(-nbytes // max(chunk_bytes, 1)) + 1
+    return SEALED_HEADER_BYTES + nbytes + frames * (FRAME_HEADER_BYTES + TAG_BYTES)
 
 
 def write_sealed(target: Path, sealing: Sealing, header: Header, chunks: Iterable[np.ndarray], *, replace: bool) -> int:
@@ -449,6 +497,18 @@ class SealedKVFile(KVFile):
 
     def holds(self, n_records: int) -> bool:
         return self.n_records == n_records and self.size_bytes == self._table.end
+
+    def size_after_truncate(self, n: int) -> int:
+        n = min(n, self.n_records)
+        frames = self._table.boundary(n)
+        if frames is not None:  # in place: the file ends after the frame ending at record n
+            return self._table.ends[frames - 1] if frames else SEALED_HEADER_BYTES
+        return SEALED_HEADER_BYTES + self.growth(n * self._header.rec_bytes)  # a rewrite: one body, whole frames
+
+    def growth(self, nbytes: int) -> int:
+        """Bytes an append of ``nbytes`` of records adds to the file (its frames' headers and tags)."""
+        per = max(1, FRAME_BYTES // self._header.rec_bytes) * self._header.rec_bytes
+        return nbytes + -(-nbytes // per) * (FRAME_HEADER_BYTES + TAG_BYTES)
 
     # ------------------------------------------------------------------ reading
     def read_range(self, start: int, stop: int) -> bytes:

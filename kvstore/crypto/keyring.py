@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from kvstore import config
 from kvstore.crypto.kek import KeyProvider
 from kvstore.crypto.seal import new_key
 from kvstore.durable import AtomicFile
@@ -272,12 +273,20 @@ class Keyring:
 def open_keyring(folder: str | os.PathLike, provider: KeyProvider | None) -> Keyring | None:
     """The keyring of the store in ``folder`` as its opener asks: None for a plaintext store.
 
+    Without ``provider``, a store that holds a keyring, or any store when ``KVSTORE_ENCRYPT=1``,
+    takes the KEK the configuration names (``KVSTORE_KEK_FILE``, ``KVSTORE_KEK``).
+
     Raises
     ------
     KeyUnavailable : an encrypted store opened without a KEK (or with another one), or a store
         created without encryption opened with one (the two are never mixed)
     """
     folder = Path(folder)
+    if provider is None and (Keyring.exists(folder) or config.ENCRYPT.get()):
+        from kvstore.crypto.kek import provider_from_settings
+
+        # KVSTORE_ENCRYPT=1, or a store created encrypted: the KEK the configuration names
+        provider = provider_from_settings()
     if Keyring.exists(folder):
         if provider is None:
             raise KeyUnavailable(

@@ -34,7 +34,7 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
 from kvstore.journal import open_regular
 from kvstore.migrations import formats as format_migrations
 from kvstore.migrations import index as schema
-from kvstore.sealed import sealed_bytes_bound, write_sealed
+from kvstore.sealed import read_any_header, sealed_bytes_bound, write_sealed
 from kvstore.store import archive
 from kvstore.store.budget import Evictor, Reservations
 from kvstore.store.context import JOURNAL_UNUSABLE, SessionHandle, StoreContext
@@ -224,7 +224,7 @@ class Maintenance:
                                 journal.path, sealing, Header(geometry, tier, total), chunks, replace=True
                             )
                     except JournalWriteError as exc:
-                        if coli_kv.read_header(journal.path)[0].tier != tier:
+                        if read_any_header(journal.path).tier != tier:
                             raise  # the old journal is in place: nothing changed
                         # The rename happened and a later step (the directory fsync) failed: the
                         # journal is in the new tier now, so the index must follow it before the

@@ -41,6 +41,7 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Header
 from kvstore.journal import KVFile, open_regular
 from kvstore.locks import FileLock, pid_alive
 from kvstore.migrations import index as schema
+from kvstore.sealed import read_any_header
 from kvstore.store.context import StoreContext
 from kvstore.store.integrity import Integrity, TurnHasher, complete_end
 from kvstore.store.removal import Removal, unlink_quietly
@@ -112,7 +113,7 @@ class Recovery:
         ctx = self.ctx
         sid = record["id"]
         tier = journal.stored_tier
-        records = coli_kv.load(journal.path)
+        records = journal.load()  # the journal as stored (opened in its own tier), sealed or not
         n = min(records.n, record["n_records"])
         with ctx.index.read() as txn:
             turns = [t for t in ctx.index.turns(txn, sid) if t.end <= n]
@@ -522,7 +523,7 @@ class Recovery:
         empty = False
         if suffix == ".coli_kv":
             try:
-                empty = coli_kv.read_header(path)[0].nrec == 0
+                empty = read_any_header(path).nrec == 0  # plaintext or sealed
             except (FormatError, OSError):
                 empty = False
         if empty:

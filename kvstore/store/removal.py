@@ -21,8 +21,6 @@ from typing import Any
 
 from kvstore.durable import fsync_dir, write_errors
 from kvstore.errors import SessionNotFound
-from kvstore.formats import coli_kv
-from kvstore.formats.coli_kv import HEADER_BYTES
 from kvstore.journal import KVFile
 from kvstore.migrations import index as schema
 from kvstore.store.context import StoreContext
@@ -69,11 +67,10 @@ class Removal:
         if straddler is not None:
             replacement = self._integrity.rehash_prefix(record, straddler, keep, complete)
         new_wm = min(record["watermark"], keep) if watermark is None else min(watermark, keep)
-        rec_bytes = coli_kv.record_bytes(journal.geometry, journal.tier)
         changes: dict[str, Any] = {
             "n_records": keep,
             "watermark": new_wm,
-            "size_bytes": HEADER_BYTES + keep * rec_bytes,
+            "size_bytes": journal.size_after_truncate(keep),  # a sealed journal's frames too
             "updated": time.time(),
             "prefix_blocks": min(record["prefix_blocks"], new_wm // schema.PREFIX_BLOCK_TOKENS),
         }

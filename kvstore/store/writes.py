@@ -34,14 +34,14 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header
 from kvstore.formats.nonfinite import Sanitized
 from kvstore.journal import KVFile
 from kvstore.migrations import index as schema
-from kvstore.sealed import write_sealed
+from kvstore.sealed import SEALED_HEADER_BYTES, read_any_header, sealed_bytes_bound, write_sealed
 from kvstore.store.budget import Evictor, Reservations
 from kvstore.store.context import SessionHandle, StoreContext
 from kvstore.store.index import Turn, refuse_damaged
 from kvstore.store.integrity import Integrity, turn_digest
 from kvstore.store.parking import Parking
 from kvstore.store.prefix import block_tokens
-from kvstore.store.records import CountingChunks, bytes_view, record_chunks
+from kvstore.store.records import COPY_CHUNK_BYTES, CountingChunks, bytes_view, record_chunks
 from kvstore.store.recovery import Recovery
 from kvstore.store.removal import Removal, unlink_quietly
 from kvstore.store.results import AppendResult, refuse_nonfinite
@@ -111,7 +111,7 @@ class Writes:
                 if ctx.index.get(txn, session_id) is not None:
                     raise SessionExists(exists)
             self._clear_orphan(session_id, path)
-            with self._reservations.reserve(HEADER_BYTES) as reservation:
+            with self._reservations.reserve(SEALED_HEADER_BYTES if ctx.keyring else HEADER_BYTES) as reservation:
                 sidecar = path.with_name(path.name + ".lock")  # the journal's writer lock (kvstore.journal)
                 try:
                     created = KVFile.create(
@@ -181,8 +181,7 @@ class Writes:
         if not path.exists():
             return
         try:
-            header, _ = coli_kv.read_header(path)
-            empty = header.nrec == 0
+            empty = read_any_header(path).nrec == 0  # plaintext or sealed
         except (FormatError, OSError):
             empty = False
         if not empty:
@@ -238,7 +237,7 @@ class Writes:
                     return AppendResult(SessionInfo.from_record(record), 0, None, found)
                 payload = bytes_view(rows)
                 digest = turn_digest(payload)
-                with self._reservations.reserve(len(payload)) as reservation:
+                with self._reservations.reserve(journal.growth(len(payload))) as reservation:
                     total = journal.append_records(rows, validate=False)  # validated above
                     size = journal.size_bytes
                     new_wm = total if complete_turn else record["watermark"]
@@ -358,6 +357,8 @@ class Writes:
                 if turns and turns[-1].end > at:
                     turns[-1] = self._integrity.rehash_prefix(source, turns[-1], at, complete=at <= source["watermark"])
                 size = HEADER_BYTES + at * rec_bytes
+                if ctx.keyring is not None:  # at most: the copy's frames, one chunk of records at a time
+                    size = sealed_bytes_bound(at * rec_bytes, rec_bytes, COPY_CHUNK_BYTES)
                 with self._reservations.reserve(size) as reservation:
                     chunks = (np.frombuffer(c, np.uint8) for c in record_chunks(ctx, source, 0, at))
                     try:

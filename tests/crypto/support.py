@@ -14,8 +14,38 @@ from kvstore.store import archive
 KEK = LocalKEK(bytes(range(32)), "the tests' KEK")
 
 
-def sealed_image(store, path: Path) -> bytes:
-    """The ``.coli_kv`` image (header + committed records) a sealed journal or archive stands for."""
+def unauthenticated_image(store, path: Path) -> bytes:
+    """What the sealed journal at ``path`` decrypts to *without* checking its tags (AES-GCM's
+    keystream is AES-CTR from counter 2): a test's view of a damaged frame's bytes, which the store
+    itself never reads this way."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    from kvstore.sealed import SealedHeader, walk
+
+    key = path.name.split(".coli_kv")[0]
+    raw = path.read_bytes()
+    head = SealedHeader.parse(raw[:88], path.name)
+    data_key = store.keyring.key(key.rsplit("~", 1)[-1], head.key_version).secret
+    subkey = HKDF(hashes.SHA256(), 32, head.salt, b"kvstore v1 journal " + key.encode()).derive(data_key)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        table = walk(fd, head.header.rec_bytes, head.header.nrec, path.name)
+    finally:
+        os.close(fd)
+    body = []
+    for offset, count in zip(table.offsets, table.counts):
+        nonce = raw[offset + 16 : offset + 28]
+        ciphertext = raw[offset + 28 : offset + 28 + count * head.header.rec_bytes]
+        ctr = Cipher(algorithms.AES(subkey), modes.CTR(nonce + b"\0\0\0\2")).decryptor()
+        body.append(ctr.update(ciphertext) + ctr.finalize())
+    return head.header.with_nrec(table.n_records).to_bytes() + b"".join(body)
+
+
+def sealed_image(store, path: Path, *, exact: bool = False) -> bytes:
+    """The ``.coli_kv`` image (header + committed records) a sealed journal or archive stands for;
+    ``exact``: the file must end at its last committed frame (no torn or unacknowledged tail)."""
     key = path.name.split(".coli_kv")[0]
     if path.name.endswith(".zst"):
         fd = os.memfd_create("image")
@@ -24,6 +54,8 @@ def sealed_image(store, path: Path) -> bytes:
         fd = os.open(path, os.O_RDONLY)
     try:
         image = SealedImage(fd, Sealing.for_key(store.keyring, key), path.name)
+        if exact:
+            assert os.fstat(fd).st_size == image.table.end, (path.name, "a torn or unacknowledged tail")
         return image.header.to_bytes() + image.read_range(0, image.n_records)
     finally:
         os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kvstore.formats import coli_kv
@@ -13,6 +14,43 @@ from reliability.workload import GEOMETRY, turn_rows
 
 def listing(folder: Path) -> set[str]:
     return {p.name for p in folder.iterdir()} if folder.exists() else set()
+
+
+def journal_image(store: SessionStore, path: Path, *, exact: bool = False) -> bytes:
+    """A journal's bytes as a ``.coli_kv`` image: as stored, or, in a store encrypted at rest, its
+    committed frames decrypted (``exact``: a sealed file must hold nothing past them either)."""
+    if not store.encrypted:
+        return path.read_bytes()
+    from crypto.support import sealed_image
+
+    return sealed_image(store, path, exact=exact)
+
+
+def archive_image(store: SessionStore, path: Path) -> bytes:
+    if not store.encrypted:
+        return b"".join(archive.stream_archive(path))
+    from crypto.support import sealed_image
+
+    return sealed_image(store, path, exact=True)
+
+
+def set_aside_image(data: Path, name: str) -> bytes:
+    """A journal recovery set aside in ``lost+found`` as a ``.coli_kv`` image (decrypted with the
+    store's keyring when the store is encrypted at rest; its identity is the name it had)."""
+    path = data / "lost+found" / name
+    from kvstore.crypto.kek import provider_from_settings
+    from kvstore.crypto.keyring import Keyring
+    from kvstore.sealed import SealedImage, Sealing
+
+    if not Keyring.exists(data):
+        return path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        keyring = Keyring(data, provider_from_settings())
+        image = SealedImage(fd, Sealing.for_key(keyring, name.split(".coli_kv")[0]), name)
+        return image.header.to_bytes() + image.read_range(0, image.n_records)
+    finally:
+        os.close(fd)
 
 
 def snapshot(store: SessionStore) -> dict[str, Session]:
@@ -29,11 +67,12 @@ def snapshot(store: SessionStore) -> dict[str, Session]:
         has_journal, has_archive = f"{info.key}.coli_kv" in journals, f"{info.key}.coli_kv.zst" in archives
         if info.state == "active":
             assert has_journal and not has_archive, (sid, has_journal, has_archive)
-            image = store.journal_path(sid, owner=info.owner).read_bytes()
-            assert info.size_bytes == len(image)
+            path = store.journal_path(sid, owner=info.owner)
+            image = journal_image(store, path, exact=True)
+            assert info.size_bytes == path.stat().st_size
         else:
             assert has_archive and not has_journal, (sid, has_journal, has_archive)
-            image = b"".join(archive.stream_archive(store.archive_path(sid, owner=info.owner)))
+            image = archive_image(store, store.archive_path(sid, owner=info.owner))
             assert info.size_bytes == store.archive_path(sid, owner=info.owner).stat().st_size
         header = coli_kv.parse_header(image)
         assert header.nrec == info.n_records and header.tier == info.tier, (sid, header.nrec, info.n_records)
@@ -63,13 +102,13 @@ def visible(store: SessionStore) -> dict[str, Session]:
     for info in store.list():
         assert 0 <= info.watermark <= info.n_records, (info.id, info.watermark, info.n_records)
         if info.state == "active":
-            image = store.journal_path(info.id, owner=info.owner).read_bytes()
+            image = journal_image(store, store.journal_path(info.id, owner=info.owner))
             assert coli_kv.parse_header(image).nrec >= info.n_records, (
                 info.id,
                 "the index counts records the journal lost",
             )
         elif info.state == "parked":
-            image = b"".join(archive.stream_archive(store.archive_path(info.id, owner=info.owner)))
+            image = archive_image(store, store.archive_path(info.id, owner=info.owner))
         else:
             raise AssertionError(f"{info.id} is {info.state}: {info.problem}")
         body = image[HEADER_BYTES : HEADER_BYTES + info.n_records * info.record_bytes]

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from kvstore.store import SessionStore
-from reliability.store_checks import check_served, describe, listing, snapshot
+from reliability.store_checks import check_served, describe, listing, set_aside_image, snapshot
 from reliability.store_workload import (
     MAIN,
     SOURCE,
@@ -165,7 +165,7 @@ def check_store(data: Path, candidates: list[StoreModel], in_flight: list[str] |
         # Only a fork whose copy was published but never indexed leaves a file there: its bytes.
         assert in_flight is not None and in_flight[0] == "fork" and matches[0] == 0, (set_aside, in_flight)
         fork = candidates[1].sessions[in_flight[2]]
-        assert len(set_aside) == 1 and (data / "lost+found" / set_aside[0]).read_bytes() == fork.file_image()
+        assert len(set_aside) == 1 and set_aside_image(data, set_aside[0]) == fork.file_image()
     return matches[0], len(set_aside)
 
 
