@@ -29,6 +29,7 @@ import kvstore
 import kvstore.store
 from kvstore import config
 from kvstore.api.errors import BodyTooLarge, http_status, retry_after
+from kvstore.api.expiry import ExpirySweeper
 from kvstore.api.jobs import JobRunner
 from kvstore.api.keys import KEYS_FILE, KeyTable, ensure_keys_file
 from kvstore.api.replica import IdempotencyKeys, IndexJobs, IndexKeyTable
@@ -240,9 +241,12 @@ def create_app(
                 if given_store is None:
                     store.close()
                 raise
+        sweeper = ExpirySweeper(store, settings.expiry_sweep).start() if settings.expiry_sweep > 0 else None
         try:
             yield
         finally:
+            if sweeper is not None:
+                sweeper.stop()
             if app.state.engine is not None:
                 app.state.engine.close()  # the scheduler stops; turns in flight end as cancelled
             runner.shutdown()

@@ -11,6 +11,7 @@ from kvstore.api.tier_fields import DEFAULT_TIER, MAX_TIER_CHARS, TierField, Tie
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry, Tier
 from kvstore.store import Fingerprint, ModelInfo
+from kvstore.store.values import MAX_TTL_S
 
 INT32_MAX = 2**31 - 1
 JSON_BODY_BYTES = 64 << 10  # a request body of small fields (create, fork, truncate, tags, migrate)
@@ -116,6 +117,12 @@ class CreateSession(Strict):
     geometry: GeometryIn
     tier: TierField = DEFAULT_TIER
     tags: list[str] = Field(default_factory=list, max_length=32)
+    ttl_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_TTL_S,
+        description="its own time-to-live: it expires this many seconds after its last use (none: its owner's, if any)",
+    )
 
     def read_tier(self) -> TierRead:
         return read_tier(self.tier)
@@ -140,6 +147,11 @@ class SessionOut(BaseModel):
     fork_point: int | None
     problem: str | None
     fingerprint: str
+    ttl_s: float | None = Field(default=None, description="its own time-to-live in seconds (null: its owner's, if any)")
+    expires_at: float | None = Field(
+        default=None,
+        description="when it expires: its last use plus the TTL in force (seconds since the epoch; null: never)",
+    )
 
 
 #: ``GET /sessions``: sessions per page when ``limit`` is not given, and the most one page may hold.
@@ -152,8 +164,24 @@ class SessionList(BaseModel):
     next_cursor: str | None = Field(description="pass it as ``cursor`` for the next page; null: this page is the last")
 
 
-class TagsIn(Strict):
-    tags: list[str] = Field(max_length=32)
+class SessionPatch(Strict):
+    """``PATCH /sessions/{id}``: the fields given change, the others stay (at least one)."""
+
+    tags: list[str] | None = Field(default=None, max_length=32, description="replace the tags")
+    ttl_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_TTL_S,
+        description="its own time-to-live in seconds, counted from now (a change is a use); null drops it",
+    )
+
+    @model_validator(mode="after")
+    def _something(self) -> "SessionPatch":
+        if not self.model_fields_set:
+            raise ValueError("give tags, ttl_s or both")
+        if "tags" in self.model_fields_set and self.tags is None:
+            raise ValueError("tags is a list (an empty one drops every tag)")
+        return self
 
 
 class SanitizedOut(BaseModel):

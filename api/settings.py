@@ -80,6 +80,9 @@ class Settings:
         device memory on CUDA, 1 GiB elsewhere); least recently used sessions leave first
     host_pool_bytes : pinned host memory sessions leaving the device move to (0: none; they are
         restored from the store next time)
+    expiry_sweep : seconds between the service's sweeps of expired sessions (``kvstore.api.expiry``;
+        0: none, expired sessions are then only refused, their files kept until a sweep,
+        ``kvstore sessions expire``)
     torch_threads : torch's intra-op threads in this process (None: 1 on the CPU — torch's spinning
         worker threads would starve the server's own between steps, docs/SERVE.md — and torch's
         default elsewhere)
@@ -118,6 +121,7 @@ class Settings:
     pool_bytes: int | None = None
     host_pool_bytes: int = 0
     torch_threads: int | None = None
+    expiry_sweep: float = 60.0
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
@@ -140,6 +144,8 @@ class Settings:
             raise ConfigError(
                 f"header_timeout must be more than 0 and at most 3600 seconds, not {self.header_timeout!r}"
             )
+        if not isinstance(self.expiry_sweep, (int, float)) or not 0 <= self.expiry_sweep <= 86400:
+            raise ConfigError(f"expiry_sweep must be 0 to 86400 seconds, not {self.expiry_sweep!r}")
         if not isinstance(self.lock_timeout, (int, float)) or not 0 <= self.lock_timeout <= 3600:
             raise ConfigError(f"lock_timeout must be 0 to 3600 seconds, not {self.lock_timeout!r}")
         self.tier, self.bits = self._engine_tier().name, None

@@ -45,6 +45,11 @@ LIMITS = {
         "sessions one owner may have; one more create or fork gets 409 TooManySessions, nothing created "
         "(default 100000; with --index, counted across every replica)",
     ),
+    "expiry_sweep": (
+        float,
+        "seconds between sweeps deleting expired sessions (their files or objects, as a DELETE); expired "
+        "sessions are refused at once either way; 0: no sweep (default 60)",
+    ),
     "header_timeout": (
         float,
         "seconds a connection may take to send a request's headers before it is answered 408 and closed (default 10)",

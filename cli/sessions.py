@@ -83,6 +83,7 @@ def _summary(info) -> str:
         f"{info.id}  owner={info.owner}  model={info.model.name}@{info.model.revision}  {info.tier.describe()}  "
         f"records={info.n_records}  watermark={info.watermark}  {info.state}  {info.size_bytes} B"
         + (f"  tags={','.join(info.tags)}" if info.tags else "")
+        + (f"  expires={_when(info.expires_at)}" if info.expires_at is not None else "")
         + (f"  problem: {info.problem}" if info.problem else "")
     )
 
@@ -177,8 +178,74 @@ def cmd_create(args: argparse.Namespace) -> int:
     else:
         raise InvalidRequest(f"give --geometry {GEOMETRY_WORDS} or --like FILE.coli_kv")
     with _store(args, hard_limit_bytes=parse_size(args.hard_limit), create=True) as store:
-        info = store.create(args.owner, geometry, tier, _model(args), session_id=args.id, tags=args.tag or ())
+        info = store.create(
+            args.owner, geometry, tier, _model(args), session_id=args.id, tags=args.tag or (), ttl_s=_ttl(args.ttl)
+        )
     emit(args, info.to_dict(), info.id)
+    return 0
+
+
+# ---------------------------------------------------------------------------- expiry
+def _ttl(text: str | None) -> float | None:
+    from kvstore.store.values import parse_ttl
+
+    return parse_ttl(text) if text is not None else None
+
+
+def _when(seconds: float | None) -> str:
+    import datetime
+
+    if seconds is None:
+        return "never"
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def cmd_ttl(args: argparse.Namespace) -> int:
+    """``sessions ttl ID TTL``: set (``none``: drop) a session's own time-to-live, counted from now."""
+    from kvstore.store.values import parse_ttl
+
+    ttl_s = parse_ttl(args.ttl, "TTL")
+    with _store(args) as store:
+        info = store.set_ttl(args.id, ttl_s, owner=args.owner)
+    emit(
+        args,
+        info.to_dict(),
+        f"{info.id}: ttl {info.ttl_s if info.ttl_s is not None else 'none'}, expires {_when(info.expires_at)}",
+    )
+    return 0
+
+
+def cmd_owner_ttl(args: argparse.Namespace) -> int:
+    """``sessions owner-ttl OWNER [TTL]``: show, or set (``none``: drop), an owner's default time-to-live."""
+    from kvstore.store.values import parse_ttl, validate_owner
+
+    owner = validate_owner(args.owner_name)
+    with _store(args) as store:
+        if args.ttl is None:
+            ttl_s, moved = store.owner_ttl(owner), None
+        else:
+            ttl_s = parse_ttl(args.ttl, "TTL")
+            moved = store.set_owner_ttl(owner, ttl_s)
+    shown = f"{ttl_s:g} s" if ttl_s is not None else "none"
+    text = f"owner {owner!r}: ttl {shown}" + (
+        f" (applies to {moved} sessions without their own)" if moved is not None else ""
+    )
+    emit(args, {"owner": owner, "ttl_s": ttl_s, **({"sessions": moved} if moved is not None else {})}, text)
+    return 0
+
+
+def cmd_expire(args: argparse.Namespace) -> int:
+    """``sessions expire``: delete the expired sessions now (what ``kvstore serve`` sweeps every
+    ``--expiry-sweep`` seconds), a batch of ``--limit`` at a time."""
+    swept = []
+    with _store(args) as store:
+        while True:
+            batch = store.expire(limit=args.limit)
+            swept.extend(batch)
+            if len(batch) < args.limit:
+                break
+    text = "\n".join(f"expired {e.session_id} (owner {e.owner}, {e.freed_bytes} B)" for e in swept)
+    emit(args, [e.to_dict() for e in swept], text or "no expired sessions")
     return 0
 
 
@@ -425,7 +492,35 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     options.add_tier(p, files_only=True, default=config.SESSION_TIER.value, what="record format (ignored with --like)")
     p.add_argument("--tag", action="append", help="a tag for the session (repeatable)")
     p.add_argument("--hard-limit", help="refuse the write past this store size")
+    p.add_argument(
+        "--ttl",
+        help="its own time-to-live, counted from its last use: seconds or 90s, 30m, 12h, 30d, 2w (default: its owner's)",
+    )
     p.set_defaults(func=cmd_create)
+
+    p = commands.add_parser("ttl", help="set a session's own time-to-live, counted from now (none: drop it)")
+    _on_data(p)
+    p.add_argument("ttl", metavar="TTL", help="seconds or 90s, 30m, 12h, 30d, 2w; none: its owner's applies")
+    p.set_defaults(func=cmd_ttl)
+
+    p = commands.add_parser("owner-ttl", help="show or set an owner's default time-to-live (operators)")
+    p.add_argument("owner_name", metavar="OWNER", help="the owner (as its API keys name it)")
+    p.add_argument(
+        "ttl", metavar="TTL", nargs="?", help="seconds or 90s, 30m, 12h, 30d, 2w; none: drop it; absent: show"
+    )
+    options.add_data(p)
+    store_cmd.add_shared(p)
+    options.add_json(p)
+    p.set_defaults(func=cmd_owner_ttl)
+
+    p = commands.add_parser(
+        "expire", help="delete the expired sessions now (kvstore serve sweeps every --expiry-sweep)"
+    )
+    options.add_data(p)
+    store_cmd.add_shared(p)
+    options.add_json(p)
+    p.add_argument("--limit", type=int, default=100, help="sessions deleted per batch (default 100)")
+    p.set_defaults(func=cmd_expire)
 
     p = commands.add_parser(
         "append", help="append rows from a .coli_kv file, an .npz (tokens, L, R, I) or raw record bytes"

@@ -48,6 +48,8 @@ index's counts are kept by every write, so a scrape reads a few keys whatever th
 ``kvstore_lock_timeouts_total``                of those, the ones that gave up (409 JournalLocked)
 ``kvstore_evictions_total{action}``            sessions ``parked`` or ``deleted`` by the soft budget
 ``kvstore_evicted_bytes_total``                bytes those evictions freed
+``kvstore_expired_sessions_total``             sessions the expiry sweep deleted (their time-to-live ran out)
+``kvstore_expired_bytes_total``                bytes those deletions freed
 ``kvstore_store_used_bytes`` (gauge)           journal + archive bytes; also ``reserved``, ``budget``
                                                and ``hard_limit`` (when set)
 ``kvstore_store_tier_bytes{tier}`` (gauge)     journal + archive bytes per tier (``fp8``, ``int4``, ...)
@@ -245,6 +247,12 @@ class ServiceCollector:
             evictions.add_metric([action], stats.evictions.get(action, 0))
         yield evictions
         yield CounterMetricFamily("kvstore_evicted_bytes", "Bytes freed by evictions.", value=stats.evicted_bytes)
+        yield CounterMetricFamily(
+            "kvstore_expired_sessions", "Sessions the expiry sweep deleted (time-to-live ran out).", value=stats.expired
+        )
+        yield CounterMetricFamily(
+            "kvstore_expired_bytes", "Bytes freed by deleting expired sessions.", value=stats.expired_bytes
+        )
 
         usage = store.usage()
         yield GaugeMetricFamily(

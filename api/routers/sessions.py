@@ -54,7 +54,7 @@ from kvstore.api.schemas import (
     JobOut,
     SessionList,
     SessionOut,
-    TagsIn,
+    SessionPatch,
     TruncateIn,
     VerifyOut,
 )
@@ -120,6 +120,7 @@ async def create_session(body: CreateSession, response: Response, owner: Owner, 
         body.model.to_model(),
         session_id=body.id,
         tags=body.tags,
+        ttl_s=body.ttl_s,
     )
     mark_deprecated(response, note)
     return _out(info)
@@ -155,9 +156,15 @@ def get_session(session_id: SessionId, owner: Owner, store: Store) -> dict:
     return _out(store.get(session_id, owner=owner))
 
 
-@router.patch("/{session_id}", response_model=SessionOut, summary="Replace a session's tags")
-def set_tags(body: TagsIn, session_id: SessionId, owner: Owner, store: Store) -> dict:
-    return _out(store.set_tags(session_id, body.tags, owner=owner))
+@router.patch("/{session_id}", response_model=SessionOut, summary="Replace a session's tags, set its time-to-live")
+def update_session(body: SessionPatch, session_id: SessionId, owner: Owner, store: Store) -> dict:
+    """``tags`` replaces the tags; ``ttl_s`` sets the session's own time-to-live, counted from now
+    (null drops it: its owner's applies, if any). An expired session is 404, as a missing one."""
+    if body.tags is not None:
+        store.set_tags(session_id, body.tags, owner=owner)
+    if "ttl_s" in body.model_fields_set:
+        store.set_ttl(session_id, body.ttl_s, owner=owner)
+    return _out(store.get(session_id, owner=owner))
 
 
 @router.delete("/{session_id}", status_code=204, response_class=Response, summary="Delete a session and its files")
