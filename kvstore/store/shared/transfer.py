@@ -299,6 +299,7 @@ def _push_one(local: "SessionStore", shared: SharedStore, plan: _Plan, holder: s
                 session_id=public_id(key),
                 tags=record["tags"],
                 extra={name: value for name, value in desired.items() if name not in ("model", "tags")},
+                ttl_s=record.get("ttl_s"),  # its own time-to-live goes with it (an owner's default does not)
             )
         lease = shared.acquire(key, holder, ttl=PUSH_LEASE_TTL_S)
         try:
