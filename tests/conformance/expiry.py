@@ -151,6 +151,11 @@ class ExpiryConformance(abc.ABC):
         again = new_session(store, "chat")  # the id is free again: the expired one goes first
         assert again.n_records == 0 and again.ttl_s is None
         assert store.resume("chat").reused_tokens == 0
+        store.append("kept", *rows.make(3))
+        new_session(store, "old", ttl_s=HOUR)
+        self.age(store, "old", "alice", 2 * HOUR)
+        forked = store.fork("kept", new_id="old", owner="alice")  # a fork into an expired id, too
+        assert forked.n_records == 3 and forked.ttl_s is None and store.resume("old").reused_tokens == 3
 
     # ------------------------------------------------------------------ the sweep
     def test_the_sweep_deletes_expired_sessions_in_batches(self, store):

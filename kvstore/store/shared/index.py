@@ -405,6 +405,22 @@ class SharedIndex(Rewrites):
 
         return self.run("setting an owner's time-to-live", body)
 
+    def drop_expired(self, key: str, now_ns: int) -> list[str]:
+        """Delete session ``key`` if it expired at ``now_ns`` and no writer holds its lease (before a
+        fork into its id; a create does the same in its own transaction); the objects to delete."""
+
+        def body(conn: psycopg.Connection) -> list[str]:
+            with conn.transaction():
+                gone = conn.execute(
+                    "SELECT key FROM kv_sessions s WHERE key = %(key)s AND s.expires_ns <= %(now_ns)s AND NOT EXISTS "
+                    "(SELECT 1 FROM kv_leases l WHERE l.key = s.key AND l.expires_at > clock_timestamp()) "
+                    "FOR UPDATE SKIP LOCKED",
+                    {"key": key, "now_ns": now_ns},
+                ).fetchall()
+                return drop_sessions(conn, [key])[key] if gone else []
+
+        return self.run("deleting an expired session", body)
+
     def expired_keys(self, now_ns: int, limit: int) -> list[str]:
         """At most ``limit`` keys of sessions expired at ``now_ns``, soonest expired first (the
         front of ``kv_sessions_expiry``, never every row)."""

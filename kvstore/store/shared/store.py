@@ -468,9 +468,12 @@ class SharedStore:
         Raises
         ------
         InvalidRequest : ``at`` outside ``0..n_records``
-        SessionExists : ``new_key`` exists
+        SessionExists : ``new_key`` exists (an expired session of that key not swept yet is deleted
+            first, its objects too)
         SessionNotFound : no ``source``
         """
+        for name in self.index.drop_expired(validate_key(new_key), time.time_ns()):
+            self.blobs.delete(name)
         for attempt in range(attempts):
             plan = self.index.read_plan(validate_key(source))
             point = plan.watermark if at is None else at
