@@ -38,6 +38,7 @@ from kvstore.api.routers.metrics import Metrics
 from kvstore.api.session_gates import SessionGates
 from kvstore.api.settings import Settings
 from kvstore.api.uploads import UploadBudget
+from kvstore.crypto.keyring import Keyring, KeyringWatcher
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.store import Store
 
@@ -168,7 +169,12 @@ def open_store(settings: Settings) -> Store:
             cache_bytes=settings.cache_bytes,
             **limits,
         )
-    return kvstore.store.open(settings.data_dir, map_size=settings.map_size, **limits)
+    kek = None
+    if settings.encrypt or settings.kek_file is not None:  # else the folder and KVSTORE_ENCRYPT decide
+        from kvstore.crypto import provider_from_settings
+
+        kek = provider_from_settings(settings.kek_file)
+    return kvstore.store.open(settings.data_dir, map_size=settings.map_size, kek=kek, **limits)
 
 
 def create_app(
@@ -242,9 +248,12 @@ def create_app(
                     store.close()
                 raise
         sweeper = ExpirySweeper(store, settings.expiry_sweep).start() if settings.expiry_sweep > 0 else None
+        watcher = _watch_keyring(store, app.state.engine)  # a shred drops the owner's rows held in memory
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.stop()
             if sweeper is not None:
                 sweeper.stop()
             if app.state.engine is not None:
@@ -322,6 +331,29 @@ def _load_engine(settings: Settings, model_dir: Path, store: Store):
         engine.model.weights_hash,
     )
     return engine
+
+
+def _watch_keyring(store: Store, engine: object) -> KeyringWatcher | None:
+    """An encrypted store's keyring watched (``kvstore.crypto.keyring.KeyringWatcher``): when
+    ``kvstore crypto shred`` destroys an owner's keys, the sessions of that owner resident in the
+    engine's pool (device or host tier) are dropped within half a second; every later read of the
+    owner's files is refused by the keyring itself (docs/SECURITY.md)."""
+    keyring = getattr(store, "keyring", None)
+    if not isinstance(keyring, Keyring):
+        return None
+
+    pool = getattr(engine, "pool", None)  # the SessionEngine's ResidentPool (device and host tiers)
+
+    def forget(owners: set[str]) -> None:
+        if pool is not None:
+            for resident in pool.resident():
+                if resident.key.rsplit("~", 1)[-1] in owners:
+                    pool.drop(resident.key)
+        for owner in owners:
+            log.warning("keyring: the data keys of owner %r were destroyed; its rows held here are dropped", owner)
+
+    keyring.on_change.append(forget)
+    return KeyringWatcher(keyring).start()
 
 
 def _openapi(app: FastAPI) -> dict:

@@ -95,6 +95,8 @@ class Settings:
     max_inflight_bytes: int | None = None
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     map_size: int = DEFAULT_MAP_SIZE
+    encrypt: bool = False  # `serve --encrypt`: a new store is created encrypted at rest (docs/SECURITY.md)
+    kek_file: Path | None = None  # `serve --kek-file`: the store's key-encryption key
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     session_waiters: int = DEFAULT_SESSION_WAITERS
     api_keys_env: str | None = field(default_factory=config.API_KEYS.get)

@@ -41,7 +41,7 @@ import warnings
 from typing import NoReturn
 
 from kvstore import __version__, tiers
-from kvstore.cli import config_cmd, engine, files, hf, keys, options, serve, sessions, store_cmd
+from kvstore.cli import config_cmd, crypto_cmd, engine, files, hf, keys, options, serve, sessions, store_cmd
 from kvstore.config import SettingError
 from kvstore.errors import FileDamaged, KVStoreError
 
@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     files.add_commands(sub)
     serve.add_commands(sub)
     keys.add_commands(sub)
+    crypto_cmd.add_commands(sub)
     sessions.add_commands(sub)
     engine.add_commands(sub)
     sessions.add_verify(sub)

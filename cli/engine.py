@@ -232,6 +232,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         options.data_folder(args.data),
         hard_limit_bytes=parse_size(args.hard_limit),
         budget_bytes=parse_size(args.budget),
+        kek=options.store_kek(args),
     ) as store:
         chat = SessionEngine.from_folder(args.model, store, tier=args.tier, device=args.device, dtype=args.dtype)
         try:

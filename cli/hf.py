@@ -87,7 +87,7 @@ def cmd_hf_chat(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     vocab = hf.check_cache_layout(model).geometry.vocab  # refuse an unsupported model before touching the store
     owner = args.owner
-    with kvstore.store.open(options.data_folder(args.data)) as store:
+    with kvstore.store.open(options.data_folder(args.data), kek=options.store_kek(args)) as store:
         try:
             restored = hf.restore(
                 store, args.session, model, owner=owner, verify=args.verify, tier=args.tier, override=args.override

@@ -21,7 +21,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from kvstore import DEFAULT_OWNER, config, tiers
 from kvstore.errors import InvalidRequest
@@ -268,10 +268,35 @@ def require_model_folder(folder: str | os.PathLike) -> Path:
 
 
 def add_data(parser: argparse.ArgumentParser) -> None:
-    """``--data DIR``: the session store's folder."""
+    """``--data DIR``: the session store's folder; ``--encrypt`` and ``--kek-file`` open it
+    encrypted at rest (docs/SECURITY.md)."""
     parser.add_argument(
         "--data", metavar="DIR", default=DEFAULT_DATA, help=f"the store's data folder (default {DEFAULT_DATA})"
     )
+    parser.add_argument(
+        "--encrypt",
+        action="store_true",
+        default=None,
+        help="a new store is created encrypted at rest (default: KVSTORE_ENCRYPT); a store created so is "
+        "always opened so, with the key-encryption key of --kek-file, KVSTORE_KEK_FILE or KVSTORE_KEK",
+    )
+    parser.add_argument(
+        "--kek-file",
+        metavar="PATH",
+        help="the file holding the store's key-encryption key (default KVSTORE_KEK_FILE; `kvstore crypto "
+        "init-kek PATH` writes one)",
+    )
+
+
+def store_kek(args: argparse.Namespace) -> Any:
+    """The key-encryption key ``--encrypt``/``--kek-file`` name (a ``kvstore.crypto.KeyProvider``),
+    or None: the store then follows its folder (a keyring there: the configuration's KEK) and
+    ``KVSTORE_ENCRYPT``."""
+    if not getattr(args, "encrypt", None) and getattr(args, "kek_file", None) is None:
+        return None
+    from kvstore.crypto import provider_from_settings
+
+    return provider_from_settings(args.kek_file)
 
 
 def add_json(parser: argparse.ArgumentParser, text: str = "machine-readable output (JSON)") -> None:

@@ -109,6 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reject_nonfinite=args.reject_nonfinite,
         **{name: getattr(args, name) for name in (*LIMITS, *SERVING) if getattr(args, name) is not None},
         map_size=parse_size(args.index_size) or DEFAULT_MAP_SIZE,
+        encrypt=bool(args.encrypt),
+        kek_file=Path(args.kek_file) if args.kek_file is not None else None,
         model_dir=Path(args.model) if args.model is not None else None,
         tier=args.tier.name if args.tier is not None else config.ENGINE_TIER.value,
         device=args.device or "cpu",

@@ -56,8 +56,15 @@ def _store(args: argparse.Namespace, *, hard_limit_bytes: int | None = None, cre
             hard_limit_bytes=hard_limit_bytes,
         )
     if not create:
-        return kvstore.store.open(options.existing_store(args.data), hard_limit_bytes=hard_limit_bytes, create=False)
-    return kvstore.store.open(options.data_folder(args.data), hard_limit_bytes=hard_limit_bytes)
+        return kvstore.store.open(
+            options.existing_store(args.data),
+            hard_limit_bytes=hard_limit_bytes,
+            create=False,
+            kek=options.store_kek(args),
+        )
+    return kvstore.store.open(
+        options.data_folder(args.data), hard_limit_bytes=hard_limit_bytes, kek=options.store_kek(args)
+    )
 
 
 def _geometry(text: str) -> Geometry:

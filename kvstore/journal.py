@@ -516,6 +516,11 @@ class KVFile:
         rec = self._header.rec_bytes
         return os.pread(self._fd, (stop - start) * rec, HEADER_BYTES + start * rec) if stop > start else b""
 
+    def reseal(self) -> int:
+        """Rewrite the journal under its owner's current data key (:class:`kvstore.sealed.SealedKVFile`);
+        a plaintext journal has no key to rotate."""
+        raise FormatError(f"{self.path.name} is not encrypted at rest: it has no data key to rotate")
+
     def size_after_truncate(self, n: int) -> int:
         """The file's size once :meth:`truncate` has kept ``n`` committed records."""
         return HEADER_BYTES + min(n, self.n_records) * coli_kv.record_bytes(self.geometry, self.tier)

@@ -128,6 +128,12 @@ class Keyring:
             for callback in self.on_change:
                 callback(gone)
 
+    def refresh(self) -> None:
+        """Read the keyring again if another process changed it (one ``stat`` when it did not):
+        keys destroyed there are dropped from memory here and :attr:`on_change` is told."""
+        with self._mutex:
+            self._reload()
+
     def key(self, owner: str, version: int) -> DataKey:
         """The data key ``version`` of ``owner``.
 
@@ -302,3 +308,31 @@ def open_keyring(folder: str | os.PathLike, provider: KeyProvider | None) -> Key
             "folder (copy sessions over with `kvstore export` / import), the two are never mixed"
         )
     return Keyring(folder, provider, create=True)
+
+
+class KeyringWatcher:
+    """Checks a keyring for another process's change every ``interval_s`` seconds (a daemon
+    thread; one ``stat`` a check), so a running server drops a shredded owner's keys, and the
+    plaintext its :attr:`Keyring.on_change` callbacks hold, within that time even when no read of
+    that owner comes."""
+
+    def __init__(self, keyring: Keyring, interval_s: float = 0.5):
+        self.keyring = keyring
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-keyring-watch", daemon=True)
+
+    def start(self) -> "KeyringWatcher":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.keyring.refresh()
+            except Exception:  # a keyring being replaced or unreadable for a moment: next time
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -23,9 +23,11 @@ import numpy as np
 
 from kvstore.crypto.kek import KeyProvider
 from kvstore.crypto.keyring import Keyring
-from kvstore.errors import InvalidRequest
+from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.formats.coli_kv import Geometry
 from kvstore.locks import DEFAULT_LOCK_TIMEOUT_S
+from kvstore.sealed import SEALED_HEADER_BYTES, SealedHeader
+from kvstore.store import archive
 from kvstore.store.base import CAPABILITIES, EXPIRE_BATCH, Store, check_page, check_session_cap
 from kvstore.store.budget import Evictor, Reservations
 from kvstore.store.context import StoreContext
@@ -549,6 +551,84 @@ class SessionStore(Store):
             record = self._parking.unpark_locked(key, owner, progress)
         self._evictor.after_write(key)
         return SessionInfo.from_record(record)
+
+    # ------------------------------------------------------------------ encryption at rest (docs/SECURITY.md)
+    def _keyring(self) -> Keyring:
+        if self._ctx.keyring is None:
+            raise InvalidRequest(f"the store in {self.data_dir} is not encrypted at rest (open it with a KEK)")
+        return self._ctx.keyring
+
+    def key_versions_in_use(self, owner: str) -> dict[int, int]:
+        """Data-key version -> how many of ``owner``'s files (journals and archives) are sealed under it."""
+        used: dict[int, int] = {}
+        for info in self.list(owner=owner):
+            record = self._ctx.index.current(info.key, owner)
+            if record["state"] == "active":
+                with open(self._ctx.journal_path(info.key), "rb") as f:
+                    head = f.read(SEALED_HEADER_BYTES)
+            elif record["state"] == "parked":
+                head = archive.read_prefix(self._ctx.archive_path(info.key), SEALED_HEADER_BYTES)
+            else:
+                continue
+            version = SealedHeader.parse(head, info.key).key_version
+            used[version] = used.get(version, 0) + 1
+        return used
+
+    def rotate_data_key(self, owner: str) -> dict[str, Any]:
+        """A new data-key version for ``owner`` (new files are sealed under it at once), then every
+        one of the owner's sessions rewritten under it, one at a time under its write lock and its
+        read lock held exclusively for the rename (other sessions, and this one before and after,
+        keep being served); versions no file uses any longer are retired (destroyed).
+
+        A parked session is unparked, resealed and parked again. Returns the new version, the
+        sessions resealed, and the versions retired and still in use (a session that could not be
+        locked or read is named in ``skipped`` and keeps its version, which is then not retired).
+        """
+        keyring = self._keyring()
+        validate_owner(owner)
+        version = keyring.rotate(owner)
+        resealed, skipped = [], []
+        for info in self.list(owner=owner):
+            key = info.key
+            try:
+                with self._ctx.writing(key):
+                    record = self._ctx.index.current(key, owner)
+                    parked = record["state"] == "parked"
+                    if parked:
+                        record = self._parking.unpark_locked(key, owner, None)
+                    if record["state"] != "active":
+                        skipped.append(info.id)
+                        continue
+                    with self._ctx.open_journal(record, writable=True) as journal:
+                        with self._ctx.reading(key, exclusive=True):
+                            journal.reseal()  # an atomic rewrite: a new salt, the new version
+                            size = journal.size_bytes
+                        with self._ctx.index.write() as txn:
+                            self._ctx.index.update(txn, key, size_bytes=size)
+                    if parked:
+                        self._parking.park_locked(key, owner, None)
+                resealed.append(info.id)
+            except (KVStoreError, OSError) as exc:
+                skipped.append(f"{info.id}: {getattr(exc, 'reason', exc)}")
+        in_use = self.key_versions_in_use(owner)
+        retired = [v for v in keyring.versions(owner) if v != version and v not in in_use]
+        for old in retired:
+            keyring.retire(owner, old)
+        return {
+            "owner": owner,
+            "version": version,
+            "resealed": resealed,
+            "skipped": skipped,
+            "retired": retired,
+            "in_use": sorted(in_use),
+        }
+
+    def shred_owner(self, owner: str) -> int:
+        """Destroy every data key of ``owner`` (:meth:`Keyring.shred`): all of the owner's journals,
+        archives and copies of them are unreadable from then on, untouched. Returns the number of
+        key versions destroyed. The sessions stay indexed (damaged when next opened) until deleted."""
+        validate_owner(owner)
+        return self._keyring().shred(owner)
 
     def enforce_budget(self, *, keep: Iterable[str] = (), progress: Progress | None = None) -> list[Eviction]:
         """Evict until the store fits ``budget_bytes``: park the least recently used active sessions,
