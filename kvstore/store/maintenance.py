@@ -126,14 +126,13 @@ class Maintenance:
             record = self._parking.active_locked(session_id, owner)
             with ctx.open_journal(record, writable=True) as journal, ctx.reading(session_id, exclusive=True):
                 actions: list[str] = []
-                rec_bytes = coli_kv.record_bytes(journal.geometry, journal.tier)
                 on_disk, indexed = journal.n_records, record["n_records"]
                 limit = min(on_disk, indexed)
                 if on_disk > indexed:
                     actions.append(f"drop {on_disk - indexed} unacknowledged records past record {indexed}")
                 elif on_disk < indexed:
                     actions.append(f"the journal holds {on_disk} of the {indexed} indexed records: shorten the index")
-                extra = journal.size_bytes - HEADER_BYTES - on_disk * rec_bytes
+                extra = journal.size_bytes - journal.committed_bytes  # a sealed journal's frames included
                 if extra > 0:
                     actions.append(f"cut {extra} bytes past the last committed record")
                 with ctx.index.read() as txn:

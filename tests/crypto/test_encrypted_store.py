@@ -28,7 +28,6 @@ SIZE_EXACT = {
     "test_budget_evicts_the_least_recently_used_first",
     "test_budget_parks_least_recently_used_then_deletes_parked",
     "test_park_round_trip_is_byte_exact",
-    "test_repair_drops_the_damaged_tail",
     "test_truncate_mid_turn_rehashes_the_cut_turn",
 }
 
