@@ -109,3 +109,21 @@ def test_the_trigger_keeps_expiry_on_every_write_and_replicas_share_it(shared_st
         swept = replica.expire()
         assert [(e.session_id, e.owner) for e in swept] == [("chat", "alice")]
         assert store.expire() == [] and store.list() == []
+
+
+def test_the_ttl_commands_on_a_shared_store(shared_store, index_url, blobs_url, capsys):
+    """``kvstore sessions create --ttl``, ``owner-ttl`` and ``expire`` with ``--index --blobs``."""
+    import json
+
+    from kvstore.cli import main
+
+    where = ["--index", index_url, "--blobs", blobs_url, "--json"]
+    model = ["--model-name", "m", "--model-revision", "1", "--geometry", ",".join(map(str, GEOMETRY.words()))]
+    assert main(["sessions", "create", "--id", "chat", "--tier", TIER.name, *model, "--ttl", "1h", *where]) == 0
+    assert json.loads(capsys.readouterr().out)["ttl_s"] == HOUR
+    assert main(["sessions", "owner-ttl", "default", "2h", *where]) == 0
+    assert json.loads(capsys.readouterr().out) == {"owner": "default", "ttl_s": 2 * HOUR, "sessions": 0}
+    TestSharedExpiry().age(shared_store, "chat", "default", 2 * HOUR)
+    assert main(["sessions", "expire", *where]) == 0
+    assert [e["session_id"] for e in json.loads(capsys.readouterr().out)] == ["chat"]
+    assert shared_store.list() == [] and shared_store.owner_ttl("default") == 2 * HOUR
