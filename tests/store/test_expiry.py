@@ -104,3 +104,17 @@ def test_an_index_of_schema_5_gains_the_expiry_databases(tmp_path):
         assert store.get("chat").expires_at is None
         store.set_owner_ttl("alice", HOUR)
         assert store.get("chat").expires_at is not None
+
+
+def test_a_session_being_read_is_kept_until_its_reader_closes(tmp_path):
+    """A download holds the session's read lock: the sweep, which takes it without waiting, leaves
+    the session for a later pass, and the reader serves every record."""
+    with SessionStore(tmp_path / "data") as store:
+        new_session(store, "chat", ttl_s=HOUR)
+        store.append("chat", *Rows(3).make(6))
+        suite = TestEmbeddedExpiry()
+        with store.reader("chat") as reader:
+            suite.age(store, "chat", "alice", 2 * HOUR)
+            assert store.expire() == []
+            assert reader.load().n == 6
+        assert [e.session_id for e in store.expire()] == ["chat"]
