@@ -35,7 +35,7 @@ import os
 import stat
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
@@ -509,7 +509,7 @@ class KVFile:
         os.fsync(self._fd)
         return True
 
-    def read_range(self, start: int, stop: int) -> bytes:
+    def read_range(self, start: int, stop: int) -> bytes | memoryview:
         """The stored bytes of committed records ``[start, stop)`` (the caller keeps the file from
         shrinking)."""
         self._check_open()
@@ -532,6 +532,26 @@ class KVFile:
     def load_header(self) -> Header:
         """The stored header as a ``.coli_kv`` header (nrec: the committed records)."""
         return self._header.with_nrec(self._commit_point())
+
+    def iter_records(self, start: int, stop: int, chunk_records: int) -> Iterator[bytes | memoryview]:
+        """Committed records ``[start, stop)`` in chunks of ``chunk_records`` (the caller keeps the
+        file from shrinking)."""
+        step = max(1, chunk_records)
+        for lo in range(start, min(stop, self.n_records), step):
+            yield self.read_range(lo, min(lo + step, stop, self.n_records))
+
+    def read_into(self, out: memoryview, start: int, stop: int) -> int:
+        """Committed records ``[start, stop)`` read straight into ``out``; returns the bytes read
+        (fewer when the file ends early)."""
+        self._check_open()
+        rec = self._header.rec_bytes
+        view, got = out[: max(0, stop - start) * rec], 0
+        while got < len(view):
+            n = os.preadv(self._fd, [view[got:]], HEADER_BYTES + start * rec + got)
+            if n == 0:
+                break
+            got += n
+        return got
 
     @property
     def committed_bytes(self) -> int:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
@@ -188,10 +189,33 @@ class FrameCodec:
         prefix = struct.pack("<IIQ", first, count, len(payload) + TAG_BYTES)
         return prefix + nonce + self._aead.encrypt(nonce, payload, self._bound + prefix)
 
-    def open(self, frame_header: bytes, ciphertext: bytes | memoryview) -> bytes:
+    def seal_into(self, first: int, payload: memoryview, out: memoryview) -> int:
+        """:meth:`seal` written into ``out`` (exactly the frame's size); returns its size."""
+        into = getattr(self._aead, "encrypt_into", None)  # cryptography >= 45
+        if into is None:
+            frame = self.seal(first, payload)
+            out[: len(frame)] = frame
+            return len(frame)
+        count = len(payload) // self.rec_bytes
+        nonce = new_nonce()
+        prefix = struct.pack("<IIQ", first, count, len(payload) + TAG_BYTES)
+        out[:16] = prefix
+        out[16:FRAME_HEADER_BYTES] = nonce
+        into(nonce, payload, self._bound + prefix, out[FRAME_HEADER_BYTES:])
+        return FRAME_HEADER_BYTES + len(payload) + TAG_BYTES
+
+    def open(self, frame_header: bytes, ciphertext: bytes | memoryview, out: memoryview | None = None) -> bytes | None:
+        """The frame's records, or (``out``: exactly their size) decrypted into ``out``, no copy."""
         first, count, _, nonce = _FRAME.unpack(frame_header)
         try:
-            return self._aead.decrypt(nonce, ciphertext, self._bound + frame_header[:16])
+            if out is None:
+                return self._aead.decrypt(nonce, ciphertext, self._bound + frame_header[:16])
+            into = getattr(self._aead, "decrypt_into", None)  # cryptography >= 45
+            if into is not None:
+                into(nonce, ciphertext, self._bound + frame_header[:16], out)
+            else:
+                out[:] = self._aead.decrypt(nonce, ciphertext, self._bound + frame_header[:16])
+            return None
         except InvalidTag:
             broken = SealBroken(
                 f"{self.name}: the frame of records [{first}, {first + count}) failed authentication (a changed "
@@ -237,21 +261,28 @@ def walk(fd: int, rec_bytes: int, nrec: int, name: str) -> FrameTable:
     return table
 
 
-def read_frames(fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int) -> bytes:
-    """The plaintext records of frames ``[i, j)``: one ``pread`` for all, one AEAD call per frame."""
-    if i >= j:
-        return b""
-    lo, hi = table.offsets[i], table.ends[j - 1]
-    raw = memoryview(_pread_exact(fd, hi - lo, lo))
-    if len(raw) != hi - lo:
-        raise SealBroken(f"{codec.name}: the journal ended inside its committed frames")
-    parts = []
+def read_frames(fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int, *, head_room: int = 0) -> memoryview:
+    """The plaintext records of frames ``[i, j)`` (after ``head_room`` free bytes): one read of
+    their bytes into one buffer, then one AEAD call per frame decrypting into the output buffer."""
+    lo, hi = (table.offsets[i], table.ends[j - 1]) if i < j else (0, 0)
+    view = _scratch_bytes(hi - lo)
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], lo + got)
+        if n == 0:
+            raise SealBroken(f"{codec.name}: the journal ended inside its committed frames")
+        got += n
+    plain = np.empty(head_room + sum(table.counts[i:j]) * codec.rec_bytes, dtype=np.uint8)
+    out = plain.data
+    pos = head_room
     for k in range(i, j):
         at = table.offsets[k] - lo
-        ct_len = table.counts[k] * codec.rec_bytes + TAG_BYTES
-        head = bytes(raw[at : at + FRAME_HEADER_BYTES])
-        parts.append(codec.open(head, raw[at + FRAME_HEADER_BYTES : at + FRAME_HEADER_BYTES + ct_len]))
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+        size = table.counts[k] * codec.rec_bytes
+        head = bytes(view[at : at + FRAME_HEADER_BYTES])
+        body = view[at + FRAME_HEADER_BYTES : at + FRAME_HEADER_BYTES + size + TAG_BYTES]
+        codec.open(head, body, out[pos : pos + size])
+        pos += size
+    return out
 
 
 def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
@@ -265,15 +296,59 @@ def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def read_records(fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int) -> bytes:
+_scratch = threading.local()
+
+
+def _scratch_bytes(nbytes: int, use: str = "read") -> memoryview:
+    """A buffer of this thread's for ``use``, reused by every call (a fresh one would be
+    page-faulted in each time); what it holds is never handed out."""
+    buf = getattr(_scratch, use, None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        setattr(_scratch, use, buf)
+    return buf.data[:nbytes]
+
+
+def read_records_into(fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int, out: memoryview) -> int:
+    """Decrypt records ``[start, stop)`` straight into ``out`` (bytes, at least their size): the
+    covering frames' bytes are read once into a reused buffer, each frame wholly inside the range is
+    decrypted in place in ``out`` (one AEAD call, no copy), a frame cut by the range's ends through
+    a small buffer. Returns the bytes written."""
+    if stop <= start:
+        return 0
+    rec = codec.rec_bytes
+    i, j = table.covering(start, stop)
+    lo, hi = table.offsets[i], table.ends[j - 1]
+    raw = _scratch_bytes(hi - lo)
+    got = 0
+    while got < len(raw):
+        n = os.preadv(fd, [raw[got:]], lo + got)
+        if n == 0:
+            raise SealBroken(f"{codec.name}: the journal ended inside its committed frames")
+        got += n
+    for k in range(i, j):
+        first, count = table.firsts[k], table.counts[k]
+        at = table.offsets[k] - lo
+        head = bytes(raw[at : at + FRAME_HEADER_BYTES])
+        body = raw[at + FRAME_HEADER_BYTES : at + FRAME_HEADER_BYTES + count * rec + TAG_BYTES]
+        a, b = max(first, start), min(first + count, stop)
+        if a == first and b == first + count:
+            codec.open(head, body, out[(first - start) * rec : (b - start) * rec])
+        else:
+            whole = np.empty(count * rec, dtype=np.uint8)
+            codec.open(head, body, whole.data)
+            out[(a - start) * rec : (b - start) * rec] = whole.data[(a - first) * rec : (b - first) * rec]
+    return (stop - start) * rec
+
+
+def read_records(fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int) -> memoryview:
     """The plaintext bytes of records ``[start, stop)`` (within the committed ones): only the frames
     covering them are read and decrypted."""
     if stop <= start:
-        return b""
-    i, j = table.covering(start, stop)
-    plain = read_frames(fd, codec, table, i, j)
-    lo = (start - table.firsts[i]) * codec.rec_bytes
-    return plain[lo : lo + (stop - start) * codec.rec_bytes]
+        return memoryview(b"")
+    out = np.empty((stop - start) * codec.rec_bytes, dtype=np.uint8).data
+    read_records_into(fd, codec, table, start, stop, out)
+    return out
 
 
 def write_image(
@@ -320,36 +395,41 @@ class SealedImage:
         """The plaintext ``.coli_kv`` header the file stands for (nrec: the committed records)."""
         return self.head.header.with_nrec(self.table.n_records)
 
-    def read_range(self, start: int, stop: int) -> bytes:
+    def read_range(self, start: int, stop: int) -> memoryview:
         return read_records(self.fd, self.codec, self.table, start, min(stop, self.table.n_records))
 
-    def iter_range(self, start: int, stop: int, chunk_records: int) -> Iterator[bytes]:
-        """Records ``[start, stop)`` in chunks of about ``chunk_records`` that end on frames: a frame
-        refused (:class:`SealBroken`) is raised after every good record before it was yielded."""
-        stop = min(stop, self.table.n_records)
-        if stop <= start:
-            return
-        i, j = self.table.covering(start, stop)
-        rec = self.codec.rec_bytes
-        while i < j:
-            k = i + 1
-            while k < j and self.table.firsts[k] + self.table.counts[k] - self.table.firsts[i] <= chunk_records:
-                k += 1
-            try:
-                plain = read_frames(self.fd, self.codec, self.table, i, k)
-            except SealBroken:
-                for single in range(i, k):  # yield the good frames before the refused one, then raise
-                    plain = read_frames(self.fd, self.codec, self.table, single, single + 1)
-                    lo = max(start - self.table.firsts[single], 0) * rec
-                    hi = (
-                        min(stop, self.table.firsts[single] + self.table.counts[single]) - self.table.firsts[single]
-                    ) * rec
-                    yield plain[lo:hi]
-                raise
-            lo = max(start - self.table.firsts[i], 0) * rec
-            hi = (min(stop, self.table.firsts[k - 1] + self.table.counts[k - 1]) - self.table.firsts[i]) * rec
-            yield plain[lo:hi]
-            i = k
+    def iter_range(self, start: int, stop: int, chunk_records: int) -> Iterator[memoryview]:
+        """Records ``[start, stop)`` in chunks that end on frames (:func:`iter_records`)."""
+        return iter_records(self.fd, self.codec, self.table, start, min(stop, self.table.n_records), chunk_records)
+
+
+def iter_records(
+    fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int, chunk_records: int
+) -> Iterator[memoryview]:
+    """Records ``[start, stop)`` in chunks of about ``chunk_records`` that end on frames (no frame
+    decrypted twice): a frame refused (:class:`SealBroken`) is raised after every good record
+    before it was yielded."""
+    if stop <= start:
+        return
+    i, j = table.covering(start, stop)
+    rec = codec.rec_bytes
+    while i < j:
+        k = i + 1
+        while k < j and table.firsts[k] + table.counts[k] - table.firsts[i] <= chunk_records:
+            k += 1
+        try:
+            plain = read_frames(fd, codec, table, i, k)
+        except SealBroken:
+            for single in range(i, k):  # yield the good frames before the refused one, then raise
+                plain = read_frames(fd, codec, table, single, single + 1)
+                lo = max(start - table.firsts[single], 0) * rec
+                hi = (min(stop, table.firsts[single] + table.counts[single]) - table.firsts[single]) * rec
+                yield plain[lo:hi]
+            raise
+        lo = max(start - table.firsts[i], 0) * rec
+        hi = (min(stop, table.firsts[k - 1] + table.counts[k - 1]) - table.firsts[i]) * rec
+        yield plain[lo:hi]
+        i = k
 
 
 def sealed_bytes_bound(nbytes: int, rec_bytes: int, chunk_bytes: int) -> int:
@@ -372,17 +452,28 @@ def write_sealed(target: Path, sealing: Sealing, header: Header, chunks: Iterabl
 
 def append_frames(fd: int, codec: FrameCodec, table: FrameTable, records: memoryview, name: str) -> int:
     """Write frames of ``records`` past the commit point and fsync them (not the commit point
-    itself: the caller publishes h6 next). Returns the new record count."""
+    itself: the caller publishes h6 next). Returns the new record count.
+
+    The frames are sealed into one reused buffer (each encrypted in place there, one AEAD call per
+    frame) and written with one ``pwrite``."""
     first, offset = table.n_records, table.end
-    frames = codec.frames(first, records)
-    pwrite_all(fd, b"".join(frames) if len(frames) > 1 else frames[0], offset)
+    rec = codec.rec_bytes
+    per = max(1, FRAME_BYTES // rec) * rec
+    body = records.cast("B")
+    n_frames = -(-len(body) // per)
+    out = _scratch_bytes(len(body) + n_frames * (FRAME_HEADER_BYTES + TAG_BYTES), "seal")
+    spans = []
+    pos = 0
+    for lo in range(0, len(body), per):
+        chunk = body[lo : lo + per]
+        count = len(chunk) // rec
+        spans.append((first + lo // rec, count, offset + pos, len(chunk) + TAG_BYTES))
+        pos += codec.seal_into(first + lo // rec, chunk, out[pos : pos + FRAME_HEADER_BYTES + len(chunk) + TAG_BYTES])
+    pwrite_all(fd, out[:pos], offset)
     os.fsync(fd)  # data first: h6 must never point at frames not on disk
-    for frame in frames:
-        count = struct.unpack_from("<I", frame, 4)[0]
-        table.add(first, count, offset, len(frame) - FRAME_HEADER_BYTES)
-        offset += len(frame)
-        first += count
-    return first
+    for span in spans:
+        table.add(*span)
+    return table.n_records
 
 
 def publish(fd: int, count: int, previous: int) -> None:
@@ -401,8 +492,9 @@ def publish(fd: int, count: int, previous: int) -> None:
 
 def load_records(fd: int, codec: FrameCodec, table: FrameTable, header: Header) -> KVRecords:
     """Every committed record, parsed and sanitized as ``coli_kv.parse`` parses a plaintext file."""
-    body = read_frames(fd, codec, table, 0, len(table.firsts))
-    return coli_kv.parse(header.with_nrec(table.n_records).to_bytes() + body)
+    image = read_frames(fd, codec, table, 0, len(table.firsts), head_room=HEADER_BYTES)
+    image[:HEADER_BYTES] = header.with_nrec(table.n_records).to_bytes()
+    return coli_kv.parse(image)
 
 
 __all__ = [
@@ -511,9 +603,19 @@ class SealedKVFile(KVFile):
         return nbytes + -(-nbytes // per) * (FRAME_HEADER_BYTES + TAG_BYTES)
 
     # ------------------------------------------------------------------ reading
-    def read_range(self, start: int, stop: int) -> bytes:
+    def read_range(self, start: int, stop: int) -> memoryview:
         self._check_open()
         return read_records(self._fd, self._codec, self._table, start, min(stop, self._commit_point()))
+
+    def iter_records(self, start: int, stop: int, chunk_records: int) -> Iterator[memoryview]:
+        """Committed records ``[start, stop)`` decrypted in chunks that end on frames."""
+        self._check_open()
+        return iter_records(self._fd, self._codec, self._table, start, min(stop, self._commit_point()), chunk_records)
+
+    def read_into(self, out: memoryview, start: int, stop: int) -> int:
+        """Decrypt committed records ``[start, stop)`` straight into ``out``; returns the bytes."""
+        self._check_open()
+        return read_records_into(self._fd, self._codec, self._table, start, min(stop, self._commit_point()), out)
 
     def read_tokens(self, start: int, stop: int) -> np.ndarray:
         raw = self.read_range(start, stop)

@@ -147,13 +147,16 @@ class SessionReader(Reader):
             self._info = SessionInfo.from_record(self._record)
         return self._info
 
-    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[bytes]:
+    def iter_bytes(self, chunk_bytes: int | None = None) -> Iterator[bytes | memoryview]:
         """The served records' raw bytes, in chunks (a whole number of records each, when it fits;
         ``chunk_bytes`` None: 8 MiB)."""
         chunk_bytes = COPY_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         chunk_bytes = max(self.record_bytes, chunk_bytes - chunk_bytes % self.record_bytes)
         offset, end = HEADER_BYTES, HEADER_BYTES + self.body_bytes
         self._count_read(0, 0.0)
+        if self._sealed is not None:  # each chunk decrypted straight into its own buffer
+            yield from self._sealed_chunks(chunk_bytes // self.record_bytes)
+            return
         while offset < end:
             started = time.perf_counter()
             chunk = self._pread(min(chunk_bytes, end - offset), offset)
@@ -207,12 +210,11 @@ class SessionReader(Reader):
             raise InvalidRequest(f"records [{start}, {start + count}) are not within the {self.n_records} served")
         started = time.perf_counter()
         view = out.data.cast("B")[: count * self.record_bytes]
-        if self._sealed is not None:  # only the frames covering the range are decrypted
-            plain = self._sealed.read_range(start, start + count)
-            if len(plain) != len(view):
+        if self._sealed is not None:  # only the frames covering the range, decrypted straight into out
+            got = self._sealed.read_into(view, start, start + count)
+            if got != len(view):
                 raise IntegrityError(f"the journal of {self.info.id!r} ended inside records [{start}, {start + count})")
-            view[:] = plain
-            self._count_read(len(plain), time.perf_counter() - started)
+            self._count_read(got, time.perf_counter() - started)
             return count
         got = 0
         while got < len(view):  # one preadv returns at most 2 GiB
@@ -244,7 +246,23 @@ class SessionReader(Reader):
             self._count_read(len(raw), time.perf_counter() - started)
             yield KVRecords(Header(self._geometry, self._tier, stop - start), records, HEADER_BYTES + len(raw))
 
-    def _pread(self, nbytes: int, offset: int) -> bytes:
+    def _sealed_chunks(self, chunk_records: int) -> Iterator[memoryview]:
+        """Whole chunks of ``chunk_records`` records, each decrypted straight into its own buffer."""
+        sealed = self._sealed
+        if sealed is None:
+            return
+        step = max(1, chunk_records)
+        for start in range(0, self.n_records, step):
+            began = time.perf_counter()
+            stop = min(start + step, self.n_records)
+            out = np.empty((stop - start) * self.record_bytes, dtype=np.uint8).data
+            got = sealed.read_into(out, start, stop)
+            if got != len(out):
+                raise IntegrityError(f"the journal of {self.info.id!r} ended inside records [{start}, {stop})")
+            self._count_read(got, time.perf_counter() - began)
+            yield out
+
+    def _pread(self, nbytes: int, offset: int) -> bytes | memoryview:
         """``nbytes`` of the journal's plaintext image from ``offset`` (header + records; whole
         records past the header), decrypted from an encrypted store's frames."""
         if self._sealed is None:

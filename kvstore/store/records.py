@@ -34,7 +34,7 @@ def bytes_view(records: np.ndarray) -> memoryview:
 
 def record_chunks(
     ctx: StoreContext, record: IndexRecord, start: int, stop: int, chunk_bytes: int = COPY_CHUNK_BYTES
-) -> Iterator[bytes]:
+) -> Iterator[bytes | memoryview]:
     """The stored bytes of records ``[start, stop)`` in order, from the journal or the archive.
 
     Raises
@@ -118,7 +118,9 @@ def sealed_source(ctx: StoreContext, record: IndexRecord) -> Iterator[SealedImag
         os.close(fd)
 
 
-def _sealed_chunks(ctx: StoreContext, record: IndexRecord, start: int, stop: int, per_chunk: int) -> Iterator[bytes]:
+def _sealed_chunks(
+    ctx: StoreContext, record: IndexRecord, start: int, stop: int, per_chunk: int
+) -> Iterator[bytes | memoryview]:
     with sealed_source(ctx, record) as source:
         if source.n_records < stop:
             raise IntegrityError(f"the files of {public_id(record['id'])!r} end before record {stop}")
