@@ -118,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also resume through a session store (SessionStore.reader -> Engine.restore_reader), as a server does",
     )
+    parser.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="with --store, also through a store encrypted at rest (docs/SECURITY.md), the same rows",
+    )
     args = parser.parse_args(argv)
 
     if args.threads:
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     host_rows = []
     store_rows = []
     memory_rows = []
-    store = None
+    store = sealed = None
     try:
         for length in args.lengths:
             context = rng.integers(2, cfg.vocab_size, length + 1)
@@ -207,11 +212,28 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 if args.store:
                     store = store or _store(workdir)
-                    store_rows.append(
-                        _store_resume(
-                            store, model, geometry, tier, length, stored, context, engine, args.prefill_chunk, device
+                    stores = [("plain", store)]
+                    if args.encrypt:
+                        sealed = sealed or _store(workdir, encrypted=True)
+                        stores.append(("sealed", sealed))
+                    for label, each in stores:
+                        store_rows.append(
+                            (
+                                label,
+                                *_store_resume(
+                                    each,
+                                    model,
+                                    geometry,
+                                    tier,
+                                    length,
+                                    stored,
+                                    context,
+                                    engine,
+                                    args.prefill_chunk,
+                                    device,
+                                ),
+                            )
                         )
-                    )
                 if length == args.lengths[0]:
                     result = engine.generate(
                         np.concatenate([context, [int(torch.argmax(logits))]]),
@@ -224,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                 path.unlink()
             resume_rows.append(row)
     finally:
-        if store is not None:
-            store.close()
+        for each in (store, sealed):
+            if each is not None:
+                each.close()
         if workdir_context is not None:
             workdir_context.cleanup()
 
@@ -268,15 +291,23 @@ def main(argv: list[str] | None = None) -> int:
             )
     if store_rows:
         print("\nResume through a session store (SessionStore.reader -> Engine.restore_reader: the served records")
-        print("read straight into the pinned ring), as a server's turn does, beside restore_file on the same rows")
+        print("read straight into the pinned ring), as a server's turn does, beside restore_file on the same rows;")
+        print("'sealed' is a store encrypted at rest (--encrypt), its first token against the plaintext store's")
         print(
-            f"{'tokens':>7s} {'tier':>9s} {'store':>11s} {'GB/s':>6s} {'+ step':>11s} {'= first token':>13s} {'file':>11s} {'rows':>8s}"
+            f"{'tokens':>7s} {'tier':>9s} {'store':>7s} {'restore':>11s} {'GB/s':>6s} {'+ step':>11s} "
+            f"{'= first token':>13s} {'vs plain':>8s} {'file':>11s} {'rows':>8s}"
         )
-        for length, tier, seconds, step_seconds, file_seconds, size, same_rows in store_rows:
+        plain_first = {}
+        for label, length, tier, seconds, step_seconds, file_seconds, size, same_rows in store_rows:
+            first = seconds + step_seconds
+            if label == "plain":
+                plain_first[length, tier] = first
+            versus = first / plain_first[length, tier] if (length, tier) in plain_first else float("nan")
+            file_text = _fmt_seconds(file_seconds) if file_seconds is not None else "-"
             print(
-                f"{length:7d} {tier:>9s} {_fmt_seconds(seconds):>11s} {size / seconds / 1e9:6.2f} "
-                f"{_fmt_seconds(step_seconds):>11s} {_fmt_seconds(seconds + step_seconds):>13s} "
-                f"{_fmt_seconds(file_seconds):>11s} {'same' if same_rows else 'DIFFER':>8s}"
+                f"{length:7d} {tier:>9s} {label:>7s} {_fmt_seconds(seconds):>11s} {size / seconds / 1e9:6.2f} "
+                f"{_fmt_seconds(step_seconds):>11s} {_fmt_seconds(first):>13s} {versus:7.2f}x {file_text:>11s} "
+                f"{'same' if same_rows else 'DIFFER':>8s}"
             )
     if memory_rows:
         print("\nResume from rows in host memory (a fresh engine, graphs warmed: Engine.restore(StoredRows))")
@@ -323,10 +354,15 @@ def _rows_resume(model, tier, length, stored, path, reference, prefill_chunk, de
     return length, tier, rows_times[0], min(rows_times[1:]), file_times[0], min(file_times[1:]), size, same
 
 
-def _store(workdir: Path):
-    from kvstore.store import SessionStore
+def _store(workdir: Path, encrypted: bool = False):
+    import kvstore.store
 
-    return SessionStore(workdir / "store", map_size=1 << 32)
+    if not encrypted:
+        return kvstore.store.open(workdir / "store", map_size=1 << 32)
+    from kvstore.crypto.kek import write_kek_file
+
+    kek = write_kek_file(workdir / "kek.hex")
+    return kvstore.store.open(workdir / "sealed-store", map_size=1 << 32, kek=kek)
 
 
 def _store_resume(store, model, geometry, tier, length, stored, context, reference, prefill_chunk, device):
@@ -344,10 +380,12 @@ def _store_resume(store, model, geometry, tier, length, stored, context, referen
             seconds, _ = _timed(device, partial(engine.restore_reader, reader))
         times.append(seconds)
     step_seconds, _ = _timed(device, partial(engine.prefill, context))
-    file_engine = Engine(model, tier=tier, prefill_chunk=prefill_chunk)
-    file_engine.warm_graphs(length + 1)
     path = store.journal_path(session_id)
-    file_seconds = min(_timed(device, partial(file_engine.restore_file, path))[0] for _ in range(3))
+    file_seconds = None  # an encrypted journal is no .coli_kv file: restore_file refuses it
+    if not store.encrypted:
+        file_engine = Engine(model, tier=tier, prefill_chunk=prefill_chunk)
+        file_engine.warm_graphs(length + 1)
+        file_seconds = min(_timed(device, partial(file_engine.restore_file, path))[0] for _ in range(3))
     same = engine.export_rows(0, length).record_array(geometry).tobytes() == (
         reference.export_rows(0, length).record_array(geometry).tobytes()
     )
