@@ -145,6 +145,13 @@ class FrameTable:
         self.ends.append(self.end)
         self.n_records = first + count
 
+    def copy(self) -> "FrameTable":
+        other = FrameTable()
+        other.firsts, other.counts = list(self.firsts), list(self.counts)
+        other.offsets, other.ends = list(self.offsets), list(self.ends)
+        other.end, other.n_records = self.end, self.n_records
+        return other
+
     def cut(self, n_frames: int) -> None:
         """Keep the first ``n_frames`` frames."""
         del self.firsts[n_frames:], self.counts[n_frames:], self.offsets[n_frames:], self.ends[n_frames:]
@@ -238,9 +245,10 @@ def walk(fd: int, rec_bytes: int, nrec: int, name: str) -> FrameTable:
     a file that ends early stops the walk at its last whole frame (as a short plaintext journal
     stops at its last whole record). One ``pread`` per window of headers, never per record.
     """
-    table = FrameTable()
-    size = os.fstat(fd).st_size
-    offset, expected = SEALED_HEADER_BYTES, 0
+    st = os.fstat(fd)
+    size = st.st_size
+    table = _walked(fd, (st.st_dev, st.st_ino), nrec, size)
+    offset, expected = table.end, table.n_records
     window_start, window = offset, b""
     while expected < nrec:
         if offset + FRAME_HEADER_BYTES > size:
@@ -258,7 +266,40 @@ def walk(fd: int, rec_bytes: int, nrec: int, name: str) -> FrameTable:
             break
         table.add(first, count, offset, ct_len)
         offset, expected = table.end, first + count
+    if table.firsts:
+        entry = (table.copy(), _fixed_header(fd) + os.pread(fd, FRAME_HEADER_BYTES, table.offsets[-1]))
+        with _walked_lock:
+            _WALKED[(st.st_dev, st.st_ino)] = entry
+            while len(_WALKED) > _WALKED_MAX:
+                _WALKED.pop(next(iter(_WALKED)))
     return table
+
+
+# The frames a walk found, per file (device, inode): the next open of the same journal (the store
+# opens it for every append) walks only the frames appended since, not all of them again. Reused
+# only when the file still has the same header (h6 aside) and holds the last frame walked byte for
+# byte (its header carries a random nonce, so a truncate and new appends in its place never match)
+# and its commit point is not lower.
+_WALKED: dict[tuple[int, int], tuple["FrameTable", bytes]] = {}
+_WALKED_MAX = 4096
+_walked_lock = threading.Lock()
+
+
+def _walked(fd: int, identity: tuple[int, int], nrec: int, size: int) -> "FrameTable":
+    with _walked_lock:
+        found = _WALKED.get(identity)
+    if found is not None:
+        table, check = found
+        if table.n_records <= nrec and table.end <= size:
+            if _fixed_header(fd) + os.pread(fd, FRAME_HEADER_BYTES, table.offsets[-1]) == check:
+                return table.copy()
+    return FrameTable()
+
+
+def _fixed_header(fd: int) -> bytes:
+    """The file's header but h6: what a cached walk was made under (geometry, tier, key, salt)."""
+    raw = os.pread(fd, SEALED_HEADER_BYTES, 0)
+    return raw[:NREC_OFFSET] + raw[NREC_OFFSET + 4 :]
 
 
 def read_frames(fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int, *, head_room: int = 0) -> memoryview:

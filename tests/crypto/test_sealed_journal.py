@@ -235,3 +235,17 @@ def test_large_batches_are_cut_into_bounded_frames(ring, tmp_path, monkeypatch):
     with KVFile.open(path, sealing=sealed(ring, path)) as journal:
         assert journal.read_range(2, 7) == coli_kv.load(plain_twin(tmp_path, (10,))).records[2:7].tobytes()
     assert np.diff(table.firsts).tolist() == [3, 3, 3]
+
+
+def test_a_reopened_journal_reuses_its_walk_only_while_the_frames_are_the_same(ring, tmp_path):
+    path = tmp_path / "chat~alice.coli_kv"
+    rows = make(ring, path, (3, 3, 3))
+    expected = KVFile.open(path, sealing=sealed(ring, path)).load().records.tobytes()
+    with KVFile.open(path, writable=True, sealing=sealed(ring, path)) as journal:
+        journal.truncate(3)  # in place: the same inode, a lower commit point
+        journal.append(*rows.make(4))  # new frames where the walked ones were
+        journal.append(*rows.make(2))
+        now = journal.load().records.tobytes()
+    assert now[: 3 * REC] == expected[: 3 * REC] and len(now) == 9 * REC
+    with KVFile.open(path, sealing=sealed(ring, path)) as again:  # a fresh open: no stale frame table
+        assert again.n_records == 9 and again.load().records.tobytes() == now
