@@ -37,6 +37,7 @@ inside a frame rewrites the file (a new file, a new salt) through the atomic rew
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -306,24 +307,28 @@ def read_frames(fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int, *
     """The plaintext records of frames ``[i, j)`` (after ``head_room`` free bytes): one read of
     their bytes into one buffer, then one AEAD call per frame decrypting into the output buffer."""
     lo, hi = (table.offsets[i], table.ends[j - 1]) if i < j else (0, 0)
-    view = _scratch_bytes(hi - lo)
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], lo + got)
-        if n == 0:
-            raise SealBroken(f"{codec.name}: the journal ended inside its committed frames")
-        got += n
     plain = np.empty(head_room + sum(table.counts[i:j]) * codec.rec_bytes, dtype=np.uint8)
     out = plain.data
-    pos = head_room
-    for k in range(i, j):
-        at = table.offsets[k] - lo
-        size = table.counts[k] * codec.rec_bytes
-        head = bytes(view[at : at + FRAME_HEADER_BYTES])
-        body = view[at + FRAME_HEADER_BYTES : at + FRAME_HEADER_BYTES + size + TAG_BYTES]
-        codec.open(head, body, out[pos : pos + size])
-        pos += size
+    with _scratch(hi - lo) as view:
+        _read_exact(fd, view, lo, codec.name)
+        pos = head_room
+        for k in range(i, j):
+            at = table.offsets[k] - lo
+            size = table.counts[k] * codec.rec_bytes
+            head = bytes(view[at : at + FRAME_HEADER_BYTES])
+            body = view[at + FRAME_HEADER_BYTES : at + FRAME_HEADER_BYTES + size + TAG_BYTES]
+            codec.open(head, body, out[pos : pos + size])
+            pos += size
     return out
+
+
+def _read_exact(fd: int, view: memoryview, offset: int, name: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise SealBroken(f"{name}: the journal ended inside its committed frames")
+        got += n
 
 
 def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
@@ -337,17 +342,29 @@ def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-_scratch = threading.local()
+_POOL: list[np.ndarray] = []
+_POOL_LOCK = threading.Lock()
+_POOL_KEEP = 8  # buffers kept for reuse (by any thread: a restore's reader threads are new each time)
+_POOL_BIGGEST = 64 << 20  # a larger buffer is freed after use
 
 
-def _scratch_bytes(nbytes: int, use: str = "read") -> memoryview:
-    """A buffer of this thread's for ``use``, reused by every call (a fresh one would be
-    page-faulted in each time); what it holds is never handed out."""
-    buf = getattr(_scratch, use, None)
-    if buf is None or buf.size < nbytes:
+@contextlib.contextmanager
+def _scratch(nbytes: int) -> Iterator[memoryview]:
+    """A buffer of at least ``nbytes`` for the duration of the block, reused across calls and
+    threads (a fresh one would be page-faulted in every time); what it holds is never handed out."""
+    with _POOL_LOCK:
+        fits = [k for k, b in enumerate(_POOL) if b.size >= nbytes]
+        buf = _POOL.pop(min(fits, key=lambda k: _POOL[k].size)) if fits else None
+    if buf is None:
         buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-        setattr(_scratch, use, buf)
-    return buf.data[:nbytes]
+    try:
+        yield buf.data[:nbytes]
+    finally:
+        if buf.size <= _POOL_BIGGEST:
+            with _POOL_LOCK:
+                _POOL.append(buf)
+                if len(_POOL) > _POOL_KEEP:
+                    _POOL.pop(min(range(len(_POOL)), key=lambda k: _POOL[k].size))
 
 
 def read_records_into(fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int, out: memoryview) -> int:
@@ -360,13 +377,24 @@ def read_records_into(fd: int, codec: FrameCodec, table: FrameTable, start: int,
     rec = codec.rec_bytes
     i, j = table.covering(start, stop)
     lo, hi = table.offsets[i], table.ends[j - 1]
-    raw = _scratch_bytes(hi - lo)
-    got = 0
-    while got < len(raw):
-        n = os.preadv(fd, [raw[got:]], lo + got)
-        if n == 0:
-            raise SealBroken(f"{codec.name}: the journal ended inside its committed frames")
-        got += n
+    with _scratch(hi - lo) as raw:
+        _read_exact(fd, raw, lo, codec.name)
+        _open_frames(codec, table, i, j, raw, lo, start, stop, out)
+    return (stop - start) * rec
+
+
+def _open_frames(
+    codec: FrameCodec,
+    table: FrameTable,
+    i: int,
+    j: int,
+    raw: memoryview,
+    lo: int,
+    start: int,
+    stop: int,
+    out: memoryview,
+) -> None:
+    rec = codec.rec_bytes
     for k in range(i, j):
         first, count = table.firsts[k], table.counts[k]
         at = table.offsets[k] - lo
@@ -379,7 +407,6 @@ def read_records_into(fd: int, codec: FrameCodec, table: FrameTable, start: int,
             whole = np.empty(count * rec, dtype=np.uint8)
             codec.open(head, body, whole.data)
             out[(a - start) * rec : (b - start) * rec] = whole.data[(a - first) * rec : (b - first) * rec]
-    return (stop - start) * rec
 
 
 def read_records(fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int) -> memoryview:
@@ -502,15 +529,16 @@ def append_frames(fd: int, codec: FrameCodec, table: FrameTable, records: memory
     per = max(1, FRAME_BYTES // rec) * rec
     body = records.cast("B")
     n_frames = -(-len(body) // per)
-    out = _scratch_bytes(len(body) + n_frames * (FRAME_HEADER_BYTES + TAG_BYTES), "seal")
     spans = []
-    pos = 0
-    for lo in range(0, len(body), per):
-        chunk = body[lo : lo + per]
-        count = len(chunk) // rec
-        spans.append((first + lo // rec, count, offset + pos, len(chunk) + TAG_BYTES))
-        pos += codec.seal_into(first + lo // rec, chunk, out[pos : pos + FRAME_HEADER_BYTES + len(chunk) + TAG_BYTES])
-    pwrite_all(fd, out[:pos], offset)
+    with _scratch(len(body) + n_frames * (FRAME_HEADER_BYTES + TAG_BYTES)) as out:
+        pos = 0
+        for lo in range(0, len(body), per):
+            chunk = body[lo : lo + per]
+            count = len(chunk) // rec
+            spans.append((first + lo // rec, count, offset + pos, len(chunk) + TAG_BYTES))
+            end = pos + FRAME_HEADER_BYTES + len(chunk) + TAG_BYTES
+            pos += codec.seal_into(first + lo // rec, chunk, out[pos:end])
+        pwrite_all(fd, out[:pos], offset)
     os.fsync(fd)  # data first: h6 must never point at frames not on disk
     for span in spans:
         table.add(*span)
