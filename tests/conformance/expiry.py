@@ -156,6 +156,11 @@ class ExpiryConformance(abc.ABC):
         self.age(store, "old", "alice", 2 * HOUR)
         forked = store.fork("kept", new_id="old", owner="alice")  # a fork into an expired id, too
         assert forked.n_records == 3 and forked.ttl_s is None and store.resume("old").reused_tokens == 3
+        new_session(store, "gone", ttl_s=HOUR)
+        store.append("gone", *rows.make(2))
+        self.age(store, "gone", "alice", 2 * HOUR)
+        store.delete("gone", owner="alice")  # a delete of an expired session removes what is left
+        assert self.stored_units(store, "gone", "alice") == 0
 
     # ------------------------------------------------------------------ the sweep
     def test_the_sweep_deletes_expired_sessions_in_batches(self, store):
