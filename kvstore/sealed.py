@@ -518,27 +518,36 @@ def write_sealed(target: Path, sealing: Sealing, header: Header, chunks: Iterabl
     return table.end
 
 
+APPEND_WRITE_BYTES = 8 << 20  # sealed frames written per pwrite during one append
+
+
 def append_frames(fd: int, codec: FrameCodec, table: FrameTable, records: memoryview, name: str) -> int:
     """Write frames of ``records`` past the commit point and fsync them (not the commit point
     itself: the caller publishes h6 next). Returns the new record count.
 
-    The frames are sealed into one reused buffer (each encrypted in place there, one AEAD call per
-    frame) and written with one ``pwrite``."""
+    Frames are sealed in place into a reused buffer (one AEAD call each) and written a few MiB at a
+    time; the one fsync comes after the last write, before the caller's commit point."""
     first, offset = table.n_records, table.end
     rec = codec.rec_bytes
     per = max(1, FRAME_BYTES // rec) * rec
     body = records.cast("B")
-    n_frames = -(-len(body) // per)
+    frames_per_write = max(1, APPEND_WRITE_BYTES // (per + FRAME_HEADER_BYTES + TAG_BYTES))
+    group = frames_per_write * per
     spans = []
-    with _scratch(len(body) + n_frames * (FRAME_HEADER_BYTES + TAG_BYTES)) as out:
-        pos = 0
-        for lo in range(0, len(body), per):
-            chunk = body[lo : lo + per]
-            count = len(chunk) // rec
-            spans.append((first + lo // rec, count, offset + pos, len(chunk) + TAG_BYTES))
-            end = pos + FRAME_HEADER_BYTES + len(chunk) + TAG_BYTES
-            pos += codec.seal_into(first + lo // rec, chunk, out[pos:end])
-        pwrite_all(fd, out[:pos], offset)
+    pos = offset
+    for start in range(0, len(body), group):
+        part = body[start : start + group]
+        n_frames = -(-len(part) // per)
+        with _scratch(len(part) + n_frames * (FRAME_HEADER_BYTES + TAG_BYTES)) as out:
+            used = 0
+            for lo in range(0, len(part), per):
+                chunk = part[lo : lo + per]
+                index = first + (start + lo) // rec
+                spans.append((index, len(chunk) // rec, pos + used, len(chunk) + TAG_BYTES))
+                end = used + FRAME_HEADER_BYTES + len(chunk) + TAG_BYTES
+                used += codec.seal_into(index, chunk, out[used:end])
+            pwrite_all(fd, out[:used], pos)
+        pos += used
     os.fsync(fd)  # data first: h6 must never point at frames not on disk
     for span in spans:
         table.add(*span)
