@@ -129,3 +129,34 @@ def test_after_a_shred_no_route_command_or_file_read_recovers_a_row(make_server,
             coli_kv.load(journal)
         with open(journal, "rb") as f, pytest.raises(KeyShredded):
             SealedImage(f.fileno(), Sealing.for_key(ring, "chat~alice"), journal.name).read_range(0, 8)
+
+
+def test_a_shred_drops_the_owners_resident_rows_from_a_running_servers_pool(tmp_path):
+    """What the service's lifespan wires (``api.main._watch_keyring``): a real engine pool holding
+    two owners' rows; a shred by another process drops the shredded owner's within the watcher's
+    period, and only theirs."""
+    import types
+
+    import kvstore.store
+    from kvstore.api.main import _watch_keyring
+    from kvstore.engine.cache import CacheGeometry, LatentCache
+    from kvstore.engine.pool import Resident, ResidentPool
+    from store.support import GEOMETRY, new_session
+
+    kek = LocalKEK(bytes(range(32)))
+    with kvstore.store.open(tmp_path / "data", kek=kek) as store:
+        new_session(store, "chat", owner="alice")
+        new_session(store, "chat", owner="bob")
+        pool = ResidentPool(1 << 30, 1 << 30)
+        for key in ("chat~alice", "chat~bob"):
+            pool.put(Resident(key, LatentCache(tiers.FP8, CacheGeometry.of(GEOMETRY), "cpu"), (), 0))
+        watcher = _watch_keyring(store, types.SimpleNamespace(pool=pool))
+        assert watcher is not None
+        try:
+            Keyring(tmp_path / "data", kek).shred("alice")  # another process's shred
+            deadline = time.monotonic() + 5
+            while pool.get("chat~alice") is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pool.get("chat~alice") is None and pool.get("chat~bob") is not None
+        finally:
+            watcher.stop()
