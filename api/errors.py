@@ -46,6 +46,7 @@ from kvstore.errors import (
     JournalClosed,
     JournalLocked,
     JournalWriteError,
+    KeyUnavailable,
     KVStoreError,
     LeaseHeld,
     MigrationError,
@@ -205,6 +206,7 @@ HTTP_STATUS: dict[type[KVStoreError] | str, int] = {
     FileUnreadable: 400,  # a path the caller named (the CLI's file tools); FileDamaged is a FormatError (422)
     # the shared backend (docs/SCALE.md)
     Unavailable: 503,  # PostgreSQL or the object store down: IndexUnavailable, BlobStoreUnavailable (retry_after)
+    KeyUnavailable: 503,  # the store's key-encryption key is not the keyring's (rotated): give the server the new one
     BlobStoreError: 502,  # the object store refused a request a retry cannot fix
     LeaseHeld: 409,  # another replica writes the session now
     StaleLease: 409,  # fenced: another replica took the session over (LeaseExpired too)
