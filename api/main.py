@@ -17,6 +17,7 @@ import os
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -160,6 +161,11 @@ def open_store(settings: Settings) -> Store:
         "lock_timeout": settings.lock_timeout,
         "max_sessions_per_owner": settings.max_sessions_per_owner,
     }
+    kek = None
+    if settings.encrypt or settings.kek_file is not None:  # else the store and KVSTORE_ENCRYPT decide
+        from kvstore.crypto import provider_from_settings
+
+        kek = provider_from_settings(settings.kek_file)
     if settings.index_url is not None and settings.blobs_url is not None:  # Settings checks both or neither
         return kvstore.store.open(
             settings.data_dir,
@@ -167,13 +173,9 @@ def open_store(settings: Settings) -> Store:
             blobs_url=settings.blobs_url,
             lease_ttl=settings.lease_ttl,
             cache_bytes=settings.cache_bytes,
+            kek=kek,  # the shared store's data keys are in its index; each replica brings the KEK
             **limits,
         )
-    kek = None
-    if settings.encrypt or settings.kek_file is not None:  # else the folder and KVSTORE_ENCRYPT decide
-        from kvstore.crypto import provider_from_settings
-
-        kek = provider_from_settings(settings.kek_file)
     return kvstore.store.open(settings.data_dir, map_size=settings.map_size, kek=kek, **limits)
 
 
@@ -339,8 +341,8 @@ def _watch_keyring(store: Store, engine: object) -> KeyringWatcher | None:
     engine's pool (device or host tier) are dropped within half a second; every later read of the
     owner's files is refused by the keyring itself (docs/SECURITY.md)."""
     keyring = getattr(store, "keyring", None)
-    if not isinstance(keyring, Keyring):
-        return None
+    if keyring is None or (not isinstance(keyring, Keyring) and not hasattr(keyring, "on_change")):
+        return None  # a plaintext store (a shared store's keyring, kvstore.store.shared.keys, has the same members)
 
     pool = getattr(engine, "pool", None)  # the SessionEngine's ResidentPool (device and host tiers)
 
@@ -353,7 +355,7 @@ def _watch_keyring(store: Store, engine: object) -> KeyringWatcher | None:
             log.warning("keyring: the data keys of owner %r were destroyed; its rows held here are dropped", owner)
 
     keyring.on_change.append(forget)
-    return KeyringWatcher(keyring).start()
+    return KeyringWatcher(cast(Keyring, keyring)).start()  # it calls refresh() only, which both have
 
 
 def _openapi(app: FastAPI) -> dict:

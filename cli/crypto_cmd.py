@@ -17,16 +17,23 @@ API keys (``kvstore keys``). No command prints a key.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from kvstore.cli import options
+from kvstore.cli import options, store_cmd
 from kvstore.cli.output import emit
 
 
-def _store(args: argparse.Namespace):
+def _store(args: argparse.Namespace) -> Any:  # an encrypted SessionStore or SharedSessionStore: the same crypto members
     import kvstore.store
     from kvstore.crypto import provider_from_settings
 
     kek = options.store_kek(args) or provider_from_settings()
+    index_url = store_cmd.optional_index_url(args)
+    if index_url is not None:  # a shared store: its data keys are in the index, shared by every replica
+        store_cmd.shared_modules()
+        return kvstore.store.open(
+            None, index_url=index_url, blobs_url=store_cmd.blobs_url(args), cache_bytes=0, kek=kek
+        )
     return kvstore.store.open(options.existing_store(args.data), kek=kek, create=False)
 
 
@@ -35,7 +42,9 @@ def _keyring(store):
     from kvstore.errors import KeyUnavailable
 
     if store.keyring is None:
-        raise KeyUnavailable(f"the store in {store.data_dir} is not encrypted at rest")
+        raise KeyUnavailable(
+            f"the store in {getattr(store, 'data_dir', None) or 'the shared index'} is not encrypted at rest"
+        )
     return store.keyring
 
 
@@ -129,18 +138,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = commands.add_parser("status", help="owners, their data-key versions and the files under each (no key)")
     options.add_data(p)
+    store_cmd.add_shared(p)  # or a shared store's --index and --blobs
     options.add_json(p)
     p.set_defaults(func=cmd_status)
 
     p = commands.add_parser("shred", help="destroy an owner's data keys: its rows become unreadable everywhere")
     p.add_argument("owner", metavar="OWNER", help="the owner whose keys are destroyed (for good)")
     options.add_data(p)
+    store_cmd.add_shared(p)  # or a shared store's --index and --blobs
     options.add_json(p)
     p.set_defaults(func=cmd_shred)
 
     p = commands.add_parser("rotate-kek", help="re-wrap every data key under a new KEK (no data rewritten)")
     p.add_argument("--new-kek-file", metavar="PATH", required=True, help="the new KEK's file (`crypto init-kek`)")
     options.add_data(p)
+    store_cmd.add_shared(p)  # or a shared store's --index and --blobs
     options.add_json(p)
     p.set_defaults(func=cmd_rotate_kek)
 
@@ -149,5 +161,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("owner", metavar="OWNER", help="the owner whose data key is rotated")
     options.add_data(p)
+    store_cmd.add_shared(p)  # or a shared store's --index and --blobs
     options.add_json(p)
     p.set_defaults(func=cmd_rotate_key)

@@ -54,6 +54,7 @@ def _store(args: argparse.Namespace, *, hard_limit_bytes: int | None = None, cre
             blobs_url=store_cmd.blobs_url(args),
             cache_bytes=0,
             hard_limit_bytes=hard_limit_bytes,
+            kek=options.store_kek(args),  # else the index and KVSTORE_KEK_FILE / KVSTORE_KEK decide
         )
     if not create:
         return kvstore.store.open(

@@ -547,7 +547,9 @@ def open(
         refused with ``TooManySessions`` (None: no cap)
     kek : the key-encryption key of a store encrypted at rest (``kvstore.crypto.KeyProvider``;
         docs/SECURITY.md): a new store is created encrypted, an encrypted one needs it (None: a
-        plaintext store); embedded only for now
+        plaintext store, unless the store or ``KVSTORE_ENCRYPT`` says otherwise: then the KEK the
+        settings name); on a shared store the wrapped data keys live in the index, so every
+        replica given the KEK sees them
 
     Returns
     -------
@@ -563,9 +565,7 @@ def open(
     if (index_url is None) != (blobs_url is None):
         raise InvalidRequest("name both the shared index (index_url) and the object store (blobs_url), or neither")
     if index_url is not None and blobs_url is not None:
-        given = [
-            name for name, value in (("map_size", map_size), ("progress", progress), ("kek", kek)) if value is not None
-        ]
+        given = [name for name, value in (("map_size", map_size), ("progress", progress)) if value is not None]
         if given:
             raise InvalidRequest(f"{', '.join(given)}: options of the embedded store, not of a shared one")
         from kvstore.store.shared.sessions import SharedSessionStore
@@ -583,6 +583,7 @@ def open(
             budget_bytes=budget_bytes,
             hard_limit_bytes=hard_limit_bytes,
             max_sessions_per_owner=max_sessions_per_owner,
+            kek=kek,
             **options,
         )
     given = [name for name, value in (("lease_ttl", lease_ttl), ("cache_bytes", cache_bytes)) if value is not None]

@@ -7,6 +7,10 @@ LRU; the global budget of sessions is the index's). The session's segment list a
 come from PostgreSQL: the cache only saves GETs, so an empty cache (a new or restarted replica)
 serves everything from S3.
 
+On a store encrypted at rest a copy is the sealed object as fetched (ciphertext only, never
+plaintext on the replica's disk: :meth:`SegmentCache.sealed`), authenticated by the AEAD tag each
+time it is opened, then matched against the records' digest.
+
 A damaged copy is never served: its length must equal the segment's ``nbytes`` (every read), and
 its blake2b-256 the segment's digest — checked on the first read of a file this process did not
 write or check itself (a file's identity, inode, size and mtime, changing makes it checked
@@ -152,6 +156,34 @@ class SegmentCache:
         self._hit(name)
         return mapped
 
+    # ------------------------------------------------------------------ sealed objects
+    @staticmethod
+    def _stored(segment: Segment) -> int:
+        """The bytes a copy of ``segment`` holds: its sealed object's on an encrypted store (the
+        ciphertext: never plaintext on the replica's disk), else its records'."""
+        return segment.object_bytes if segment.key_version is not None else segment.nbytes
+
+    def sealed(self, segment: Segment) -> bytes | None:
+        """The local copy of a sealed segment's object — ciphertext, checked for its length here and
+        authenticated by the caller when opened (a failure: :meth:`drop`) — or None (a miss)."""
+        name, path = self._file(segment.object)
+        try:
+            with open(path, "rb") as handle:
+                body = handle.read()
+        except OSError:
+            self._missed(name)
+            return None
+        if len(body) != segment.object_bytes:
+            self._missed(name, damaged=path)
+            return None
+        self._hit(name)
+        return body
+
+    def drop(self, segment: Segment) -> None:
+        """Delete the copy of ``segment`` (it failed authentication when opened)."""
+        name, path = self._file(segment.object)
+        self._missed(name, damaged=path)
+
     def _hit(self, name: str) -> None:
         with self._lock:
             self._hits += 1
@@ -179,7 +211,7 @@ class SegmentCache:
         none. No fsync: a copy torn by a crash fails its length or digest check and is fetched
         again; nothing depends on the cache surviving.
         """
-        if not self.fits(segment) or len(payload) != segment.nbytes:
+        if not self.fits(segment) or len(payload) != self._stored(segment):
             return
         name, path = self._file(segment.object)
         try:
@@ -198,8 +230,8 @@ class SegmentCache:
             return
         with self._lock:
             self._forget(name)
-            self._lru[name] = segment.nbytes
-            self._used += segment.nbytes
+            self._lru[name] = len(payload)
+            self._used += len(payload)
             self._checked[name] = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
             self._evict()
 

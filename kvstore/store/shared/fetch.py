@@ -33,10 +33,11 @@ from typing import Callable, Generator, NamedTuple
 
 import zstandard
 
-from kvstore.errors import SessionDamaged
+from kvstore.errors import KeyShredded, SealBroken, SessionDamaged
 from kvstore.store.shared.blobs import BlobStore
 from kvstore.store.shared.cache import SegmentCache
 from kvstore.store.shared.index import ReadPlan, Segment
+from kvstore.store.shared.keys import SegmentSealer
 from kvstore.store.values import public_id
 
 log = logging.getLogger("kvstore.store")
@@ -162,6 +163,10 @@ class SegmentFetcher:
         self._fetching: dict[str, Future] = {}  # object name -> its whole, checked bytes
         self._fetching_lock = threading.Lock()
         self._keeper = _Keeper(cache, KEEP_BACKLOG_BYTES) if cache is not None else None
+        self.sealer: SegmentSealer | None = None  # an encrypted store's (SharedStore.encrypt)
+        # set while the store's encryption is not known yet (PostgreSQL down at open): it decides
+        # before a sealed object is opened (and clears itself)
+        self.pending: Callable[[], None] | None = None
 
     def flush(self) -> None:
         """Return once the copies of the objects fetched so far are written to the cache."""
@@ -224,6 +229,8 @@ class SegmentFetcher:
         """``piece``'s checked bytes without a copy: a slice of the cache's mapped copy, of an object
         waiting for the keeper, or of the object fetched whole now."""
         segment, lo, hi = piece.segment, piece.offset, piece.offset + piece.nbytes
+        if segment.key_version is not None or self.sealer is not None:
+            return self._opened(key, segment)[lo:hi]
         if segment.codec != "raw":
             return memoryview(self._unpacked(key, segment))[lo:hi]
         whole = self.cache.view(segment) if self.cache is not None else None
@@ -269,7 +276,7 @@ class SegmentFetcher:
     def _sound(self, key: str, segment: Segment) -> bool:
         try:
             self.whole(key, segment)
-        except SessionDamaged:
+        except (SessionDamaged, SealBroken):
             return False
         return True
 
@@ -283,6 +290,9 @@ class SegmentFetcher:
         """Bytes ``[offset, offset + len(into))`` of ``segment`` into ``into``, checked: from the
         cache when it holds a sound copy (``verify``: re-hashed now, else as the cache checks), or
         from the whole object fetched and matched against its digest (then kept in the cache)."""
+        if segment.key_version is not None or self.sealer is not None:
+            into[:] = self._opened(key, segment)[offset : offset + len(into)]
+            return into
         if segment.codec != "raw":
             into[:] = self._unpacked(key, segment)[offset : offset + len(into)]
             return into
@@ -344,6 +354,69 @@ class SegmentFetcher:
             f"session {public_id(key)!r}: object {segment.object} does not hold the bytes its commit recorded "
             f"(records {segment.first_record}..); it is not served"
         )
+
+    # ------------------------------------------------------------------ sealed objects (encrypted at rest)
+    def _opened(self, key: str, segment: Segment) -> memoryview:
+        """The records of a sealed segment: its object (the cache's ciphertext copy, or fetched whole
+        in parallel ranged GETs) opened under the owner's data key — the AEAD tag refuses any
+        changed byte (:class:`SealBroken`) — decompressed if parked, then matched against the
+        records' digest as every read is. The cache is given the ciphertext only: no plaintext
+        reaches the replica's disk. One more GET if the fetched object fails (a torn read)."""
+        if self.sealer is None and self.pending is not None:
+            self.pending()
+        if self.sealer is None:
+            raise SealBroken(
+                f"session {public_id(key)!r}: object {segment.object} is sealed and this store was opened without "
+                "its key-encryption key; nothing was decrypted"
+            )
+        copy = self.cache.sealed(segment) if self.cache is not None else None
+        if copy is None and self._keeper is not None:
+            copy = self._keeper.waiting(segment)
+        if copy is not None:
+            try:
+                return self._plain(key, segment, copy)
+            except KeyShredded:
+                raise
+            except (SealBroken, SessionDamaged):
+                if self.cache is not None:
+                    self.cache.drop(segment)  # a damaged copy: fetched again below
+        failure: Exception | None = None
+        for _ in range(2):
+            body = memoryview(bytearray(segment.object_bytes))
+            jobs = [
+                self._parts.submit(self._remote, key, segment, lo, body[lo : min(lo + self.part_bytes, len(body))])
+                for lo in range(0, len(body), self.part_bytes)
+            ]
+            for job in jobs:
+                job.result()
+            try:
+                plain = self._plain(key, segment, body)
+            except KeyShredded:
+                raise
+            except (SealBroken, SessionDamaged) as exc:
+                failure = exc
+                continue
+            if self.cache is not None and self.cache.fits(segment) and self._keeper is not None:
+                self._keeper.offer(segment, body)  # the ciphertext, as fetched
+            return plain
+        assert failure is not None
+        raise failure
+
+    def _plain(self, key: str, segment: Segment, sealed: bytes | memoryview) -> memoryview:
+        if self.sealer is None:  # _opened checked it; for the type checker
+            raise SealBroken(f"object {segment.object} is sealed: no key-encryption key")
+        raw = self.sealer.open(key, segment, sealed)
+        if segment.codec != "raw":
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=segment.nbytes)
+            except zstandard.ZstdError:
+                raw = b""
+        if len(raw) != segment.nbytes or not segment.holds(raw):
+            raise SessionDamaged(
+                f"session {public_id(key)!r}: object {segment.object} opened but does not hold the records its commit "
+                f"recorded (records {segment.first_record}..); it is not served"
+            )
+        return memoryview(raw)
 
     def _unpacked(self, key: str, segment: Segment) -> bytes:
         for _ in range(2):  # one more GET if the bytes do not decompress to the recorded digest

@@ -9,7 +9,7 @@ on time (lease expiry, GC grace) use PostgreSQL's ``clock_timestamp()``: one clo
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -76,6 +76,9 @@ class SharedIndex(Rewrites):
 
     def __init__(self, url: str, **options: Any):
         super().__init__(url, **options)
+        # told the keys epoch (kv_meta 'keys_epoch') every read plan saw, in the plan's snapshot:
+        # the encrypted store's keyring drops the keys a shred destroyed (kvstore.store.shared.keys)
+        self.on_key_epoch: list[Callable[[int], None]] = []
 
     # ------------------------------------------------------------------ sessions
     def create_session(
@@ -570,6 +573,8 @@ class SharedIndex(Rewrites):
         blocks: tuple[int, list[bytes]] = (0, []),
         hard_limit: int | None = None,
         check: bytes | None = None,
+        stored_bytes: int | None = None,
+        key_version: int | None = None,
     ) -> tuple[Segment, bool]:
         """The commit point: record the segment and the new count, fenced by ``token``.
 
@@ -578,6 +583,8 @@ class SharedIndex(Rewrites):
         result in the same transaction (:meth:`request_result` answers a retry from it).
         ``blocks``: ``(first block, chain hashes)`` of the prefix blocks the new watermark completes.
         ``check``: the records' BLAKE3-256, which reads match (``rows.check_of``).
+        ``stored_bytes``, ``key_version``: a sealed object's own size and the owner's data-key
+        version it is sealed under (kvstore.store.shared.keys; None: a plaintext object).
 
         Returns the segment and whether this call committed it (False: an earlier attempt did).
 
@@ -616,19 +623,21 @@ class SharedIndex(Rewrites):
                         f"the upload {object_name} was collected before its commit (slower than the GC grace); "
                         "nothing was published: send the rows again"
                     )
-                nbytes = int(intent[0])
-                if nbytes != n_records * int(count[1]):
-                    raise SegmentLost(f"the upload {object_name} holds {nbytes} bytes, not {n_records} records")
+                nbytes = n_records * int(count[1])
+                if int(intent[0]) != (nbytes if stored_bytes is None else stored_bytes):
+                    raise SegmentLost(f"the upload {object_name} holds {intent[0]} bytes, not {n_records} records")
+                stored = nbytes if stored_bytes is None else stored_bytes
                 conn.execute(
                     "INSERT INTO kv_segments (key, first_record, n_records, object, nbytes, digest, token, complete, "
-                    "check_digest) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-                    (key, start, n_records, object_name, nbytes, digest, token, complete, check),
-                )
+                    "check_digest, stored_bytes, key_version) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                    (key, start, n_records, object_name, nbytes, digest, token, complete, check, stored_bytes,
+                     key_version),
+                )  # fmt: skip
                 conn.execute(
                     "UPDATE kv_sessions SET n_records = %(end)s, size_bytes = size_bytes + %(nbytes)s, "
                     "watermark = CASE WHEN %(complete)s THEN %(end)s ELSE watermark END, "
                     "updated_ns = %(now)s, last_used_ns = %(now)s WHERE key = %(key)s",
-                    {"end": start + n_records, "nbytes": nbytes, "complete": complete, "now": now_ns, "key": key},
+                    {"end": start + n_records, "nbytes": stored, "complete": complete, "now": now_ns, "key": key},
                 )
                 extend_lease(conn, key, ttl)
                 if request is not None:
@@ -640,8 +649,12 @@ class SharedIndex(Rewrites):
                         (key, request[0], request[1], start, start + n_records),
                     )
                 put_blocks(conn, key, *blocks)
-                fit(conn, nbytes, hard_limit)
-                return Segment(start, n_records, object_name, nbytes, digest, token, complete, check=check), True
+                fit(conn, stored, hard_limit)
+                segment = Segment(
+                    start, n_records, object_name, nbytes, digest, token, complete, check=check,
+                    stored_bytes=stored_bytes, key_version=key_version,
+                )  # fmt: skip
+                return segment, True
 
         return self.run("committing an append", body)
 
@@ -654,7 +667,9 @@ class SharedIndex(Rewrites):
             with conn.transaction():
                 conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                 row = conn.execute(
-                    f"SELECT header, rec_bytes, n_records, watermark FROM kv_sessions s WHERE key = %(key)s AND {LIVE}",
+                    "SELECT header, rec_bytes, n_records, watermark, "
+                    "(SELECT value FROM kv_meta WHERE name = 'keys_epoch') "
+                    f"FROM kv_sessions s WHERE key = %(key)s AND {LIVE}",
                     {"key": key, "now_ns": time.time_ns()},
                 ).fetchone()
                 if row is None:
@@ -666,9 +681,13 @@ class SharedIndex(Rewrites):
                     "WHERE key = %s AND first_record < %s AND first_record + n_records > %s ORDER BY first_record",
                     (key, end, start),
                 ).fetchall()
-            return ReadPlan(bytes(row[0]), int(row[1]), n_records, [segment_of(r) for r in rows], int(row[3]))
+            epoch = int(row[4]) if row[4] is not None else 0
+            return ReadPlan(bytes(row[0]), int(row[1]), n_records, [segment_of(r) for r in rows], int(row[3]), epoch)
 
-        return self.run("reading a session's segments", body)
+        plan = self.run("reading a session's segments", body)
+        for seen in self.on_key_epoch:  # a shred elsewhere: the keys held here go before any object is read
+            seen(plan.key_epoch)
+        return plan
 
     def touch(self, key: str, now_ns: int) -> None:
         """Mark a session used now (the global LRU)."""

@@ -71,6 +71,26 @@ def unpark(
     _rewrite(shared, lease, plan, [s for s in plan.segments if s.codec != "raw"], plain, "active", hard_limit, progress)
 
 
+def reseal(
+    shared: SharedStore, lease: Lease, version: int, *, hard_limit: int | None = None, progress: Progress | None = None
+) -> int:
+    """Rewrite the session's objects not sealed under data-key ``version`` (the owner's current one,
+    after a data-key rotation): each opened, checked, sealed anew — a parked one compressed again —
+    and swapped in by one fenced commit; the state stays. Returns how many objects were rewritten."""
+
+    def again(segment: Segment, raw: memoryview) -> tuple[bytes, Segment]:
+        if segment.codec == "raw":
+            return bytes(raw), segment
+        packer = zstandard.ZstdCompressor(level=PARK_LEVEL, write_checksum=True, write_content_size=True)
+        return packer.compress(raw), segment
+
+    plan = shared.index.read_plan(lease.key)
+    chosen = [s for s in plan.segments if s.key_version != version]
+    state = str(shared.index.session(lease.key)["state"])
+    _rewrite(shared, lease, plan, chosen, again, state, hard_limit, progress)
+    return len(chosen)
+
+
 def migrate(
     shared: SharedStore,
     lease: Lease,
@@ -157,9 +177,8 @@ def _rewrite(
             return None
         body, row = converted
         name = shared.segment_name(key, segment.first_record, lease.token)
-        shared.index.add_intent(key, lease.token, name, len(body))
-        shared.blobs.put(name, body)
-        return replace(row, object=name, token=lease.token)
+        stored, version = shared.put_object(key, lease.token, name, row.first_record, row.n_records, row.codec, body)
+        return replace(row, object=name, token=lease.token, stored_bytes=stored, key_version=version)
 
     try:
         for window in range(0, len(chosen), _WINDOW):

@@ -27,7 +27,9 @@ EVICT_LOCK = 0x6B7673_0002
 LIMIT_LOCK = 0x6B7673_0003
 
 #: A segment row's columns, in :class:`Segment`'s order.
-SEGMENT_COLUMNS = "first_record, n_records, object, nbytes, digest, token, complete, codec, stored_bytes, check_digest"
+SEGMENT_COLUMNS = (
+    "first_record, n_records, object, nbytes, digest, token, complete, codec, stored_bytes, check_digest, key_version"
+)
 #: The bytes a session takes: its header (kept in the index) and its segment objects.
 SIZE_OF = "40 + coalesce((SELECT sum(coalesce(g.stored_bytes, g.nbytes)) FROM kv_segments g WHERE g.key = %s), 0)"
 
@@ -69,6 +71,9 @@ class Segment:
     codec: str = "raw"  # "zstd": the object is the records compressed (a parked session's)
     stored_bytes: int | None = None  # the object's own bytes when compressed (``nbytes``: the records')
     check: bytes | None = None  # BLAKE3-256 of the records' bytes (None: committed before schema 8)
+    # the owner's data-key version the object is sealed under (kvstore.store.shared.keys; None: a
+    # plaintext object); a sealed object's stored_bytes is its own size, nbytes the records'
+    key_version: int | None = None
 
     def holds(self, payload: bytes | memoryview) -> bool:
         """Whether ``payload`` is this segment's records: by its BLAKE3 check, or by its digest when
@@ -83,7 +88,7 @@ class Segment:
 
     @property
     def object_bytes(self) -> int:
-        """Bytes the object takes in the object store."""
+        """Bytes the object takes in the object store (sealed, compressed, or the records themselves)."""
         return self.nbytes if self.stored_bytes is None else self.stored_bytes
 
 
@@ -96,6 +101,7 @@ class ReadPlan:
     n_records: int
     segments: list[Segment]
     watermark: int = 0  # records of complete turns (what a resume serves), same snapshot
+    key_epoch: int = 0  # destructions of data keys so far (kv_meta 'keys_epoch'), same snapshot
 
 
 def unlisted(conn: psycopg.Connection, objects: list[str]) -> list[str]:
@@ -120,9 +126,9 @@ def publish_replacement(conn: psycopg.Connection, key: str, segment: Segment) ->
             "nothing was published: try again"
         )
     conn.execute(
-        f"INSERT INTO kv_segments (key, {SEGMENT_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        f"INSERT INTO kv_segments (key, {SEGMENT_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
         (key, segment.first_record, segment.n_records, segment.object, segment.nbytes, segment.digest,
-         segment.token, segment.complete, segment.codec, segment.stored_bytes, segment.check),
+         segment.token, segment.complete, segment.codec, segment.stored_bytes, segment.check, segment.key_version),
     )  # fmt: skip
 
 
@@ -139,6 +145,7 @@ def segment_of(row: Any) -> Segment:
     return Segment(
         int(row[0]), int(row[1]), str(row[2]), int(row[3]), bytes(row[4]), int(row[5]), bool(row[6]), str(row[7]),
         None if row[8] is None else int(row[8]), None if row[9] is None else bytes(row[9]),
+        None if row[10] is None else int(row[10]),
     )  # fmt: skip
 
 

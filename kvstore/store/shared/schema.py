@@ -9,7 +9,7 @@ from __future__ import annotations
 #: ``pg_advisory_xact_lock`` key serializing schema creation and upgrades across replicas.
 SCHEMA_LOCK = 0x6B7673_0001
 
-CURRENT_VERSION = 9
+CURRENT_VERSION = 10
 
 #: version reached -> the statements that reach it from the version before.
 STEPS: dict[int, tuple[str, ...]] = {
@@ -187,6 +187,45 @@ STEPS: dict[int, tuple[str, ...]] = {
         "CREATE TRIGGER kv_sessions_expiry BEFORE INSERT OR UPDATE OF last_used_ns, ttl_ns, owner ON kv_sessions "
         "FOR EACH ROW EXECUTE FUNCTION kv_session_expiry()",
         "CREATE INDEX IF NOT EXISTS kv_sessions_expiry ON kv_sessions (expires_ns) WHERE expires_ns IS NOT NULL",
+    ),
+    # encryption at rest (docs/SECURITY.md, "The shared store"; kvstore.store.shared.keys): each
+    # owner's data keys, wrapped by the KEK every replica reads from its own settings, kept here so
+    # every replica sees them; kv_meta 'kek_id' marks a store created encrypted, 'keys_epoch' counts
+    # the destructions (shred, retire) that every replica's read plan checks. A segment's object is
+    # sealed under its owner's data key of version key_version (NULL: a plaintext object, whose
+    # stored_bytes is NULL unless compressed); the trigger refuses a plaintext segment in a store
+    # created encrypted, so a replica started without the KEK can never mix the two
+    10: (
+        "ALTER TABLE kv_segments ADD COLUMN IF NOT EXISTS key_version integer CHECK (key_version > 0)",
+        "ALTER TABLE kv_segments DROP CONSTRAINT IF EXISTS kv_segments_codec",
+        "ALTER TABLE kv_segments ADD CONSTRAINT kv_segments_codec CHECK "
+        "(codec IN ('raw', 'zstd') AND (stored_bytes IS NULL) = (codec = 'raw' AND key_version IS NULL))",
+        """CREATE TABLE IF NOT EXISTS kv_key_owners (
+            owner text PRIMARY KEY,
+            current integer,
+            next integer NOT NULL CHECK (next > 0),
+            shredded_at timestamptz
+        )""",
+        """CREATE TABLE IF NOT EXISTS kv_data_keys (
+            owner text NOT NULL REFERENCES kv_key_owners (owner) ON DELETE CASCADE,
+            version integer NOT NULL CHECK (version > 0),
+            wrapped bytea NOT NULL,
+            created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+            PRIMARY KEY (owner, version)
+        )""",
+        "INSERT INTO kv_meta (name, value) VALUES ('keys_epoch', '0') ON CONFLICT (name) DO NOTHING",
+        """CREATE OR REPLACE FUNCTION kv_refuse_plaintext_segment() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.key_version IS NULL AND EXISTS (SELECT 1 FROM kv_meta WHERE name = 'kek_id') THEN
+                RAISE EXCEPTION 'kvstore: a plaintext segment in a shared store created encrypted'
+                    USING ERRCODE = 'check_violation';
+            END IF;
+            RETURN NEW;
+        END
+        $$""",
+        "DROP TRIGGER IF EXISTS kv_segments_sealed ON kv_segments",
+        "CREATE TRIGGER kv_segments_sealed BEFORE INSERT ON kv_segments "
+        "FOR EACH ROW EXECUTE FUNCTION kv_refuse_plaintext_segment()",
     ),
 }
 

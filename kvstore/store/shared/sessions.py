@@ -42,8 +42,10 @@ from typing import Any, Iterable
 import numpy as np
 
 from kvstore import config as settings
+from kvstore.crypto.kek import KeyProvider
 from kvstore.errors import (
     InvalidRequest,
+    KVStoreError,
     LeaseHeld,
     NotOnSharedStore,
     SessionExists,
@@ -70,8 +72,10 @@ from kvstore.store.results import (
     checked_override,
     refuse_nonfinite,
 )
+from kvstore.store.shared import recode
 from kvstore.store.shared.cache import DEFAULT_CACHE_BYTES, SegmentCache
 from kvstore.store.shared.index import SharedIndex
+from kvstore.store.shared.keys import SegmentSealer, SharedKeyring, attach
 from kvstore.store.shared.reading import SharedReader, validated
 from kvstore.store.shared.reports import inspect_session, longest_prefix, record_of, verify_session
 from kvstore.store.shared.store import (
@@ -174,6 +178,7 @@ class SharedSessionStore(Store):
         budget_bytes: int | None = None,
         hard_limit_bytes: int | None = None,
         max_sessions_per_owner: int | None = None,
+        kek: KeyProvider | None = None,
     ):
         for name, value in (("budget_bytes", budget_bytes), ("hard_limit_bytes", hard_limit_bytes)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -185,6 +190,19 @@ class SharedSessionStore(Store):
         self.shared = SharedStore.connect(index_url, blobs_url, ttl=lease_ttl, cache=cache)
         self.shared.hard_limit = hard_limit_bytes
         self.shared.max_sessions = check_session_cap(max_sessions_per_owner)
+        # encrypted at rest when the index says so (or a KEK makes a new store so): keys.attach. With
+        # PostgreSQL down the replica starts anyway, as it does plaintext: the first write or sealed
+        # read attaches (and, without the KEK an encrypted store needs, is refused then)
+        self._keyring: SharedKeyring | None = None
+        self._kek = kek
+        self._attach_lock = threading.Lock()
+        try:
+            self._attach()
+        except Unavailable:
+            self.shared.pending = self._attach
+        except BaseException:
+            self.shared.close()
+            raise
         self._lock_timeout = lock_timeout
         self.holder = default_holder()  # this replica, as the leases name it
         self._stats = StoreStats()
@@ -196,7 +214,92 @@ class SharedSessionStore(Store):
         self._in_doubt: dict[str, Lease] = {}  # leases kept by an append whose commit got no answer
 
     def close(self) -> None:
+        if self._keyring is not None:
+            self._keyring.forget()
         self.shared.close()
+
+    # ------------------------------------------------------------------ encryption at rest (kvstore.store.shared.keys)
+    def _attach(self) -> None:
+        with self._attach_lock:
+            if self._keyring is None:
+                self._keyring = attach(self.shared.index, self._kek)
+                if self._keyring is not None:
+                    self.shared.encrypt(SegmentSealer(self._keyring))
+            self.shared.pending = None
+
+    @property
+    def keyring(self) -> SharedKeyring | None:
+        """The owners' data keys of a store encrypted at rest, in the shared index (None: plaintext,
+        or not known yet: PostgreSQL was down at open and nothing was written or read since)."""
+        return self._keyring
+
+    @property
+    def encrypted(self) -> bool:
+        return self.keyring is not None
+
+    def _keys(self) -> SharedKeyring:
+        if self.shared.pending is not None:
+            self.shared.pending()
+        keyring = self._keyring
+        if keyring is None:
+            raise InvalidRequest("this shared store is not encrypted at rest (open it with a KEK)")
+        return keyring
+
+    def key_versions_in_use(self, owner: str) -> dict[int, int]:
+        """Data-key version -> how many of ``owner``'s segment rows are sealed under it."""
+        validate_owner(owner)
+        rows = self.shared.index.run(
+            "counting sealed segments",
+            lambda conn: conn.execute(
+                "SELECT g.key_version, count(*) FROM kv_segments g JOIN kv_sessions s ON s.key = g.key "
+                "WHERE s.owner = %s AND g.key_version IS NOT NULL GROUP BY g.key_version",
+                (owner,),
+            ).fetchall(),
+        )
+        return {int(v): int(n) for v, n in rows}
+
+    def shred_owner(self, owner: str) -> int:
+        """Destroy every data key of ``owner`` in the shared index (:meth:`SharedKeyring.shred`):
+        every object of the owner, in the bucket, in every replica's cache and in every backup, is
+        unreadable from then on, untouched; every replica stops serving it at its next request.
+        Returns the key versions destroyed. The sessions stay listed (damaged on read) until deleted."""
+        validate_owner(owner)
+        return self._keys().shred(owner)
+
+    def rotate_data_key(self, owner: str, *, rewrite: bool = True) -> dict[str, Any]:
+        """A new data-key version for ``owner``: every object written from now on (appends, forks'
+        cut segments, park, unpark, migrate) is sealed under it at once. With ``rewrite``, each of
+        the owner's sessions then has its older objects resealed under it (``recode.reseal``), one
+        session at a time under its lease (any replica keeps serving it, and every other session);
+        versions no segment uses any longer are retired (destroyed). A session that could not be
+        rewritten is named in ``skipped`` and keeps its version, which then stays."""
+        keyring = self._keys()
+        validate_owner(owner)
+        version = keyring.rotate(owner)
+        resealed, skipped = [], []
+        for row in self.index.sessions(owner) if rewrite else ():
+            key = str(row["key"])
+
+            def again(lease: Lease) -> None:
+                recode.reseal(self.shared, lease, version, hard_limit=self.hard_limit_bytes)
+
+            try:
+                self._under_lease(key, again)
+                resealed.append(public_id(key))
+            except KVStoreError as exc:
+                skipped.append(f"{public_id(key)}: {exc.reason}")
+        in_use = self.key_versions_in_use(owner)
+        retired = [v for v in keyring.versions(owner) if v != version and v not in in_use]
+        for old in retired:
+            keyring.retire(owner, old)
+        return {
+            "owner": owner,
+            "version": version,
+            "resealed": resealed,
+            "skipped": skipped,
+            "retired": retired,
+            "in_use": sorted(in_use),
+        }
 
     def __enter__(self) -> "SharedSessionStore":
         return self

@@ -36,6 +36,7 @@ from kvstore.store.shared.blobs import BlobStore
 from kvstore.store.shared.cache import SegmentCache
 from kvstore.store.shared.fetch import SegmentFetcher
 from kvstore.store.shared.index import ReadPlan, Segment, SharedIndex
+from kvstore.store.shared.keys import SegmentSealer
 from kvstore.store.shared.rows import check_of, digest_of
 from kvstore.store.values import (
     Fingerprint,
@@ -63,6 +64,8 @@ class _InDoubt:
     start: int
     n_records: int
     digest: bytes
+    stored_bytes: int | None = None
+    key_version: int | None = None
 
 
 @dataclass
@@ -101,6 +104,8 @@ class Prepared:
     request: tuple[str, bytes] | None = None  # (idempotency key, request digest), recorded by the commit
     blocks: tuple[int, list[bytes]] = (0, [])  # prefix blocks the commit's watermark completes
     check: bytes | None = None  # BLAKE3-256 of the payload, what reads match
+    stored_bytes: int | None = None  # the sealed object's size (None: the object is the payload)
+    key_version: int | None = None  # the owner's data-key version it is sealed under (None: plaintext)
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,21 @@ class SharedStore:
         )
         self.max_sessions: int | None = None  # sessions one owner may have (None: no cap); creates past it refused
         self.reads = SegmentFetcher(blobs, cache)  # parallel ranged GETs, the cache, read-ahead
+        self.sealer: SegmentSealer | None = None  # encrypted at rest: every object sealed (keys.py)
+
+    def encrypt(self, sealer: SegmentSealer) -> None:
+        """Seal every object written from now on, and open every sealed object read (``attach``
+        decided the store is encrypted: it never holds a plaintext segment)."""
+        self.sealer = sealer
+        self.reads.sealer = sealer
+
+    @property
+    def pending(self) -> Callable[[], None] | None:
+        return self.reads.pending
+
+    @pending.setter
+    def pending(self, attach: Callable[[], None] | None) -> None:
+        self.reads.pending = attach
 
     @classmethod
     def connect(cls, index_url: str, blobs_url: str, **options: Any) -> "SharedStore":
@@ -346,32 +366,35 @@ class SharedStore:
         self.check_fits(len(payload))
         blocks = self.new_blocks(lease.key, row, start, payload, start + n) if complete else (0, [])
         doubt = lease.in_doubt
-        name = doubt.object if doubt is not None else self._upload(lease, start, payload)
+        if doubt is not None:
+            name, stored, version = doubt.object, doubt.stored_bytes, doubt.key_version
+        else:
+            name, stored, version = self._upload(lease, start, n, payload)
         return Prepared(
             name, start, n, digest, payload, complete, (request.value, request_digest) if request else None, blocks,
-            check_of(payload),
+            check_of(payload), stored, version,
         )  # fmt: skip
 
     def commit(self, lease: Lease, prepared: "Prepared") -> AppendAck:
         """Step 3, the commit point: publish a prepared segment, fenced by ``lease.token``."""
-        name = prepared.object
+        name, stored, version = prepared.object, prepared.stored_bytes, prepared.key_version
         for _ in range(2):  # a second upload only when GC took the first one's intent
             try:
                 segment, _ = self.index.commit(
                     lease.key, lease.token, prepared.start, prepared.n_records, name, prepared.digest, lease.ttl,
                     time.time_ns(), prepared.complete, request=prepared.request, blocks=prepared.blocks,
-                    hard_limit=self.hard_limit, check=prepared.check,
+                    hard_limit=self.hard_limit, check=prepared.check, stored_bytes=stored, key_version=version,
                 )  # fmt: skip
             except BudgetExceeded:
                 lease.in_doubt = None
                 self.abandon(name)  # refused by the commit itself: nothing was published
                 raise
             except Unavailable:
-                lease.in_doubt = _InDoubt(name, prepared.start, prepared.n_records, prepared.digest)
+                lease.in_doubt = _InDoubt(name, prepared.start, prepared.n_records, prepared.digest, stored, version)
                 raise
             except SegmentLost:
                 lease.in_doubt = None
-                name = self._upload(lease, prepared.start, prepared.payload)
+                name, stored, version = self._upload(lease, prepared.start, prepared.n_records, prepared.payload)
                 continue
             lease.in_doubt = None
             lease.n_records = segment.first_record + segment.n_records
@@ -390,11 +413,32 @@ class SharedStore:
                 f"{self.hard_limit}; nothing was written. Delete or park sessions, or raise the limit"
             )
 
-    def _upload(self, lease: Lease, start: int, payload: memoryview) -> str:
+    def _upload(
+        self, lease: Lease, start: int, n_records: int, payload: memoryview
+    ) -> tuple[str, int | None, int | None]:
+        """``(name, stored_bytes, key_version)`` of a new object holding ``payload`` (``n_records``
+        records from ``start``)."""
         name = self.segment_name(lease.key, start, lease.token)
-        self.index.add_intent(lease.key, lease.token, name, len(payload))  # before the object exists: GC sees it
-        self.blobs.put(name, payload)
-        return name
+        stored, version = self.put_object(lease.key, lease.token, name, start, n_records, "raw", payload)
+        return name, stored, version
+
+    def put_object(
+        self, key: str, token: int, name: str, first_record: int, n_records: int, codec: str, body: bytes | memoryview
+    ) -> tuple[int | None, int | None]:
+        """Upload ``body`` (records ``first_record..`` of session ``key``, ``codec``-encoded) as object
+        ``name`` under an intent (recorded first: GC sees it). On an encrypted store the object is
+        ``body`` sealed under the owner's current data key. Returns ``(stored_bytes, key_version)``
+        for its segment row: ``(None, None)`` for plaintext records, the object's size for a
+        compressed or sealed one and, when sealed, the data-key version."""
+        version = None
+        if self.pending is not None:
+            self.pending()
+        if self.sealer is not None:
+            sealed = self.sealer.seal(key, name, first_record, n_records, codec, body)
+            body, version = sealed.body, sealed.key_version
+        self.index.add_intent(key, token, name, len(body))
+        self.blobs.put(name, body)
+        return (None if codec == "raw" and version is None else len(body)), version
 
     def _settle_doubt(self, lease: Lease, digest: bytes) -> AppendAck | None:
         """Find out whether the unanswered attempt was committed; an ack when it was this same append."""
@@ -449,11 +493,11 @@ class SharedStore:
         whole = self.reads.whole(key, segment)
         kept = whole[: n * rec_bytes]
         name = self.segment_name(into, segment.first_record, token)
-        self.index.add_intent(into, token, name, len(kept))
-        self.blobs.put(name, kept)
+        stored, version = self.put_object(into, token, name, segment.first_record, n, "raw", kept)
         return Segment(
-            segment.first_record, n, name, len(kept), digest_of(kept), token, segment.complete, check=check_of(kept)
-        )
+            segment.first_record, n, name, len(kept), digest_of(kept), token, segment.complete, check=check_of(kept),
+            stored_bytes=stored, key_version=version,
+        )  # fmt: skip
 
     def fork(
         self, source: str, new_key: str, at: int | None, record: dict[str, Any], *, attempts: int = 3
