@@ -90,3 +90,26 @@ def child_env(index_url, blobs_url, s3_server, aws_env) -> dict[str, str]:
         "KVSTORE_INDEX_URL": index_url,
         "KVSTORE_BLOBS_URL": blobs_url,
     }
+
+
+@pytest.fixture(params=["plaintext", "encrypted"])
+def at_rest(request, monkeypatch):
+    """Runs a suite that builds ``SharedStore`` objects itself (the protocol and fault tests) twice:
+    as written, and with every ``SharedStore`` encrypted at rest under the tests' KEK (its keyring
+    attached to its own index, as ``SharedSessionStore`` does), so the same faults hit sealed objects.
+    Use as ``pytestmark = pytest.mark.usefixtures("at_rest")``."""
+    if request.param == "encrypted":
+        from crypto.support import KEK
+        from kvstore.store.shared.keys import SegmentSealer, attach
+        from kvstore.store.shared.store import SharedStore
+
+        plain_init = SharedStore.__init__
+
+        def sealed_init(self, index, blobs, **options):
+            plain_init(self, index, blobs, **options)
+            keyring = attach(index, KEK)
+            assert keyring is not None
+            self.encrypt(SegmentSealer(keyring))
+
+        monkeypatch.setattr(SharedStore, "__init__", sealed_init)
+    return request.param

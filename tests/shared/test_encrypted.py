@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 import kvstore.store
 import shared.test_conformance as plain
+import shared.test_expiry as plain_expiry
 from crypto.support import KEK
 from kvstore.crypto import LocalKEK
 from kvstore.crypto.seal import NONCE_BYTES, OBJECT_MAGIC, SALT_BYTES
@@ -114,6 +115,14 @@ class TestEncryptedSharedStore(plain.TestSharedStore):
             0x01  # GCM: the same bit of the plaintext
         )
         overwrite(store, segment.object, bytes(body))
+
+
+class TestEncryptedSharedExpiry(plain_expiry.TestSharedExpiry):
+    """The expiry conformance suite on an encrypted shared store (expired sessions swept as a delete
+    removes them: rows, then objects)."""
+
+    def make_store(self, path) -> Any:
+        return kvstore.store.open(path, index_url=self.index_url, blobs_url=self.blobs_url, cache_bytes=0, kek=KEK)
 
 
 # ------------------------------------------------------------------ the encryption's own tests

@@ -28,6 +28,9 @@ from kvstore.store.shared import BlobStore, SharedIndex, SharedStore
 from kvstore.store.shared import schema as shared_schema
 from shared.rows import GEOMETRY, TIER, rec_bytes, records
 
+# every test twice: plaintext, and with every SharedStore encrypted at rest (conftest.at_rest)
+pytestmark = pytest.mark.usefixtures("at_rest")
+
 
 @pytest.fixture
 def store(index_url, blobs_url, s3_server):
