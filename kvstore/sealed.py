@@ -47,8 +47,10 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvstore.crypto.seal import SALT_BYTES, TAG_BYTES, derive_subkey, new_nonce
+from kvstore.crypto.seal import SALT_BYTES, TAG_BYTES, derive_key, new_nonce
 from kvstore.durable import AtomicFile, pwrite_all
 from kvstore.errors import FormatError, JournalWriteError, SealBroken
 from kvstore.formats import coli_kv
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 SEALED_HEADER_BYTES = 88
 FRAME_HEADER_BYTES = 28
 CONTAINER_VERSION = 1
+_BLOCK = 16  # AES's block: the streaming interface wants this much room past its output, less one
 FRAME_BYTES = 1 << 20  # records of one frame at most (one AEAD call each; a range read decrypts whole frames)
 _HEAD = struct.Struct("<8s8i8sII32s")
 _FRAME = struct.Struct("<IIQ12s")
@@ -185,7 +188,8 @@ class FrameCodec:
 
     def __init__(self, sealing: Sealing, head: SealedHeader, name: str):
         key = sealing.keyring.key(sealing.owner, head.key_version)
-        self._aead = derive_subkey(key.secret, head.salt, b"journal " + sealing.identity.encode())
+        self._key = derive_key(key.secret, head.salt, b"journal " + sealing.identity.encode())
+        self._aead = AESGCM(self._key)
         self._bound = head.bound() + sealing.identity.encode() + b"\0"
         self.rec_bytes = head.header.rec_bytes
         self.name = name
@@ -231,6 +235,38 @@ class FrameCodec:
                 "`kvstore sessions repair` cuts the session back to its last good turn"
             )
             broken.first_record = first  # where the damage starts (a store's verify names its turn)
+            raise broken from None
+
+    def open_at(self, frame_header: bytes, body: memoryview, buf: memoryview, pos: int) -> None:
+        """Decrypt the frame (``body``: ciphertext and tag) into ``buf[pos:pos + its size]``.
+
+        Through the streaming GCM interface, which releases the GIL while it runs (the one-shot
+        AEAD call holds it, so a server's reader thread would stall its event loop). Its output
+        needs 15 bytes of room past the data: the frame's last bytes come back separately when
+        ``buf`` has none. The tag is checked at the end: on a mismatch the bytes written are zeroed
+        and :class:`SealBroken` is raised, so no caller ever sees them."""
+        first, count, _, nonce = _FRAME.unpack(frame_header)
+        size = len(body) - TAG_BYTES
+        decryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce, bytes(body[size:]))).decryptor()
+        decryptor.authenticate_additional_data(self._bound + frame_header[:16])
+        ciphertext = body[:size]
+        if len(buf) - pos >= size + _BLOCK - 1:
+            decryptor.update_into(ciphertext, buf[pos : pos + size + _BLOCK - 1])
+        else:
+            lead = max(0, size - _BLOCK)
+            if lead:
+                decryptor.update_into(ciphertext[:lead], buf[pos : pos + lead + _BLOCK - 1])
+            buf[pos + lead : pos + size] = decryptor.update(ciphertext[lead:])
+        try:
+            decryptor.finalize()
+        except InvalidTag:
+            buf[pos : pos + size] = bytes(size)
+            broken = SealBroken(
+                f"{self.name}: the frame of records [{first}, {first + count}) failed authentication (a changed "
+                "byte, a frame moved from elsewhere, or another key); nothing of it was decrypted: "
+                "`kvstore sessions repair` cuts the session back to its last good turn"
+            )
+            broken.first_record = first
             raise broken from None
 
     def frames(self, first: int, body: memoryview) -> list[bytes]:
@@ -317,7 +353,7 @@ def read_frames(fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int, *
             size = table.counts[k] * codec.rec_bytes
             head = bytes(view[at : at + FRAME_HEADER_BYTES])
             body = view[at + FRAME_HEADER_BYTES : at + FRAME_HEADER_BYTES + size + TAG_BYTES]
-            codec.open(head, body, out[pos : pos + size])
+            codec.open_at(head, body, out, pos)
             pos += size
     return out
 
@@ -402,10 +438,10 @@ def _open_frames(
         body = raw[at + FRAME_HEADER_BYTES : at + FRAME_HEADER_BYTES + count * rec + TAG_BYTES]
         a, b = max(first, start), min(first + count, stop)
         if a == first and b == first + count:
-            codec.open(head, body, out[(first - start) * rec : (b - start) * rec])
+            codec.open_at(head, body, out[: (stop - start) * rec], (first - start) * rec)
         else:
             whole = np.empty(count * rec, dtype=np.uint8)
-            codec.open(head, body, whole.data)
+            codec.open_at(head, body, whole.data, 0)
             out[(a - start) * rec : (b - start) * rec] = whole.data[(a - first) * rec : (b - first) * rec]
 
 

@@ -35,11 +35,15 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
+def derive_key(data_key: bytes, salt: bytes, purpose: bytes) -> bytes:
+    """The AES-256 key of one file (or object): HKDF-SHA256 of the owner's data key with the file's
+    random salt and what it is for (``purpose``, e.g. b"journal " + the session's key)."""
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt, info=b"kvstore v1 " + purpose).derive(data_key)
+
+
 def derive_subkey(data_key: bytes, salt: bytes, purpose: bytes) -> AESGCM:
-    """The AES-256-GCM cipher of one file (or object): HKDF-SHA256 of the owner's data key with the
-    file's random salt and what it is for (``purpose``, e.g. b"journal" + the session's key)."""
-    okm = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt, info=b"kvstore v1 " + purpose).derive(data_key)
-    return AESGCM(okm)
+    """:func:`derive_key` as an AES-256-GCM cipher."""
+    return AESGCM(derive_key(data_key, salt, purpose))
 
 
 def seal_object(
