@@ -366,3 +366,18 @@ def test_a_shred_through_the_cli_stops_two_served_replicas_and_every_way_to_the_
     finally:
         for replica in replicas:
             replica.stop_cleanly()
+
+
+def test_a_replica_opened_plaintext_before_the_store_became_encrypted_cannot_write_plaintext(urls):
+    with _open(urls) as early:  # an empty store: plaintext until a replica brings a KEK
+        assert not early.encrypted
+        with _open(urls, kek=KEK) as late:
+            assert late.encrypted
+            _session(late, "chat", "alice")
+        early.create("bob", GEOMETRY, TIER, {"name": "m", "revision": "1"}, session_id="plain")
+        with pytest.raises(KeyUnavailable):  # the index's trigger refuses its plaintext segment
+            early.append_records("plain", records(3, 0, 2), owner="bob")
+        assert early.get("plain", owner="bob").n_records == 0
+        # its plaintext upload was taken back: the bucket holds the sealed objects only
+        sealed = {s.object for s in early.shared.segments("chat~alice")}
+        assert {info.name for info in early.shared.blobs.list("seg")} == sealed

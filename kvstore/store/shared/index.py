@@ -33,6 +33,7 @@ from kvstore.store.shared.rows import (
     extend_lease,
     fit,
     hold_lease,
+    insert_segment,
     lock_session,
     put_blocks,
     segment_of,
@@ -627,7 +628,8 @@ class SharedIndex(Rewrites):
                 if int(intent[0]) != (nbytes if stored_bytes is None else stored_bytes):
                     raise SegmentLost(f"the upload {object_name} holds {intent[0]} bytes, not {n_records} records")
                 stored = nbytes if stored_bytes is None else stored_bytes
-                conn.execute(
+                insert_segment(
+                    conn,
                     "INSERT INTO kv_segments (key, first_record, n_records, object, nbytes, digest, token, complete, "
                     "check_digest, stored_bytes, key_version) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                     (key, start, n_records, object_name, nbytes, digest, token, complete, check, stored_bytes,

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 import blake3
 import psycopg
 
-from kvstore.errors import BudgetExceeded, LeaseExpired, SegmentLost, SessionNotFound, StaleLease, TooManySessions
+from kvstore.errors import (
+    BudgetExceeded,
+    KeyUnavailable,
+    LeaseExpired,
+    SegmentLost,
+    SessionNotFound,
+    StaleLease,
+    TooManySessions,
+)
 from kvstore.store.values import public_id
 
 if TYPE_CHECKING:
@@ -115,6 +123,23 @@ def unlisted(conn: psycopg.Connection, objects: list[str]) -> list[str]:
     return [r[0] for r in rows]
 
 
+PLAINTEXT_REFUSED = "a plaintext segment in a shared store created encrypted"  # schema 10's trigger
+
+
+def insert_segment(conn: psycopg.Connection, statement: LiteralString, params: tuple) -> None:
+    """Insert a segment row; the trigger's refusal of a plaintext segment in a store created
+    encrypted (a replica opened before a KEK made the store encrypted) becomes ``KeyUnavailable``."""
+    try:
+        conn.execute(statement, params)
+    except psycopg.errors.CheckViolation as exc:
+        if PLAINTEXT_REFUSED not in str(exc):
+            raise
+        raise KeyUnavailable(
+            "this shared store is encrypted at rest and this replica was opened without its key-encryption key: "
+            "nothing was published; restart it with --kek-file (or KVSTORE_KEK_FILE / KVSTORE_KEK)"
+        ) from None
+
+
 def publish_replacement(conn: psycopg.Connection, key: str, segment: Segment) -> None:
     """Insert a segment uploaded under an intent (the rows of a cut segment), taking its intent."""
     intent = conn.execute(
@@ -125,7 +150,8 @@ def publish_replacement(conn: psycopg.Connection, key: str, segment: Segment) ->
             f"the upload {segment.object} was collected before its commit (slower than the GC grace); "
             "nothing was published: try again"
         )
-    conn.execute(
+    insert_segment(
+        conn,
         f"INSERT INTO kv_segments (key, {SEGMENT_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
         (key, segment.first_record, segment.n_records, segment.object, segment.nbytes, segment.digest,
          segment.token, segment.complete, segment.codec, segment.stored_bytes, segment.check, segment.key_version),

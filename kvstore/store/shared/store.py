@@ -24,6 +24,7 @@ from kvstore.errors import (
     BudgetExceeded,
     IdempotencyKeyReused,
     InvalidRequest,
+    KeyUnavailable,
     RecordCountMismatch,
     SegmentLost,
     SessionDamaged,
@@ -385,7 +386,7 @@ class SharedStore:
                     time.time_ns(), prepared.complete, request=prepared.request, blocks=prepared.blocks,
                     hard_limit=self.hard_limit, check=prepared.check, stored_bytes=stored, key_version=version,
                 )  # fmt: skip
-            except BudgetExceeded:
+            except (BudgetExceeded, KeyUnavailable):
                 lease.in_doubt = None
                 self.abandon(name)  # refused by the commit itself: nothing was published
                 raise
