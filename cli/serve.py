@@ -100,6 +100,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     blobs_url = store_cmd.optional_blobs_url(args)
     if index_url is not None or blobs_url is not None:
         store_cmd.shared_modules()
+    if index_url is None:
+        _check_kek(args)
     settings = Settings(
         data_dir=options.data_folder(args.data),
         budget_bytes=parse_size(args.budget),
@@ -226,6 +228,17 @@ def _bind(host: str, port: int) -> list[socket.socket]:
             reason = f"cannot listen on {where}: {(exc.strerror or str(exc)).lower()}"
         raise InvalidRequest(reason) from None
     return sockets
+
+
+def _check_kek(args: argparse.Namespace) -> None:
+    """Refuse now, with the reason and before the server starts, a store that must be opened
+    encrypted (``--encrypt``, ``KVSTORE_ENCRYPT``, or a store created so) when no usable
+    key-encryption key is named (docs/SECURITY.md)."""
+    from kvstore.crypto import provider_from_settings
+    from kvstore.crypto.keyring import Keyring
+
+    if args.encrypt or args.kek_file is not None or config.ENCRYPT.get() or Keyring.exists(args.data):
+        provider_from_settings(args.kek_file)
 
 
 def _print_keys(data_dir: Path, env_keys: str | None) -> None:

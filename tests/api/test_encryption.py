@@ -160,3 +160,20 @@ def test_a_shred_drops_the_owners_resident_rows_from_a_running_servers_pool(tmp_
             assert pool.get("chat~alice") is None and pool.get("chat~bob") is not None
         finally:
             watcher.stop()
+
+
+def test_serve_refuses_an_encrypted_store_without_its_key_before_it_starts(tmp_path, kek_file, monkeypatch, capsys):
+    for name in ("KVSTORE_KEK", "KVSTORE_KEK_FILE", "KVSTORE_ENCRYPT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["serve", "--data", str(tmp_path / "new"), "--encrypt"]) == 2
+    assert "--kek-file" in capsys.readouterr().err and not (tmp_path / "new" / "keyring.json").exists()
+    with kvstore_store_open(tmp_path / "made", LocalKEK.from_file(kek_file)):
+        pass
+    assert main(["serve", "--data", str(tmp_path / "made")]) == 2  # created encrypted: always opened so
+    assert "encrypted at rest" in capsys.readouterr().err
+
+
+def kvstore_store_open(data, kek):
+    import kvstore.store
+
+    return kvstore.store.open(data, kek=kek)
