@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -381,3 +382,45 @@ def test_a_replica_opened_plaintext_before_the_store_became_encrypted_cannot_wri
         # its plaintext upload was taken back: the bucket holds the sealed objects only
         sealed = {s.object for s in early.shared.segments("chat~alice")}
         assert {info.name for info in early.shared.blobs.list("seg")} == sealed
+
+
+def test_schema_10_upgrades_an_index_of_schema_9_with_plaintext_and_parked_segments(urls):
+    """An index of schema 9 holding a plaintext session with a parked (zstd) segment and a plain one
+    upgrades to 10 in place: the new codec check accepts its rows, they keep serving, and the store
+    stays plaintext (and still refuses a KEK: it holds sessions)."""
+    import psycopg
+
+    from kvstore.formats import coli_kv
+    from kvstore.store.shared import schema
+
+    with _open(urls) as store:
+        rows = _session(store, "chat", "alice", n=6)  # random rows: parking leaves them raw
+        zeros = np.zeros((GEOMETRY.n_layers, 64, GEOMETRY.kv_lora), np.float32)
+        more = coli_kv.encode_records(
+            GEOMETRY, TIER, np.arange(64, dtype=np.int32), zeros, zeros[..., : GEOMETRY.qk_rope]
+        ).tobytes()
+        store.append_records("chat", more, owner="alice")
+        store.park("chat", owner="alice")  # the second segment compresses: a zstd object
+        codecs = sorted(s.codec for s in store.shared.segments("chat~alice"))
+    with psycopg.connect(urls["index_url"], autocommit=True) as conn:  # back to what schema 9 made
+        with conn.transaction():
+            for statement in (
+                "DROP TRIGGER kv_segments_sealed ON kv_segments",
+                "DROP FUNCTION kv_refuse_plaintext_segment()",
+                "DROP TABLE kv_data_keys",
+                "DROP TABLE kv_key_owners",
+                "DELETE FROM kv_meta WHERE name = 'keys_epoch'",
+                "ALTER TABLE kv_segments DROP CONSTRAINT kv_segments_codec",
+                "ALTER TABLE kv_segments DROP COLUMN key_version",
+                *schema.STEPS[5][2:],  # schema 5's codec check
+                "UPDATE kv_meta SET value = '9' WHERE name = 'schema_version'",
+            ):
+                conn.execute(statement)  # type: ignore[arg-type]
+    with _open(urls) as store:  # the upgrade runs on this replica's first connection
+        assert store.index.version() == schema.CURRENT_VERSION == 10 and not store.encrypted
+        assert sorted(s.codec for s in store.shared.segments("chat~alice")) == codecs == ["raw", "zstd"]
+        assert all(s.key_version is None for s in store.shared.segments("chat~alice"))
+        assert bytes(store.shared.read_records("chat~alice")[1]) == rows + more
+        store.append_records("chat", records(2, 1, 1), owner="alice")  # plaintext segments still go in
+    with pytest.raises(KeyUnavailable):
+        _open(urls, kek=KEK)
