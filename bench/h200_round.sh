@@ -12,7 +12,7 @@ OUT="${OUT:-/tmp/kvstore-h200}"
 mkdir -p "$OUT"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_device_restore.py 2>&1 | tail -n 3
 timeout "${RESUME_S:-220}" python3 bench/engine_resume.py --device cuda --preset v2-lite --workdir /tmp/kv-engine \
-    --tiers f32 fp8 int4 --rows --store --encrypt > "$OUT/engine.log" 2>&1
-sed -n '/^Resume through a session/,$p' "$OUT/engine.log" | head -n 40
+    --lengths ${LENGTHS:-1024 8192 32768} --tiers f32 fp8 int4 --rows --store --encrypt > "$OUT/engine.log" 2>&1
+sed -n '/^Resume through a session/,$p' "$OUT/engine.log" | head -n 40; tail -n 3 "$OUT/engine.log"
 rm -rf /tmp/kv-engine
 [ "${SERVE:-1}" = 1 ] && timeout "${SERVE_S:-330}" bench/serve_h200.sh
