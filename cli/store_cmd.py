@@ -119,7 +119,11 @@ def _run(args: argparse.Namespace, direction: str) -> int:
     blob_store = BlobStore(blobs)  # checks the URL before anything connects
     # the embedded side through the one factory; the shared side is the protocol's own SharedStore
     # (segments turn by turn, kvstore.store.shared.transfer), not the session interface
-    with SharedStore(SharedIndex(index), blob_store) as shared, kvstore.store.open(data) as local:
+    from kvstore.store.shared.keys import encrypted
+
+    # sealed objects when the index says the store is encrypted: --kek-file's KEK, else the settings'
+    shared_store = encrypted(SharedStore(SharedIndex(index), blob_store), options.store_kek(args))
+    with shared_store as shared, kvstore.store.open(data) as local:
         with progress.bar(direction, enabled=not args.json) as update:
             copy = push if direction == "push" else pull
             report = copy(local, shared, owner=owner, progress=update)

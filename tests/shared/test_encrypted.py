@@ -424,3 +424,34 @@ def test_schema_10_upgrades_an_index_of_schema_9_with_plaintext_and_parked_segme
         store.append_records("chat", records(2, 1, 1), owner="alice")  # plaintext segments still go in
     with pytest.raises(KeyUnavailable):
         _open(urls, kek=KEK)
+
+
+def test_push_then_pull_through_an_encrypted_shared_store_is_byte_identical(tmp_path, monkeypatch, capsys, urls):
+    """``kvstore store push|pull`` with the KEK in the settings: every object pushed is sealed, and
+    the sessions pulled back are the embedded files byte for byte (records, metadata, a fork, a
+    parked session)."""
+    import shared.test_transfer as transfer
+
+    monkeypatch.setenv("KVSTORE_INDEX_URL", urls["index_url"])
+    monkeypatch.setenv("KVSTORE_BLOBS_URL", urls["blobs_url"])
+    with _open(urls, kek=KEK) as store:  # the shared store exists, created encrypted
+        assert store.encrypted
+    source, target = tmp_path / "a", tmp_path / "b"
+    with transfer.build_store(source) as local:
+        before = transfer.snapshot(local)
+    refused = transfer.main(["store", "push", "--data", str(source)])
+    assert refused == 2 and "encrypted at rest" in capsys.readouterr().err  # no KEK in the settings
+    monkeypatch.setenv("KVSTORE_KEK", bytes(range(32)).hex())
+    code, report = transfer.run(capsys, "store", "push", "--data", str(source), "--json")
+    assert code == 0 and report["counts"]["created"] == 5, report
+    with _open(urls, kek=KEK) as store:
+        rows = store.index.sessions()
+        segments = [s for row in rows for s in store.shared.segments(row["key"])]
+        assert segments and all(s.key_version == 1 for s in segments)
+        for row in rows:  # the image a replica serves is the embedded file
+            sid, owner = row["key"].split("~")
+            assert store.shared.file_bytes(row["key"]) == before[(sid, owner)][1]
+    code, report = transfer.run(capsys, "store", "pull", "--data", str(target), "--json")
+    assert code == 0 and report["counts"]["created"] == 5, report
+    with transfer.SessionStore(target) as pulled:
+        assert transfer.snapshot(pulled) == before

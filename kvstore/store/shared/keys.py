@@ -48,6 +48,7 @@ from kvstore.store.values import public_id
 if TYPE_CHECKING:
     from kvstore.store.shared.index import SharedIndex
     from kvstore.store.shared.rows import Segment
+    from kvstore.store.shared.store import SharedStore
 
 #: ``pg_advisory_xact_lock`` key serializing the key table's changes (create, rotate, shred, rewrap).
 KEYS_LOCK = 0x6B7673_0004
@@ -390,6 +391,20 @@ def attach(index: SharedIndex, provider: KeyProvider | None) -> SharedKeyring | 
     return SharedKeyring(index, provider)
 
 
+def encrypted(shared: SharedStore, kek: KeyProvider | None) -> SharedStore:
+    """``shared`` (a protocol-level :class:`~kvstore.store.shared.store.SharedStore`, as ``kvstore
+    store push|pull`` opens one) sealing and opening objects as its index says (:func:`attach`:
+    ``kek``, else the KEK the settings name when the store is encrypted)."""
+    try:
+        keyring = attach(shared.index, kek)
+    except BaseException:
+        shared.close()
+        raise
+    if keyring is not None:
+        shared.encrypt(SegmentSealer(keyring))
+    return shared
+
+
 @dataclass(frozen=True)
 class Sealed:
     """A segment object's bytes as stored, and the data-key version they are sealed under."""
@@ -443,4 +458,4 @@ class SegmentSealer:
             ) from None
 
 
-__all__ = ["SegmentSealer", "Sealed", "SharedKeyring", "attach", "owner_of"]
+__all__ = ["SegmentSealer", "Sealed", "SharedKeyring", "attach", "encrypted", "owner_of"]
