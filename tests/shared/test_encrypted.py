@@ -455,3 +455,37 @@ def test_push_then_pull_through_an_encrypted_shared_store_is_byte_identical(tmp_
     assert code == 0 and report["counts"]["created"] == 5, report
     with transfer.SessionStore(target) as pulled:
         assert transfer.snapshot(pulled) == before
+
+
+def test_the_crypto_commands_on_a_shared_store(tmp_path, child_env, monkeypatch):
+    """``kvstore crypto status|rotate-key|rotate-kek`` with ``--index``/``--blobs`` (and the KEK in
+    the environment, then a new KEK file): what each reports, and the store opening only with the
+    new KEK afterwards."""
+    env = {**child_env, "KVSTORE_KEK": bytes(range(32)).hex()}
+    flags = ["--index", env["KVSTORE_INDEX_URL"], "--blobs", env["KVSTORE_BLOBS_URL"], "--json"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", child_env["AWS_ENDPOINT_URL"])
+    with SharedSessionStore(env["KVSTORE_INDEX_URL"], env["KVSTORE_BLOBS_URL"], data_dir=None, kek=KEK) as store:
+        _session(store, "chat", "alice")
+        _session(store, "other", "bob")
+
+    def ok(*args: str, environment: dict[str, str] = env) -> dict:
+        done = kvstore_cli("crypto", *args, *flags, env=environment, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    status = ok("status")
+    assert status["owners"]["alice"] == {"versions": [1], "current": 1, "files_by_version": {"1": 1}}
+    assert set(status["owners"]) == {"alice", "bob"} and status["shredded"] == {}
+    rotated = ok("rotate-key", "alice")
+    assert (rotated["version"], rotated["resealed"], rotated["retired"]) == (2, ["chat"], [1])
+    new_kek = tmp_path / "new.kek"
+    assert kvstore_cli("crypto", "init-kek", str(new_kek), env=env, cwd=tmp_path).returncode == 0
+    assert ok("rotate-kek", "--new-kek-file", str(new_kek))["rewrapped"] == 2
+    refused = kvstore_cli("crypto", "status", *flags, env=env, cwd=tmp_path)  # the old KEK no longer opens it
+    assert refused.returncode == 2 and "another key-encryption key" in refused.stderr
+    after = ok("status", "--kek-file", str(new_kek))
+    assert after["owners"]["alice"]["versions"] == [2] and after["kek_id"] == LocalKEK.from_file(new_kek).key_id
+    with SharedSessionStore(
+        env["KVSTORE_INDEX_URL"], env["KVSTORE_BLOBS_URL"], data_dir=None, kek=LocalKEK.from_file(new_kek)
+    ) as store:
+        assert bytes(store.shared.read_records("chat~alice")[1]) == records(1, 0, 6)
