@@ -24,7 +24,10 @@ Where each concern lives::
                  read_records / file_bytes (the .coli_kv image; a parked segment decompressed), gc
     recode.py    park, unpark, migrate: a session's objects rewritten and swapped in one commit
     cache.py     SegmentCache: a replica's local copies of segment objects in --data (checked by
-                 length and digest, a size budget, its own LRU)
+                 length and digest, a size budget, its own LRU; ciphertext only when encrypted)
+    keys.py      encryption at rest: SharedKeyring (owners' data keys wrapped by the KEK, in the
+                 index: schema 10), SegmentSealer (objects sealed with kvstore.crypto's core),
+                 attach (plaintext or encrypted, never mixed), the keys epoch a shred bumps
     transfer.py  push / pull: sessions between an embedded SessionStore and a SharedStore, turn by
                  turn (``kvstore store push|pull``); imported by its users only
     sessions.py  SharedSessionStore: the store interface (``kvstore.store.Store``; every capability
