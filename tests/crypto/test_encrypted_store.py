@@ -19,6 +19,7 @@ import kvstore.store
 import store.test_store as plain
 from crypto.support import KEK, ciphertext_offset, sealed_image, unauthenticated_image
 from kvstore.errors import SealBroken
+from kvstore.formats.coli_kv import HEADER_BYTES
 
 SIZE_EXACT = {
     "test_create_get_list_and_filters",
@@ -61,3 +62,35 @@ class TestEncryptedEmbeddedStore(plain.TestEmbeddedStore):
         path = store.journal_path(session_id)
         rec_bytes = store.get(session_id).record_bytes
         plain.flip_byte(path, ciphertext_offset(path, offset, rec_bytes))
+
+
+def test_a_download_in_many_chunks_gives_the_plaintext_bytes_and_stops_at_a_damaged_frame(tmp_path):
+    """``iter_bytes`` of an encrypted session decrypts the next chunk while this one is sent: the
+    chunks, whatever their size against the frames, are the plaintext store's bytes in order; a
+    damaged frame is refused (``SealBroken``) after every chunk before it, never served."""
+    from store.support import Rows, new_session
+
+    rows = Rows(3)
+    turns = [rows.make(n) for n in (5, 17, 1, 9)]
+    with kvstore.store.open(tmp_path / "plain") as clear, kvstore.store.open(tmp_path / "sealed", kek=KEK) as sealed:
+        for store in (clear, sealed):
+            new_session(store)
+            for turn in turns:
+                store.append("chat", *turn, owner="alice")
+        rec = clear.get("chat").record_bytes
+        with clear.reader("chat") as reader:
+            expected = b"".join(bytes(c) for c in reader.iter_bytes())
+        for chunk_records in (1, 3, 7, 32, 64):
+            with sealed.reader("chat") as reader:
+                chunks = [bytes(c) for c in reader.iter_bytes(chunk_records * rec)]
+            assert b"".join(chunks) == expected
+            assert all(len(c) % rec == 0 for c in chunks)
+        # the third turn's frame (record 22) damaged: the chunks of records 0..20 come, then the refusal
+        path = sealed.journal_path("chat")
+        plain.flip_byte(path, ciphertext_offset(path, HEADER_BYTES + 22 * rec + 5, rec))
+        got = []
+        with sealed.reader("chat") as reader, pytest.raises(SealBroken):
+            for chunk in reader.iter_bytes(3 * rec):
+                got.append(bytes(chunk))
+        assert b"".join(got) == expected[: len(b"".join(got))]
+        assert len(b"".join(got)) == 21 * rec
