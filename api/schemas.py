@@ -291,6 +291,11 @@ class LookupMatch(BaseModel):
 
 class LookupOut(BaseModel):
     match: LookupMatch | None
+    keys_destroyed_at: float | None = Field(
+        None,
+        description="on a store encrypted at rest, when the caller's data keys were destroyed (`kvstore crypto "
+        "shred`, seconds since the epoch); a client holding the caller's rows in memory drops them",
+    )
 
 
 class JobOut(BaseModel):

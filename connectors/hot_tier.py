@@ -117,6 +117,15 @@ class HotTier:
                 self.nbytes -= old.nbytes
             return old is not None
 
+    def drop_owner(self, owner: str) -> int:
+        """Forget every entry of ``owner`` (its data keys were destroyed: ``kvstore crypto shred``);
+        returns how many were held."""
+        with self._lock:
+            gone = [key for key in self._entries if key[0] == owner]
+            for key in gone:
+                self.nbytes -= self._entries.pop(key).nbytes
+            return len(gone)
+
     def _copy(self, rows: np.ndarray) -> np.ndarray:
         if self._torch is not None:
             pinned = self._torch.empty(rows.shape, dtype=self._torch.float32, pin_memory=True)

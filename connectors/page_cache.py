@@ -97,6 +97,7 @@ class PageCache(PrefixCache):
         """
         hits = 0
         missed = refused = False
+        self._forget_if_shredded()
         for key in keys:
             try:
                 if self._present(self.page_id(key), self._key):

@@ -47,7 +47,7 @@ import kvstore.store
 from kvstore import config, tiers
 from kvstore.connectors.hot_tier import HotKey, HotTier
 from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient, encode_rows
-from kvstore.errors import ConfigError, IntegrityError, KVStoreError, SessionExists
+from kvstore.errors import ConfigError, IntegrityError, KeyShredded, KVStoreError, SessionExists
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
 from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
 from kvstore.tiers import Tier
@@ -353,6 +353,24 @@ class PrefixCache:
         g = fingerprint.geometry
         self.row_width = g.kv_lora + g.qk_rope
         self.hot = hot if hot is not None and hot.budget > 0 else None
+        self._shred_mark = self.client.shred_mark() if self.hot is not None else None
+
+    def _forget_if_shredded(self) -> None:
+        """Drop the owner's rows from the hot tier once its data keys were destroyed (``kvstore
+        crypto shred`` in any process): checked before every lookup and every hot hit (one ``stat``
+        of an encrypted store's keyring), so no plaintext of a shredded owner is served from memory
+        or kept past this process's next request."""
+        if self.hot is None:
+            return
+        mark = self.client.shred_mark()
+        if mark != self._shred_mark:
+            self._shred_mark = mark
+            self._drop_owner("its data keys were destroyed")
+
+    def _drop_owner(self, reason: str) -> None:
+        if self.hot is not None and self.hot.drop_owner(self.owner):
+            logger.warning("kvstore connector: owner %s's rows dropped from the hot tier: %s", self.owner, reason)
+            self._add({}, None, hot_bytes=self.hot.nbytes)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens) -> Match | None:
@@ -361,6 +379,7 @@ class PrefixCache:
         tokens = np.asarray(tokens, dtype=np.int64)
         found = None
         refused = False
+        self._forget_if_shredded()
         if tokens.size >= self.min_tokens:
             try:
                 result = self.client.lookup(self.fingerprint, tokens)
@@ -369,7 +388,10 @@ class PrefixCache:
                 else:
                     refused = self._stored_elsewhere(tokens)
             except (KVStoreError, OSError) as exc:
+                if isinstance(exc, KeyShredded):
+                    self._drop_owner(str(exc))
                 self._count(error=f"lookup: {exc}")
+            self._forget_if_shredded()  # a service says it in the lookup's answer
         with self._lock:
             self.stats.lookups += 1
             if found is not None:
@@ -414,6 +436,7 @@ class PrefixCache:
             are counted in ``load_errors``; nothing partial is returned.
         """
         if self.hot is not None:
+            self._forget_if_shredded()
             entry = self.hot.get(self._hot_key(session_id))
             if entry is not None and entry.shape[1] >= stop:
                 rows = entry[:, start:stop].copy()  # the entry is never written: no lock needed
@@ -428,6 +451,9 @@ class PrefixCache:
             try:
                 # without a recorded digest, the store re-hashes the turns (blake2b-256) as it reads
                 served = self.client.resume(session_id, self.fingerprint, self.verify and expected is None)
+            except KeyShredded as exc:  # unreadable by design, not damage: nothing to quarantine
+                self._drop_owner(str(exc))
+                raise LoadFailed(f"session {session_id!r}: {exc}") from exc
             except IntegrityError as exc:  # e.g. a session the store marked damaged
                 self._quarantine(session_id, str(exc))
                 raise RowsDamaged(str(exc)) from exc

@@ -28,7 +28,7 @@ import httpx
 import numpy as np
 
 from kvstore import tiers
-from kvstore.errors import ConfigError, KVStoreError, SessionExists, SessionNotFound
+from kvstore.errors import ConfigError, KeyShredded, KVStoreError, SessionExists, SessionNotFound
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import KVRecords
 from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
@@ -95,6 +95,12 @@ class StoreClient(Protocol):
 
     def delete(self, session_id: str) -> None: ...
 
+    def shred_mark(self) -> float | None:
+        """When the owner's data keys were last destroyed (``kvstore crypto shred``), as far as
+        this client knows: an encrypted embedded store's keyring says it (one ``stat``), a service
+        says it in each lookup's answer; None for a plaintext store or before any shred."""
+        ...
+
 
 class LocalClient:
     """A store folder opened in this process (embedded mode)."""
@@ -102,6 +108,10 @@ class LocalClient:
     def __init__(self, store: Store, owner: str):
         self.store = store
         self.owner = validate_owner(owner)
+
+    def shred_mark(self) -> float | None:
+        keyring = getattr(self.store, "keyring", None)  # an encrypted embedded store's (one stat)
+        return None if keyring is None else keyring.shredded().get(self.owner)
 
     def lookup(self, fingerprint: Fingerprint, tokens: np.ndarray) -> Found | None:
         found = self.store.lookup(self.owner, fingerprint, tokens)
@@ -152,6 +162,7 @@ class ServiceClient:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"kvstore connector: 'url' must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
+        self._shred_mark: float | None = None  # when the owner's keys were destroyed (lookup answers say)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout)
         try:
             me = self.http.get("/console/me")
@@ -163,6 +174,9 @@ class ServiceClient:
 
     def close(self) -> None:
         self.http.close()
+
+    def shred_mark(self) -> float | None:
+        return self._shred_mark  # as the service's last lookup answer said
 
     def _call(self, method: str, path: str, what: str, **kwargs) -> httpx.Response:
         try:
@@ -182,11 +196,14 @@ class ServiceClient:
             name, reason = "", answer.text[:500]
         if name == "SessionExists":
             raise SessionExists(reason)
+        if name == "KeyShredded":  # the connector drops what it holds of the owner's rows
+            raise KeyShredded(reason)
         raise ServiceError(f"{what}: {answer.status_code} {name or 'error'}: {reason}")
 
     def lookup(self, fingerprint: Fingerprint, tokens: np.ndarray) -> Found | None:
         body = {**_fingerprint_json(fingerprint), "tokens": np.asarray(tokens).tolist()}
         answer = self._checked(self._call("POST", "/lookup", "lookup", json=body), "lookup")
+        self._shred_mark = answer.json().get("keys_destroyed_at")
         match = answer.json()["match"]
         return Found(match["session_id"], int(match["matched_tokens"])) if match is not None else None
 

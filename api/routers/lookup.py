@@ -26,4 +26,7 @@ async def lookup(body: LookupIn, response: Response, owner: Owner, store: Store)
     tokens = await run_in_threadpool(token_array, body.tokens)
     found = await run_in_threadpool(store.lookup, owner, body.fingerprint(tier), tokens)
     mark_deprecated(response, note)
-    return LookupOut(match=LookupMatch(**found.to_dict()) if found is not None else None)
+    # An encrypted embedded store's keyring (one stat): a connector's hot tier learns of a shred here.
+    keyring = getattr(store, "keyring", None)
+    destroyed = keyring.shredded().get(owner) if keyring is not None else None
+    return LookupOut(match=LookupMatch(**found.to_dict()) if found is not None else None, keys_destroyed_at=destroyed)

@@ -87,7 +87,7 @@ def test_canonical_names_in_and_out(alice):
     assert default.status_code == 201 and default.json()["tier"]["name"] == "fp8"
     assert_current(default)
     looked = alice.post("/lookup", json={"model": MODEL, "geometry": GEOMETRY_JSON, "tier": "fp8", "tokens": [1, 2]})
-    assert looked.status_code == 200 and looked.json() == {"match": None}
+    assert looked.status_code == 200 and looked.json() == {"match": None, "keys_destroyed_at": None}
     assert_current(looked)
     migrated = alice.post("/sessions/default-tier/file/migrate", json={"tier": "polar3"})
     assert migrated.status_code == 202
