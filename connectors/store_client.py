@@ -21,6 +21,7 @@ for its fast check (``prefix_cache.rows_digest``) are the bytes the journal hold
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +33,9 @@ from kvstore.errors import ConfigError, KeyShredded, KVStoreError, SessionExists
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import KVRecords
 from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
+
+# Through a service, how old the owner's shred mark may be before a hit from memory asks again
+SHRED_CHECK_S = 1.0
 
 
 class ServiceError(KVStoreError, RuntimeError):
@@ -96,9 +100,10 @@ class StoreClient(Protocol):
     def delete(self, session_id: str) -> None: ...
 
     def shred_mark(self) -> float | None:
-        """When the owner's data keys were last destroyed (``kvstore crypto shred``), as far as
-        this client knows: an encrypted embedded store's keyring says it (one ``stat``), a service
-        says it in each lookup's answer; None for a plaintext store or before any shred."""
+        """When the owner's data keys were last destroyed (``kvstore crypto shred``): an encrypted
+        embedded store's keyring says it (one ``stat``); a service says it in each lookup's answer
+        and in ``GET /console/me``'s, asked when no answer came for :data:`SHRED_CHECK_S`. None for
+        a plaintext store or before any shred."""
         ...
 
 
@@ -163,6 +168,7 @@ class ServiceClient:
             raise ConfigError(f"kvstore connector: 'url' must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
         self._shred_mark: float | None = None  # when the owner's keys were destroyed (lookup answers say)
+        self._shred_checked = float("-inf")
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout)
         try:
             me = self.http.get("/console/me")
@@ -176,7 +182,14 @@ class ServiceClient:
         self.http.close()
 
     def shred_mark(self) -> float | None:
-        return self._shred_mark  # as the service's last lookup answer said
+        if time.monotonic() - self._shred_checked > SHRED_CHECK_S:
+            try:  # "who am I" carries it too, and counts no lookup
+                me = self._checked(self._call("GET", "/console/me", "who am I"), "who am I")
+                self._shred_mark = me.json().get("keys_destroyed_at")
+                self._shred_checked = time.monotonic()
+            except KVStoreError:  # unreachable for now: the last answer stands until the next check
+                pass
+        return self._shred_mark
 
     def _call(self, method: str, path: str, what: str, **kwargs) -> httpx.Response:
         try:
@@ -204,6 +217,7 @@ class ServiceClient:
         body = {**_fingerprint_json(fingerprint), "tokens": np.asarray(tokens).tolist()}
         answer = self._checked(self._call("POST", "/lookup", "lookup", json=body), "lookup")
         self._shred_mark = answer.json().get("keys_destroyed_at")
+        self._shred_checked = time.monotonic()
         match = answer.json()["match"]
         return Found(match["session_id"], int(match["matched_tokens"])) if match is not None else None
 

@@ -248,6 +248,10 @@ class ActivityRecorder:
 class MeOut(BaseModel):
     owner: str
     version: str
+    keys_destroyed_at: float | None = Field(
+        None,
+        description="on a store encrypted at rest, when this owner's data keys were destroyed (`kvstore crypto shred`)",
+    )
 
 
 class BytesCount(BaseModel):
@@ -295,8 +299,10 @@ _JSON_ERRORS: dict[int | str, dict[str, Any]] = {401: {"model": ErrorBody}}
 
 
 @router.get("/console/me", response_model=MeOut, responses=_JSON_ERRORS, summary="Who the presented key belongs to")
-async def me(owner: Owner) -> dict:
-    return {"owner": owner, "version": kvstore.__version__}
+async def me(owner: Owner, store: Store) -> dict:
+    keyring = getattr(store, "keyring", None)  # an encrypted embedded store's (one stat)
+    destroyed = keyring.shredded().get(owner) if keyring is not None else None
+    return {"owner": owner, "version": kvstore.__version__, "keys_destroyed_at": destroyed}
 
 
 @router.get(

@@ -56,14 +56,8 @@ def test_a_shred_drops_the_owners_rows_from_the_hot_tier_and_no_load_serves_them
     assert np.array_equal(bob.load(b_id, 0, 40), b_rows) and bob.stats.hot_hits == 1  # bob untouched
 
 
-def test_in_service_mode_a_shred_ends_the_hot_tiers_hits_at_the_next_request(tmp_path):
-    """A connector talking to an encrypted ``kvstore serve``: after ``kvstore crypto shred`` (run
-    against the server's folder while it serves), the server refuses the owner's rows and the
-    connector's next lookup drops them from its hot tier; its loads fail, none served from memory."""
-    import subprocess
-    import sys
-
-    from kvstore.connectors.store_client import ServiceClient
+@pytest.fixture
+def encrypted_server(tmp_path):
     from kvstore.crypto.kek import write_kek_file
     from served import ServeProcess
 
@@ -74,18 +68,58 @@ def test_in_service_mode_a_shred_ends_the_hot_tiers_hits_at_the_next_request(tmp
     )
     server.start()
     try:
-        hot = HotTier(1 << 24, pinned=False)
-        alice = PrefixCache(ServiceClient(server.url, "key-alice-0123456789"), None, FINGERPRINT, min_tokens=1, hot=hot)
-        tokens, rows = rows_of(3)
-        session_id = alice.save(tokens, rows)
-        assert session_id is not None and np.array_equal(alice.load(session_id, 0, 40), rows)
-        assert alice.stats.hot_hits == 1 and len(hot) == 1
-        shred = [sys.executable, "-m", "kvstore.cli", "crypto", "shred", "alice", "--data", str(data)]
-        subprocess.run([*shred, "--kek-file", str(kek)], check=True, capture_output=True, timeout=60)
-        assert alice.lookup(tokens) is None
-        assert len(hot) == 0 and hot.nbytes == 0
-        with pytest.raises(LoadFailed):
-            alice.load(session_id, 0, 40)
-        assert alice.stats.hot_hits == 1
+        yield server, data, kek
     finally:
         server.stop_cleanly()
+
+
+def shred_alice(data, kek) -> None:
+    """``kvstore crypto shred alice`` in another process, against the serving store's folder."""
+    import subprocess
+    import sys
+
+    shred = [sys.executable, "-m", "kvstore.cli", "crypto", "shred", "alice", "--data", str(data)]
+    subprocess.run([*shred, "--kek-file", str(kek)], check=True, capture_output=True, timeout=60)
+
+
+def test_in_service_mode_a_shred_ends_the_hot_tiers_hits_at_the_next_lookup(encrypted_server):
+    """A vLLM-style connector talking to an encrypted ``kvstore serve``: after ``kvstore crypto
+    shred`` (run against the server's folder while it serves), the lookup's answer says so and the
+    connector drops the owner's rows from its hot tier; its loads fail, none served from memory."""
+    from kvstore.connectors.store_client import ServiceClient
+
+    server, data, kek = encrypted_server
+    hot = HotTier(1 << 24, pinned=False)
+    alice = PrefixCache(ServiceClient(server.url, "key-alice-0123456789"), None, FINGERPRINT, min_tokens=1, hot=hot)
+    tokens, rows = rows_of(3)
+    session_id = alice.save(tokens, rows)
+    assert session_id is not None and np.array_equal(alice.load(session_id, 0, 40), rows)
+    assert alice.stats.hot_hits == 1 and len(hot) == 1
+    shred_alice(data, kek)
+    assert alice.lookup(tokens) is None
+    assert len(hot) == 0 and hot.nbytes == 0
+    with pytest.raises(LoadFailed):
+        alice.load(session_id, 0, 40)
+    assert alice.stats.hot_hits == 1
+
+
+def test_in_service_mode_pages_leave_the_hot_tier_once_the_shred_mark_is_asked_again(encrypted_server, monkeypatch):
+    """An SGLang-style page cache never looks up by tokens: its hits from memory ask the service
+    (``GET /console/me``) once the mark is :data:`SHRED_CHECK_S` old — here at once — so a shredded
+    owner's pages are dropped at the next load, never served."""
+    from kvstore.connectors import store_client
+    from kvstore.connectors.page_cache import PageCache
+
+    server, data, kek = encrypted_server
+    hot = HotTier(1 << 24, pinned=False)
+    pages = PageCache(
+        store_client.ServiceClient(server.url, "key-alice-0123456789"), None, FINGERPRINT, page_size=40, hot=hot
+    )
+    _, rows = rows_of(4)
+    assert pages.save_page("p0", rows) and pages.count_present(["p0"]) == 1
+    assert np.array_equal(pages.load_page("p0"), rows) and pages.stats.hot_hits == 1
+    shred_alice(data, kek)
+    monkeypatch.setattr(store_client, "SHRED_CHECK_S", 0.0)  # the mark is old at once: no waiting in a test
+    with pytest.raises(LoadFailed):
+        pages.load_page("p0")
+    assert pages.stats.hot_hits == 1 and len(hot) == 0
