@@ -265,6 +265,22 @@ def test_rotate_kek_rewraps_without_rewriting_and_data_key_rotation_applies_to_n
         assert bytes(store.shared.read_records("fork~alice")[1]) == rows[: 4 * len(rows) // 6]
 
 
+def test_a_replica_still_holding_the_old_kek_makes_no_key_under_it(urls):
+    new_kek = LocalKEK(bytes(range(100, 132)), "the new KEK")
+    with _open(urls, kek=KEK) as old, _open(urls, kek=KEK) as rotating:
+        rows = _session(old, "chat", "alice")
+        assert rotating.keyring is not None and rotating.keyring.rewrap(new_kek) == 1
+        assert bytes(old.shared.read_records("chat~alice")[1]) == rows  # the keys it holds stay valid
+        with pytest.raises(KeyUnavailable):  # a new owner's key would be wrapped by the old KEK
+            _session(old, "chat", "bob")
+        with pytest.raises(KeyUnavailable):
+            old.rotate_data_key("alice")
+    with _open(urls, kek=new_kek) as store:
+        assert store.get("chat", owner="bob").n_records == 0  # the refused append left nothing
+        _session(store, "later", "bob")
+        assert bytes(store.shared.read_records("chat~alice")[1]) == rows
+
+
 def test_plaintext_and_encrypted_are_never_mixed(urls, monkeypatch):
     with _open(urls, kek=KEK) as store:
         _session(store, "chat", "alice")

@@ -189,6 +189,7 @@ class SharedKeyring:
         def body(conn: psycopg.Connection) -> int:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (KEYS_LOCK,))
+                self._same_kek(conn)
                 row = conn.execute("SELECT current, next FROM kv_key_owners WHERE owner = %s", (owner,)).fetchone()
                 if row is not None and row[0] is not None:
                     return int(row[0])  # another replica made it first
@@ -205,6 +206,17 @@ class SharedKeyring:
                 return version
 
         return self.index.run("making a data key", body)
+
+    def _same_kek(self, conn: psycopg.Connection) -> None:
+        """Refuse to wrap a new data key under this replica's KEK when the store's keys are wrapped
+        by another now (``rotate-kek`` ran while this replica kept the old KEK): a key wrapped by the
+        old one would be unreadable to every replica given the new one."""
+        row = conn.execute("SELECT value FROM kv_meta WHERE name = 'kek_id'").fetchone()
+        if row is None or str(row[0]) != self.provider.key_id:
+            raise KeyUnavailable(
+                "the shared store's data keys were re-wrapped under another key-encryption key (`kvstore crypto "
+                "rotate-kek`): restart this replica with the new KEK; nothing was written"
+            )
 
     def versions(self, owner: str) -> list[int]:
         rows = self.index.run(
@@ -243,6 +255,7 @@ class SharedKeyring:
         def body(conn: psycopg.Connection) -> int:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (KEYS_LOCK,))
+                self._same_kek(conn)
                 row = conn.execute("SELECT current, next FROM kv_key_owners WHERE owner = %s", (owner,)).fetchone()
                 if row is None or row[0] is None:
                     raise KeyShredded(f"owner {owner!r} has no data key to rotate")
