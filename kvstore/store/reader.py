@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
@@ -30,6 +31,9 @@ from kvstore.store.integrity import Integrity
 from kvstore.store.records import COPY_CHUNK_BYTES, pread_exact
 from kvstore.store.results import check_fingerprint, checked_override
 from kvstore.store.values import Fingerprint, IndexRecord, SessionInfo, stored_tier
+
+# Chunks of an encrypted download decrypted ahead of the send, each on a thread of its own
+UNSEAL_AHEAD = 2
 
 
 class SessionReader(Reader):
@@ -249,8 +253,9 @@ class SessionReader(Reader):
 
     def _sealed_chunks(self, chunk_records: int) -> Iterator[memoryview]:
         """Whole chunks of ``chunk_records`` records, each decrypted straight into its own buffer,
-        the next one on a worker thread while the caller sends this one (the read and AES-GCM
-        release the GIL): a download pays for decryption only where it is slower than the send."""
+        the next :data:`UNSEAL_AHEAD` on worker threads while the caller sends this one (the read and
+        AES-GCM release the GIL): a download pays for decryption only where it is slower than the
+        send."""
         sealed = self._sealed
         if sealed is None:
             return
@@ -272,13 +277,13 @@ class SessionReader(Reader):
                 self._count_read(len(out), took)
                 yield out
             return
-        # Leaving early (a client gone) waits for the one chunk in flight, then ends.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-unseal") as ahead:
-            pending = ahead.submit(decrypt, starts[0])
+        # Leaving early (a client gone) waits for the chunks in flight, then ends.
+        with ThreadPoolExecutor(max_workers=UNSEAL_AHEAD, thread_name_prefix="kv-unseal") as ahead:
+            pending = deque(ahead.submit(decrypt, start) for start in starts[:UNSEAL_AHEAD])
             for k in range(len(starts)):
-                out, took = pending.result()
-                if k + 1 < len(starts):
-                    pending = ahead.submit(decrypt, starts[k + 1])
+                out, took = pending.popleft().result()
+                if k + UNSEAL_AHEAD < len(starts):
+                    pending.append(ahead.submit(decrypt, starts[k + UNSEAL_AHEAD]))
                 self._count_read(len(out), took)
                 yield out
 
