@@ -128,13 +128,45 @@ def bench_http(modes: dict, kek_path: Path, sid: str, repeat: int, expect: int) 
             server.stop()
 
 
+def park_loop(args) -> int:
+    """Park then unpark one session (``--tokens`` + ``--decode`` appends) ``--repeat`` times in a
+    store of its own, plaintext and encrypted taking turns; prints the median seconds of each."""
+    prefill, decode = v2_records(args.tokens, 1), v2_records(args.decode, 2)
+    times: dict[str, list[float]] = {"plain": [], "sealed": []}
+    with tempfile.TemporaryDirectory(dir=args.where) as folder:
+        root = Path(folder)
+        kek = write_kek_file(root / "kek")
+        for run in range(2):
+            for mode in ("plain", "sealed") if run == 0 else ("sealed", "plain"):
+                with open_store(root / f"{mode}{run}", kek if mode == "sealed" else None) as store:
+                    store.create("bench", GLM, TIER, MODEL, session_id="s")
+                    store.append_records("s", prefill)
+                    for i in range(args.decode):
+                        store.append_records("s", decode[i : i + 1])
+                    for _ in range(args.repeat):
+                        store.park("s")
+                        began = time.perf_counter()
+                        store.unpark("s")
+                        times[mode].append(time.perf_counter() - began)
+    for mode, samples in times.items():
+        print(f"unpark alone, {mode}: median {statistics.median(samples):.3f} s of {len(samples)}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the prefill (default 4096)")
     parser.add_argument("--decode", type=int, default=64, help="one-token appends after it (default 64)")
     parser.add_argument("--repeat", type=int, default=5, help="runs of each measure (default 5)")
     parser.add_argument("--where", default=None, help="folder for the stores (default: a temporary one)")
+    parser.add_argument(
+        "--park-loop",
+        action="store_true",
+        help="only park -> unpark of one session, alone, plaintext and encrypted taking turns (seconds)",
+    )
     args = parser.parse_args()
+    if args.park_loop:
+        return park_loop(args)
 
     prefill = v2_records(args.tokens, 1)
     decode = v2_records(args.decode, 2)
