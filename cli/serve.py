@@ -100,8 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     blobs_url = store_cmd.optional_blobs_url(args)
     if index_url is not None or blobs_url is not None:
         store_cmd.shared_modules()
-    if index_url is None:
-        _check_kek(args)
+    _check_kek(args, shared=index_url is not None)
     settings = Settings(
         data_dir=options.data_folder(args.data),
         budget_bytes=parse_size(args.budget),
@@ -230,14 +229,16 @@ def _bind(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-def _check_kek(args: argparse.Namespace) -> None:
+def _check_kek(args: argparse.Namespace, *, shared: bool = False) -> None:
     """Refuse now, with the reason and before the server starts, a store that must be opened
     encrypted (``--encrypt``, ``KVSTORE_ENCRYPT``, or a store created so) when no usable
-    key-encryption key is named (docs/SECURITY.md)."""
+    key-encryption key is named (docs/SECURITY.md). A shared store (``shared``) says whether it
+    was created encrypted only once its index is reached, at start: here, the flags alone."""
     from kvstore.crypto import provider_from_settings
     from kvstore.crypto.keyring import Keyring
 
-    if args.encrypt or args.kek_file is not None or config.ENCRYPT.get() or Keyring.exists(args.data):
+    asked = args.encrypt or args.kek_file is not None or config.ENCRYPT.get()
+    if asked or (not shared and Keyring.exists(args.data)):
         provider_from_settings(args.kek_file)
 
 

@@ -171,6 +171,11 @@ def test_serve_refuses_an_encrypted_store_without_its_key_before_it_starts(tmp_p
         pass
     assert main(["serve", "--data", str(tmp_path / "made")]) == 2  # created encrypted: always opened so
     assert "encrypted at rest" in capsys.readouterr().err
+    # a shared store asked encrypted without a key: refused before anything is reached (no server here)
+    shared = ["--index", "postgresql://127.0.0.1:9/none", "--blobs", str(tmp_path / "blobs")]
+    assert main(["serve", "--data", str(tmp_path / "replica"), *shared, "--encrypt", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--kek-file" in err and "did not start" not in err  # the reason, not a failed start-up
 
 
 def kvstore_store_open(data, kek):
