@@ -412,18 +412,24 @@ def test_the_servers_limits_answer_429_with_retry_after_and_cap_max_tokens(make_
     assert capped.usage.completion_tokens <= 400
     assert capped.choices[0].finish_reason == ("length" if capped.usage.completion_tokens == 400 else "stop")
 
+    # The turn that keeps alice busy must still run when her next request arrives, however slow the
+    # machine: 60,000 greedy tokens (a minute and more on the tiny model, within its 65,536-token
+    # context), cancelled when the stream closes.
+    server.stop()
+    roomy = make_server("--model", str(model_dir), "--max-turns-per-owner", "1", "--max-new-tokens", "60000")
+    api = client(roomy)
     with (
-        server.client() as http,
+        roomy.client() as http,
         http.stream(
             "POST",
             "/v1/completions",
-            json={"model": "tiny", "prompt": "Go", "max_tokens": 400, "temperature": 0, "stream": True},
+            json={"model": "tiny", "prompt": "Go", "max_tokens": 60000, "temperature": 0, "stream": True},
         ) as busy,
     ):
-        # greedy: this turn surely runs all 400 tokens (a sampled one may draw the end token at once)
+        assert busy.status_code == 200, busy.read()
         next(busy.iter_lines())  # alice's one turn is in flight
         with pytest.raises(openai.RateLimitError) as refused:
             api.chat.completions.create(model="tiny", messages=say, max_tokens=2)
         assert refused.value.response.headers["Retry-After"] == "1" and refused.value.code == "server_busy"
-        other = client(server, OTHER_KEY).chat.completions.create(model="tiny", messages=say, max_tokens=2)
+        other = client(roomy, OTHER_KEY).chat.completions.create(model="tiny", messages=say, max_tokens=2)
         assert other.usage.completion_tokens <= 2  # another owner's turn runs meanwhile
