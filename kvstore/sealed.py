@@ -367,17 +367,6 @@ def _read_exact(fd: int, view: memoryview, offset: int, name: str) -> None:
         got += n
 
 
-def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
-    parts, got = [], 0
-    while got < nbytes:
-        chunk = os.pread(fd, nbytes - got, offset + got)
-        if not chunk:
-            break
-        parts.append(chunk)
-        got += len(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 _POOL: list[np.ndarray] = []
 _POOL_LOCK = threading.Lock()
 _POOL_KEEP = 8  # buffers kept for reuse (by any thread: a restore's reader threads are new each time)

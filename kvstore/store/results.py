@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import numpy as np
 
@@ -254,4 +254,22 @@ def records_report(records: coli_kv.KVRecords | Scan) -> dict[str, Any]:
         "complete_records": records.complete_records,
         "loadable_records": records.n,
         "problems": records.problems.messages(),
+    }
+
+
+def finish_rotation(
+    keyring, owner: str, version: int, in_use: Collection[int], resealed: list[str], skipped: list[str]
+) -> dict[str, Any]:
+    """The end of a data-key rotation on either backend: retire the owner's versions that neither
+    are ``version`` nor are used by a stored file or object any longer, and report what was done."""
+    retired = [v for v in keyring.versions(owner) if v != version and v not in in_use]
+    for old in retired:
+        keyring.retire(owner, old)
+    return {
+        "owner": owner,
+        "version": version,
+        "resealed": resealed,
+        "skipped": skipped,
+        "retired": retired,
+        "in_use": sorted(in_use),
     }

@@ -49,6 +49,7 @@ from kvstore.store.results import (
     Resumed,
     SessionCounts,
     VerifyReport,
+    finish_rotation,
 )
 from kvstore.store.stats import StoreStats
 from kvstore.store.values import (
@@ -610,18 +611,7 @@ class SessionStore(Store):
                 resealed.append(info.id)
             except (KVStoreError, OSError) as exc:
                 skipped.append(f"{info.id}: {getattr(exc, 'reason', exc)}")
-        in_use = self.key_versions_in_use(owner)
-        retired = [v for v in keyring.versions(owner) if v != version and v not in in_use]
-        for old in retired:
-            keyring.retire(owner, old)
-        return {
-            "owner": owner,
-            "version": version,
-            "resealed": resealed,
-            "skipped": skipped,
-            "retired": retired,
-            "in_use": sorted(in_use),
-        }
+        return finish_rotation(keyring, owner, version, self.key_versions_in_use(owner), resealed, skipped)
 
     def shred_owner(self, owner: str) -> int:
         """Destroy every data key of ``owner`` (:meth:`Keyring.shred`): all of the owner's journals,

@@ -70,6 +70,7 @@ from kvstore.store.results import (
     VerifyReport,
     check_fingerprint,
     checked_override,
+    finish_rotation,
     refuse_nonfinite,
 )
 from kvstore.store.shared import recode
@@ -288,18 +289,7 @@ class SharedSessionStore(Store):
                 resealed.append(public_id(key))
             except KVStoreError as exc:
                 skipped.append(f"{public_id(key)}: {exc.reason}")
-        in_use = self.key_versions_in_use(owner)
-        retired = [v for v in keyring.versions(owner) if v != version and v not in in_use]
-        for old in retired:
-            keyring.retire(owner, old)
-        return {
-            "owner": owner,
-            "version": version,
-            "resealed": resealed,
-            "skipped": skipped,
-            "retired": retired,
-            "in_use": sorted(in_use),
-        }
+        return finish_rotation(keyring, owner, version, self.key_versions_in_use(owner), resealed, skipped)
 
     def __enter__(self) -> "SharedSessionStore":
         return self
