@@ -219,7 +219,16 @@ class ExpiryConformance(abc.ABC):
         :meth:`between_find_and_delete` the backend's sweep calls."""
         self.between_find_and_delete(store, lambda: self.age(store, session_id, owner, -2 * HOUR))
 
-    @abc.abstractmethod
     def between_find_and_delete(self, store: Any, action) -> None:
         """Make the store's next sweep run ``action()`` after it found the expired sessions and
-        before it takes the first one's lock (a patch of the backend's sweep, for this store)."""
+        before it takes the first one's lock: both backends' sweeps find them through
+        ``store.index.expired_keys``, patched here for this store only."""
+        index = store.index
+        found = index.expired_keys
+
+        def then_act(*args, **kwargs):
+            keys = found(*args, **kwargs)
+            action()
+            return keys
+
+        index.expired_keys = then_act

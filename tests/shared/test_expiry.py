@@ -55,17 +55,6 @@ class TestSharedExpiry(ExpiryConformance):
         finally:
             store.shared.release(lease)
 
-    def between_find_and_delete(self, store, action):
-        index = store.index
-        found = index.expired_keys
-
-        def then_act(*args, **kwargs):
-            keys = found(*args, **kwargs)
-            action()
-            return keys
-
-        index.expired_keys = then_act
-
 
 @pytest.fixture
 def shared_store(index_url, blobs_url, s3_server, monkeypatch):

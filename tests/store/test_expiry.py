@@ -37,17 +37,6 @@ class TestEmbeddedExpiry(ExpiryConformance):
     def hold(self, store, session_id, owner):
         return store._ctx.writing(storage_key(session_id, owner))
 
-    def between_find_and_delete(self, store, action):
-        index = store.index
-        found = index.expired_keys
-
-        def then_act(*args, **kwargs):
-            keys = found(*args, **kwargs)
-            action()
-            return keys
-
-        index.expired_keys = then_act
-
 
 def test_the_sweep_reads_the_front_of_the_expiry_range(tmp_path):
     """The index keeps one ``expiry`` entry per session with a TTL, ordered by when it expires; the
