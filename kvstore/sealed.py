@@ -1,3 +1,4 @@
+# Over 700 lines: the encrypted container is one format — its header, frame table, codec, reads, appends and rewrites share the layout and the nonce rules, and are reviewed together.
 """The journal encrypted at rest (docs/SECURITY.md, "The encrypted journal"): :class:`SealedKVFile`.
 
 Byte layout (little-endian), magic ``COLIKVE\\0`` so no ``.coli_kv`` reader (the C engine,

@@ -1,3 +1,4 @@
+# Over 700 lines: one LMDB environment and the records of its named databases; every write keeps the derived databases (owner, LRU, created, counts, expiry) in step inside the same transaction, so they stay in one class.
 """The embedded backend's session index: an LMDB environment with one named database per concern.
 
 The layout and its versions are defined in ``kvstore.migrations.index``; this module opens the

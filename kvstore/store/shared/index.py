@@ -1,3 +1,4 @@
+# Over 700 lines: one class, one PostgreSQL transaction per method (sessions, leases with fencing, expiry), each method short; splitting would scatter the fencing rules they share.
 """The shared index: sessions, leases with fencing tokens and the commit point, in PostgreSQL.
 
 Every method is one transaction (``with conn.transaction()``) on a pooled connection
