@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -31,9 +29,6 @@ from kvstore.store.integrity import Integrity
 from kvstore.store.records import COPY_CHUNK_BYTES, pread_exact
 from kvstore.store.results import check_fingerprint, checked_override
 from kvstore.store.values import Fingerprint, IndexRecord, SessionInfo, stored_tier
-
-# Chunks of an encrypted download decrypted ahead of the send, each on a thread of its own
-UNSEAL_AHEAD = 2
 
 
 class SessionReader(Reader):
@@ -252,40 +247,24 @@ class SessionReader(Reader):
             yield KVRecords(Header(self._geometry, self._tier, stop - start), records, HEADER_BYTES + len(raw))
 
     def _sealed_chunks(self, chunk_records: int) -> Iterator[memoryview]:
-        """Whole chunks of ``chunk_records`` records, each decrypted straight into its own buffer,
-        the next :data:`UNSEAL_AHEAD` on worker threads while the caller sends this one (the read and
-        AES-GCM release the GIL): a download pays for decryption only where it is slower than the
-        send."""
+        """Whole chunks of ``chunk_records`` records, each decrypted straight into its own buffer in
+        the caller's thread (the API's is a worker thread already; the read and AES-GCM release the
+        GIL). Decrypting ahead on more threads was slower: on a 2-core box they took the cores the
+        event loop's socket writes and the client needed (resume over HTTP 0.50-0.64 of plaintext
+        with two threads ahead, 0.75-0.91 in the caller's thread; bench/encryption.py)."""
         sealed = self._sealed
         if sealed is None:
             return
         step = max(1, chunk_records)
-        starts = list(range(0, self.n_records, step))
-
-        def decrypt(start: int) -> tuple[memoryview, float]:
+        for start in range(0, self.n_records, step):
             began = time.perf_counter()
             stop = min(start + step, self.n_records)
             out = np.empty((stop - start) * self.record_bytes, dtype=np.uint8).data
             got = sealed.read_into(out, start, stop)
             if got != len(out):
                 raise IntegrityError(f"the journal of {self.info.id!r} ended inside records [{start}, {stop})")
-            return out, time.perf_counter() - began
-
-        if len(starts) < 2:
-            for start in starts:
-                out, took = decrypt(start)
-                self._count_read(len(out), took)
-                yield out
-            return
-        # Leaving early (a client gone) waits for the chunks in flight, then ends.
-        with ThreadPoolExecutor(max_workers=UNSEAL_AHEAD, thread_name_prefix="kv-unseal") as ahead:
-            pending = deque(ahead.submit(decrypt, start) for start in starts[:UNSEAL_AHEAD])
-            for k in range(len(starts)):
-                out, took = pending.popleft().result()
-                if k + UNSEAL_AHEAD < len(starts):
-                    pending.append(ahead.submit(decrypt, starts[k + UNSEAL_AHEAD]))
-                self._count_read(len(out), took)
-                yield out
+            self._count_read(len(out), time.perf_counter() - began)
+            yield out
 
     def _pread(self, nbytes: int, offset: int) -> bytes | memoryview:
         """``nbytes`` of the journal's plaintext image from ``offset`` (header + records; whole

@@ -163,18 +163,23 @@ class SegmentCache:
         ciphertext: never plaintext on the replica's disk), else its records'."""
         return segment.object_bytes if segment.key_version is not None else segment.nbytes
 
-    def sealed(self, segment: Segment) -> bytes | None:
-        """The local copy of a sealed segment's object — ciphertext, checked for its length here and
-        authenticated by the caller when opened (a failure: :meth:`drop`) — or None (a miss)."""
+    def sealed(self, segment: Segment) -> memoryview | None:
+        """The local copy of a sealed segment's object as a read-only view of the mapped file (the
+        ciphertext, decrypted from the page cache's pages with no copy first) — checked for its
+        length here and authenticated by the caller when opened (a failure: :meth:`drop`) — or None
+        (a miss). Valid while held, as :meth:`view`'s."""
         name, path = self._file(segment.object)
         try:
             with open(path, "rb") as handle:
-                body = handle.read()
+                if os.fstat(handle.fileno()).st_size != segment.object_bytes or segment.object_bytes == 0:
+                    self._missed(name, damaged=path)
+                    return None
+                populate = getattr(mmap, "MAP_POPULATE", 0)
+                body = memoryview(
+                    mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+                )
         except OSError:
             self._missed(name)
-            return None
-        if len(body) != segment.object_bytes:
-            self._missed(name, damaged=path)
             return None
         self._hit(name)
         return body

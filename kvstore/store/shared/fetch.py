@@ -291,7 +291,10 @@ class SegmentFetcher:
         cache when it holds a sound copy (``verify``: re-hashed now, else as the cache checks), or
         from the whole object fetched and matched against its digest (then kept in the cache)."""
         if segment.key_version is not None or self.sealer is not None:
-            into[:] = self._opened(key, segment, verify=verify)[offset : offset + len(into)]
+            if segment.codec == "raw" and offset == 0 and len(into) == segment.nbytes:
+                self._opened(key, segment, verify=verify, into=into)  # decrypted in place: no copy
+            else:
+                into[:] = self._opened(key, segment, verify=verify)[offset : offset + len(into)]
             return into
         if segment.codec != "raw":
             into[:] = self._unpacked(key, segment)[offset : offset + len(into)]
@@ -356,7 +359,9 @@ class SegmentFetcher:
         )
 
     # ------------------------------------------------------------------ sealed objects (encrypted at rest)
-    def _opened(self, key: str, segment: Segment, *, verify: bool = False) -> memoryview:
+    def _opened(
+        self, key: str, segment: Segment, *, verify: bool = False, into: memoryview | None = None
+    ) -> memoryview:
         """The records of a sealed segment: its object (the cache's ciphertext copy, or fetched whole
         in parallel ranged GETs) opened under the owner's data key — the AEAD tag refuses any
         changed byte (:class:`SealBroken`) — decompressed if parked, then matched against the
@@ -364,7 +369,8 @@ class SegmentFetcher:
         ``whole``). A copy in the cache is authenticated by its tag at every read, which is what
         the plaintext cache's digest check of a copy stands for (the tag is stronger: any changed
         byte of the copy fails it). The cache is given the ciphertext only: no plaintext reaches
-        the replica's disk. One more GET if the fetched object fails (a torn read)."""
+        the replica's disk. One more GET if the fetched object fails (a torn read). ``into``
+        (exactly the records' size; raw segments): decrypted there, not into a buffer of its own."""
         if self.sealer is None and self.pending is not None:
             self.pending()
         if self.sealer is None:
@@ -377,7 +383,7 @@ class SegmentFetcher:
             copy = self._keeper.waiting(segment)
         if copy is not None:
             try:
-                return self._plain(key, segment, copy, check=verify)
+                return self._plain(key, segment, copy, check=verify, into=into)
             except KeyShredded:
                 raise
             except (SealBroken, SessionDamaged):
@@ -393,7 +399,7 @@ class SegmentFetcher:
             for job in jobs:
                 job.result()
             try:
-                plain = self._plain(key, segment, body)
+                plain = self._plain(key, segment, body, into=into)
             except KeyShredded:
                 raise
             except (SealBroken, SessionDamaged) as exc:
@@ -405,10 +411,18 @@ class SegmentFetcher:
         assert failure is not None
         raise failure
 
-    def _plain(self, key: str, segment: Segment, sealed: bytes | memoryview, *, check: bool = True) -> memoryview:
+    def _plain(
+        self,
+        key: str,
+        segment: Segment,
+        sealed: bytes | memoryview,
+        *,
+        check: bool = True,
+        into: memoryview | None = None,
+    ) -> memoryview:
         if self.sealer is None:  # _opened checked it; for the type checker
             raise SealBroken(f"object {segment.object} is sealed: no key-encryption key")
-        raw = self.sealer.open(key, segment, sealed)
+        raw: bytes | memoryview = self.sealer.open(key, segment, sealed, into if segment.codec == "raw" else None)
         if segment.codec != "raw":
             try:
                 raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=segment.nbytes)

@@ -422,7 +422,7 @@ def encrypted(shared: SharedStore, kek: KeyProvider | None) -> SharedStore:
 class Sealed:
     """A segment object's bytes as stored, and the data-key version they are sealed under."""
 
-    body: bytes
+    body: bytes | memoryview
     key_version: int
 
 
@@ -446,8 +446,11 @@ class SegmentSealer:
         bound = self.associated(owner, name, first_record, n_records, codec, data_key.version)
         return Sealed(seal_object(data_key.secret, body, bound, purpose=PURPOSE), data_key.version)
 
-    def open(self, key: str, segment: Segment, sealed: bytes | memoryview) -> bytes:
-        """The plaintext of ``segment``'s object (read for session ``key``).
+    def open(
+        self, key: str, segment: Segment, sealed: bytes | memoryview, into: memoryview | None = None
+    ) -> memoryview:
+        """The plaintext of ``segment``'s object (read for session ``key``), decrypted into ``into``
+        (exactly its size) when given.
 
         Raises
         ------
@@ -462,7 +465,7 @@ class SegmentSealer:
             owner, segment.object, segment.first_record, segment.n_records, segment.codec, segment.key_version
         )
         try:
-            return open_object(data_key.secret, sealed, bound, purpose=PURPOSE)
+            return open_object(data_key.secret, sealed, bound, purpose=PURPOSE, into=into)
         except SealBroken:
             raise SealBroken(
                 f"session {public_id(key)!r}: object {segment.object} (records {segment.first_record}..) failed "
