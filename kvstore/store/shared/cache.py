@@ -175,9 +175,7 @@ class SegmentCache:
                     self._missed(name, damaged=path)
                     return None
                 populate = getattr(mmap, "MAP_POPULATE", 0)
-                body = memoryview(
-                    mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
-                )
+                body = memoryview(mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ))
         except OSError:
             self._missed(name)
             return None
