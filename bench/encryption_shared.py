@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -145,6 +146,7 @@ def main() -> int:
     finally:
         moto.close()
         cluster.close()
+        shutil.rmtree(folder, ignore_errors=True)  # ~1 GB of replica caches a run
     return 0
 
 
