@@ -6,7 +6,11 @@
 #   3. the HTTP figures of issue 37 (bench/serve_h200.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# the service's wheels; the clients' (anyio, httpx, click, ...) only where the machine lacks them
+common="anyio h11 click httpx httpcore sniffio idna certifi"
+wheels=$(ls .whl/*.whl | grep -v -E "/($(echo $common | tr ' ' '|'))-")
+for m in $common; do python3 -c "import $m" 2>/dev/null || wheels="$wheels $(ls .whl/$m-*.whl)"; done
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/kvstore-h200}"
 mkdir -p "$OUT"

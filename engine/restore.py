@@ -83,9 +83,10 @@ CHUNK_BYTES = 16 << 20
 _RADIUS_FLOOR = float(tq_format.RADIUS_FLOOR)
 
 
-def read_threads() -> int:
-    """Chunks read at once: page-cache reads scale with cores up to about four."""
-    return max(1, min(4, os.cpu_count() or 1))
+def read_threads(*, decrypting: bool = False) -> int:
+    """Chunks read at once: page-cache reads scale with cores up to about four; reads that also
+    decrypt (a store encrypted at rest) are bound by AES-GCM on the CPU and scale further."""
+    return max(1, min(8 if decrypting else 4, os.cpu_count() or 1))
 
 
 # ---------------------------------------------------------------------------- the record layout
@@ -431,6 +432,17 @@ class ReaderBody:
     def read_into(self, out: np.ndarray, start: int, count: int) -> int:
         return self._reader.read_into(out, start, count)
 
+    @property
+    def decrypts(self) -> bool:
+        """The reader decrypts what it reads (a store encrypted at rest): more threads pay."""
+        return bool(getattr(self._reader, "decrypts", False))
+
+    def chunk_starts(self, per_chunk: int) -> list[int] | None:
+        """Where the reader would have the ring's chunks start (an encrypted journal: on its
+        frames), or None."""
+        starts = getattr(self._reader, "chunk_starts", None)
+        return starts(per_chunk) if starts is not None else None
+
     def check_scales(self, records: np.ndarray, first_record: int) -> None:
         self._reader.check_scales(records, first_record)
 
@@ -569,6 +581,7 @@ def fill(
     if strict:
         # counted by the sanitize that runs anyway, on the device: no host pass over the rows
         placement.count_corrupt(device)
+    threads = threads or read_threads(decrypting=getattr(body, "decrypts", False))
     if device.type == "cpu" and isinstance(body, MemoryBody):
         # Records already in host memory are split where they lie: no ring, no copy.
         host = body.host_rows()
@@ -578,9 +591,9 @@ def fill(
         filled, tokens = host.shape[0], _tokens_of(host)
     elif device.type == "cuda":
         with torch.cuda.device(device):
-            filled, tokens = _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
+            filled, tokens = _pipeline(body, fields, placement, device, per_chunk, threads)
     else:
-        filled, tokens = _pipeline(body, fields, placement, device, per_chunk, threads or read_threads())
+        filled, tokens = _pipeline(body, fields, placement, device, per_chunk, threads)
     if strict and placement.corrupt is not None and int(placement.corrupt):  # the one sync of the check
         _name_corrupt(body, filled, per_chunk)
     return filled, tokens
@@ -625,7 +638,9 @@ def _pipeline(
     """
     n, rec = body.n, body.layout.rec_bytes
     cuda = device.type == "cuda"
-    starts = list(range(0, n, per_chunk))
+    preferred = getattr(body, "chunk_starts", None)
+    starts = (preferred(per_chunk) if preferred is not None else None) or list(range(0, n, per_chunk))
+    counts = [b - a for a, b in zip(starts, [*starts[1:], n])]  # each at most per_chunk
     slots = min(len(starts), 2 * threads)
     slot_bytes = min(per_chunk, n) * rec
     split = getattr(body, "split", False)  # chunks in split_blocks' layout, tokens from the body
@@ -647,7 +662,7 @@ def _pipeline(
         slot = i % slots
         if cuda and in_use[slot]:
             uploaded[slot].synchronize()  # releases the GIL
-        return body.read_into(views[slot], starts[i], min(per_chunk, n - starts[i]))
+        return body.read_into(views[slot], starts[i], counts[i])
 
     # One chunk (or one thread) is read where it is needed: a pool would only add its start-up.
     pool = (
@@ -688,7 +703,7 @@ def _pipeline(
                 else:
                     placement.apply(raw.view(got, rec), fields, a)
             filled = a + got
-            if got < min(per_chunk, n - a):
+            if got < counts[i]:
                 break  # the file ended early: keep the complete records before it
             if i + slots < len(starts):
                 pending[i + slots] = submit(i + slots)

@@ -526,6 +526,30 @@ def iter_records(
         i = k
 
 
+def chunk_starts(table: FrameTable, start: int, stop: int, chunk_records: int, *, cut_frames: bool) -> list[int]:
+    """First records of chunks covering ``[start, stop)`` that end on frames where they can, so no
+    frame is decrypted twice (a chunk ending inside a frame makes the next one open it again).
+    ``cut_frames``: at most ``chunk_records`` each (a fixed-size ring: a larger frame is split);
+    else whole frames (a chunk holds one frame more than ``chunk_records`` at most)."""
+    if stop <= start:
+        return []
+    step = max(1, chunk_records)
+    i, j = table.covering(start, stop)
+    ends = np.minimum(np.asarray(table.firsts[i:j], dtype=np.int64) + table.counts[i:j], stop)
+    starts, pos = [], start
+    while pos < stop:
+        starts.append(pos)
+        limit = min(pos + step, stop)
+        k = int(np.searchsorted(ends, limit, side="right")) - 1
+        if k >= 0 and ends[k] > pos:
+            pos = int(ends[k])
+        elif cut_frames:
+            pos = limit
+        else:  # the frame holding pos is larger than a chunk: the chunk is that whole frame
+            pos = int(ends[int(np.searchsorted(ends, pos, side="right"))])
+    return starts
+
+
 def sealed_bytes_bound(nbytes: int, rec_bytes: int, chunk_bytes: int) -> int:
     """At most the size of a sealed journal holding ``nbytes`` of records written from chunks of at
     most ``chunk_bytes`` (what a store reserves before a copy)."""
@@ -715,6 +739,11 @@ class SealedKVFile(KVFile):
         """Committed records ``[start, stop)`` decrypted in chunks that end on frames."""
         self._check_open()
         return iter_records(self._fd, self._codec, self._table, start, min(stop, self._commit_point()), chunk_records)
+
+    def chunk_starts(self, start: int, stop: int, chunk_records: int, *, cut_frames: bool) -> list[int]:
+        """Chunks of committed records ``[start, stop)`` ending on frames (:func:`chunk_starts`)."""
+        self._check_open()
+        return chunk_starts(self._table, start, min(stop, self._commit_point()), chunk_records, cut_frames=cut_frames)
 
     def read_into(self, out: memoryview, start: int, stop: int) -> int:
         """Decrypt committed records ``[start, stop)`` straight into ``out``; returns the bytes."""

@@ -3,13 +3,16 @@ conformance suite's size-exact tests assume a plaintext journal's bytes)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvstore.store
 from crypto.support import KEK
+from kvstore import tiers
 from kvstore.errors import BudgetExceeded
+from kvstore.formats import coli_kv
 from kvstore.sealed import SEALED_HEADER_BYTES
-from store.support import Rows, files_bytes, new_session
+from store.support import GEOMETRY, Rows, files_bytes, new_session
 
 
 def sizes_agree(store):
@@ -49,3 +52,57 @@ def test_the_hard_limit_counts_sealed_bytes(tmp_path):
             store.append("chat", *rows.make(1))  # one record + a frame's 44 bytes cross it
         assert store.get("chat").n_records == 10 and store.usage()["used_bytes"] == used
         sizes_agree(store)
+
+
+def test_a_restore_ring_opens_each_frame_once(tmp_path, monkeypatch):
+    """A restore's ring reads an encrypted session in chunks that end on its frames, so each frame
+    is decrypted once (a chunk ending inside a frame makes the next chunk open it again); a
+    download's chunks hold exactly the records asked for, frames or not."""
+    import kvstore.sealed as sealed_module
+    from kvstore.engine.restore import ReaderBody, read_threads
+    from kvstore.sealed import FrameCodec
+
+    rec = coli_kv.record_bytes(GEOMETRY, tiers.FP8)
+    monkeypatch.setattr(sealed_module, "FRAME_BYTES", 3 * rec)  # several records a frame, below a chunk
+    rows = Rows(5)
+    batches = [rows.make(n) for n in (7, 1, 1, 11, 2)]
+    opened = []
+    real_open_at = FrameCodec.open_at
+
+    def counting(self, frame_header, body, buf, pos):
+        opened.append(bytes(frame_header[:8]))  # first record and count: which frame
+        return real_open_at(self, frame_header, body, buf, pos)
+
+    monkeypatch.setattr(FrameCodec, "open_at", counting)
+    with kvstore.store.open(tmp_path / "data", kek=KEK) as store:
+        new_session(store)
+        for batch in batches:
+            store.append("chat", *batch)
+        expected = rows.encode(store.get("chat", owner="alice").tier, *batches)
+        journal = store.journal_path("chat", owner="alice")
+        with open(journal, "rb") as handle:
+            table = sealed_module.walk(handle.fileno(), rec, 22, journal.name)
+        frames = len(table.firsts)
+        with store.reader("chat", owner="alice") as reader:
+            assert frames == 10  # [3, 3, 1], [1], [1], [3, 3, 3, 2], [2]: 5-record chunks cut some
+            opened.clear()
+            chunks = list(reader.iter_bytes(chunk_bytes=5 * rec))
+            assert [len(c) // rec for c in chunks] == [5, 5, 5, 5, 2]
+            assert b"".join(chunks) == expected and set(opened) == {bytes(h) for h in _frame_heads(journal, table)}
+
+            starts = reader.chunk_starts(5)
+            assert starts[0] == 0 and all(0 < b - a <= 5 for a, b in zip(starts, [*starts[1:], 22]))
+            ends = {f + c for f, c in zip(table.firsts, table.counts)}
+            assert set(starts[1:]) <= ends  # no frame is cut: each is smaller than a chunk
+            opened.clear()
+            ring = np.empty(5 * rec, dtype=np.uint8)
+            got = b"".join(
+                ring[: reader.read_into(ring, a, b - a) * rec].tobytes() for a, b in zip(starts, [*starts[1:], 22])
+            )
+            assert got == expected and len(opened) == len(set(opened)) == frames
+            assert ReaderBody(reader).decrypts and read_threads(decrypting=True) >= read_threads()
+
+
+def _frame_heads(journal, table):
+    raw = journal.read_bytes()
+    return [raw[o : o + 8] for o in table.offsets]
