@@ -8,8 +8,7 @@
 # Usage: OUT=/some/dir bench/serve_h200.sh     (run from the device call with carry [".whl"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
+source bench/device_wheels.sh
 OUT="${OUT:-/tmp/kvstore-h200}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
