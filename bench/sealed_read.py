@@ -1,0 +1,114 @@
+"""How a restore's reads of an encrypted session scale with threads, beside a plaintext one's.
+
+A plaintext and an encrypted store (``kvstore.store.open(kek=...)``) get the same session (valid fp8
+records of a GLM-4.5-style geometry, 45,556 B a token). Each is read the way a device restore fills
+its ring — ``reader.read_into`` of ring-sized chunks (``reader.chunk_starts``: ending on the
+encrypted journal's frames) by N threads into N x 2 reused buffers — and the throughput printed for
+N = 1, 2, 4, ... up to the cores. Beside it, the host's own limits with the same threads: AES-256-GCM
+(``cryptography``'s streaming interface, one 64 MiB buffer a thread) and memcpy.
+
+    PYTHONPATH=. python3 bench/sealed_read.py                  # 8192 tokens (373 MB)
+    PYTHONPATH=. python3 bench/sealed_read.py --tokens 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_common import GLM, MODEL, TIER, v2_records  # noqa: E402
+
+import kvstore.store  # noqa: E402
+from kvstore.crypto.kek import write_kek_file  # noqa: E402
+from kvstore.engine.restore import CHUNK_BYTES  # noqa: E402
+
+
+def best_of(repeat: int, work) -> float:
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def ring_read(store, threads: int) -> tuple[float, int]:
+    with store.reader("s", owner="bench") as reader:
+        per = max(1, CHUNK_BYTES // reader.record_bytes)
+        starts = reader.chunk_starts(per) or list(range(0, reader.n_records, per))
+        counts = [b - a for a, b in zip(starts, [*starts[1:], reader.n_records])]
+        ring = [np.ones(per * reader.record_bytes, dtype=np.uint8) for _ in range(2 * threads)]
+
+        def read(i: int) -> int:
+            return reader.read_into(ring[i % len(ring)], starts[i], counts[i])
+
+        def work() -> None:
+            with ThreadPoolExecutor(threads) as pool:
+                assert sum(pool.map(read, range(len(starts)))) == reader.n_records
+
+        return best_of(3, work), reader.body_bytes
+
+
+def host_limits(threads: int) -> tuple[float, float]:
+    """GB/s of AES-256-GCM and of memcpy with ``threads`` threads, 64 MiB each."""
+    key, nonce = os.urandom(32), os.urandom(12)
+    sources = [np.frombuffer(os.urandom(64 << 20), dtype=np.uint8) for _ in range(threads)]
+    outs = [np.ones(64 << 20, dtype=np.uint8) for _ in range(threads)]
+
+    def aes(i: int) -> None:
+        Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor().update_into(sources[i][:-16], outs[i])
+
+    def copy(i: int) -> None:
+        np.copyto(outs[i], sources[i])
+
+    rates = []
+    for one in (aes, copy):
+        with ThreadPoolExecutor(threads) as pool:
+            took = best_of(3, lambda: list(pool.map(one, range(threads))))
+        rates.append(threads * (64 << 20) / took / 1e9)
+    return rates[0], rates[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--where", default=None, help="folder for the stores (default: a temporary one)")
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    counts = [n for n in (1, 2, 4, 8, 16, 32) if n <= cores]
+    with tempfile.TemporaryDirectory(dir=args.where) as folder:
+        root = Path(folder)
+        kek = write_kek_file(root / "kek")
+        records = v2_records(args.tokens, 1)
+        stores = {"plain": kvstore.store.open(root / "plain"), "sealed": kvstore.store.open(root / "sealed", kek=kek)}
+        try:
+            for store in stores.values():
+                store.create("bench", GLM, TIER, MODEL, session_id="s")
+                store.append_records("s", records)
+                ring_read(store, 1)  # the journal's pages into the page cache
+            print(f"# {args.tokens} tokens, {records.nbytes / 1e6:.0f} MB; ring chunks of {CHUNK_BYTES >> 20} MiB")
+            print("threads  plaintext GB/s  encrypted GB/s  ratio   AES-GCM GB/s  memcpy GB/s")
+            for n in counts:
+                (plain_s, size), (sealed_s, _) = ring_read(stores["plain"], n), ring_read(stores["sealed"], n)
+                aes, copy = host_limits(n)
+                print(
+                    f"{n:7d} {size / plain_s / 1e9:15.2f} {size / sealed_s / 1e9:15.2f} {plain_s / sealed_s:6.2f} "
+                    f"{aes:14.1f} {copy:12.1f}"
+                )
+        finally:
+            for store in stores.values():
+                store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
