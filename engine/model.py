@@ -40,6 +40,8 @@ _LATENT_NORM_EPS = 1e-6
 # backends that materialize them (CPU); CUDA's fused kernels do not, and get a larger budget.
 _SCORE_BUDGET_BYTES = 256 << 20
 _FUSED_BUDGET_FACTOR = 16
+# graphs dynamo keeps per compiled region: (batch size classes up to 256) x (dense, MoE) x tiers
+RECOMPILE_LIMIT = 64
 
 
 class RMSNorm(nn.Module):
@@ -451,6 +453,14 @@ class MLAForCausalLM(nn.Module):
         # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
         # step computes what the eager one does (not a more precise, different answer).
         options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
+        # A region compiles once per decode batch size and layer kind (dense, MoE): a scheduler's
+        # size classes (1, 2, 4, ... max batch) times two outgrow dynamo's default of 8 graphs a
+        # function, past which it runs the region eagerly for every new size.
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        if hasattr(config, "recompile_limit"):
+            config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
         self.regions = StepRegions(
             torch.compile(DecoderLayer.step_inputs, options=options),
             torch.compile(DecoderLayer.step_outputs, options=options),

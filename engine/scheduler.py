@@ -67,6 +67,10 @@ class SchedulerLimits:
     turn_deadline : seconds a turn may run (from its submission) before it is stopped
         (``finish_reason == "deadline"``); None: no deadline (``--turn-deadline``)
     prefill_chunk : prompt tokens per prefill chunk (one chunk per scheduler step)
+    pad_batches : decode ``n`` turns as a batch of the next power of two (at most ``max_batch``),
+        the extra slots writing one scratch row nobody reads, so a CUDA graph and a compiled step
+        serve each size class instead of each count turns come and go through (log2(max_batch) + 1
+        captures, not max_batch); None: on where steps replay CUDA graphs
     """
 
     max_batch: int = 16
@@ -75,6 +79,7 @@ class SchedulerLimits:
     max_new_tokens: int = 4096
     turn_deadline: float | None = 600.0
     prefill_chunk: int = 512
+    pad_batches: bool | None = None
 
     def __post_init__(self):
         for name in ("max_batch", "max_turns_per_owner", "max_new_tokens", "prefill_chunk"):
@@ -208,6 +213,9 @@ class Scheduler:
         self._owners: deque[str] = deque()  # round-robin order of owners with work
         self._inflight: dict[str, int] = {}  # owner -> turns begun and not closed
         self._arena: _Arena | None = None
+        self._pad_row: int | None = None  # the arena's scratch row that padded slots write
+        pad = self.limits.pad_batches
+        self._pad = engine.cuda_graphs if pad is None else pad
         self._thread: threading.Thread | None = None
         self._stopping = False
         #: steps run, tokens generated, prefill chunks run, turns paused for fairness, turns refused
@@ -321,7 +329,7 @@ class Scheduler:
                     works, self._works = self._works, []
                 for work in works:
                     self._end(work, "error", error=exc)
-                self._arena = None
+                self._arena = self._pad_row = None
 
     def _step(self) -> None:
         with self._cv:
@@ -451,11 +459,21 @@ class Scheduler:
         arena = self._arena
         assert arena is not None  # turns decode only after joining it
         began = time.perf_counter()
+        tokens = [w.next_input for w in active]
+        positions = [w.position for w in active]
+        offsets = [w.offset for w in active]
+        extra = self._padding(len(active))
+        if extra:
+            if self._pad_row is None:
+                self._pad_row = arena.allocate(1, active)  # may grow the arena: before reading its cache
+            tokens += [0] * extra
+            positions += [0] * extra
+            offsets += [self._pad_row] * extra
         device = arena.cache.device
-        tokens_in = torch.tensor([w.next_input for w in active], dtype=torch.int64, device=device)
-        positions_in = torch.tensor([w.position for w in active], dtype=torch.int64, device=device)
-        offsets_in = torch.tensor([w.offset for w in active], dtype=torch.int64, device=device)
-        step = self._batches.step_function(arena.cache, len(active), tokens_in, positions_in, offsets_in)
+        tokens_in = torch.tensor(tokens, dtype=torch.int64, device=device)
+        positions_in = torch.tensor(positions, dtype=torch.int64, device=device)
+        offsets_in = torch.tensor(offsets, dtype=torch.int64, device=device)
+        step = self._batches.step_function(arena.cache, len(tokens), tokens_in, positions_in, offsets_in)
         logits = step()
         sampling = [i for i, w in enumerate(active) if w.sampling]
         picked: dict[int, int] = {}
@@ -493,6 +511,15 @@ class Scheduler:
         for work in active:  # a reader that left: stop at this step, keeping what it took
             if work.phase == "decode" and work.cancel_at is not None:
                 self._cancel_decoding(work)
+
+    def _padding(self, n: int) -> int:
+        """Slots added to a step of ``n`` turns: up to the next power of two, at most max_batch."""
+        if not self._pad:
+            return 0
+        size = 1
+        while size < n:
+            size *= 2
+        return max(0, min(size, self.limits.max_batch) - n)
 
     def _cancel_decoding(self, work: TurnWork) -> None:
         keep = min(work.cancel_at or 0, len(work.generated))

@@ -86,6 +86,37 @@ def test_turns_joining_and_leaving_get_what_they_get_alone(model, tier):
     assert scheduler.counters["prefill_chunks"] >= sum(-(-(n - 1) // 8) for n, _ in plan if n > 1)
 
 
+def test_padded_batches_decode_in_size_classes_and_give_what_turns_get_alone(model, monkeypatch):
+    """With ``pad_batches`` (the default where steps replay CUDA graphs) a step of n turns runs as a
+    batch of the next power of two (at most max_batch), the extra slots writing a scratch row: every
+    turn still gets exactly its tokens alone, and the steps come in size classes only."""
+    engine = Engine(model, tier="f32")
+    vocab = model.config.vocab_size
+    plan = [(5, 7), (17, 3), (40, 5), (1, 9), (23, 2), (9, 6)]
+    scheduler = run_scheduler(
+        engine, SchedulerLimits(max_batch=6, prefill_chunk=8, turn_deadline=None, pad_batches=True)
+    )
+    sizes: list[tuple[int, int]] = []
+    step_function = scheduler._batches.step_function
+
+    def recording(pool, b, tokens_in, positions_in, offsets_in):
+        sizes.append((b, len(tokens_in)))
+        return step_function(pool, b, tokens_in, positions_in, offsets_in)
+
+    monkeypatch.setattr(scheduler._batches, "step_function", recording)
+    try:
+        works = [turn(engine, f"o{i}", context(vocab, n, seed=i), m) for i, (n, m) in enumerate(plan)]
+        for work in works:
+            scheduler.submit(work)
+        results = [drain(w) for w in works]
+    finally:
+        scheduler.close()
+    for work, (n, m), (_, outcome) in zip(works, plan, results):
+        assert outcome.tokens == alone(model, work.ids, m) and work.cache.length == n + m
+    assert {b for b, _ in sizes} <= {1, 2, 4, 6} and all(b == k for b, k in sizes)
+    assert any(b == 4 for b, _ in sizes) or any(b == 6 for b, _ in sizes)  # some step was padded up
+
+
 def test_a_long_prompt_is_prefilled_between_decode_steps(model, engine):
     vocab = model.config.vocab_size
     scheduler = run_scheduler(engine, SchedulerLimits(max_batch=4, prefill_chunk=16, turn_deadline=None))
