@@ -43,6 +43,19 @@ from kvstore.store.shared.rows import (
 )
 from kvstore.store.values import public_id
 
+
+def _drop_if_expired(conn: psycopg.Connection, key: str, now_ns: int) -> list[str]:
+    """Delete session ``key`` in ``conn``'s transaction if it expired at ``now_ns`` and no writer
+    holds its lease (a row another transaction holds is left to it); the objects to delete."""
+    gone = conn.execute(
+        "SELECT key FROM kv_sessions s WHERE key = %(key)s AND s.expires_ns <= %(now_ns)s AND NOT EXISTS "
+        "(SELECT 1 FROM kv_leases l WHERE l.key = s.key AND l.expires_at > clock_timestamp()) "
+        "FOR UPDATE SKIP LOCKED",
+        {"key": key, "now_ns": now_ns},
+    ).fetchall()
+    return drop_sessions(conn, [key])[key] if gone else []
+
+
 __all__ = ["DEFAULT_POOL_SIZE", "Grant", "ReadPlan", "Segment", "SharedIndex", "redacted_url"]
 
 #: ``pg_advisory_xact_lock`` key serializing eviction across replicas.
@@ -103,13 +116,7 @@ class SharedIndex(Rewrites):
 
         def body(conn: psycopg.Connection) -> list[str]:
             with conn.transaction():
-                gone = conn.execute(
-                    "SELECT key FROM kv_sessions s WHERE key = %(key)s AND s.expires_ns <= %(now_ns)s AND NOT EXISTS "
-                    "(SELECT 1 FROM kv_leases l WHERE l.key = s.key AND l.expires_at > clock_timestamp()) "
-                    "FOR UPDATE SKIP LOCKED",
-                    {"key": key, "now_ns": now_ns},
-                ).fetchall()
-                objects = drop_sessions(conn, [key])[key] if gone else []
+                objects = _drop_if_expired(conn, key, now_ns)
                 row = conn.execute(
                     "INSERT INTO kv_sessions (key, owner, header, rec_bytes, record, created_ns, updated_ns, last_used_ns, "
                     "ttl_ns) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (key) DO NOTHING RETURNING key",
@@ -416,13 +423,7 @@ class SharedIndex(Rewrites):
 
         def body(conn: psycopg.Connection) -> list[str]:
             with conn.transaction():
-                gone = conn.execute(
-                    "SELECT key FROM kv_sessions s WHERE key = %(key)s AND s.expires_ns <= %(now_ns)s AND NOT EXISTS "
-                    "(SELECT 1 FROM kv_leases l WHERE l.key = s.key AND l.expires_at > clock_timestamp()) "
-                    "FOR UPDATE SKIP LOCKED",
-                    {"key": key, "now_ns": now_ns},
-                ).fetchall()
-                return drop_sessions(conn, [key])[key] if gone else []
+                return _drop_if_expired(conn, key, now_ns)
 
         return self.run("deleting an expired session", body)
 
