@@ -73,7 +73,7 @@ def host_limits(threads: int) -> tuple[float, float]:
     rates = []
     for one in (aes, copy):
         with ThreadPoolExecutor(threads) as pool:
-            took = best_of(3, lambda: list(pool.map(one, range(threads))))
+            took = best_of(3, lambda one=one: list(pool.map(one, range(threads))))
         rates.append(threads * (64 << 20) / took / 1e9)
     return rates[0], rates[1]
 
