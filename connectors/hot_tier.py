@@ -86,15 +86,21 @@ class HotTier:
                 self._entries.move_to_end(key)
             return rows
 
-    def put(self, key: HotKey, rows: np.ndarray) -> int:
+    def put(self, key: HotKey, rows: np.ndarray, *, owned: bool = False) -> int:
         """Keep a copy of ``rows`` under ``key`` (replacing an older entry); returns how many
         entries were evicted to make room. Rows larger than the budget are not kept (and any older
-        entry of ``key`` is dropped: it no longer holds what the store holds)."""
+        entry of ``key`` is dropped: it no longer holds what the store holds). ``owned``: the caller
+        hands ``rows`` over (a fresh f32 array nobody else holds) and it is kept as it is, made
+        read-only, unless the tier pins its entries (a copy of a page was a third of a save)."""
         size = int(rows.size) * 4  # f32, as the entry will hold it
         if size > self.budget:
             self.drop(key)
             return 0
-        entry = self._copy(rows)  # outside the lock: a copy of megabytes must not stall readers
+        if owned and self._torch is None and rows.dtype == np.float32 and rows.flags.c_contiguous:
+            entry = rows
+            entry.flags.writeable = False
+        else:
+            entry = self._copy(rows)  # outside the lock: a copy of megabytes must not stall readers
         evicted = 0
         with self._lock:
             old = self._entries.pop(key, None)

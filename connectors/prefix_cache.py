@@ -551,18 +551,19 @@ class PrefixCache:
             n = int(records.shape[0])
             written = KVRecords(Header(g, self.fingerprint.tier, n), records, HEADER_BYTES + records.nbytes)
             L, R, _ = written.dequantize()
-            self._keep_hot(session_id, np.concatenate([L, R], axis=-1))
+            self._keep_hot(session_id, np.concatenate([L, R], axis=-1), owned=True)  # a fresh array
         return "saved"
 
     # ------------------------------------------------------------------ hot tier
     def _hot_key(self, session_id: str) -> HotKey:
         return (self.owner, self._key, session_id)
 
-    def _keep_hot(self, session_id: str, rows: np.ndarray) -> None:
-        """Keep rows this process checked or wrote in the hot tier (counting what it evicted)."""
+    def _keep_hot(self, session_id: str, rows: np.ndarray, *, owned: bool = False) -> None:
+        """Keep rows this process checked or wrote in the hot tier (counting what it evicted);
+        ``owned``: :meth:`HotTier.put`'s."""
         if self.hot is None:
             return
-        evicted = self.hot.put(self._hot_key(session_id), rows)
+        evicted = self.hot.put(self._hot_key(session_id), rows, owned=owned)
         self._add({"hot_evictions": evicted}, None, hot_bytes=self.hot.nbytes)
 
     def _drop_hot(self, session_id: str) -> None:

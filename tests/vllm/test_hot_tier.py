@@ -92,6 +92,25 @@ def test_a_hit_reads_no_journal(store):
     assert cache.stats.hot_hits == 1 and cache.stats.load_errors == 0
 
 
+def test_rows_handed_over_are_kept_read_only_and_others_are_copied():
+    """``put(owned=True)`` keeps the caller's fresh array as it is, read-only (a save hands its
+    decoded rows over: no second copy of a page); without it the tier holds a copy of its own, so a
+    caller writing into its rows afterwards changes nothing the tier serves."""
+    tier = HotTier(4 * ENTRY)
+    mine = np.ones((2, 8, 4), dtype=np.float32)
+    tier.put(("o", "k", "copied"), mine)
+    mine[:] = 7.0
+    assert (tier.get(("o", "k", "copied")) == 1.0).all()
+    handed = np.full((2, 8, 4), 3.0, dtype=np.float32)
+    tier.put(("o", "k", "owned"), handed, owned=True)
+    assert tier.get(("o", "k", "owned")) is handed and not handed.flags.writeable
+    with pytest.raises(ValueError):
+        handed[0, 0, 0] = 0.0  # read-only: a stray write fails instead of changing what hits serve
+    strided = np.ones((2, 8, 8), dtype=np.float32)[..., :4]  # not contiguous: copied even if handed over
+    tier.put(("o", "k", "strided"), strided, owned=True)
+    assert tier.get(("o", "k", "strided")) is not strided and strided.flags.writeable
+
+
 def test_the_budget_holds_and_the_least_recently_used_goes_first(store):
     tier = HotTier(2 * ENTRY + 100)  # room for two prompts' rows
     cache = PrefixCache(store, "team-a", fingerprint(), hot=tier)
