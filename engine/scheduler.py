@@ -521,6 +521,36 @@ class Scheduler:
             size *= 2
         return max(0, min(size, self.limits.max_batch) - n)
 
+    def size_classes(self) -> list[int]:
+        """The batch sizes steps run at when padding (1, 2, 4, ... and max_batch); [] when not."""
+        if not self._pad:
+            return []
+        sizes, size = [], 1
+        while size < self.limits.max_batch:
+            sizes.append(size)
+            size *= 2
+        return [*sizes, self.limits.max_batch]
+
+    def warm(self) -> list[int]:
+        """One decode step of every size class on a scratch arena, before any turn (a server's
+        start): each class's compiled step and CUDA graph are made now, not in the middle of the
+        first turns that reach it (seconds each on a GPU). Every slot reads nothing and writes one
+        scratch row. Returns the sizes run ([] when steps are not padded)."""
+        sizes = self.size_classes()
+        if not sizes:
+            return []
+        with self._cv:
+            if self._works:
+                raise GenerationError("warm() runs before the scheduler's first turn")
+        arena = _Arena(self.engine.new_cache())
+        row = arena.allocate(1, [])
+        device = arena.cache.device
+        for size in sizes:
+            zeros = torch.zeros(size, dtype=torch.int64, device=device)
+            offsets = torch.full((size,), row, dtype=torch.int64, device=device)
+            self._batches.step_function(arena.cache, size, zeros, zeros.clone(), offsets)()
+        return sizes
+
     def _cancel_decoding(self, work: TurnWork) -> None:
         keep = min(work.cancel_at or 0, len(work.generated))
         written = work.position - work.start - work.ids.shape[0]  # generated tokens whose row is written

@@ -157,6 +157,10 @@ class SessionEngine:
         self.fingerprint = Fingerprint(self.model, self.geometry, self.tier)
         self.limits = limits or SchedulerLimits(prefill_chunk=engine.prefill_chunk)
         self.scheduler = Scheduler(engine, self.limits)
+        began = time.perf_counter()
+        warmed = self.scheduler.warm()  # where steps replay graphs: every batch size class, now
+        if warmed:
+            log.info("decode steps of %s turns made ready in %.1f s", warmed, time.perf_counter() - began)
         budget = default_pool_bytes(engine.device) if pool_bytes is None else pool_bytes
         self.pool = ResidentPool(budget, host_bytes)
         # where a session restored from the store comes from, as turns report it

@@ -89,7 +89,8 @@ def test_turns_joining_and_leaving_get_what_they_get_alone(model, tier):
 def test_padded_batches_decode_in_size_classes_and_give_what_turns_get_alone(model, monkeypatch):
     """With ``pad_batches`` (the default where steps replay CUDA graphs) a step of n turns runs as a
     batch of the next power of two (at most max_batch), the extra slots writing a scratch row: every
-    turn still gets exactly its tokens alone, and the steps come in size classes only."""
+    turn still gets exactly its tokens alone, and the steps come in size classes only — the classes
+    a server's start runs once (``warm``), before any turn."""
     engine = Engine(model, tier="f32")
     vocab = model.config.vocab_size
     plan = [(5, 7), (17, 3), (40, 5), (1, 9), (23, 2), (9, 6)]
@@ -104,6 +105,9 @@ def test_padded_batches_decode_in_size_classes_and_give_what_turns_get_alone(mod
         return step_function(pool, b, tokens_in, positions_in, offsets_in)
 
     monkeypatch.setattr(scheduler._batches, "step_function", recording)
+    assert scheduler.warm() == [1, 2, 4, 6] and sizes == [(1, 1), (2, 2), (4, 4), (6, 6)]  # a start's warm-up
+    assert scheduler.counters["steps"] == 0 and scheduler._arena is None  # it left no turn state behind
+    sizes.clear()
     try:
         works = [turn(engine, f"o{i}", context(vocab, n, seed=i), m) for i, (n, m) in enumerate(plan)]
         for work in works:
@@ -216,6 +220,20 @@ def test_a_turn_cancelled_or_past_its_deadline_before_decoding_stores_nothing(mo
             assert work.cache.length == 0  # what prefill wrote is gone: the session is as it was
         first.cancel(1)
         drain(first)
+    finally:
+        scheduler.close()
+
+
+def test_warm_is_nothing_without_padding_and_refused_once_turns_run(model, engine):
+    assert run_scheduler(engine, SchedulerLimits(pad_batches=False)).warm() == []
+    scheduler = run_scheduler(engine, SchedulerLimits(max_batch=2, pad_batches=True, turn_deadline=None))
+    try:
+        work = turn(engine, "o", context(model.config.vocab_size, 4, seed=1), 3000)  # still running below
+        scheduler.submit(work)
+        with pytest.raises(GenerationError):
+            scheduler.warm()
+        work.cancel(0)
+        assert drain(work)[1].finish_reason == "cancelled"
     finally:
         scheduler.close()
 
