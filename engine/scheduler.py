@@ -535,7 +535,8 @@ class Scheduler:
         """One decode step of every size class on a scratch arena, before any turn (a server's
         start): each class's compiled step and CUDA graph are made now, not in the middle of the
         first turns that reach it (seconds each on a GPU). Every slot reads nothing and writes one
-        scratch row. Returns the sizes run ([] when steps are not padded)."""
+        scratch row; the arena stays the one turns decode in. Returns the sizes run ([] when steps
+        are not padded)."""
         sizes = self.size_classes()
         if not sizes:
             return []
@@ -549,6 +550,10 @@ class Scheduler:
             zeros = torch.zeros(size, dtype=torch.int64, device=device)
             offsets = torch.full((size,), row, dtype=torch.int64, device=device)
             self._batches.step_function(arena.cache, size, zeros, zeros.clone(), offsets)()
+        # The turns decode in this arena (its scratch row the padding's): its graphs stay the ones
+        # replayed. A new arena of the same size would be keyed like this one (first field's
+        # address, capacity) and could be handed the freed blocks in another order.
+        self._arena, self._pad_row = arena, row
         return sizes
 
     def _cancel_decoding(self, work: TurnWork) -> None:
