@@ -174,6 +174,12 @@ class DecodeBatches:
             seq.cache.copy_rows(pool, offset + n, n, len(run))
             seq.cache.commit(n, run)
 
+    def forget_graphs(self) -> None:
+        """Drop every captured graph (their pool storage is being let go: a new one could be given
+        the same first address and capacity, the key a graph is found by)."""
+        self._graphs.clear()
+        self._graph_pool = None
+
     def step_function(self, pool: LatentCache, b: int, tokens_in, positions_in, offsets_in):
         """A callable running one batched step from the input tensors, returning logits f32[B, vocab].
 

@@ -330,6 +330,7 @@ class Scheduler:
                 for work in works:
                     self._end(work, "error", error=exc)
                 self._arena = self._pad_row = None
+                self._batches.forget_graphs()  # they captured the arena let go here
 
     def _step(self) -> None:
         with self._cv:
