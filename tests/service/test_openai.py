@@ -427,9 +427,14 @@ def test_the_servers_limits_answer_429_with_retry_after_and_cap_max_tokens(make_
         ) as busy,
     ):
         assert busy.status_code == 200, busy.read()
-        next(busy.iter_lines())  # alice's one turn is in flight
+        # alice's one turn is in flight. The iterator stays referenced to the end of the block: a
+        # dropped one is closed at once, and closing it closes the stream, which the server reads
+        # as a client gone and cancels the turn (under load before the request below arrived).
+        lines = busy.iter_lines()
+        next(lines)
         with pytest.raises(openai.RateLimitError) as refused:
             api.chat.completions.create(model="tiny", messages=say, max_tokens=2)
         assert refused.value.response.headers["Retry-After"] == "1" and refused.value.code == "server_busy"
         other = client(roomy, OTHER_KEY).chat.completions.create(model="tiny", messages=say, max_tokens=2)
         assert other.usage.completion_tokens <= 2  # another owner's turn runs meanwhile
+        assert next(lines, None) is not None  # and alice's turn streams on, never cancelled by the checks
