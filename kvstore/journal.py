@@ -533,7 +533,7 @@ class KVFile:
         """The stored header as a ``.coli_kv`` header (nrec: the committed records)."""
         return self._header.with_nrec(self._commit_point())
 
-    def chunk_starts(self, start: int, stop: int, chunk_records: int, *, cut_frames: bool) -> list[int]:
+    def chunk_starts(self, start: int, stop: int, chunk_records: int) -> list[int]:
         """First records of chunks of ``chunk_records`` covering committed records ``[start, stop)``
         (any split reads as well here; a sealed journal ends them on its frames)."""
         return list(range(start, min(stop, self.n_records), max(1, chunk_records)))

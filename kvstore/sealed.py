@@ -48,10 +48,9 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvstore.crypto.seal import SALT_BYTES, TAG_BYTES, derive_key, new_nonce
+from kvstore.crypto.seal import SALT_BYTES, TAG_BYTES, decrypt_into, derive_key, new_nonce
 from kvstore.durable import AtomicFile, pwrite_all
 from kvstore.errors import FormatError, JournalWriteError, SealBroken
 from kvstore.formats import coli_kv
@@ -64,7 +63,6 @@ if TYPE_CHECKING:
 SEALED_HEADER_BYTES = 88
 FRAME_HEADER_BYTES = 28
 CONTAINER_VERSION = 1
-_BLOCK = 16  # AES's block: the streaming interface wants this much room past its output, less one
 FRAME_BYTES = 1 << 20  # records of one frame at most (one AEAD call each; a range read decrypts whole frames)
 _HEAD = struct.Struct("<8s8i8sII32s")
 _FRAME = struct.Struct("<IIQ12s")
@@ -241,34 +239,21 @@ class FrameCodec:
     def open_at(self, frame_header: bytes, body: memoryview, buf: memoryview, pos: int) -> None:
         """Decrypt the frame (``body``: ciphertext and tag) into ``buf[pos:pos + its size]``.
 
-        Through the streaming GCM interface, which releases the GIL while it runs (the one-shot
-        AEAD call holds it, so a server's reader thread would stall its event loop). Its output
-        needs 15 bytes of room past the data: the frame's last bytes come back separately when
-        ``buf`` has none. The tag is checked at the end: on a mismatch the bytes written are zeroed
-        and :class:`SealBroken` is raised, so no caller ever sees them."""
+        Through :func:`~kvstore.crypto.seal.decrypt_into` (the streaming GCM interface, which
+        releases the GIL: a server's reader thread never stalls its event loop). On a mismatch of
+        the tag the bytes written are zeroed and :class:`SealBroken` is raised."""
         first, count, _, nonce = _FRAME.unpack(frame_header)
         size = len(body) - TAG_BYTES
-        decryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce, bytes(body[size:]))).decryptor()
-        decryptor.authenticate_additional_data(self._bound + frame_header[:16])
-        ciphertext = body[:size]
-        if len(buf) - pos >= size + _BLOCK - 1:
-            decryptor.update_into(ciphertext, buf[pos : pos + size + _BLOCK - 1])
-        else:
-            lead = max(0, size - _BLOCK)
-            if lead:
-                decryptor.update_into(ciphertext[:lead], buf[pos : pos + lead + _BLOCK - 1])
-            buf[pos + lead : pos + size] = decryptor.update(ciphertext[lead:])
-        try:
-            decryptor.finalize()
-        except InvalidTag:
-            buf[pos : pos + size] = bytes(size)
+        if not decrypt_into(
+            self._key, nonce, bytes(body[size:]), self._bound + frame_header[:16], body[:size], buf, pos
+        ):
             broken = SealBroken(
                 f"{self.name}: the frame of records [{first}, {first + count}) failed authentication (a changed "
                 "byte, a frame moved from elsewhere, or another key); nothing of it was decrypted: "
                 "`kvstore sessions repair` cuts the session back to its last good turn"
             )
             broken.first_record = first
-            raise broken from None
+            raise broken
 
     def frames(self, first: int, body: memoryview) -> list[bytes]:
         """``body`` (whole records) as frames of at most :data:`FRAME_BYTES`, first record ``first``."""
@@ -413,14 +398,9 @@ def read_records_into(fd: int, codec: FrameCodec, table: FrameTable, start: int,
             while m < j and table.ends[m] - lo <= STAGE_BYTES:
                 m += 1
             size = table.ends[m - 1] - lo
-            if size <= len(stage):
-                raw = stage[:size]
+            with contextlib.nullcontext(stage[:size]) if size <= STAGE_BYTES else _scratch(size) as raw:
                 _read_exact(fd, raw, lo, codec.name)
                 _open_frames(codec, table, k, m, raw, lo, start, stop, out)
-            else:
-                with _scratch(size) as raw:
-                    _read_exact(fd, raw, lo, codec.name)
-                    _open_frames(codec, table, k, m, raw, lo, start, stop, out)
             k = m
     return (stop - start) * rec
 
@@ -542,11 +522,10 @@ def iter_records(
         i = k
 
 
-def chunk_starts(table: FrameTable, start: int, stop: int, chunk_records: int, *, cut_frames: bool) -> list[int]:
-    """First records of chunks covering ``[start, stop)`` that end on frames where they can, so no
-    frame is decrypted twice (a chunk ending inside a frame makes the next one open it again).
-    ``cut_frames``: at most ``chunk_records`` each (a fixed-size ring: a larger frame is split);
-    else whole frames (a chunk holds one frame more than ``chunk_records`` at most)."""
+def chunk_starts(table: FrameTable, start: int, stop: int, chunk_records: int) -> list[int]:
+    """First records of chunks of at most ``chunk_records`` covering ``[start, stop)`` (a
+    fixed-size ring's), ending on frames where they can, so no frame is decrypted twice (a chunk
+    ending inside a frame makes the next one open it again); a frame larger than a chunk is split."""
     if stop <= start:
         return []
     step = max(1, chunk_records)
@@ -557,12 +536,7 @@ def chunk_starts(table: FrameTable, start: int, stop: int, chunk_records: int, *
         starts.append(pos)
         limit = min(pos + step, stop)
         k = int(np.searchsorted(ends, limit, side="right")) - 1
-        if k >= 0 and ends[k] > pos:
-            pos = int(ends[k])
-        elif cut_frames:
-            pos = limit
-        else:  # the frame holding pos is larger than a chunk: the chunk is that whole frame
-            pos = int(ends[int(np.searchsorted(ends, pos, side="right"))])
+        pos = int(ends[k]) if k >= 0 and ends[k] > pos else limit
     return starts
 
 
@@ -756,10 +730,10 @@ class SealedKVFile(KVFile):
         self._check_open()
         return iter_records(self._fd, self._codec, self._table, start, min(stop, self._commit_point()), chunk_records)
 
-    def chunk_starts(self, start: int, stop: int, chunk_records: int, *, cut_frames: bool) -> list[int]:
+    def chunk_starts(self, start: int, stop: int, chunk_records: int) -> list[int]:
         """Chunks of committed records ``[start, stop)`` ending on frames (:func:`chunk_starts`)."""
         self._check_open()
-        return chunk_starts(self._table, start, min(stop, self._commit_point()), chunk_records, cut_frames=cut_frames)
+        return chunk_starts(self._table, start, min(stop, self._commit_point()), chunk_records)
 
     def read_into(self, out: memoryview, start: int, stop: int) -> int:
         """Decrypt committed records ``[start, stop)`` straight into ``out``; returns the bytes."""

@@ -49,6 +49,30 @@ def derive_subkey(data_key: bytes, salt: bytes, purpose: bytes) -> AESGCM:
     return AESGCM(derive_key(data_key, salt, purpose))
 
 
+def decrypt_into(
+    key: bytes, nonce: bytes, tag: bytes, associated: bytes, ciphertext: memoryview, buf: memoryview, pos: int = 0
+) -> bool:
+    """AES-256-GCM: ``ciphertext`` decrypted into ``buf[pos:pos + len(ciphertext)]`` through the
+    streaming interface (it releases the GIL; the one-shot call holds it and allocates its output).
+    That interface wants a block of room past what it writes, less one: when ``buf`` has none, the
+    last bytes come back separately. Returns whether the tag passed; when it did not, the bytes
+    written are zeroed, so no caller ever sees them."""
+    size = len(ciphertext)
+    decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
+    decryptor.authenticate_additional_data(associated)
+    lead = size if len(buf) - pos >= size + _BLOCK - 1 else max(0, size - _BLOCK)
+    if lead:
+        decryptor.update_into(ciphertext[:lead], buf[pos : pos + lead + _BLOCK - 1])
+    if lead < size:
+        buf[pos + lead : pos + size] = decryptor.update(ciphertext[lead:])
+    try:
+        decryptor.finalize()
+    except InvalidTag:
+        buf[pos : pos + size] = bytes(size)
+        return False
+    return True
+
+
 def seal_object(
     data_key: bytes, plaintext: bytes | memoryview, associated: bytes, *, purpose: bytes = b"object"
 ) -> memoryview:
@@ -83,8 +107,8 @@ def open_object(
     into: memoryview | None = None,
 ) -> memoryview:
     """The plaintext of :func:`seal_object`'s output, decrypted straight into ``into`` (exactly its
-    size) or a buffer of its own; ``sealed`` may be a mapped file: it is read once, never copied.
-    Until the tag passes nothing is handed out: on a failure ``into`` is zeroed.
+    size) or a buffer of its own (:func:`decrypt_into`: on a failure ``into`` is zeroed);
+    ``sealed`` may be a mapped file: it is read once, never copied.
 
     Raises
     ------
@@ -100,25 +124,12 @@ def open_object(
     if into is not None and len(into) != size:
         raise SealBroken(f"a sealed object holds {size} bytes, not the {len(into)} expected; nothing was decrypted")
     out = np.empty(size + _BLOCK - 1, dtype=np.uint8).data if into is None else into
-    decryptor = Cipher(
-        algorithms.AES(derive_key(data_key, salt, purpose)), modes.GCM(nonce, bytes(view[head + size :]))
-    ).decryptor()
-    decryptor.authenticate_additional_data(OBJECT_MAGIC + salt + associated)
-    ciphertext = view[head : head + size]
-    # the streaming interface wants a block of room past the data: an exact buffer gets its last
-    # bytes back separately
-    lead = size if len(out) >= size + _BLOCK - 1 else max(0, size - _BLOCK)
-    if lead:
-        decryptor.update_into(ciphertext[:lead], out[: lead + _BLOCK - 1])
-    if lead < size:
-        out[lead:size] = decryptor.update(ciphertext[lead:])
-    try:
-        decryptor.finalize()
-    except InvalidTag:
-        if into is not None:
-            into[:] = bytes(size)
+    key = derive_key(data_key, salt, purpose)
+    if not decrypt_into(
+        key, nonce, bytes(view[head + size :]), OBJECT_MAGIC + salt + associated, view[head : head + size], out
+    ):
         raise SealBroken(
             "a sealed object failed authentication (a changed byte, another key, or moved from elsewhere); "
             "nothing was decrypted"
-        ) from None
+        )
     return out[:size]

@@ -238,7 +238,7 @@ class SessionReader(Reader):
         None: any split is as good."""
         if self._sealed is None:
             return None
-        return self._sealed.chunk_starts(0, self.n_records, chunk_records, cut_frames=True)
+        return self._sealed.chunk_starts(0, self.n_records, chunk_records)
 
     def iter_batches(self, batch_records: int, *, strict: bool = False) -> Iterator[KVRecords]:
         """Served records as KVRecords batches of at most ``batch_records``; ``strict``: see
