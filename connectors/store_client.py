@@ -115,8 +115,7 @@ class LocalClient:
         self.owner = validate_owner(owner)
 
     def shred_mark(self) -> float | None:
-        keyring = getattr(self.store, "keyring", None)  # an encrypted embedded store's (one stat)
-        return None if keyring is None else keyring.shredded().get(self.owner)
+        return self.store.keys_destroyed_at(self.owner)
 
     def lookup(self, fingerprint: Fingerprint, tokens: np.ndarray) -> Found | None:
         found = self.store.lookup(self.owner, fingerprint, tokens)

@@ -300,8 +300,7 @@ _JSON_ERRORS: dict[int | str, dict[str, Any]] = {401: {"model": ErrorBody}}
 
 @router.get("/console/me", response_model=MeOut, responses=_JSON_ERRORS, summary="Who the presented key belongs to")
 async def me(owner: Owner, store: Store) -> dict:
-    keyring = getattr(store, "keyring", None)  # an encrypted embedded store's (one stat)
-    destroyed = keyring.shredded().get(owner) if keyring is not None else None
+    destroyed = await run_in_threadpool(store.keys_destroyed_at, owner)  # a shared store asks PostgreSQL
     return {"owner": owner, "version": kvstore.__version__, "keys_destroyed_at": destroyed}
 
 

@@ -26,7 +26,6 @@ async def lookup(body: LookupIn, response: Response, owner: Owner, store: Store)
     tokens = await run_in_threadpool(token_array, body.tokens)
     found = await run_in_threadpool(store.lookup, owner, body.fingerprint(tier), tokens)
     mark_deprecated(response, note)
-    # An encrypted embedded store's keyring (one stat): a connector's hot tier learns of a shred here.
-    keyring = getattr(store, "keyring", None)
-    destroyed = keyring.shredded().get(owner) if keyring is not None else None
+    # a connector's hot tier learns of a shred here (off the event loop: a shared store asks PostgreSQL)
+    destroyed = await run_in_threadpool(store.keys_destroyed_at, owner)
     return LookupOut(match=LookupMatch(**found.to_dict()) if found is not None else None, keys_destroyed_at=destroyed)

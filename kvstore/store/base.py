@@ -171,6 +171,13 @@ class Store(ABC):
         """The capabilities this backend does not have."""
         return frozenset(CAPABILITIES) - cls.capabilities
 
+    def keys_destroyed_at(self, owner: str) -> float | None:
+        """When ``owner``'s data keys were destroyed (``kvstore crypto shred``, seconds since the
+        epoch) on a store encrypted at rest; None on a plaintext store or before any shred. Each
+        backend's ``keyring`` answers (an embedded one with a ``stat``, a shared one with a query)."""
+        keyring = getattr(self, "keyring", None)
+        return None if keyring is None else keyring.shredded().get(owner)
+
     # ------------------------------------------------------------------ lifecycle, limits, counts
     @abstractmethod
     def close(self) -> None:
