@@ -514,13 +514,8 @@ class Scheduler:
                 self._cancel_decoding(work)
 
     def _padding(self, n: int) -> int:
-        """Slots added to a step of ``n`` turns: up to the next power of two, at most max_batch."""
-        if not self._pad:
-            return 0
-        size = 1
-        while size < n:
-            size *= 2
-        return max(0, min(size, self.limits.max_batch) - n)
+        """Slots added to a step of ``n`` turns (at most max_batch): up to its size class."""
+        return next((size - n for size in self.size_classes() if size >= n), 0)
 
     def size_classes(self) -> list[int]:
         """The batch sizes steps run at when padding (1, 2, 4, ... and max_batch); [] when not."""
