@@ -1,3 +1,4 @@
+# Over 700 lines: the record layout, the four bodies (memory, file, rows, reader), the placement and the ring that reads them share one contract (read_into into ring slots of whole records or split blocks) and are reviewed together.
 """Device restore: ``.coli_kv`` records into a cache's buffers with one read and one upload.
 
 The host path (``StoredRows.from_records`` + ``LatentCache.restore``) re-lays the token-major
