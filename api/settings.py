@@ -72,6 +72,8 @@ class Settings:
         (shared store only; None: 8 GiB, 0: no cache)
     max_new_tokens : the most tokens one turn may ask for (a request asking more is refused)
     max_batch : turns the engine decodes together (its decode slots; docs/SERVE.md)
+    arena_rows : rows of the decode arena reserved at start (None: 4096 a slot on a GPU, none on
+        the CPU; docs/SERVE.md)
     max_queue : turns in flight beyond the slots, service-wide; one more gets 429 ``ServerBusy``
     max_turns_per_owner : turns one owner may have in flight; one more gets 429 ``ServerBusy``
     turn_deadline : seconds a turn may run before it is stopped (``finish_reason: deadline``);
@@ -117,6 +119,7 @@ class Settings:
     cache_bytes: int | None = None
     max_new_tokens: int = 4096
     max_batch: int | None = None
+    arena_rows: int | None = None
     max_queue: int = 64
     max_turns_per_owner: int = 8
     turn_deadline: float | None = 600.0
@@ -179,8 +182,10 @@ class Settings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")
-        for name in ("max_queue", "host_pool_bytes"):
+        for name in ("max_queue", "host_pool_bytes", "arena_rows"):
             value = getattr(self, name)
+            if name == "arena_rows" and value is None:
+                continue  # the device's default
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, not {value!r}")
         if self.pool_bytes is not None and (not isinstance(self.pool_bytes, int) or self.pool_bytes < 0):
@@ -192,12 +197,15 @@ class Settings:
 
     def scheduler_limits(self, device: str):
         """The engine's :class:`~kvstore.engine.scheduler.SchedulerLimits` (decode slots: 16 on a
-        GPU, 8 on the CPU unless ``max_batch`` says)."""
+        GPU, 8 on the CPU unless ``max_batch`` says; the decode arena: 4096 rows a slot reserved on
+        a GPU, where growing it recaptures graphs, none on the CPU, unless ``arena_rows`` says)."""
         from kvstore.engine.scheduler import SchedulerLimits
 
         slots = self.max_batch if self.max_batch is not None else (8 if device == "cpu" else 16)
+        arena = self.arena_rows if self.arena_rows is not None else (0 if device == "cpu" else slots * 4096)
         return SchedulerLimits(
             max_batch=slots,
+            arena_rows=arena,
             max_queue=self.max_queue,
             max_turns_per_owner=self.max_turns_per_owner,
             max_new_tokens=self.max_new_tokens,

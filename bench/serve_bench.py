@@ -25,6 +25,7 @@ On a 2-core machine the clients and the server share the cores: report the figur
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -42,17 +43,24 @@ from api_common import KEY, Server, percentile  # noqa: E402
 OWNER = "bench"
 
 
-def _stream_turn(url: str, session_id: str, tokens: list[int], max_new: int, marks: list[float]) -> float:
-    """One streamed turn; appends each token's arrival time to ``marks``; returns the request's start."""
+def _stream_turn(
+    url: str, session_id: str, tokens: list[int], max_new: int, marks: list[float], done: dict | None = None
+) -> float:
+    """One streamed turn; appends each token's arrival time to ``marks`` (and puts the turn's
+    closing ``done`` event into ``done``); returns the request's start."""
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=3600) as client:
         began = time.perf_counter()
         body = {"tokens": tokens, "max_new_tokens": max_new, "stop": [], "stream": True}
         with client.stream("POST", f"/sessions/{session_id}/generate", json=body) as answer:
             if answer.status_code != 200:
                 raise RuntimeError(f"{session_id}: {answer.status_code} {answer.read()!r}")
+            last = ""
             for line in answer.iter_lines():
                 if line.startswith("event: token"):
                     marks.append(time.perf_counter())
+                elif line.startswith("data:") and last.startswith("event: done") and done is not None:
+                    done.update(json.loads(line[5:]))
+                last = line
         return began
 
 
@@ -159,7 +167,8 @@ def long_resume(url: str, others: int, vocab: int) -> dict:
         time.sleep(0.01)
     long_marks: list[float] = []
     before = [b - a for m in marks for a, b in zip(m[-10:-1], m[-9:])]
-    began = _stream_turn_first(url, long_marks)
+    done: dict = {}
+    began = _stream_turn(url, "long", [5, 6, 7], 4, long_marks, done)
     window = (began, long_marks[0])
     gaps = [b - a for m in marks for a, b in zip(m, m[1:]) if window[0] <= b <= window[1] + 0.001]
     for thread in threads:
@@ -168,11 +177,9 @@ def long_resume(url: str, others: int, vocab: int) -> dict:
         "ttft": long_marks[0] - began,
         "worst_gap": max(gaps) if gaps else float("nan"),
         "median_gap_before": statistics.median(before),
+        "source": done.get("source"),
+        "timings": done.get("timings", {}),
     }
-
-
-def _stream_turn_first(url: str, marks: list[float]) -> float:
-    return _stream_turn(url, "long", [5, 6, 7], 4, marks)
 
 
 def main() -> int:
@@ -249,7 +256,9 @@ def main() -> int:
                 print(
                     f"\n{args.long}-row session resumed from its journal while 15 others decode: time to first token "
                     f"{long['ttft'] * 1e3:.1f} ms; the others' worst gap between tokens meanwhile "
-                    f"{long['worst_gap'] * 1e3:.1f} ms (median gap before: {long['median_gap_before'] * 1e3:.1f} ms)"
+                    f"{long['worst_gap'] * 1e3:.1f} ms (median gap before: {long['median_gap_before'] * 1e3:.1f} ms); "
+                    f"the turn's rows from {long['source']}, its server-side phases "
+                    + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in long["timings"].items())
                 )
         finally:
             server.stop()

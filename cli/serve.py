@@ -59,6 +59,11 @@ LIMITS = {
 SERVING = {
     "max_new_tokens": (int, "with --model: the most tokens one turn may ask for (default 4096)"),
     "max_batch": (int, "with --model: turns decoded together, the engine's slots (default 16 on a GPU, 8 on the CPU)"),
+    "arena_rows": (
+        int,
+        "with --model: rows of the decode arena reserved at start; growing past them stalls one step "
+        "(default 4096 a slot on a GPU, 0 on the CPU)",
+    ),
     "max_queue": (int, "with --model: turns in flight beyond the slots; one more gets 429 (default 64)"),
     "max_turns_per_owner": (int, "with --model: turns one owner may have in flight; one more gets 429 (default 8)"),
     "turn_deadline": (float, "with --model: seconds a turn may run before it is stopped (default 600)"),

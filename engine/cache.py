@@ -443,6 +443,7 @@ class LatentCache:
         headroom: int = _MIN_CAPACITY,
         check_tokens=None,
         chunk_bytes: int | None = None,
+        threads: int | None = None,
     ) -> None:
         """Replace the cache's content with the records of ``body``, all or nothing, on the device.
 
@@ -454,6 +455,7 @@ class LatentCache:
         check_tokens : called with the tokens (int32[n]) before the new state replaces the old one;
             whatever it raises leaves the cache unchanged
         chunk_bytes : records per upload, in bytes (default ``restore.CHUNK_BYTES``)
+        threads : chunks read at once (default ``restore.read_threads``)
 
         The records go once to the device and are split there into new capacity buffers (one
         allocation; rows past ``n`` zeroed), sanitized as the host loader does; conversions (v1 into
@@ -480,7 +482,9 @@ class LatentCache:
             placement = device_restore.Placement(stored, body.tier, encode=self._encode)
         capacity = body.n + max(0, headroom)
         full = self._allocate(capacity, zeros=False)  # every row below n is written, the rest zeroed
-        n, stored_tokens = device_restore.fill(body, full, placement, self.device, chunk_bytes=chunk_bytes)
+        n, stored_tokens = device_restore.fill(
+            body, full, placement, self.device, chunk_bytes=chunk_bytes, threads=threads
+        )
         for value in full.values():
             value[:, n:].zero_()
         if check_tokens is not None:

@@ -45,6 +45,19 @@ __all__ = ["Engine", "GenerationResult", "GenerationStream", "SamplingParams", "
 PREFILL_CHUNKS = {"cpu": 4096, "cuda": 32768}
 DEFAULT_PREFILL_CHUNK: int | None = None
 
+#: A chunk of at most this many tokens after cached rows runs in the absorbed (decode) form. The
+#: plain form expands every cached row through ``kv_b_proj`` whatever the chunk's length, so a short
+#: turn on a long session paid for its whole context (2 tokens after 32,768 rows: 647 ms of prefill
+#: on an H100, 246 ms on the 2-core CPU box, during which a scheduler's other turns got no step);
+#: the absorbed form reads each cached row once per new token. Past about this length (for
+#: DeepSeek-V3's widths the flops cross near 170 tokens) the expansion is the cheaper one.
+ABSORBED_CHUNK_TOKENS = 64
+
+
+def absorbs(tokens: int, start: int) -> bool:
+    """Whether a forward of ``tokens`` new tokens at position ``start`` takes the absorbed form."""
+    return tokens == 1 or (start > 0 and tokens <= ABSORBED_CHUNK_TOKENS)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -433,7 +446,7 @@ class Engine:
             if chunk.shape[0] == 1 and self._graphs is not None:  # the one new token of a resume
                 logits = self.decode_logits(int(chunk[0]), a)
             else:
-                logits = self._run(chunk, a, absorbed=chunk.shape[0] == 1, logits="last")
+                logits = self._run(chunk, a, absorbed=absorbs(chunk.shape[0], a), logits="last")
         return _asked(logits), ids.shape[0] - reused, reused
 
     def extend(self, tokens) -> int:
@@ -502,7 +515,7 @@ class Engine:
         """Run ``ids`` into ``cache`` from ``start`` in prefill chunks, computing no logits."""
         for a in range(0, ids.shape[0], self.prefill_chunk):
             chunk = ids[a : a + self.prefill_chunk]
-            self._run(chunk, start + a, absorbed=chunk.shape[0] == 1, logits="none", cache=cache)
+            self._run(chunk, start + a, absorbed=absorbs(chunk.shape[0], start + a), logits="none", cache=cache)
 
     def stream(
         self,

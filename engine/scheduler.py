@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -71,6 +71,10 @@ class SchedulerLimits:
         the extra slots writing one scratch row nobody reads, so a CUDA graph and a compiled step
         serve each size class instead of each count turns come and go through (log2(max_batch) + 1
         captures, not max_batch); None: on where steps replay CUDA graphs
+    arena_rows : rows of the decode arena (the decoding turns' rows, on the engine's device)
+        reserved when the scheduler starts (``--arena-rows``); it grows past them when the turns
+        need more, which moves every live row and outdates every captured graph, so the step that
+        grows it is slow for everyone (0: nothing reserved, grown as needed)
     """
 
     max_batch: int = 16
@@ -80,14 +84,17 @@ class SchedulerLimits:
     turn_deadline: float | None = 600.0
     prefill_chunk: int = 512
     pad_batches: bool | None = None
+    arena_rows: int = 0
 
     def __post_init__(self):
         for name in ("max_batch", "max_turns_per_owner", "max_new_tokens", "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, not {value!r}")
-        if not isinstance(self.max_queue, int) or self.max_queue < 0:
-            raise GenerationError(f"max_queue must be an integer >= 0, not {self.max_queue!r}")
+        for name in ("max_queue", "arena_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise GenerationError(f"{name} must be an integer >= 0, not {value!r}")
         if self.turn_deadline is not None and not self.turn_deadline > 0:
             raise GenerationError(f"turn_deadline must be a positive number of seconds, not {self.turn_deadline!r}")
 
@@ -153,11 +160,16 @@ class TurnWork:
 class _Arena:
     """The cache the decoding turns' rows live in, in regions given out first-fit."""
 
-    def __init__(self, template: LatentCache):
+    def __init__(self, template: LatentCache, rows: int = 0, on_grow: Callable[[], None] | None = None):
         self.template = template
+        self.on_grow = on_grow
         self.cache = LatentCache(template.tier, template.geometry, template.device)
         self.free: list[tuple[int, int]] = []  # (offset, rows), sorted by offset
         self.capacity = 0
+        if rows > 0:  # reserved up front: a growth moves every live row and outdates every graph
+            self.cache.reserve(rows)
+            self.capacity = self.cache.capacity
+            self._give_back(0, self.capacity)
 
     def allocate(self, rows: int, live: list[TurnWork]) -> int:
         for i, (offset, size) in enumerate(self.free):
@@ -165,12 +177,15 @@ class _Arena:
                 self.free[i : i + 1] = [(offset + rows, size - rows)] if size > rows else []
                 return offset
         # grow: the old regions keep their offsets; the new room is one free block at the end
-        new_capacity = max(rows + self.capacity, int(self.capacity * 1.5), 1024)
+        # doubled: each growth recaptures the graph of every size class the turns then reach
+        new_capacity = max(rows + self.capacity, 2 * self.capacity, 1024)
         grown = LatentCache(self.template.tier, self.template.geometry, self.template.device)
         grown.reserve(new_capacity)
         for work in live:  # the rows each decoding turn has (its session's and those it wrote)
             grown.copy_rows(self.cache, work.offset, work.offset, work.position)
         self.cache = grown
+        if self.on_grow is not None:
+            self.on_grow()
         tail = (self.capacity, grown.capacity - self.capacity)
         self.capacity = grown.capacity
         self._give_back(*tail)
@@ -219,7 +234,14 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         #: steps run, tokens generated, prefill chunks run, turns paused for fairness, turns refused
-        self.counters = {"steps": 0, "tokens": 0, "prefill_chunks": 0, "preempted": 0, "refused": 0}
+        self.counters = {
+            "steps": 0,
+            "tokens": 0,
+            "prefill_chunks": 0,
+            "preempted": 0,
+            "refused": 0,
+            "arena_growths": 0,
+        }
 
     # ------------------------------------------------------------------ admission (any thread)
     def reserve(self, owner: str) -> None:
@@ -300,12 +322,17 @@ class Scheduler:
             phases = {"prefill": 0, "ready": 0, "decode": 0}
             for work in self._works:
                 phases[work.phase] = phases.get(work.phase, 0) + 1
+            arena = self._arena
             return {
                 **phases,
                 "in_flight": sum(self._inflight.values()),
                 "owners": len(self._inflight),
+                "arena_rows": arena.capacity if arena is not None else 0,
                 **self.counters,
             }
+
+    def _arena_grew(self) -> None:
+        self.counters["arena_growths"] += 1
 
     # ------------------------------------------------------------------ the loop (its own thread)
     def _loop(self) -> None:
@@ -409,7 +436,7 @@ class Scheduler:
     def _join(self, work: TurnWork, active: list[TurnWork]) -> None:
         """Give ``work`` a region of the arena holding its session's rows; it decodes from this step."""
         if self._arena is None:
-            self._arena = _Arena(work.cache)
+            self._arena = _Arena(work.cache, self.limits.arena_rows, self._arena_grew)
         arena = self._arena
         rows_left = (work.max_new - len(work.generated)) + 1
         work.position = work.cache.length
@@ -539,7 +566,7 @@ class Scheduler:
         with self._cv:
             if self._works:
                 raise GenerationError("warm() runs before the scheduler's first turn")
-        arena = _Arena(self.engine.new_cache())
+        arena = _Arena(self.engine.new_cache(), self.limits.arena_rows, self._arena_grew)
         row = arena.allocate(1, [])
         device = arena.cache.device
         for size in sizes:

@@ -161,6 +161,13 @@ class SessionEngine:
         warmed = self.scheduler.warm()  # where steps replay graphs: every batch size class, now
         if warmed:
             log.info("decode steps of %s turns made ready in %.1f s", warmed, time.perf_counter() - began)
+        if torch.device(engine.device).type == "cuda":
+            # the restore ring's pinned buffers and device stage, into torch's caching allocators
+            # now: the first resume from a journal pays no cudaHostAlloc (tens of milliseconds)
+            from kvstore.engine.restore import RecordLayout, read_threads, reserve_buffers
+
+            layout = RecordLayout.of(self.geometry, self.tier)
+            reserve_buffers(layout.rec_bytes, 1 << 20, engine.device, threads=read_threads(decrypting=True))
         budget = default_pool_bytes(engine.device) if pool_bytes is None else pool_bytes
         self.pool = ResidentPool(budget, host_bytes)
         # where a session restored from the store comes from, as turns report it

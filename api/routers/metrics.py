@@ -30,6 +30,8 @@ Generation (``kvstore serve --model``), counted by the generate route:
 ``kvstore_scheduler_tokens_total``             tokens the batched steps sampled
 ``kvstore_scheduler_preempted_total``          turns paused to give an owner with nothing decoding a slot
 ``kvstore_scheduler_refused_total``            turns refused with 429 (an owner's or the server's limit)
+``kvstore_scheduler_arena_rows`` (gauge)       rows of the decode arena (``--arena-rows``, or grown past)
+``kvstore_scheduler_arena_growths_total``      times the arena grew: each a slow step for every turn
 ``kvstore_pool_sessions{where}`` (gauge)       resident sessions on the ``device`` and the ``host`` tier
 ``kvstore_pool_bytes{where}`` (gauge)          their bytes; ``kvstore_pool_budget_bytes{where}`` the budgets
 ``kvstore_pool_evictions_total{to}``           sessions leaving the device: ``host`` or ``dropped``
@@ -320,6 +322,10 @@ def _serving(engine) -> Iterator[Metric]:
         "kvstore_scheduler_preempted", "Turns paused to give a waiting owner a slot.", value=status["preempted"]
     )
     yield CounterMetricFamily("kvstore_scheduler_refused", "Turns refused (429).", value=status["refused"])
+    yield GaugeMetricFamily("kvstore_scheduler_arena_rows", "Rows of the decode arena.", value=status["arena_rows"])
+    yield CounterMetricFamily(
+        "kvstore_scheduler_arena_growths", "Times the decode arena grew.", value=status["arena_growths"]
+    )
     pool = engine.pool.usage()
     sessions = GaugeMetricFamily("kvstore_pool_sessions", "Resident sessions.", labels=["where"])
     held = GaugeMetricFamily("kvstore_pool_bytes", "Bytes of resident sessions.", labels=["where"])

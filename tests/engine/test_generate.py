@@ -157,3 +157,36 @@ def test_bf16_weights_run_every_tier(tier):
     assert float((logits - reference).abs().max() / reference.abs().max()) < 0.1
     result = engine.generate(prompt + [4], max_new_tokens=4, stop_tokens=())
     assert len(result.tokens) == 4 and result.reused_tokens == len(prompt)
+
+
+@pytest.mark.parametrize("tier", ["f32", "fp8"])
+def test_a_short_turn_on_a_long_session_attends_its_rows_in_the_absorbed_form(model, monkeypatch, tier):
+    """A new message of a few tokens after many cached rows runs in the absorbed form (each cached
+    row read once per new token), not the plain one (every cached row expanded through kv_b_proj
+    whatever the message's length): the plain form is never entered, and the rows and logits are
+    the plain form's within f32 rounding (the same tokens)."""
+    from kvstore.engine import model as model_module
+    from kvstore.engine.generate import ABSORBED_CHUNK_TOKENS, absorbs
+
+    assert absorbs(1, 0) and absorbs(ABSORBED_CHUNK_TOKENS, 1) and not absorbs(ABSORBED_CHUNK_TOKENS + 1, 1)
+    assert not absorbs(8, 0)  # a first prompt: nothing cached to expand
+    history, message = _prompt(400, seed=3), _prompt(6, seed=4)
+    plain, absorbed = Engine(model, tier=tier), Engine(model, tier=tier)
+    for engine in (plain, absorbed):
+        engine.prefill_into(engine.cache, np.asarray(history), 0)
+    # the reference: the same message run in the plain form
+    plain._run(np.asarray(message[:-1]), 400, absorbed=False, logits="none", cache=plain.cache)
+    calls = []
+    real_plain = model_module.MLAttention._plain
+    monkeypatch.setattr(model_module.MLAttention, "_plain", lambda *a, **k: calls.append(1) or real_plain(*a, **k))
+    absorbed.prefill_into(absorbed.cache, np.asarray(message[:-1]), 400)
+    assert calls == []  # no layer expanded the 400 cached rows
+    assert absorbed.cache.length == plain.cache.length == 405
+    if tier == "f32":  # (fp8 codes may sit one step apart at a rounding edge: the tokens below)
+        rows_a, rows_p = absorbed.cache.export_rows(), plain.cache.export_rows()
+        np.testing.assert_allclose(rows_a.lc[:, 400:], rows_p.lc[:, 400:], rtol=1e-4, atol=1e-4)
+    monkeypatch.undo()
+    got = absorbed.generate(history + message, max_new_tokens=8, stop_tokens=())
+    want = plain.generate(history + message, max_new_tokens=8, stop_tokens=())
+    assert got.reused_tokens == want.reused_tokens == 405
+    assert got.tokens == want.tokens

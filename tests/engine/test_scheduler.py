@@ -264,3 +264,35 @@ def test_a_turn_asking_no_tokens_stores_its_prompt_and_samples_nothing(model, en
         scheduler.close()
     assert tokens == [] and outcome.tokens == [] and outcome.decoded and outcome.finish_reason == "length"
     assert work.cache.length == 9 and work.cache.tokens.tolist() == work.ids.tolist()
+
+
+@pytest.mark.parametrize("reserved", [0, 4096])
+def test_a_reserved_arena_holds_the_turns_without_growing(model, engine, reserved):
+    """``arena_rows`` reserves the decode arena when the scheduler starts: turns whose rows fit never
+    grow it (a growth moves every live row and, on a GPU, recaptures every size class's graph in
+    the middle of everyone's turns); with nothing reserved the first turn grows it. Counted
+    (``status()``, ``/metrics``), not timed."""
+    vocab = model.config.vocab_size
+    limits = SchedulerLimits(max_batch=3, prefill_chunk=64, turn_deadline=None, pad_batches=True, arena_rows=reserved)
+    scheduler = run_scheduler(engine, limits)
+    try:
+        scheduler.warm()
+        works = [turn(engine, f"o{i}", context(vocab, 300 + 200 * i, seed=i), 4) for i in range(3)]
+        for work in works:
+            scheduler.submit(work)
+        results = [drain(w) for w in works]
+        status = scheduler.status()
+    finally:
+        scheduler.close()
+    for work, (_, outcome) in zip(works, results):
+        assert outcome.tokens == alone(model, work.ids, 4)
+    if reserved:
+        assert status["arena_rows"] >= reserved and status["arena_growths"] == 0
+    else:
+        assert status["arena_growths"] >= 1 and status["arena_rows"] >= 300 + 200 * 2
+
+
+def test_arena_rows_must_be_a_count():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(GenerationError, match="arena_rows"):
+            SchedulerLimits(arena_rows=bad)
