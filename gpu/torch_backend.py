@@ -197,6 +197,12 @@ def decode_torch(
                 first, stop = max(0, int(lo[live].min())), min(batch.n_rows, int(hi[live].max()))
             else:
                 first = stop = 0
+            groups = _disjoint_groups(lo, hi, batch_size * (stop - first))
+            if groups is not None:
+                _attend_groups(q_l, q_r, rows, lo, hi - lo, groups, batch, float(softmax_scale), result)
+                if tier.rotated:
+                    result.copy_(codecs.unrotate(result))
+                return result
         lo, hi = start[:, None, None], (start + length)[:, None, None]
 
         def chunk(a: int, z: int):
@@ -235,6 +241,46 @@ def decode_torch(
     ctx = _online_softmax(q_l, q_r, n_cols, chunk, step, float(softmax_scale))
     result.copy_(codecs.unrotate(ctx) if tier.rotated else ctx)
     return result
+
+
+def _disjoint_groups(lo: torch.Tensor, hi: torch.Tensor, masked_work: int) -> list[torch.Tensor] | None:
+    """The queries in groups of similar lengths when every query reads rows of its own (a batched
+    decode: each sequence its own region), and reading each group's rows per query costs under
+    half of scoring every query against the span of all of them (``masked_work``: queries x span);
+    else None. A group holds lengths within a factor of two, so it reads at most twice its rows."""
+    n = lo.shape[0]
+    length = (hi - lo).clamp_min(0)
+    live = torch.nonzero(length > 0).flatten()
+    if n < 2 or live.numel() < 2:
+        return None
+    order = live[torch.argsort(lo[live])]
+    if bool((hi[order[:-1]] > lo[order[1:]]).any()):
+        return None  # queries share rows (the tokens of one sequence): one pass over them is cheaper
+    lengths = length[live]
+    bucket = torch.ceil(torch.log2(lengths.double())).to(torch.int64)
+    groups = [live[bucket == b] for b in torch.unique(bucket).tolist()]
+    grouped_work = sum(int(g.numel()) * int(length[g].max()) for g in groups)
+    return groups if 2 * grouped_work <= masked_work else None
+
+
+def _attend_groups(q_l, q_r, rows, lo, length, groups, batch: LatentBatch, softmax_scale: float, result) -> None:
+    """Each group's queries over their own rows, gathered per query ([B, C, width] columns): the
+    work is each query's rows, not the span of all; queries of no group (no rows) get zeros."""
+    heads, k, r = q_l.shape[1], batch.kv_lora, batch.qk_rope
+    result.zero_()
+    for group in groups:
+        longest = int(length[group].max())
+        first = lo[group].to(device=batch.device, dtype=torch.int64)
+        count = length[group].to(device=batch.device, dtype=torch.int64)[:, None, None]
+        picked = (first[:, None] + torch.arange(longest, device=batch.device)).clamp(0, max(batch.n_rows - 1, 0))
+
+        def chunk(a: int, z: int, picked=picked, count=count):
+            lat, rope = rows(picked[:, a:z])
+            return lat, rope, torch.arange(a, z, device=batch.device) >= count
+
+        index = group.to(batch.device)
+        step = max(1, min(CHUNK_ROWS, SCORE_ELEMENTS // (int(group.numel()) * max(heads, k + r))))
+        result[index] = _online_softmax(q_l[index], q_r[index], longest, chunk, step, softmax_scale)
 
 
 class TorchBackend(AttentionBackend):

@@ -121,3 +121,35 @@ def test_the_one_pass_f32_path_is_the_streamed_one(n):
     one_pass = torch_backend._dense_one_pass(q_lat, q_rope, lc, rc, lo, hi, 0.11)
     torch.testing.assert_close(one_pass, streamed, rtol=1e-5, atol=1e-5)
     assert torch.equal(one_pass[2], torch.zeros(heads, k))
+
+
+@pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
+def test_a_batch_of_sequences_with_rows_of_their_own_reads_each_its_own_rows(monkeypatch, tier):
+    """A batched decode (every query one sequence, with a region of rows of its own) of very uneven
+    lengths is read per group of similar lengths, each query its own rows — not every query against
+    the span of all of them, which made one long session slow every step of a batch by the batch
+    size — and gives the reference's answer, and the one-span answer, within the backend's bound."""
+    lengths = [3000, 40, 7, 300, 65, 1, 0, 129]  # one long sequence among short ones; one with no row
+    case = testing.make_case(tier, lengths, 16, kv_lora=128, qk_rope=32, seed=21)
+    taken = []
+    real = torch_backend._attend_groups
+    monkeypatch.setattr(torch_backend, "_attend_groups", lambda *a, **k: taken.append(len(a[5])) or real(*a, **k))
+    grouped = testing.decode(case)
+    assert taken and taken[0] >= 3  # lengths 3000 / 300 / 129 / 65 / 40 / 7 / 1: several groups
+    assert testing.relative_error(grouped, testing.reference(case)) < TORCH_BOUND
+    assert torch.equal(grouped[6], torch.zeros_like(grouped[6]))  # the sequence with no row
+    monkeypatch.setattr(torch_backend, "_disjoint_groups", lambda *a: None)
+    one_span = testing.decode(case)
+    assert testing.relative_error(grouped, one_span) < TORCH_BOUND
+
+
+def test_queries_sharing_rows_stay_one_pass_over_them():
+    """The tokens of one sequence (a short turn's absorbed prefill: nested spans over the same rows)
+    are not split into per-query reads, which would read the shared rows once per token."""
+    lo = torch.zeros(6, dtype=torch.int64)
+    hi = torch.arange(1000, 1006, dtype=torch.int64)
+    assert torch_backend._disjoint_groups(lo, hi, 6 * 1006) is None
+    # and regions of their own but equal and adjacent: one group, cheaper than the span
+    lo = torch.arange(0, 4000, 1000, dtype=torch.int64)
+    groups = torch_backend._disjoint_groups(lo, lo + 1000, 4 * 4000)
+    assert groups is not None and len(groups) == 1
