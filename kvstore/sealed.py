@@ -38,6 +38,7 @@ inside a frame rewrites the file (a new file, a new salt) through the atomic rew
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import struct
@@ -176,9 +177,10 @@ class FrameTable:
 
     def covering(self, start: int, stop: int) -> tuple[int, int]:
         """Frames ``[i, j)`` that hold records ``[start, stop)``."""
-        firsts = np.asarray(self.firsts, dtype=np.int64)
-        i = int(np.searchsorted(firsts, start, side="right")) - 1
-        j = int(np.searchsorted(firsts, stop, side="left"))
+        # bisect on the list: a numpy search would convert the whole table at every read, holding
+        # the GIL that a restore's other reading threads wait for
+        i = bisect.bisect_right(self.firsts, start) - 1
+        j = bisect.bisect_left(self.firsts, stop)
         return max(i, 0), j
 
 
