@@ -9,12 +9,17 @@ fresh store folder), running one prompt after another:
    computed vs loaded, in the same run; and the first token's top-5 logprobs of both;
 4. a 300-token prompt, 16 tokens generated, computed then loaded: the tokens compared.
 
-Printed per tier: time to first token computed and loaded, the generated tokens that agree (loaded
+Printed per tier: time to first token computed and loaded, the loads' throughput (the worker's
+``loaded_bytes`` over its ``load_us``: read, check, decode and placement into vLLM's cache) beside a
+raw read of the store's journals in the same run, the generated tokens that agree (loaded
 vs computed, position by position until the first difference, and in all), the first token's
 argmax agreement and max |Δ logprob| over the top-5 ids both runs report, and the bytes stored per
 token (journal bytes on disk / stored tokens; per layer too). f32 is the control: its rows load
 back exactly, so what differs there is vLLM's own arithmetic (the stored prefix is attended from
 the cache, the computed one within the prefill).
+
+The loaded prompt runs in the process that computed it, so its rows come from the connector's hot
+tier (host memory); ``--disk`` adds f32 with the hot tier off, whose load reads the store.
 
 ``--service`` adds the f32 tier in service mode: the same process against a ``kvstore serve`` on
 127.0.0.1 (rows over HTTP, verified by the server).
@@ -65,9 +70,32 @@ def make_model(folder: Path) -> Path:
     return tiny.make_model(folder, seed=0)
 
 
-def run(tmp: Path, model: Path, prompts: list[list[int]], limits: list[int], connector: dict) -> list[dict]:
+def allow_positions(model: Path, positions: int) -> int:
+    """Raise the tiny model's ``max_position_embeddings`` to ``positions`` when it is lower (rope
+    frequencies do not depend on it); returns the context vLLM may then run (its max_model_len)."""
+    config_path = model / "config.json"
+    config_json = json.loads(config_path.read_text())
+    if config_json["max_position_embeddings"] < positions:
+        config_json["max_position_embeddings"] = positions
+        config_path.write_text(json.dumps(config_json))
+    return max(4096, positions)
+
+
+def run(
+    tmp: Path, model: Path, prompts: list[list[int]], limits: list[int], connector: dict, max_model_len: int = 4096
+) -> list[dict]:
     spec, out = tmp / "spec.json", tmp / "out.json"
-    spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": limits, "connector": connector}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "prompts": prompts,
+                "max_tokens": limits,
+                "connector": connector,
+                "max_model_len": max_model_len,
+            }
+        )
+    )
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
     done = subprocess.run(
@@ -105,6 +133,23 @@ def stored_bytes_per_token(store: Path) -> float:
         body += path.stat().st_size - HEADER_BYTES
         tokens += header.nrec
     return body / tokens
+
+
+def raw_read_rate(store: Path) -> float:
+    """GB/s of reading the store's journals whole into one buffer (best of 3; in the page cache
+    after the run): the peer of a load's throughput (the connector's ``loaded_bytes`` over its
+    ``load_us``, which also checks, decodes and places the rows in vLLM's cache)."""
+    paths = sorted((store / "journals").glob("*.coli_kv"))
+    total = sum(p.stat().st_size for p in paths)
+    buffer = np.empty(max(total, 1), dtype=np.uint8)
+    best = float("inf")
+    for _ in range(3):
+        began, at = time.perf_counter(), 0
+        for path in paths:
+            with open(path, "rb", buffering=0) as f:
+                at += f.readinto(buffer.data[at:])
+        best = min(best, time.perf_counter() - began)
+    return total / best / 1e9
 
 
 def sglang_pages(spec: dict) -> dict:
@@ -288,6 +333,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2000, help="the timed prompt's length")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens generated for the agreement check")
     parser.add_argument("--service", action="store_true", help="also f32 through a kvstore serve (service mode)")
+    parser.add_argument(
+        "--disk", action="store_true", help="also f32 with no hot tier (loads read the store, not host memory)"
+    )
     parser.add_argument("--sglang", action="store_true", help="the SGLang backend against SGLang's HiCacheFile")
     parser.add_argument("--pages", type=int, default=16, help="--sglang: pages stored and read")
     parser.add_argument("--layers", type=int, default=61, help="--sglang: layers per page")
@@ -308,11 +356,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvstore-vllm-bench-") as tmp_name:
         tmp = Path(tmp_name)
         model = make_model(tmp / "tiny-dsv3")
+        max_model_len = allow_positions(model, args.prompt_tokens + 64)
         runs = [(tier, tier) for tier in args.tiers.split(",")] + ([("f32 service", "f32")] if args.service else [])
+        runs += [("f32 disk", "f32")] if args.disk else []
         for label, tier in runs:
             work = tmp / label.replace(" ", "-")
             work.mkdir()
             connector = {"store": str(work / "kv"), "tier": tier, "stats_dir": str(work / "stats")}
+            if label.endswith("disk"):  # no hot tier: the load reads the store (its files in the page cache)
+                connector["hot_bytes"] = 0
             server = None
             if label.endswith("service"):
                 sys.path.insert(0, str(ROOT / "tests"))
@@ -322,7 +374,9 @@ def main() -> None:
                 server = ServeProcess(work / "kv", env={"KVSTORE_API_KEYS": f"{key}:bench"}).start()
                 connector = {"url": server.url, "api_key": key, "tier": tier, "stats_dir": str(work / "stats")}
             try:
-                _, computed, loaded, short_computed, short_loaded = run(work, model, prompts, limits, connector)
+                _, computed, loaded, short_computed, short_loaded = run(
+                    work, model, prompts, limits, connector, max_model_len
+                )
             finally:
                 if server is not None:
                     server.stop_cleanly()
@@ -334,20 +388,37 @@ def main() -> None:
             same, delta, shared = first_token_distance(computed, loaded)
             lead, equal = agreement(short_computed["tokens"], short_loaded["tokens"])
             per_token = stored_bytes_per_token(work / "kv")
+            raw = raw_read_rate(work / "kv")
             rows.append(
-                (label, computed["seconds"], loaded["seconds"], counts, same, delta, shared, lead, equal, per_token)
+                (
+                    label,
+                    computed["seconds"],
+                    loaded["seconds"],
+                    counts,
+                    same,
+                    delta,
+                    shared,
+                    lead,
+                    equal,
+                    per_token,
+                    raw,
+                )
             )
     print(
         f"vLLM connector, tiny DeepSeek-V3 (2 layers, kv_lora 512, qk_rope 64), float32, CPU, {args.prompt_tokens}-token prompt"
     )
     print(
         "tier        | TTFT computed s | TTFT loaded s | loaded tok (both prompts) | first token same | max |Δlogprob| top-5 (shared) "
-        f"| {args.decode_tokens} tokens: leading equal / equal | bytes/token (per layer)"
+        f"| {args.decode_tokens} tokens: leading equal / equal | bytes/token (per layer) "
+        "| load GB/s (raw read GB/s, ratio)"
     )
-    for tier, t_comp, t_load, counts, same, delta, shared, lead, equal, per_token in rows:
+    for tier, t_comp, t_load, counts, same, delta, shared, lead, equal, per_token, raw in rows:
+        seconds = counts.get("load_us", 0) / 1e6
+        load = counts.get("loaded_bytes", 0) / seconds / 1e9 if seconds else float("nan")
         print(
             f"{tier:11} | {t_comp:15.3f} | {t_load:13.3f} | {counts.get('loaded_tokens', 0):25} | {str(same):16} "
-            f"| {delta:.2e} ({shared}) | {lead} / {equal} of {args.decode_tokens} | {per_token:.0f} ({(per_token - 4) / 2:.0f})"
+            f"| {delta:.2e} ({shared}) | {lead} / {equal} of {args.decode_tokens} | {per_token:.0f} ({(per_token - 4) / 2:.0f}) "
+            f"| {load:.2f} ({raw:.2f}, {load / raw:.2f})"
         )
 
 

@@ -48,7 +48,7 @@ from kvstore import config, tiers
 from kvstore.connectors.hot_tier import HotKey, HotTier
 from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient, encode_rows
 from kvstore.errors import ConfigError, IntegrityError, KeyShredded, KVStoreError, SessionExists
-from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords
+from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords, record_bytes
 from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
 from kvstore.tiers import Tier
 
@@ -266,6 +266,8 @@ class CacheStats:
     hot_misses: int = 0  # loads the hot tier could not serve (read from the store)
     hot_evictions: int = 0  # entries this cache's puts pushed out of the hot tier
     hot_bytes: int = 0  # a gauge: bytes the hot tier holds
+    load_us: int = 0  # worker: wall time of its loads (read, check, decode, placement), microseconds
+    loaded_bytes: int = 0  # worker: stored bytes of the rows those loads placed (their records)
     errors: list[str] = field(default_factory=list)  # the last few reasons, newest last
 
     def note_error(self, reason: str) -> None:
@@ -352,6 +354,7 @@ class PrefixCache:
         self._key = fingerprint.key()
         g = fingerprint.geometry
         self.row_width = g.kv_lora + g.qk_rope
+        self.record_bytes = record_bytes(g, fingerprint.tier)  # one stored row (all layers)
         self.hot = hot if hot is not None and hot.budget > 0 else None
         self._shred_mark = self.client.shred_mark() if self.hot is not None else None
 
