@@ -420,7 +420,7 @@ class PrefixCache:
         return False
 
     # ------------------------------------------------------------------ load
-    def load(self, session_id: str, start: int, stop: int) -> np.ndarray:
+    def load(self, session_id: str, start: int, stop: int, *, view: bool = False) -> np.ndarray:
         """Rows of tokens ``[start, stop)`` of a session, f32 ``[n_layers, stop - start, kv_lora + qk_rope]``.
 
         A session whose rows fail verification is quarantined: deleted from the store (counted in
@@ -428,7 +428,9 @@ class PrefixCache:
 
         With a hot tier, rows this process loaded (checked) or saved earlier are copied from host
         memory (``hot_hits``); else the store's rows are read and checked, and all of them are kept
-        in the tier for the next load (``hot_misses``). The array returned is the caller's.
+        in the tier for the next load (``hot_misses``). The array returned is the caller's; with
+        ``view`` it may instead be a read-only view of the tier's entry (no copy: for a caller that
+        only reads the rows, such as a worker placing them in its engine's cache).
 
         Raises
         ------
@@ -442,7 +444,8 @@ class PrefixCache:
             self._forget_if_shredded()
             entry = self.hot.get(self._hot_key(session_id))
             if entry is not None and entry.shape[1] >= stop:
-                rows = entry[:, start:stop].copy()  # the entry is never written: no lock needed
+                # the entry is never written (read-only): no lock needed, and a view is safe to hand out
+                rows = entry[:, start:stop] if view else entry[:, start:stop].copy()
                 self._count(hot_hits=1, loads=1, loaded_tokens=stop - start)
                 return rows
             self._count(hot_misses=1)
@@ -475,13 +478,11 @@ class PrefixCache:
                 raise LoadFailed(f"session {session_id!r} serves {served.records.n} rows, {stop} needed")
             if self.hot is not None and served.damaged_from is None:
                 # every served row, checked: the tier answers later loads of any range of them
-                L, R, _ = served.records.dequantize()
-                everything = np.concatenate([L, R], axis=-1)
-                self._keep_hot(session_id, everything)  # the tier keeps its own copy
-                rows = np.ascontiguousarray(everything[:, start:stop])
+                everything = served.records.rows()  # a fresh array: the tier keeps it as it is (read-only)
+                self._keep_hot(session_id, everything, owned=True)
+                rows = everything[:, start:stop] if view else everything[:, start:stop].copy()
             else:
-                L, R, _ = served.records.slice(start, stop).dequantize()
-                rows = np.concatenate([L, R], axis=-1)
+                rows = served.records.slice(start, stop).rows()  # decoded in place: one pass
         except (KVStoreError, OSError) as exc:
             reason = f"load {session_id}[{start}:{stop}]: {exc}"
             self._count(load_errors=1, error=reason)

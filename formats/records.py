@@ -223,10 +223,11 @@ class KVRecords:
             scales[bad] = codec.inert_scale
         return codes, scales
 
-    def _dequantize_field(self, which: str, width: int) -> np.ndarray:
+    def _dequantize_field(self, which: str, width: int, out: np.ndarray | None = None) -> np.ndarray:
         n_layers = self.geometry.n_layers
         codec = self.tier.row_codec
-        out = np.empty((n_layers, self.n, width), dtype=np.float32)
+        if out is None:
+            out = np.empty((n_layers, self.n, width), dtype=np.float32)
         codes = self._layer_field(which + "c")
         scales = self._layer_field(which + "s") if codec.scaled else None
         bad = self._bad_row_masks[which]
@@ -266,6 +267,16 @@ class KVRecords:
         if g.nic:
             index = np.ascontiguousarray(self.records["index"].transpose(1, 0, 2))
         return L, R, index
+
+    def rows(self) -> np.ndarray:
+        """Decode every safe record into one array f32 ``[n_layers, n, kv_lora + qk_rope]`` (the
+        latent part, then the rope part: a row as an MLA cache keeps it), sanitized as
+        :meth:`dequantize` does — written in place, with no L and R arrays to join after."""
+        g = self.geometry
+        out = np.empty((g.n_layers, self.n, g.kv_lora + g.qk_rope), dtype=np.float32)
+        self._dequantize_field("L", g.kv_lora, out[..., : g.kv_lora])
+        self._dequantize_field("R", g.qk_rope, out[..., g.kv_lora :])
+        return out
 
     def sanitized(self) -> tuple[np.ndarray, list[str]]:
         """A copy of the records with every damaged row neutralized as a load reads it, and one

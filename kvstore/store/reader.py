@@ -182,8 +182,10 @@ class SessionReader(Reader):
                 self.check_scales(records, 0)
             self._count_read(len(body), time.perf_counter() - started)
             return KVRecords(Header(self._geometry, self._tier, self.n_records), records, HEADER_BYTES + len(body))
-        body = bytearray(self.body_bytes)
-        view = memoryview(body)
+        # uninitialized: a bytearray is zero-filled first, a whole pass over memory the read
+        # overwrites (a quarter of a 74 MB load's time here)
+        body = np.empty(self.body_bytes, dtype=np.uint8)
+        view = body.data
         got = 0
         while got < len(body):
             n = os.preadv(self._fd, [view[got:]], HEADER_BYTES + got)

@@ -83,6 +83,28 @@ def test_a_hot_hit_is_bit_for_bit_the_disk_load(store, tier):
     assert loader.load(session, 0, 200).tobytes() == disk.load(session, 0, 200).tobytes()
 
 
+@pytest.mark.parametrize("tier", [tiers.F32, tiers.FP8], ids=lambda t: t.name)
+def test_a_reader_may_take_a_hit_as_a_read_only_view_of_the_entry(store, tier):
+    """``load(view=True)`` (the vLLM worker's: it only places the rows) hands a hit out with no
+    copy — a read-only view of the tier's entry, the same bytes — and so does the load that made
+    the entry; a write through it is refused, so the entry cannot change under later hits."""
+    disk = PrefixCache(store, "team-a", fingerprint(tier))
+    session = disk.save(PROMPT, ROWS)
+    assert session is not None
+    loader = PrefixCache(store, "team-a", fingerprint(tier), hot=HotTier(4 * ENTRY))
+    made = loader.load(session, 16, 144, view=True)  # a miss: read, checked, kept, handed out as a view
+    hit = loader.load(session, 0, 200, view=True)
+    assert made.tobytes() == disk.load(session, 16, 144).tobytes()
+    assert hit.tobytes() == disk.load(session, 0, 200).tobytes()
+    assert np.shares_memory(made, hit)  # both views of the one entry: nothing copied
+    assert not hit.flags.writeable
+    with pytest.raises(ValueError):
+        hit[0, 0, 0] = 1.0
+    assert (loader.stats.hot_misses, loader.stats.hot_hits) == (1, 1)
+    copy = loader.load(session, 0, 200)  # without view: the caller's own array, as before
+    assert copy.flags.writeable and not np.shares_memory(copy, hit)
+
+
 def test_a_hit_reads_no_journal(store):
     cache = PrefixCache(store, "team-a", fingerprint(), hot=HotTier(2 * ENTRY))
     session = cache.save(PROMPT, ROWS)
