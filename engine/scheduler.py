@@ -233,7 +233,8 @@ class Scheduler:
         self._pad = engine.cuda_graphs if pad is None else pad
         self._thread: threading.Thread | None = None
         self._stopping = False
-        #: steps run, tokens generated, prefill chunks run, turns paused for fairness, turns refused
+        #: steps run, tokens generated, prefill chunks run, turns paused for fairness, turns refused,
+        #: times the decode arena grew
         self.counters = {
             "steps": 0,
             "tokens": 0,

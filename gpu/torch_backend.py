@@ -7,9 +7,11 @@ seq_len[b] - 1`` of the row arrays, or the ``n_selected[b]`` rows ``indices[b]``
     ctx = sum_n p[n] * Lc[n]                                                 [H, kv_lora]
 
 Rows are decoded chunk by chunk by the tier's codec of :mod:`kvstore.gpu.codecs` and attended with
-one online softmax (:func:`_online_softmax`), so memory stays bounded at any context length; every
-query of a batch is handled in the same matrix products, with the rows it may not see masked, and
-no value is read back to the host (the engine calls this on CUDA for the tiers the kernels lack).
+one online softmax (:func:`_online_softmax`), so memory stays bounded at any context length; the
+queries of a batch share the same matrix products, with the rows a query may not see masked — or,
+when their bounds are on the host and each reads rows of its own (a batched decode over many
+sessions), they go in groups of similar lengths, each query over its own rows gathered, so one long
+session does not make every query of the batch read its span — and no value is read back to the host (the engine calls this on CUDA for the tiers the kernels lack).
 TQ rows are attended in the rotated domain: the rotation ``Q`` is orthogonal, so ``q . x = (Q q) .
 y`` and ``ctx = Q^T sum p y``; the queries are rotated once and no row is ever un-rotated. f32
 throughout; the same code runs on ``cpu``, ``cuda``, ``mps`` and ``xpu`` (no float64, no custom
