@@ -133,11 +133,12 @@ def device_table(stores: dict, counts: list[int], size: int, device: str) -> Non
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--threads", type=int, nargs="+", help="thread counts (default 1, 2, 4, ... up to the cores)")
     parser.add_argument("--device", default=None, help="also restore into a cache on this device (cuda)")
     parser.add_argument("--where", default=None, help="folder for the stores (default: a temporary one)")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
-    counts = [n for n in (1, 2, 4, 8, 16, 32) if n <= cores]
+    counts = args.threads or [n for n in (1, 2, 4, 8, 16, 32) if n <= cores]
     with tempfile.TemporaryDirectory(dir=args.where) as folder:
         root = Path(folder)
         kek = write_kek_file(root / "kek")
