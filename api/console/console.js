@@ -7,6 +7,9 @@ import { ago, bytes, count, iso, plural, when } from "./format.js";
 
 const KEY_NAME = "kvstore.console.key";
 const JOB_POLL_MS = 1000;
+// How long a job this page started (or saw running) may be missing from an answer before it is
+// forgotten: an answer sent before the job began does not list it.
+const PENDING_UNLISTED_MS = 30000;
 const PAGE = 100; // sessions per page of GET /sessions; "Show more" asks for the next one
 
 const $ = (id) => document.getElementById(id);
@@ -20,6 +23,9 @@ const state = {
   activity: {},
   store: null,
   jobs: [],
+  // ids of jobs seen queued or running (or just started here) whose end this page has not acted on:
+  // whichever answer shows one done first — a poll or a refresh — refreshes the page for it
+  pending: new Map(), // job id -> when it was added (ms)
   selected: null,
   jobTimer: null,
   lastStore: null,
@@ -105,6 +111,7 @@ function signOut(message = "") {
   sessionStorage.removeItem(KEY_NAME);
   Object.assign(state, {
     key: null, owner: null, sessions: [], moreCursor: null, wanted: PAGE, activity: {}, store: null, jobs: [], selected: null,
+    pending: new Map(),
   });
   clearTimeout(state.jobTimer);
   $("app").hidden = true;
@@ -150,10 +157,33 @@ async function refresh() {
   state.activity = activity.sessions;
   state.store = store;
   state.jobs = jobs;
+  const finished = settle(jobs);
   renderSessions();
   renderStore();
   renderJobs();
   await showSelected();
+  // the sessions were read beside the jobs, maybe before a job's end: read them again after it
+  if (finished.length) await refresh();
+}
+
+/** Jobs of ``jobs`` that ended since this page last looked (flashed once each); the others that
+ * run are remembered. An id the answer does not list is kept a while (the answer may predate the
+ * job: a refresh sent before it started), then forgotten (the server keeps recent jobs only). */
+function settle(jobs) {
+  const listed = new Set(jobs.map((j) => j.id));
+  const finished = jobs.filter((j) => (j.state === "done" || j.state === "failed") && state.pending.has(j.id));
+  const now = Date.now();
+  for (const [id, since] of [...state.pending]) {
+    if (!listed.has(id) && now - since > PENDING_UNLISTED_MS) state.pending.delete(id);
+  }
+  for (const job of finished) {
+    state.pending.delete(job.id);
+    flash(job.state === "done" ? `${job.kind} of ${job.session_id} finished.` : `${job.kind} of ${job.session_id} failed: ${job.error?.reason}`, job.state === "done" ? "info" : "error");
+  }
+  for (const job of jobs) {
+    if ((job.state === "queued" || job.state === "running") && !state.pending.has(job.id)) state.pending.set(job.id, now);
+  }
+  return finished;
 }
 
 async function refreshQuietly() {
@@ -315,25 +345,20 @@ function renderJobs() {
     );
   }
   clearTimeout(state.jobTimer);
-  if (state.jobs.some((job) => job.state === "queued" || job.state === "running")) {
+  if (state.pending.size || state.jobs.some((job) => job.state === "queued" || job.state === "running")) {
     state.jobTimer = setTimeout(pollJobs, JOB_POLL_MS);
   }
 }
 
 async function pollJobs() {
   if (state.owner === null) return;
-  const before = new Set(state.jobs.filter((j) => j.state === "done" || j.state === "failed").map((j) => j.id));
   try {
     state.jobs = await api("/jobs");
   } catch (err) {
     flash(describe(err), "error");
     return;
   }
-  const finished = state.jobs.filter((j) => (j.state === "done" || j.state === "failed") && !before.has(j.id));
-  if (finished.length) {
-    for (const job of finished) {
-      flash(job.state === "done" ? `${job.kind} of ${job.session_id} finished.` : `${job.kind} of ${job.session_id} failed: ${job.error?.reason}`, job.state === "done" ? "info" : "error");
-    }
+  if (settle(state.jobs).length) {
     await refreshQuietly();
   } else {
     renderJobs();
@@ -635,7 +660,9 @@ async function park(id, action) {
   try {
     const job = await api(`/sessions/${encodeURIComponent(id)}/${action}`, { method: "POST" });
     detailMessage(`${action} of ${id} queued (job ${job.id.slice(0, 8)}).`);
-    // shown as queued even if it is already done: the next poll sees it finish and refreshes the page
+    // pending even if it is already done: whichever answer next shows it done (a poll, or a refresh
+    // already on its way) refreshes the page for it
+    state.pending.set(job.id, Date.now());
     state.jobs = [job, ...state.jobs.filter((j) => j.id !== job.id)];
     renderJobs();
   } catch (err) {
