@@ -154,11 +154,14 @@ def _tmpfs_in_a_namespace(folder: Path) -> bool:
     if shutil.which("unshare") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
         return False
     folder.mkdir(parents=True, exist_ok=True)
-    probe = subprocess.run(
-        ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs "$1"', "sh", str(folder)],
-        capture_output=True,
-        timeout=30,
-    )
+    try:
+        probe = subprocess.run(
+            ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs "$1"', "sh", str(folder)],
+            capture_output=True,
+            timeout=30,
+        )
+    finally:
+        folder.rmdir()  # the mount lived in the probe's namespace only: the folder is empty again
     return probe.returncode == 0
 
 
