@@ -554,8 +554,7 @@ class PrefixCache:
         if self.hot is not None:  # the rows as a load will read them back (quantized, non-finite as 0)
             n = int(records.shape[0])
             written = KVRecords(Header(g, self.fingerprint.tier, n), records, HEADER_BYTES + records.nbytes)
-            L, R, _ = written.dequantize()
-            self._keep_hot(session_id, np.concatenate([L, R], axis=-1), owned=True)  # a fresh array
+            self._keep_hot(session_id, written.rows(), owned=True)  # a fresh array, decoded in place
         return "saved"
 
     # ------------------------------------------------------------------ hot tier
