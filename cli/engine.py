@@ -95,8 +95,8 @@ def cmd_new_model(args: argparse.Namespace) -> int:
 def journal_tier_refusal(journal: str, stored: Tier, cache: Tier) -> str | None:
     """Why a journal holding ``stored`` records cannot take the rows of a ``cache`` tier (None: it can).
 
-    A cache journals ``cache.file_tier`` records (f32 for bf16 and q8). An f32 journal takes any
-    quantized cache (its rows are quantized in memory; the first append rewrites it); any other
+    A cache journals ``cache.file_tier`` records (f32 for q8). An f32 journal takes any other
+    tier's cache (its rows are converted in memory; the first append rewrites it); any other
     difference would need a conversion the user asks for.
     """
     rows = cache.file_tier
@@ -133,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not turn and not resuming:  # refused before anything is created: no journal, no trace
         raise InvalidRequest("nothing to generate from: the prompt is empty and there is no journal to continue")
     geometry = engine.config.coli_geometry()
-    journal_tier = args.tier.file_tier  # bf16 and q8 caches journal f32 rows
+    journal_tier = args.tier.file_tier  # q8 caches journal f32 rows
     journal = None
     history: list[int] = []
     if args.journal:

@@ -144,7 +144,9 @@ class CacheConfig:
     url : a running ``kvstore serve`` (service mode), with ``api_key`` (or the variable named by
         ``api_key_env``, default ``KVSTORE_API_KEY``): the key decides the owner
     owner : embedded mode: whose sessions these are; another owner never sees them (default ``vllm``)
-    tier : how rows are stored: ``f32`` (default, exact), ``fp8``, ``int4``, ``polar2``..``polar6``
+    tier : how rows are stored: ``bf16`` (v4) or ``f32`` (v1), exact, ``fp8``, ``int4``,
+        ``polar2``..``polar6``; by default the exact tier of the engine's cache dtype
+        (:meth:`tier_for`: bf16 for a bf16 cache, at half the bytes of f32)
     model_name, revision, weights_hash : the model part of the fingerprint (defaults: the engine's
         model path or id, its revision or ``main``, the sampled hash of the folder's weights)
     verify : check the stored rows before each load (default true): their XXH3-128, or the store's
@@ -163,7 +165,7 @@ class CacheConfig:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     api_key_env: str = config.API_KEY.name
     owner: str = "vllm"
-    tier: Tier = tiers.F32
+    tier: Tier | None = None  # None: by the cache's dtype (tier_for)
     model_name: str | None = None
     revision: str | None = None
     weights_hash: str | None = None
@@ -202,11 +204,13 @@ class CacheConfig:
             raise ConfigError("kvstore connector: 'api_key' is for service mode ('url'), not a store folder")
         try:
             owner = validate_owner(extra.get("owner", "vllm"))
-            tier = tiers.get(str(extra.get("tier", "f32")))
+            tier = tiers.get(str(extra["tier"])) if extra.get("tier") is not None else None
         except KVStoreError as exc:
             raise ConfigError(f"kvstore connector: {exc}") from exc
-        if not tier.in_file:
-            raise ConfigError(f"kvstore connector: tier {tier.name!r} is not stored in files; use f32, fp8 or int4")
+        if tier is not None and not tier.in_file:
+            raise ConfigError(
+                f"kvstore connector: tier {tier.name!r} is not stored in files; use bf16, f32, fp8 or int4"
+            )
         for key in ("model_name", "revision", "weights_hash", "stats_dir"):
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise ConfigError(f"kvstore connector: {key!r} must be a string")
@@ -238,6 +242,14 @@ class CacheConfig:
             save_queue=save_queue,
             hot_bytes=hot_bytes,
         )
+
+    def tier_for(self, cache_dtype: str) -> Tier:
+        """The tier rows are stored in: the one configured, else the exact tier of the engine's cache
+        dtype — ``bf16`` (v4, 2 bytes a value) for a ``bfloat16`` cache, ``f32`` for any other (an
+        fp16 value is not always a bf16 one; f32 holds every cache dtype exactly)."""
+        if self.tier is not None:
+            return self.tier
+        return tiers.BF16 if cache_dtype.removeprefix("torch.") == "bfloat16" else tiers.F32
 
 
 # ---------------------------------------------------------------------------- counters

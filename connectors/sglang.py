@@ -198,7 +198,7 @@ class KVStoreHiCacheStorage(_Base):
             name=name,
             revision=self.config.revision or "main",
             geometry=Geometry(page.n_layers, page.kv_lora, page.qk_rope, 0, 0, PAGE_VOCAB),
-            tier=self.config.tier,
+            tier=self.config.tier_for(dtype),
             attention_variant=f"{ATTENTION_VARIANT}:{dtype}",
             weights_hash=weights,
         )
@@ -221,7 +221,7 @@ class KVStoreHiCacheStorage(_Base):
             "kvstore HiCache storage: store %s, owner %s, tier %s, %d layers x %d-token pages, fingerprint %s",
             self.config.store or self.config.url,
             self._cache.owner,
-            self.config.tier.name,
+            fingerprint.tier.name,
             page.n_layers,
             page.page_size,
             fingerprint.key()[:16],

@@ -256,7 +256,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             name=self.config.model_name or str(model.model),
             revision=self.config.revision or model.revision or "main",
             geometry=self.geometry,
-            tier=self.config.tier,
+            tier=self.config.tier_for(self.cache_dtype),
             attention_variant=f"{ATTENTION_VARIANT}:{self.cache_dtype}",
             weights_hash=weights,
         )
@@ -300,7 +300,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             role_name,
             self.config.store or self.config.url,
             self.cache.owner,
-            self.config.tier.name,
+            self.cache.fingerprint.tier.name,
             fingerprint.key()[:16],
         )
 

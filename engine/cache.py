@@ -10,7 +10,7 @@ The tier is a :class:`kvstore.tiers.Tier` and everything a cache needs comes fro
 row takes (:func:`kvstore.gpu.inputs.row_layout`: its values for ``f32``/``bf16``, its codes and a
 scale part for ``fp8``, ``int4``, ``polar2`` .. ``polar6``, ``q8``), its codecs
 (:mod:`kvstore.gpu.codecs`), its decode backend (:func:`kvstore.gpu.registry.select`), its journal
-(``Tier.file_tier``: v1 f32 rows for f32, bf16 and q8) and its bytes: a position takes
+(``Tier.file_tier``: v1 f32 rows for f32 and q8, v4 bf16 rows for bf16) and its bytes: a position takes
 ``Tier.row_bytes(K) + Tier.row_bytes(R)`` per layer (:meth:`CacheGeometry.bytes_per_token`): f32
 ``4(K+R)``, bf16 ``2(K+R)``, fp8 ``K+R+8``, int4 ``K/2+R/2+8``, polarB ``rb(K)+rb(R)+8``, q8
 ``(K+R)(1+1/16)``.
@@ -174,18 +174,18 @@ class LatentCache:
     def _stored(self, fields: dict[str, np.ndarray], tokens: np.ndarray) -> StoredRows:
         """Host copies of fields [n_layers, n, ...] -> the rows a journal of this tier holds."""
         tier = self.tier
-        if tier.in_file and tier.version != 1:  # fp8, int4, polarB: the codes as they are
+        if tier.in_file and tier is not tiers.F32:  # bf16, fp8, int4, polarB: the codes as they are
             return StoredRows(
                 tokens,
                 tier.version,
                 fields["lc"],
                 fields["rc"],
-                fields["lc_scales"],
-                fields["rc_scales"],
+                fields.get("lc_scales"),
+                fields.get("rc_scales"),
                 tier.codec,
                 tier.bits,
             )
-        # f32, bf16 (widened exactly) and q8 (decoded) journal as f32 rows
+        # f32 (as it is) and q8 (decoded) journal as f32 rows
         lc, rc = self._decode({name: torch.from_numpy(value) for name, value in fields.items()})
         return StoredRows(tokens, 1, lc.numpy(), rc.numpy())
 
@@ -364,9 +364,11 @@ class LatentCache:
         return self._stored(fields, self._tokens[start:stop].copy())
 
     def _to_host(self, field: torch.Tensor) -> np.ndarray:
-        # a copy (never a view of the cache); bf16 widened exactly to f32, which numpy has
-        dtype = torch.float32 if field.dtype == torch.bfloat16 else field.dtype
-        return field.to("cpu", dtype=dtype, copy=True).numpy()
+        # a copy (never a view of the cache); bf16 as its bit patterns (u16, a v4 record's codes),
+        # which numpy can hold
+        if field.dtype == torch.bfloat16:
+            return field.to("cpu", copy=True).view(torch.int16).numpy().view(np.uint16)
+        return field.to("cpu", copy=True).numpy()
 
     def export_f32(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens int32[n], L f32[n_layers, n, kv_lora], R f32[n_layers, n, qk_rope]) dequantized."""
@@ -530,7 +532,7 @@ class LatentCache:
     def _check_requantize(self, stored: tiers.Tier, allow: bool) -> None:
         """Quantized rows restored into another quantized tier would be quantized twice (lossy):
         refused unless ``allow``. f32/bf16 caches take any rows (decoding is lossless there)."""
-        if stored is not tiers.F32 and self.tier not in (tiers.F32, tiers.BF16) and not allow:
+        if not stored.holds_values and self.tier not in (tiers.F32, tiers.BF16) and not allow:
             raise CodecMismatch(
                 f"rows stored as {stored.describe()} would be quantized again for the {self.tier.name} "
                 "tier (lossy): pass allow_requantize=True or migrate the file"
@@ -558,7 +560,9 @@ def encode_fields(tier: tiers.Tier, lc: torch.Tensor, rc: torch.Tensor) -> dict[
 
 def _to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A copy of ``array`` on ``device`` as ``dtype`` (never a view of the caller's array: it may be
-    sanitized in place)."""
+    sanitized in place); u16 ``array`` into bf16 is taken as bf16 bit patterns (v4 codes)."""
+    if dtype == torch.bfloat16 and array.dtype == np.uint16:
+        return torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16).to(device=device)
     return torch.from_numpy(np.array(array)).to(device=device, dtype=dtype)
 
 

@@ -116,7 +116,7 @@ class RecordLayout:
         fields, stored = {}, {}
         for name, (sub, offset, *_) in (one.fields or {}).items():
             fields[name] = (offset, sub.itemsize)
-            stored[name] = torch.float32 if sub.base == np.dtype("<f4") else torch.uint8
+            stored[name] = _STORED_DTYPES.get(sub.base, torch.uint8)
         return cls(dtype.itemsize, layers_offset, one.itemsize, geometry.n_layers, fields, stored)
 
     def field(self, raw: torch.Tensor, name: str) -> torch.Tensor:
@@ -125,6 +125,11 @@ class RecordLayout:
         offset, size = self.fields[name]
         layers = raw[:, self.layers_offset : self.layers_offset + self.n_layers * self.layer_bytes]
         return layers.unflatten(1, (self.n_layers, self.layer_bytes))[:, :, offset : offset + size]
+
+
+#: Record element types placed as torch types: f32 values (v1), bf16 bit patterns (v4); codes and
+#: scales of the other tiers move as bytes.
+_STORED_DTYPES = {np.dtype("<f4"): torch.float32, np.dtype("<u2"): torch.bfloat16}
 
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
@@ -161,6 +166,18 @@ def _f32(src: torch.Tensor) -> torch.Tensor:
     if words is None:
         words = src.contiguous().view(torch.int32)
     return words.view(torch.float32)
+
+
+def _bf16(src: torch.Tensor) -> torch.Tensor:
+    """A u8[..., 2k] field as bf16[..., k] (a view when aligned to 2; else one copy)."""
+    aligned = src.stride(-1) == 1 and src.storage_offset() % 2 == 0
+    aligned = aligned and all(stride % 2 == 0 for size, stride in zip(src.shape[:-1], src.stride()[:-1]) if size > 1)
+    return (src if aligned else src.contiguous()).view(torch.bfloat16)
+
+
+def _values(tier: Tier, src: torch.Tensor) -> torch.Tensor:
+    """A value tier's field (u8 bytes of f32 or bf16 values) as the values it holds."""
+    return _bf16(src) if tier.row_codec.codes_dtype == np.dtype("<u2") else _f32(src)
 
 
 # ---------------------------------------------------------------------------- sanitize and decode
@@ -251,10 +268,10 @@ class Placement:
             src = field_of(source)
             if dst.dtype == self.layout.stored[source]:
                 _copy_bytes(_bytes_of(dst), src)
-            else:  # v1 f32 rows into a narrower float target: converted by the copy itself
-                dst.copy_(_f32(src))
+            else:  # v1/v4 rows into another float target: converted by the copy itself
+                dst.copy_(_values(self.tier, src))
             placed[source] = dst
-        if self.tier.version != 1:
+        if not self.tier.holds_values:
             codecs.sanitize_tier_(self.tier, placed["Lc"], placed["Ls"], self.corrupt)
             codecs.sanitize_tier_(self.tier, placed["Rc"], placed["Rs"], self.corrupt)
 
@@ -264,8 +281,9 @@ class Placement:
 
     def _decode(self, layer_major: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.geometry
-        if self.tier.version == 1:
-            return _f32(layer_major("Lc")).contiguous(), _f32(layer_major("Rc")).contiguous()
+        if self.tier.holds_values:  # f32 (v1) or bf16 (v4) values: widened exactly
+            lc, rc = (_values(self.tier, layer_major(name)).float().contiguous() for name in ("Lc", "Rc"))
+            return lc, rc
         out = []
         for codes_name, scales_name, width in (("Lc", "Ls", g.kv_lora), ("Rc", "Rs", g.qk_rope)):
             # Copies (clone, never a view of the body, which may be read-only): sanitized below.
@@ -478,7 +496,7 @@ class RowsBody:
         one = (coli_kv.record_dtype(geometry, tier).fields or {})["layers"][0].base
         n_layers = geometry.n_layers
         arrays = {"Lc": rows.lc, "Rc": rows.rc}
-        if tier.version != 1:
+        if tier.row_codec.scaled:
             arrays.update(Ls=rows.lc_scales, Rs=rows.rc_scales)
         # each field as the record dtype stores it (element dtype, elements per row)
         self._fields = {}
@@ -519,7 +537,7 @@ class RowsBody:
 def _check_strict(body, host: np.ndarray, first_record: int) -> None:
     """For a strict body: refuse host rows (u8[rows, rec_bytes]) holding a corrupt scale/radius
     (by the body's own ``check_scales`` when it has one, else the format's, naming its source)."""
-    if getattr(body, "strict", False) and body.tier.version != 1 and host.shape[0]:
+    if getattr(body, "strict", False) and body.tier.row_codec.scaled and host.shape[0]:
         records = host.reshape(-1).view(coli_kv.record_dtype(body.geometry, body.tier))
         check = getattr(body, "check_scales", None)
         if check is not None:
@@ -578,7 +596,7 @@ def fill(
     if body.n == 0:
         return 0, np.zeros(0, dtype=np.int32)
     per_chunk = max(1, int(chunk_bytes or CHUNK_BYTES) // rec)
-    strict = getattr(body, "strict", False) and body.tier.version != 1
+    strict = getattr(body, "strict", False) and body.tier.row_codec.scaled
     if strict:
         # counted by the sanitize that runs anyway, on the device: no host pass over the rows
         placement.count_corrupt(device)

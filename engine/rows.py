@@ -24,6 +24,7 @@ class StoredRows:
     ``version`` 2: fp8 codes u8[n_layers, n, width] and per-row scales f32[n_layers, n].
     ``version`` 3: packed TQ codes u8[n_layers, n, rb(width)] and radii f32[n_layers, n]
     (``codec`` 0 polar / 1 int4, ``bits``).
+    ``version`` 4: bf16 bit patterns u16[n_layers, n, width], no scales.
     """
 
     tokens: np.ndarray
@@ -45,7 +46,7 @@ class StoredRows:
 
     @property
     def tier(self) -> tiers.Tier:
-        """The file tier of these rows (``f32``, ``fp8``, ``int4``, ``polarB``)."""
+        """The file tier of these rows (``f32``, ``bf16``, ``fp8``, ``int4``, ``polarB``)."""
         return tiers.from_file(self.version, self.codec, self.bits)
 
     @classmethod
@@ -53,7 +54,7 @@ class StoredRows:
         """The rows of a loaded ``.coli_kv`` file (``KVRecords``), sanitized, without decoding codes."""
         tier = records.tier
         tokens = np.ascontiguousarray(records.tokens, dtype=np.int32)
-        if tier.version == 1:
+        if tier is tiers.F32:
             lc, rc, _ = records.dequantize()
             return cls(tokens, 1, lc, rc)
         lc, lc_scales = records.quantized("L")
@@ -98,7 +99,7 @@ class StoredRows:
         layers = records["layers"]
         layers["Lc"] = self.lc.transpose(1, 0, 2)
         layers["Rc"] = self.rc.transpose(1, 0, 2)
-        if self.lc_scales is not None and self.rc_scales is not None:  # v2, v3: a scale per row
+        if self.lc_scales is not None and self.rc_scales is not None:  # v2, v3: a scale per row (not v4)
             layers["Ls"] = self.lc_scales.T
             layers["Rs"] = self.rc_scales.T
         return records

@@ -64,10 +64,12 @@ class RowCodec(ABC):
     ----------
     bits : the v3 bits (a field of the TQ families), None for codecs without a bit width
     family : the family id (``f32``, ``bf16``, ``fp8``, ``int4``, ``polar``, ``q8``)
-    version : the ``.coli_kv`` version a journal of this tier holds (1, 2 or 3)
+    version : the ``.coli_kv`` version a journal of this tier holds (1, 2, 3 or 4)
     in_file : rows are stored in a file exactly as this codec holds them (False for cache-only
         codecs, whose journals hold f32 rows)
     lossy : encoding can change a value
+    holds_values : the stored codes are floats (f32, bf16), not codes with a scale: a non-finite
+        value is written as 0 and counted, and a stored one is damage
     rotated : rows are stored in the rotated domain of docs/FORMAT.md section 5 (attention can stay there)
     codes_dtype : the element type of the stored codes (little-endian)
     scales_dtype : the element type of the stored scale part, or None when a row has none
@@ -86,6 +88,7 @@ class RowCodec(ABC):
     version: ClassVar[int]
     in_file: ClassVar[bool] = True
     lossy: ClassVar[bool] = True
+    holds_values: ClassVar[bool] = False
     rotated: ClassVar[bool] = False
     codes_dtype: ClassVar[np.dtype]
     scales_dtype: ClassVar[np.dtype | None] = None

@@ -229,7 +229,7 @@ def _encode(geometry: Geometry, tier: Tier, tokens, L, R, I, *, zero_f32: bool) 
         found, masks = nonfinite.count(tier, fields)
         parts.append((lo, found))
         for field, bad in masks.items() if zero_f32 else ():
-            if field == "I" or tier.version == 1:  # f32 fields: the value becomes 0 (the codecs have their own rule)
+            if field == "I" or tier.holds_values:  # value fields: the value becomes 0 (the codecs have their own rule)
                 fields[field] = np.where(bad, np.float32(0.0), fields[field])
         for which in ("L", "R"):
             codes, scales = tier.quantize(fields[which])

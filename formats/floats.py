@@ -1,8 +1,10 @@
-"""Rows kept as floats: f32 (the ``.coli_kv`` v1 rows) and bf16 (an engine cache tier).
+"""Rows kept as floats: f32 (the ``.coli_kv`` v1 rows) and bf16 (the v4 rows, a kvstore extension).
 
 f32 rows are stored as they are (``4n`` bytes, lossless). bf16 rows are the upper half of each f32,
-rounded to nearest even as torch's conversion rounds (``2n`` bytes); a bf16 cache journals its rows
-as f32, exactly, so it has no file version of its own.
+rounded to nearest even as torch's conversion rounds (``2n`` bytes): a bf16 cache's rows journal as
+they are, at half the bytes of f32 and without a change to any value (docs/FORMAT.md section 7).
+Both are *value* tiers (:attr:`RowCodec.holds_values`): a stored element is a float, not a code, so
+a non-finite one is written as 0 and counted, and a stored one is damage (``nan_values``).
 
 Examples
 --------
@@ -24,7 +26,10 @@ import numpy as np
 
 from kvstore.formats.codecs import RowCodec, register_codec
 
-__all__ = ["BF16Codec", "F32Codec", "bf16_decode", "bf16_encode"]
+__all__ = ["BF16Codec", "BF16_TAG", "F32Codec", "bf16_decode", "bf16_encode"]
+
+#: Header word h7 of a v4 file: the bits of one stored value (docs/FORMAT.md section 1).
+BF16_TAG = 16
 
 
 def bf16_encode(rows: np.ndarray) -> np.ndarray:
@@ -56,6 +61,7 @@ class F32Codec(RowCodec):
     family: ClassVar[str] = "f32"
     version: ClassVar[int] = 1
     lossy: ClassVar[bool] = False
+    holds_values: ClassVar[bool] = True
     codes_dtype: ClassVar[np.dtype] = np.dtype("<f4")
     code_damage: ClassVar[str | None] = "nan_values"
 
@@ -92,16 +98,25 @@ class F32Codec(RowCodec):
 
 @dataclass(frozen=True)
 class BF16Codec(RowCodec):
-    """bf16 values (an engine cache tier; journals as f32): codes u16[..., n] bit patterns, no scales."""
+    """bf16 values (``.coli_kv`` v4): codes u16[..., n] bit patterns, no scales.
+
+    Lossy from f32 (one rounding to nearest even), lossless for rows that are already bf16 — a
+    bf16 cache's — which is what the tier is for.
+    """
 
     family: ClassVar[str] = "bf16"
-    version: ClassVar[int] = 1
-    in_file: ClassVar[bool] = False
+    version: ClassVar[int] = 4
+    holds_values: ClassVar[bool] = True
     codes_dtype: ClassVar[np.dtype] = np.dtype("<u2")
+    code_damage: ClassVar[str | None] = "nan_values"
 
     @property
     def label(self) -> str:
         return "bf16 values"
+
+    @property
+    def header_tag(self) -> int:
+        return BF16_TAG
 
     def payload_bytes(self, width: int) -> int:
         return 2 * width
@@ -120,6 +135,10 @@ class BF16Codec(RowCodec):
         out: np.ndarray | None = None,
     ) -> np.ndarray:
         return _into(bf16_decode(codes), codes, out)
+
+    def bad_codes(self, codes: np.ndarray) -> np.ndarray | None:
+        """Non-finite stored values: an all-ones exponent (the journal writes such values as 0)."""
+        return (np.asarray(codes, dtype=np.uint16) & np.uint16(0x7F80)) == np.uint16(0x7F80)
 
 
 register_codec(F32Codec)

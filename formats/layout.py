@@ -51,7 +51,9 @@ __all__ = [
 ]
 
 HEADER_BYTES = 40
-MAGICS = {b"COLIKV1\0": 1, b"COLIKV2\0": 2, b"COLIKV3\0": 3}
+# v4 (bf16 rows) is kvstore's extension: the C engine, and kvstore before it, refuse its magic as
+# unknown rather than misread it (docs/FORMAT.md section 1)
+MAGICS = {b"COLIKV1\0": 1, b"COLIKV2\0": 2, b"COLIKV3\0": 3, b"COLIKV4\0": 4}
 MAGIC_OF = {version: magic for magic, version in MAGICS.items()}
 SEALED_MAGIC = b"COLIKVE\0"  # a journal encrypted at rest (docs/SECURITY.md): never read as rows here
 NREC_OFFSET = 32  # h6: the commit point (docs/FORMAT.md section 4)
@@ -181,7 +183,8 @@ def record_dtype(geometry: Geometry, tier: Tier) -> np.dtype:
     """The packed structured dtype of one record.
 
     Fields: ``token`` <i4; ``layers`` [n_layers] of (``Lc``, ``Ls``, ``Rc``, ``Rs``) where the codes
-    are f32 (v1, and no ``Ls``/``Rs``), u8 fp8 codes (v2) or packed TQ bytes (v3) and the
+    are f32 (v1, and no ``Ls``/``Rs``), u8 fp8 codes (v2), packed TQ bytes (v3) or u16 bf16 bit
+    patterns (v4, no ``Ls``/``Rs``) and the
     ``Ls``/``Rs`` floats are the per-row scale (v2) or radius (v3); ``index`` <f4[nic, index_hd]
     when nic > 0. No padding: scale floats are unaligned, numpy reads them as such.
     """
@@ -243,6 +246,7 @@ _TAG_EXPECTED = {
     1: "0 in a v1 file",
     2: "1 in a v2 file",
     3: "(codec << 8) | bits in a v3 file: 0x104 (int4) or 0x002..0x006 (polar2..polar6)",
+    4: "16 in a v4 (bf16) file",
 }
 
 

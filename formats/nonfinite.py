@@ -90,7 +90,9 @@ def count(tier: Tier, fields: dict[str, np.ndarray]) -> tuple[Sanitized, dict[st
     values = zeroed = 0
     first: tuple[int, str, int, int] | None = None
     for field, rows in fields.items():
-        bad = ~np.isfinite(rows)
+        # f32 values, or a value tier's stored codes (bf16 bit patterns) in already-encoded records
+        coded = None if rows.dtype.kind == "f" else codec.bad_codes(rows)
+        bad = ~np.isfinite(rows) if coded is None else coded
         hits = int(np.count_nonzero(bad))
         if not hits:
             continue
@@ -105,7 +107,7 @@ def count(tier: Tier, fields: dict[str, np.ndarray]) -> tuple[Sanitized, dict[st
 
 
 def sanitize_records(records: np.ndarray, tier: Tier) -> tuple[np.ndarray, Sanitized]:
-    """Already-encoded records with their non-finite f32 values (v1 rows, indexer rows) set to 0.
+    """Already-encoded records with their non-finite values (v1 and v4 rows, indexer rows) set to 0.
 
     The codes of the quantized tiers are not values (a corrupt scale or NaN code is refused by the
     journal, never guessed); ``records`` is returned as is when it holds no non-finite value, else
@@ -116,7 +118,7 @@ def sanitize_records(records: np.ndarray, tier: Tier) -> tuple[np.ndarray, Sanit
     (records, :class:`Sanitized`)
     """
     names = []
-    if tier.file_tier.version == 1:
+    if tier.holds_values:
         names = [("L", "Lc"), ("R", "Rc")]
     if records.dtype.names is not None and "index" in records.dtype.names:
         names.append(("I", "index"))

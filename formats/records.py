@@ -85,7 +85,7 @@ class Problems:
         if self.nan_codes:
             out.append(f"{self.nan_codes} fp8 NaN codes read as 0")
         if self.nan_values:
-            out.append(f"{self.nan_values} non-finite f32 values in the rows")
+            out.append(f"{self.nan_values} non-finite values in the rows")
         return out
 
 
@@ -192,19 +192,20 @@ class KVRecords:
             mark("nan_values", np.asarray(~np.isfinite(self.records["index"]).all(axis=(1, 2))))
         return found
 
-    def quantized(self, which: str) -> tuple[np.ndarray, np.ndarray]:
+    def quantized(self, which: str) -> tuple[np.ndarray, np.ndarray | None]:
         """Raw stored rows of ``which`` (``"L"`` or ``"R"``), sanitized, layer-major.
 
         Returns
         -------
-        codes : u8[n_layers, n, row] (fp8 codes for v2, packed TQ bytes for v3)
-        scales : f32[n_layers, n] (fp8 scales for v2, radii for v3)
+        codes : u8[n_layers, n, row] (fp8 codes for v2, packed TQ bytes for v3), u16[n_layers, n,
+            width] (bf16 bit patterns for v4)
+        scales : f32[n_layers, n] (fp8 scales for v2, radii for v3), None for v4
 
-        Corrupt rows come back inert (codes 0, scale 1 / radius 0) and NaN codes as 0, so a
-        consumer that decodes in hardware sees what the LUT decoder sees.
+        Corrupt rows come back inert (codes 0, scale 1 / radius 0) and NaN codes as 0, so a consumer
+        that decodes in hardware sees what the LUT decoder sees; v4 values come back as stored.
         """
         codec = self.tier.row_codec
-        if not codec.scaled:
+        if codec.codes_dtype.kind == "f":
             raise CodecMismatch(
                 f"a v{self.tier.version} file stores {self.tier.name} rows, not codes: use dequantize()"
             )
@@ -213,10 +214,12 @@ class KVRecords:
         # Always copies (never a view of the loaded bytes): sanitizing below must not write
         # through to the buffer, which may be read-only or shared.
         codes = self._layer_field(which + "c").transpose(1, 0, 2).copy()
-        scales = self._layer_field(which + "s").T.copy()
+        if not codec.scaled:  # v4 values: as dequantize() reads them (a stored NaN stays, as in v1)
+            return codes, None
         bad_codes = codec.bad_codes(codes)
         if bad_codes is not None:
             codes[bad_codes] = 0
+        scales = self._layer_field(which + "s").T.copy()
         bad = self._bad_row_masks[which].T
         if bad.any():
             codes[bad] = 0
@@ -306,7 +309,7 @@ class KVRecords:
                     actions.append(f"made {int(bad.sum())} {which}c rows with a bad {codec.scale_kind} inert")
             if bad_codes is not None and codec.code_damage is not None and bad_codes.any():
                 codes[bad_codes] = 0
-                text = _CODE_DAMAGE_TEXT[codec.code_damage]
+                text = _CODE_DAMAGE_TEXT[codec.code_damage].replace("f32", codec.name)
                 actions.append(f"zeroed {int(bad_codes.sum())} {text} in {which}c rows")
         if self.geometry.nic:
             index = fixed["index"]

@@ -7,15 +7,16 @@ engine's caches, the GPU uploads and the docs:
 name       file   codec  bits  bytes of a row of n values  lossy  what a row holds
 =========  =====  =====  ====  ==========================  =====  ======================================
 ``f32``    v1     -      -     ``4n``                      no     f32 values
-``bf16``   (v1)   -      -     ``2n``                      yes    bf16 values; journals as f32 (exact)
+``bf16``   v4     -      -     ``2n``                      yes    bf16 values (exact for a bf16 cache)
 ``fp8``    v2     -      -     ``n + 4``                   yes    e4m3 codes + one f32 scale
 ``int4``   v3     1      4     ``n/2 + 4``                 yes    rotated int4 codes + one f32 radius
 ``polarB`` v3     0      B     ``rb(n) + 4``               yes    PolarQuant codes (B = 2..6) + radius
 ``q8``     (v1)   -      -     ``n + 2n/32``               yes    Q8_0 int8 codes + an f16 delta per 32
 =========  =====  =====  ====  ==========================  =====  ======================================
 
-``bf16`` and ``q8`` are cache tiers with no ``.coli_kv`` version of their own: their journals hold
-f32 rows (:attr:`Tier.file_tier`).
+``q8`` is a cache tier with no ``.coli_kv`` version of its own: its journals hold f32 rows
+(:attr:`Tier.file_tier`). ``bf16`` (v4) is a kvstore extension of the C engine's family: that
+engine, and kvstore before it, refuse its magic as unknown (docs/FORMAT.md section 1).
 
 Each tier is the name of one registered row codec (:mod:`kvstore.formats.codecs`: one frozen class
 per family — ``F32Codec``, ``BF16Codec``, ``FP8Codec``, ``Int4Codec``, ``PolarCodec``, ``Q8Codec`` —
@@ -48,7 +49,7 @@ True
 >>> resolve("tq-polar", bits=3)
 (Tier('polar3'), "tier 'tq-polar' (bits 3) is deprecated: use 'polar3'")
 >>> [t.name for t in TIERS.values() if t.in_file]
-['f32', 'fp8', 'int4', 'polar2', 'polar3', 'polar4', 'polar5', 'polar6']
+['f32', 'bf16', 'fp8', 'int4', 'polar2', 'polar3', 'polar4', 'polar5', 'polar6']
 """
 
 from __future__ import annotations
@@ -104,11 +105,11 @@ class Tier:
     Attributes
     ----------
     name : the canonical spelling (``f32``, ``bf16``, ``fp8``, ``int4``, ``polar2`` .. ``polar6``, ``q8``)
-    version : the ``.coli_kv`` version a journal of this tier holds (1, 2 or 3)
+    version : the ``.coli_kv`` version a journal of this tier holds (1, 2, 3 or 4)
     codec : v3 codec id (``tq.CODEC_POLAR`` 0 / ``tq.CODEC_INT4`` 1), else None
     bits : v3 bits, else None
-    in_file : rows are stored in a file exactly as this tier holds them (False for ``bf16``/``q8``,
-        whose journals hold f32 rows)
+    in_file : rows are stored in a file exactly as this tier holds them (False for ``q8``, whose
+        journals hold f32 rows)
     lossy : encoding can change a value
     label : what a row holds, for people
     row_codec : the registered codec (:mod:`kvstore.formats.codecs`) every method below delegates to
@@ -143,13 +144,19 @@ class Tier:
     # ---- the file side --------------------------------------------------------------------------
     @property
     def tag(self) -> int:
-        """Header word h7 of this tier's journal: v1 -> 0, v2 -> 1, v3 -> ``(codec << 8) | bits``."""
+        """Header word h7 of this tier's journal: v1 -> 0, v2 -> 1, v3 -> ``(codec << 8) | bits``, v4 -> 16."""
         return self.file_tier.row_codec.header_tag
 
     @property
     def file_tier(self) -> Tier:
-        """The tier a journal of this tier holds: itself, or ``f32`` for ``bf16``/``q8``."""
+        """The tier a journal of this tier holds: itself, or ``f32`` for ``q8``."""
         return self if self.in_file else F32
+
+    @property
+    def holds_values(self) -> bool:
+        """A journal of this tier stores float values (f32, bf16), not codes with a scale: a
+        non-finite value is written as 0, and one stored is damage (``nan_values``)."""
+        return self.file_tier.row_codec.holds_values
 
     @property
     def codec_name(self) -> str | None:
@@ -207,7 +214,7 @@ class Tier:
         ``tq.sanitize_radii`` (not in ``[0, 3.4e38)``). The file loader makes those rows inert,
         ``gpu.codecs.sanitize_fp8_``/``sanitize_tq_`` do the same on a device, and strict readers
         refuse them (``coli_kv.check_scales``). All False for tiers without a per-row scale (and
-        for ``bf16``/``q8``, whose journals hold f32 rows).
+        for ``q8``, whose journals hold f32 rows).
 
         >>> FP8.corrupt_scales(np.array([1.0, 1e37, 0.0, np.nan], np.float32)).tolist()
         [False, True, True, True]

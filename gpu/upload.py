@@ -163,7 +163,7 @@ def restore_quantized_rows(
     """
     tier = as_tier(tier)
     if not (tier.in_file and tier.version in (2, 3)):
-        quantized = [name for name in tiers.names(in_file=True) if tiers.get(name).version != 1]
+        quantized = [name for name in tiers.names(in_file=True) if tiers.get(name).row_codec.scaled]
         raise AttentionInputError(f"tier must be one of {quantized} (u8 codes + f32 scales), got {tier.name!r}")
     lc_codes = _rows("lc_codes", lc_codes, np.dtype(np.uint8), 2)
     rc_codes = _rows("rc_codes", rc_codes, np.dtype(np.uint8), 2)

@@ -522,7 +522,7 @@ def damage_lines(records: KVRecords | Scan) -> list[str]:
             ("bad_scales", "rows with an fp8 scale out of range (read as zeros)"),
             ("bad_radii", "rows with a TQ radius out of range (read as zeros)"),
             ("nan_codes", "fp8 NaN codes 0x7F/0xFF (read as 0)"),
-            ("nan_values", "non-finite f32 values (NaN/inf)"),
+            ("nan_values", "non-finite values (NaN/inf)"),
         )
         for kind, text in kinds:
             count = getattr(found, kind)

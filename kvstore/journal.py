@@ -456,8 +456,9 @@ class KVFile:
 
     def _check_slice(self, records: np.ndarray, first_record: int) -> None:
         layers = records["layers"]
-        if self.tier.version == 1:
-            if not (np.isfinite(layers["Lc"]).all() and np.isfinite(layers["Rc"]).all()):
+        if self.tier.holds_values:
+            codec = self.tier.row_codec
+            if codec.bad_codes(layers["Lc"]).any() or codec.bad_codes(layers["Rc"]).any():  # type: ignore[union-attr]
                 raise FormatError("rows hold NaN or infinite values")
         else:
             # the one bound of every reader (Tier.corrupt_scales), naming the record and layer; a

@@ -2,8 +2,8 @@
 
 Every step turns the records of one tier into records of another, in chunks (so a progress
 callback can report and memory stays bounded). A step is *lossy* when the target cannot hold the
-source's values exactly (f32 -> fp8, anything -> TQ); steps to v1 are exact: they store exactly
-the values a reader of the source sees.
+source's values exactly (f32 -> fp8, anything -> TQ or bf16); steps to v1 are exact: they store
+exactly the values a reader of the source sees.
 
 >>> [step.name for step in plan(tiers.F32, tiers.INT4)]
 ['v1-to-v3']
@@ -50,6 +50,14 @@ register(Step("v2-to-v3", 2, 3, True, "re-quantize the dequantized fp8 rows with
 register(Step("v3-to-v1", 3, 1, False, "store the dequantized (sanitized) TQ rows as f32"))
 register(Step("v3-to-v2", 3, 2, True, "re-quantize the dequantized TQ rows to fp8"))
 register(Step("v3-to-v3", 3, 3, True, "re-quantize TQ rows with another codec or bit width"))
+# v4 (bf16 values): to v1 exact (a bf16 value widens to f32 exactly); into v4 one rounding to bf16,
+# which changes nothing for rows that came from a bf16 cache but is lossy in general
+register(Step("v4-to-v1", 4, 1, False, "store the bf16 rows as f32"))
+register(Step("v1-to-v4", 1, 4, True, "round f32 rows to bf16 (exact for rows of a bf16 cache)"))
+register(Step("v2-to-v4", 2, 4, True, "round the dequantized fp8 rows to bf16"))
+register(Step("v3-to-v4", 3, 4, True, "round the dequantized TQ rows to bf16"))
+register(Step("v4-to-v2", 4, 2, True, "quantize bf16 rows to fp8 e4m3 with a per-row scale"))
+register(Step("v4-to-v3", 4, 3, True, "quantize bf16 rows with TurboQuant (polar or int4)"))
 
 
 def plan(source: Tier, target: Tier) -> list[Step]:

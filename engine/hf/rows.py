@@ -94,7 +94,7 @@ def target(model, device, dtype) -> tuple[torch.device, torch.dtype]:
 def placement(geometry: Geometry, tier: Tier) -> device_restore.Placement:
     """Records -> latent rows of the cache's dtype, on the device: f32 rows by a (converting) copy
     of the stored field, fp8/TQ rows sanitized and decoded (engine/restore.py)."""
-    if tier.version == 1:
+    if tier.holds_values:  # f32 (v1) and bf16 (v4) rows: copied, converting where the dtype differs
         return device_restore.Placement(geometry, tier, native={"lc": "Lc", "rc": "Rc"})
     return device_restore.Placement(geometry, tier, encode=lambda lc, rc: {"lc": lc, "rc": rc})
 

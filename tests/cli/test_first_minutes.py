@@ -282,7 +282,11 @@ def test_which_journals_a_cache_tier_continues():
     )
     assert "continue it with --tier int4" in refused
     refused = journal_tier_refusal("j", fp8, bf16)
-    assert refused is not None and "a bf16 cache journals f32 rows" in refused
+    assert refused is not None and "--tier bf16 journals bf16 rows" in refused  # v4: a bf16 cache's own
+    refused = journal_tier_refusal("j", fp8, q8)
+    assert refused is not None and "a q8 cache journals f32 rows" in refused
+    refused = journal_tier_refusal("j", bf16, f32)  # f32 rows would be rounded into a bf16 journal
+    assert refused is not None and "continue it with --tier bf16" in refused
 
 
 # ---------------------------------------------------------------------------- a tier name that is no tier
@@ -292,6 +296,6 @@ def test_a_file_command_lists_the_tiers_it_takes(tmp_path, capsys):
         "--geometry", "2,32,8,0,0,1000", "--tier", "fp16",
     )  # fmt: skip
     assert code == 2
-    assert err == "kvstore: error: unknown tier 'fp16' (this command takes f32, fp8, int4, polar2..polar6)\n"
+    assert err == "kvstore: error: unknown tier 'fp16' (this command takes f32, bf16, fp8, int4, polar2..polar6)\n"
     code, _, err = run(capsys, "generate", "models/tiny", "--ids", "1", "--tier", "fp16")
     assert code == 2 and "known: f32, bf16, fp8" in err  # the engine takes its cache tiers too

@@ -98,10 +98,10 @@ def test_tier_help_lists_the_canonical_names_and_hides_the_old_options():
         if tier is None:
             continue
         engine = words in ("generate", "chat", "serve")
-        expected = "f32, bf16, fp8, int4, polar2..polar6, q8" if engine else "f32, fp8, int4, polar2..polar6"
+        expected = "f32, bf16, fp8, int4, polar2..polar6, q8" if engine else "f32, bf16, fp8, int4, polar2..polar6"
         assert expected in tier.help and tier.metavar == "NAME", words
         if not engine:
-            assert "bf16" not in tier.help and "q8" not in tier.help, words
+            assert "q8" not in tier.help, words
         for old in ("--codec", "--bits", "--to"):
             hidden = option(leaf, old)
             assert hidden is None or hidden.help == argparse.SUPPRESS, (words, old)
@@ -159,11 +159,10 @@ def test_the_warning_is_shown_again_by_the_next_command(tmp_path, vectors, capsy
     "args,reason",
     [
         (["--tier", "fp9"], "unknown tier 'fp9'"),
-        (["--tier", "bf16"], "tier 'bf16' is a cache tier with no .coli_kv format of its own"),
-        (["--tier", "q8"], "tier 'q8' is a cache tier"),
+        (["--tier", "q8"], "tier 'q8' is a cache tier with no .coli_kv format of its own"),
         (["--tier", "int4", "--bits", "3"], "--bits does not apply to tier 'int4'"),
         (["--codec", "polar"], "--codec and --bits only qualify --tier"),
-        ([], "give the target with --tier NAME (f32, fp8, int4, polar2..polar6)"),
+        ([], "give the target with --tier NAME (f32, bf16, fp8, int4, polar2..polar6)"),
     ],
 )
 def test_bad_tiers_exit_2_with_one_line(tmp_path, vectors, capsys, args, reason):
@@ -202,8 +201,10 @@ def test_sessions_take_canonical_and_old_tiers(tmp_path, capsys):
         capsys, "sessions", "migrate", "a", "--data", data, "--tier", "v3", "--codec", "int4", "--bits", "4", "--json"
     )
     assert code == 0 and json.loads(out)["tier"]["codec"] == "int4" and "use 'int4'" in err
-    code, _, err = run(capsys, *base, "--id", "d", "--tier", "bf16")
+    code, _, err = run(capsys, *base, "--id", "d", "--tier", "q8")
     assert code == 2 and "cache tier" in err
+    code, out, _ = run(capsys, *base, "--id", "e", "--tier", "bf16", "--json")
+    assert code == 0 and json.loads(out)["tier"]["name"] == "bf16" and json.loads(out)["tier"]["version"] == 4
 
 
 # ---------------------------------------------------------------------------- --owner, --data, --json

@@ -202,6 +202,7 @@ def test_encode_rejects_wrong_shapes_and_tokens():
 
 SANITIZED = {
     "f32": ["zeroed 2 non-finite f32 values in Lc rows"],
+    "bf16": ["zeroed 2 non-finite bf16 values in Lc rows"],
     "fp8": [
         "made 1 Lc rows with a bad scale inert",
         "made 1 Rc rows with a bad scale inert",
@@ -224,6 +225,8 @@ def test_sanitized_records_load_clean_and_say_what_changed(tier):
         layers["Rs"][2, 1] = -1.0
     if tier is tiers.F32:
         layers["Lc"][3, 1, :2] = np.inf
+    if tier is tiers.BF16:
+        layers["Lc"][3, 1, :2] = (0x7F80, 0xFFC0)  # +inf, a NaN
     if tier is tiers.FP8:
         layers["Rc"][0, 0, :3] = 0x7F
     damaged["index"][2, 0, 5] = np.nan
@@ -232,7 +235,7 @@ def test_sanitized_records_load_clean_and_say_what_changed(tier):
 
     fixed, actions = records.sanitized()
     assert actions == [
-        *SANITIZED[tier.name if tier.version < 3 else "tq"],
+        *SANITIZED[tier.name if tier.version != 3 else "tq"],
         "zeroed 1 non-finite f32 values in indexer rows",
     ]
     clean = coli_kv.parse(image[:40] + fixed.tobytes())

@@ -12,7 +12,7 @@ from kvstore.formats.coli_kv import Geometry
 from kvstore.journal import KVFile
 
 GEOMETRY = Geometry(n_layers=3, kv_lora=32, qk_rope=8, index_hd=4, nic=1, vocab=500)
-TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(3)]
+TIERS = [tiers.F32, tiers.BF16, tiers.FP8, tiers.INT4, tiers.polar(3)]
 
 
 def rows(n, seed=0):
@@ -68,7 +68,7 @@ def test_open_refuses_other_model_and_other_tier(tmp_path):
         KVFile.open(path, tier=tiers.F32)
 
 
-@pytest.mark.parametrize("tier", [tiers.FP8, tiers.INT4], ids=lambda t: t.describe())
+@pytest.mark.parametrize("tier", [tiers.FP8, tiers.INT4, tiers.BF16], ids=lambda t: t.describe())
 def test_lazy_upgrade_keeps_v1_until_first_append(tmp_path, tier):
     path = tmp_path / "s.coli_kv"
     first, second = rows(4, 3), rows(2, 4)

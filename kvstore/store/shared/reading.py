@@ -184,7 +184,7 @@ def validated(geometry: Geometry, tier: Tier, records) -> tuple[np.ndarray, nonf
     if tokens.min() < 0 or tokens.max() >= geometry.vocab:
         raise FormatError(f"token ids must be in [0, {geometry.vocab})")
     layers = rows["layers"]
-    if tier.version != 1:
+    if tier.row_codec.scaled:
         try:
             coli_kv.check_scales(
                 rows, tier, source="the rows to append", advice="no encoder writes it: nothing was written"
