@@ -30,17 +30,23 @@ def _turns(vocab: int, seed: int = 5) -> tuple[list[int], list[int]]:
     return rng.integers(2, vocab, 40).tolist(), rng.integers(2, vocab, 9).tolist()
 
 
-@pytest.mark.parametrize("tier", ["f32", "fp8"])
+@pytest.mark.parametrize("tier", ["f32", "fp8", "bf16"])
 def test_resume_in_a_new_process_equals_the_uninterrupted_run(hf_models, tmp_path, tier):
     _, folder = hf_models["tiny-yarn"]
     engine = Engine.from_folder(folder, tier=tier)
     first_turn, second_turn = _turns(engine.config.vocab_size)
     first = engine.generate(first_turn, max_new_tokens=16, stop_tokens=())
     rows = engine.export_rows()
-    assert rows.version == (1 if tier == "f32" else 2)
+    assert rows.version == {"f32": 1, "fp8": 2, "bf16": 4}[tier]  # a bf16 cache journals its own rows (v4)
     assert rows.n == len(first_turn) + 16 - 1  # the last generated token has no row yet
     journal = tmp_path / f"session.{tier}.coli_kv"
     journal.write_bytes(rows.encode_file(engine.config.coli_geometry()))
+    if tier == "bf16":  # half the bytes of the same rows as f32, and not a value changed
+        g = engine.config.coli_geometry()
+        wide = StoredRows(rows.tokens, 1, *rows.dequantize(g.kv_lora, g.qk_rope)).encode_file(g)
+        assert journal.read_bytes()[:8] == b"COLIKV4\0"
+        assert len(wide) - journal.stat().st_size == rows.n * g.n_layers * (g.kv_lora + g.qk_rope) * 2
+        assert np.array_equal(coli_kv.parse(wide).dequantize()[0], coli_kv.load(journal).dequantize()[0])
 
     context = first_turn + first.tokens + second_turn
     uninterrupted = engine.generate(context, max_new_tokens=32, stop_tokens=())

@@ -154,3 +154,56 @@ def test_concurrent_turns_on_many_sessions_each_get_what_they_get_alone(tmp_path
         assert got == alone
         assert all(store.verify(sid).ok for sid in sessions)
     assert steps < 8 * 2 * (TURN["max_new_tokens"] + 1)  # the turns shared their decode steps
+
+
+def test_a_bf16_engine_journals_v4_and_continues_an_f32_session_rewritten_as_v4(tmp_path, tiny_folder, tiny):
+    """A bf16 cache's session is stored as bf16 (v4, half the bytes of f32); a session an f32
+    engine wrote is continued by a bf16 engine and rewritten as v4 at that turn (its rows were
+    rounded to bf16 in the cache anyway); a new process restoring the v4 journal continues as
+    the one that kept its rows on the device."""
+    model, tokenizer = tiny
+    turns = prompts(3, seed=4)
+
+    def bf16_chat(store, **options):
+        return SessionEngine(
+            Engine(model, tokenizer=tokenizer, tier="bf16"),
+            store,
+            folder_model_info(tiny_folder),
+            folder=tiny_folder,
+            **options,
+        )
+
+    with SessionStore(tmp_path / "data") as store:
+        chat = chat_on(store, tiny_folder, tiny)  # f32
+        try:
+            chat.run("old", turns[0], create=True, **TURN)
+        finally:
+            chat.close()
+        assert store.get("old", owner="default").tier.name == "f32"
+        chat = bf16_chat(store)
+        try:
+            continued = chat.run("old", turns[1], **TURN)
+            assert continued.upgraded == "f32 (v1, f32 values) -> bf16 (v4, bf16 values)"
+            fresh = conversation(chat, "new", turns[:2])
+        finally:
+            chat.close()
+        info = store.get("new", owner="default")
+        journal = store.journal_path("new", owner="default")
+        assert info.tier.name == "bf16" and journal.read_bytes()[:8] == b"COLIKV4\0"
+        g = info.geometry
+        assert journal.stat().st_size == 40 + info.n_records * (4 + 2 * g.n_layers * (g.kv_lora + g.qk_rope))
+        assert store.get("old", owner="default").tier.name == "bf16"
+        chat = bf16_chat(store, pool_bytes=0)  # every turn restores from the journal
+        try:
+            chat.run("other", turns[0], create=True, **TURN)
+            restored = chat.run("new", turns[2], **TURN)
+        finally:
+            chat.close()
+    assert restored.source == "journal" and restored.reused_tokens == fresh[1].session.n_records
+    with SessionStore(tmp_path / "kept") as store:
+        chat = bf16_chat(store)
+        try:
+            kept = conversation(chat, "new", turns)
+        finally:
+            chat.close()
+    assert restored.tokens == kept[2].tokens
