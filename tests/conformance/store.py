@@ -52,7 +52,7 @@ from kvstore.formats.coli_kv import HEADER_BYTES, Geometry
 from kvstore.store import CAPABILITIES, Fingerprint, ModelInfo, SessionStore, Store, interface_drift
 from store.support import GEOMETRY, MODEL, Rows, new_session
 
-TIERS = [tiers.F32, tiers.FP8, tiers.INT4, tiers.polar(3)]
+TIERS = [tiers.F32, tiers.BF16, tiers.FP8, tiers.INT4, tiers.polar(3)]
 REC = coli_kv.record_bytes(GEOMETRY, tiers.FP8)
 
 
@@ -682,7 +682,7 @@ class StoreConformance(abc.ABC):
         assert (hit.matched_tokens, hit.state) == (200, "parked")
 
     # ------------------------------------------------------------------ park / unpark
-    @pytest.mark.parametrize("tier", [tiers.F32, tiers.FP8, tiers.polar(4)], ids=lambda t: t.describe())
+    @pytest.mark.parametrize("tier", [tiers.F32, tiers.BF16, tiers.FP8, tiers.polar(4)], ids=lambda t: t.describe())
     def test_park_round_trip_is_byte_exact(self, store, rows, tier):
         self.needs("park")
         new_session(store, tier=tier)
