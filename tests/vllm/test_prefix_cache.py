@@ -207,6 +207,17 @@ def test_the_configuration_is_checked_with_typed_errors():
             CacheConfig.from_extra(extra)
 
 
+def test_the_default_tier_is_the_exact_one_of_the_cache_dtype():
+    """No ``tier``: a bfloat16 cache is stored as bf16 (v4, half the bytes of f32, exact), any
+    other dtype as f32; a tier that is set wins."""
+    default = CacheConfig.from_extra({"store": "/srv/kv"})
+    assert default.tier is None
+    assert default.tier_for("bfloat16") is tiers.BF16 and default.tier_for("torch.bfloat16") is tiers.BF16
+    for dtype in ("float32", "float16", "fp8_e4m3"):
+        assert default.tier_for(dtype) is tiers.F32
+    assert CacheConfig.from_extra({"store": "/srv/kv", "tier": "f32"}).tier_for("bfloat16") is tiers.F32
+
+
 def test_the_sampled_weights_hash_tells_checkpoints_apart(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     for folder, fill in ((one, 1), (two, 2)):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore import tiers
 from kvstore.connectors.page_cache import PageCache
 from kvstore.connectors.sglang import KVStoreHiCacheStorage, PageFormat
 from kvstore.errors import ConfigError
@@ -93,6 +94,12 @@ def test_pages_set_or_got_before_come_from_the_hot_tier_bit_for_bit(store):
     values = pages(3, seed=4, dtype=torch.bfloat16)
     writer = backend({"store": store}, dtype=torch.bfloat16)
     assert writer.batch_set(KEYS[:3], values)
+    # no tier set: a bf16 cache's pages are stored as bf16 (v4), 2 bytes a value, not widened to f32
+    journals = sorted(Path(store, "journals").glob("*.coli_kv"))
+    assert len(journals) == 3 and writer.cache.fingerprint.tier is tiers.BF16
+    for path in journals:
+        header, size = read_header(path)
+        assert header.tier is tiers.BF16 and size == HEADER_BYTES + PAGE * (4 + LAYERS * WIDTH * 2)
     reader = backend({"store": store}, dtype=torch.bfloat16)  # another process would start empty too
     first = reader.batch_get(KEYS[:3], [target(torch.bfloat16) for _ in range(3)])  # from the store
     again = reader.batch_get(KEYS[:3], [target(torch.bfloat16) for _ in range(3)])  # from memory
