@@ -1,7 +1,7 @@
 """A hot tier in host memory in front of the store: an LRU of recently loaded or saved rows.
 
 A connector's loads go through :meth:`~kvstore.connectors.prefix_cache.PrefixCache.load`; with a hot
-tier, the dequantized rows of a session that a load checked (its XXH3-128 tag, or the store's turn
+tier, the rows (f32, or a bf16 tier's bit patterns as stored: u16, half the bytes) of a session that a load checked (its XXH3-128 tag, or the store's turn
 hashes) or a save wrote are kept here, up to ``budget`` bytes, and the next load of that session
 copies them out at memory speed instead of reading, checking and decoding the journal (as LMCache's
 local CPU backend does in front of its disk backend).
@@ -32,6 +32,9 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+
+#: What an entry may hold: f32 rows, or a bf16 tier's bit patterns.
+_ENTRY_TYPES = (np.dtype(np.float32), np.dtype(np.uint16))
 
 HotKey = tuple[str, str, str]  # (owner, fingerprint key, session id)
 
@@ -90,13 +93,16 @@ class HotTier:
         """Keep a copy of ``rows`` under ``key`` (replacing an older entry); returns how many
         entries were evicted to make room. Rows larger than the budget are not kept (and any older
         entry of ``key`` is dropped: it no longer holds what the store holds). ``owned``: the caller
-        hands ``rows`` over (a fresh f32 array nobody else holds) and it is kept as it is, made
-        read-only, unless the tier pins its entries (a copy of a page was a third of a save)."""
-        size = int(rows.size) * 4  # f32, as the entry will hold it
+        hands ``rows`` over (a fresh array nobody else holds) and it is kept as it is, made
+        read-only, unless the tier pins its entries (a copy of a page was a third of a save).
+        ``rows`` are f32 or u16 (bf16 bit patterns); an entry keeps their type."""
+        if rows.dtype not in _ENTRY_TYPES:
+            raise TypeError(f"the hot tier keeps f32 or u16 (bf16) rows, not {rows.dtype}")
+        size = int(rows.nbytes)
         if size > self.budget:
             self.drop(key)
             return 0
-        if owned and self._torch is None and rows.dtype == np.float32 and rows.flags.c_contiguous:
+        if owned and self._torch is None and rows.flags.c_contiguous:
             entry = rows
             entry.flags.writeable = False
         else:
@@ -134,11 +140,12 @@ class HotTier:
 
     def _copy(self, rows: np.ndarray) -> np.ndarray:
         if self._torch is not None:
-            pinned = self._torch.empty(rows.shape, dtype=self._torch.float32, pin_memory=True)
-            entry = pinned.numpy()  # a view that keeps the pinned tensor alive
-            np.copyto(entry, rows, casting="same_kind")
+            dtype = self._torch.float32 if rows.dtype == np.float32 else self._torch.int16
+            pinned = self._torch.empty(rows.shape, dtype=dtype, pin_memory=True)
+            entry = pinned.numpy().view(rows.dtype)  # a view that keeps the pinned tensor alive
+            np.copyto(entry, rows)
         else:
-            entry = np.array(rows, dtype=np.float32, copy=True)
+            entry = np.array(rows, copy=True)
         entry.flags.writeable = False
         return entry
 

@@ -133,15 +133,16 @@ class PageCache(PrefixCache):
         return False
 
     # ------------------------------------------------------------------ get / set
-    def load_page(self, key: str) -> np.ndarray:
-        """Page ``key``'s rows, f32 ``[n_layers, page_size, kv_lora + qk_rope]``.
+    def load_page(self, key: str, *, view: bool = False, native: bool = False) -> np.ndarray:
+        """Page ``key``'s rows, f32 ``[n_layers, page_size, kv_lora + qk_rope]`` (``view``,
+        ``native``: as :meth:`PrefixCache.load` takes them).
 
         Raises
         ------
         LoadFailed
             Missing, damaged (verification) or of another fingerprint; counted in ``load_errors``.
         """
-        return self.load(self.page_id(key), 0, self.page_size)
+        return self.load(self.page_id(key), 0, self.page_size, view=view, native=native)
 
     def save_page(self, key: str, rows: np.ndarray) -> bool:
         """Store page ``key``'s rows (f32 ``[n_layers, page_size, kv_lora + qk_rope]``); True when

@@ -17,7 +17,8 @@ An engine that keeps one latent row per token and layer (vLLM's MLA paged cache 
   derived from the fingerprint and the tokens, so the same prompt saved twice is stored once).
 
 Rows are handed over as f32 ``[n_layers, n, kv_lora + qk_rope]``, encoded in the cache's tier (f32,
-fp8, int4, ...) and dequantized on load.
+bf16, fp8, int4, ...) and dequantized on load. A ``bf16`` tier's rows can also be taken as stored
+(``load(native=True)``: bf16 bit patterns, u16, half the bytes), and its hot tier keeps them so.
 
 The check before a load runs at memory speed: a save records the XXH3-128 of the session's record
 bytes as a tag (:data:`ROWS_DIGEST_TAG`), and a load compares the served bytes with it instead of
@@ -49,6 +50,7 @@ from kvstore.connectors.hot_tier import HotKey, HotTier
 from kvstore.connectors.store_client import LocalClient, ServiceClient, StoreClient, encode_rows
 from kvstore.errors import ConfigError, IntegrityError, KeyShredded, KVStoreError, SessionExists
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, Header, KVRecords, record_bytes
+from kvstore.formats.floats import bf16_decode
 from kvstore.store import Fingerprint, ModelInfo, Store, validate_owner
 from kvstore.tiers import Tier
 
@@ -367,6 +369,9 @@ class PrefixCache:
         g = fingerprint.geometry
         self.row_width = g.kv_lora + g.qk_rope
         self.record_bytes = record_bytes(g, fingerprint.tier)  # one stored row (all layers)
+        #: the element type of the rows the hot tier keeps and ``load(native=True)`` returns: a value
+        #: tier's own (bf16 bit patterns for bf16: half the memory of f32, widened exactly), else f32
+        self.native_dtype = np.dtype(np.uint16) if fingerprint.tier is tiers.BF16 else np.dtype(np.float32)
         self.hot = hot if hot is not None and hot.budget > 0 else None
         self._shred_mark = self.client.shred_mark() if self.hot is not None else None
 
@@ -432,8 +437,10 @@ class PrefixCache:
         return False
 
     # ------------------------------------------------------------------ load
-    def load(self, session_id: str, start: int, stop: int, *, view: bool = False) -> np.ndarray:
-        """Rows of tokens ``[start, stop)`` of a session, f32 ``[n_layers, stop - start, kv_lora + qk_rope]``.
+    def load(self, session_id: str, start: int, stop: int, *, view: bool = False, native: bool = False) -> np.ndarray:
+        """Rows of tokens ``[start, stop)`` of a session, f32 ``[n_layers, stop - start, kv_lora + qk_rope]``
+        (``native``: in :attr:`native_dtype` — a bf16 tier's bit patterns, u16 — for a caller that
+        places them in a bf16 cache itself).
 
         A session whose rows fail verification is quarantined: deleted from the store (counted in
         ``quarantined``), so the next lookup of its prompt misses and the next save stores it anew.
@@ -457,7 +464,7 @@ class PrefixCache:
             entry = self.hot.get(self._hot_key(session_id))
             if entry is not None and entry.shape[1] >= stop:
                 # the entry is never written (read-only): no lock needed, and a view is safe to hand out
-                rows = entry[:, start:stop] if view else entry[:, start:stop].copy()
+                rows = self._handed(entry[:, start:stop], view=view, native=native)
                 self._count(hot_hits=1, loads=1, loaded_tokens=stop - start)
                 return rows
             self._count(hot_misses=1)
@@ -490,11 +497,12 @@ class PrefixCache:
                 raise LoadFailed(f"session {session_id!r} serves {served.records.n} rows, {stop} needed")
             if self.hot is not None and served.damaged_from is None:
                 # every served row, checked: the tier answers later loads of any range of them
-                everything = served.records.rows()  # a fresh array: the tier keeps it as it is (read-only)
+                everything = self._native_rows(served.records)  # fresh: the tier keeps it as it is (read-only)
                 self._keep_hot(session_id, everything, owned=True)
-                rows = everything[:, start:stop] if view else everything[:, start:stop].copy()
+                rows = self._handed(everything[:, start:stop], view=view, native=native)
             else:
-                rows = served.records.slice(start, stop).rows()  # decoded in place: one pass
+                part = served.records.slice(start, stop)  # decoded in place, or copied as stored: one pass
+                rows = self._native_rows(part) if native else part.rows()
         except (KVStoreError, OSError) as exc:
             reason = f"load {session_id}[{start}:{stop}]: {exc}"
             self._count(load_errors=1, error=reason)
@@ -503,6 +511,18 @@ class PrefixCache:
             raise LoadFailed(reason) from exc
         self._count(loads=1, loaded_tokens=stop - start)
         return rows
+
+    def _native_rows(self, records: KVRecords) -> np.ndarray:
+        """A fresh array of ``records``' rows in :attr:`native_dtype` (copied as stored for bf16)."""
+        return records.values() if self.native_dtype == np.uint16 else records.rows()
+
+    @staticmethod
+    def _handed(rows: np.ndarray, *, view: bool, native: bool) -> np.ndarray:
+        """Rows of an entry (never written) as a caller gets them: f32 unless ``native``; a view of
+        the entry only with ``view`` and nothing to convert, else the caller's own array."""
+        if rows.dtype == np.uint16 and not native:
+            return bf16_decode(rows)  # exact, and a fresh array
+        return rows if view else rows.copy()
 
     def _quarantine(self, session_id: str, reason: str) -> None:
         """Drop a session whose rows fail verification. Kept, it would be found by every later
@@ -566,7 +586,7 @@ class PrefixCache:
         if self.hot is not None:  # the rows as a load will read them back (quantized, non-finite as 0)
             n = int(records.shape[0])
             written = KVRecords(Header(g, self.fingerprint.tier, n), records, HEADER_BYTES + records.nbytes)
-            self._keep_hot(session_id, written.rows(), owned=True)  # a fresh array, decoded in place
+            self._keep_hot(session_id, self._native_rows(written), owned=True)  # a fresh array
         return "saved"
 
     # ------------------------------------------------------------------ hot tier

@@ -47,6 +47,7 @@ from kvstore.connectors.prefix_cache import (
     sampled_weights_hash,
 )
 from kvstore.connectors.store_client import StoreClient
+from kvstore.connectors.tensors import rows_tensor
 from kvstore.errors import ConfigError
 from kvstore.formats.coli_kv import Geometry
 
@@ -131,13 +132,13 @@ class PageFormat:
         return ordered.to(device="cpu", dtype=torch.float32).numpy()
 
     def fill(self, rows: np.ndarray, out: torch.Tensor | None) -> torch.Tensor:
-        """Rows f32 ``[n_layers, page_size, width]`` written into ``out`` (a page tensor; a new flat
-        one when None) in the pool's order and dtype."""
-        ordered = torch.from_numpy(rows)
+        """Rows ``[n_layers, page_size, width]`` — f32, or a bf16 tier's bit patterns (u16) — written
+        into ``out`` (a page tensor; a new flat one when None) in the pool's order and dtype."""
+        ordered = rows_tensor(rows)
         if self.page_major:
             ordered = ordered.transpose(0, 1)
-        if out is None:
-            return ordered.to(self.dtype).contiguous().flatten()
+        if out is None:  # a copy always: ``rows`` may be a view of a hot-tier entry
+            return ordered.to(self.dtype, copy=True).contiguous().flatten()
         if out.numel() != self.values:
             raise ValueError(f"a page holds {self.values} values, the target {out.numel()}")
         if out.is_contiguous():  # one pass: copy_ converts the dtype and follows the strides
@@ -258,7 +259,7 @@ class KVStoreHiCacheStorage(_Base):
         """Page ``key`` written into ``target_location`` (returned), or None when it is missing,
         damaged or of another fingerprint (never partly written)."""
         try:
-            rows = self.cache.load_page(key)
+            rows = self.cache.load_page(key, view=True, native=True)  # only read: copied into the page
         except LoadFailed as exc:
             logger.warning("kvstore backend: page %s not loaded: %s", key, exc)
             return None

@@ -43,7 +43,6 @@ import logging
 import os
 import re
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +63,7 @@ from kvstore.connectors.hot_tier import HotTier
 from kvstore.connectors.prefix_cache import CacheConfig, LoadFailed, PrefixCache, model_fingerprint, open_client
 from kvstore.connectors.prefix_cache import sampled_weights_hash as _sampled_weights_hash
 from kvstore.connectors.save_writer import SaveWriter
+from kvstore.connectors.tensors import rows_tensor
 from kvstore.errors import ConfigError
 from kvstore.formats.coli_kv import Geometry
 
@@ -208,14 +208,6 @@ def cpu_rotary_kernel_on(vllm_config: Any) -> bool:
 def _layer_number(name: str) -> int:
     found = re.findall(r"\d+", name)
     return int(found[0]) if found else -1
-
-
-def _tensor_of(rows: np.ndarray) -> torch.Tensor:
-    """``rows`` as a tensor sharing its memory, for reading only: a hot-tier entry is read-only,
-    which torch warns about on every wrap (it cannot protect the memory; nothing here writes it)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(rows)
 
 
 def _slots(block_ids: list[int], block_size: int, start: int, stop: int) -> torch.Tensor:
@@ -453,7 +445,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         for load in meta.loads:
             began = time.perf_counter()
             try:
-                rows = self.cache.load(load.session_id, load.start, load.stop, view=True)  # only read below
+                # only read below; a bf16 tier's rows as stored (bf16 into a bf16 cache: a plain copy)
+                rows = self.cache.load(load.session_id, load.start, load.stop, view=True, native=True)
             except LoadFailed as exc:
                 first, last = load.start // self.block_size, (load.stop - 1) // self.block_size
                 self._failed_blocks.update(load.block_ids[first : last + 1])
@@ -462,7 +455,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             slots = _slots(load.block_ids, self.block_size, load.start, load.stop)
             for name, cache in self._caches.items():
-                layer_rows = _tensor_of(rows[self._layer_of[name]]).to(device=cache.device, dtype=cache.dtype)
+                layer_rows = rows_tensor(rows[self._layer_of[name]]).to(device=cache.device, dtype=cache.dtype)
                 self._rows_view(cache)[slots.to(cache.device)] = layer_rows
             # what a load costs against a raw read of the same stored bytes (bench/vllm_connector.py)
             self.cache.count(

@@ -281,6 +281,25 @@ class KVRecords:
         self._dequantize_field("R", g.qk_rope, out[..., g.kv_lora :])
         return out
 
+    def values(self) -> np.ndarray:
+        """A value tier's rows as stored, in one array ``[n_layers, n, kv_lora + qk_rope]`` of the
+        file's own element type — f32 (v1) or bf16 bit patterns, u16 (v4) — copied, not decoded:
+        a bf16 file's rows at half the bytes of :meth:`rows`, which they widen to exactly.
+
+        Raises
+        ------
+        CodecMismatch
+            The file stores codes and scales (v2, v3): use :meth:`rows`.
+        """
+        codec = self.tier.row_codec
+        if not codec.holds_values:
+            raise CodecMismatch(f"a v{self.tier.version} file stores {self.tier.name} codes, not values: use rows()")
+        g = self.geometry
+        out = np.empty((g.n_layers, self.n, g.kv_lora + g.qk_rope), dtype=codec.codes_dtype.newbyteorder("="))
+        out[..., : g.kv_lora] = self._layer_field("Lc").transpose(1, 0, 2)
+        out[..., g.kv_lora :] = self._layer_field("Rc").transpose(1, 0, 2)
+        return out
+
     def sanitized(self) -> tuple[np.ndarray, list[str]]:
         """A copy of the records with every damaged row neutralized as a load reads it, and one
         line per kind of change (what ``kvstore repair`` writes and reports).

@@ -57,7 +57,7 @@ def alter(store, session_id: str, owner: str, record: int) -> None:
         f.write(np.float32(value + 0.5).tobytes())
 
 
-@pytest.mark.parametrize("tier", [tiers.F32, tiers.FP8, tiers.INT4], ids=lambda t: t.name)
+@pytest.mark.parametrize("tier", [tiers.F32, tiers.BF16, tiers.FP8, tiers.INT4], ids=lambda t: t.name)
 def test_a_hot_hit_is_bit_for_bit_the_disk_load(store, tier):
     disk = PrefixCache(store, "team-a", fingerprint(tier))  # no hot tier: every load reads the store
     hot = PrefixCache(store, "team-a", fingerprint(tier), hot=HotTier(4 * ENTRY))
@@ -77,10 +77,35 @@ def test_a_hot_hit_is_bit_for_bit_the_disk_load(store, tier):
     again = loader.load(session, 0, 200)
     assert first.tobytes() == disk.load(session, 16, 144).tobytes()
     assert again.tobytes() == disk.load(session, 0, 200).tobytes()
-    assert (loader.stats.hot_misses, loader.stats.hot_hits, loader.stats.hot_bytes) == (1, 1, ENTRY)
+    kept = ENTRY // 2 if tier is tiers.BF16 else ENTRY  # bf16 rows are kept as stored: 2 bytes a value
+    assert (loader.stats.hot_misses, loader.stats.hot_hits, loader.stats.hot_bytes) == (1, 1, kept)
     # a hit's rows are the caller's: writing them leaves the entry as it was
     again[:] = 0
     assert loader.load(session, 0, 200).tobytes() == disk.load(session, 0, 200).tobytes()
+
+
+def test_a_bf16_tiers_rows_are_kept_and_handed_out_as_stored(store):
+    """A bf16 tier's rows are kept at 2 bytes a value (its bit patterns, u16) and handed to a caller
+    that places them itself as they are (``native``): from the tier, from the store, with and
+    without a hot tier, always the bf16 of what ``load`` widens to f32."""
+    bf16_rows = torch.from_numpy(ROWS).bfloat16()
+    patterns = bf16_rows.view(torch.int16).numpy().view(np.uint16)
+    disk = PrefixCache(store, "team-a", fingerprint(tiers.BF16))  # no hot tier
+    session = disk.save(PROMPT, bf16_rows.float().numpy())
+    assert session is not None and disk.native_dtype == np.uint16
+    assert np.array_equal(disk.load(session, 0, 200), bf16_rows.float().numpy())  # exact: f32 by default
+    assert np.array_equal(disk.load(session, 16, 144, native=True), patterns[:, 16:144])
+    loader = PrefixCache(store, "team-a", fingerprint(tiers.BF16), hot=HotTier(4 * ENTRY))
+    made = loader.load(session, 16, 144, view=True, native=True)  # a miss, kept as stored
+    hit = loader.load(session, 0, 200, view=True, native=True)
+    assert made.dtype == hit.dtype == np.uint16 and np.shares_memory(made, hit) and not hit.flags.writeable
+    assert np.array_equal(hit, patterns) and loader.stats.hot_bytes == patterns.nbytes == ENTRY // 2
+    widened = loader.load(session, 0, 200, view=True)  # a caller wanting f32 gets its own, exact
+    assert (
+        widened.dtype == np.float32 and widened.flags.writeable and np.array_equal(widened, bf16_rows.float().numpy())
+    )
+    # f32 tiers are unchanged by native: their rows are f32 already
+    assert PrefixCache(store, "team-a", fingerprint(tiers.F32)).native_dtype == np.float32
 
 
 @pytest.mark.parametrize("tier", [tiers.F32, tiers.FP8], ids=lambda t: t.name)
