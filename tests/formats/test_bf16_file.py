@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvstore import tiers
-from kvstore.errors import BadMagic, FormatError
+from kvstore.errors import BadMagic, CodecMismatch, FormatError
 from kvstore.formats import coli_kv, layout
 from kvstore.formats.coli_kv import Geometry
 from kvstore.journal import KVFile
@@ -106,3 +106,16 @@ def test_a_journal_refuses_non_finite_bf16_values_and_writes_counted_zeros(tmp_p
         journal.append(tokens, L, R, I)
         loaded = journal.load()
     assert loaded.n == 6 and loaded.dequantize()[0][0, 3, 0] == 0.0 and not loaded.problems.damaged
+
+
+def test_values_hand_a_value_tiers_rows_over_as_stored():
+    tokens, L, R, I = bf16_rows(5, seed=9)
+    v4 = coli_kv.parse(coli_kv.encode_file(GEOMETRY, tokens, L, R, I, version=4))
+    stored = v4.values()
+    assert stored.dtype == np.uint16 and stored.shape == (3, 5, 80)
+    assert np.array_equal(torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16).float().numpy(), v4.rows())
+    v1 = coli_kv.parse(coli_kv.encode_file(GEOMETRY, tokens, L, R, I, version=1))
+    assert v1.values().dtype == np.float32 and np.array_equal(v1.values(), v1.rows())
+    fp8 = coli_kv.parse(coli_kv.encode_file(GEOMETRY, tokens, L, R, I, version=2))
+    with pytest.raises(CodecMismatch, match="use rows"):
+        fp8.values()
