@@ -51,14 +51,12 @@ def wait_for_saves(stats_dir: str | None) -> None:
         time.sleep(0.01)
 
 
-def main(spec_path: str, out_path: str) -> None:
+def make_llm(spec: dict):
+    """vLLM's offline ``LLM`` for ``spec`` (see the module's docstring), as the tests run it."""
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    with open(spec_path) as f:
-        spec = json.load(f)
     transfer = None
     if spec.get("connector") is not None:
         transfer = KVTransferConfig(
@@ -85,6 +83,17 @@ def main(spec_path: str, out_path: str) -> None:
         compilation_config={"custom_ops": ["-rotary_embedding"]} if spec.get("torch_rotary", True) else None,
         disable_log_stats=not spec.get("metrics", False),
     )
+    return llm
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm.inputs import TokensPrompt
+
+    from vllm import SamplingParams
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    llm = make_llm(spec)
     limits = spec["max_tokens"]
     if isinstance(limits, int):
         limits = [limits] * len(spec["prompts"])

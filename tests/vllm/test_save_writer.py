@@ -5,6 +5,8 @@ connector's use of it runs in test_connector.py."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 
 from kvstore import tiers
 from kvstore.connectors.prefix_cache import CacheConfig, PrefixCache, model_fingerprint
-from kvstore.connectors.save_writer import SaveWriter
+from kvstore.connectors.save_writer import WRITER_NICE, SaveWriter
 from kvstore.errors import ConfigError
 from kvstore.formats.coli_kv import Geometry
 from kvstore.store import SessionStore
@@ -130,3 +132,22 @@ def test_the_queue_size_is_configured_and_checked():
             CacheConfig.from_extra({"store": "/srv/kv", "save_queue": bad})
     with pytest.raises(ValueError, match="room for 1 save or more"):
         SaveWriter(PrefixCache.__new__(PrefixCache), capacity=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_writer_runs_below_the_engines_priority(tmp_path):
+    """The writer's thread takes contended cores after the engine's step threads (its nice value
+    is raised above the process's), so its encodes and fsyncs never slow the step on a small host."""
+    with SessionStore(tmp_path / "kv") as store:
+        cache = HeldCache(store)
+        writer = SaveWriter(cache, 2)
+        try:
+            assert writer.submit(PROMPTS[0], ROWS[0])
+            assert cache.started.wait(timeout=30)  # the thread is running (and has set its priority)
+            mine = os.getpriority(os.PRIO_PROCESS, 0)
+            thread_id = writer._thread.native_id
+            assert thread_id is not None and os.getpriority(os.PRIO_PROCESS, thread_id) == min(19, mine + WRITER_NICE)
+            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's unchanged
+        finally:
+            cache.release.set()
+            writer.close(timeout=30)
