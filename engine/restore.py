@@ -132,17 +132,21 @@ class RecordLayout:
 _STORED_DTYPES = {np.dtype("<f4"): torch.float32, np.dtype("<u2"): torch.bfloat16}
 
 
+def _aligned(t: torch.Tensor, size: int) -> bool:
+    """Whether ``t`` (u8) can be seen as elements of ``size`` bytes: its last dimension, its offset
+    and every stride that moves a multiple of ``size``."""
+    if t.dim() == 0 or t.shape[-1] % size or t.stride(-1) != 1 or t.storage_offset() % size:
+        return False
+    return not any(stride % size for n, stride in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
+
+
 def _words(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` (u8) seen as int32 words when every offset and stride is a multiple of 4, else None.
 
     A word copy moves a quarter of the elements a byte copy does; v1 records and most v2/v3
     geometries (kv_lora 512, qk_rope 64) are aligned, odd widths fall back to bytes.
     """
-    if t.dim() == 0 or t.shape[-1] % 4 or t.stride(-1) != 1 or t.storage_offset() % 4:
-        return None
-    if any(stride % 4 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1):
-        return None
-    return t.view(torch.int32)
+    return t.view(torch.int32) if _aligned(t, 4) else None
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -160,24 +164,20 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def _as(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A u8 field as ``dtype`` elements (a view when aligned to their size; else one copy to
+    aligned memory)."""
+    return (src if _aligned(src, dtype.itemsize) else src.contiguous()).view(dtype)
+
+
 def _f32(src: torch.Tensor) -> torch.Tensor:
-    """A u8[..., 4k] field as f32[..., k] (a view when aligned; else one copy to aligned memory)."""
-    words = _words(src)
-    if words is None:
-        words = src.contiguous().view(torch.int32)
-    return words.view(torch.float32)
-
-
-def _bf16(src: torch.Tensor) -> torch.Tensor:
-    """A u8[..., 2k] field as bf16[..., k] (a view when aligned to 2; else one copy)."""
-    aligned = src.stride(-1) == 1 and src.storage_offset() % 2 == 0
-    aligned = aligned and all(stride % 2 == 0 for size, stride in zip(src.shape[:-1], src.stride()[:-1]) if size > 1)
-    return (src if aligned else src.contiguous()).view(torch.bfloat16)
+    """A u8[..., 4k] field as f32[..., k]: the v1 rows, the v2/v3 scales."""
+    return _as(src, torch.float32)
 
 
 def _values(tier: Tier, src: torch.Tensor) -> torch.Tensor:
     """A value tier's field (u8 bytes of f32 or bf16 values) as the values it holds."""
-    return _bf16(src) if tier.row_codec.codes_dtype == np.dtype("<u2") else _f32(src)
+    return _as(src, _STORED_DTYPES[tier.row_codec.codes_dtype])
 
 
 # ---------------------------------------------------------------------------- sanitize and decode
