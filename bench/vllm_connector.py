@@ -96,18 +96,26 @@ def run(
             }
         )
     )
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("PYTHONPATH", None)
+    in_vllm(RUNNER, spec, out, tmp)
+    return json.loads(out.read_text())["results"]
+
+
+def in_vllm(script: Path, spec: Path, out: Path, cwd: Path, *flags: str, **env: str) -> None:
+    """``script [FLAGS] SPEC OUT`` run by vLLM's venv (offline, a 1 GiB CPU cache, this environment
+    less PYTHONPATH, plus ``env``); its output's tail is the error when it fails."""
+    environment = dict(
+        os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env
+    )
+    environment.pop("PYTHONPATH", None)
     done = subprocess.run(
-        [str(VENV / "bin" / "python"), str(RUNNER), str(spec), str(out)],
+        [str(VENV / "bin" / "python"), str(script), *flags, str(spec), str(out)],
         capture_output=True,
         text=True,
-        cwd=tmp,
-        env=env,
+        cwd=cwd,
+        env=environment,
     )
     if done.returncode != 0:
         raise SystemExit((done.stdout + done.stderr)[-4000:])
-    return json.loads(out.read_text())["results"]
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[int, int]:

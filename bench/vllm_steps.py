@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,7 +82,7 @@ def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--inner":
         inner(sys.argv[2], sys.argv[3])
         return
-    from kvstore import config
+    from vllm_connector import VENV, in_vllm, make_model  # this folder's: the model, vLLM's venv and runner
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -93,28 +91,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tier", default="f32")
     args = parser.parse_args()
-    venv = config.VLLM_VENV.get() or ROOT / ".vllm-venv"
-    if not (Path(venv) / "bin" / "python").exists():
-        raise SystemExit(f"vLLM's venv is missing at {venv}: run tests/vllm/setup_venv.sh")
+    if not (VENV / "bin" / "python").exists():
+        raise SystemExit(f"vLLM's venv is missing at {VENV}: run tests/vllm/setup_venv.sh")
     rng = np.random.default_rng(38)
     prompts = [rng.integers(2, 512, size=args.prompt_tokens).tolist() for _ in range(args.prompts)]
     warm = rng.integers(2, 512, size=200).tolist()
     results: dict[str, list[dict]] = {"none": [], "connector": []}
     with tempfile.TemporaryDirectory(prefix="kvstore-vllm-steps-") as tmp_name:
         tmp = Path(tmp_name)
-        tiny_spec = importlib.util.spec_from_file_location("kvstore_tiny", ROOT / "tests" / "vllm" / "tiny_model.py")
-        assert tiny_spec is not None and tiny_spec.loader is not None
-        tiny = importlib.util.module_from_spec(tiny_spec)
-        tiny_spec.loader.exec_module(tiny)
-        model = tiny.make_model(tmp / "tiny-dsv3", seed=0)
-        env = dict(
-            os.environ,
-            VLLM_CPU_KVCACHE_SPACE="1",
-            HF_HUB_OFFLINE="1",
-            TOKENIZERS_PARALLELISM="false",
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        )
-        env.pop("PYTHONPATH", None)
+        model = make_model(tmp / "tiny-dsv3")
         for round_ in range(args.rounds):
             for label in ("none", "connector"):
                 work = tmp / f"{label}-{round_}"
@@ -132,21 +117,15 @@ def main() -> None:
                     spec["connector"] = {"store": str(work / "kv"), "tier": args.tier, "stats_dir": stats}
                     spec["stats_dir"] = stats
                 (work / "spec.json").write_text(json.dumps(spec))
-                done = subprocess.run(
-                    [
-                        str(Path(venv) / "bin" / "python"),
-                        __file__,
-                        "--inner",
-                        str(work / "spec.json"),
-                        str(work / "out.json"),
-                    ],
-                    capture_output=True,
-                    text=True,
-                    cwd=work,
-                    env=env,
+                # the engine core in this process: step() times the step itself
+                in_vllm(
+                    Path(__file__),
+                    work / "spec.json",
+                    work / "out.json",
+                    work,
+                    "--inner",
+                    VLLM_ENABLE_V1_MULTIPROCESSING="0",
                 )
-                if done.returncode != 0:
-                    raise SystemExit((done.stdout + done.stderr)[-4000:])
                 results[label].append(summary(json.loads((work / "out.json").read_text())))
                 if label == "connector":
                     counts = [json.loads(p.read_text()) for p in (work / "stats").glob("worker-*.json")]
