@@ -458,7 +458,8 @@ class KVFile:
         layers = records["layers"]
         if self.tier.holds_values:
             codec = self.tier.row_codec
-            if codec.bad_codes(layers["Lc"]).any() or codec.bad_codes(layers["Rc"]).any():  # type: ignore[union-attr]
+            found = (codec.bad_codes(layers[field]) for field in ("Lc", "Rc"))
+            if any(bad is not None and bad.any() for bad in found):
                 raise FormatError("rows hold NaN or infinite values")
         else:
             # the one bound of every reader (Tier.corrupt_scales), naming the record and layer; a
