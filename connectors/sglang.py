@@ -137,8 +137,8 @@ class PageFormat:
         ordered = rows_tensor(rows)
         if self.page_major:
             ordered = ordered.transpose(0, 1)
-        if out is None:  # a copy always: ``rows`` may be a view of a hot-tier entry
-            return ordered.to(self.dtype, copy=True).contiguous().flatten()
+        if out is None:  # one copy, always a new page: ``rows`` may be a view of a hot-tier entry
+            return torch.empty(ordered.shape, dtype=self.dtype).copy_(ordered).flatten()
         if out.numel() != self.values:
             raise ValueError(f"a page holds {self.values} values, the target {out.numel()}")
         if out.is_contiguous():  # one pass: copy_ converts the dtype and follows the strides

@@ -82,11 +82,14 @@ def test_pages_round_trip_exactly_and_every_page_looked_up_is_a_hit_or_a_miss(st
     assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values))
     fresh = storage.get(KEYS[3])  # no target: a new page tensor
     assert fresh is not None and torch.equal(fresh, values[3])
+    fresh.zero_()  # the caller's own page: the hot tier's entry it came from is untouched
+    again = storage.get(KEYS[3])
+    assert again is not None and torch.equal(again, values[3])
     stats = storage.counters()
     # lookups: 1 (miss at the first of 4) + 1 + 1 + 5 (4 hits, then the 5th misses)
     assert (stats["lookups"], stats["hits"], stats["misses"], stats["refused"]) == (8, 5, 3, 0)
     assert stats["lookups"] == stats["hits"] + stats["misses"]
-    assert (stats["saves"], stats["saved_tokens"], stats["loads"], stats["loaded_tokens"]) == (4, 64, 6, 96)
+    assert (stats["saves"], stats["saved_tokens"], stats["loads"], stats["loaded_tokens"]) == (4, 64, 7, 112)
     assert len(list((tmp_path / "stats").glob("sglang-*-tp0.json"))) == 1
 
 
