@@ -1,3 +1,4 @@
+# Over 700 lines: one class implementing the whole store interface (the routes call it as they call the embedded store); its heavy parts already live beside it (reading, rewrites, transfer, upkeep, keys), what stays is each method's lease, fencing and index transaction, read together.
 """The session interface the service calls, over the shared backend (``kvstore serve --index --blobs``).
 
 :class:`SharedSessionStore` implements the store interface (:class:`~kvstore.store.base.Store`)
