@@ -316,9 +316,10 @@ def test_vllms_own_metrics_carry_the_connectors_counters(first):
     for name in names + ("hot_hits", "hot_misses"):
         assert in_vllm.get(name, 0) == both[name], name
     assert in_vllm["lookups"] == in_vllm["hits"] + in_vllm["misses"] == 3
-    # the last conversation is saved in the step after the last request finished, which vLLM may
-    # not have reported yet when its metrics are read
-    assert both["saves"] - 1 <= in_vllm["saves"] <= both["saves"]
+    # the last request's two saves (its prompt's, written after the step that ended its prefill, and
+    # its conversation's, at its finish) may settle after vLLM's last step: generate() returns
+    # without another step, so vLLM's metrics may never carry them
+    assert both["saves"] - 2 <= in_vllm["saves"] <= both["saves"]
 
 
 def test_altered_rows_are_refused_by_verification_and_recomputed(altered):
