@@ -20,6 +20,7 @@ import os
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,7 @@ class _Save:
     tokens: list[int] | np.ndarray
     rows: np.ndarray
     report: str | None  # the request id to report once the save is settled
+    ready: Callable[[], object] | None  # waits until ``rows`` hold their values (a device copy's event)
 
 
 class SaveWriter:
@@ -62,11 +64,15 @@ class SaveWriter:
         self._thread = threading.Thread(target=self._run, name="kvstore-save-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, tokens, rows: np.ndarray, report: str | None = None) -> bool:
+    def submit(
+        self, tokens, rows: np.ndarray, report: str | None = None, ready: Callable[[], object] | None = None
+    ) -> bool:
         """Queue a save of ``rows`` (f32 ``[n_layers, n, width]``, owned by the writer from now on);
         False when the queue is full or the writer closed: the save is skipped (``save_skipped``)
-        and ``report``, if any, is settled at once (given up)."""
-        save = _Save(tokens, rows, report)
+        and ``report``, if any, is settled at once (given up). ``ready``: called by the writer
+        before it reads ``rows``, for rows a device is still copying in (it waits for the copy's
+        event, so the step that queued the copy never does)."""
+        save = _Save(tokens, rows, report, ready)
         if not self._closed:
             self.cache.count(save_pending=1)
             try:
@@ -117,6 +123,8 @@ class SaveWriter:
                 if save is None:
                     return
                 try:
+                    if save.ready is not None:
+                        save.ready()
                     self.cache.save(save.tokens, save.rows)
                 except Exception as exc:  # a failed save is a future miss, never the engine's error
                     logger.warning("kvstore connector: a background save failed: %s", exc)

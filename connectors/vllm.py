@@ -10,7 +10,8 @@ Load it with::
 For an MLA model vLLM's paged cache is ``[blocks, block_size, kv_lora + qk_rope]`` per layer:
 one ``.coli_kv`` row per token. The scheduler side asks the store for the longest stored prefix of
 each new prompt (:class:`~kvstore.connectors.prefix_cache.PrefixCache`; whole vLLM blocks, at
-least one prompt token left to compute) and plans the load; the worker side writes the stored rows
+least one prompt token left to compute) and plans the load; the worker side
+(:class:`~kvstore.connectors.vllm_worker.PagedWorker`, which needs no vLLM) writes the stored rows
 into the request's blocks before the forward pass, and gathers each prompt's rows, layer by
 layer, in the step that completes its prefill, then hands them to a background writer
 (:class:`~kvstore.connectors.save_writer.SaveWriter`: encoding, writing and fsync off the step; a
@@ -41,8 +42,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,10 +59,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # pyright: i
 )
 
 from kvstore.connectors.hot_tier import HotTier
-from kvstore.connectors.prefix_cache import CacheConfig, LoadFailed, PrefixCache, model_fingerprint, open_client
+from kvstore.connectors.prefix_cache import CacheConfig, PrefixCache, model_fingerprint, open_client
 from kvstore.connectors.prefix_cache import sampled_weights_hash as _sampled_weights_hash
 from kvstore.connectors.save_writer import SaveWriter
-from kvstore.connectors.tensors import rows_tensor
+from kvstore.connectors.vllm_worker import LoadSpec, PagedWorker, SaveSpec
 from kvstore.errors import ConfigError
 from kvstore.formats.coli_kv import Geometry
 
@@ -94,26 +93,6 @@ COUNTERS = (
     "hot_misses",
     "hot_evictions",
 )
-
-
-@dataclass
-class LoadSpec:
-    """Rows ``[start, stop)`` of a stored session into the request's blocks."""
-
-    req_id: str
-    session_id: str
-    start: int
-    stop: int
-    block_ids: list[int]
-
-
-@dataclass
-class SaveSpec:
-    """A prompt whose prefill completes this step: its tokens and the blocks holding their rows."""
-
-    req_id: str
-    tokens: list[int]
-    block_ids: list[int]
 
 
 @dataclass
@@ -205,18 +184,6 @@ def cpu_rotary_kernel_on(vllm_config: Any) -> bool:
     return "+rotary_embedding" in ops or "none" not in ops
 
 
-def _layer_number(name: str) -> int:
-    found = re.findall(r"\d+", name)
-    return int(found[0]) if found else -1
-
-
-def _slots(block_ids: list[int], block_size: int, start: int, stop: int) -> torch.Tensor:
-    """Cache slots (block * block_size + offset) of token positions ``[start, stop)``."""
-    positions = torch.arange(start, stop)
-    blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
-    return blocks * block_size + positions % block_size
-
-
 class KVStoreConnector(KVConnectorBase_V1):
     """Stores prompts' MLA rows in a kvstore and loads the longest stored prefix into vLLM's cache."""
 
@@ -273,20 +240,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._to_load: dict[str, LoadSpec] = {}
         self._finished_saves: list[SaveSpec] = []
         self._reported: dict[str, int] = {}  # the counters at the last get_kv_connector_stats
-        # worker side
-        self._caches: dict[str, torch.Tensor] = {}
-        self._layer_of: dict[str, int] = {}
-        self._gathered: dict[str, np.ndarray] = {}  # req -> f32[n_layers, n, width] being filled
-        self._filled: dict[str, set[int]] = {}  # req -> the layers gathered so far
-        self._failed_blocks: set[int] = set()
-        # requests whose load failed: their cache holds no stored rows where the load should have
-        # put them, so the rows gathered for their prompt's save would be wrong KV
-        self._load_failed: set[str] = set()
-        self._sent: set[str] = set()  # finished requests whose conversation save is done
-        # encoding, writing and fsync off the step (save_queue 0: in the step, as the rows arrive)
-        self._writer: SaveWriter | None = None
+        # worker side (encoding, writing and fsync off the step; save_queue 0: in the step)
+        writer = None
         if role != KVConnectorRole.SCHEDULER and self.config.save_queue > 0:
-            self._writer = SaveWriter(self.cache, self.config.save_queue)
+            writer = SaveWriter(self.cache, self.config.save_queue)
+        self.worker = PagedWorker(self.cache, self.geometry, self.block_size, writer)
         logger.info(
             "kvstore connector (%s): store %s, owner %s, tier %s, fingerprint %s",
             role_name,
@@ -417,133 +375,35 @@ class KVStoreConnector(KVConnectorBase_V1):
     ) -> KVConnectorPromMetrics | None:
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    # ================================================================== worker side
+    # ================================================================== worker side (PagedWorker)
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = sorted(kv_caches, key=_layer_number)
-        if len(names) != self.geometry.n_layers:
-            raise ConfigError(
-                f"kvstore connector: vLLM has {len(names)} attention layers, the model config {self.geometry.n_layers}"
-            )
-        width = self.geometry.kv_lora + self.geometry.qk_rope
-        for i, name in enumerate(names):
-            cache = kv_caches[name]
-            if cache.shape[-1] != width:
-                raise ConfigError(
-                    f"kvstore connector: layer {name} caches rows of {cache.shape[-1]} values, not {width}"
-                )
-            self._caches[name] = cache
-            self._layer_of[name] = i
-
-    def _rows_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """A layer's cache as ``[slots, width]`` (a view: writes land in the cache)."""
-        return cache.view(-1, cache.shape[-1])
+        self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KVStoreMetadata):
-            return
-        for load in meta.loads:
-            began = time.perf_counter()
-            try:
-                # only read below; a bf16 tier's rows as stored (bf16 into a bf16 cache: a plain copy)
-                rows = self.cache.load(load.session_id, load.start, load.stop, view=True, native=True)
-            except LoadFailed as exc:
-                first, last = load.start // self.block_size, (load.stop - 1) // self.block_size
-                self._failed_blocks.update(load.block_ids[first : last + 1])
-                self._load_failed.add(load.req_id)
-                logger.warning("kvstore connector: %s; vLLM recomputes those tokens", exc)
-                continue
-            slots = _slots(load.block_ids, self.block_size, load.start, load.stop)
-            for name, cache in self._caches.items():
-                layer_rows = rows_tensor(rows[self._layer_of[name]]).to(device=cache.device, dtype=cache.dtype)
-                self._rows_view(cache)[slots.to(cache.device)] = layer_rows
-            # what a load costs against a raw read of the same stored bytes (bench/vllm_connector.py)
-            self.cache.count(
-                load_us=int((time.perf_counter() - began) * 1e6),
-                loaded_bytes=(load.stop - load.start) * self.cache.record_bytes,
-            )
+        if isinstance(meta, KVStoreMetadata):
+            self.worker.start_load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KVStoreMetadata) or not meta.saves or layer_name not in self._layer_of:
-            return
-        width = self.geometry.kv_lora + self.geometry.qk_rope
-        for save in meta.saves:
-            n = len(save.tokens)
-            rows = self._gathered.get(save.req_id)
-            if rows is None:
-                rows = self._gathered[save.req_id] = np.empty((self.geometry.n_layers, n, width), dtype=np.float32)
-            slots = _slots(save.block_ids, self.block_size, 0, n).to(kv_layer.device)
-            picked = self._rows_view(kv_layer)[slots]
-            rows[self._layer_of[layer_name]] = picked.to(device="cpu", dtype=torch.float32).numpy()
-            self._filled.setdefault(save.req_id, set()).add(self._layer_of[layer_name])
+        if isinstance(meta, KVStoreMetadata) and meta.saves:
+            self.worker.save_layer(meta.saves, layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KVStoreMetadata):
-            return
-        for save in meta.finished:
-            try:  # the blocks are held for this save: read every layer straight from the cache
-                rows = self._gather(save.block_ids, len(save.tokens))
-            except Exception as exc:  # never keep vLLM's blocks: a failed save is a future miss
-                self.cache.count_save_error(f"{save.req_id}: {exc}")
-                self._sent.add(save.req_id)
-                self.cache.count(finished_done=1)
-                continue
-            self._save(save.tokens, rows, report=save.req_id)
-        for save in meta.saves:
-            rows = self._gathered.pop(save.req_id, None)
-            filled = self._filled.pop(save.req_id, set())
-            if save.req_id in self._load_failed:
-                # what was gathered holds the blocks the failed load left as they were; vLLM
-                # recomputes them, and the conversation's save at the end holds the right rows
-                self._load_failed.discard(save.req_id)
-                continue
-            # a prompt some layer did not hand over is not saved: a partial row set would be wrong KV
-            if rows is not None and len(filled) == self.geometry.n_layers:
-                self._save(save.tokens, rows)
-        for save in meta.finished:
-            self._load_failed.discard(save.req_id)
-
-    def _save(self, tokens: list[int], rows: np.ndarray, report: str | None = None) -> None:
-        """Hand rows to the background writer (skipped and counted when its queue is full), or save
-        them now without one; ``report``: the finished request to report once the save is settled."""
-        if self._writer is not None:
-            self._writer.submit(tokens, rows, report)
-            return
-        try:
-            self.cache.save(tokens, rows)
-        except Exception as exc:  # a failed save is a future miss, never a failed step
-            self.cache.count_save_error(str(exc))
-        if report is not None:
-            self._sent.add(report)
-            self.cache.count(finished_done=1)
+        if isinstance(meta, KVStoreMetadata):
+            self.worker.wait_for_save(meta.saves, meta.finished)
 
     def shutdown(self) -> None:
         """Write the saves still queued, then stop the writer (vLLM calls this as it stops)."""
-        if self._writer is not None:
-            self._writer.close(timeout=60.0)
-
-    def _gather(self, block_ids: list[int], n: int) -> np.ndarray:
-        """Rows of token positions ``[0, n)`` of every layer, f32 ``[n_layers, n, width]``."""
-        rows = np.empty((self.geometry.n_layers, n, self.geometry.kv_lora + self.geometry.qk_rope), dtype=np.float32)
-        slots = _slots(block_ids, self.block_size, 0, n)
-        for name, cache in self._caches.items():
-            picked = self._rows_view(cache)[slots.to(cache.device)]
-            rows[self._layer_of[name]] = picked.to(device="cpu", dtype=torch.float32).numpy()
-        return rows
+        self.worker.shutdown()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose conversation is saved: vLLM frees their blocks now."""
-        self._load_failed -= finished_req_ids  # finished with no save planned
-        sent, self._sent = self._sent, set()
-        if self._writer is not None:  # conversations whose save is durable, failed or given up
-            sent |= self._writer.finished()
-        return (sent or None), None
+        return (self.worker.get_finished(finished_req_ids) or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+        return self.worker.load_errors()

@@ -1,0 +1,285 @@
+"""The vLLM connector's worker side, without vLLM: loads into and saves from vLLM's paged MLA cache.
+
+vLLM keeps one cache tensor per attention layer, ``[blocks, block_size, kv_lora + qk_rope]``: one
+``.coli_kv`` row per token slot. :class:`PagedWorker` is what
+:class:`~kvstore.connectors.vllm.KVStoreConnector` does on a worker, over the plans its scheduler
+side makes (:class:`LoadSpec`, :class:`SaveSpec`); it needs torch, not vLLM, so it runs and is
+tested on real CUDA tensors where vLLM is not installed (tests/gpu/test_gpu_vllm_worker.py,
+bench/vllm_gpu_step.py).
+
+On a CUDA cache a save never waits for the device inside the step: each layer's rows are gathered on
+the engine's stream into a new tensor (vLLM may reuse the blocks after the step), widened to f32,
+and copied into pinned host memory on a side stream; the background writer waits for the copies'
+event before it encodes them. Slot indices go to the device once per save, from pinned memory, so
+no copy in the forward pass waits for the layers before it. On the CPU the gather is a memory copy
+in the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvstore.connectors.prefix_cache import LoadFailed, PrefixCache
+from kvstore.connectors.save_writer import SaveWriter
+from kvstore.connectors.tensors import rows_tensor
+from kvstore.errors import ConfigError
+from kvstore.formats.coli_kv import Geometry
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LoadSpec", "PagedWorker", "SaveSpec", "layer_number", "paged_slots"]
+
+
+@dataclass
+class LoadSpec:
+    """Rows ``[start, stop)`` of a stored session into the request's blocks."""
+
+    req_id: str
+    session_id: str
+    start: int
+    stop: int
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """A prompt whose prefill completes this step: its tokens and the blocks holding their rows."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+
+
+def layer_number(name: str) -> int:
+    """The first number in a layer's name (``model.layers.12.self_attn.attn`` -> 12), -1 if none."""
+    found = re.findall(r"\d+", name)
+    return int(found[0]) if found else -1
+
+
+def paged_slots(block_ids: list[int], block_size: int, start: int, stop: int) -> torch.Tensor:
+    """Cache slots (block * block_size + offset) of token positions ``[start, stop)``."""
+    positions = torch.arange(start, stop)
+    blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+@dataclass
+class _Gathering:
+    """A prompt's rows being copied out layer by layer during its last prefill step."""
+
+    rows: np.ndarray  # f32 [n_layers, n, width]: pinned memory on a CUDA cache
+    host: torch.Tensor  # the same memory as a tensor (the copies' destination)
+    filled: set[int] = field(default_factory=set)
+
+
+class PagedWorker:
+    """Loads stored rows into vLLM's per-layer caches and saves prompts' rows from them.
+
+    Parameters
+    ----------
+    cache : the prefix cache the rows are loaded from and saved through (its counters count both)
+    geometry : the model's MLA geometry (layers, kv_lora, qk_rope)
+    block_size : tokens per cache block
+    writer : the background writer saves go to (None: each save is written in the step)
+    """
+
+    def __init__(self, cache: PrefixCache, geometry: Geometry, block_size: int, writer: SaveWriter | None):
+        self.cache = cache
+        self.geometry = geometry
+        self.block_size = block_size
+        self.width = geometry.kv_lora + geometry.qk_rope
+        self.writer = writer
+        self._caches: dict[str, torch.Tensor] = {}
+        self._layer_of: dict[str, int] = {}
+        self._side: torch.cuda.Stream | None = None  # the device-to-host copies' stream (CUDA caches)
+        self._gathered: dict[str, _Gathering] = {}
+        self._slots_now: dict[str, torch.Tensor] = {}  # req -> its slots on the device, this step
+        self._failed_blocks: set[int] = set()
+        # requests whose load failed: their cache holds no stored rows where the load should have
+        # put them, so the rows gathered for their prompt's save would be wrong KV
+        self._load_failed: set[str] = set()
+        self._sent: set[str] = set()  # finished requests whose conversation save is done
+
+    # ------------------------------------------------------------------ set-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=layer_number)
+        if len(names) != self.geometry.n_layers:
+            raise ConfigError(
+                f"kvstore connector: vLLM has {len(names)} attention layers, the model config {self.geometry.n_layers}"
+            )
+        for i, name in enumerate(names):
+            cache = kv_caches[name]
+            if cache.shape[-1] != self.width:
+                raise ConfigError(
+                    f"kvstore connector: layer {name} caches rows of {cache.shape[-1]} values, not {self.width}"
+                )
+            self._caches[name] = cache
+            self._layer_of[name] = i
+        device = kv_caches[names[0]].device if names else torch.device("cpu")
+        if device.type == "cuda":
+            self._side = torch.cuda.Stream(device=device)
+
+    @staticmethod
+    def _rows_view(cache: torch.Tensor) -> torch.Tensor:
+        """A layer's cache as ``[slots, width]`` (a view: writes land in the cache)."""
+        return cache.view(-1, cache.shape[-1])
+
+    def _device_slots(self, block_ids: list[int], start: int, stop: int, device: torch.device) -> torch.Tensor:
+        slots = paged_slots(block_ids, self.block_size, start, stop)
+        if device.type != "cuda":
+            return slots.to(device)
+        # from pinned memory, asynchronously: a pageable copy would wait for the stream's earlier work
+        return slots.pin_memory().to(device, non_blocking=True)
+
+    # ------------------------------------------------------------------ loads (before the forward pass)
+    def start_load(self, loads: Iterable[LoadSpec]) -> None:
+        for load in loads:
+            began = time.perf_counter()
+            try:
+                # only read below; a bf16 tier's rows as stored (bf16 into a bf16 cache: a plain copy)
+                rows = self.cache.load(load.session_id, load.start, load.stop, view=True, native=True)
+            except LoadFailed as exc:
+                first, last = load.start // self.block_size, (load.stop - 1) // self.block_size
+                self._failed_blocks.update(load.block_ids[first : last + 1])
+                self._load_failed.add(load.req_id)
+                logger.warning("kvstore connector: %s; vLLM recomputes those tokens", exc)
+                continue
+            slots: dict[torch.device, torch.Tensor] = {}
+            for name, cache in self._caches.items():
+                at = slots.get(cache.device)
+                if at is None:
+                    at = slots[cache.device] = self._device_slots(load.block_ids, load.start, load.stop, cache.device)
+                layer_rows = rows_tensor(rows[self._layer_of[name]]).to(device=cache.device, dtype=cache.dtype)
+                self._rows_view(cache)[at] = layer_rows
+            # what a load costs against a raw read of the same stored bytes (bench/vllm_connector.py)
+            self.cache.count(
+                load_us=int((time.perf_counter() - began) * 1e6),
+                loaded_bytes=(load.stop - load.start) * self.cache.record_bytes,
+            )
+
+    # ------------------------------------------------------------------ saves (during and after the forward pass)
+    def _host_rows(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
+        """A fresh f32 ``[n_layers, n, width]`` for rows copied out (pinned for a CUDA cache)."""
+        host = torch.empty(
+            (self.geometry.n_layers, n, self.width), dtype=torch.float32, pin_memory=self._side is not None
+        )
+        return host.numpy(), host
+
+    def _copy_out(self, kv_layer: torch.Tensor, slots: torch.Tensor, into: torch.Tensor) -> None:
+        """Copy a layer's rows at ``slots`` into host memory ``into`` (f32), off the step on a GPU."""
+        picked = self._rows_view(kv_layer)[slots]  # the rows as they are now, on the engine's stream
+        if self._side is None:
+            into.copy_(picked)
+            return
+        picked = picked.to(torch.float32)
+        self._side.wait_stream(torch.cuda.current_stream(kv_layer.device))
+        with torch.cuda.stream(self._side):
+            into.copy_(picked, non_blocking=True)
+        picked.record_stream(self._side)  # freed only once the side stream has read it
+
+    def _copies_done(self) -> Callable[[], object] | None:
+        """What waits for the copies queued so far (None on the CPU: they are done)."""
+        if self._side is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._side)
+        return event.synchronize
+
+    def save_layer(self, saves: Iterable[SaveSpec], layer_name: str, kv_layer: torch.Tensor) -> None:
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return
+        for save in saves:
+            gathering = self._gathered.get(save.req_id)
+            if gathering is None:
+                gathering = self._gathered[save.req_id] = _Gathering(*self._host_rows(len(save.tokens)))
+            slots = self._slots_now.get(save.req_id)
+            if slots is None:
+                slots = self._device_slots(save.block_ids, 0, len(save.tokens), kv_layer.device)
+                self._slots_now[save.req_id] = slots
+            self._copy_out(kv_layer, slots, gathering.host[layer])
+            gathering.filled.add(layer)
+
+    def wait_for_save(self, saves: Iterable[SaveSpec], finished: Iterable[SaveSpec]) -> None:
+        """End of a step: the finished conversations' rows, then the prompts gathered this step, go
+        to the writer (which waits for their device copies, the step does not)."""
+        self._slots_now.clear()
+        for save in finished:
+            try:  # the blocks are held for this save: read every layer straight from the cache
+                rows = self._gather(save.block_ids, len(save.tokens))
+            except Exception as exc:  # never keep vLLM's blocks: a failed save is a future miss
+                self.cache.count_save_error(f"{save.req_id}: {exc}")
+                self._sent.add(save.req_id)
+                self.cache.count(finished_done=1)
+                continue
+            self._save(save.tokens, rows, report=save.req_id)
+        ready = self._copies_done()
+        for save in saves:
+            gathering = self._gathered.pop(save.req_id, None)
+            if save.req_id in self._load_failed:
+                # what was gathered holds the blocks the failed load left as they were; vLLM
+                # recomputes them, and the conversation's save at the end holds the right rows
+                self._load_failed.discard(save.req_id)
+                continue
+            # a prompt some layer did not hand over is not saved: a partial row set would be wrong KV
+            if gathering is not None and len(gathering.filled) == self.geometry.n_layers:
+                self._save(save.tokens, gathering.rows, ready=ready)
+        for save in finished:
+            self._load_failed.discard(save.req_id)
+
+    def _gather(self, block_ids: list[int], n: int) -> np.ndarray:
+        """Rows of token positions ``[0, n)`` of every layer, f32 ``[n_layers, n, width]`` (on a GPU
+        still being copied until :meth:`_copies_done`'s event)."""
+        rows, host = self._host_rows(n)
+        slots: dict[torch.device, torch.Tensor] = {}
+        for name, cache in self._caches.items():
+            at = slots.get(cache.device)
+            if at is None:
+                at = slots[cache.device] = self._device_slots(block_ids, 0, n, cache.device)
+            self._copy_out(cache, at, host[self._layer_of[name]])
+        return rows
+
+    def _save(
+        self, tokens: list[int], rows: np.ndarray, report: str | None = None, ready: Callable[[], object] | None = None
+    ) -> None:
+        """Hand rows to the background writer (skipped and counted when its queue is full), or save
+        them now without one; ``report``: the finished request to report once the save is settled."""
+        if ready is None and self._side is not None:
+            ready = self._copies_done()
+        if self.writer is not None:
+            self.writer.submit(tokens, rows, report, ready)
+            return
+        try:
+            if ready is not None:
+                ready()
+            self.cache.save(tokens, rows)
+        except Exception as exc:  # a failed save is a future miss, never a failed step
+            self.cache.count_save_error(str(exc))
+        if report is not None:
+            self._sent.add(report)
+            self.cache.count(finished_done=1)
+
+    # ------------------------------------------------------------------ what vLLM asks after a step
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose conversation is saved: vLLM frees their blocks now."""
+        self._load_failed -= finished_req_ids  # finished with no save planned
+        sent, self._sent = self._sent, set()
+        if self.writer is not None:  # conversations whose save is durable, failed or given up
+            sent |= self.writer.finished()
+        return sent
+
+    def load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        """Write the saves still queued, then stop the writer."""
+        if self.writer is not None:
+            self.writer.close(timeout=60.0)

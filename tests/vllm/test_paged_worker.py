@@ -1,0 +1,135 @@
+"""The vLLM connector's worker side on real tensors in vLLM's MLA paged layout, without vLLM.
+
+What a vLLM user depends on, checked where vLLM is not installed (so on a GPU machine too): rows a
+worker saves from its paged caches, layer by layer in a prefill step or all at once when a request
+finishes, are the rows it held, whether the cache is on the CPU or on a CUDA device (the same bytes
+in the store), and a worker loading them into other blocks of a fresh cache gets them back exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore import tiers
+from kvstore.connectors.prefix_cache import PrefixCache, model_fingerprint
+from kvstore.connectors.save_writer import SaveWriter
+from kvstore.connectors.vllm_worker import LoadSpec, PagedWorker, SaveSpec
+from kvstore.formats.coli_kv import Geometry
+from kvstore.store import SessionStore
+
+GEOMETRY = Geometry(3, 512, 64, 0, 0, 1000)
+BLOCK = 16
+BLOCKS = 24
+N = 200  # tokens: 12 full blocks and a partial one
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def fingerprint(tier):
+    return model_fingerprint(
+        name="tiny", revision="main", geometry=GEOMETRY, tier=tier, attention_variant="vllm-mla:bf16", weights_hash="w"
+    )
+
+
+def caches(device, dtype, seed):
+    """One cache per layer, ``[blocks, block_size, kv_lora + qk_rope]``, filled with random rows."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, BLOCK, 576, generator=gen).to(dtype).to(device)
+        for i in range(GEOMETRY.n_layers)
+    }
+
+
+def rows_at(kv, block_ids, n):
+    """The rows of token positions [0, n) in ``block_ids``, f32 [n_layers, n, width], on the host."""
+    slots = torch.tensor([block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
+    return np.stack([c.view(-1, 576)[slots.to(c.device)].float().cpu().numpy() for c in kv.values()])
+
+
+def worker(store, tier, *, queue):
+    cache = PrefixCache(store, "team", fingerprint(tier))
+    return PagedWorker(cache, GEOMETRY, BLOCK, SaveWriter(cache, queue) if queue else None)
+
+
+def journal_bytes(store, session_id):
+    with store.reader(session_id, owner="team") as reader:
+        return reader.load().record_bytes()
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SessionStore(tmp_path / "kv") as opened:
+        yield opened
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("queue", [0, 4])
+def test_rows_saved_layer_by_layer_load_back_exactly_into_other_blocks(store, device, queue):
+    tokens = list(range(7, 7 + N))
+    blocks = [5, 2, 9, 0, 11, 3, 17, 8, 20, 1, 14, 6, 22]
+    kv = caches(device, torch.bfloat16, seed=1)
+    saver = worker(store, tiers.BF16, queue=queue)
+    saver.register_kv_caches(kv)
+    save = SaveSpec("req-1", tokens, blocks)
+    for name, layer in kv.items():  # as vLLM calls save_kv_layer during the forward pass
+        saver.save_layer([save], name, layer)
+    saver.wait_for_save([save], [])
+    saver.shutdown()  # the writer finishes what was queued
+    assert saver.cache.stats.saves == 1 and saver.cache.stats.save_skipped == 0
+
+    fresh = caches(device, torch.bfloat16, seed=2)
+    loader = worker(store, tiers.BF16, queue=0)
+    loader.register_kv_caches(fresh)
+    found = loader.cache.lookup(tokens)
+    assert found is not None and found.tokens == N
+    others = [12, 4, 23, 15, 10, 7, 13, 16, 18, 19, 21, 2, 0]
+    loader.start_load([LoadSpec("req-2", found.session_id, 0, N, others)])
+    assert loader.load_errors() == set()
+    assert np.array_equal(rows_at(fresh, others, N), rows_at(kv, blocks, N))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_finished_conversation_is_saved_before_it_is_reported_and_equals_its_blocks(store, device):
+    tokens = list(range(100, 100 + N))
+    blocks = list(range(BLOCKS - 13, BLOCKS))
+    kv = caches(device, torch.bfloat16, seed=3)
+    w = worker(store, tiers.BF16, queue=2)
+    w.register_kv_caches(kv)
+    w.wait_for_save([], [SaveSpec("done-1", tokens, blocks)])
+    w.writer.flush()
+    assert w.get_finished(set()) == {"done-1"}
+    loaded = w.cache.load(w.cache.session_id_for(np.asarray(tokens, np.int32)), 0, N)
+    assert np.array_equal(loaded, rows_at(kv, blocks, N))
+    w.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", [tiers.BF16, tiers.F32, tiers.FP8])
+def test_rows_saved_from_cuda_are_the_cpu_paths_bytes(tmp_path, tier):
+    tokens = list(range(3, 3 + N))
+    blocks = [1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 0]
+    stored = {}
+    for device in ("cpu", "cuda"):
+        with SessionStore(tmp_path / device) as store:
+            kv = caches(device, torch.bfloat16, seed=4)  # the same rows on both devices
+            w = worker(store, tier, queue=2)
+            w.register_kv_caches(kv)
+            save = SaveSpec("r", tokens, blocks)
+            for name, layer in kv.items():
+                w.save_layer([save], name, layer)
+            w.wait_for_save([save], [])
+            w.shutdown()
+            stored[device] = journal_bytes(store, w.cache.session_id_for(np.asarray(tokens, np.int32)))
+    assert stored["cuda"] == stored["cpu"] and len(stored["cpu"]) > 0
+
+
+def test_a_prompt_a_layer_did_not_hand_over_is_not_saved(store):
+    kv = caches("cpu", torch.float32, seed=5)
+    w = worker(store, tiers.F32, queue=0)
+    w.register_kv_caches(kv)
+    save = SaveSpec("r", list(range(N)), list(range(13)))
+    for name, layer in list(kv.items())[:-1]:  # the last layer never arrives
+        w.save_layer([save], name, layer)
+    w.wait_for_save([save], [])
+    assert w.cache.stats.saves == 0 and w.cache.lookup(list(range(N))) is None
