@@ -7,4 +7,4 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_wheels.sh
 python3 -m pytest -q -p no:cacheprovider tests/vllm/test_paged_worker.py 2>&1 | tail -n 4
-python3 bench/vllm_gpu_step.py --tokens ${TOKENS:-512 2048} --steps ${STEPS:-30} --where /tmp
+python3 bench/vllm_gpu_step.py --tokens ${TOKENS:-512 2048} --load ${LOAD:-2048 8192} --steps ${STEPS:-30} --where /tmp

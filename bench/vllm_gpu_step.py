@@ -9,7 +9,10 @@ each step completing a new prompt that is saved to a real store (bf16 tier, back
 Times by CUDA events on the engine's stream and by the host's clock to the step's return; the
 ratio is the connector's cost. Steps with and without alternate, after warm-up rounds.
 
-    PYTHONPATH=. python3 bench/vllm_gpu_step.py --tokens 512 2048 --steps 30
+    PYTHONPATH=. python3 bench/vllm_gpu_step.py --tokens 512 2048 --load 2048 8192 --steps 30
+
+With ``--load``, steps of 512 tokens whose prompt's first rows are loaded (a hot-tier hit: pinned
+host memory), each layer's attention waiting for its own layer's copies (``wait_for_layer_load``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import numpy as np
 import torch
 
 from kvstore import tiers
+from kvstore.connectors.hot_tier import HotTier
 from kvstore.connectors.prefix_cache import PrefixCache, model_fingerprint
 from kvstore.connectors.save_writer import SaveWriter
-from kvstore.connectors.vllm_worker import PagedWorker, SaveSpec
+from kvstore.connectors.vllm_worker import LoadSpec, PagedWorker, SaveSpec
 from kvstore.formats.coli_kv import Geometry
 from kvstore.store import SessionStore
 
@@ -54,8 +58,12 @@ class SyntheticModel:
             for _ in range(LAYERS)
         ]
 
-    def step(self, x: torch.Tensor, caches: list[torch.Tensor], slots: torch.Tensor, between=None) -> torch.Tensor:
+    def step(
+        self, x: torch.Tensor, caches: list[torch.Tensor], slots: torch.Tensor, between=None, before=None
+    ) -> torch.Tensor:
         for i, p in enumerate(self.layers):
+            if before is not None:
+                before(i)  # vLLM calls wait_for_layer_load as the layer's attention starts
             q = x @ p["q"]
             latent = x @ p["kv_a"]
             caches[i].view(-1, KV_LORA + QK_ROPE)[slots] = latent  # the attention's cache write
@@ -70,14 +78,16 @@ class SyntheticModel:
 
 
 class Bench:
-    """One step length: the caches, the store, the worker, and a timed step with or without it."""
+    """One step length: the caches, the store, the worker, and a timed step with or without it.
+    With ``loaded`` rows, the connector's step loads a stored prefix of that many rows (a hot-tier
+    hit) before computing its ``n`` tokens; without, it saves its ``n`` tokens' rows."""
 
-    def __init__(self, model: SyntheticModel, n: int, folder: Path, queue: int):
+    def __init__(self, model: SyntheticModel, n: int, folder: Path, queue: int, loaded: int = 0):
         device = torch.device("cuda")
         self.model, self.n = model, n
-        blocks = (n + BLOCK - 1) // BLOCK
+        blocks, load_blocks = (n + BLOCK - 1) // BLOCK, (loaded + BLOCK - 1) // BLOCK
         self.caches = [
-            torch.zeros(blocks + 8, BLOCK, KV_LORA + QK_ROPE, device=device, dtype=torch.bfloat16)
+            torch.zeros(blocks + load_blocks + 8, BLOCK, KV_LORA + QK_ROPE, device=device, dtype=torch.bfloat16)
             for _ in range(LAYERS)
         ]
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -94,29 +104,42 @@ class Bench:
             weights_hash="synthetic",
         )
         self.store = SessionStore(folder / "kv")
-        self.cache = PrefixCache(self.store, "bench", fingerprint)
+        self.cache = PrefixCache(self.store, "bench", fingerprint, hot=HotTier(8 << 30))
         self.worker = PagedWorker(self.cache, geometry, BLOCK, SaveWriter(self.cache, queue))
         self.worker.register_kv_caches(dict(zip(self.names, self.caches, strict=True)))
         self.prompts = 0
+        self.load = None
+        if loaded:  # a stored prefix, in the hot tier (pinned host memory) after one load
+            rows = torch.randn(LAYERS, loaded, KV_LORA + QK_ROPE).bfloat16().float().numpy()
+            session = self.cache.save(np.arange(loaded) + 60000, rows)
+            assert session is not None
+            self.cache.load(session, 0, loaded)
+            first = 3 + blocks
+            self.load = LoadSpec("prefix", session, 0, loaded, list(range(first, first + load_blocks)))
 
     def _save_layer(self, save: SaveSpec, i: int) -> None:
         self.worker.save_layer([save], self.names[i], self.caches[i])
 
+    def _wait_layer(self, i: int) -> None:
+        self.worker.wait_for_layer(self.names[i])
+
     def run(self, with_connector: bool) -> tuple[float, float]:
         """One step: (µs by CUDA events, µs on the host until the step returned)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        save = None
-        if with_connector:
-            self.prompts += 1  # a new prompt each step: never "stored already"
-            save = SaveSpec(f"r{self.prompts}", (np.arange(self.n) + self.prompts * 7).tolist(), self.block_ids)
         torch.cuda.synchronize()
         began = time.perf_counter()
         start.record()
-        if save is not None:
+        if not with_connector:
+            self.model.step(self.x, self.caches, self.slots)
+        elif self.load is not None:  # the rest of a prompt whose prefix is loaded
+            self.worker.start_load([self.load])
+            self.model.step(self.x, self.caches, self.slots, before=self._wait_layer)
+            self.worker.wait_for_save([], [])
+        else:
+            self.prompts += 1  # a new prompt each step: never "stored already"
+            save = SaveSpec(f"r{self.prompts}", (np.arange(self.n) + self.prompts * 7).tolist(), self.block_ids)
             self.model.step(self.x, self.caches, self.slots, between=lambda i: self._save_layer(save, i))
             self.worker.wait_for_save([save], [])
-        else:
-            self.model.step(self.x, self.caches, self.slots)
         end.record()
         host = time.perf_counter() - began  # the step has returned: vLLM samples, then syncs
         end.synchronize()
@@ -127,9 +150,39 @@ class Bench:
         self.store.close()
 
 
+def measure(model: SyntheticModel, n: int, loaded: int, args: argparse.Namespace) -> str:
+    """One table row: the median step with and without the connector, alternating."""
+    with tempfile.TemporaryDirectory(dir=args.where) as folder:
+        bench = Bench(model, n, Path(folder), args.queue, loaded)
+        try:
+            for _ in range(5):  # warm-up: cuBLAS heuristics, the pinned allocator, the writer
+                bench.run(False)
+                bench.run(True)
+            assert bench.worker.writer is not None
+            bench.worker.writer.flush()
+            stats = bench.cache.stats
+            saved, skipped = stats.saves, stats.save_skipped
+            plain, connected = [], []
+            for _ in range(args.steps):
+                plain.append(bench.run(False))
+                connected.append(bench.run(True))
+            bench.worker.writer.flush()
+            saved, skipped = stats.saves - saved, stats.save_skipped - skipped
+        finally:
+            bench.close()
+    gpu_plain, gpu_conn = (statistics.median(t[0] for t in ts) for ts in (plain, connected))
+    host_plain, host_conn = (statistics.median(t[1] for t in ts) for ts in (plain, connected))
+    what = f"load {loaded:,} rows" if loaded else f"save {saved} / skip {skipped}"
+    return (
+        f"| {n:,} | {what} | {gpu_plain:,.0f} µs | {gpu_conn:,.0f} µs | {gpu_conn / gpu_plain:.3f} "
+        f"| {host_plain:,.0f} µs | {host_conn:,.0f} µs | {host_conn / host_plain:.3f} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048], help="tokens in a step (one prompt)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048], help="tokens a step computes")
+    parser.add_argument("--load", type=int, nargs="*", default=[2048, 8192], help="prefix rows loaded (steps of 512)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps of each kind")
     parser.add_argument("--queue", type=int, default=4, help="the writer's queue (save_queue)")
     parser.add_argument("--where", default=None, help="the store's folder (default: a temporary one)")
@@ -140,35 +193,14 @@ def main() -> None:
     model = SyntheticModel(torch.device("cuda"))
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}; {LAYERS} layers, bf16, tier bf16")
     print(
-        "| tokens a step | step, no connector (CUDA events) | with the connector | ratio "
-        "| host: to the step's return, no connector | with | ratio | saves written / skipped |"
+        "| tokens computed | the connector's work | step, no connector (CUDA events) | with the connector | ratio "
+        "| host: to the step's return, no connector | with | ratio |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for n in args.tokens:
-        with tempfile.TemporaryDirectory(dir=args.where) as folder:
-            bench = Bench(model, n, Path(folder), args.queue)
-            try:
-                for _ in range(5):  # warm-up: cuBLAS heuristics, the pinned allocator, the writer
-                    bench.run(False)
-                    bench.run(True)
-                assert bench.worker.writer is not None
-                bench.worker.writer.flush()
-                stats = bench.cache.stats
-                saved, skipped = stats.saves, stats.save_skipped
-                plain, connected = [], []
-                for _ in range(args.steps):
-                    plain.append(bench.run(False))
-                    connected.append(bench.run(True))
-                bench.worker.writer.flush()
-                saved, skipped = stats.saves - saved, stats.save_skipped - skipped
-            finally:
-                bench.close()
-        gpu_plain, gpu_conn = (statistics.median(t[0] for t in ts) for ts in (plain, connected))
-        host_plain, host_conn = (statistics.median(t[1] for t in ts) for ts in (plain, connected))
-        print(
-            f"| {n:,} | {gpu_plain:,.0f} µs | {gpu_conn:,.0f} µs | {gpu_conn / gpu_plain:.3f} "
-            f"| {host_plain:,.0f} µs | {host_conn:,.0f} µs | {host_conn / host_plain:.3f} | {saved} / {skipped} |"
-        )
+        print(measure(model, n, 0, args), flush=True)
+    for loaded in args.load:
+        print(measure(model, 512, loaded, args), flush=True)
 
 
 if __name__ == "__main__":

@@ -385,7 +385,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.worker.start_load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass
+        # on a GPU the engine's stream waits for this layer's copies; on the CPU they are done
+        self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata

@@ -7,12 +7,15 @@ side makes (:class:`LoadSpec`, :class:`SaveSpec`); it needs torch, not vLLM, so 
 tested on real CUDA tensors where vLLM is not installed (tests/gpu/test_gpu_vllm_worker.py,
 bench/vllm_gpu_step.py).
 
-On a CUDA cache a save never waits for the device inside the step: each layer's rows are gathered on
-the engine's stream into a new tensor (vLLM may reuse the blocks after the step), widened to f32,
-and copied into pinned host memory on a side stream; the background writer waits for the copies'
-event before it encodes them. Slot indices go to the device once per save, from pinned memory, so
-no copy in the forward pass waits for the layers before it. On the CPU the gather is a memory copy
-in the step.
+On a CUDA cache neither direction waits for the device inside the step. A load queues every
+layer's host-to-device copy and scatter on a side stream (from pinned memory: a hot-tier entry as it
+is, other rows staged once) and returns; each layer's attention waits only for its own layer
+(``wait_for_layer_load``), so layer i+1 is copied while layer i computes. A save gathers each layer's
+rows on the engine's stream into a new tensor (vLLM may reuse the blocks after the step), widens them
+to f32 and copies them into pinned host memory on the side stream; the background writer waits for
+the copies' event before it encodes them. Slot indices go to the device once per load or save, from
+pinned memory, so no copy in the forward pass waits for the layers before it. On the CPU both are
+memory copies in the step.
 """
 
 from __future__ import annotations
@@ -101,6 +104,10 @@ class PagedWorker:
         self._side: torch.cuda.Stream | None = None  # the device-to-host copies' stream (CUDA caches)
         self._gathered: dict[str, _Gathering] = {}
         self._slots_now: dict[str, torch.Tensor] = {}  # req -> its slots on the device, this step
+        self._layer_loaded: dict[str, torch.cuda.Event] = {}  # layer -> the end of its load copies, this step
+        # host rows a queued load still reads (a hot-tier entry may be evicted meanwhile), with the
+        # event after which they are free
+        self._load_sources: list[tuple[torch.cuda.Event, object]] = []
         self._failed_blocks: set[int] = set()
         # requests whose load failed: their cache holds no stored rows where the load should have
         # put them, so the rows gathered for their prompt's save would be wrong KV
@@ -151,18 +158,45 @@ class PagedWorker:
                 self._load_failed.add(load.req_id)
                 logger.warning("kvstore connector: %s; vLLM recomputes those tokens", exc)
                 continue
-            slots: dict[torch.device, torch.Tensor] = {}
-            for name, cache in self._caches.items():
-                at = slots.get(cache.device)
-                if at is None:
-                    at = slots[cache.device] = self._device_slots(load.block_ids, load.start, load.stop, cache.device)
-                layer_rows = rows_tensor(rows[self._layer_of[name]]).to(device=cache.device, dtype=cache.dtype)
-                self._rows_view(cache)[at] = layer_rows
+            if self._side is not None:
+                self._load_async(load, rows)
+            else:
+                slots = self._device_slots(load.block_ids, load.start, load.stop, torch.device("cpu"))
+                for name, cache in self._caches.items():
+                    layer_rows = rows_tensor(rows[self._layer_of[name]]).to(device=cache.device, dtype=cache.dtype)
+                    self._rows_view(cache)[slots] = layer_rows
             # what a load costs against a raw read of the same stored bytes (bench/vllm_connector.py)
             self.cache.count(
                 load_us=int((time.perf_counter() - began) * 1e6),
                 loaded_bytes=(load.stop - load.start) * self.cache.record_bytes,
             )
+
+    def _load_async(self, load: LoadSpec, rows: np.ndarray) -> None:
+        """Queue a load's copies on the side stream, one event per layer (see :meth:`wait_for_layer`)."""
+        assert self._side is not None
+        self._load_sources = [(event, kept) for event, kept in self._load_sources if not event.query()]
+        host = rows_tensor(rows)
+        if not host.is_pinned():  # an asynchronous copy needs pinned memory: one host copy
+            host = host.pin_memory()
+        device = self._side.device
+        # the blocks may have been another request's: what the engine queued on them comes first
+        self._side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._side):
+            slots = self._device_slots(load.block_ids, load.start, load.stop, device)
+            for name, cache in self._caches.items():
+                layer_rows = host[self._layer_of[name]].to(device, non_blocking=True).to(cache.dtype)
+                self._rows_view(cache)[slots] = layer_rows
+                self._layer_loaded[name] = torch.cuda.Event()
+                self._layer_loaded[name].record(self._side)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        self._load_sources.append((done, (rows, host)))
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before a layer's attention: the engine's stream waits for that layer's loaded rows."""
+        event = self._layer_loaded.pop(layer_name, None)
+        if event is not None:
+            torch.cuda.current_stream(self._side.device if self._side is not None else None).wait_event(event)
 
     # ------------------------------------------------------------------ saves (during and after the forward pass)
     def _host_rows(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -211,6 +245,9 @@ class PagedWorker:
         """End of a step: the finished conversations' rows, then the prompts gathered this step, go
         to the writer (which waits for their device copies, the step does not)."""
         self._slots_now.clear()
+        for event in self._layer_loaded.values():  # a layer whose attention never waited: not past this step
+            torch.cuda.current_stream(self._side.device if self._side is not None else None).wait_event(event)
+        self._layer_loaded.clear()
         for save in finished:
             try:  # the blocks are held for this save: read every layer straight from the cache
                 rows = self._gather(save.block_ids, len(save.tokens))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvstore import tiers
+from kvstore.connectors.hot_tier import HotTier
 from kvstore.connectors.prefix_cache import PrefixCache, model_fingerprint
 from kvstore.connectors.save_writer import SaveWriter
 from kvstore.connectors.vllm_worker import LoadSpec, PagedWorker, SaveSpec
@@ -47,8 +48,8 @@ def rows_at(kv, block_ids, n):
     return np.stack([c.view(-1, 576)[slots.to(c.device)].float().cpu().numpy() for c in kv.values()])
 
 
-def worker(store, tier, *, queue):
-    cache = PrefixCache(store, "team", fingerprint(tier))
+def worker(store, tier, *, queue, hot=None):
+    cache = PrefixCache(store, "team", fingerprint(tier), hot=hot)
     return PagedWorker(cache, GEOMETRY, BLOCK, SaveWriter(cache, queue) if queue else None)
 
 
@@ -79,14 +80,19 @@ def test_rows_saved_layer_by_layer_load_back_exactly_into_other_blocks(store, de
     assert saver.cache.stats.saves == 1 and saver.cache.stats.save_skipped == 0
 
     fresh = caches(device, torch.bfloat16, seed=2)
-    loader = worker(store, tiers.BF16, queue=0)
+    loader = worker(store, tiers.BF16, queue=0, hot=HotTier(1 << 30))
     loader.register_kv_caches(fresh)
     found = loader.cache.lookup(tokens)
     assert found is not None and found.tokens == N
     others = [12, 4, 23, 15, 10, 7, 13, 16, 18, 19, 21, 2, 0]
-    loader.start_load([LoadSpec("req-2", found.session_id, 0, N, others)])
-    assert loader.load_errors() == set()
-    assert np.array_equal(rows_at(fresh, others, N), rows_at(kv, blocks, N))
+    again = [1, 3, 5, 8, 9, 11, 14, 17, 20, 22, 6, 4, 12]  # a second request: the rows from the hot tier
+    for req, where in (("req-2", others), ("req-3", again)):
+        loader.start_load([LoadSpec(req, found.session_id, 0, N, where)])
+        for name in fresh:  # as each layer's attention does before it reads the cache
+            loader.wait_for_layer(name)
+        assert loader.load_errors() == set()
+        assert np.array_equal(rows_at(fresh, where, N), rows_at(kv, blocks, N))
+    assert (loader.cache.stats.hot_misses, loader.cache.stats.hot_hits) == (1, 1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
