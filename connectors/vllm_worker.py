@@ -11,9 +11,9 @@ On a CUDA cache neither direction waits for the device inside the step. A load q
 layer's host-to-device copy and scatter on a side stream (from pinned memory: a hot-tier entry as it
 is, other rows staged once) and returns; each layer's attention waits only for its own layer
 (``wait_for_layer_load``), so layer i+1 is copied while layer i computes. A save gathers each layer's
-rows on the engine's stream into a new tensor (vLLM may reuse the blocks after the step) and copies
-them, in the cache's dtype, into pinned host memory on the side stream; the background writer waits
-for the copies' event, widens them to f32 and encodes them. Slot indices go to the device once per load or save, from
+rows on the engine's stream into a new tensor (vLLM may reuse the blocks after the step), widens them
+to f32 and copies them into pinned host memory on the side stream; the background writer waits for
+the copies' event before it encodes them. Slot indices go to the device once per load or save, from
 pinned memory, so no copy in the forward pass waits for the layers before it. On the CPU both are
 memory copies in the step.
 """
@@ -74,27 +74,12 @@ def paged_slots(block_ids: list[int], block_size: int, start: int, stop: int) ->
 
 
 @dataclass
-class _Staged:
-    """Rows being copied out of the cache (a prompt's, layer by layer during its last prefill step;
-    or a finished conversation's)."""
+class _Gathering:
+    """A prompt's rows being copied out layer by layer during its last prefill step."""
 
-    rows: np.ndarray  # f32 [n_layers, n, width]: what the writer saves
-    # where the copies land: ``rows``' own memory (a CPU cache, or an f32 one), else pinned memory in
-    # the cache's dtype — half the bytes over the bus for bf16, widened into ``rows`` off the step
-    host: torch.Tensor
+    rows: np.ndarray  # f32 [n_layers, n, width]: pinned memory on a CUDA cache
+    host: torch.Tensor  # the same memory as a tensor (the copies' destination)
     filled: set[int] = field(default_factory=set)
-
-    def waiter(self, copied: torch.cuda.Event | None) -> Callable[[], object] | None:
-        """What the writer calls before it reads ``rows`` (None: they hold their values now)."""
-        if copied is None:
-            return None
-
-        def wait() -> None:
-            copied.synchronize()
-            if self.host.dtype != torch.float32:
-                torch.from_numpy(self.rows).copy_(self.host)  # widened on the writer's thread
-
-        return wait
 
 
 class PagedWorker:
@@ -117,7 +102,7 @@ class PagedWorker:
         self._caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
         self._side: torch.cuda.Stream | None = None  # the device-to-host copies' stream (CUDA caches)
-        self._gathered: dict[str, _Staged] = {}
+        self._gathered: dict[str, _Gathering] = {}
         self._slots_now: dict[str, torch.Tensor] = {}  # req -> its slots on the device, this step
         self._layer_loaded: dict[str, torch.cuda.Event] = {}  # layer -> the end of its load copies, this step
         # host rows a queued load still reads (a hot-tier entry may be evicted meanwhile), with the
@@ -214,35 +199,32 @@ class PagedWorker:
             torch.cuda.current_stream(self._side.device if self._side is not None else None).wait_event(event)
 
     # ------------------------------------------------------------------ saves (during and after the forward pass)
-    def _stage(self, n: int) -> _Staged:
-        """Fresh host memory for ``n`` tokens' rows of every layer (see :class:`_Staged`)."""
-        shape = (self.geometry.n_layers, n, self.width)
-        if self._side is None:
-            rows = np.empty(shape, dtype=np.float32)
-            return _Staged(rows, torch.from_numpy(rows))
-        dtype = next(iter(self._caches.values())).dtype
-        host = torch.empty(shape, dtype=dtype, pin_memory=True)
-        return _Staged(host.numpy(), host) if dtype == torch.float32 else _Staged(np.empty(shape, np.float32), host)
+    def _host_rows(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
+        """A fresh f32 ``[n_layers, n, width]`` for rows copied out (pinned for a CUDA cache)."""
+        host = torch.empty(
+            (self.geometry.n_layers, n, self.width), dtype=torch.float32, pin_memory=self._side is not None
+        )
+        return host.numpy(), host
 
     def _copy_out(self, kv_layer: torch.Tensor, slots: torch.Tensor, into: torch.Tensor) -> None:
-        """Copy a layer's rows at ``slots`` into host memory ``into``; on a GPU only the gather runs
-        on the engine's stream, the copy (same dtype: no conversion on the device) on the side one."""
+        """Copy a layer's rows at ``slots`` into host memory ``into`` (f32), off the step on a GPU."""
         picked = self._rows_view(kv_layer)[slots]  # the rows as they are now, on the engine's stream
         if self._side is None:
-            into.copy_(picked)  # widened to f32 as it is copied
+            into.copy_(picked)
             return
+        picked = picked.to(torch.float32)
         self._side.wait_stream(torch.cuda.current_stream(kv_layer.device))
         with torch.cuda.stream(self._side):
             into.copy_(picked, non_blocking=True)
         picked.record_stream(self._side)  # freed only once the side stream has read it
 
-    def _copies_event(self) -> torch.cuda.Event | None:
-        """An event after the copies queued so far (None on the CPU: they are done)."""
+    def _copies_done(self) -> Callable[[], object] | None:
+        """What waits for the copies queued so far (None on the CPU: they are done)."""
         if self._side is None:
             return None
         event = torch.cuda.Event()
         event.record(self._side)
-        return event
+        return event.synchronize
 
     def save_layer(self, saves: Iterable[SaveSpec], layer_name: str, kv_layer: torch.Tensor) -> None:
         layer = self._layer_of.get(layer_name)
@@ -251,7 +233,7 @@ class PagedWorker:
         for save in saves:
             gathering = self._gathered.get(save.req_id)
             if gathering is None:
-                gathering = self._gathered[save.req_id] = self._stage(len(save.tokens))
+                gathering = self._gathered[save.req_id] = _Gathering(*self._host_rows(len(save.tokens)))
             slots = self._slots_now.get(save.req_id)
             if slots is None:
                 slots = self._device_slots(save.block_ids, 0, len(save.tokens), kv_layer.device)
@@ -268,14 +250,14 @@ class PagedWorker:
         self._layer_loaded.clear()
         for save in finished:
             try:  # the blocks are held for this save: read every layer straight from the cache
-                staged = self._gather(save.block_ids, len(save.tokens))
+                rows = self._gather(save.block_ids, len(save.tokens))
             except Exception as exc:  # never keep vLLM's blocks: a failed save is a future miss
                 self.cache.count_save_error(f"{save.req_id}: {exc}")
                 self._sent.add(save.req_id)
                 self.cache.count(finished_done=1)
                 continue
-            self._save(save.tokens, staged.rows, report=save.req_id, ready=staged.waiter(self._copies_event()))
-        copied = self._copies_event()
+            self._save(save.tokens, rows, report=save.req_id)
+        ready = self._copies_done()
         for save in saves:
             gathering = self._gathered.pop(save.req_id, None)
             if save.req_id in self._load_failed:
@@ -285,28 +267,29 @@ class PagedWorker:
                 continue
             # a prompt some layer did not hand over is not saved: a partial row set would be wrong KV
             if gathering is not None and len(gathering.filled) == self.geometry.n_layers:
-                self._save(save.tokens, gathering.rows, ready=gathering.waiter(copied))
+                self._save(save.tokens, gathering.rows, ready=ready)
         for save in finished:
             self._load_failed.discard(save.req_id)
 
-    def _gather(self, block_ids: list[int], n: int) -> _Staged:
-        """Rows of token positions ``[0, n)`` of every layer (on a GPU still being copied until an
-        event recorded after this)."""
-        staged = self._stage(n)
+    def _gather(self, block_ids: list[int], n: int) -> np.ndarray:
+        """Rows of token positions ``[0, n)`` of every layer, f32 ``[n_layers, n, width]`` (on a GPU
+        still being copied until :meth:`_copies_done`'s event)."""
+        rows, host = self._host_rows(n)
         slots: dict[torch.device, torch.Tensor] = {}
         for name, cache in self._caches.items():
             at = slots.get(cache.device)
             if at is None:
                 at = slots[cache.device] = self._device_slots(block_ids, 0, n, cache.device)
-            self._copy_out(cache, at, staged.host[self._layer_of[name]])
-        return staged
+            self._copy_out(cache, at, host[self._layer_of[name]])
+        return rows
 
     def _save(
         self, tokens: list[int], rows: np.ndarray, report: str | None = None, ready: Callable[[], object] | None = None
     ) -> None:
         """Hand rows to the background writer (skipped and counted when its queue is full), or save
-        them now without one; ``report``: the finished request to report once the save is settled;
-        ``ready``: what makes ``rows`` hold their values (waits for the device's copies)."""
+        them now without one; ``report``: the finished request to report once the save is settled."""
+        if ready is None and self._side is not None:
+            ready = self._copies_done()
         if self.writer is not None:
             self.writer.submit(tokens, rows, report, ready)
             return
