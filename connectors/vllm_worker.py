@@ -4,7 +4,7 @@ vLLM keeps one cache tensor per attention layer, ``[blocks, block_size, kv_lora 
 ``.coli_kv`` row per token slot. :class:`PagedWorker` is what
 :class:`~kvstore.connectors.vllm.KVStoreConnector` does on a worker, over the plans its scheduler
 side makes (:class:`LoadSpec`, :class:`SaveSpec`); it needs torch, not vLLM, so it runs and is
-tested on real CUDA tensors where vLLM is not installed (tests/gpu/test_gpu_vllm_worker.py,
+tested on real CUDA tensors where vLLM is not installed (tests/vllm/test_paged_worker.py,
 bench/vllm_gpu_step.py).
 
 On a CUDA cache neither direction waits for the device inside the step. A load queues every
@@ -101,7 +101,7 @@ class PagedWorker:
         self.writer = writer
         self._caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
-        self._side: torch.cuda.Stream | None = None  # the device-to-host copies' stream (CUDA caches)
+        self._side: torch.cuda.Stream | None = None  # the loads. and saves. copies (CUDA caches)
         self._gathered: dict[str, _Gathering] = {}
         self._slots_now: dict[str, torch.Tensor] = {}  # req -> its slots on the device, this step
         self._layer_loaded: dict[str, torch.cuda.Event] = {}  # layer -> the end of its load copies, this step
