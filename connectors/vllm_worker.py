@@ -101,7 +101,7 @@ class PagedWorker:
         self.writer = writer
         self._caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
-        self._side: torch.cuda.Stream | None = None  # the loads. and saves. copies (CUDA caches)
+        self._side: torch.cuda.Stream | None = None  # carries the loads' and saves' copies (CUDA caches)
         self._gathered: dict[str, _Gathering] = {}
         self._slots_now: dict[str, torch.Tensor] = {}  # req -> its slots on the device, this step
         self._layer_loaded: dict[str, torch.cuda.Event] = {}  # layer -> the end of its load copies, this step
