@@ -30,7 +30,7 @@ from kvstore import tiers
 from kvstore.connectors.hot_tier import HotTier
 from kvstore.connectors.prefix_cache import PrefixCache, model_fingerprint
 from kvstore.connectors.save_writer import SaveWriter
-from kvstore.connectors.vllm_worker import LoadSpec, PagedWorker, SaveSpec
+from kvstore.connectors.vllm_worker import LoadSpec, PagedWorker, SaveSpec, paged_slots
 from kvstore.formats.coli_kv import Geometry
 from kvstore.store import SessionStore
 
@@ -92,7 +92,7 @@ class Bench:
         ]
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         self.block_ids = list(range(3, 3 + blocks))
-        self.slots = torch.tensor([self.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)], device=device)
+        self.slots = paged_slots(self.block_ids, BLOCK, 0, n).to(device)
         self.x = torch.randn(n, HIDDEN, device=device, dtype=torch.bfloat16)
         geometry = Geometry(LAYERS, KV_LORA, QK_ROPE, 0, 0, 102400)
         fingerprint = model_fingerprint(

@@ -101,6 +101,7 @@ class PagedWorker:
         self.writer = writer
         self._caches: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
+        self._device = torch.device("cpu")  # where the caches are (vLLM's worker keeps them on one device)
         self._side: torch.cuda.Stream | None = None  # carries the loads' and saves' copies (CUDA caches)
         self._gathered: dict[str, _Gathering] = {}
         self._slots_now: dict[str, torch.Tensor] = {}  # req -> its slots on the device, this step
@@ -129,9 +130,14 @@ class PagedWorker:
                 )
             self._caches[name] = cache
             self._layer_of[name] = i
-        device = kv_caches[names[0]].device if names else torch.device("cpu")
-        if device.type == "cuda":
-            self._side = torch.cuda.Stream(device=device)
+        if names:
+            self._device = kv_caches[names[0]].device
+        if self._device.type == "cuda":
+            self._side = torch.cuda.Stream(device=self._device)
+
+    def _engine_stream(self) -> torch.cuda.Stream:
+        """The stream the engine queues its work on (CUDA caches)."""
+        return torch.cuda.current_stream(self._device)
 
     @staticmethod
     def _rows_view(cache: torch.Tensor) -> torch.Tensor:
@@ -161,9 +167,9 @@ class PagedWorker:
             if self._side is not None:
                 self._load_async(load, rows)
             else:
-                slots = self._device_slots(load.block_ids, load.start, load.stop, torch.device("cpu"))
+                slots = self._device_slots(load.block_ids, load.start, load.stop, self._device)
                 for name, cache in self._caches.items():
-                    layer_rows = rows_tensor(rows[self._layer_of[name]]).to(device=cache.device, dtype=cache.dtype)
+                    layer_rows = rows_tensor(rows[self._layer_of[name]]).to(device=self._device, dtype=cache.dtype)
                     self._rows_view(cache)[slots] = layer_rows
             # what a load costs against a raw read of the same stored bytes (bench/vllm_connector.py)
             self.cache.count(
@@ -174,17 +180,16 @@ class PagedWorker:
     def _load_async(self, load: LoadSpec, rows: np.ndarray) -> None:
         """Queue a load's copies on the side stream, one event per layer (see :meth:`wait_for_layer`)."""
         assert self._side is not None
-        self._load_sources = [(event, kept) for event, kept in self._load_sources if not event.query()]
+        self._release_load_sources()
         host = rows_tensor(rows)
         if not host.is_pinned():  # an asynchronous copy needs pinned memory: one host copy
             host = host.pin_memory()
-        device = self._side.device
         # the blocks may have been another request's: what the engine queued on them comes first
-        self._side.wait_stream(torch.cuda.current_stream(device))
+        self._side.wait_stream(self._engine_stream())
         with torch.cuda.stream(self._side):
-            slots = self._device_slots(load.block_ids, load.start, load.stop, device)
+            slots = self._device_slots(load.block_ids, load.start, load.stop, self._device)
             for name, cache in self._caches.items():
-                layer_rows = host[self._layer_of[name]].to(device, non_blocking=True).to(cache.dtype)
+                layer_rows = host[self._layer_of[name]].to(self._device, non_blocking=True).to(cache.dtype)
                 self._rows_view(cache)[slots] = layer_rows
                 self._layer_loaded[name] = torch.cuda.Event()
                 self._layer_loaded[name].record(self._side)
@@ -192,11 +197,15 @@ class PagedWorker:
             done.record(self._side)
         self._load_sources.append((done, (rows, host)))
 
+    def _release_load_sources(self) -> None:
+        """Let go of the host rows whose copies are done (an evicted hot-tier entry is freed then)."""
+        self._load_sources = [(event, kept) for event, kept in self._load_sources if not event.query()]
+
     def wait_for_layer(self, layer_name: str) -> None:
         """Before a layer's attention: the engine's stream waits for that layer's loaded rows."""
         event = self._layer_loaded.pop(layer_name, None)
         if event is not None:
-            torch.cuda.current_stream(self._side.device if self._side is not None else None).wait_event(event)
+            self._engine_stream().wait_event(event)
 
     # ------------------------------------------------------------------ saves (during and after the forward pass)
     def _host_rows(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -213,7 +222,7 @@ class PagedWorker:
             into.copy_(picked)
             return
         picked = picked.to(torch.float32)
-        self._side.wait_stream(torch.cuda.current_stream(kv_layer.device))
+        self._side.wait_stream(self._engine_stream())
         with torch.cuda.stream(self._side):
             into.copy_(picked, non_blocking=True)
         picked.record_stream(self._side)  # freed only once the side stream has read it
@@ -236,7 +245,7 @@ class PagedWorker:
                 gathering = self._gathered[save.req_id] = _Gathering(*self._host_rows(len(save.tokens)))
             slots = self._slots_now.get(save.req_id)
             if slots is None:
-                slots = self._device_slots(save.block_ids, 0, len(save.tokens), kv_layer.device)
+                slots = self._device_slots(save.block_ids, 0, len(save.tokens), self._device)
                 self._slots_now[save.req_id] = slots
             self._copy_out(kv_layer, slots, gathering.host[layer])
             gathering.filled.add(layer)
@@ -246,8 +255,9 @@ class PagedWorker:
         to the writer (which waits for their device copies, the step does not)."""
         self._slots_now.clear()
         for event in self._layer_loaded.values():  # a layer whose attention never waited: not past this step
-            torch.cuda.current_stream(self._side.device if self._side is not None else None).wait_event(event)
+            self._engine_stream().wait_event(event)
         self._layer_loaded.clear()
+        self._release_load_sources()
         for save in finished:
             try:  # the blocks are held for this save: read every layer straight from the cache
                 rows = self._gather(save.block_ids, len(save.tokens))
@@ -256,7 +266,7 @@ class PagedWorker:
                 self._sent.add(save.req_id)
                 self.cache.count(finished_done=1)
                 continue
-            self._save(save.tokens, rows, report=save.req_id)
+            self._save(save.tokens, rows, report=save.req_id, ready=self._copies_done())
         ready = self._copies_done()
         for save in saves:
             gathering = self._gathered.pop(save.req_id, None)
@@ -275,21 +285,17 @@ class PagedWorker:
         """Rows of token positions ``[0, n)`` of every layer, f32 ``[n_layers, n, width]`` (on a GPU
         still being copied until :meth:`_copies_done`'s event)."""
         rows, host = self._host_rows(n)
-        slots: dict[torch.device, torch.Tensor] = {}
+        slots = self._device_slots(block_ids, 0, n, self._device)
         for name, cache in self._caches.items():
-            at = slots.get(cache.device)
-            if at is None:
-                at = slots[cache.device] = self._device_slots(block_ids, 0, n, cache.device)
-            self._copy_out(cache, at, host[self._layer_of[name]])
+            self._copy_out(cache, slots, host[self._layer_of[name]])
         return rows
 
     def _save(
         self, tokens: list[int], rows: np.ndarray, report: str | None = None, ready: Callable[[], object] | None = None
     ) -> None:
         """Hand rows to the background writer (skipped and counted when its queue is full), or save
-        them now without one; ``report``: the finished request to report once the save is settled."""
-        if ready is None and self._side is not None:
-            ready = self._copies_done()
+        them now without one; ``report``: the finished request to report once the save is settled;
+        ``ready``: what waits for the device's copies of ``rows`` (:meth:`_copies_done`)."""
         if self.writer is not None:
             self.writer.submit(tokens, rows, report, ready)
             return
