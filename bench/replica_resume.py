@@ -138,6 +138,50 @@ def _median(fn, reps: int) -> float:
     return statistics.median(fn() for _ in range(reps))
 
 
+def _pid_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_of(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == parent:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+class CpuMeter:
+    """CPU seconds per timed download of each party on the box: the replica, moto, PostgreSQL (its
+    postmaster and backends) and the client (curl as this process's child, httpx or boto3 in it)."""
+
+    def __init__(self, moto_pid: int, postmaster: int):
+        self.moto, self.postmaster = moto_pid, postmaster
+
+    def _now(self, replica: int | None) -> dict[str, float]:
+        mine = os.times()
+        return {
+            "replica": _pid_cpu_s(replica) if replica else 0.0,
+            "moto": _pid_cpu_s(self.moto),
+            "postgres": sum(_pid_cpu_s(p) for p in [self.postmaster, *_children_of(self.postmaster)]),
+            "client": mine.user + mine.system + mine.children_user + mine.children_system,
+        }
+
+    def median(self, fn, reps: int, replica: int | None = None) -> tuple[float, dict[str, float]]:
+        """The median of ``reps`` timed calls, and each party's mean CPU seconds per call."""
+        before = self._now(replica)
+        seconds = _median(fn, reps)
+        after = self._now(replica)
+        return seconds, {k: (after[k] - before[k]) / reps for k in before}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=8, help="segments (one per append)")
@@ -172,7 +216,9 @@ def main() -> int:
             servers.append(server)
             return server
 
-        direct_s = _median(lambda: _direct_fetch(s3, bucket, objects, size), args.reps)
+        postmaster = int((cluster.datadir / "postmaster.pid").read_text().split()[0])
+        meter = CpuMeter(moto.process.pid, postmaster)
+        direct_s, direct_cpu = meter.median(lambda: _direct_fetch(s3, bucket, objects, size), args.reps)
         local = folder / "chat.rows"
         with SharedStore(SharedIndex(index_url), BlobStore(blobs_url, endpoint_url=moto.endpoint)) as store:
             local.write_bytes(store.read_records(session_key)[1])
@@ -183,32 +229,49 @@ def main() -> int:
         _curl(cold.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
         fresh = iter(names[2:])
         for client, fetch in (("curl", _curl), ("httpx", _httpx)):
-            cold_s = _median(
-                lambda fetch=fetch: fetch(f"{cold.url}/sessions/{next(fresh)}/resume", key, size), args.reps
+            cold_s, cpu = meter.median(
+                lambda fetch=fetch: fetch(f"{cold.url}/sessions/{next(fresh)}/resume", key, size),
+                args.reps,
+                cold.process.pid,
             )
-            rows.append((f"cold, its cache filling, {client}", cold_s, direct_s, "direct fetch"))
+            rows.append((f"cold, its cache filling, {client}", cold_s, cpu, direct_s, "direct fetch"))
         uncached = replica("uncached", "--cache-size", "0")
         _curl(uncached.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
         for client, fetch in (("curl", _curl), ("httpx", _httpx)):
-            cold_s = _median(lambda fetch=fetch: fetch(uncached.url + path, key, size), args.reps)
-            rows.append((f"cold, no cache (--cache-size 0), {client}", cold_s, direct_s, "direct fetch"))
+            cold_s, cpu = meter.median(
+                lambda fetch=fetch: fetch(uncached.url + path, key, size), args.reps, uncached.process.pid
+            )
+            rows.append((f"cold, no cache (--cache-size 0), {client}", cold_s, cpu, direct_s, "direct fetch"))
         cached = cold  # its cache holds "chat" once it has read it
         _curl(cached.url + path, key, size)  # fills its cache
         _curl(cached.url + path, key, size)  # its copies kept by then: this one is warm
         for client, fetch in (("curl", _curl), ("httpx", _httpx)):
-            warm_s = _median(lambda fetch=fetch: fetch(cached.url + path, key, size), args.reps)
-            rows.append((f"warm (cache hits), {client}", warm_s, local_s, "local read"))
+            warm_s, cpu = meter.median(
+                lambda fetch=fetch: fetch(cached.url + path, key, size), args.reps, cached.process.pid
+            )
+            rows.append((f"warm (cache hits), {client}", warm_s, cpu, local_s, "local read"))
 
         print(
             f"session {size / 1e6:.1f} MB ({args.turns} segments of {args.turn} fp8 DeepSeek-V3 rows), "
             f"PostgreSQL + moto on loopback, {os.cpu_count()} cores, medians of {args.reps}"
         )
-        print(f"{'':40s} {'GB/s':>7s} {'ms':>7s}")
-        print(f"{'direct parallel fetch (boto3, 16 threads)':40s} {size / direct_s / 1e9:7.3f} {direct_s * 1e3:7.0f}")
+        print("CPU ms per download: replica / moto / PostgreSQL / client (curl, httpx or boto3)")
+        print(f"{'':40s} {'GB/s':>7s} {'ms':>7s}  {'CPU ms':>19s}")
+
+        def cpu_ms(cpu: dict[str, float]) -> str:
+            return " / ".join(f"{cpu[k] * 1e3:.0f}" for k in ("replica", "moto", "postgres", "client"))
+
+        print(
+            f"{'direct parallel fetch (boto3, 16 threads)':40s} {size / direct_s / 1e9:7.3f} {direct_s * 1e3:7.0f}"
+            f"  {cpu_ms(direct_cpu):>19s}"
+        )
         print(f"{'local read (Path.read_bytes, page cache)':40s} {size / local_s / 1e9:7.3f} {local_s * 1e3:7.0f}")
-        print(f"{'resume through a replica':40s} {'GB/s':>7s} {'ms':>7s}  ratio")
-        for name, seconds, peer_s, peer in rows:
-            print(f"{name:40s} {size / seconds / 1e9:7.3f} {seconds * 1e3:7.0f}  {peer_s / seconds:.2f}x {peer}")
+        print(f"{'resume through a replica':40s} {'GB/s':>7s} {'ms':>7s}  {'CPU ms':>19s}  ratio")
+        for name, seconds, cpu, peer_s, peer in rows:
+            print(
+                f"{name:40s} {size / seconds / 1e9:7.3f} {seconds * 1e3:7.0f}  {cpu_ms(cpu):>19s}"
+                f"  {peer_s / seconds:.2f}x {peer}"
+            )
     finally:
         for server in servers:
             server.stop_cleanly()
