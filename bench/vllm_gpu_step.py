@@ -82,7 +82,7 @@ class Bench:
     With ``loaded`` rows, the connector's step loads a stored prefix of that many rows (a hot-tier
     hit) before computing its ``n`` tokens; without, it saves its ``n`` tokens' rows."""
 
-    def __init__(self, model: SyntheticModel, n: int, folder: Path, queue: int, loaded: int = 0):
+    def __init__(self, model: SyntheticModel, n: int, folder: Path, queue: int, loaded: int = 0, hot: int = 8 << 30):
         device = torch.device("cuda")
         self.model, self.n = model, n
         blocks, load_blocks = (n + BLOCK - 1) // BLOCK, (loaded + BLOCK - 1) // BLOCK
@@ -104,7 +104,7 @@ class Bench:
             weights_hash="synthetic",
         )
         self.store = SessionStore(folder / "kv")
-        self.cache = PrefixCache(self.store, "bench", fingerprint, hot=HotTier(8 << 30))
+        self.cache = PrefixCache(self.store, "bench", fingerprint, hot=HotTier(hot) if hot else None)
         self.worker = PagedWorker(self.cache, geometry, BLOCK, SaveWriter(self.cache, queue))
         self.worker.register_kv_caches(dict(zip(self.names, self.caches, strict=True)))
         self.prompts = 0
@@ -153,7 +153,7 @@ class Bench:
 def measure(model: SyntheticModel, n: int, loaded: int, args: argparse.Namespace) -> str:
     """One table row: the median step with and without the connector, alternating."""
     with tempfile.TemporaryDirectory(dir=args.where) as folder:
-        bench = Bench(model, n, Path(folder), args.queue, loaded)
+        bench = Bench(model, n, Path(folder), args.queue, loaded, int(args.hot * (1 << 30)))
         try:
             for _ in range(5):  # warm-up: cuBLAS heuristics, the pinned allocator, the writer
                 bench.run(False)
@@ -185,6 +185,7 @@ def main() -> None:
     parser.add_argument("--load", type=int, nargs="*", default=[2048, 8192], help="prefix rows loaded (steps of 512)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps of each kind")
     parser.add_argument("--queue", type=int, default=4, help="the writer's queue (save_queue)")
+    parser.add_argument("--hot", type=float, default=8, help="the hot tier's budget in GiB (0: none)")
     parser.add_argument("--where", default=None, help="the store's folder (default: a temporary one)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

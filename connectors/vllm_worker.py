@@ -11,11 +11,12 @@ On a CUDA cache neither direction waits for the device inside the step. A load q
 layer's host-to-device copy and scatter on a side stream (from pinned memory: a hot-tier entry as it
 is, other rows staged once) and returns; each layer's attention waits only for its own layer
 (``wait_for_layer_load``), so layer i+1 is copied while layer i computes. A save gathers each layer's
-rows on the engine's stream into a new tensor (vLLM may reuse the blocks after the step), widens them
-to f32 and copies them into pinned host memory on the side stream; the background writer waits for
-the copies' event before it encodes them. Slot indices go to the device once per load or save, from
-pinned memory, so no copy in the forward pass waits for the layers before it. On the CPU both are
-memory copies in the step.
+rows on the engine's stream into one device buffer for the prompt (one small kernel a layer: vLLM
+may reuse the blocks after the step); at the end of the step the buffer goes to pinned host memory
+in one transfer on the side stream, in the cache's dtype; the background writer waits for that
+copy's event, widens the rows to f32 and encodes them. Slot indices go to the device once per load
+or save, from pinned memory, so no copy in the forward pass waits for the layers before it. On the
+CPU both are memory copies in the step.
 """
 
 from __future__ import annotations
@@ -74,12 +75,31 @@ def paged_slots(block_ids: list[int], block_size: int, start: int, stop: int) ->
 
 
 @dataclass
-class _Gathering:
-    """A prompt's rows being copied out layer by layer during its last prefill step."""
+class _Staged:
+    """Rows being copied out of the cache (a prompt's, layer by layer during its last prefill step;
+    or a finished conversation's)."""
 
-    rows: np.ndarray  # f32 [n_layers, n, width]: pinned memory on a CUDA cache
-    host: torch.Tensor  # the same memory as a tensor (the copies' destination)
+    rows: np.ndarray  # f32 [n_layers, n, width]: what the writer saves
+    # where the rows land on the host: ``rows``' own memory (a CPU cache, or an f32 one), else
+    # pinned memory in the cache's dtype — half the bytes over the bus for bf16, widened into
+    # ``rows`` off the step
+    host: torch.Tensor
+    # a CUDA cache's rows gathered on the device, layer by layer on the engine's stream, then
+    # copied to ``host`` in one transfer on the side stream at the end of the step
+    device: torch.Tensor | None = None
     filled: set[int] = field(default_factory=set)
+
+    def waiter(self, copied: torch.cuda.Event | None) -> Callable[[], object] | None:
+        """What the writer calls before it reads ``rows`` (None: they hold their values now)."""
+        if copied is None:
+            return None
+
+        def wait() -> None:
+            copied.synchronize()
+            if self.host.dtype != torch.float32:
+                torch.from_numpy(self.rows).copy_(self.host)  # widened on the writer's thread
+
+        return wait
 
 
 class PagedWorker:
@@ -103,7 +123,7 @@ class PagedWorker:
         self._layer_of: dict[str, int] = {}
         self._device = torch.device("cpu")  # where the caches are (vLLM's worker keeps them on one device)
         self._side: torch.cuda.Stream | None = None  # carries the loads' and saves' copies (CUDA caches)
-        self._gathered: dict[str, _Gathering] = {}
+        self._gathered: dict[str, _Staged] = {}
         self._slots_now: dict[str, torch.Tensor] = {}  # req -> its slots on the device, this step
         self._layer_loaded: dict[str, torch.cuda.Event] = {}  # layer -> the end of its load copies, this step
         # host rows a queued load still reads (a hot-tier entry may be evicted meanwhile), with the
@@ -208,32 +228,41 @@ class PagedWorker:
             self._engine_stream().wait_event(event)
 
     # ------------------------------------------------------------------ saves (during and after the forward pass)
-    def _host_rows(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
-        """A fresh f32 ``[n_layers, n, width]`` for rows copied out (pinned for a CUDA cache)."""
-        host = torch.empty(
-            (self.geometry.n_layers, n, self.width), dtype=torch.float32, pin_memory=self._side is not None
-        )
-        return host.numpy(), host
-
-    def _copy_out(self, kv_layer: torch.Tensor, slots: torch.Tensor, into: torch.Tensor) -> None:
-        """Copy a layer's rows at ``slots`` into host memory ``into`` (f32), off the step on a GPU."""
-        picked = self._rows_view(kv_layer)[slots]  # the rows as they are now, on the engine's stream
+    def _stage(self, n: int) -> _Staged:
+        """Fresh memory for ``n`` tokens' rows of every layer (see :class:`_Staged`)."""
+        shape = (self.geometry.n_layers, n, self.width)
         if self._side is None:
-            into.copy_(picked)
-            return
-        picked = picked.to(torch.float32)
-        self._side.wait_stream(self._engine_stream())
-        with torch.cuda.stream(self._side):
-            into.copy_(picked, non_blocking=True)
-        picked.record_stream(self._side)  # freed only once the side stream has read it
+            rows = np.empty(shape, dtype=np.float32)
+            return _Staged(rows, torch.from_numpy(rows))
+        dtype = next(iter(self._caches.values())).dtype
+        host = torch.empty(shape, dtype=dtype, pin_memory=True)
+        rows = host.numpy() if dtype == torch.float32 else np.empty(shape, np.float32)
+        return _Staged(rows, host, torch.empty(shape, dtype=dtype, device=self._device))
 
-    def _copies_done(self) -> Callable[[], object] | None:
-        """What waits for the copies queued so far (None on the CPU: they are done)."""
+    def _copy_out(self, staged: _Staged, layer: int, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
+        """A layer's rows at ``slots``: on a GPU gathered on the engine's stream into the device
+        staging (one small kernel in the step), on the CPU copied to ``staged.rows`` (widened)."""
+        if staged.device is not None:
+            torch.index_select(self._rows_view(kv_layer), 0, slots, out=staged.device[layer])
+        else:
+            staged.host[layer].copy_(self._rows_view(kv_layer)[slots])
+
+    def _ship(self, staged: list[_Staged]) -> torch.cuda.Event | None:
+        """Copy the gathered rows of ``staged`` to the host, one transfer each, on the side stream
+        after what the engine queued so far; an event after the copies (None on the CPU: the rows
+        are there already)."""
         if self._side is None:
             return None
+        self._side.wait_stream(self._engine_stream())
+        with torch.cuda.stream(self._side):
+            for one in staged:
+                if one.device is not None:
+                    one.host.copy_(one.device, non_blocking=True)
+                    one.device.record_stream(self._side)  # freed once the side stream has read it
+                    one.device = None
         event = torch.cuda.Event()
         event.record(self._side)
-        return event.synchronize
+        return event
 
     def save_layer(self, saves: Iterable[SaveSpec], layer_name: str, kv_layer: torch.Tensor) -> None:
         layer = self._layer_of.get(layer_name)
@@ -242,12 +271,12 @@ class PagedWorker:
         for save in saves:
             gathering = self._gathered.get(save.req_id)
             if gathering is None:
-                gathering = self._gathered[save.req_id] = _Gathering(*self._host_rows(len(save.tokens)))
+                gathering = self._gathered[save.req_id] = self._stage(len(save.tokens))
             slots = self._slots_now.get(save.req_id)
             if slots is None:
                 slots = self._device_slots(save.block_ids, 0, len(save.tokens), self._device)
                 self._slots_now[save.req_id] = slots
-            self._copy_out(kv_layer, slots, gathering.host[layer])
+            self._copy_out(gathering, layer, kv_layer, slots)
             gathering.filled.add(layer)
 
     def wait_for_save(self, saves: Iterable[SaveSpec], finished: Iterable[SaveSpec]) -> None:
@@ -260,14 +289,15 @@ class PagedWorker:
         self._release_load_sources()
         for save in finished:
             try:  # the blocks are held for this save: read every layer straight from the cache
-                rows = self._gather(save.block_ids, len(save.tokens))
+                staged = self._gather(save.block_ids, len(save.tokens))
+                ready = staged.waiter(self._ship([staged]))
             except Exception as exc:  # never keep vLLM's blocks: a failed save is a future miss
                 self.cache.count_save_error(f"{save.req_id}: {exc}")
                 self._sent.add(save.req_id)
                 self.cache.count(finished_done=1)
                 continue
-            self._save(save.tokens, rows, report=save.req_id, ready=self._copies_done())
-        ready = self._copies_done()
+            self._save(save.tokens, staged.rows, report=save.req_id, ready=ready)
+        shipping = []
         for save in saves:
             gathering = self._gathered.pop(save.req_id, None)
             if save.req_id in self._load_failed:
@@ -277,25 +307,29 @@ class PagedWorker:
                 continue
             # a prompt some layer did not hand over is not saved: a partial row set would be wrong KV
             if gathering is not None and len(gathering.filled) == self.geometry.n_layers:
-                self._save(save.tokens, gathering.rows, ready=ready)
+                shipping.append((save, gathering))
+        if shipping:
+            copied = self._ship([gathering for _, gathering in shipping])
+            for save, gathering in shipping:
+                self._save(save.tokens, gathering.rows, ready=gathering.waiter(copied))
         for save in finished:
             self._load_failed.discard(save.req_id)
 
-    def _gather(self, block_ids: list[int], n: int) -> np.ndarray:
-        """Rows of token positions ``[0, n)`` of every layer, f32 ``[n_layers, n, width]`` (on a GPU
-        still being copied until :meth:`_copies_done`'s event)."""
-        rows, host = self._host_rows(n)
+    def _gather(self, block_ids: list[int], n: int) -> _Staged:
+        """Rows of token positions ``[0, n)`` of every layer (on a GPU gathered on the device, to be
+        shipped to the host by :meth:`_ship`)."""
+        staged = self._stage(n)
         slots = self._device_slots(block_ids, 0, n, self._device)
         for name, cache in self._caches.items():
-            self._copy_out(cache, slots, host[self._layer_of[name]])
-        return rows
+            self._copy_out(staged, self._layer_of[name], cache, slots)
+        return staged
 
     def _save(
         self, tokens: list[int], rows: np.ndarray, report: str | None = None, ready: Callable[[], object] | None = None
     ) -> None:
         """Hand rows to the background writer (skipped and counted when its queue is full), or save
         them now without one; ``report``: the finished request to report once the save is settled;
-        ``ready``: what waits for the device's copies of ``rows`` (:meth:`_copies_done`)."""
+        ``ready``: what makes ``rows`` hold their values (waits for the device's copies)."""
         if self.writer is not None:
             self.writer.submit(tokens, rows, report, ready)
             return
