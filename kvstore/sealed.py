@@ -64,7 +64,11 @@ if TYPE_CHECKING:
 SEALED_HEADER_BYTES = 88
 FRAME_HEADER_BYTES = 28
 CONTAINER_VERSION = 1
-FRAME_BYTES = 1 << 20  # records of one frame at most (one AEAD call each; a range read decrypts whole frames)
+# records of one frame at most (one AEAD call each; a range read decrypts whole frames). Each frame
+# costs its reader a few microseconds holding the GIL (the cipher's set-up, the frame's bookkeeping)
+# beside its AES work, which runs without it: at 1 MiB a restore's 8-16 reader threads queued on
+# the GIL (12 GB/s at 8 threads, 10 at 16, on a 16-core H100 host); at 4 MiB 21 and 25 GB/s.
+FRAME_BYTES = 4 << 20
 _HEAD = struct.Struct("<8s8i8sII32s")
 _FRAME = struct.Struct("<IIQ12s")
 _WALK_WINDOW = 1 << 16

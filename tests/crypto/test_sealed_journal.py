@@ -237,6 +237,24 @@ def test_large_batches_are_cut_into_bounded_frames(ring, tmp_path, monkeypatch):
     assert np.diff(table.firsts).tolist() == [3, 3, 3]
 
 
+def test_a_journal_written_with_smaller_frames_reads_and_grows_with_the_current_size(ring, tmp_path, monkeypatch):
+    """Readers take each frame's size from its header: a journal written when frames were smaller
+    (1 MiB before, here 2 records) reads whole and by range, and grows in frames of today's size."""
+    import kvstore.sealed as sealed_module
+
+    path = tmp_path / "chat~alice.coli_kv"
+    with monkeypatch.context() as old_writer:
+        old_writer.setattr(sealed_module, "FRAME_BYTES", 2 * REC)
+        rows = make(ring, path, (5, 3))
+    with KVFile.open(path, writable=True, sealing=sealed(ring, path)) as journal:
+        journal.append(*rows.make(6))  # today's frame size: one frame
+    assert frames_of(path).counts == [2, 2, 1, 2, 1, 6]
+    expected = coli_kv.load(plain_twin(tmp_path, (5, 3, 6))).records
+    with KVFile.open(path, sealing=sealed(ring, path)) as journal:
+        assert journal.load().records.tobytes() == expected.tobytes()
+        assert journal.read_range(3, 12) == expected[3:12].tobytes()
+
+
 def test_a_reopened_journal_reuses_its_walk_only_while_the_frames_are_the_same(ring, tmp_path):
     path = tmp_path / "chat~alice.coli_kv"
     rows = make(ring, path, (3, 3, 3))
