@@ -262,20 +262,24 @@ class SessionReader(Reader):
             yield KVRecords(Header(self._geometry, self._tier, stop - start), records, HEADER_BYTES + len(raw))
 
     def _sealed_chunks(self, chunk_records: int) -> Iterator[memoryview]:
-        """Chunks of exactly ``chunk_records`` records (the last one shorter), each decrypted
-        straight into its own buffer in the caller's thread (the API's is a worker thread already;
-        the read and AES-GCM release the GIL). Cheaper than decrypting each frame once and cutting
-        chunks from them (whose joins copy more than the frames a chunk cuts cost: the server's
-        CPU time per download 0.068 s here against 0.090 s for 376 MB); decrypting ahead on more
-        threads took the cores the event loop's socket writes and the client needed on a 2-core
-        box (bench/encryption.py)."""
+        """The first ``chunk_records`` records (a server reads that chunk before its answer starts:
+        a small session is checked whole before a 200), then chunks of at most ``chunk_records``
+        ending on the journal's frames where they can (:meth:`chunk_starts`: a chunk ending inside
+        a frame would make the next one decrypt that frame again, its tag covering all of it; only
+        the frame the first chunk cuts is), each decrypted straight into its own buffer
+        in the caller's thread (the API's is a worker thread already; the read and AES-GCM release
+        the GIL). Cheaper than decrypting each frame once and cutting chunks from them (whose joins
+        copy more than they save: the server's CPU time per download 0.068 s here against 0.090 s
+        for 376 MB); decrypting ahead on more threads took the cores the event loop's socket
+        writes and the client needed on a 2-core box (bench/encryption.py)."""
         sealed = self._sealed
         if sealed is None:
             return
         step = max(1, chunk_records)
-        for start in range(0, self.n_records, step):
+        first = min(step, self.n_records)
+        starts = [0, *sealed.chunk_starts(first, self.n_records, step)] if self.n_records else []
+        for start, stop in zip(starts, [*starts[1:], self.n_records]):
             began = time.perf_counter()
-            stop = min(start + step, self.n_records)
             out = np.empty((stop - start) * self.record_bytes, dtype=np.uint8).data
             got = sealed.read_into(out, start, stop)
             if got != len(out):
