@@ -39,6 +39,9 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_common import process_cpu_seconds  # noqa: E402
+
 from kvstore import tiers  # noqa: E402
 from kvstore.formats import coli_kv  # noqa: E402
 from kvstore.formats.coli_kv import Geometry  # noqa: E402
@@ -139,12 +142,12 @@ def _median(fn, reps: int) -> float:
 
 
 def _pid_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far; 0 once it is gone."""
+    """CPU seconds (user + system) a process has used so far; 0 once it is gone (a PostgreSQL
+    backend may exit between the listing and the read)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return process_cpu_seconds(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _children_of(parent: int) -> list[int]:
