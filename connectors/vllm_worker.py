@@ -256,10 +256,10 @@ class PagedWorker:
         self._side.wait_stream(self._engine_stream())
         with torch.cuda.stream(self._side):
             for one in staged:
-                if one.device is not None:
-                    one.host.copy_(one.device, non_blocking=True)
-                    one.device.record_stream(self._side)  # freed once the side stream has read it
-                    one.device = None
+                assert one.device is not None  # gathered on a GPU, shipped once
+                one.host.copy_(one.device, non_blocking=True)
+                one.device.record_stream(self._side)  # freed once the side stream has read it
+                one.device = None
         event = torch.cuda.Event()
         event.record(self._side)
         return event
