@@ -13,4 +13,4 @@ OUT="${OUT:-/tmp/kvstore-h200}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 bench/serve_bench.py --preset v2-lite --device cuda --dtype bfloat16 --tier fp8 \
-    --clients ${CLIENTS:-1 4 16 64} --tokens ${TOKENS:-64} --long ${LONG:-32768} 2>&1 | tee "$OUT/serve.log"
+    --clients ${CLIENTS:-1 4 16 64} --tokens ${TOKENS:-64} --long ${LONG:-32768} ${LONG_FIRST:+--long-first} 2>&1 | tee "$OUT/serve.log"

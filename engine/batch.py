@@ -68,8 +68,9 @@ class DecodeBatches:
     Parameters
     ----------
     model : MLAForCausalLM
-    prefill : ``prefill(cache, tokens, start)`` runs tokens into a sequence's cache before the batch
-        (the engine's chunked prefill)
+    prefill : ``prefill([(cache, tokens), ...])`` runs each sequence's extra tokens into its cache
+        before the batch (the engine's chunked prefill, chunks of several sequences packed into
+        shared forwards: ``Engine.prefill_many``)
     cuda_graphs : on CUDA, replay each step from a graph
     """
 
@@ -107,12 +108,11 @@ class DecodeBatches:
                 raise GenerationError("every sequence of a batch needs at least one token to run")
         result = BatchResult([[] for _ in sequences], ["length"] * len(sequences))
         began = time.perf_counter()
-        lengths = []
-        for seq in sequences:  # each sequence's extra tokens: a chunked prefill of its own
-            ids = np.asarray(seq.tokens, dtype=np.int64).reshape(-1)
-            if ids.shape[0] > 1:
-                self._prefill(seq.cache, ids[:-1], seq.cache.length)
-            lengths.append(seq.cache.length)
+        extra = [(seq.cache, np.asarray(seq.tokens, dtype=np.int64).reshape(-1)[:-1]) for seq in sequences]
+        if len({id(seq.cache) for seq in sequences}) != len(sequences):
+            raise GenerationError("every sequence of a batch needs a cache of its own")
+        self._prefill([(cache, ids) for cache, ids in extra if ids.shape[0]])
+        lengths = [seq.cache.length for seq in sequences]
         result.timings["prefill"] = time.perf_counter() - began
         began = time.perf_counter()
         try:

@@ -34,7 +34,7 @@ import torch
 from kvstore.engine.cache import LatentCache, make_cache
 from kvstore.engine.config import ModelConfig, preset
 from kvstore.engine.errors import CacheError, GenerationError, GeometryMismatch
-from kvstore.engine.model import MLAForCausalLM
+from kvstore.engine.model import MLAForCausalLM, Segment
 from kvstore.engine.rows import StoredRows
 from kvstore.tiers import Tier
 
@@ -52,6 +52,24 @@ DEFAULT_PREFILL_CHUNK: int | None = None
 #: the absorbed form reads each cached row once per new token. Past about this length (for
 #: DeepSeek-V3's widths the flops cross near 170 tokens) the expansion is the cheaper one.
 ABSORBED_CHUNK_TOKENS = 64
+
+
+def pack_chunks(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Group chunks of ``sizes`` tokens, in order, into forwards of at most ``budget`` tokens each
+    (a chunk larger than the budget goes alone): first fit, so a long chunk does not hold back
+    the short ones behind it. Returns the chunks' indices per forward."""
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i, size in enumerate(sizes):
+        for g, left in enumerate(room):
+            if size <= left:
+                groups[g].append(i)
+                room[g] -= size
+                break
+        else:
+            groups.append([i])
+            room.append(budget - size)
+    return groups
 
 
 def absorbs(tokens: int, start: int) -> bool:
@@ -503,7 +521,7 @@ class Engine:
         for seq in sequences:
             self._check_tokens(np.asarray(seq.tokens, dtype=np.int64).reshape(-1))
         if self._batches is None:
-            self._batches = DecodeBatches(self.model, self.prefill_into, cuda_graphs=self.cuda_graphs)
+            self._batches = DecodeBatches(self.model, self.prefill_many, cuda_graphs=self.cuda_graphs)
         stops = self.stops(stop_tokens)
         return self._batches.run(sequences, max_new_tokens=max_new_tokens, params=params, stops=stops)
 
@@ -516,6 +534,50 @@ class Engine:
         for a in range(0, ids.shape[0], self.prefill_chunk):
             chunk = ids[a : a + self.prefill_chunk]
             self._run(chunk, start + a, absorbed=absorbs(chunk.shape[0], start + a), logits="none", cache=cache)
+
+    def prefill_many(self, parts: Sequence[tuple[LatentCache, np.ndarray]]) -> int:
+        """Run each ``(cache, ids)`` after its cache's rows, as :meth:`prefill_into` would, packing
+        chunks of different caches into shared forwards (:meth:`prefill_packed`) of at most
+        ``prefill_chunk`` tokens. Each sequence is cut at the same places as alone, so it takes the
+        same attention form chunk by chunk. Returns the forwards run."""
+        chunks = [
+            [
+                (cache, ids[a : a + self.prefill_chunk], cache.length + a)
+                for a in range(0, ids.shape[0], self.prefill_chunk)
+            ]
+            for cache, ids in parts
+        ]
+        forwards = 0
+        for round_ in range(max((len(c) for c in chunks), default=0)):  # chunk k of every sequence, then k+1
+            due = [c[round_] for c in chunks if round_ < len(c)]
+            for group in pack_chunks([chunk.shape[0] for _, chunk, _ in due], self.prefill_chunk):
+                self.prefill_packed([due[i] for i in group])
+                forwards += 1
+        return forwards
+
+    def prefill_packed(self, chunks: Sequence[tuple[LatentCache, np.ndarray, int]]) -> None:
+        """Run every ``(cache, ids, start)`` chunk in one forward (one chunk per cache), computing no
+        logits; each cache then holds its rows up to ``start + len(ids)``. The caller bounds the
+        tokens (activation memory grows with them). A failed forward commits nothing.
+
+        Raises
+        ------
+        GenerationError (token ids outside the vocabulary: nothing is run)
+        """
+        for _, ids, _ in chunks:
+            self._check_tokens(ids)
+        if len(chunks) == 1:
+            cache, ids, start = chunks[0]
+            self._run(ids, start, absorbed=absorbs(ids.shape[0], start), logits="none", cache=cache)
+            return
+        segments = []
+        for cache, ids, start in chunks:
+            cache.prepare(start, ids.shape[0])
+            segments.append(Segment(cache, start, int(ids.shape[0]), absorbs(ids.shape[0], start)))
+        tensor = torch.from_numpy(np.concatenate([ids for _, ids, _ in chunks])).to(self.device)
+        self.model.forward_packed(tensor, segments)
+        for cache, ids, start in chunks:
+            cache.commit(start, ids)
 
     def stream(
         self,

@@ -1,7 +1,9 @@
 """The DeepSeek-V3 decoder in torch, numerically the one transformers defines.
 
-One sequence at a time: activations are ``[T, hidden]`` for the ``T`` new tokens at absolute
-positions ``start .. start+T-1``. Every layer writes its new latent rows into the cache and reads
+Activations are ``[T, hidden]`` for the ``T`` new tokens at absolute positions ``start ..
+start+T-1`` of one sequence, or, in a packed prefill, the chunks of several sequences one after
+another (:class:`Segment`: each its own cache and start): the projections, norms and experts run
+once over every token, the attention once per segment. Every layer writes its new latent rows into the cache and reads
 the rows it attends to back through the cache (so a quantized tier affects prefill and decode
 alike), in one of two forms:
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +34,7 @@ from kvstore.engine.cache import encode_fields
 from kvstore.engine.config import ModelConfig
 from kvstore.engine.moe import DenseMLP, MoE, RoutedExperts, grouped_mm_available, has_triton
 
-__all__ = ["MLAForCausalLM", "rope_inv_freq"]
+__all__ = ["MLAForCausalLM", "Segment", "rope_inv_freq"]
 
 # The two latent norms are built with transformers' default eps, not the config's.
 _LATENT_NORM_EPS = 1e-6
@@ -195,15 +197,22 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
         return w[:, : self.nope], w[:, self.nope :]
 
-    def forward(self, x, cos, sin, rotary, cache, start: int, absorbed: bool) -> torch.Tensor:
+    def forward(self, x, cos, sin, rotary, segments: "Sequence[Segment]") -> torch.Tensor:
+        """``x`` holds each segment's tokens in turn; each writes its rows into its own cache and
+        attends over that cache alone."""
         q_nope, q_rope, lc, rc = self.project(x, cos, sin, rotary)
-        cache.write(self.layer, start, lc, rc)
-        if absorbed:
-            t = x.shape[0]
-            seq_len = torch.arange(start + 1, start + t + 1, dtype=torch.int32, device=x.device)
-            out = self._absorbed(q_nope, q_rope, cache, seq_len, n_rows=start + t)
-        else:
-            out = self._plain(q_nope, q_rope, cache, start)
+        outs = []
+        a = 0
+        for seg in segments:
+            b = a + seg.tokens
+            seg.cache.write(self.layer, seg.start, lc[a:b], rc[a:b])
+            if seg.absorbed:
+                seq_len = torch.arange(seg.start + 1, seg.start + seg.tokens + 1, dtype=torch.int32, device=x.device)
+                outs.append(self._absorbed(q_nope[a:b], q_rope[a:b], seg.cache, seq_len, n_rows=seg.start + seg.tokens))
+            else:
+                outs.append(self._plain(q_nope[a:b], q_rope[a:b], seg.cache, seg.start))
+            a = b
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.v_dim))
 
     def latent_query(self, q_nope: torch.Tensor) -> torch.Tensor:
@@ -288,8 +297,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, rotary, cache, start: int, absorbed: bool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rotary, cache, start, absorbed)
+    def forward(self, x, cos, sin, rotary, segments: "Sequence[Segment]") -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rotary, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def step(self, x, cos, sin, rotary, cache, slots: StepSlots, n_rows: int, regions: "StepRegions") -> torch.Tensor:
@@ -387,17 +396,41 @@ class MLAForCausalLM(nn.Module):
         """
         t = token_ids.shape[0]
         positions = torch.arange(start, start + t, device=token_ids.device)
-        rotary = self.model.rotary
-        x = self.model.embed_tokens(token_ids)
-        cos, sin = (c.to(x.dtype) for c in rotary(positions))  # cast once, not in every layer
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, rotary, cache, start, absorbed)
+        x = self._layers(token_ids, positions, [Segment(cache, start, t, absorbed)])
         if logits == "none":
             return None
         if logits == "last":
             x = x[-1:]
         out = self.lm_head(self.model.norm(x)).float()
         return out[0] if logits == "last" else out
+
+    @torch.inference_mode()
+    def forward_packed(self, token_ids: torch.Tensor, segments: "Sequence[Segment]") -> None:
+        """Prefill several sequences' chunks in one forward, computing no logits.
+
+        ``token_ids`` int64[sum of the segments' tokens] on the model's device: each segment's tokens
+        in turn. Each segment's rows go to its own cache at its own positions, committed by the
+        caller (as :meth:`forward_tokens`); the caches must be distinct. What one forward of many
+        short prompts saves is the per-layer work a short prompt pays in full: the weights, above
+        all the routed experts', are read once for every segment instead of once each.
+        """
+        starts = [seg.start for seg in segments]
+        lengths = [seg.tokens for seg in segments]
+        if sum(lengths) != token_ids.shape[0]:
+            raise ValueError(f"the segments hold {sum(lengths)} tokens, {token_ids.shape[0]} were given")
+        if len({id(seg.cache) for seg in segments}) != len(segments):
+            raise ValueError("a packed prefill takes one chunk per cache")
+        device = token_ids.device
+        positions = torch.cat([torch.arange(a, a + t, device=device) for a, t in zip(starts, lengths)])
+        self._layers(token_ids, positions, segments)
+
+    def _layers(self, token_ids: torch.Tensor, positions: torch.Tensor, segments: "Sequence[Segment]") -> torch.Tensor:
+        rotary = self.model.rotary
+        x = self.model.embed_tokens(token_ids)
+        cos, sin = (c.to(x.dtype) for c in rotary(positions))  # cast once, not in every layer
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, rotary, segments)
+        return x
 
     @torch.inference_mode()
     def decode_step(
@@ -468,6 +501,17 @@ class MLAForCausalLM(nn.Module):
             compiled=True,
         )
         return True
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's chunk in a forward: ``tokens`` new tokens at positions ``start ..`` of
+    ``cache``, attended in the absorbed (decode) form or the plain (prefill) one."""
+
+    cache: Any
+    start: int
+    tokens: int
+    absorbed: bool
 
 
 @dataclass(frozen=True)

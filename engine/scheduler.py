@@ -7,8 +7,12 @@ parameters) from any thread; one scheduler thread runs them. Each **scheduler st
 2. gives the free decode slots (``max_batch``) to turns whose prompt is prefilled, round-robin
    over owners (the owner with the fewest turns decoding first), and, when none is free, makes room
    for an owner that has nothing decoding (fairness, below);
-3. runs **one prefill chunk** (at most ``prefill_chunk`` tokens) of one turn, owners in turn — so a
-   long prompt is prefilled between decode steps, never freezing the others;
+3. runs **one prefill forward** of at most ``prefill_chunk`` prompt tokens, owners in turn — so a
+   long prompt is prefilled between decode steps, never freezing the others. Each turn's prompt is
+   cut in chunks of ``prefill_chunk`` tokens (the same cuts as a turn alone); the forward packs the
+   next chunk of as many waiting turns as fit (``Engine.prefill_packed``): many short prompts
+   arriving together cost about one forward, not one each (a forward of a 32-token prompt and one
+   of 512 tokens take about the same time on a GPU: the weights are read once either way);
 4. runs **one batched decode step** over every turn holding a slot: one forward, one token each.
 
 The rows of the turns holding a slot live in one cache, the *arena*, each turn in a region of its
@@ -47,7 +51,7 @@ import torch
 
 from kvstore.engine.cache import LatentCache
 from kvstore.engine.errors import GenerationError, ServerBusy
-from kvstore.engine.generate import Engine, SamplingParams, sample_next
+from kvstore.engine.generate import Engine, SamplingParams, pack_chunks, sample_next
 
 __all__ = ["SchedulerLimits", "Scheduler", "TurnWork", "Outcome"]
 
@@ -66,7 +70,8 @@ class SchedulerLimits:
     max_new_tokens : the most tokens one turn may ask for (``--max-new-tokens``)
     turn_deadline : seconds a turn may run (from its submission) before it is stopped
         (``finish_reason == "deadline"``); None: no deadline (``--turn-deadline``)
-    prefill_chunk : prompt tokens per prefill chunk (one chunk per scheduler step)
+    prefill_chunk : prompt tokens per prefill chunk and per prefill forward (one forward per
+        scheduler step while turns decode, packing the chunks of several turns)
     pad_batches : decode ``n`` turns as a batch of the next power of two (at most ``max_batch``),
         the extra slots writing one scratch row nobody reads, so a CUDA graph and a compiled step
         serve each size class instead of each count turns come and go through (log2(max_batch) + 1
@@ -222,7 +227,7 @@ class Scheduler:
 
         self.engine = engine
         self.limits = limits or SchedulerLimits(prefill_chunk=engine.prefill_chunk)
-        self._batches = DecodeBatches(engine.model, engine.prefill_into, cuda_graphs=engine.cuda_graphs)
+        self._batches = DecodeBatches(engine.model, engine.prefill_many, cuda_graphs=engine.cuda_graphs)
         self._cv = threading.Condition()
         self._works: list[TurnWork] = []  # submitted, not done (any phase)
         self._owners: deque[str] = deque()  # round-robin order of owners with work
@@ -233,12 +238,13 @@ class Scheduler:
         self._pad = engine.cuda_graphs if pad is None else pad
         self._thread: threading.Thread | None = None
         self._stopping = False
-        #: steps run, tokens generated, prefill chunks run, turns paused for fairness, turns refused,
-        #: times the decode arena grew
+        #: steps run, tokens generated, prefill chunks run and the forwards that ran them, turns
+        #: paused for fairness, turns refused, times the decode arena grew
         self.counters = {
             "steps": 0,
             "tokens": 0,
             "prefill_chunks": 0,
+            "prefill_forwards": 0,
             "preempted": 0,
             "refused": 0,
             "arena_growths": 0,
@@ -374,9 +380,8 @@ class Scheduler:
         self._admit(works)  # 2. slots
         prefilling = [w for w in works if w.phase == "prefill"]
         decoding = [w for w in works if w.phase == "decode"]
-        chunk_budget = 1 if decoding else len(prefilling)  # nothing decoding: prefill back to back
-        for work in self._fair_order(prefilling)[:chunk_budget]:  # 3. prefill
-            self._prefill_chunk(work)
+        if prefilling:  # 3. prefill: one forward, or, with nothing decoding, a chunk of every turn
+            self._prefill(self._fair_order(prefilling), every_turn=not decoding)
         if decoding:  # 4. decode
             self._decode(decoding)
         self.counters["steps"] += 1
@@ -472,17 +477,31 @@ class Scheduler:
         arena.release(work.offset, work.room)
 
     # ------------------------------------------------------------------ prefill and decode
-    def _prefill_chunk(self, work: TurnWork) -> None:
-        began = time.perf_counter()
-        body = work.ids[:-1]
-        chunk = body[work.prefilled : work.prefilled + self.limits.prefill_chunk]
-        self.engine.prefill_into(work.cache, chunk, work.cache.length)
-        work.prefilled += chunk.shape[0]
-        work.timings["prefill"] += time.perf_counter() - began
-        self.counters["prefill_chunks"] += 1
-        if work.prefilled >= body.shape[0]:
-            work.phase = "ready"
-            work.ready_step = self.counters["steps"]
+    def _prefill(self, works: list[TurnWork], every_turn: bool) -> None:
+        """The next chunk of each of ``works`` (in fair order), packed into forwards of at most
+        ``prefill_chunk`` tokens (first fit, so the first turn's chunk always runs in the first);
+        only the first forward unless ``every_turn``."""
+        size = self.limits.prefill_chunk
+        seen: set[int] = set()
+        chunks = []
+        for work in works:
+            if id(work.cache) not in seen:  # one chunk per cache in a forward
+                seen.add(id(work.cache))
+                chunks.append((work, work.ids[:-1][work.prefilled : work.prefilled + size]))
+        groups = pack_chunks([chunk.shape[0] for _, chunk in chunks], size)
+        for group in groups if every_turn else groups[:1]:
+            began = time.perf_counter()
+            members = [chunks[i] for i in group]
+            self.engine.prefill_packed([(work.cache, chunk, work.cache.length) for work, chunk in members])
+            elapsed = time.perf_counter() - began
+            self.counters["prefill_forwards"] += 1
+            for work, chunk in members:
+                work.prefilled += chunk.shape[0]
+                work.timings["prefill"] += elapsed
+                self.counters["prefill_chunks"] += 1
+                if work.prefilled >= work.ids.shape[0] - 1:
+                    work.phase = "ready"
+                    work.ready_step = self.counters["steps"]
 
     def _decode(self, active: list[TurnWork]) -> None:
         arena = self._arena

@@ -86,6 +86,47 @@ def test_turns_joining_and_leaving_get_what_they_get_alone(model, tier):
     assert scheduler.counters["prefill_chunks"] >= sum(-(-(n - 1) // 8) for n, _ in plan if n > 1)
 
 
+def test_short_prompts_arriving_together_share_prefill_forwards(model, engine):
+    """Eight 5-token prompts submitted together, chunks of 16: their 4-token prefills run four to a
+    forward (two forwards, not eight); while a turn decodes, prompts are prefilled one forward a
+    step, packed (three 8-token chunks: two forwards over two steps). Every turn still gets its
+    tokens alone."""
+    vocab = model.config.vocab_size
+    scheduler = run_scheduler(engine, SchedulerLimits(max_batch=8, prefill_chunk=16, turn_deadline=None))
+    forwards: list[tuple[int, int]] = []  # (scheduler step, chunks) of each prefill forward
+    packed = engine.prefill_packed
+
+    def recording(chunks):
+        forwards.append((scheduler.counters["steps"], len(chunks)))
+        return packed(chunks)
+
+    engine.prefill_packed = recording  # the real forward, counted
+    try:
+        works = [turn(engine, f"o{i % 3}", context(vocab, 5, seed=50 + i), 4) for i in range(8)]
+        with scheduler._cv:  # one step sees them all: the loop waits on this lock
+            for work in works:
+                scheduler.submit(work)
+        results = [drain(w) for w in works]
+        assert [n for _, n in forwards] == [4, 4]
+        forwards.clear()
+        first = turn(engine, "p", context(vocab, 1, seed=70), 200)
+        scheduler.submit(first)
+        assert first.events.get(timeout=120)[0] == "token"  # it decodes from here on
+        late = [turn(engine, f"q{i}", context(vocab, 9, seed=60 + i), 3) for i in range(3)]
+        with scheduler._cv:
+            for work in late:
+                scheduler.submit(work)
+        late_results = [drain(w) for w in late]
+        first.cancel(delivered=1)
+        scheduler.wake()
+        drain(first)
+    finally:
+        scheduler.close()
+    for work, (_, outcome) in zip([*works, *late], [*results, *late_results]):
+        assert outcome.tokens == alone(model, work.ids, len(outcome.tokens)) and outcome.decoded
+    assert sorted(n for _, n in forwards) == [1, 2] and forwards[0][0] != forwards[1][0]
+
+
 def test_padded_batches_decode_in_size_classes_and_give_what_turns_get_alone(model, monkeypatch):
     """With ``pad_batches`` (the default where steps replay CUDA graphs) a step of n turns runs as a
     batch of the next power of two (at most max_batch), the extra slots writing a scratch row: every
