@@ -319,6 +319,14 @@ def _serving(engine) -> Iterator[Metric]:
     yield CounterMetricFamily("kvstore_scheduler_steps", "Scheduler steps run.", value=status["steps"])
     yield CounterMetricFamily("kvstore_scheduler_tokens", "Tokens sampled by batched steps.", value=status["tokens"])
     yield CounterMetricFamily(
+        "kvstore_scheduler_prefill_chunks", "Prompt chunks prefilled.", value=status["prefill_chunks"]
+    )
+    yield CounterMetricFamily(
+        "kvstore_scheduler_prefill_forwards",
+        "Prefill forwards run (each packs the chunks of several prompts).",
+        value=status["prefill_forwards"],
+    )
+    yield CounterMetricFamily(
         "kvstore_scheduler_preempted", "Turns paused to give a waiting owner a slot.", value=status["preempted"]
     )
     yield CounterMetricFamily("kvstore_scheduler_refused", "Turns refused (429).", value=status["refused"])

@@ -71,6 +71,9 @@ def test_eight_concurrent_clients_each_get_what_the_turn_gets_alone(make_server,
         assert page['kvstore_restores_total{source="live"}'] == 8
         # turns shared decode steps: fewer steps than the turns' tokens one after another
         assert page["kvstore_scheduler_steps_total"] < 16 * (TURN["max_new_tokens"] + 1)
+        # every prompt but its last token is prefilled, one chunk each; waiting chunks share forwards
+        assert page["kvstore_scheduler_prefill_chunks_total"] == 16
+        assert 1 <= page["kvstore_scheduler_prefill_forwards_total"] <= 16
 
 
 def test_a_client_that_leaves_frees_its_turn_streamed_or_not(make_server, model_dir):
