@@ -76,8 +76,8 @@ def paged_slots(block_ids: list[int], block_size: int, start: int, stop: int) ->
 
 @dataclass
 class _Staged:
-    """Rows being copied out of the cache (a prompt's, layer by layer during its last prefill step;
-    or a finished conversation's)."""
+    """Rows being copied out of the cache (the prompts saved in a step, every one's in one buffer,
+    layer by layer during the step; or a finished conversation's)."""
 
     rows: np.ndarray  # f32 [n_layers, n, width]: what the writer saves
     # where the rows land on the host: ``rows``' own memory (a CPU cache, or an f32 one), else
@@ -101,6 +101,31 @@ class _Staged:
 
         return wait
 
+    def part(self, a: int, b: int, copied: torch.cuda.Event | None) -> tuple[np.ndarray, Callable[[], object] | None]:
+        """Rows ``a .. b-1`` of every layer (one prompt of the step's buffer) and what the writer
+        calls before reading them: waits for the device's copies and, for a narrower cache dtype,
+        widens that prompt's rows into an array of its own, on the writer's thread."""
+        if copied is None or self.host.dtype == torch.float32:
+            return self.rows[:, a:b], (None if copied is None else copied.synchronize)
+        rows = np.empty((self.host.shape[0], b - a, self.host.shape[2]), np.float32)
+
+        def wait() -> None:
+            copied.synchronize()
+            torch.from_numpy(rows).copy_(self.host[:, a:b])
+
+        return rows, wait
+
+
+@dataclass
+class _StepRows:
+    """What the prompts saved in one step hand over: every one's rows in one buffer, gathered with
+    one ``index_select`` a layer (not one per prompt: a short step is launch-bound, and each call
+    the connector adds to it lengthens it), shipped in one transfer at the step's end."""
+
+    staged: _Staged  # [n_layers, rows of every prompt, width]
+    slots: torch.Tensor  # the cache slots of those rows, prompt after prompt (on the cache's device)
+    spans: dict[str, tuple[int, int]]  # request -> its rows a .. b-1 of the buffer
+
 
 class PagedWorker:
     """Loads stored rows into vLLM's per-layer caches and saves prompts' rows from them.
@@ -123,8 +148,7 @@ class PagedWorker:
         self._layer_of: dict[str, int] = {}
         self._device = torch.device("cpu")  # where the caches are (vLLM's worker keeps them on one device)
         self._side: torch.cuda.Stream | None = None  # carries the loads' and saves' copies (CUDA caches)
-        self._gathered: dict[str, _Staged] = {}
-        self._slots_now: dict[str, torch.Tensor] = {}  # req -> its slots on the device, this step
+        self._step_rows: _StepRows | None = None  # the prompts' rows gathered this step
         self._layer_loaded: dict[str, torch.cuda.Event] = {}  # layer -> the end of its load copies, this step
         # host rows a queued load still reads (a hot-tier entry may be evicted meanwhile), with the
         # event after which they are free
@@ -268,21 +292,28 @@ class PagedWorker:
         layer = self._layer_of.get(layer_name)
         if layer is None:
             return
+        step = self._step_rows
+        if step is None:  # the step's first layer: one buffer and one slot list for every prompt
+            step = self._step_rows = self._plan_step(list(saves))
+        self._copy_out(step.staged, layer, kv_layer, step.slots)
+        step.staged.filled.add(layer)
+
+    def _plan_step(self, saves: list[SaveSpec]) -> _StepRows:
+        spans, slots, at = {}, [], 0
         for save in saves:
-            gathering = self._gathered.get(save.req_id)
-            if gathering is None:
-                gathering = self._gathered[save.req_id] = self._stage(len(save.tokens))
-            slots = self._slots_now.get(save.req_id)
-            if slots is None:
-                slots = self._device_slots(save.block_ids, 0, len(save.tokens), self._device)
-                self._slots_now[save.req_id] = slots
-            self._copy_out(gathering, layer, kv_layer, slots)
-            gathering.filled.add(layer)
+            n = len(save.tokens)
+            spans[save.req_id] = (at, at + n)
+            slots.append(paged_slots(save.block_ids, self.block_size, 0, n))
+            at += n
+        every = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
+        if self._device.type == "cuda":  # from pinned memory, asynchronously (see _device_slots)
+            every = every.pin_memory().to(self._device, non_blocking=True)
+        return _StepRows(self._stage(at), every, spans)
 
     def wait_for_save(self, saves: Iterable[SaveSpec], finished: Iterable[SaveSpec]) -> None:
         """End of a step: the finished conversations' rows, then the prompts gathered this step, go
         to the writer (which waits for their device copies, the step does not)."""
-        self._slots_now.clear()
+        step, self._step_rows = self._step_rows, None
         for event in self._layer_loaded.values():  # a layer whose attention never waited: not past this step
             self._engine_stream().wait_event(event)
         self._layer_loaded.clear()
@@ -299,19 +330,19 @@ class PagedWorker:
             self._save(save.tokens, staged.rows, report=save.req_id, ready=ready)
         shipping = []
         for save in saves:
-            gathering = self._gathered.pop(save.req_id, None)
             if save.req_id in self._load_failed:
                 # what was gathered holds the blocks the failed load left as they were; vLLM
                 # recomputes them, and the conversation's save at the end holds the right rows
                 self._load_failed.discard(save.req_id)
                 continue
-            # a prompt some layer did not hand over is not saved: a partial row set would be wrong KV
-            if gathering is not None and len(gathering.filled) == self.geometry.n_layers:
-                shipping.append((save, gathering))
-        if shipping:
-            copied = self._ship([gathering for _, gathering in shipping])
-            for save, gathering in shipping:
-                self._save(save.tokens, gathering.rows, ready=gathering.waiter(copied))
+            # prompts whose layers were not all handed over are not saved: a partial row set would be wrong KV
+            if step is not None and save.req_id in step.spans and len(step.staged.filled) == self.geometry.n_layers:
+                shipping.append(save)
+        if step is not None and shipping:
+            copied = self._ship([step.staged])
+            for save in shipping:
+                rows, ready = step.staged.part(*step.spans[save.req_id], copied)
+                self._save(save.tokens, rows, ready=ready)
         for save in finished:
             self._load_failed.discard(save.req_id)
 

@@ -96,6 +96,35 @@ def test_rows_saved_layer_by_layer_load_back_exactly_into_other_blocks(store, de
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prompts_saved_in_one_step_each_store_their_own_rows(store, device, dtype):
+    """Three prompts of different lengths end their prefill in one step (blocks of the cache in any
+    order, the last partly filled): their rows are gathered into one buffer (one gather a layer)
+    and each is stored as its own blocks' rows; a prompt whose load failed this step is left out,
+    the others are not."""
+    kv = caches(device, dtype, seed=6)
+    w = worker(store, tiers.F32, queue=4)
+    w.register_kv_caches(kv)
+    plans = {"a": (70, [3, 1, 23, 14, 5]), "b": (64, [10, 4, 22, 7]), "c": (81, [8, 6, 12, 0, 9, 2])}
+    saves = [
+        SaveSpec(req, list(range(100 * i + 3, 100 * i + 3 + n)), blocks)
+        for i, (req, (n, blocks)) in enumerate(plans.items())
+    ]
+    failed = SaveSpec("d", list(range(500, 580)), [19, 21, 11, 13, 15])
+    w._load_failed.add("d")
+    for name, layer in kv.items():
+        w.save_layer([*saves, failed], name, layer)
+    w.wait_for_save([*saves, failed], [])
+    w.shutdown()
+    assert w.cache.stats.saves == 3 and w.cache.stats.save_errors == 0
+    for save in saves:
+        session_id = w.cache.session_id_for(np.asarray(save.tokens, np.int32))
+        loaded = w.cache.load(session_id, 0, len(save.tokens))
+        assert np.array_equal(loaded, rows_at(kv, save.block_ids, len(save.tokens)))
+    assert w.cache.lookup(failed.tokens) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_finished_conversation_is_saved_before_it_is_reported_and_equals_its_blocks(store, device):
     tokens = list(range(100, 100 + N))
     blocks = list(range(BLOCKS - 13, BLOCKS))
