@@ -243,13 +243,30 @@ class LatentCache:
     def write(self, layer: int, start: int, lc: torch.Tensor, rc: torch.Tensor) -> None:
         """Quantize and store rows ``lc`` [T, kv_lora], ``rc`` [T, qk_rope] of ``layer`` at ``start``."""
         t = lc.shape[0]
+        self.check_room(start, t)
+        encoded = self._encode(lc.to(torch.float32), rc.to(torch.float32))
+        for name, value in encoded.items():
+            self._fields[name][layer, start : start + t] = value
+
+    def check_room(self, start: int, t: int) -> None:
+        """Raise :class:`CacheError` unless rows ``start .. start+t-1`` lie below the capacity."""
         if start + t > self._capacity:
             raise CacheError(
                 f"rows {start}..{start + t - 1} are past the capacity {self._capacity}: call prepare() first"
             )
-        encoded = self._encode(lc.to(torch.float32), rc.to(torch.float32))
-        for name, value in encoded.items():
-            self._fields[name][layer, start : start + t] = value
+
+    def encode(self, lc: torch.Tensor, rc: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows ``lc`` [..., kv_lora], ``rc`` [..., qk_rope] as this cache's fields (what
+        :meth:`write` stores; the caller places them, e.g. a packed prefill into several caches)."""
+        return self._encode(lc.to(torch.float32), rc.to(torch.float32))
+
+    def decode(self, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fields as :meth:`encode` gives them -> f32 rows, the values :meth:`read` gives back."""
+        return self._decode(fields)
+
+    def field(self, name: str) -> torch.Tensor:
+        """The buffer of one field, ``[n_layers, capacity, ...]`` (a view: writes land in the cache)."""
+        return self._fields[name]
 
     def write_at(self, layer: int, positions: torch.Tensor, lc: torch.Tensor, rc: torch.Tensor) -> None:
         """:meth:`write` at device positions int64[T] (one row each): no host value decides where, so a

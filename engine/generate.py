@@ -570,10 +570,14 @@ class Engine:
             cache, ids, start = chunks[0]
             self._run(ids, start, absorbed=absorbs(ids.shape[0], start), logits="none", cache=cache)
             return
-        segments = []
+        segments = [
+            Segment(cache, start, int(ids.shape[0]), absorbs(ids.shape[0], start)) for cache, ids, start in chunks
+        ]
+        # short new prompts first: the forward runs their attention in one call (Segment.shares_attention)
+        order = sorted(range(len(chunks)), key=lambda i: not segments[i].shares_attention)
+        chunks, segments = [chunks[i] for i in order], [segments[i] for i in order]
         for cache, ids, start in chunks:
             cache.prepare(start, ids.shape[0])
-            segments.append(Segment(cache, start, int(ids.shape[0]), absorbs(ids.shape[0], start)))
         tensor = torch.from_numpy(np.concatenate([ids for _, ids, _ in chunks])).to(self.device)
         self.model.forward_packed(tensor, segments)
         for cache, ids, start in chunks:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +43,9 @@ _LATENT_NORM_EPS = 1e-6
 # backends that materialize them (CPU); CUDA's fused kernels do not, and get a larger budget.
 _SCORE_BUDGET_BYTES = 256 << 20
 _FUSED_BUDGET_FACTOR = 16
+# New prompts of at most this many tokens in a packed prefill share one masked attention call (its
+# scores cover every such prompt's tokens against every other's, masked: cheap while they are short)
+SHARED_ATTENTION_TOKENS = 128
 # graphs dynamo keeps per compiled region: (batch size classes up to 256) x (dense, MoE) x tiers
 RECOMPILE_LIMIT = 64
 
@@ -201,19 +205,46 @@ class MLAttention(nn.Module):
         """``x`` holds each segment's tokens in turn; each writes its rows into its own cache and
         attends over that cache alone."""
         q_nope, q_rope, lc, rc = self.project(x, cos, sin, rotary)
-        outs = []
+        if len(segments) == 1:
+            seg = segments[0]
+            seg.cache.write(self.layer, seg.start, lc, rc)
+            out = self._attend(q_nope, q_rope, seg)
+            return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.v_dim))
+        # A packed prefill: the rows of every segment encoded at once, then placed in their caches
+        first = segments[0].cache
+        fields = first.encode(lc, rc)
+        spans = []
         a = 0
         for seg in segments:
-            b = a + seg.tokens
-            seg.cache.write(self.layer, seg.start, lc[a:b], rc[a:b])
-            if seg.absorbed:
-                seq_len = torch.arange(seg.start + 1, seg.start + seg.tokens + 1, dtype=torch.int32, device=x.device)
-                outs.append(self._absorbed(q_nope[a:b], q_rope[a:b], seg.cache, seq_len, n_rows=seg.start + seg.tokens))
-            else:
-                outs.append(self._plain(q_nope[a:b], q_rope[a:b], seg.cache, seg.start))
-            a = b
+            spans.append((a, a + seg.tokens))
+            a += seg.tokens
+        put_rows(self.layer, segments, spans, fields)
+        # Short new prompts (Segment.shares_attention) lead a packed forward: they attend over their
+        # own rows only, so they share one attention call, masked to each prompt's own tokens — a
+        # call per segment is a dozen small operations, and a forward of many short prompts was
+        # spent launching them.
+        fresh = 0
+        while fresh < len(segments) and segments[fresh].shares_attention:
+            fresh += 1
+        outs = []
+        if fresh > 1:
+            stop = spans[fresh - 1][1]
+            lc_read, rc_read = first.decode({name: value[:stop] for name, value in fields.items()})
+            lengths = [seg.tokens for seg in segments[:fresh]]
+            outs.append(self._plain_fresh(q_nope[:stop], q_rope[:stop], lc_read, rc_read, lengths))
+        else:
+            fresh = 0
+        for seg, (a, b) in zip(segments[fresh:], spans[fresh:]):
+            outs.append(self._attend(q_nope[a:b], q_rope[a:b], seg))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out.reshape(x.shape[0], self.n_heads * self.v_dim))
+
+    def _attend(self, q_nope, q_rope, seg: "Segment") -> torch.Tensor:
+        """One segment's attention over its cache (its rows written): [t, H, v_head]."""
+        if seg.absorbed:
+            seq_len = torch.arange(seg.start + 1, seg.start + seg.tokens + 1, dtype=torch.int32, device=q_nope.device)
+            return self._absorbed(q_nope, q_rope, seg.cache, seq_len, n_rows=seg.start + seg.tokens)
+        return self._plain(q_nope, q_rope, seg.cache, seg.start)
 
     def latent_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_lat[t, h] = q_nope[t, h] @ W_UK[h]: the query in latent space, f32[T, H, kv_lora]."""
@@ -287,6 +318,48 @@ class MLAttention(nn.Module):
                 scale=self.softmax_scale,
             )[0, ..., : self.v_dim]
         return out.transpose(0, 1)
+
+    def _plain_fresh(self, q_nope, q_rope, lc, rc, lengths: list[int]) -> torch.Tensor:
+        """New prompts' attention in one call: ``lengths`` prompts' tokens in turn, each query
+        seeing the rows of its own prompt up to itself (a block-diagonal causal mask); ``lc``, ``rc``
+        are their rows as read back through the tier (f32[n, ...]). Returns [n, H, v_head]."""
+        n = q_nope.shape[0]
+        dtype = q_nope.dtype
+        kv = self.kv_b_proj(lc.to(dtype)).view(n, self.n_heads, self.nope + self.v_dim)
+        keys = torch.cat((kv[..., : self.nope], rc.to(dtype)[:, None, :].expand(n, self.n_heads, self.rope_dim)), -1)
+        values = kv[..., self.nope :]
+        queries = torch.cat((q_nope, q_rope), dim=-1)
+        pad = queries.shape[-1] - self.v_dim
+        if pad > 0 and q_nope.device.type == "cuda":
+            values = F.pad(values, (0, pad))  # one head width for q, k and v: see _plain
+        keys, values, queries = (t.transpose(0, 1)[None] for t in (keys, values, queries))
+        owner = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)).to(q_nope.device)
+        index = torch.arange(n, device=q_nope.device)
+        visible = (owner[:, None] == owner[None, :]) & (index[None, :] <= index[:, None])
+        out = torch.empty(self.n_heads, n, self.v_dim, dtype=dtype, device=q_nope.device)
+        budget = _SCORE_BUDGET_BYTES * (_FUSED_BUDGET_FACTOR if q_nope.device.type == "cuda" else 1)
+        chunk = max(1, min(n, budget // max(1, 4 * self.n_heads * n)))
+        for q0 in range(0, n, chunk):
+            q1 = min(n, q0 + chunk)
+            out[:, q0:q1] = F.scaled_dot_product_attention(
+                queries[:, :, q0:q1], keys, values, attn_mask=visible[q0:q1], scale=self.softmax_scale
+            )[0, ..., : self.v_dim]
+        return out.transpose(0, 1)
+
+
+def put_rows(layer: int, segments: "Sequence[Segment]", spans: list[tuple[int, int]], fields) -> None:
+    """Encoded rows ``fields`` (each ``[T, ...]``, the segments' tokens in turn) into each segment's
+    cache at its positions: one ``_foreach_copy_`` for every (segment, field) — a copy each from
+    Python would cost a launch each."""
+    for seg in segments:
+        seg.cache.check_room(seg.start, seg.tokens)
+    dst, src = [], []
+    for seg, (a, b) in zip(segments, spans):
+        for name, value in fields.items():
+            dst.append(seg.cache.field(name)[layer, seg.start : seg.start + seg.tokens])
+            src.append(value[a:b])
+    # torch's multi-tensor copy, as its optimizers use it (not in torch's typed exports)
+    torch._foreach_copy_(dst, src)  # pyright: ignore[reportPrivateImportUsage]
 
 
 class DecoderLayer(nn.Module):
@@ -512,6 +585,13 @@ class Segment:
     start: int
     tokens: int
     absorbed: bool
+
+    @property
+    def shares_attention(self) -> bool:
+        """A new prompt's first chunk, short enough that attending over the packed prompts' rows
+        (masked to its own) costs less than launching a call of its own; the forward puts such
+        segments first."""
+        return self.start == 0 and not self.absorbed and self.tokens <= SHARED_ATTENTION_TOKENS
 
 
 @dataclass(frozen=True)

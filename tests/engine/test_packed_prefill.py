@@ -16,7 +16,7 @@ import torch
 from kvstore.engine import Engine, preset, random_model
 from kvstore.engine.errors import GenerationError
 from kvstore.engine.generate import pack_chunks
-from kvstore.engine.model import Segment
+from kvstore.engine.model import SHARED_ATTENTION_TOKENS, Segment
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,40 @@ def test_a_failed_packed_forward_commits_nothing(model):
     after = kept.export_rows()
     assert after.tokens.tolist() == before.tokens.tolist()
     np.testing.assert_array_equal(after.lc, before.lc)
+
+
+@pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
+def test_new_prompts_share_one_masked_attention_and_each_sees_only_its_own_tokens(model, tier):
+    """New prompts of up to SHARED_ATTENTION_TOKENS share one attention call per layer (masked to
+    each prompt's own tokens); a one-token prompt (absorbed form), a longer one and a resumed one
+    in the same forward keep calls of their own. Each gets its rows alone; two sessions given the
+    same prompt get the same rows (nothing leaks between prompts)."""
+    engine = Engine(model, tier=tier, prefill_chunk=1024)
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(11)
+    lengths = [9, 1, 40, SHARED_ATTENTION_TOKENS + 2, 17, 33]
+    prompts = [rng.integers(2, vocab, n) for n in lengths]
+    prompts.append(prompts[0].copy())  # the same prompt twice
+    history = np.arange(2, 30)
+
+    def sessions():
+        caches = [engine.new_cache() for _ in range(len(prompts) + 1)]
+        engine.prefill_into(caches[-1], history, 0)  # a resumed session: a chunk after cached rows
+        return caches
+
+    extra = rng.integers(2, vocab, 70)
+    alone, packed = sessions(), sessions()
+    for cache, ids in zip(alone, [*prompts, extra]):
+        engine.prefill_into(cache, ids, cache.length)
+    assert engine.prefill_many(list(zip(packed, [*prompts, extra]))) == 1
+    g = engine.config.coli_geometry()
+    for a, b in zip(alone, packed):
+        for x, y in zip(
+            a.export_rows().dequantize(g.kv_lora, g.qk_rope), b.export_rows().dequantize(g.kv_lora, g.qk_rope)
+        ):
+            if tier == "f32":
+                np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
+            else:
+                assert (~np.isclose(y, x, rtol=1e-4, atol=1e-5)).mean() < 0.1
+    twins = [packed[0].export_rows(), packed[len(prompts) - 1].export_rows()]
+    assert np.array_equal(twins[0].lc, twins[1].lc) and np.array_equal(twins[0].rc, twins[1].rc)
