@@ -51,7 +51,7 @@ import torch
 
 from kvstore.engine.cache import LatentCache
 from kvstore.engine.errors import GenerationError, ServerBusy
-from kvstore.engine.generate import Engine, SamplingParams, pack_chunks, sample_next
+from kvstore.engine.generate import ABSORBED_CHUNK_TOKENS, Engine, SamplingParams, pack_chunks, sample_next
 
 __all__ = ["SchedulerLimits", "Scheduler", "TurnWork", "Outcome"]
 
@@ -597,7 +597,23 @@ class Scheduler:
         # replayed. A new arena of the same size would be keyed like this one (first field's
         # address, capacity) and could be handed the freed blocks in another order.
         self._arena, self._pad_row = arena, row
+        self._warm_prefill()
         return sizes
+
+    def _warm_prefill(self) -> None:
+        """Prefill forwards of 1, 2, 4, ... ABSORBED_CHUNK_TOKENS tokens after one cached row, on a
+        scratch cache. On CUDA a forward of few tokens runs the routed experts' Triton kernels,
+        built for each power of two of its (token, expert) pairs (``expert_kernels.PAIRS``); the
+        decode step's compiled region has copies of its own. On an H100 the first short message
+        of a new class after 32k rows took 0.57-0.95 s, the same again 78 ms
+        (``bench/packed_prefill.py --after``), and in a server every other turn waited that long.
+        Powers of two of the tokens reach every class of pairs up to the chunk's."""
+        scratch = self.engine.new_cache()
+        self.engine.prefill_packed([(scratch, np.zeros(1, dtype=np.int64), 0)])
+        tokens = 2
+        while tokens <= ABSORBED_CHUNK_TOKENS:
+            self.engine.prefill_packed([(scratch, np.zeros(tokens, dtype=np.int64), 1)])
+            tokens *= 2
 
     def _cancel_decoding(self, work: TurnWork) -> None:
         keep = min(work.cancel_at or 0, len(work.generated))

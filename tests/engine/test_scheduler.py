@@ -146,7 +146,18 @@ def test_padded_batches_decode_in_size_classes_and_give_what_turns_get_alone(mod
         return step_function(pool, b, tokens_in, positions_in, offsets_in)
 
     monkeypatch.setattr(scheduler._batches, "step_function", recording)
+    prefills: list[tuple[int, int]] = []  # (start, tokens) of each prefill forward
+    packed = engine.prefill_packed
+
+    def prefill_recording(chunks):
+        prefills.extend((start, len(ids)) for _, ids, start in chunks)
+        return packed(chunks)
+
+    monkeypatch.setattr(engine, "prefill_packed", prefill_recording)
     assert scheduler.warm() == [1, 2, 4, 6] and sizes == [(1, 1), (2, 2), (4, 4), (6, 6)]  # a start's warm-up
+    # and a prefill of every power of two of tokens in the absorbed form (the routed experts' kernel classes)
+    assert prefills == [(0, 1), (1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64)]
+    prefills.clear()
     assert scheduler.counters["steps"] == 0 and scheduler.counters["tokens"] == 0  # no turn's state
     sizes.clear()
     try:
