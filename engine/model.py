@@ -280,11 +280,10 @@ class MLAttention(nn.Module):
         ctx_lat = ctx_lat.to(w_uv.dtype)
         return torch.bmm(ctx_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
-    def _plain(self, q_nope, q_rope, cache, start: int) -> torch.Tensor:
-        """Prefill attention: expand the cached latents to per-head keys/values, causal SDPA."""
-        t = q_nope.shape[0]
-        n = start + t
-        lc, rc = cache.read(self.layer, n)
+    def _expanded(self, q_nope, q_rope, lc, rc) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [1, H, T or N, D] for SDPA, the keys and values expanded from
+        the rows ``lc`` [N, kv_lora], ``rc`` [N, qk_rope] by ``kv_b_proj``."""
+        n = lc.shape[0]
         dtype = q_nope.dtype
         kv = self.kv_b_proj(lc.to(dtype)).view(n, self.n_heads, self.nope + self.v_dim)
         keys = torch.cat((kv[..., : self.nope], rc.to(dtype)[:, None, :].expand(n, self.n_heads, self.rope_dim)), -1)
@@ -296,7 +295,15 @@ class MLAttention(nn.Module):
             # (sliced off after) keep attention off the math path, which materializes every score.
             values = F.pad(values, (0, pad))
         # [1, H, N, D] for SDPA: with 3-D inputs it never picks a fused kernel
-        keys, values, queries = (t.transpose(0, 1)[None] for t in (keys, values, queries))
+        queries, keys, values = (t.transpose(0, 1)[None] for t in (queries, keys, values))
+        return queries, keys, values
+
+    def _plain(self, q_nope, q_rope, cache, start: int) -> torch.Tensor:
+        """Prefill attention: expand the cached latents to per-head keys/values, causal SDPA."""
+        t = q_nope.shape[0]
+        n = start + t
+        dtype = q_nope.dtype
+        queries, keys, values = self._expanded(q_nope, q_rope, *cache.read(self.layer, n))
         if start == 0 and q_nope.device.type == "cuda":
             # A prefill from the first position is square: one causal call the fused (flash) kernel
             # runs without materializing scores. (Later chunks see their keys lower-right aligned,
@@ -325,14 +332,7 @@ class MLAttention(nn.Module):
         are their rows as read back through the tier (f32[n, ...]). Returns [n, H, v_head]."""
         n = q_nope.shape[0]
         dtype = q_nope.dtype
-        kv = self.kv_b_proj(lc.to(dtype)).view(n, self.n_heads, self.nope + self.v_dim)
-        keys = torch.cat((kv[..., : self.nope], rc.to(dtype)[:, None, :].expand(n, self.n_heads, self.rope_dim)), -1)
-        values = kv[..., self.nope :]
-        queries = torch.cat((q_nope, q_rope), dim=-1)
-        pad = queries.shape[-1] - self.v_dim
-        if pad > 0 and q_nope.device.type == "cuda":
-            values = F.pad(values, (0, pad))  # one head width for q, k and v: see _plain
-        keys, values, queries = (t.transpose(0, 1)[None] for t in (keys, values, queries))
+        queries, keys, values = self._expanded(q_nope, q_rope, lc, rc)
         owner = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)).to(q_nope.device)
         index = torch.arange(n, device=q_nope.device)
         visible = (owner[:, None] == owner[None, :]) & (index[None, :] <= index[:, None])
