@@ -12,7 +12,11 @@ server-sent events) and records when each token arrives. For every client count:
   process while the server is idle, wall time including the prompts' prefill — the ratio says what
   the scheduler and HTTP cost against the engine's own batch;
 - the ratio to **one client** (the same table's first row);
-- **time to first token**, p50 and p99 over the clients.
+- **time to first token**, p50 and p99 over the clients;
+- the **server's CPU** over the timed round (every thread of its process, from ``/proc``): the cores
+  it kept busy on average and its CPU microseconds per generated token — where the server, not the
+  device, is what a round waits on (one core's worth for a Python process whose threads share the
+  GIL).
 
 Then, with ``--long N``: a session of N stored rows (written straight into the store before the
 server starts, so its first turn restores it from the journal) gets one turn while 15 other clients
@@ -38,7 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_common import KEY, Server, percentile  # noqa: E402
+from api_common import KEY, Server, percentile, process_cpu_seconds  # noqa: E402
 
 OWNER = "bench"
 
@@ -68,7 +72,9 @@ def _prompt(seed: int, n: int, vocab: int) -> list[int]:
     return np.random.default_rng(seed).integers(2, vocab, n).tolist()
 
 
-def http_round(url: str, clients: int, prompt_len: int, tokens: int, vocab: int, round_id: int) -> dict:
+def http_round(
+    url: str, clients: int, prompt_len: int, tokens: int, vocab: int, round_id: int, server_pid: int | None = None
+) -> dict:
     sessions = [f"r{round_id}c{i}" for i in range(clients)]
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as client:
         for sid in sessions:  # the sessions exist (and are resident) before the timed turns
@@ -87,16 +93,28 @@ def http_round(url: str, clients: int, prompt_len: int, tokens: int, vocab: int,
             errors.append(str(exc))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    cpu_before = process_cpu_seconds(server_pid) if server_pid else 0.0
+    began = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    wall = time.perf_counter() - began
+    cpu = process_cpu_seconds(server_pid) - cpu_before if server_pid else float("nan")
     if errors:
         raise RuntimeError(errors[0])
     first, last = min(starts), max(m[-1] for m in marks)
     ttft = [m[0] - s for m, s in zip(marks, starts)]
     total = sum(len(m) for m in marks)
-    return {"tok_s": total / (last - first), "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99)}
+    return {
+        "tok_s": total / (last - first),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        # the server's CPU over the round (every thread: scheduler, readers, event loop, appends):
+        # cores busy on average, and CPU time per generated token
+        "server_cores": cpu / wall,
+        "server_us_per_token": cpu / max(1, total) * 1e6,
+    }
 
 
 def in_process(model, tier: str, clients: int, prompt_len: int, tokens: int, vocab: int) -> float:
@@ -250,9 +268,9 @@ def main() -> int:
             )
             print(
                 "| clients | HTTP tok/s | in-process batch tok/s | HTTP / batch | HTTP / one client | TTFT p50 ms "
-                "| TTFT p99 ms | first round's TTFT p50 ms |"
+                "| TTFT p99 ms | first round's TTFT p50 ms | server cores busy | server CPU µs / token |"
             )
-            print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             if args.long and args.long_first:
                 report_long(long_resume(server.url, 15, vocab), args.long)
             one = None
@@ -261,13 +279,13 @@ def main() -> int:
                 # compiles its step (seconds on a GPU); its time to first token is reported apart
                 cold = http_round(server.url, clients, args.prompt, 4, vocab, 100 + round_id)
                 in_process(model, tier, clients, args.prompt, 4, vocab)
-                http = http_round(server.url, clients, args.prompt, args.tokens, vocab, round_id)
+                http = http_round(server.url, clients, args.prompt, args.tokens, vocab, round_id, server.process.pid)
                 batch = in_process(model, tier, clients, args.prompt, args.tokens, vocab)
                 one = one or http["tok_s"]
                 print(
                     f"| {clients} | {http['tok_s']:.1f} | {batch:.1f} | {http['tok_s'] / batch:.2f} | "
                     f"{http['tok_s'] / one:.2f} | {http['ttft_p50'] * 1e3:.1f} | {http['ttft_p99'] * 1e3:.1f} | "
-                    f"{cold['ttft_p50'] * 1e3:.1f} |"
+                    f"{cold['ttft_p50'] * 1e3:.1f} | {http['server_cores']:.2f} | {http['server_us_per_token']:,.0f} |"
                 )
             if args.long and not args.long_first:
                 report_long(long_resume(server.url, 15, vocab), args.long)
