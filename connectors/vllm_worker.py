@@ -11,10 +11,10 @@ On a CUDA cache neither direction waits for the device inside the step. A load q
 layer's host-to-device copy and scatter on a side stream (from pinned memory: a hot-tier entry as it
 is, other rows staged once) and returns; each layer's attention waits only for its own layer
 (``wait_for_layer_load``), so layer i+1 is copied while layer i computes. A save gathers each layer's
-rows on the engine's stream into one device buffer for the prompt (one small kernel a layer: vLLM
-may reuse the blocks after the step); at the end of the step the buffer goes to pinned host memory
-in one transfer on the side stream, in the cache's dtype; the background writer waits for that
-copy's event, widens the rows to f32 and encodes them. Slot indices go to the device once per load
+rows on the engine's stream into one device buffer for every prompt saved in the step (one small
+kernel a layer: vLLM may reuse the blocks after the step); at the end of the step the buffer goes
+to pinned host memory in one transfer on the side stream, in the cache's dtype; the background
+writer waits for that copy's event, widens each prompt's rows to f32 and encodes them. Slot indices go to the device once per load
 or save, from pinned memory, so no copy in the forward pass waits for the layers before it. On the
 CPU both are memory copies in the step.
 """
@@ -79,34 +79,25 @@ class _Staged:
     """Rows being copied out of the cache (the prompts saved in a step, every one's in one buffer,
     layer by layer during the step; or a finished conversation's)."""
 
-    rows: np.ndarray  # f32 [n_layers, n, width]: what the writer saves
-    # where the rows land on the host: ``rows``' own memory (a CPU cache, or an f32 one), else
-    # pinned memory in the cache's dtype — half the bytes over the bus for bf16, widened into
-    # ``rows`` off the step
+    # f32 [n_layers, n, width], what the writer saves: the memory of ``host`` (a CPU cache, or an
+    # f32 one); None where ``host`` holds a narrower dtype (widened by :meth:`part` off the step)
+    rows: np.ndarray | None
+    # where the rows land on the host: pinned memory in the cache's dtype on a GPU (half the bytes
+    # over the bus for bf16)
     host: torch.Tensor
     # a CUDA cache's rows gathered on the device, layer by layer on the engine's stream, then
     # copied to ``host`` in one transfer on the side stream at the end of the step
     device: torch.Tensor | None = None
     filled: set[int] = field(default_factory=set)
 
-    def waiter(self, copied: torch.cuda.Event | None) -> Callable[[], object] | None:
-        """What the writer calls before it reads ``rows`` (None: they hold their values now)."""
-        if copied is None:
-            return None
-
-        def wait() -> None:
-            copied.synchronize()
-            if self.host.dtype != torch.float32:
-                torch.from_numpy(self.rows).copy_(self.host)  # widened on the writer's thread
-
-        return wait
-
     def part(self, a: int, b: int, copied: torch.cuda.Event | None) -> tuple[np.ndarray, Callable[[], object] | None]:
-        """Rows ``a .. b-1`` of every layer (one prompt of the step's buffer) and what the writer
-        calls before reading them: waits for the device's copies and, for a narrower cache dtype,
-        widens that prompt's rows into an array of its own, on the writer's thread."""
-        if copied is None or self.host.dtype == torch.float32:
+        """Rows ``a .. b-1`` of every layer (one prompt of the step's buffer, or all of them) and what
+        the writer calls before reading them (None: they hold their values now): waits for the
+        device's copies and, for a narrower cache dtype, widens those rows into an array of their
+        own, on the writer's thread."""
+        if self.rows is not None:
             return self.rows[:, a:b], (None if copied is None else copied.synchronize)
+        assert copied is not None  # narrower rows are only staged on a GPU
         rows = np.empty((self.host.shape[0], b - a, self.host.shape[2]), np.float32)
 
         def wait() -> None:
@@ -189,7 +180,10 @@ class PagedWorker:
         return cache.view(-1, cache.shape[-1])
 
     def _device_slots(self, block_ids: list[int], start: int, stop: int, device: torch.device) -> torch.Tensor:
-        slots = paged_slots(block_ids, self.block_size, start, stop)
+        return self._on_device(paged_slots(block_ids, self.block_size, start, stop), device)
+
+    @staticmethod
+    def _on_device(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":
             return slots.to(device)
         # from pinned memory, asynchronously: a pageable copy would wait for the stream's earlier work
@@ -260,12 +254,12 @@ class PagedWorker:
             return _Staged(rows, torch.from_numpy(rows))
         dtype = next(iter(self._caches.values())).dtype
         host = torch.empty(shape, dtype=dtype, pin_memory=True)
-        rows = host.numpy() if dtype == torch.float32 else np.empty(shape, np.float32)
+        rows = host.numpy() if dtype == torch.float32 else None
         return _Staged(rows, host, torch.empty(shape, dtype=dtype, device=self._device))
 
     def _copy_out(self, staged: _Staged, layer: int, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
         """A layer's rows at ``slots``: on a GPU gathered on the engine's stream into the device
-        staging (one small kernel in the step), on the CPU copied to ``staged.rows`` (widened)."""
+        staging (one small kernel in the step), on the CPU copied to ``staged.host`` (widened)."""
         if staged.device is not None:
             torch.index_select(self._rows_view(kv_layer), 0, slots, out=staged.device[layer])
         else:
@@ -306,9 +300,7 @@ class PagedWorker:
             slots.append(paged_slots(save.block_ids, self.block_size, 0, n))
             at += n
         every = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
-        if self._device.type == "cuda":  # from pinned memory, asynchronously (see _device_slots)
-            every = every.pin_memory().to(self._device, non_blocking=True)
-        return _StepRows(self._stage(at), every, spans)
+        return _StepRows(self._stage(at), self._on_device(every, self._device), spans)
 
     def wait_for_save(self, saves: Iterable[SaveSpec], finished: Iterable[SaveSpec]) -> None:
         """End of a step: the finished conversations' rows, then the prompts gathered this step, go
@@ -321,13 +313,13 @@ class PagedWorker:
         for save in finished:
             try:  # the blocks are held for this save: read every layer straight from the cache
                 staged = self._gather(save.block_ids, len(save.tokens))
-                ready = staged.waiter(self._ship([staged]))
+                rows, ready = staged.part(0, len(save.tokens), self._ship([staged]))
             except Exception as exc:  # never keep vLLM's blocks: a failed save is a future miss
                 self.cache.count_save_error(f"{save.req_id}: {exc}")
                 self._sent.add(save.req_id)
                 self.cache.count(finished_done=1)
                 continue
-            self._save(save.tokens, staged.rows, report=save.req_id, ready=ready)
+            self._save(save.tokens, rows, report=save.req_id, ready=ready)
         shipping = []
         for save in saves:
             if save.req_id in self._load_failed:
