@@ -53,6 +53,12 @@ MAX_SPLITS = 4096
 #: 25.8 -> 22.8 us); shorter sequences keep one tile per split (4k rows: 10.2 us, 15.8 with 4).
 LONG_SPLITS_FROM = 3
 LONG_SPLIT_TILES = 4
+#: The most partial contexts (sequences x padded heads x splits) a call writes: its workspace is that
+#: many kv_lora vectors (256 MB in f16 at 512). A captured step only bounds its sequences by the
+#: cache's rows, so its grid covers that bound for every sequence: a scheduler step of 512 entries
+#: over a 262k-row arena planned 512 splits each, 4.3 GB of partials per workspace, kept for each
+#: stream and graph that ran it (an H100 server ran out of memory). Past this, splits grow longer.
+MAX_PARTIALS = 1 << 18
 #: Output dims per block of mla_merge_v2 that are instantiated, widest first.
 MERGE_WIDTHS = (512, 128, 32)
 #: 16-head m-tiles per block the split kernels are instantiated with.
@@ -229,6 +235,8 @@ def plan_launch(
         # otherwise spills a few blocks into a second wave that costs as much as the first (H200,
         # 16 sequences of 1k..32k, 16 heads: 14 tiles per split 94.4 us, 16 tiles 78.3 us).
         per_split = max(per_split, -(-tiles_mean * batch * groups // spare))
+    splits_allowed = max(1, MAX_PARTIALS // (batch * groups * 16 * m_tiles))
+    per_split = max(per_split, -(-tiles_max // splits_allowed))
     return KernelPlan(m_tiles, groups, groups * 16 * m_tiles, per_split, -(-tiles_max // per_split), resident)
 
 

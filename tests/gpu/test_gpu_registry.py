@@ -257,6 +257,27 @@ def test_cuda_launch_plan_head_groups_and_splits():
     assert working <= 264 and ragged.n_splits * ragged.blocks_per_split * 64 >= max(lengths)
 
 
+def test_cuda_launch_plan_bounds_the_partial_contexts_of_a_large_captured_batch():
+    """A captured step bounds each sequence by the cache's rows only (here a 262k-row arena): a
+    step of 512 entries planned 512 splits each, 4.3 GB of f16 partials per workspace. The planner
+    keeps sequences x heads x splits within MAX_PARTIALS (longer splits), still covering the bound;
+    the batches whose plans were measured (1 to 64 sequences, up to 1M rows) are planned as before."""
+    from kvstore.gpu.cuda_plan import MAX_PARTIALS, plan_launch
+
+    for batch in (256, 512):
+        plan = plan_launch(batch, 16, 1 << 18, (1 << 18) / batch, 132)
+        # at most 256 MB of f16 partials at kv_lora 512 (it was 2.1 and 4.3 GB)
+        assert batch * plan.padded_heads * plan.n_splits * 512 * 2 <= 256 << 20
+        assert plan.n_splits * plan.blocks_per_split * 64 >= 1 << 18
+    small = plan_launch(64, 16, 1 << 18, (1 << 18) / 64, 132)
+    assert (small.n_splits, small.blocks_per_split) == (196, 21)
+    for heads in (16, 64, 128):
+        for rows in (32768, 1 << 20):
+            for batch in (1, 8, 16, 64):
+                plan = plan_launch(batch, heads, rows, rows, 132)
+                assert batch * plan.padded_heads * plan.n_splits <= MAX_PARTIALS // 16
+
+
 def test_merge_chunks_widen_with_the_batch():
     """The merge's output dims per block: 32 for a lone sequence, wider when sequences x heads
     already give two blocks per SM (the engine's 16 x 16 batch: one wave of 128-dim blocks)."""
