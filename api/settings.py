@@ -74,6 +74,8 @@ class Settings:
     max_batch : turns the engine decodes together (its decode slots; docs/SERVE.md)
     arena_rows : rows of the decode arena reserved at start (None: 4096 a slot on a GPU, none on
         the CPU; docs/SERVE.md)
+    step_tokens : the most tokens one decode step runs, short prompts joining the batch inside it
+        (0, the default: prompts take prefill forwards; docs/SERVE.md)
     max_queue : turns in flight beyond the slots, service-wide; one more gets 429 ``ServerBusy``
     max_turns_per_owner : turns one owner may have in flight; one more gets 429 ``ServerBusy``
     turn_deadline : seconds a turn may run before it is stopped (``finish_reason: deadline``);
@@ -120,6 +122,7 @@ class Settings:
     max_new_tokens: int = 4096
     max_batch: int | None = None
     arena_rows: int | None = None
+    step_tokens: int = 0
     max_queue: int = 64
     max_turns_per_owner: int = 8
     turn_deadline: float | None = 600.0
@@ -182,7 +185,7 @@ class Settings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")
-        for name in ("max_queue", "host_pool_bytes", "arena_rows"):
+        for name in ("max_queue", "host_pool_bytes", "arena_rows", "step_tokens"):
             value = getattr(self, name)
             if name == "arena_rows" and value is None:
                 continue  # the device's default
@@ -206,6 +209,7 @@ class Settings:
         return SchedulerLimits(
             max_batch=slots,
             arena_rows=arena,
+            step_tokens=self.step_tokens,
             max_queue=self.max_queue,
             max_turns_per_owner=self.max_turns_per_owner,
             max_new_tokens=self.max_new_tokens,

@@ -64,6 +64,11 @@ SERVING = {
         "with --model: rows of the decode arena reserved at start; growing past them stalls one step "
         "(default 4096 a slot on a GPU, 0 on the CPU)",
     ),
+    "step_tokens": (
+        int,
+        "with --model: the most tokens one decode step runs; short prompts join the batch inside a step "
+        "instead of a prefill forward of their own (default 0: off; 512 on a GPU is what was measured)",
+    ),
     "max_queue": (int, "with --model: turns in flight beyond the slots; one more gets 429 (default 64)"),
     "max_turns_per_owner": (int, "with --model: turns one owner may have in flight; one more gets 429 (default 8)"),
     "turn_deadline": (float, "with --model: seconds a turn may run before it is stopped (default 600)"),

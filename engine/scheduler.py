@@ -13,7 +13,9 @@ parameters) from any thread; one scheduler thread runs them. Each **scheduler st
    next chunk of as many waiting turns as fit (``Engine.prefill_packed``): many short prompts
    arriving together cost about one forward, not one each (a forward of a 32-token prompt and one
    of 512 tokens take about the same time on a GPU: the weights are read once either way);
-4. runs **one batched decode step** over every turn holding a slot: one forward, one token each.
+4. runs **one batched decode step** over every turn holding a slot: one forward, one token each —
+   and, with ``step_tokens``, the whole prompt of each short turn that joins the batch in this step
+   (**prompts in the step**, below).
 
 The rows of the turns holding a slot live in one cache, the *arena*, each turn in a region of its
 own (its session's rows copied in when it joins, the rows it wrote copied back to its session's
@@ -22,6 +24,22 @@ cache when it leaves), so a step is one ragged batch (``StepSlots.packed``; on C
 last prompt token is the input of its first decode step; each sampled token is the input of the
 next; the step after its last token writes that token's row and the turn leaves, so its session's
 cache then holds the whole conversation.
+
+**Prompts in the step.** On a GPU a prefill forward runs from Python, kernel after kernel: one of
+32 tokens costs what one of 512 does (about 70 ms for the V2-Lite geometry on an H100, 5-6 decode
+steps), and while turns arrive one by one each of them paid one such forward, with every decoding
+turn waiting on it. A decode step is a graph replay over one ragged batch, and nothing in it needs
+one token per turn: a prompt of ``T`` tokens is ``T`` entries of the step, its rows written at
+consecutive positions of the turn's region before any entry attends (each layer writes every
+entry's row, then attends), each token reading its own rows up to its position, which is causal
+attention. So a turn whose rest of prompt is short (:attr:`SchedulerLimits.step_tokens`, and its
+tokens times its rows at most ``STEP_PROMPT_ROW_READS``: each entry reads its rows on its own)
+joins the arena with its prompt unrun and runs all of it in the next step, the last token's logits
+giving its first token. The step is padded to a size class as usual; the classes go on doubling
+past ``max_batch`` up to ``step_tokens``. Longer prompts keep the prefill forwards above. It is off
+unless asked (``step_tokens=0``): meant for CUDA graphs, where one H100 run cut a 32k session's
+first token from 289 to 143 ms among 15 decoding turns, its many-client figures not yet measured
+(a CPU engine's prefill is compute-bound; its f32 steps still give what a turn gets alone).
 
 **Fairness.** A turn whose owner has nothing decoding gets a decode slot at the next step if one is
 free or an owner holds two slots or more (that owner's most recently admitted turn yields: it is
@@ -53,9 +71,15 @@ from kvstore.engine.cache import LatentCache
 from kvstore.engine.errors import GenerationError, ServerBusy
 from kvstore.engine.generate import ABSORBED_CHUNK_TOKENS, Engine, SamplingParams, pack_chunks, sample_next
 
-__all__ = ["SchedulerLimits", "Scheduler", "TurnWork", "Outcome"]
+__all__ = ["SchedulerLimits", "Scheduler", "TurnWork", "Outcome", "STEP_PROMPT_ROW_READS"]
 
 log = logging.getLogger(__name__)
+
+#: The most (token, row) reads a prompt riding a decode step may add per layer: each of its entries
+#: reads its session's rows on its own (a prefill forward's attention reads them once per chunk), so
+#: a long session's prompt keeps the prefill forward past this: 32 tokens after 32k rows ride, 512
+#: after 2k (about 0.6 GB per layer at most in fp8, most of it from L2: the entries read the same rows).
+STEP_PROMPT_ROW_READS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -80,6 +104,10 @@ class SchedulerLimits:
         reserved when the scheduler starts (``--arena-rows``); it grows past them when the turns
         need more, which moves every live row and outdates every captured graph, so the step that
         grows it is slow for everyone (0: nothing reserved, grown as needed)
+    step_tokens : the most tokens one decode step runs, its decoding turns' one each and the
+        prompts joining it in the step (``--step-tokens``; 512 is what the GPU runs used); a prompt
+        rides a step when it fits what the decoding turns leave (0, the default: prompts never
+        ride, a step runs ``max_batch`` tokens at most)
     """
 
     max_batch: int = 16
@@ -90,13 +118,14 @@ class SchedulerLimits:
     prefill_chunk: int = 512
     pad_batches: bool | None = None
     arena_rows: int = 0
+    step_tokens: int = 0
 
     def __post_init__(self):
         for name in ("max_batch", "max_turns_per_owner", "max_new_tokens", "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise GenerationError(f"{name} must be a positive integer, not {value!r}")
-        for name in ("max_queue", "arena_rows"):
+        for name in ("max_queue", "arena_rows", "step_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise GenerationError(f"{name} must be an integer >= 0, not {value!r}")
@@ -146,6 +175,7 @@ class TurnWork:
     slot_steps: int = 0  # steps in its current slot
     ready_step: int = -1  # the step its prompt was prefilled at (or it was paused)
     waited_steps: list[int] = field(default_factory=list)  # steps from ready to a slot, each time
+    step_prompt: np.ndarray | None = None  # the prompt's rest, run by its first step (prompts in the step)
     submitted_step: int = -1
     ended_step: int = -1
     decoded: bool = False
@@ -236,19 +266,27 @@ class Scheduler:
         self._pad_row: int | None = None  # the arena's scratch row that padded slots write
         pad = self.limits.pad_batches
         self._pad = engine.cuda_graphs if pad is None else pad
+        step_tokens = self.limits.step_tokens
+        #: tokens one step may run (decoding turns' and riding prompts'); max_batch when prompts never ride
+        self.step_capacity = max(self.limits.max_batch, step_tokens) if step_tokens else self.limits.max_batch
+        self._prompts_ride = bool(step_tokens)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        #: steps run, tokens generated, prefill chunks run and the forwards that ran them, turns
-        #: paused for fairness, turns refused, times the decode arena grew
+        #: steps run, tokens generated, prefill chunks run and the forwards that ran them, prompts
+        #: run inside a decode step, turns paused for fairness, turns refused, times the decode arena
+        #: grew
         self.counters = {
             "steps": 0,
             "tokens": 0,
             "prefill_chunks": 0,
             "prefill_forwards": 0,
+            "step_prompts": 0,
             "preempted": 0,
             "refused": 0,
             "arena_growths": 0,
         }
+        #: seconds in prefill forwards and in decode steps (the device's time and the host's)
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
 
     # ------------------------------------------------------------------ admission (any thread)
     def reserve(self, owner: str) -> None:
@@ -336,6 +374,7 @@ class Scheduler:
                 "owners": len(self._inflight),
                 "arena_rows": arena.capacity if arena is not None else 0,
                 **self.counters,
+                **{f"{phase}_seconds": value for phase, value in self.seconds.items()},
             }
 
     def _arena_grew(self) -> None:
@@ -378,8 +417,10 @@ class Scheduler:
         with self._cv:
             works = [w for w in self._works if w.phase != "done"]
         self._admit(works)  # 2. slots
-        prefilling = [w for w in works if w.phase == "prefill"]
         decoding = [w for w in works if w.phase == "decode"]
+        prefilling = [w for w in works if w.phase == "prefill"]
+        if len(decoding) < self.limits.max_batch:  # a slot is free: short prompts ride the next step
+            prefilling = [w for w in prefilling if not self._rides(w)]
         if prefilling:  # 3. prefill: one forward, or, with nothing decoding, a chunk of every turn
             self._prefill(self._fair_order(prefilling), every_turn=not decoding)
         if decoding:  # 4. decode
@@ -406,30 +447,49 @@ class Scheduler:
                         del by_owner[owner]
         return out
 
+    def _rides(self, work: TurnWork) -> bool:
+        """Whether the rest of ``work``'s prompt may run inside a decode step (prompts in the step)."""
+        if not self._prompts_ride or work.phase != "prefill":
+            return False
+        rest = work.ids.shape[0] - work.prefilled
+        return rest <= self.step_capacity - 1 and rest * (work.cache.length + rest) <= STEP_PROMPT_ROW_READS
+
     def _admit(self, works: list[TurnWork]) -> None:
         active = [w for w in works if w.phase == "decode"]
-        ready = [w for w in works if w.phase == "ready"]
+        ready = [w for w in works if w.phase == "ready" or self._rides(w)]
         if not ready:
             return
         slots = self.limits.max_batch
+        entries = len(active)  # the step's tokens so far: one per decoding turn
         counts: dict[str, int] = {}
         for work in active:
             counts[work.owner] = counts.get(work.owner, 0) + 1
         # owners with the fewest turns decoding first; round-robin among equals
         waiting = sorted(self._fair_order(ready), key=lambda w: counts.get(w.owner, 0))
         for work in waiting:
+            needs = work.ids.shape[0] - work.prefilled if work.phase == "prefill" else 1
             if len(active) >= slots:
                 if counts.get(work.owner, 0):
                     continue  # an owner already decoding waits for a free slot
                 victim = self._victim(active, counts)
-                if victim is None:
+                freed = self._entries(victim) if victim is not None else 0
+                if victim is None or entries - freed + needs > self.step_capacity:
                     continue
                 self._pause(victim)
                 active.remove(victim)
                 counts[victim.owner] -= 1
+                entries -= freed
+            elif entries + needs > self.step_capacity:
+                continue  # a prompt that does not fit this step's tokens rides a later one
             self._join(work, active)
             active.append(work)
+            entries += needs
             counts[work.owner] = counts.get(work.owner, 0) + 1
+
+    @staticmethod
+    def _entries(work: TurnWork) -> int:
+        """Tokens ``work`` runs in the coming step (its prompt's rest when that rides it)."""
+        return work.step_prompt.shape[0] if work.step_prompt is not None else 1
 
     def _victim(self, active: list[TurnWork], counts: dict[str, int]) -> TurnWork | None:
         """The turn that yields its slot to an owner with nothing decoding, or None (wait)."""
@@ -444,7 +504,10 @@ class Scheduler:
         if self._arena is None:
             self._arena = _Arena(work.cache, self.limits.arena_rows, self._arena_grew)
         arena = self._arena
-        rows_left = (work.max_new - len(work.generated)) + 1
+        if work.phase == "prefill":  # the rest of its prompt runs in the coming step
+            work.step_prompt = work.ids[work.prefilled :]
+            work.ready_step = work.submitted_step  # its wait counts from its submission
+        rows_left = (work.max_new - len(work.generated)) + self._entries(work)
         work.position = work.cache.length
         work.room = work.position + rows_left
         work.offset = arena.allocate(work.room, active)
@@ -457,8 +520,14 @@ class Scheduler:
         work.slot_steps = 0
 
     def _pause(self, work: TurnWork) -> None:
-        """Take ``work``'s slot back: the rows it wrote go to its session's cache; it resumes later."""
+        """Take ``work``'s slot back: the rows it wrote go to its session's cache; it resumes later
+        (a prompt that joined to ride this step and has not run goes back to waiting as it was)."""
         self._copy_back(work, work.position)
+        if work.step_prompt is not None:
+            work.step_prompt = None
+            work.phase = "prefill"
+            work.waited_steps.pop()
+            return
         work.phase = "ready"
         work.ready_step = self.counters["steps"]
         self.counters["preempted"] += 1
@@ -471,9 +540,10 @@ class Scheduler:
         if stop > first:
             cache.reserve(stop)
             cache.copy_rows(arena.cache, work.offset + first, first, stop - first)
-            # the tokens each row was computed for: the prompt's last, then the generated ones
-            ran = [int(work.ids[-1]), *work.generated][first - work.start - (work.ids.shape[0] - 1) :]
-            cache.commit(first, ran[: stop - first])
+            # the tokens each row was computed for: the prompt's, then the generated ones
+            lo, hi, prompt = first - work.start, stop - work.start, work.ids.shape[0]
+            ran = work.ids[lo:hi].tolist() + work.generated[max(0, lo - prompt) : max(0, hi - prompt)]
+            cache.commit(first, ran)
         arena.release(work.offset, work.room)
 
     # ------------------------------------------------------------------ prefill and decode
@@ -494,6 +564,7 @@ class Scheduler:
             members = [chunks[i] for i in group]
             self.engine.prefill_packed([(work.cache, chunk, work.cache.length) for work, chunk in members])
             elapsed = time.perf_counter() - began
+            self.seconds["prefill"] += elapsed
             self.counters["prefill_forwards"] += 1
             for work, chunk in members:
                 work.prefilled += chunk.shape[0]
@@ -507,37 +578,50 @@ class Scheduler:
         arena = self._arena
         assert arena is not None  # turns decode only after joining it
         began = time.perf_counter()
-        tokens = [w.next_input for w in active]
-        positions = [w.position for w in active]
-        offsets = [w.offset for w in active]
-        extra = self._padding(len(active))
+        # one entry per decoding turn, a riding prompt's tokens at consecutive positions; ``last[i]``
+        # is turn i's last entry, whose logits give its next token
+        runs = [w.step_prompt if w.step_prompt is not None else (w.next_input,) for w in active]
+        counts = np.fromiter((len(run) for run in runs), dtype=np.int64, count=len(runs))
+        last = np.cumsum(counts) - 1
+        n = int(counts.sum())
+        first_positions = np.fromiter((w.position for w in active), dtype=np.int64, count=len(active))
+        tokens = np.concatenate([np.asarray(run, dtype=np.int64) for run in runs])
+        positions = np.repeat(first_positions - (last + 1 - counts), counts) + np.arange(n)
+        offsets = np.repeat(np.fromiter((w.offset for w in active), dtype=np.int64, count=len(active)), counts)
+        extra = self._padding(n)
         if extra:
             if self._pad_row is None:
                 self._pad_row = arena.allocate(1, active)  # may grow the arena: before reading its cache
-            tokens += [0] * extra
-            positions += [0] * extra
-            offsets += [self._pad_row] * extra
+            tokens = np.concatenate([tokens, np.zeros(extra, dtype=np.int64)])
+            positions = np.concatenate([positions, np.zeros(extra, dtype=np.int64)])
+            offsets = np.concatenate([offsets, np.full(extra, self._pad_row, dtype=np.int64)])
         device = arena.cache.device
-        tokens_in = torch.tensor(tokens, dtype=torch.int64, device=device)
-        positions_in = torch.tensor(positions, dtype=torch.int64, device=device)
-        offsets_in = torch.tensor(offsets, dtype=torch.int64, device=device)
-        step = self._batches.step_function(arena.cache, len(tokens), tokens_in, positions_in, offsets_in)
+        tokens_in, positions_in, offsets_in = (torch.from_numpy(a).to(device) for a in (tokens, positions, offsets))
+        step = self._batches.step_function(arena.cache, n + extra, tokens_in, positions_in, offsets_in)
         logits = step()
         sampling = [i for i, w in enumerate(active) if w.sampling]
         picked: dict[int, int] = {}
         greedy = [i for i in sampling if active[i].params.greedy]
         if greedy:
-            chosen = logits[greedy].argmax(dim=-1).tolist()
+            chosen = logits[torch.from_numpy(last[greedy]).to(device)].argmax(dim=-1).tolist()
             picked.update(zip(greedy, chosen))
         for i in sampling:
             if i not in picked:
                 work = active[i]
-                picked[i] = sample_next(logits[i], work.params, work.generator)
+                picked[i] = sample_next(logits[int(last[i])], work.params, work.generator)
         elapsed = time.perf_counter() - began
+        self.seconds["decode"] += elapsed
         now = time.monotonic()
         for i, work in enumerate(active):
-            work.timings["decode"] += elapsed
-            work.position += 1
+            if work.step_prompt is not None:  # its prompt ran in this step
+                work.timings["prefill"] += elapsed
+                work.position += work.step_prompt.shape[0]
+                work.prefilled = work.ids.shape[0] - 1
+                work.step_prompt = None
+                self.counters["step_prompts"] += 1
+            else:
+                work.timings["decode"] += elapsed
+                work.position += 1
             work.slot_steps += 1
             work.decoded = True
             if i not in picked:  # its last token's row is written: it leaves
@@ -565,14 +649,20 @@ class Scheduler:
         return next((size - n for size in self.size_classes() if size >= n), 0)
 
     def size_classes(self) -> list[int]:
-        """The batch sizes steps run at when padding (1, 2, 4, ... and max_batch); [] when not."""
+        """The batch sizes steps run at when padding (1, 2, 4, ... and max_batch; on past it up to
+        the step's capacity when prompts ride steps); [] when not."""
         if not self._pad:
             return []
         sizes, size = [], 1
         while size < self.limits.max_batch:
             sizes.append(size)
             size *= 2
-        return [*sizes, self.limits.max_batch]
+        sizes.append(self.limits.max_batch)
+        size = 1 << self.limits.max_batch.bit_length()  # the next power of two past max_batch
+        while size < self.step_capacity:
+            sizes.append(size)
+            size *= 2
+        return sorted({*sizes, self.step_capacity})
 
     def warm(self) -> list[int]:
         """One decode step of every size class on a scratch arena, before any turn (a server's

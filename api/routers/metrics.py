@@ -28,6 +28,9 @@ Generation (``kvstore serve --model``), counted by the generate route:
 ``kvstore_scheduler_in_flight`` (gauge)        turns begun and not ended (queued included)
 ``kvstore_scheduler_steps_total``              scheduler steps (each: a prefill chunk, a batched step)
 ``kvstore_scheduler_tokens_total``             tokens the batched steps sampled
+``kvstore_scheduler_prefill_forwards_total``   prefill forwards (each packs chunks of several prompts)
+``kvstore_scheduler_step_prompts_total``       prompts that ran inside a decode step (``--step-tokens``)
+``kvstore_scheduler_seconds_total{phase}``     seconds in ``prefill`` forwards and in ``decode`` steps
 ``kvstore_scheduler_preempted_total``          turns paused to give an owner with nothing decoding a slot
 ``kvstore_scheduler_refused_total``            turns refused with 429 (an owner's or the server's limit)
 ``kvstore_scheduler_arena_rows`` (gauge)       rows of the decode arena (``--arena-rows``, or grown past)
@@ -326,6 +329,15 @@ def _serving(engine) -> Iterator[Metric]:
         "Prefill forwards run (each packs the chunks of several prompts).",
         value=status["prefill_forwards"],
     )
+    yield CounterMetricFamily(
+        "kvstore_scheduler_step_prompts", "Prompts run inside a decode step.", value=status["step_prompts"]
+    )
+    seconds = CounterMetricFamily(
+        "kvstore_scheduler_seconds", "Seconds in prefill forwards and in decode steps.", labels=["phase"]
+    )
+    for phase in ("prefill", "decode"):
+        seconds.add_metric([phase], status[f"{phase}_seconds"])
+    yield seconds
     yield CounterMetricFamily(
         "kvstore_scheduler_preempted", "Turns paused to give a waiting owner a slot.", value=status["preempted"]
     )

@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from service.support import OTHER_KEY, metrics
 
@@ -36,7 +37,11 @@ def _settled(client: httpx.Client, check, tries: int = 600) -> dict:
     return page
 
 
-def test_eight_concurrent_clients_each_get_what_the_turn_gets_alone(make_server, model_dir, tmp_path):
+@pytest.mark.parametrize("step_tokens", [0, 64])
+def test_eight_concurrent_clients_each_get_what_the_turn_gets_alone(make_server, model_dir, tmp_path, step_tokens):
+    """Eight clients, two turns each, on a server decoding eight turns together: each turn gets the
+    tokens it gets on a server to itself, with prompts prefilled by forwards or (``--step-tokens``)
+    run inside the decode steps."""
     prompts = {f"s{i}": [[5 + i, 7, 11 + i], [40 + i, 2]] for i in range(8)}
     alone = make_server("--model", str(model_dir), data=tmp_path / "alone")
     with alone.client() as client:
@@ -45,7 +50,9 @@ def test_eight_concurrent_clients_each_get_what_the_turn_gets_alone(make_server,
             for sid, turns in prompts.items()
         }
     alone.stop()
-    server = make_server("--model", str(model_dir), "--max-batch", "8", data=tmp_path / "together")
+    server = make_server(
+        "--model", str(model_dir), "--max-batch", "8", "--step-tokens", str(step_tokens), data=tmp_path / "together"
+    )
     got: dict[str, list] = {}
     errors: list[str] = []
 
@@ -71,9 +78,16 @@ def test_eight_concurrent_clients_each_get_what_the_turn_gets_alone(make_server,
         assert page['kvstore_restores_total{source="live"}'] == 8
         # turns shared decode steps: fewer steps than the turns' tokens one after another
         assert page["kvstore_scheduler_steps_total"] < 16 * (TURN["max_new_tokens"] + 1)
-        # every prompt but its last token is prefilled, one chunk each; waiting chunks share forwards
-        assert page["kvstore_scheduler_prefill_chunks_total"] == 16
-        assert 1 <= page["kvstore_scheduler_prefill_forwards_total"] <= 16
+        assert page['kvstore_scheduler_seconds_total{phase="decode"}'] > 0
+        if step_tokens:  # a slot is always free: every prompt rode a decode step, none took a forward
+            assert page["kvstore_scheduler_step_prompts_total"] == 16
+            assert page["kvstore_scheduler_prefill_forwards_total"] == 0
+            assert page['kvstore_scheduler_seconds_total{phase="prefill"}'] == 0
+        else:  # every prompt but its last token is prefilled, one chunk each; waiting chunks share forwards
+            assert page["kvstore_scheduler_prefill_chunks_total"] == 16
+            assert 1 <= page["kvstore_scheduler_prefill_forwards_total"] <= 16
+            assert page["kvstore_scheduler_step_prompts_total"] == 0
+            assert page['kvstore_scheduler_seconds_total{phase="prefill"}'] > 0
 
 
 def test_a_client_that_leaves_frees_its_turn_streamed_or_not(make_server, model_dir):

@@ -1,0 +1,208 @@
+"""Prompts in the step (``kvstore.engine.scheduler``): a short prompt joins the batch inside a decode
+step, its tokens entries of the step at consecutive positions, instead of a prefill forward of its own.
+
+Off unless ``step_tokens`` asks; here it is switched on for the CPU engine, whose f32 steps give what
+a turn gets alone, and on CUDA, whose steps replay graphs. Steps are counted, never timed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.engine import Engine, preset, random_model
+from kvstore.engine import scheduler as scheduler_module
+from kvstore.engine.errors import GenerationError
+from kvstore.engine.generate import SamplingParams
+from kvstore.engine.scheduler import Scheduler, SchedulerLimits, TurnWork
+
+GREEDY = SamplingParams(0.0, 1.0, 0, None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(preset("tiny"), seed=4)
+
+
+def context(vocab: int, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(2, vocab, n)
+
+
+def alone(model, ids, max_new: int, tier: str) -> list[int]:
+    return Engine(model, tier=tier).generate(ids, max_new_tokens=max_new, stop_tokens=()).tokens
+
+
+def turn(engine, owner: str, ids, max_new: int, cache=None) -> TurnWork:
+    return TurnWork(owner, cache or engine.new_cache(), np.asarray(ids), GREEDY, max_new, frozenset())
+
+
+def drain(work: TurnWork, timeout: float = 120.0):
+    tokens = []
+    while True:
+        kind, value = work.events.get(timeout=timeout)
+        if kind == "end":
+            return tokens, value
+        tokens.append(value)
+
+
+class StepSizes:
+    """Records the entries of every step the scheduler runs (wrapping its real step function)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.sizes: list[int] = []
+        real = scheduler._batches.step_function
+
+        def recorded(pool, b, *inputs):
+            self.sizes.append(b)
+            return real(pool, b, *inputs)
+
+        scheduler._batches.step_function = recorded
+
+
+@pytest.mark.parametrize(("tier", "slots"), [("f32", 6), ("fp8", 6), ("f32", 3)])
+def test_prompts_riding_steps_give_what_turns_get_alone(model, tier, slots):
+    """With a slot free, every prompt rides a step (no prefill forward at all); with 3 slots the
+    second wave arrives while they are taken, and is prefilled by forwards meanwhile, as before."""
+    engine = Engine(model, tier=tier)
+    vocab = model.config.vocab_size
+    plan = [(5, 7), (17, 3), (12, 5), (1, 9), (23, 2), (9, 6)]  # (prompt tokens, tokens to generate)
+    scheduler = Scheduler(engine, SchedulerLimits(max_batch=slots, turn_deadline=None, step_tokens=64))
+    try:
+        works = [turn(engine, f"o{i % 2}", context(vocab, n, seed=i), m) for i, (n, m) in enumerate(plan)]
+        for work in works[:3]:
+            scheduler.submit(work)
+        assert works[0].events.get(timeout=120)[0] == "token"  # the first wave decodes: the second joins it
+        for work in works[3:]:
+            scheduler.submit(work)
+        results = [drain(w) for w in works]
+    finally:
+        scheduler.close()
+    for work, (n, m), (_, outcome) in zip(works, plan, results):
+        assert outcome.tokens == alone(model, work.ids, m, tier)
+        assert outcome.decoded and outcome.prefilled_tokens == n
+        # the session's cache holds the whole conversation, each row under the token it ran
+        assert work.cache.length == n + m
+        assert work.cache.tokens[: work.cache.length].tolist() == [*work.ids.tolist(), *outcome.tokens]
+    status = scheduler.status()
+    if slots == 6:  # every prompt of more than one token rode a step: none took a forward of its own
+        assert status["prefill_forwards"] == 0 and status["step_prompts"] == sum(1 for n, _ in plan if n > 1)
+    else:  # the first wave rode; the second was prefilled while the slots were taken
+        assert status["step_prompts"] == 3 and status["prefill_forwards"] >= 1
+
+
+def test_a_step_carries_no_more_tokens_than_its_capacity(model):
+    engine = Engine(model, tier="f32")
+    vocab = model.config.vocab_size
+    scheduler = Scheduler(engine, SchedulerLimits(max_batch=4, turn_deadline=None, step_tokens=24))
+    sizes = StepSizes(scheduler)
+    try:
+        works = [turn(engine, "o", context(vocab, 10, seed=i), 3) for i in range(4)]
+        with scheduler._cv:  # 40 prompt tokens arrive together (the loop waits on this lock)
+            for work in works:
+                scheduler.submit(work)
+        results = [drain(w) for w in works]
+    finally:
+        scheduler.close()
+    assert scheduler.step_capacity == 24
+    # two prompts ride the first step, the other two the next one beside their two tokens
+    assert sizes.sizes[:2] == [20, 22] and max(sizes.sizes) <= 24
+    for work, (_, outcome) in zip(works, results):
+        assert outcome.tokens == alone(model, work.ids, 3, "f32")
+    assert scheduler.status()["prefill_forwards"] == 0
+
+
+def test_a_prompt_after_many_rows_keeps_its_prefill_forward(model, monkeypatch):
+    """Each entry of a riding prompt reads its session's rows on its own: past STEP_PROMPT_ROW_READS
+    the prompt is prefilled in a forward, which reads them once per chunk."""
+    engine = Engine(model, tier="f32")
+    vocab = model.config.vocab_size
+    history = context(vocab, 40, seed=9)
+    cache = engine.new_cache()
+    engine.prefill_into(cache, history, 0)
+    monkeypatch.setattr(scheduler_module, "STEP_PROMPT_ROW_READS", 8 * 48)
+    scheduler = Scheduler(engine, SchedulerLimits(max_batch=2, turn_deadline=None, step_tokens=64))
+    try:
+        short = turn(engine, "a", context(vocab, 4, seed=1), 2)  # 4 x 4 rows: rides
+        scheduler.submit(short)
+        drain(short)
+        assert scheduler.status()["step_prompts"] == 1 and scheduler.status()["prefill_forwards"] == 0
+        long = turn(engine, "b", context(vocab, 9, seed=2), 2, cache=cache)  # 9 x 49 rows: a forward
+        scheduler.submit(long)
+        _, outcome = drain(long)
+    finally:
+        scheduler.close()
+    assert scheduler.status()["step_prompts"] == 1 and scheduler.status()["prefill_forwards"] == 1
+    assert outcome.tokens == alone(model, np.concatenate([history, long.ids]), 2, "f32")
+
+
+def test_size_classes_go_on_doubling_up_to_the_step_capacity(model):
+    engine = Engine(model, tier="f32")
+    padded = Scheduler(engine, SchedulerLimits(max_batch=6, pad_batches=True, step_tokens=40))
+    assert padded.size_classes() == [1, 2, 4, 6, 8, 16, 32, 40]
+    assert Scheduler(engine, SchedulerLimits(max_batch=6, pad_batches=True)).size_classes() == [1, 2, 4, 6]
+    # prompts stay out of steps unless asked
+    assert Scheduler(engine, SchedulerLimits(max_batch=6)).step_capacity == 6
+    with pytest.raises(GenerationError, match="step_tokens"):
+        SchedulerLimits(step_tokens=-1)
+
+
+def test_the_server_setting_reaches_the_scheduler_and_refuses_a_negative_count(tmp_path):
+    from kvstore.api.settings import Settings
+    from kvstore.errors import ConfigError
+
+    assert Settings(data_dir=tmp_path).scheduler_limits("cuda").step_tokens == 0
+    assert Settings(data_dir=tmp_path, step_tokens=512).scheduler_limits("cuda").step_tokens == 512
+    with pytest.raises(ConfigError, match="step_tokens"):
+        Settings(data_dir=tmp_path, step_tokens=-1)
+
+
+def test_padded_steps_with_riding_prompts_give_what_turns_get_alone(model):
+    engine = Engine(model, tier="f32")
+    vocab = model.config.vocab_size
+    scheduler = Scheduler(engine, SchedulerLimits(max_batch=4, pad_batches=True, turn_deadline=None, step_tokens=32))
+    sizes = StepSizes(scheduler)
+    try:
+        works = [turn(engine, f"o{i}", context(vocab, 3 + 4 * i, seed=20 + i), 4) for i in range(4)]
+        with scheduler._cv:  # one step sees them all
+            for work in works:
+                scheduler.submit(work)
+        results = [drain(w) for w in works]
+    finally:
+        scheduler.close()
+    assert set(sizes.sizes) <= set(scheduler.size_classes())
+    assert sizes.sizes[0] == 32  # 3 + 7 + 11 + 15 prompt tokens, padded to the class
+    for work, (_, outcome) in zip(works, results):
+        assert outcome.tokens == alone(model, work.ids, 4, "f32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["f32", "fp8"])
+def test_on_cuda_prompts_ride_graph_replays_and_decode_what_forwards_do(tier):
+    """With 512 tokens a step, prompts ride the steps' CUDA graph replays: eight turns arriving
+    together run no prefill forward, and decode what the same turns decode when their prompts are
+    prefilled by forwards (``step_tokens=0``); random weights: a near-tie may flip one."""
+    import torch
+
+    cfg = preset("tiny-512")
+    engine = Engine(random_model(cfg, seed=5).to(torch.device("cuda")), tier=tier)
+    plan = [(n, 12) for n in (3, 40, 17, 1, 64, 9, 120, 30)]
+    outcomes = {}
+    for step_tokens in (512, 0):
+        scheduler = Scheduler(engine, SchedulerLimits(max_batch=8, turn_deadline=None, step_tokens=step_tokens))
+        scheduler.warm()
+        works = [turn(engine, f"o{i}", context(cfg.vocab_size, n, seed=40 + i), m) for i, (n, m) in enumerate(plan)]
+        try:
+            with scheduler._cv:
+                for work in works:
+                    scheduler.submit(work)
+            outcomes[step_tokens] = [drain(w)[1].tokens for w in works]
+        finally:
+            scheduler.close()
+        status = scheduler.status()
+        if step_tokens:
+            assert scheduler.step_capacity == 512
+            assert status["prefill_forwards"] == 0 and status["step_prompts"] == 7
+        else:
+            assert status["step_prompts"] == 0 and status["prefill_forwards"] >= 1
+    same = sum(a == b for a, b in zip(outcomes[512], outcomes[0]))
+    assert same >= len(plan) - 1, (outcomes[512], outcomes[0])
