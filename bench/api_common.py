@@ -49,18 +49,33 @@ def v2_records(n: int, seed: int) -> np.ndarray:
 class Server:
     """``python -m kvstore.cli serve`` on a socket bound here (``keys``: its ``KVSTORE_API_KEYS``)."""
 
-    def __init__(self, data: Path, *extra: str, keys: str = f"{KEY}:bench", start_timeout: float = 60):
+    def __init__(
+        self,
+        data: Path,
+        *extra: str,
+        keys: str = f"{KEY}:bench",
+        start_timeout: float = 60,
+        switch_interval: float | None = None,
+    ):
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
         listener.set_inheritable(True)
         self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         env = {**os.environ, "KVSTORE_API_KEYS": keys}
+        # the interpreter's GIL switch interval (sys.setswitchinterval) for an experiment on how much
+        # the server's threads wait on one another; None: Python's default (5 ms)
+        launcher = ["-m", "kvstore.cli"]
+        if switch_interval is not None:
+            launcher = [
+                "-c",
+                f"import runpy, sys; sys.setswitchinterval({switch_interval!r}); "
+                "runpy.run_module('kvstore.cli', run_name='__main__', alter_sys=True)",
+            ]
         self.process = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "kvstore.cli",
+                *launcher,
                 "serve",
                 "--data",
                 str(data),

@@ -16,7 +16,11 @@ server-sent events) and records when each token arrives. For every client count:
 - the **server's CPU** over the timed round (every thread of its process, from ``/proc``): the cores
   it kept busy on average and its CPU microseconds per generated token — where the server, not the
   device, is what a round waits on (one core's worth for a Python process whose threads share the
-  GIL).
+  GIL). On a GPU it includes the scheduler thread's wait for each step's tokens, which spins on the
+  CUDA stream: near one core whatever the host does (a py-spy profile, ``--profile``, says more);
+- the **scheduler** over the round (from ``/metrics``): its steps, its prefill forwards and the
+  prompts that ran inside decode steps instead (``--step-tokens``), the mean prefill forward and
+  the mean step (a decode step's device time and the host's).
 
 Then, with ``--long N``: a session of N stored rows (written straight into the store before the
 server starts, so its first turn restores it from the journal) gets one turn while 15 other clients
@@ -30,7 +34,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -68,12 +75,67 @@ def _stream_turn(
         return began
 
 
+def _py_spy(pid: int, out: Path) -> subprocess.Popen:
+    """py-spy sampling the server's threads while they hold the GIL (collapsed stacks, one per
+    thread): which thread the others wait on, and what it does then."""
+    exe = shutil.which("py-spy") or "/tmp/site/bin/py-spy"
+    spy = subprocess.Popen(
+        [
+            exe,
+            "record",
+            "--pid",
+            str(pid),
+            "--gil",
+            "--threads",
+            "--nonblocking",
+            "--rate",
+            "500",
+            "--format",
+            "raw",
+            "-o",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)  # attached before the round starts
+    return spy
+
+
+SCHEDULER_METRICS = {
+    "kvstore_scheduler_steps_total": "steps",
+    "kvstore_scheduler_prefill_forwards_total": "forwards",
+    "kvstore_scheduler_step_prompts_total": "step_prompts",
+    'kvstore_scheduler_seconds_total{phase="prefill"}': "prefill_s",
+    'kvstore_scheduler_seconds_total{phase="decode"}': "decode_s",
+}
+
+
+def scheduler_counts(url: str) -> dict[str, float]:
+    """The scheduler's counters from ``/metrics`` (steps, prefill forwards, prompts run inside
+    steps, seconds in prefill forwards and in decode steps)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    counts = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in SCHEDULER_METRICS:
+            counts[SCHEDULER_METRICS[name]] = float(value)
+    return counts
+
+
 def _prompt(seed: int, n: int, vocab: int) -> list[int]:
     return np.random.default_rng(seed).integers(2, vocab, n).tolist()
 
 
 def http_round(
-    url: str, clients: int, prompt_len: int, tokens: int, vocab: int, round_id: int, server_pid: int | None = None
+    url: str,
+    clients: int,
+    prompt_len: int,
+    tokens: int,
+    vocab: int,
+    round_id: int,
+    server_pid: int | None = None,
+    profile: Path | None = None,
 ) -> dict:
     sessions = [f"r{round_id}c{i}" for i in range(clients)]
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as client:
@@ -93,6 +155,8 @@ def http_round(
             errors.append(str(exc))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    counts_before = scheduler_counts(url)
+    spy = _py_spy(server_pid, profile) if profile is not None and server_pid else None
     cpu_before = process_cpu_seconds(server_pid) if server_pid else 0.0
     began = time.perf_counter()
     for thread in threads:
@@ -101,8 +165,12 @@ def http_round(
         thread.join()
     wall = time.perf_counter() - began
     cpu = process_cpu_seconds(server_pid) - cpu_before if server_pid else float("nan")
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
+        spy.wait(timeout=60)
     if errors:
         raise RuntimeError(errors[0])
+    counts = {k: v - counts_before.get(k, 0.0) for k, v in scheduler_counts(url).items()}
     first, last = min(starts), max(m[-1] for m in marks)
     ttft = [m[0] - s for m, s in zip(marks, starts)]
     total = sum(len(m) for m in marks)
@@ -114,6 +182,13 @@ def http_round(
         # cores busy on average, and CPU time per generated token
         "server_cores": cpu / wall,
         "server_us_per_token": cpu / max(1, total) * 1e6,
+        # the scheduler over the round: its steps, the prefill forwards and the prompts that ran
+        # inside decode steps instead, and the mean time of a prefill forward and of a decode step
+        "steps": counts.get("steps", 0.0),
+        "forwards": counts.get("forwards", 0.0),
+        "step_prompts": counts.get("step_prompts", 0.0),
+        "prefill_ms": counts.get("prefill_s", 0.0) / max(1.0, counts.get("forwards", 0.0)) * 1e3,
+        "step_ms": counts.get("decode_s", 0.0) / max(1.0, counts.get("steps", 0.0)) * 1e3,
     }
 
 
@@ -235,6 +310,24 @@ def main() -> int:
         default=None,
         help="torch threads of the server and of the in-process batch (default: the server's, 1 on the CPU)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="a folder: py-spy samples of the server's GIL holder over each timed round (serve-N.txt)",
+    )
+    parser.add_argument(
+        "--step-tokens",
+        type=int,
+        default=None,
+        help="the server's --step-tokens (0: every prompt takes prefill forwards; default: the server's)",
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="the server interpreter's GIL switch interval in seconds (default: Python's 5 ms)",
+    )
     args = parser.parse_args()
     tier = args.tier or ("f32" if args.device == "cpu" else "fp8")
     if args.torch_threads is None and args.device == "cpu":
@@ -252,10 +345,12 @@ def main() -> int:
         extra += ["--max-turns-per-owner", slots, "--max-queue", slots]
         if args.dtype:
             extra += ["--dtype", args.dtype]
+        if args.step_tokens is not None:
+            extra += ["--step-tokens", str(args.step_tokens)]
         if args.torch_threads:
             extra += ["--torch-threads", str(args.torch_threads)]
             torch.set_num_threads(args.torch_threads)
-        server = Server(data, *extra, keys=f"{KEY}:{OWNER}", start_timeout=900)
+        server = Server(data, *extra, keys=f"{KEY}:{OWNER}", start_timeout=900, switch_interval=args.switch_interval)
         print(f"serve_bench: the server answered /health {server.started_s:.1f} s after it was started")
         model = load_model(folder, device=args.device, dtype=args.dtype)
         vocab = model.config.vocab_size
@@ -268,9 +363,10 @@ def main() -> int:
             )
             print(
                 "| clients | HTTP tok/s | in-process batch tok/s | HTTP / batch | HTTP / one client | TTFT p50 ms "
-                "| TTFT p99 ms | first round's TTFT p50 ms | server cores busy | server CPU µs / token |"
+                "| TTFT p99 ms | first round's TTFT p50 ms | server cores busy | server CPU µs / token "
+                "| steps | prefill forwards | prompts in steps | ms / prefill forward | ms / step |"
             )
-            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             if args.long and args.long_first:
                 report_long(long_resume(server.url, 15, vocab), args.long)
             one = None
@@ -279,13 +375,18 @@ def main() -> int:
                 # compiles its step (seconds on a GPU); its time to first token is reported apart
                 cold = http_round(server.url, clients, args.prompt, 4, vocab, 100 + round_id)
                 in_process(model, tier, clients, args.prompt, 4, vocab)
-                http = http_round(server.url, clients, args.prompt, args.tokens, vocab, round_id, server.process.pid)
+                profile = args.profile / f"serve-{clients}.txt" if args.profile else None
+                http = http_round(
+                    server.url, clients, args.prompt, args.tokens, vocab, round_id, server.process.pid, profile
+                )
                 batch = in_process(model, tier, clients, args.prompt, args.tokens, vocab)
                 one = one or http["tok_s"]
                 print(
                     f"| {clients} | {http['tok_s']:.1f} | {batch:.1f} | {http['tok_s'] / batch:.2f} | "
                     f"{http['tok_s'] / one:.2f} | {http['ttft_p50'] * 1e3:.1f} | {http['ttft_p99'] * 1e3:.1f} | "
-                    f"{cold['ttft_p50'] * 1e3:.1f} | {http['server_cores']:.2f} | {http['server_us_per_token']:,.0f} |"
+                    f"{cold['ttft_p50'] * 1e3:.1f} | {http['server_cores']:.2f} | {http['server_us_per_token']:,.0f} | "
+                    f"{http['steps']:.0f} | {http['forwards']:.0f} | {http['step_prompts']:.0f} | "
+                    f"{http['prefill_ms']:.1f} | {http['step_ms']:.1f} |"
                 )
             if args.long and not args.long_first:
                 report_long(long_resume(server.url, 15, vocab), args.long)
