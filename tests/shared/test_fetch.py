@@ -5,6 +5,7 @@ PostgreSQL, real S3 (moto's server); a BlobStore subclass records each GET it ma
 from __future__ import annotations
 
 import threading
+import time
 
 import boto3
 import numpy as np
@@ -201,3 +202,53 @@ def test_inspect_judges_the_records_as_they_stream_with_the_loaders_answers(
             report = store.inspect("chat", owner="alice")
             assert {k: v for k, v in report.items() if k in whole} == whole
             assert report["file"] == {"objects": 5, "bytes": coli_kv.HEADER_BYTES + 5 * ROWS * rec_bytes()}
+
+
+class WatchedCache(SegmentCache):
+    """The real cache, recording how many reads were in progress at each copy it was given."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.readers_at_put: list[int] = []
+        self.keeper = None
+
+    def put(self, segment, data):
+        self.readers_at_put.append(self.keeper._readers)
+        return super().put(segment, data)
+
+
+def test_copies_are_written_once_no_read_is_in_progress(index_url, blobs_url, s3_server, tmp_path):
+    """Write-behind: a cold download's copies wait in memory while it runs (served from there if
+    read again) and are written once it ends, with no flush; a flush writes them at once."""
+    key, image = write_session(index_url, blobs_url, s3_server.endpoint, 4)
+    cache = WatchedCache(tmp_path / "replica", 1 << 30)
+    store, _ = reader_store(index_url, blobs_url, s3_server.endpoint, cache, part_records=7, ahead_records=200)
+    with store:
+        cache.keeper = store.reads._keeper
+        plan = store.index.read_plan(key)
+        download = store.stream_planned(key, plan, 0, plan.n_records, 5)
+        served = [bytes(next(download)) for _ in range(-(-plan.n_records // 5))]  # every chunk; still open
+        assert b"".join(served) == image
+        # a second reader meanwhile gets the bytes waiting for the keeper (no GET, no copy written)
+        assert bytes(store.read_planned(key, plan, 3, 50)) == image[3 * rec_bytes() : 50 * rec_bytes()]
+        for _ in range(50):  # the keeper holds the copies while the download is open
+            if cache.readers_at_put:
+                break
+            time.sleep(0.01)
+        assert cache.readers_at_put == [] and cache.counts().files == 0
+        download.close()
+        for _ in range(3000):  # then writes them by itself
+            if cache.counts().files == 4:
+                break
+            time.sleep(0.01)
+        assert cache.counts().files == 4 and cache.readers_at_put == [0, 0, 0, 0]
+    # a flush writes the copies of a read still in progress
+    cache = WatchedCache(tmp_path / "other", 1 << 30)
+    store, _ = reader_store(index_url, blobs_url, s3_server.endpoint, cache, part_records=7, ahead_records=200)
+    with store:
+        cache.keeper = store.reads._keeper
+        download = store.stream_planned(key, plan, 0, plan.n_records, 5)
+        assert b"".join(bytes(next(download)) for _ in range(-(-plan.n_records // 5))) == image
+        store.reads.flush()
+        assert cache.counts().files == 4 and cache.readers_at_put == [1, 1, 1, 1]
+        download.close()

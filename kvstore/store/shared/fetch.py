@@ -14,10 +14,13 @@ Concurrent readers of one object share that one fetch (single flight).
 - :meth:`SegmentFetcher.whole`: one segment's bytes.
 
 With a cache, a checked object is handed to the **keeper**, one thread at the lowest CPU priority
-that writes the copy (no second hash: it was checked), so writing copies waits for idle cores
-instead of slowing the reads that fetched them; objects waiting for it are held in memory up to
-:data:`KEEP_BACKLOG_BYTES` (past that one is not kept this time: a later read keeps it). A
-compressed object (a parked session's) is fetched whole, decompressed and checked every time.
+that writes the copy (no second hash: it was checked) once no read is in progress (write-behind):
+a lowest priority alone did not keep the copies off a busy machine's cores — the page cache's new
+pages and their writeback are the kernel's work, at its own priority, and cost a replica on two
+cores half its cold download rate. Objects waiting for it are held in memory up to
+:data:`KEEP_BACKLOG_BYTES` (past half of it the keeper writes beside the reads; past all of it one
+is not kept this time: a later read keeps it). A compressed object (a parked session's) is fetched
+whole, decompressed and checked every time.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import sys
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Generator, NamedTuple
+from contextlib import contextmanager
+from typing import Callable, Generator, Iterator, NamedTuple
 
 import zstandard
 
@@ -70,16 +74,38 @@ def pieces(plan: ReadPlan, start: int, end: int) -> list[Piece]:
 
 class _Keeper:
     """Writes checked objects into the cache, one at a time, on a thread of its own at the lowest
-    CPU priority (on Linux a thread's nice value is its own)."""
+    CPU priority (on Linux a thread's nice value is its own), while no read is in progress — or
+    beside them once half the backlog waits, or for a flush or a close."""
 
     def __init__(self, cache: SegmentCache, backlog_bytes: int):
         self.cache = cache
         self.backlog_bytes = backlog_bytes
         self._queue: queue.SimpleQueue[tuple[Segment, memoryview] | threading.Event | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the last read ends
         self._waiting: dict[str, memoryview] = {}  # object name -> its checked bytes, until written
         self._waiting_bytes = 0
+        self._readers = 0  # reads in progress: copies wait for them
+        self._urgent = 0  # flushes and a close waiting: copies are written whatever reads run
         self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around a read: copies are not written meanwhile (unless the backlog is half full)."""
+        with self._lock:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._idle.notify_all()
+
+    def _wait_for_idle(self) -> None:
+        with self._lock:
+            while self._readers and not self._urgent and 2 * self._waiting_bytes <= self.backlog_bytes:
+                self._idle.wait()
 
     def waiting(self, segment: Segment) -> memoryview | None:
         """The checked bytes of ``segment`` if they wait to be written (a reader copies them)."""
@@ -108,6 +134,9 @@ class _Keeper:
             if self._thread is None:
                 return
         written = threading.Event()
+        with self._lock:
+            self._urgent += 1
+            self._idle.notify_all()
         self._queue.put(written)
         written.wait()
 
@@ -115,6 +144,8 @@ class _Keeper:
         """Write what is queued, then stop."""
         with self._lock:
             thread = self._thread
+            self._urgent += 1
+            self._idle.notify_all()
         if thread is not None:
             self._queue.put(None)
             thread.join()
@@ -127,9 +158,12 @@ class _Keeper:
                 pass  # it runs at the process's priority
         while (item := self._queue.get()) is not None:
             if isinstance(item, threading.Event):
+                with self._lock:
+                    self._urgent -= 1
                 item.set()  # a flush: everything queued before it is written
                 continue
             segment, checked = item
+            self._wait_for_idle()
             try:
                 self.cache.put(segment, checked)
             except Exception:  # a copy is an optimisation: one failure never stops the keeper
@@ -183,8 +217,18 @@ class SegmentFetcher:
     def read(self, key: str, plan: ReadPlan, start: int, end: int) -> bytearray:
         """Bytes of records ``[start, end)`` of ``plan`` (``0 <= start <= end <= plan.n_records``)."""
         out = bytearray((end - start) * plan.rec_bytes)
-        self._wait(key, self._submit(key, plan, start, end, memoryview(out)), len(out))
+        with self._reading():
+            self._wait(key, self._submit(key, plan, start, end, memoryview(out)), len(out))
         return out
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Around a read: the keeper writes no copy meanwhile."""
+        if self._keeper is None:
+            yield
+        else:
+            with self._keeper.reading():
+                yield
 
     def stream(
         self, key: str, plan: ReadPlan, start: int, end: int, chunk_records: int, read_ahead_bytes: int | None = None
@@ -212,18 +256,19 @@ class SegmentFetcher:
                 pending.append((piece, self.pool.submit(self._view, key, piece)))
                 in_flight += piece.nbytes
 
-        try:
-            submit_next()
-            while pending:
-                piece, job = pending.popleft()
-                view = job.result()  # re-raises a failed read
-                in_flight -= piece.nbytes
+        with self._reading():
+            try:
                 submit_next()
-                for at in range(0, piece.nbytes, step):
-                    yield view[at : at + step]
-        finally:
-            for _, job in pending:
-                job.cancel()
+                while pending:
+                    piece, job = pending.popleft()
+                    view = job.result()  # re-raises a failed read
+                    in_flight -= piece.nbytes
+                    submit_next()
+                    for at in range(0, piece.nbytes, step):
+                        yield view[at : at + step]
+            finally:
+                for _, job in pending:
+                    job.cancel()
 
     def _view(self, key: str, piece: Piece) -> memoryview:
         """``piece``'s checked bytes without a copy: a slice of the cache's mapped copy, of an object
