@@ -17,7 +17,8 @@ import pytest
 from kvstore.engine import Engine, preset, random_model
 from kvstore.engine.errors import GenerationError, ServerBusy
 from kvstore.engine.generate import SamplingParams
-from kvstore.engine.scheduler import Outcome, Scheduler, SchedulerLimits, TurnWork
+from kvstore.engine.scheduler import Scheduler, SchedulerLimits, TurnWork
+from scheduled import drain
 
 GREEDY = SamplingParams(0.0, 1.0, 0, None)
 
@@ -44,25 +45,21 @@ def turn(engine, owner: str, ids, max_new: int, **kw) -> TurnWork:
     return TurnWork(owner, engine.new_cache(), np.asarray(ids), GREEDY, max_new, frozenset(), **kw)
 
 
-def drain(work: TurnWork, timeout: float = 120.0) -> tuple[list[int], Outcome]:
-    tokens = []
-    while True:
-        kind, value = work.events.get(timeout=timeout)
-        if kind == "end":
-            return tokens, value
-        tokens.append(value)
-
-
 def run_scheduler(engine, limits: SchedulerLimits) -> Scheduler:
     return Scheduler(engine, limits)
 
 
+@pytest.mark.parametrize("step_tokens", [0, 64])
 @pytest.mark.parametrize("tier", ["f32", "fp8", "int4", "q8"])
-def test_turns_joining_and_leaving_get_what_they_get_alone(model, tier):
+def test_turns_joining_and_leaving_get_what_they_get_alone(model, tier, step_tokens):
+    """With ``step_tokens`` the first wave's prompts ride their first decode step (prompts in the
+    step, tests/engine/test_step_prompts.py); the second arrives with every slot taken and is
+    prefilled by forwards meanwhile, as it is without."""
     engine = Engine(model, tier=tier)
     vocab = model.config.vocab_size
     plan = [(5, 7), (17, 3), (40, 5), (1, 9), (23, 2), (9, 6)]  # (prompt tokens, tokens to generate)
-    scheduler = run_scheduler(engine, SchedulerLimits(max_batch=3, prefill_chunk=8, turn_deadline=None))
+    limits = SchedulerLimits(max_batch=3, prefill_chunk=8, turn_deadline=None, step_tokens=step_tokens)
+    scheduler = run_scheduler(engine, limits)
     try:
         works = [turn(engine, f"o{i % 2}", context(vocab, n, seed=i), m) for i, (n, m) in enumerate(plan)]
         for work in works[:3]:
@@ -83,7 +80,12 @@ def test_turns_joining_and_leaving_get_what_they_get_alone(model, tier):
         assert work.cache.tokens.tolist() == [*work.ids.tolist(), *want]
     steps = scheduler.counters["steps"]
     assert steps < sum(m + 1 for _, m in plan)  # turns shared steps: a batch, not one after another
-    assert scheduler.counters["prefill_chunks"] >= sum(-(-(n - 1) // 8) for n, _ in plan if n > 1)
+    if step_tokens:  # the first wave rode its first step; the second was prefilled while slots were taken
+        assert scheduler.counters["step_prompts"] == 3
+        assert scheduler.counters["prefill_chunks"] >= sum(-(-(n - 1) // 8) for n, _ in plan[3:] if n > 1)
+    else:
+        assert scheduler.counters["step_prompts"] == 0
+        assert scheduler.counters["prefill_chunks"] >= sum(-(-(n - 1) // 8) for n, _ in plan if n > 1)
 
 
 def test_short_prompts_arriving_together_share_prefill_forwards(model, engine):

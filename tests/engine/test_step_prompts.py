@@ -15,6 +15,7 @@ from kvstore.engine import scheduler as scheduler_module
 from kvstore.engine.errors import GenerationError
 from kvstore.engine.generate import SamplingParams
 from kvstore.engine.scheduler import Scheduler, SchedulerLimits, TurnWork
+from scheduled import drain
 
 GREEDY = SamplingParams(0.0, 1.0, 0, None)
 
@@ -36,15 +37,6 @@ def turn(engine, owner: str, ids, max_new: int, cache=None) -> TurnWork:
     return TurnWork(owner, cache or engine.new_cache(), np.asarray(ids), GREEDY, max_new, frozenset())
 
 
-def drain(work: TurnWork, timeout: float = 120.0):
-    tokens = []
-    while True:
-        kind, value = work.events.get(timeout=timeout)
-        if kind == "end":
-            return tokens, value
-        tokens.append(value)
-
-
 class StepSizes:
     """Records the entries of every step the scheduler runs (wrapping its real step function)."""
 
@@ -59,35 +51,31 @@ class StepSizes:
         scheduler._batches.step_function = recorded
 
 
-@pytest.mark.parametrize(("tier", "slots"), [("f32", 6), ("fp8", 6), ("f32", 3)])
-def test_prompts_riding_steps_give_what_turns_get_alone(model, tier, slots):
-    """With a slot free, every prompt rides a step (no prefill forward at all); with 3 slots the
-    second wave arrives while they are taken, and is prefilled by forwards meanwhile, as before."""
+@pytest.mark.parametrize("tier", ["f32", "fp8"])
+def test_prompts_arriving_together_ride_the_first_step_and_get_what_they_get_alone(model, tier):
+    """A slot free for each: every prompt runs in the first decode step, no prefill forward at all,
+    and each session's cache ends holding its whole conversation, each row under its token."""
     engine = Engine(model, tier=tier)
     vocab = model.config.vocab_size
     plan = [(5, 7), (17, 3), (12, 5), (1, 9), (23, 2), (9, 6)]  # (prompt tokens, tokens to generate)
-    scheduler = Scheduler(engine, SchedulerLimits(max_batch=slots, turn_deadline=None, step_tokens=64))
+    scheduler = Scheduler(engine, SchedulerLimits(max_batch=6, turn_deadline=None, step_tokens=72))
+    sizes = StepSizes(scheduler)
     try:
         works = [turn(engine, f"o{i % 2}", context(vocab, n, seed=i), m) for i, (n, m) in enumerate(plan)]
-        for work in works[:3]:
-            scheduler.submit(work)
-        assert works[0].events.get(timeout=120)[0] == "token"  # the first wave decodes: the second joins it
-        for work in works[3:]:
-            scheduler.submit(work)
-        results = [drain(w) for w in works]
+        with scheduler._cv:  # one step sees them all (the loop waits on this lock)
+            for work in works:
+                scheduler.submit(work)
+        outcomes = [drain(w)[1] for w in works]
     finally:
         scheduler.close()
-    for work, (n, m), (_, outcome) in zip(works, plan, results):
+    assert sizes.sizes[0] == sum(n for n, _ in plan)
+    for work, (n, m), outcome in zip(works, plan, outcomes):
         assert outcome.tokens == alone(model, work.ids, m, tier)
         assert outcome.decoded and outcome.prefilled_tokens == n
-        # the session's cache holds the whole conversation, each row under the token it ran
         assert work.cache.length == n + m
         assert work.cache.tokens[: work.cache.length].tolist() == [*work.ids.tolist(), *outcome.tokens]
     status = scheduler.status()
-    if slots == 6:  # every prompt of more than one token rode a step: none took a forward of its own
-        assert status["prefill_forwards"] == 0 and status["step_prompts"] == sum(1 for n, _ in plan if n > 1)
-    else:  # the first wave rode; the second was prefilled while the slots were taken
-        assert status["step_prompts"] == 3 and status["prefill_forwards"] >= 1
+    assert status["prefill_forwards"] == 0 and status["step_prompts"] == sum(1 for n, _ in plan if n > 1)
 
 
 def test_a_step_carries_no_more_tokens_than_its_capacity(model):
