@@ -2,13 +2,17 @@
 
 A turn's tokens come from the engine's scheduler to a worker thread (the turn's reader, which also
 appends the turn at its end); :class:`EventPipe` hands them to the response's async generator with
-one wake-up of the loop per event and no thread per read, and gives the generator every event that
-arrived meanwhile at once, so a slow client gets one write for several tokens rather than a backlog.
+one wake-up of the loop for the events that arrive together (every streamed turn's token of one
+scheduler step) and no thread per read, and gives the generator every event that arrived meanwhile
+at once, so a slow client gets one write for several tokens rather than a backlog.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
+from collections import deque
 from typing import Any, AsyncIterator
 
 __all__ = ["EventPipe"]
@@ -17,26 +21,75 @@ __all__ = ["EventPipe"]
 END = None
 
 
+class _Deliveries:
+    """The items producer threads hand to one event loop, delivered together: the first item put
+    since the loop's last delivery schedules one (one wake-up of the loop, one callback), the
+    others join it. Many streamed turns get their tokens at the same scheduler step: the loop wakes
+    once for all of them, not once for each."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[EventPipe, Any]] = []
+
+    def post(self, pipe: "EventPipe", item: Any) -> None:
+        with self._lock:
+            self._pending.append((pipe, item))
+            first = len(self._pending) == 1
+        if first:
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            arrived, self._pending = self._pending, []
+        for pipe, item in arrived:
+            pipe._arrived(item)
+
+
+_deliveries: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Deliveries]" = weakref.WeakKeyDictionary()
+_deliveries_lock = threading.Lock()
+
+
+def _deliveries_of(loop: asyncio.AbstractEventLoop) -> _Deliveries:
+    with _deliveries_lock:
+        found = _deliveries.get(loop)
+        if found is None:
+            found = _deliveries[loop] = _Deliveries(loop)
+        return found
+
+
 class EventPipe:
     """A queue from one producer thread to one async consumer. Make it in the event loop."""
 
     def __init__(self):
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._deliveries = _deliveries_of(asyncio.get_running_loop())
+        self._items: deque[Any] = deque()  # touched on the loop only
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: Any) -> None:
         """From any thread: queue ``item`` (``END`` when there is nothing more)."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._deliveries.post(self, item)
 
     def close(self) -> None:
         self.put(END)
 
+    def _arrived(self, item: Any) -> None:  # on the loop
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def batches(self) -> AsyncIterator[list[Any]]:
         """Every item queued since the last batch (at least one), until ``END``."""
         while True:
-            batch = [await self._queue.get()]
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            if not self._items:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            batch = list(self._items)
+            self._items.clear()
             if END in batch:
                 items = batch[: batch.index(END)]
                 if items:
