@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import weakref
 from collections import deque
 from typing import Any, AsyncIterator
 
@@ -46,15 +45,19 @@ class _Deliveries:
             pipe._arrived(item)
 
 
-_deliveries: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Deliveries]" = weakref.WeakKeyDictionary()
+# one per event loop, by its id; a loop may not take weak references (uvloop's), so an entry holds
+# its loop and is dropped once the loop is closed (an id is reused only after its loop is gone)
+_deliveries: dict[int, _Deliveries] = {}
 _deliveries_lock = threading.Lock()
 
 
 def _deliveries_of(loop: asyncio.AbstractEventLoop) -> _Deliveries:
     with _deliveries_lock:
-        found = _deliveries.get(loop)
-        if found is None:
-            found = _deliveries[loop] = _Deliveries(loop)
+        found = _deliveries.get(id(loop))
+        if found is None or found._loop is not loop:
+            for key in [key for key, entry in _deliveries.items() if entry._loop.is_closed()]:
+                del _deliveries[key]
+            found = _deliveries[id(loop)] = _Deliveries(loop)
         return found
 
 
