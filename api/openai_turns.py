@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 from kvstore.api.chat_template import continuation, encode, first_turn_prefix, render
 from kvstore.api.errors import InvalidParameter
 from kvstore.api.routers.metrics import Metrics
+from kvstore.api.streams import post_to_loop
 from kvstore.engine.errors import ConversationMismatch
 from kvstore.errors import KVStoreError, SessionNotFound
 from kvstore.store.values import MAX_TAGS
@@ -160,7 +161,8 @@ class TurnThread:
 
     def _emit(self, kind: str, value: Any) -> None:
         try:
-            self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            # with the other turns' events of the step: one wake-up of the loop for all of them
+            post_to_loop(self._loop, self.events.put_nowait, (kind, value))
         except RuntimeError:  # the loop closed (the server stopped): nobody is there to read it
             pass
 

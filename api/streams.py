@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-__all__ = ["EventPipe"]
+__all__ = ["EventPipe", "post_to_loop"]
 
 #: What the producer puts last: the stream is over.
 END = None
@@ -29,11 +29,11 @@ class _Deliveries:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[EventPipe, Any]] = []
+        self._pending: list[tuple[Callable[[Any], object], Any]] = []
 
-    def post(self, pipe: "EventPipe", item: Any) -> None:
+    def post(self, callback: Callable[[Any], object], item: Any) -> None:
         with self._lock:
-            self._pending.append((pipe, item))
+            self._pending.append((callback, item))
             first = len(self._pending) == 1
         if first:
             self._loop.call_soon_threadsafe(self._deliver)
@@ -41,8 +41,8 @@ class _Deliveries:
     def _deliver(self) -> None:
         with self._lock:
             arrived, self._pending = self._pending, []
-        for pipe, item in arrived:
-            pipe._arrived(item)
+        for callback, item in arrived:
+            callback(item)
 
 
 # one per event loop, by its id; a loop may not take weak references (uvloop's), so an entry holds
@@ -61,17 +61,23 @@ def _deliveries_of(loop: asyncio.AbstractEventLoop) -> _Deliveries:
         return found
 
 
+def post_to_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], object], item: Any) -> None:
+    """From any thread: run ``callback(item)`` on ``loop``, with whatever else was posted to it before
+    the loop got to it (one wake-up); RuntimeError once the loop is closed."""
+    _deliveries_of(loop).post(callback, item)
+
+
 class EventPipe:
     """A queue from one producer thread to one async consumer. Make it in the event loop."""
 
     def __init__(self):
-        self._deliveries = _deliveries_of(asyncio.get_running_loop())
+        self._post = _deliveries_of(asyncio.get_running_loop()).post
         self._items: deque[Any] = deque()  # touched on the loop only
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: Any) -> None:
         """From any thread: queue ``item`` (``END`` when there is nothing more)."""
-        self._deliveries.post(self, item)
+        self._post(self._arrived, item)
 
     def close(self) -> None:
         self.put(END)
