@@ -57,7 +57,8 @@ LONG_SPLIT_TILES = 4
 #: many kv_lora vectors (256 MB in f16 at 512). A captured step only bounds its sequences by the
 #: cache's rows, so its grid covers that bound for every sequence: a scheduler step of 512 entries
 #: over a 262k-row arena planned 512 splits each, 4.3 GB of partials per workspace, kept for each
-#: stream and graph that ran it (an H100 server ran out of memory). Past this, splits grow longer.
+#: stream and graph that ran it (most likely why an H100 server ran out of memory). Past this,
+#: splits grow longer.
 MAX_PARTIALS = 1 << 18
 #: Output dims per block of mla_merge_v2 that are instantiated, widest first.
 MERGE_WIDTHS = (512, 128, 32)
