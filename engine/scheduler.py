@@ -1,3 +1,4 @@
+# Over 700 lines: one state machine — admission, fairness, prefill forwards, prompts riding steps, the decode step and the arena its turns' regions live in all move TurnWork through its phases and share the step's counts, and are reviewed together.
 """One scheduler owns the device: every turn in flight decodes in one batch (continuous batching).
 
 Turns are submitted as :class:`TurnWork` (a session's resident cache, the new tokens, the sampling
@@ -272,6 +273,7 @@ class Scheduler:
         #: tokens one step may run (decoding turns' and riding prompts'); max_batch when prompts never ride
         self.step_capacity = max(self.limits.max_batch, step_tokens) if step_tokens else self.limits.max_batch
         self._prompts_ride = bool(step_tokens)
+        self._sizes = self._size_classes()  # fixed by the limits: every step pads to one of them
         self._thread: threading.Thread | None = None
         self._stopping = False
         #: steps run, tokens generated, prefill chunks run and the forwards that ran them, prompts
@@ -453,7 +455,7 @@ class Scheduler:
         """Whether the rest of ``work``'s prompt may run inside a decode step (prompts in the step)."""
         if not self._prompts_ride or work.phase != "prefill":
             return False
-        rest = work.ids.shape[0] - work.prefilled
+        rest = self._entries(work)
         return rest <= self.step_capacity - 1 and rest * (work.cache.length + rest) <= STEP_PROMPT_ROW_READS
 
     def _admit(self, works: list[TurnWork]) -> None:
@@ -469,7 +471,7 @@ class Scheduler:
         # owners with the fewest turns decoding first; round-robin among equals
         waiting = sorted(self._fair_order(ready), key=lambda w: counts.get(w.owner, 0))
         for work in waiting:
-            needs = work.ids.shape[0] - work.prefilled if work.phase == "prefill" else 1
+            needs = self._entries(work)
             if len(active) >= slots:
                 if counts.get(work.owner, 0):
                     continue  # an owner already decoding waits for a free slot
@@ -490,8 +492,11 @@ class Scheduler:
 
     @staticmethod
     def _entries(work: TurnWork) -> int:
-        """Tokens ``work`` runs in the coming step (its prompt's rest when that rides it)."""
-        return work.step_prompt.shape[0] if work.step_prompt is not None else 1
+        """Tokens ``work`` runs in the step it joins or holds a slot in: the rest of its prompt
+        while that is unrun (it rides the step), else one."""
+        if work.phase == "prefill" or work.step_prompt is not None:
+            return work.ids.shape[0] - work.prefilled
+        return 1
 
     def _victim(self, active: list[TurnWork], counts: dict[str, int]) -> TurnWork | None:
         """The turn that yields its slot to an owner with nothing decoding, or None (wait)."""
@@ -647,12 +652,15 @@ class Scheduler:
                 self._cancel_decoding(work)
 
     def _padding(self, n: int) -> int:
-        """Slots added to a step of ``n`` turns (at most max_batch): up to its size class."""
-        return next((size - n for size in self.size_classes() if size >= n), 0)
+        """Entries added to a step of ``n`` (at most the step's capacity): up to its size class."""
+        return next((size - n for size in self._sizes if size >= n), 0)
 
     def size_classes(self) -> list[int]:
         """The batch sizes steps run at when padding (1, 2, 4, ... and max_batch; on past it up to
         the step's capacity when prompts ride steps); [] when not."""
+        return list(self._sizes)
+
+    def _size_classes(self) -> list[int]:
         if not self._pad:
             return []
         sizes, size = [], 1
