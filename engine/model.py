@@ -298,6 +298,12 @@ class MLAttention(nn.Module):
         queries, keys, values = (t.transpose(0, 1)[None] for t in (queries, keys, values))
         return queries, keys, values
 
+    def _query_chunk(self, t: int, n: int, device: torch.device) -> int:
+        """Queries per SDPA call of ``t`` queries over ``n`` keys: the f32 scores of a call within
+        the score budget (larger where the fused kernels do not materialize them)."""
+        budget = _SCORE_BUDGET_BYTES * (_FUSED_BUDGET_FACTOR if device.type == "cuda" else 1)
+        return max(1, min(t, budget // max(1, 4 * self.n_heads * n)))
+
     def _plain(self, q_nope, q_rope, cache, start: int) -> torch.Tensor:
         """Prefill attention: expand the cached latents to per-head keys/values, causal SDPA."""
         t = q_nope.shape[0]
@@ -311,8 +317,7 @@ class MLAttention(nn.Module):
             whole = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.softmax_scale)
             return whole[0, ..., : self.v_dim].transpose(0, 1)
         out = torch.empty(self.n_heads, t, self.v_dim, dtype=dtype, device=q_nope.device)
-        budget = _SCORE_BUDGET_BYTES * (_FUSED_BUDGET_FACTOR if q_nope.device.type == "cuda" else 1)
-        chunk = max(1, min(t, budget // max(1, 4 * self.n_heads * n)))
+        chunk = self._query_chunk(t, n, q_nope.device)
         for q0 in range(0, t, chunk):
             q1 = min(t, q0 + chunk)
             visible = start + q1  # the last query of the chunk sees rows 0 .. start+q1-1
@@ -337,8 +342,7 @@ class MLAttention(nn.Module):
         index = torch.arange(n, device=q_nope.device)
         visible = (owner[:, None] == owner[None, :]) & (index[None, :] <= index[:, None])
         out = torch.empty(self.n_heads, n, self.v_dim, dtype=dtype, device=q_nope.device)
-        budget = _SCORE_BUDGET_BYTES * (_FUSED_BUDGET_FACTOR if q_nope.device.type == "cuda" else 1)
-        chunk = max(1, min(n, budget // max(1, 4 * self.n_heads * n)))
+        chunk = self._query_chunk(n, n, q_nope.device)
         for q0 in range(0, n, chunk):
             q1 = min(n, q0 + chunk)
             out[:, q0:q1] = F.scaled_dot_product_attention(
