@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect
 from kvstore.api.chat_template import continuation, encode, first_turn_prefix, render
 from kvstore.api.errors import InvalidParameter
 from kvstore.api.routers.metrics import Metrics
-from kvstore.api.streams import post_to_loop
+from kvstore.api.streams import loop_poster
 from kvstore.engine.errors import ConversationMismatch
 from kvstore.errors import KVStoreError, SessionNotFound
 from kvstore.store.values import MAX_TAGS
@@ -142,7 +142,7 @@ class TurnThread:
         self.store = job.engine.store
         self.tokenizer = job.engine.engine.tokenizer
         self.events: asyncio.Queue = asyncio.Queue()
-        self._loop = loop
+        self._post = loop_poster(loop)  # with the other turns' events of a step: one wake-up of the loop
         self._lock = threading.Lock()
         self._cancelled = False
         self._turn = None
@@ -161,8 +161,7 @@ class TurnThread:
 
     def _emit(self, kind: str, value: Any) -> None:
         try:
-            # with the other turns' events of the step: one wake-up of the loop for all of them
-            post_to_loop(self._loop, self.events.put_nowait, (kind, value))
+            self._post(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the loop closed (the server stopped): nobody is there to read it
             pass
 

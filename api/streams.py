@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from typing import Any, AsyncIterator, Callable
 
-__all__ = ["EventPipe", "post_to_loop"]
+__all__ = ["EventPipe", "loop_poster"]
 
 #: What the producer puts last: the stream is over.
 END = None
@@ -61,17 +61,18 @@ def _deliveries_of(loop: asyncio.AbstractEventLoop) -> _Deliveries:
         return found
 
 
-def post_to_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], object], item: Any) -> None:
-    """From any thread: run ``callback(item)`` on ``loop``, with whatever else was posted to it before
-    the loop got to it (one wake-up); RuntimeError once the loop is closed."""
-    _deliveries_of(loop).post(callback, item)
+def loop_poster(loop: asyncio.AbstractEventLoop) -> Callable[[Callable[[Any], object], Any], None]:
+    """``post(callback, item)``, callable from any thread: runs ``callback(item)`` on ``loop`` with
+    whatever else was posted to it before the loop got to it (one wake-up); RuntimeError once the
+    loop is closed. Found once per producer, not per item."""
+    return _deliveries_of(loop).post
 
 
 class EventPipe:
     """A queue from one producer thread to one async consumer. Make it in the event loop."""
 
     def __init__(self):
-        self._post = _deliveries_of(asyncio.get_running_loop()).post
+        self._post = loop_poster(asyncio.get_running_loop())
         self._items: deque[Any] = deque()  # touched on the loop only
         self._waiter: asyncio.Future[None] | None = None
 
