@@ -110,6 +110,19 @@ class Server:
         self.process.wait(timeout=60)
 
 
+def server_metrics(url: str) -> dict[str, float]:
+    """A server's ``GET /metrics`` (no credentials) parsed: ``{'name{labels}': value}``, the labels
+    as the page spells them (``kvstore_scheduler_seconds_total{phase="decode"}``)."""
+    page = httpx.get(url + "/metrics", timeout=30)
+    page.raise_for_status()
+    out = {}
+    for line in page.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

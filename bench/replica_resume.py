@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_common import process_cpu_seconds  # noqa: E402
+from api_common import process_cpu_seconds, server_metrics  # noqa: E402
 
 from kvstore import tiers  # noqa: E402
 from kvstore.formats import coli_kv  # noqa: E402
@@ -139,10 +139,10 @@ def _httpx(url: str, key: str, size: int) -> float:
 
 def _cache_bytes(url: str) -> float:
     """The replica's segment cache bytes, from its ``/metrics``."""
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("kvstore_cache_bytes "):
-            return float(line.split()[1])
-    raise RuntimeError("the replica's /metrics has no kvstore_cache_bytes")
+    page = server_metrics(url)
+    if "kvstore_cache_bytes" not in page:
+        raise RuntimeError("the replica's /metrics has no kvstore_cache_bytes")
+    return page["kvstore_cache_bytes"]
 
 
 def _kept(url: str, before: float, size: int, waits: list[float]) -> None:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_common import KEY, Server, percentile, process_cpu_seconds  # noqa: E402
+from api_common import KEY, Server, percentile, process_cpu_seconds, server_metrics  # noqa: E402
 
 OWNER = "bench"
 
@@ -114,13 +114,8 @@ SCHEDULER_METRICS = {
 def scheduler_counts(url: str) -> dict[str, float]:
     """The scheduler's counters from ``/metrics`` (steps, prefill forwards, prompts run inside
     steps, seconds in prefill forwards and in decode steps)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    counts = {}
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name in SCHEDULER_METRICS:
-            counts[SCHEDULER_METRICS[name]] = float(value)
-    return counts
+    page = server_metrics(url)
+    return {short: page[name] for name, short in SCHEDULER_METRICS.items() if name in page}
 
 
 def _prompt(seed: int, n: int, vocab: int) -> list[int]:
