@@ -55,11 +55,22 @@ OWNER = "bench"
 
 
 def _stream_turn(
-    url: str, session_id: str, tokens: list[int], max_new: int, marks: list[float], done: dict | None = None
+    url: str,
+    session_id: str,
+    tokens: list[int],
+    max_new: int,
+    marks: list[float],
+    done: dict | None = None,
+    ready: threading.Barrier | None = None,
 ) -> float:
     """One streamed turn; appends each token's arrival time to ``marks`` (and puts the turn's
-    closing ``done`` event into ``done``); returns the request's start."""
+    closing ``done`` event into ``done``); returns the request's start. With ``ready``, the client
+    is made first and the request waits for every other client's: an ``httpx.Client`` takes ~10-20
+    ms of this process's GIL to make (its TLS context), and 64 made one after another would spread
+    the requests' starts over most of a second, a cost of this bench, not of the server."""
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=3600) as client:
+        if ready is not None:
+            ready.wait()
         began = time.perf_counter()
         body = {"tokens": tokens, "max_new_tokens": max_new, "stop": [], "stream": True}
         with client.stream("POST", f"/sessions/{session_id}/generate", json=body) as answer:
@@ -142,20 +153,26 @@ def http_round(
     marks: list[list[float]] = [[] for _ in sessions]
     starts = [0.0] * clients
     errors: list[str] = []
+    ready = threading.Barrier(clients + 1)  # every client made before the round's clock starts
 
     def run(i: int) -> None:
         try:
-            starts[i] = _stream_turn(url, sessions[i], _prompt(i, prompt_len, vocab), tokens, marks[i])
+            starts[i] = _stream_turn(url, sessions[i], _prompt(i, prompt_len, vocab), tokens, marks[i], ready=ready)
         except Exception as exc:  # reported below
             errors.append(str(exc))
+            ready.abort()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
     counts_before = scheduler_counts(url)
     spy = _py_spy(server_pid, profile) if profile is not None and server_pid else None
-    cpu_before = process_cpu_seconds(server_pid) if server_pid else 0.0
-    began = time.perf_counter()
     for thread in threads:
         thread.start()
+    cpu_before = process_cpu_seconds(server_pid) if server_pid else 0.0
+    try:
+        ready.wait()
+    except threading.BrokenBarrierError:
+        pass  # a client failed: reported below
+    began = time.perf_counter()
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - began

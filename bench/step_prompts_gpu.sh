@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Prompts in the step on a GPU, in one device call (carry [".whl"]): the CUDA test of prompts riding
-# graph replays, then the HTTP figures of bench/serve_bench.py twice on one random V2-Lite-geometry
-# model folder: with prompts riding decode steps (--step-tokens 512), with the 32k session's resume
-# first, and with every prompt taking prefill forwards (the default, --step-tokens 0). The GPU's
-# memory in use is sampled every 4 s into $OUT/memory.txt (the first run ran out of it).
+# graph replays by default, then the HTTP figures of bench/serve_bench.py twice on one random
+# V2-Lite-geometry model folder: the server's default on CUDA (prompts ride decode steps, 512
+# tokens a step), with the 32k session's resume first, and with every prompt taking prefill
+# forwards (--step-tokens 0). The GPU's memory in use is sampled every 4 s into $OUT/memory.txt.
 # Usage: OUT=/some/dir bash bench/step_prompts_gpu.sh      (about 7 minutes on an H100)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,8 +32,8 @@ run() {
 (while sleep 4; do nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' '; echo; done) \
     > "$OUT/memory.txt" 2>&1 &
 sampler=$!
-echo "## prompts riding decode steps (--step-tokens 512)"
-run 260 --long 32768 --long-first --step-tokens 512 | tee "$OUT/riding.log"
-echo "## every prompt in prefill forwards (the default)"
-run 200 --long 0 | tee "$OUT/forwards.log"
+echo "## the default on CUDA: prompts riding decode steps (512 tokens a step)"
+CLIENTS="${RIDING_CLIENTS:-1 4 16 64}" run 280 --long 32768 --long-first | tee "$OUT/riding.log"
+echo "## every prompt in prefill forwards (--step-tokens 0)"
+run 200 --long 0 --step-tokens 0 | tee "$OUT/forwards.log"
 kill "$sampler"
