@@ -75,7 +75,8 @@ class Settings:
     arena_rows : rows of the decode arena reserved at start (None: 4096 a slot on a GPU, none on
         the CPU; docs/SERVE.md)
     step_tokens : the most tokens one decode step runs, short prompts joining the batch inside it
-        (0, the default: prompts take prefill forwards; docs/SERVE.md)
+        (None: 512 where steps replay CUDA graphs, none elsewhere; 0: every prompt takes prefill
+        forwards; docs/SERVE.md)
     max_queue : turns in flight beyond the slots, service-wide; one more gets 429 ``ServerBusy``
     max_turns_per_owner : turns one owner may have in flight; one more gets 429 ``ServerBusy``
     turn_deadline : seconds a turn may run before it is stopped (``finish_reason: deadline``);
@@ -122,7 +123,7 @@ class Settings:
     max_new_tokens: int = 4096
     max_batch: int | None = None
     arena_rows: int | None = None
-    step_tokens: int = 0
+    step_tokens: int | None = None
     max_queue: int = 64
     max_turns_per_owner: int = 8
     turn_deadline: float | None = 600.0
@@ -187,7 +188,7 @@ class Settings:
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")
         for name in ("max_queue", "host_pool_bytes", "arena_rows", "step_tokens"):
             value = getattr(self, name)
-            if name == "arena_rows" and value is None:
+            if name in ("arena_rows", "step_tokens") and value is None:
                 continue  # the device's default
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, not {value!r}")

@@ -67,7 +67,7 @@ SERVING = {
     "step_tokens": (
         int,
         "with --model: the most tokens one decode step runs; short prompts join the batch inside a step "
-        "instead of a prefill forward of their own (default 0: off; 512 on a GPU is what was measured)",
+        "instead of a prefill forward of their own (default 512 where steps replay CUDA graphs, else 0: off)",
     ),
     "max_queue": (int, "with --model: turns in flight beyond the slots; one more gets 429 (default 64)"),
     "max_turns_per_owner": (int, "with --model: turns one owner may have in flight; one more gets 429 (default 8)"),

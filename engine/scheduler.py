@@ -37,10 +37,11 @@ attention. So a turn whose rest of prompt is short (:attr:`SchedulerLimits.step_
 tokens times its rows at most ``STEP_PROMPT_ROW_READS``: each entry reads its rows on its own)
 joins the arena with its prompt unrun and runs all of it in the next step, the last token's logits
 giving its first token. The step is padded to a size class as usual; the classes go on doubling
-past ``max_batch`` up to ``step_tokens``. Longer prompts keep the prefill forwards above. It is off
-unless asked (``step_tokens=0``): meant for CUDA graphs, where one H100 run cut a 32k session's
-first token from 289 to 143 ms among 15 decoding turns, its many-client figures not yet measured
-(a CPU engine's prefill is compute-bound; its f32 steps still give what a turn gets alone).
+past ``max_batch`` up to ``step_tokens``. Longer prompts keep the prefill forwards above. It is on
+by default where steps replay CUDA graphs (``STEP_TOKENS``; H100 runs: a 32k session's first token
+among 15 decoding turns 289 -> 135-143 ms, 16 streaming clients 0.66x -> 0.86x the in-process batch)
+and off elsewhere (a CPU engine's prefill is compute-bound; switched on, its f32 steps still give
+what a turn gets alone).
 
 **Fairness.** A turn whose owner has nothing decoding gets a decode slot at the next step if one is
 free or an owner holds two slots or more (that owner's most recently admitted turn yields: it is
@@ -72,7 +73,7 @@ from kvstore.engine.cache import LatentCache
 from kvstore.engine.errors import GenerationError, ServerBusy
 from kvstore.engine.generate import ABSORBED_CHUNK_TOKENS, Engine, SamplingParams, pack_chunks, sample_next
 
-__all__ = ["SchedulerLimits", "Scheduler", "TurnWork", "Outcome", "STEP_PROMPT_ROW_READS"]
+__all__ = ["SchedulerLimits", "Scheduler", "TurnWork", "Outcome", "STEP_PROMPT_ROW_READS", "STEP_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,11 @@ log = logging.getLogger(__name__)
 #: a long session's prompt keeps the prefill forward past this: 32 tokens after 32k rows ride, 512
 #: after 2k (about 0.6 GB per layer at most in fp8, most of it from L2: the entries read the same rows).
 STEP_PROMPT_ROW_READS = 1 << 20
+
+#: A step's tokens where steps replay CUDA graphs and ``step_tokens`` is not given: one H100 run of
+#: bench/serve_bench.py (BENCHMARKS.md, issue 37) measured 16 streaming clients at 0.86x the
+#: in-process batch with it against 0.66x with every prompt in prefill forwards, 64 at 0.48x / 0.39x.
+STEP_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -106,9 +112,9 @@ class SchedulerLimits:
         need more, which moves every live row and outdates every captured graph, so the step that
         grows it is slow for everyone (0: nothing reserved, grown as needed)
     step_tokens : the most tokens one decode step runs, its decoding turns' one each and the
-        prompts joining it in the step (``--step-tokens``; 512 is what the GPU runs used); a prompt
-        rides a step when it fits what the decoding turns leave (0, the default: prompts never
-        ride, a step runs ``max_batch`` tokens at most)
+        prompts joining it in the step (``--step-tokens``); a prompt rides a step when it fits what
+        the decoding turns leave (0: prompts never ride, a step runs ``max_batch`` tokens at most);
+        None: ``STEP_TOKENS`` where steps replay CUDA graphs, 0 elsewhere
     """
 
     max_batch: int = 16
@@ -119,7 +125,7 @@ class SchedulerLimits:
     prefill_chunk: int = 512
     pad_batches: bool | None = None
     arena_rows: int = 0
-    step_tokens: int = 0
+    step_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("max_batch", "max_turns_per_owner", "max_new_tokens", "prefill_chunk"):
@@ -128,6 +134,8 @@ class SchedulerLimits:
                 raise GenerationError(f"{name} must be a positive integer, not {value!r}")
         for name in ("max_queue", "arena_rows", "step_tokens"):
             value = getattr(self, name)
+            if name == "step_tokens" and value is None:
+                continue  # the engine's default (Scheduler)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise GenerationError(f"{name} must be an integer >= 0, not {value!r}")
         if self.turn_deadline is not None and not self.turn_deadline > 0:
@@ -270,6 +278,8 @@ class Scheduler:
         pad = self.limits.pad_batches
         self._pad = engine.cuda_graphs if pad is None else pad
         step_tokens = self.limits.step_tokens
+        if step_tokens is None:  # prompts ride where a prefill forward is a string of launches
+            step_tokens = STEP_TOKENS if engine.cuda_graphs else 0
         #: tokens one step may run (decoding turns' and riding prompts'); max_batch when prompts never ride
         self.step_capacity = max(self.limits.max_batch, step_tokens) if step_tokens else self.limits.max_batch
         self._prompts_ride = bool(step_tokens)

@@ -1,8 +1,9 @@
 """Prompts in the step (``kvstore.engine.scheduler``): a short prompt joins the batch inside a decode
 step, its tokens entries of the step at consecutive positions, instead of a prefill forward of its own.
 
-Off unless ``step_tokens`` asks; here it is switched on for the CPU engine, whose f32 steps give what
-a turn gets alone, and on CUDA, whose steps replay graphs. Steps are counted, never timed.
+On by default where steps replay CUDA graphs, off elsewhere; here it is switched on for the CPU
+engine, whose f32 steps give what a turn gets alone, and left to its default on CUDA. Steps are
+counted, never timed.
 """
 
 from __future__ import annotations
@@ -138,10 +139,35 @@ def test_the_server_setting_reaches_the_scheduler_and_refuses_a_negative_count(t
     from kvstore.api.settings import Settings
     from kvstore.errors import ConfigError
 
-    assert Settings(data_dir=tmp_path).scheduler_limits("cuda").step_tokens == 0
+    assert Settings(data_dir=tmp_path).scheduler_limits("cuda").step_tokens is None  # the engine's default
     assert Settings(data_dir=tmp_path, step_tokens=512).scheduler_limits("cuda").step_tokens == 512
+    assert Settings(data_dir=tmp_path, step_tokens=0).scheduler_limits("cuda").step_tokens == 0
     with pytest.raises(ConfigError, match="step_tokens"):
         Settings(data_dir=tmp_path, step_tokens=-1)
+
+
+def test_by_default_prompts_take_prefill_forwards_where_steps_replay_no_graphs(model):
+    """The default (``step_tokens=None``) on the CPU engine: a step runs ``max_batch`` tokens at
+    most and a prompt takes its prefill forward; asked for, the same turns ride."""
+    engine = Engine(model, tier="f32")
+    assert not engine.cuda_graphs
+    for limits, rode in (
+        (SchedulerLimits(max_batch=4, turn_deadline=None), 0),
+        (SchedulerLimits(max_batch=4, turn_deadline=None, step_tokens=64), 2),
+    ):
+        scheduler = Scheduler(engine, limits)
+        works = [turn(engine, f"o{i}", context(model.config.vocab_size, 5 + i, seed=60 + i), 3) for i in range(2)]
+        try:
+            with scheduler._cv:
+                for work in works:
+                    scheduler.submit(work)
+            for work in works:
+                drain(work)
+        finally:
+            scheduler.close()
+        assert scheduler.step_capacity == (4 if not rode else 64)
+        assert scheduler.status()["step_prompts"] == rode
+        assert (scheduler.status()["prefill_forwards"] == 0) == bool(rode)
 
 
 def test_padded_steps_with_riding_prompts_give_what_turns_get_alone(model):
@@ -166,16 +192,18 @@ def test_padded_steps_with_riding_prompts_give_what_turns_get_alone(model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["f32", "fp8"])
 def test_on_cuda_prompts_ride_graph_replays_and_decode_what_forwards_do(tier):
-    """With 512 tokens a step, prompts ride the steps' CUDA graph replays: eight turns arriving
-    together run no prefill forward, and decode what the same turns decode when their prompts are
-    prefilled by forwards (``step_tokens=0``); random weights: a near-tie may flip one."""
+    """By default (``STEP_TOKENS`` a step where steps replay graphs), prompts ride the steps' CUDA
+    graph replays: eight turns arriving together run no prefill forward, and decode what the same
+    turns decode when their prompts are prefilled by forwards (``step_tokens=0``); random weights:
+    a near-tie may flip one."""
     import torch
 
     cfg = preset("tiny-512")
     engine = Engine(random_model(cfg, seed=5).to(torch.device("cuda")), tier=tier)
     plan = [(n, 12) for n in (3, 40, 17, 1, 64, 9, 120, 30)]
     outcomes = {}
-    for step_tokens in (512, 0):
+    assert engine.cuda_graphs
+    for step_tokens in (None, 0):
         scheduler = Scheduler(engine, SchedulerLimits(max_batch=8, turn_deadline=None, step_tokens=step_tokens))
         scheduler.warm()
         works = [turn(engine, f"o{i}", context(cfg.vocab_size, n, seed=40 + i), m) for i, (n, m) in enumerate(plan)]
@@ -187,10 +215,10 @@ def test_on_cuda_prompts_ride_graph_replays_and_decode_what_forwards_do(tier):
         finally:
             scheduler.close()
         status = scheduler.status()
-        if step_tokens:
-            assert scheduler.step_capacity == 512
+        if step_tokens is None:
+            assert scheduler.step_capacity == scheduler_module.STEP_TOKENS == 512
             assert status["prefill_forwards"] == 0 and status["step_prompts"] == 7
         else:
             assert status["step_prompts"] == 0 and status["prefill_forwards"] >= 1
-    same = sum(a == b for a, b in zip(outcomes[512], outcomes[0]))
-    assert same >= len(plan) - 1, (outcomes[512], outcomes[0])
+    same = sum(a == b for a, b in zip(outcomes[None], outcomes[0]))
+    assert same >= len(plan) - 1, (outcomes[None], outcomes[0])
