@@ -13,6 +13,9 @@ ratio is the connector's cost. Steps with and without alternate, after warm-up r
 
 With ``--load``, steps of 512 tokens whose prompt's first rows are loaded (a hot-tier hit: pinned
 host memory), each layer's attention waiting for its own layer's copies (``wait_for_layer_load``).
+With ``--settle``, the writer finishes its saves before each step: what the connector's calls cost
+the step by themselves, apart from its writer thread's work beside the step (the two differ where
+the writer's Python holds the GIL the step's launches wait for).
 """
 
 from __future__ import annotations
@@ -164,7 +167,11 @@ def measure(model: SyntheticModel, n: int, loaded: int, args: argparse.Namespace
             saved, skipped = stats.saves, stats.save_skipped
             plain, connected = [], []
             for _ in range(args.steps):
+                if args.settle:
+                    bench.worker.writer.flush()
                 plain.append(bench.run(False))
+                if args.settle:
+                    bench.worker.writer.flush()
                 connected.append(bench.run(True))
             bench.worker.writer.flush()
             saved, skipped = stats.saves - saved, stats.save_skipped - skipped
@@ -187,6 +194,12 @@ def main() -> None:
     parser.add_argument("--queue", type=int, default=4, help="the writer's queue (save_queue)")
     parser.add_argument("--hot", type=float, default=8, help="the hot tier's budget in GiB (0: none)")
     parser.add_argument("--where", default=None, help="the store's folder (default: a temporary one)")
+    parser.add_argument(
+        "--settle",
+        action="store_true",
+        help="let the writer finish before every step: the connector's own cost in the step, without "
+        "the writer's thread working beside it (the default runs steps back to back, as a busy server)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")

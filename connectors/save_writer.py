@@ -133,6 +133,7 @@ class SaveWriter:
                     self.cache.count(save_pending=-1)
                     self._settle(save.report)
             finally:
+                save = None  # let go of its rows (a staging buffer's loan) before it counts as done
                 self._queue.task_done()
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -38,7 +40,7 @@ from kvstore.formats.coli_kv import Geometry
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadSpec", "PagedWorker", "SaveSpec", "layer_number", "paged_slots"]
+__all__ = ["LoadSpec", "PagedWorker", "PinnedStaging", "SaveSpec", "layer_number", "paged_slots"]
 
 
 @dataclass
@@ -74,17 +76,68 @@ def paged_slots(block_ids: list[int], block_size: int, start: int, stop: int) ->
     return blocks * block_size + positions % block_size
 
 
+class PinnedStaging:
+    """Pinned host buffers for the saves' device-to-host copies, owned by the worker and reused.
+
+    A buffer asked of torch's pinned allocator each step was, once the writer let go of it, free for
+    any pinned allocation of its size class, and the hot tier pins an entry of the same size for
+    every save it keeps: so the step after a save often found no free block and allocated pinned
+    memory inside the step (``cudaHostAlloc``, milliseconds for a 512-token prompt's 16 MB). Here a
+    buffer goes back only to this pool, when the last object reading it is gone (``lend``), and a
+    size class keeps at most ``keep`` free buffers.
+    """
+
+    def __init__(self, keep: int = 4, *, pin: bool = True):
+        self.keep = keep
+        self.pin = pin  # False: plain host memory (a machine without CUDA: the pool's own tests)
+        self._free: dict[int, list[torch.Tensor]] = {}  # capacity in bytes -> free flat uint8 buffers
+        self._lock = threading.Lock()  # taken by the step's thread, given back by the writer's
+        #: buffers allocated (pinned memory asked of torch), and loans served from the pool
+        self.allocated = 0
+        self.reused = 0
+
+    @staticmethod
+    def capacity(nbytes: int) -> int:
+        """The size class of ``nbytes``: the next power of two, at least 1 MiB."""
+        return max(1 << 20, 1 << max(0, nbytes - 1).bit_length())
+
+    def lend(self, shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> torch.Tensor:
+        """A pinned tensor of ``shape`` and ``dtype``, back in the pool once ``owner`` is collected
+        (``owner`` must be what every reader of the tensor holds)."""
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        size = self.capacity(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            buffer = free.pop() if free else None
+        if buffer is None:
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            self.allocated += 1
+        else:
+            self.reused += 1
+        weakref.finalize(owner, self._give, size, buffer)
+        return buffer[:nbytes].view(dtype).view(shape)
+
+    def _give(self, size: int, buffer: torch.Tensor) -> None:
+        # a copy into it may still be in flight (a save skipped before its writer waited): the next
+        # loan's copy is queued on the same side stream, after it, and read only after its own event
+        with self._lock:
+            free = self._free.setdefault(size, [])
+            if len(free) < self.keep:
+                free.append(buffer)
+
+
 @dataclass
 class _Staged:
     """Rows being copied out of the cache (the prompts saved in a step, every one's in one buffer,
     layer by layer during the step; or a finished conversation's)."""
 
-    # f32 [n_layers, n, width], what the writer saves: the memory of ``host`` (a CPU cache, or an
-    # f32 one); None where ``host`` holds a narrower dtype (widened by :meth:`part` off the step)
+    # f32 [n_layers, n, width], what the writer saves: the memory of ``host`` (a CPU cache); None
+    # on a GPU, where ``host`` is a pinned staging buffer the writer copies out of (widened to f32
+    # by :meth:`part`, off the step)
     rows: np.ndarray | None
-    # where the rows land on the host: pinned memory in the cache's dtype on a GPU (half the bytes
-    # over the bus for bf16)
-    host: torch.Tensor
+    # where the rows land on the host: on a GPU a buffer of the worker's PinnedStaging in the
+    # cache's dtype (half the bytes over the bus for bf16), set by PagedWorker._stage
+    host: torch.Tensor | None = None
     # a CUDA cache's rows gathered on the device, layer by layer on the engine's stream, then
     # copied to ``host`` in one transfer on the side stream at the end of the step
     device: torch.Tensor | None = None
@@ -97,10 +150,11 @@ class _Staged:
         own, on the writer's thread."""
         if self.rows is not None:
             return self.rows[:, a:b], (None if copied is None else copied.synchronize)
-        assert copied is not None  # narrower rows are only staged on a GPU
+        assert copied is not None and self.host is not None  # staged on a GPU
         rows = np.empty((self.host.shape[0], b - a, self.host.shape[2]), np.float32)
 
-        def wait() -> None:
+        def wait() -> None:  # holds ``self``: the staging buffer is its loan, not returned before this copy
+            assert self.host is not None
             copied.synchronize()
             torch.from_numpy(rows).copy_(self.host[:, a:b])
 
@@ -149,6 +203,7 @@ class PagedWorker:
         # put them, so the rows gathered for their prompt's save would be wrong KV
         self._load_failed: set[str] = set()
         self._sent: set[str] = set()  # finished requests whose conversation save is done
+        self.staging = PinnedStaging()  # the saves' pinned host buffers (CUDA caches)
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -253,9 +308,9 @@ class PagedWorker:
             rows = np.empty(shape, dtype=np.float32)
             return _Staged(rows, torch.from_numpy(rows))
         dtype = next(iter(self._caches.values())).dtype
-        host = torch.empty(shape, dtype=dtype, pin_memory=True)
-        rows = host.numpy() if dtype == torch.float32 else None
-        return _Staged(rows, host, torch.empty(shape, dtype=dtype, device=self._device))
+        staged = _Staged(None, device=torch.empty(shape, dtype=dtype, device=self._device))
+        staged.host = self.staging.lend(shape, dtype, staged)  # back to the pool when ``staged`` goes
+        return staged
 
     def _copy_out(self, staged: _Staged, layer: int, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
         """A layer's rows at ``slots``: on a GPU gathered on the engine's stream into the device
@@ -263,6 +318,7 @@ class PagedWorker:
         if staged.device is not None:
             torch.index_select(self._rows_view(kv_layer), 0, slots, out=staged.device[layer])
         else:
+            assert staged.host is not None
             staged.host[layer].copy_(self._rows_view(kv_layer)[slots])
 
     def _ship(self, staged: list[_Staged]) -> torch.cuda.Event | None:
@@ -274,7 +330,7 @@ class PagedWorker:
         self._side.wait_stream(self._engine_stream())
         with torch.cuda.stream(self._side):
             for one in staged:
-                assert one.device is not None  # gathered on a GPU, shipped once
+                assert one.device is not None and one.host is not None  # gathered on a GPU, shipped once
                 one.host.copy_(one.device, non_blocking=True)
                 one.device.record_stream(self._side)  # freed once the side stream has read it
                 one.device = None

@@ -16,7 +16,7 @@ from kvstore import tiers
 from kvstore.connectors.hot_tier import HotTier
 from kvstore.connectors.prefix_cache import PrefixCache, model_fingerprint
 from kvstore.connectors.save_writer import SaveWriter
-from kvstore.connectors.vllm_worker import LoadSpec, PagedWorker, SaveSpec
+from kvstore.connectors.vllm_worker import LoadSpec, PagedWorker, PinnedStaging, SaveSpec
 from kvstore.formats.coli_kv import Geometry
 from kvstore.store import SessionStore
 
@@ -168,3 +168,51 @@ def test_a_prompt_a_layer_did_not_hand_over_is_not_saved(store):
         w.save_layer([save], name, layer)
     w.wait_for_save([save], [])
     assert w.cache.stats.saves == 0 and w.cache.lookup(list(range(N))) is None
+
+
+def test_a_staging_buffer_returns_to_the_pool_only_when_its_last_reader_is_gone():
+    """The saves' staging buffers are the worker's own: lent while their owner lives (a prompt's
+    rows still to be copied out by the writer), then reused, never handed to another allocation."""
+
+    class Owner:
+        pass
+
+    pool = PinnedStaging(keep=2, pin=False)
+    first_owner = Owner()
+    first = pool.lend((3, 10, 576), torch.bfloat16, first_owner)
+    assert first.shape == (3, 10, 576) and first.dtype == torch.bfloat16
+    other = pool.lend((3, 10, 576), torch.bfloat16, Owner())  # its owner already gone: back at once
+    assert other.data_ptr() != first.data_ptr()  # the first one is still lent
+    again = pool.lend((3, 12, 576), torch.bfloat16, Owner())  # same size class: the returned buffer
+    assert again.data_ptr() == other.data_ptr() and (pool.allocated, pool.reused) == (2, 1)
+    del first_owner
+    reuse = [pool.lend((3, 10, 576), torch.bfloat16, owner) for owner in (Owner(), Owner())]
+    assert {t.data_ptr() for t in reuse} <= {first.data_ptr(), other.data_ptr()}
+    kept = PinnedStaging(keep=1, pin=False)
+    owners = [Owner(), Owner(), Owner()]
+    lent = [kept.lend((1, 4), torch.float32, o) for o in owners]
+    del owners, lent
+    assert sum(len(free) for free in kept._free.values()) == 1  # at most ``keep`` free a class
+
+
+@pytest.mark.gpu
+def test_saving_steps_reuse_their_staging_while_the_hot_tier_pins_every_save(tmp_path):
+    """Every save kept in the (pinned) hot tier, a step after each: the steps' staging buffers come
+    back from the worker's own pool, not from torch's pinned allocator (where the hot tier's entries
+    of the same size took them, and each step allocated pinned memory anew), and the rows stay right."""
+    kv = caches("cuda", torch.bfloat16, seed=8)
+    blocks = list(range(13))
+    with SessionStore(tmp_path / "kv") as store:
+        w = worker(store, tiers.BF16, queue=2, hot=HotTier(1 << 30, pinned=True))
+        w.register_kv_caches(kv)
+        for step in range(8):
+            save = SaveSpec(f"r{step}", list(range(step * 50, step * 50 + N)), blocks)  # distinct prompts
+            for name, layer in kv.items():
+                w.save_layer([save], name, layer)
+            w.wait_for_save([save], [])
+            w.writer.flush()  # written and kept hot before the next step: the case that allocated each step
+        assert w.staging.allocated == 1 and w.staging.reused == 7
+        assert w.cache.stats.saves == 8
+        last = w.cache.load(w.cache.session_id_for(np.asarray(save.tokens, np.int32)), 0, N)
+        assert np.array_equal(last, rows_at(kv, blocks, N))
+        w.shutdown()
