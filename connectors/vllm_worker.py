@@ -10,13 +10,15 @@ bench/vllm_gpu_step.py).
 On a CUDA cache neither direction waits for the device inside the step. A load queues every
 layer's host-to-device copy and scatter on a side stream (from pinned memory: a hot-tier entry as it
 is, other rows staged once) and returns; each layer's attention waits only for its own layer
-(``wait_for_layer_load``), so layer i+1 is copied while layer i computes. A save gathers each layer's
-rows on the engine's stream into one device buffer for every prompt saved in the step (one small
-kernel a layer: vLLM may reuse the blocks after the step); at the end of the step the buffer goes
-to pinned host memory in one transfer on the side stream, in the cache's dtype; the background
-writer waits for that copy's event, widens each prompt's rows to f32 and encodes them. Slot indices go to the device once per load
-or save, from pinned memory, so no copy in the forward pass waits for the layers before it. On the
-CPU both are memory copies in the step.
+(``wait_for_layer_load``), so layer i+1 is copied while layer i computes. A save gathers the rows
+of every prompt saved in the step, every layer's, into one device buffer on the engine's stream at
+the step's end (``wait_for_save``; vLLM may reuse the blocks after the step), in one Triton launch
+(:class:`kvstore.gpu.gather.LayerGather`; without Triton one ``index_select`` a layer as each
+layer is handed over); the buffer then goes to pinned host memory in one transfer on the side
+stream, in the cache's dtype, into a buffer of the worker's own pool (:class:`PinnedStaging`); the
+background writer waits for that copy's event, widens each prompt's rows to f32 and encodes them.
+Slot indices go to the device once per load or save, from pinned memory, so no copy in the forward
+pass waits for the layers before it. On the CPU both are memory copies in the step.
 """
 
 from __future__ import annotations
@@ -74,6 +76,22 @@ def paged_slots(block_ids: list[int], block_size: int, start: int, stop: int) ->
     positions = torch.arange(start, stop)
     blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
     return blocks * block_size + positions % block_size
+
+
+def _layer_gather(caches: list[torch.Tensor]) -> Callable[..., torch.Tensor] | None:
+    """:class:`kvstore.gpu.gather.LayerGather` over ``caches`` (in layer order), or None where
+    Triton is not installed or the caches differ in dtype, width or row stride (then the rows are
+    gathered a layer at a time)."""
+    try:
+        from kvstore.gpu.gather import LayerGather
+    except ImportError:  # Triton missing: vLLM installs it, a bare torch may not
+        logger.info("kvstore connector: Triton is not installed; a save gathers its rows a layer at a time")
+        return None
+    try:
+        return LayerGather(caches)
+    except ValueError as exc:
+        logger.info("kvstore connector: %s; a save gathers its rows a layer at a time", exc)
+        return None
 
 
 class PinnedStaging:
@@ -204,6 +222,9 @@ class PagedWorker:
         self._load_failed: set[str] = set()
         self._sent: set[str] = set()  # finished requests whose conversation save is done
         self.staging = PinnedStaging()  # the saves' pinned host buffers (CUDA caches)
+        # every layer's rows at a step's end in one launch (CUDA caches, with Triton); None: one
+        # ``index_select`` a layer as each layer is handed over
+        self._gather_all: Callable[..., torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -224,6 +245,7 @@ class PagedWorker:
             self._device = kv_caches[names[0]].device
         if self._device.type == "cuda":
             self._side = torch.cuda.Stream(device=self._device)
+            self._gather_all = _layer_gather([self._caches[name] for name in names])
 
     def _engine_stream(self) -> torch.cuda.Stream:
         """The stream the engine queues its work on (CUDA caches)."""
@@ -345,7 +367,10 @@ class PagedWorker:
         step = self._step_rows
         if step is None:  # the step's first layer: one buffer and one slot list for every prompt
             step = self._step_rows = self._plan_step(list(saves))
-        self._copy_out(step.staged, layer, kv_layer, step.slots)
+        if self._gather_all is None:
+            self._copy_out(step.staged, layer, kv_layer, step.slots)
+        # else gathered with every other layer at the step's end (wait_for_save): nothing in the
+        # step writes this layer's cache again, and a launch a layer costs the step's host
         step.staged.filled.add(layer)
 
     def _plan_step(self, saves: list[SaveSpec]) -> _StepRows:
@@ -387,6 +412,8 @@ class PagedWorker:
             if step is not None and save.req_id in step.spans and len(step.staged.filled) == self.geometry.n_layers:
                 shipping.append(save)
         if step is not None and shipping:
+            if self._gather_all is not None:
+                self._gather_all(step.slots, out=step.staged.device)
             copied = self._ship([step.staged])
             for save in shipping:
                 rows, ready = step.staged.part(*step.spans[save.req_id], copied)
@@ -399,6 +426,9 @@ class PagedWorker:
         shipped to the host by :meth:`_ship`)."""
         staged = self._stage(n)
         slots = self._device_slots(block_ids, 0, n, self._device)
+        if self._gather_all is not None:
+            self._gather_all(slots, out=staged.device)
+            return staged
         for name, cache in self._caches.items():
             self._copy_out(staged, self._layer_of[name], cache, slots)
         return staged

@@ -28,7 +28,8 @@ PARTS = {
 
 #: Part -> the parts it may import (itself included). `config` (the environment variables and shared
 #: defaults) is at the bottom: every part may import it, it imports none. `connectors` (the vLLM and
-#: SGLang adapters) sit on the store beside the engine: nothing in kvstore imports them. `cli` is
+#: SGLang adapters) sit on the store beside the engine, using a device kernel of `gpu` (the saves'
+#: gather across layers): nothing in kvstore imports them. `cli` is
 #: the top: it starts the service and the engine, so it may import everything.
 ALLOWED = {
     "config": {"config"},
@@ -37,7 +38,7 @@ ALLOWED = {
     "kvstore": {"config", "formats", "migrations", "kvstore"},
     "gpu": {"config", "formats", "gpu"},
     "engine": {"config", "formats", "migrations", "kvstore", "gpu", "engine"},
-    "connectors": {"config", "formats", "migrations", "kvstore", "connectors"},
+    "connectors": {"config", "formats", "migrations", "kvstore", "gpu", "connectors"},
     "api": {"config", "formats", "migrations", "kvstore", "gpu", "engine", "api"},
     "cli": set(PARTS),
 }
