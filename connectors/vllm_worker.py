@@ -122,7 +122,7 @@ class PinnedStaging:
     def lend(self, shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> torch.Tensor:
         """A pinned tensor of ``shape`` and ``dtype``, back in the pool once ``owner`` is collected
         (``owner`` must be what every reader of the tensor holds)."""
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        nbytes = int(np.prod(shape)) * dtype.itemsize
         size = self.capacity(nbytes)
         with self._lock:
             free = self._free.get(size)
@@ -146,8 +146,8 @@ class PinnedStaging:
 
 @dataclass
 class _Staged:
-    """Rows being copied out of the cache (the prompts saved in a step, every one's in one buffer,
-    layer by layer during the step; or a finished conversation's)."""
+    """Rows being copied out of the cache (the prompts saved in a step, every one's in one buffer;
+    or a finished conversation's)."""
 
     # f32 [n_layers, n, width], what the writer saves: the memory of ``host`` (a CPU cache); None
     # on a GPU, where ``host`` is a pinned staging buffer the writer copies out of (widened to f32
@@ -156,8 +156,9 @@ class _Staged:
     # where the rows land on the host: on a GPU a buffer of the worker's PinnedStaging in the
     # cache's dtype (half the bytes over the bus for bf16), set by PagedWorker._stage
     host: torch.Tensor | None = None
-    # a CUDA cache's rows gathered on the device, layer by layer on the engine's stream, then
-    # copied to ``host`` in one transfer on the side stream at the end of the step
+    # a CUDA cache's rows gathered on the device on the engine's stream (every layer in one launch
+    # at the step's end, or layer by layer without Triton), then copied to ``host`` in one transfer
+    # on the side stream
     device: torch.Tensor | None = None
     filled: set[int] = field(default_factory=set)
 

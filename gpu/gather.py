@@ -28,7 +28,7 @@ ROWS = 8
 _WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compile whatever the rows (n == 1 or n % 16 == 0 would add two)
 def _gather_rows(
     table,  # int64 [layers]: each cache's base address
     slots,  # int64 [n]: the rows to copy (the same in every layer)
@@ -94,6 +94,8 @@ class LayerGather:
         self._row_words, self._stride_words = row_bytes // word, stride_bytes // word
         self._caches = caches  # held: the table holds their addresses
         self._table = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)
+        if first.device.type == "cuda":  # compiled now, not in the first step that saves (Triton
+            self(torch.zeros(1, dtype=torch.int64, device=first.device))  # builds at a first launch)
 
     def __call__(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows at ``slots`` (int64 on the caches' device) of every cache, ``[layers, n, width]``
