@@ -39,7 +39,7 @@ joins the arena with its prompt unrun and runs all of it in the next step, the l
 giving its first token. The step is padded to a size class as usual; the classes go on doubling
 past ``max_batch`` up to ``step_tokens``. Longer prompts keep the prefill forwards above. It is on
 by default where steps replay CUDA graphs (``STEP_TOKENS``; H100 runs: a 32k session's first token
-among 15 decoding turns 289 -> 135-143 ms, 16 streaming clients 0.66x -> 0.86x the in-process batch)
+among 15 decoding turns 289 -> 120-143 ms, 16 streaming clients 0.85x -> 0.99x the in-process batch)
 and off elsewhere (a CPU engine's prefill is compute-bound; switched on, its f32 steps still give
 what a turn gets alone).
 
@@ -83,9 +83,9 @@ log = logging.getLogger(__name__)
 #: after 2k (about 0.6 GB per layer at most in fp8, most of it from L2: the entries read the same rows).
 STEP_PROMPT_ROW_READS = 1 << 20
 
-#: A step's tokens where steps replay CUDA graphs and ``step_tokens`` is not given: one H100 run of
-#: bench/serve_bench.py (BENCHMARKS.md, issue 37) measured 16 streaming clients at 0.86x the
-#: in-process batch with it against 0.66x with every prompt in prefill forwards, 64 at 0.48x / 0.39x.
+#: A step's tokens where steps replay CUDA graphs and ``step_tokens`` is not given: an H100 run of
+#: bench/serve_bench.py (BENCHMARKS.md, issue 37) measured 16 streaming clients at 0.99x the
+#: in-process batch with it against 0.85x with every prompt in prefill forwards, 64 at 0.72x / 0.47x.
 STEP_TOKENS = 512
 
 
