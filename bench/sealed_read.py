@@ -10,6 +10,7 @@ N = 1, 2, 4, ... up to the cores. Beside it, the host's own limits with the same
     PYTHONPATH=. python3 bench/sealed_read.py                  # 8192 tokens (373 MB)
     PYTHONPATH=. python3 bench/sealed_read.py --tokens 32768
     PYTHONPATH=. python3 bench/sealed_read.py --tokens 32768 --device cuda
+    PYTHONPATH=. python3 bench/sealed_read.py --tokens 32768 --threads 8 --device cuda --stages 8
 
 With ``--device cuda`` it also restores each session into an fp8 ``LatentCache`` on the GPU the
 way the engine does (``restore_body(ReaderBody(reader))``: the reads above, each chunk uploaded
@@ -130,12 +131,93 @@ def device_table(stores: dict, counts: list[int], size: int, device: str) -> Non
         )
 
 
+def stage_table(store, device: str, threads: int) -> None:
+    """The plaintext restore's parts apart, on ``device`` (``--stages``): the ring's reads alone,
+    the uploads alone (16 MiB chunks from pinned memory into one device stage, one stream, as the
+    restore queues them), the placement alone (chunks already on the device split into the cache's
+    fields), uploads and placement in turn without reads, then the whole restore — what bounds the
+    restore where its reads alone run twice as fast (issue 41)."""
+    import torch
+
+    from kvstore.engine.cache import LatentCache
+    from kvstore.engine.restore import Placement
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    with store.reader("s", owner="bench") as reader:
+        n, rec = reader.n_records, reader.record_bytes
+        per = max(1, CHUNK_BYTES // rec)
+        starts = list(range(0, n, per))
+        host = torch.empty(n * rec, dtype=torch.uint8, pin_memory=cuda)
+        reader.read_into(host.numpy(), 0, n)
+    size = n * rec
+    cache = LatentCache(TIER, GLM, device)
+    placement = Placement(GLM, TIER, native=cache._record_fields(TIER))
+    full = cache._allocate(n, zeros=False)
+    stage = torch.empty(per * rec, dtype=torch.uint8, device=dev)
+    whole = host.to(dev)
+
+    def upload() -> None:
+        for a in starts:
+            got = min(per, n - a)
+            stage[: got * rec].copy_(host[a * rec : (a + got) * rec], non_blocking=True)
+        sync()
+
+    def place() -> None:
+        for a in starts:
+            got = min(per, n - a)
+            placement.apply(whole[a * rec : (a + got) * rec].view(got, rec), full, a)
+        sync()
+
+    host_s = [0.0]
+
+    def both() -> None:
+        began = time.perf_counter()
+        for a in starts:
+            got = min(per, n - a)
+            raw = stage[: got * rec]
+            raw.copy_(host[a * rec : (a + got) * rec], non_blocking=True)
+            placement.apply(raw.view(got, rec), full, a)
+        host_s[0] = time.perf_counter() - began  # the loop's own time, before waiting for the device
+        sync()
+
+    for work in (upload, place, both):
+        work()  # first-call costs
+    reads_s, _ = ring_read(store, threads)
+    upload_s, place_s, both_s = best_of(3, upload), best_of(3, place), best_of(3, both)
+    restore_s = device_restore(store, threads, device)
+    print(f"\n# the plaintext restore's parts on {device}, {size / 1e6:.0f} MB in {len(starts)} chunks (best of 3)")
+    print("| part | GB/s | ms |")
+    print("|---|---:|---:|")
+    for name, took in (
+        (f"ring reads alone, {threads} threads", reads_s),
+        ("uploads alone (pinned -> one device stage, one stream)", upload_s),
+        ("placement alone (chunks already on the device)", place_s),
+        ("uploads and placement in turn, no reads", both_s),
+        ("  of which the host's loop, before the device is waited for", host_s[0]),
+        (f"the whole restore, {threads} threads", restore_s),
+    ):
+        print(f"| {name} | {size / took / 1e9:.2f} | {took * 1e3:.1f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--threads", type=int, nargs="+", help="thread counts (default 1, 2, 4, ... up to the cores)")
     parser.add_argument("--device", default=None, help="also restore into a cache on this device (cuda)")
     parser.add_argument("--where", default=None, help="folder for the stores (default: a temporary one)")
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=0,
+        metavar="THREADS",
+        help="with --device: also time the plaintext restore's parts apart (reads, uploads, placement) with THREADS readers",
+    )
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     counts = args.threads or [n for n in (1, 2, 4, 8, 16, 32) if n <= cores]
@@ -160,6 +242,8 @@ def main() -> int:
                 )
             if args.device:
                 device_table(stores, counts, records.nbytes, args.device)
+                if args.stages:
+                    stage_table(stores["plain"], args.device, args.stages)
         finally:
             for store in stores.values():
                 store.close()
