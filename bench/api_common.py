@@ -22,6 +22,9 @@ from kvstore import tiers
 from kvstore.formats import coli_kv
 from kvstore.formats.coli_kv import Geometry
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from served import parse_metrics  # noqa: E402 - the /metrics parser the service's tests use
+
 # GLM-4.5 style MLA geometry without a sparse-attention indexer (nic = 0).
 GLM = Geometry(n_layers=78, kv_lora=512, qk_rope=64, index_hd=0, nic=0, vocab=151552)
 TIER = tiers.FP8
@@ -115,12 +118,7 @@ def server_metrics(url: str) -> dict[str, float]:
     as the page spells them (``kvstore_scheduler_seconds_total{phase="decode"}``)."""
     page = httpx.get(url + "/metrics", timeout=30)
     page.raise_for_status()
-    out = {}
-    for line in page.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(page.text)
 
 
 def process_cpu_seconds(pid: int) -> float:

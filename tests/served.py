@@ -115,6 +115,18 @@ class ServeProcess:
         return self.process is not None and self.process.poll() is None
 
 
+def parse_metrics(page: str) -> dict[str, float]:
+    """A ``GET /metrics`` page (Prometheus text) as ``{'name{labels}': value}``, the labels as the
+    page spells them (``kvstore_scheduler_seconds_total{phase="decode"}``): the service's tests and
+    the benches read the server's counters through it."""
+    out = {}
+    for line in page.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def servers_on_demand(build):
     """The body of a ``make_server`` fixture: yields ``make(*args, **kwargs)``, which starts
     ``build(*args, **kwargs)`` and returns it; every server still running at the end is stopped."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from served import ServeProcess
+from served import ServeProcess, parse_metrics
 
 KEY = "svc-key-0123456789abcdef"
 OTHER_KEY = "svc-other-0123456789abcdef"
@@ -50,12 +50,7 @@ def metrics(client: httpx.Client) -> dict[str, float]:
     """``GET /metrics`` parsed: ``{'name{labels}': value}``."""
     page = client.get("/metrics")
     assert page.status_code == 200, page.text
-    out = {}
-    for line in page.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return parse_metrics(page.text)
 
 
 def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
