@@ -182,9 +182,9 @@ class _Staged:
 
 @dataclass
 class _StepRows:
-    """What the prompts saved in one step hand over: every one's rows in one buffer, gathered with
-    one ``index_select`` a layer (not one per prompt: a short step is launch-bound, and each call
-    the connector adds to it lengthens it), shipped in one transfer at the step's end."""
+    """What the prompts saved in one step hand over: every one's rows in one buffer, gathered in one
+    launch (or one ``index_select`` a layer; never one per prompt: a short step is launch-bound, and
+    each call the connector adds to it lengthens it), shipped in one transfer at the step's end."""
 
     staged: _Staged  # [n_layers, rows of every prompt, width]
     slots: torch.Tensor  # the cache slots of those rows, prompt after prompt (on the cache's device)

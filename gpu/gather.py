@@ -73,14 +73,8 @@ class LayerGather:
             raise ValueError("a gather needs at least one cache")
         first = caches[0]
         views = [cache.view(-1, cache.shape[-1]) for cache in caches]
-        for view, cache in zip(views, caches):
-            if (cache.device, cache.dtype, view.shape[1], view.stride()) != (
-                first.device,
-                first.dtype,
-                views[0].shape[1],
-                views[0].stride(),
-            ):
-                raise ValueError("the caches of one gather share their device, dtype, width and row stride")
+        if len({(c.device, c.dtype, v.shape[1], v.stride()) for c, v in zip(caches, views)}) != 1:
+            raise ValueError("the caches of one gather share their device, dtype, width and row stride")
         size = first.element_size()
         row_bytes, stride_bytes = views[0].shape[1] * size, views[0].stride(0) * size
         word = next(
