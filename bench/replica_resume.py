@@ -2,20 +2,24 @@
 --blobs`` against the same objects fetched directly, in one run.
 
 Starts a throwaway PostgreSQL cluster and moto's standalone S3 server on loopback
-(tests/shared/servers.py), writes one DeepSeek-V3-geometry fp8 session (``--turns`` segments of
-``--turn`` rows, 145.9 MB by default) from this process, then starts two replicas that did not write
-it: one with no segment cache (every resume is cold: every byte from the object store) and one with
-its cache (the first resume fills it, the next ones are warm). Each figure is the median of
-``--reps`` whole downloads, timed at the client, with two clients: ``curl -o /dev/null`` (a C client:
-the server's rate) and httpx (a Python client reading the stream). The peers, same objects, same
-run:
+(tests/shared/servers.py), writes DeepSeek-V3-geometry fp8 sessions (``--turns`` segments of
+``--turn`` rows, 145.9 MB by default) from this process, then starts replicas that did not write
+them, for each way of fetching a segment object (``KVSTORE_BLOBS_GET_SIZE``: the default 8 MiB
+ranged GETs in parallel, and 0, one GET per object): one with no segment cache (every resume is
+cold: every byte from the object store) and one with its cache (a first resume of each session
+fills it, the next ones are warm). Each figure is the median of ``--reps`` whole downloads, timed at
+the client, with two clients: ``curl -o /dev/null`` (a C client: the server's rate) and httpx (a
+Python client reading the stream). The peers, same objects, same run:
 
-- direct parallel fetch: the session's segment objects with boto3 from the same moto, 8 MiB ranged
-  GETs on 16 threads into one buffer (what the replica's cold path could reach at best);
-- local read: the same bytes as one local file read whole (page cache) — the floor of a warm read.
+- direct parallel fetch: the session's segment objects with boto3 from the same moto into one
+  buffer made once (no page of it faulted in while timed), ranged GETs of 8 MiB or whole objects
+  on 4, 8 or 16 threads — each way measured, the fastest is the peer;
+- local read: the same bytes as one local file read whole into a new buffer (page cache), as a
+  process reading a local journal does — the floor of a warm read.
 
 moto is a Python stand-in sharing the machine's cores with the replica and the client: the
-object-store figures are moto's on this box, not S3's.
+object-store figures are moto's on this box, not S3's. moto answers a ranged GET by reading the
+whole object, which is why one GET per object suits it (and a real S3 wants parallel ranges).
 
     PYTHONPATH=. python3 bench/replica_resume.py [--turns 8] [--turn 512] [--reps 5]
 """
@@ -52,8 +56,8 @@ from shared.servers import MotoServer, PostgresCluster, postgres_bin  # noqa: E4
 
 GEOMETRY = Geometry(n_layers=61, kv_lora=512, qk_rope=64, index_hd=0, nic=0, vocab=129280)  # DeepSeek-V3
 TIER = tiers.get("fp8")
-PART_BYTES = 8 << 20
-FETCH_THREADS = 16
+DIRECT_WAYS = [(part, threads) for part in (8 << 20, 0) for threads in (4, 8, 16)]  # (bytes per GET, 0: whole; threads)
+GET_SIZES = ("8M", "0")  # KVSTORE_BLOBS_GET_SIZE of the replicas measured
 
 
 def _write_sessions(
@@ -81,14 +85,15 @@ def _write_sessions(
         return keys[0], plan.n_records * plan.rec_bytes, [segment.object for segment in plan.segments]
 
 
-def _direct_fetch(s3, bucket: str, objects: list[str], size: int) -> float:
-    """Seconds to fetch every object into one buffer: ranged GETs of PART_BYTES on FETCH_THREADS."""
+def _direct_fetch(s3, bucket: str, objects: list[str], out: memoryview, part_bytes: int, threads: int) -> float:
+    """Seconds to fetch every object into ``out`` (made by the caller, reused): ranged GETs of
+    ``part_bytes`` (0: one GET per object) on ``threads`` threads."""
     sizes = [s3.head_object(Bucket=bucket, Key=name)["ContentLength"] for name in objects]
-    out = memoryview(bytearray(sum(sizes)))
     jobs, at = [], 0
     for name, nbytes in zip(objects, sizes):
-        for lo in range(0, nbytes, PART_BYTES):
-            jobs.append((name, lo, min(lo + PART_BYTES, nbytes), at + lo))
+        step = part_bytes or nbytes
+        for lo in range(0, nbytes, step):
+            jobs.append((name, lo, min(lo + step, nbytes), at + lo))
         at += nbytes
 
     def get(job):
@@ -98,10 +103,10 @@ def _direct_fetch(s3, bucket: str, objects: list[str], size: int) -> float:
         return len(body)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(FETCH_THREADS) as pool:
+    with ThreadPoolExecutor(threads) as pool:
         got = sum(pool.map(get, jobs))
     elapsed = time.perf_counter() - t0
-    assert got == len(out) >= size, (got, size)
+    assert got == len(out) == sum(sizes), (got, len(out))
     return elapsed
 
 
@@ -179,9 +184,18 @@ def _children_of(parent: int) -> list[int]:
     return found
 
 
+def _pid_faults(pid: int) -> int:
+    """Minor page faults a process has taken so far (fresh memory it touched); 0 once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[7])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class CpuMeter:
     """CPU seconds per timed download of each party on the box: the replica, moto, PostgreSQL (its
-    postmaster and backends) and the client (curl as this process's child, httpx or boto3 in it)."""
+    postmaster and backends) and the client (curl as this process's child, httpx or boto3 in it),
+    and the replica's minor page faults."""
 
     def __init__(self, moto_pid: int, postmaster: int):
         self.moto, self.postmaster = moto_pid, postmaster
@@ -193,6 +207,7 @@ class CpuMeter:
             "moto": _pid_cpu_s(self.moto),
             "postgres": sum(_pid_cpu_s(p) for p in [self.postmaster, *_children_of(self.postmaster)]),
             "client": mine.user + mine.system + mine.children_user + mine.children_system,
+            "faults": _pid_faults(replica) if replica else 0,
         }
 
     def median(self, fn, reps: int, replica: int | None = None) -> tuple[float, dict[str, float]]:
@@ -215,15 +230,13 @@ def main() -> int:
     servers: list[ServeProcess] = []
     try:
         bucket = f"kv-{uuid.uuid4().hex[:8]}"
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=moto.endpoint,
-            config=botocore.config.Config(max_pool_connections=FETCH_THREADS),
-        )
+        s3 = boto3.client("s3", endpoint_url=moto.endpoint, config=botocore.config.Config(max_pool_connections=16))
         s3.create_bucket(Bucket=bucket)
         blobs_url, index_url = f"s3://{bucket}/kv", cluster.new_database()
-        # one session per cold read (a replica's cache meets each once), one to warm the replica up
-        names = ["chat", "warm-up", *(f"cold-{i}" for i in range(2 * args.reps))]
+        # one session per cold read of a cache-filling replica (its cache meets each once), one to
+        # warm each replica up
+        cold_names = {get: [f"cold-{get}-{i}" for i in range(2 * args.reps)] for get in GET_SIZES}
+        names = ["chat", "warm-up", *(name for group in cold_names.values() for name in group)]
         session_key, size, objects = _write_sessions(index_url, blobs_url, moto.endpoint, names, args.turns, args.turn)
         with IndexKeys(index_url) as keys:
             key = keys.create("alice")[1]
@@ -232,71 +245,88 @@ def main() -> int:
         shared = ("--index", index_url, "--blobs", blobs_url)
         path = "/sessions/chat/resume"
 
-        def replica(name: str, *options: str) -> ServeProcess:
-            server = ServeProcess(folder / name, *shared, *options, env=env).start()
+        def replica(name: str, get_size: str, *options: str) -> ServeProcess:
+            server = ServeProcess(
+                folder / name, *shared, *options, env={**env, "KVSTORE_BLOBS_GET_SIZE": get_size}
+            ).start()
             servers.append(server)
             return server
 
         postmaster = int((cluster.datadir / "postmaster.pid").read_text().split()[0])
         meter = CpuMeter(moto.process.pid, postmaster)
-        direct_s, direct_cpu = meter.median(lambda: _direct_fetch(s3, bucket, objects, size), args.reps)
+        out = memoryview(bytearray(size))
+        out[:] = b"\1" * size  # every page faulted in before any fetch is timed
+        direct = {}
+        for part, threads in DIRECT_WAYS:
+            direct[part, threads] = meter.median(
+                lambda part=part, threads=threads: _direct_fetch(s3, bucket, objects, out, part, threads), args.reps
+            )
+        best = min(direct, key=lambda way: direct[way][0])
+        direct_s = direct[best][0]
         local = folder / "chat.rows"
         with SharedStore(SharedIndex(index_url), BlobStore(blobs_url, endpoint_url=moto.endpoint)) as store:
             local.write_bytes(store.read_records(session_key)[1])
         local_s = _median(lambda: _local_read(local), args.reps)
 
         rows = []
-        cold = replica("cold")
-        _curl(cold.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
-        fresh = iter(names[2:])
         kept_after: list[float] = []
+        for get in GET_SIZES:
+            cold = replica(f"cold-{get}", get)
+            _curl(cold.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
+            fresh = iter(cold_names[get])
 
-        def cold_download(fetch) -> float:
-            before = _cache_bytes(cold.url)
-            seconds = fetch(f"{cold.url}/sessions/{next(fresh)}/resume", key, size)
-            _kept(cold.url, before, size, kept_after)  # untimed; its CPU is counted in the rep's
-            return seconds
+            def cold_download(fetch, cold=cold, fresh=fresh) -> float:
+                before = _cache_bytes(cold.url)
+                seconds = fetch(f"{cold.url}/sessions/{next(fresh)}/resume", key, size)
+                _kept(cold.url, before, size, kept_after)  # untimed; its CPU is counted in the rep's
+                return seconds
 
-        for client, fetch in (("curl", _curl), ("httpx", _httpx)):
-            cold_s, cpu = meter.median(lambda fetch=fetch: cold_download(fetch), args.reps, cold.process.pid)
-            rows.append((f"cold, its cache filling, {client}", cold_s, cpu, direct_s, "direct fetch"))
-        uncached = replica("uncached", "--cache-size", "0")
-        _curl(uncached.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
-        for client, fetch in (("curl", _curl), ("httpx", _httpx)):
-            cold_s, cpu = meter.median(
-                lambda fetch=fetch: fetch(uncached.url + path, key, size), args.reps, uncached.process.pid
-            )
-            rows.append((f"cold, no cache (--cache-size 0), {client}", cold_s, cpu, direct_s, "direct fetch"))
-        cached = cold  # its cache holds "chat" once it has read it
-        _curl(cached.url + path, key, size)  # fills its cache
-        _curl(cached.url + path, key, size)  # its copies kept by then: this one is warm
-        for client, fetch in (("curl", _curl), ("httpx", _httpx)):
-            warm_s, cpu = meter.median(
-                lambda fetch=fetch: fetch(cached.url + path, key, size), args.reps, cached.process.pid
-            )
-            rows.append((f"warm (cache hits), {client}", warm_s, cpu, local_s, "local read"))
+            for client, fetch in (("curl", _curl), ("httpx", _httpx)):
+                cold_s, cpu = meter.median(lambda fetch=fetch: cold_download(fetch), args.reps, cold.process.pid)
+                rows.append((f"GET {get}: cold, its cache filling, {client}", cold_s, cpu, direct_s, "direct fetch"))
+            uncached = replica(f"uncached-{get}", get, "--cache-size", "0")
+            _curl(uncached.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
+            for client, fetch in (("curl", _curl), ("httpx", _httpx)):
+                cold_s, cpu = meter.median(
+                    lambda fetch=fetch, url=uncached.url: fetch(url + path, key, size), args.reps, uncached.process.pid
+                )
+                rows.append((f"GET {get}: cold, no cache, {client}", cold_s, cpu, direct_s, "direct fetch"))
+            uncached.stop_cleanly()
+            servers.remove(uncached)
+            if get == GET_SIZES[0]:
+                cached = cold  # its cache holds "chat" once it has read it
+                _curl(cached.url + path, key, size)  # fills its cache
+                _curl(cached.url + path, key, size)  # its copies kept by then: this one is warm
+                for client, fetch in (("curl", _curl), ("httpx", _httpx)):
+                    warm_s, cpu = meter.median(
+                        lambda fetch=fetch, url=cached.url: fetch(url + path, key, size), args.reps, cached.process.pid
+                    )
+                    rows.append((f"warm (cache hits), {client}", warm_s, cpu, local_s, "local read"))
+            cold.stop_cleanly()
+            servers.remove(cold)
 
         print(
             f"session {size / 1e6:.1f} MB ({args.turns} segments of {args.turn} fp8 DeepSeek-V3 rows), "
             f"PostgreSQL + moto on loopback, {os.cpu_count()} cores, medians of {args.reps}"
         )
-        print("CPU ms per download: replica / moto / PostgreSQL / client (curl, httpx or boto3)")
-        print(f"{'':40s} {'GB/s':>7s} {'ms':>7s}  {'CPU ms':>19s}")
+        print("CPU ms per download: replica / moto / PostgreSQL / client (curl, httpx or boto3); faults: the replica's")
+        print(f"{'':44s} {'GB/s':>7s} {'ms':>7s}  {'CPU ms':>19s} {'faults':>7s}")
 
         def cpu_ms(cpu: dict[str, float]) -> str:
             return " / ".join(f"{cpu[k] * 1e3:.0f}" for k in ("replica", "moto", "postgres", "client"))
 
-        print(
-            f"{'direct parallel fetch (boto3, 16 threads)':40s} {size / direct_s / 1e9:7.3f} {direct_s * 1e3:7.0f}"
-            f"  {cpu_ms(direct_cpu):>19s}"
-        )
-        print(f"{'local read (Path.read_bytes, page cache)':40s} {size / local_s / 1e9:7.3f} {local_s * 1e3:7.0f}")
-        print(f"{'resume through a replica':40s} {'GB/s':>7s} {'ms':>7s}  {'CPU ms':>19s}  ratio")
+        for (part, threads), (seconds, cpu) in direct.items():
+            way = f"{part >> 20} MiB GETs" if part else "whole objects"
+            name = f"direct fetch, {way}, {threads} threads{' *' if (part, threads) == best else ''}"
+            print(f"{name:44s} {size / seconds / 1e9:7.3f} {seconds * 1e3:7.0f}  {cpu_ms(cpu):>19s}")
+        print(f"{'local read (Path.read_bytes, page cache)':44s} {size / local_s / 1e9:7.3f} {local_s * 1e3:7.0f}")
+        print(f"{'resume through a replica':44s} {'GB/s':>7s} {'ms':>7s}  {'CPU ms':>19s} {'faults':>7s}  ratio")
         for name, seconds, cpu, peer_s, peer in rows:
             print(
-                f"{name:40s} {size / seconds / 1e9:7.3f} {seconds * 1e3:7.0f}  {cpu_ms(cpu):>19s}"
+                f"{name:44s} {size / seconds / 1e9:7.3f} {seconds * 1e3:7.0f}  {cpu_ms(cpu):>19s} {cpu['faults']:7.0f}"
                 f"  {peer_s / seconds:.2f}x {peer}"
             )
+        print("* the fastest direct fetch: the peer of the cold rows")
         print(
             f"a cold download's copies were in the replica's cache {statistics.median(kept_after) * 1e3:.0f} ms "
             "(median) after its last byte (written once no read is in progress; their CPU is in its row)"

@@ -29,6 +29,7 @@ Examples
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
@@ -41,6 +42,7 @@ __all__ = [
     "Variable",
     "environment",
     "report",
+    "size_bytes",
     "variable",
 ]
 
@@ -81,7 +83,21 @@ def _switch(raw: str) -> bool:
     raise ValueError("takes 1 or 0 (true/false, yes/no, on/off)")
 
 
-_TYPE_NAMES = {_text: "text", _path: "path", _switch: "switch (1/0)"}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def size_bytes(raw: str) -> int:
+    """``512M``, ``10G``, ``1.5K``, ``1048576`` -> bytes (binary units); ``ValueError`` otherwise
+    (``kvstore.units.parse_size`` is this for the command line and the settings)."""
+    match = _SIZE.match(raw)
+    if match is None:
+        raise ValueError("takes a size: a number of bytes with an optional K, M, G or T suffix")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[(unit or "")[:1].lower()])
+
+
+_TYPE_NAMES = {_text: "text", _path: "path", _switch: "switch (1/0)", size_bytes: "size"}
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,15 @@ AWS_ENDPOINT_URL: Variable[str | None] = Variable(
     "the S3-compatible endpoint of --blobs (unset: AWS's own); the credentials are boto3's to read",
     "shared store",
 )
+BLOBS_GET_SIZE: Variable[int] = Variable(
+    "KVSTORE_BLOBS_GET_SIZE",
+    size_bytes,
+    8 << 20,
+    "bytes per ranged GET when a replica fetches a segment object, its parts fetched in parallel "
+    "(default 8M; 0: one GET per object, for S3-compatible servers that read the whole object to answer a "
+    "range, as moto does)",
+    "shared store",
+)
 AWS_REGION: Variable[str | None] = Variable(
     "AWS_REGION", _text, None, "the object store's region (else AWS_DEFAULT_REGION, else us-east-1)", "shared store"
 )
@@ -288,6 +313,7 @@ VARIABLES: tuple[Variable[Any], ...] = (
     INDEX_URL,
     BLOBS_URL,
     AWS_ENDPOINT_URL,
+    BLOBS_GET_SIZE,
     AWS_REGION,
     AWS_DEFAULT_REGION,
     API_KEY,

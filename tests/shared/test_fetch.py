@@ -11,10 +11,11 @@ import boto3
 import numpy as np
 import pytest
 
+from kvstore.config import SettingError
 from kvstore.errors import SessionDamaged
 from kvstore.formats import coli_kv
 from kvstore.store.results import records_report
-from kvstore.store.shared import BlobStore, SharedIndex, SharedStore, reports
+from kvstore.store.shared import BlobStore, SharedIndex, SharedStore, fetch, reports
 from kvstore.store.shared.cache import SegmentCache
 from kvstore.store.shared.fetch import pieces
 from kvstore.store.shared.index import ReadPlan, Segment
@@ -37,6 +38,12 @@ class CountedBlobs(BlobStore):
         with self._gets_lock:
             self.gets.append((name, start, start + len(body)))
         return body
+
+    def get_into(self, name: str, start: int, into: memoryview) -> int:
+        got = super().get_into(name, start, into)
+        with self._gets_lock:
+            self.gets.append((name, start, start + got))
+        return got
 
 
 def write_session(index_url, blobs_url, endpoint, segments: int) -> tuple[str, bytes]:
@@ -252,3 +259,67 @@ def test_copies_are_written_once_no_read_is_in_progress(index_url, blobs_url, s3
         store.reads.flush()
         assert cache.counts().files == 4 and cache.readers_at_put == [1, 1, 1, 1]
         download.close()
+
+
+def test_the_get_size_sets_the_ranged_gets_of_a_cold_read(index_url, blobs_url, s3_server, monkeypatch):
+    """``KVSTORE_BLOBS_GET_SIZE`` (``BlobStore.get_bytes``): each segment object in parts of that
+    many bytes, or, at 0, in one GET (for a server that reads a whole object to answer any range);
+    the bytes served are the same either way, and a size that does not parse is refused naming it."""
+    key, image = write_session(index_url, blobs_url, s3_server.endpoint, 3)
+    per = ROWS * rec_bytes()
+    for text, gets_per_object, largest in (
+        (str(9 * rec_bytes()), -(-ROWS // 9), 9 * rec_bytes()),
+        ("0", 1, per),
+        ("64M", 1, per),
+    ):
+        monkeypatch.setenv("KVSTORE_BLOBS_GET_SIZE", text)
+        blobs = CountedBlobs(blobs_url, endpoint_url=s3_server.endpoint)
+        with SharedStore(SharedIndex(index_url), blobs) as store:
+            plan = store.index.read_plan(key)
+            assert store.read_planned(key, plan, 0, plan.n_records) == image
+        assert len(blobs.gets) == 3 * gets_per_object, (text, blobs.gets)
+        assert max(hi - lo for _, lo, hi in blobs.gets) == largest
+    monkeypatch.setenv("KVSTORE_BLOBS_GET_SIZE", "lots")
+    with pytest.raises(SettingError, match="KVSTORE_BLOBS_GET_SIZE='lots': takes a size"):
+        BlobStore(blobs_url, endpoint_url=s3_server.endpoint)
+
+
+def test_an_object_shorter_than_its_commit_is_damage_at_once(index_url, blobs_url, s3_server):
+    """An object cut short in the object store answers fewer bytes than the range asked: a typed
+    ``SessionDamaged`` at the first GET (not a retried, then unavailable, store), the sound segment
+    before it still served."""
+    key, image = write_session(index_url, blobs_url, s3_server.endpoint, 2)
+    store, blobs = reader_store(index_url, blobs_url, s3_server.endpoint, None, part_records=9, ahead_records=200)
+    with store:
+        plan = store.index.read_plan(key)
+        victim = plan.segments[1]
+        s3 = boto3.client("s3", endpoint_url=s3_server.endpoint)
+        bucket = blobs_url.removeprefix("s3://").split("/")[0]
+        whole = s3.get_object(Bucket=bucket, Key=victim.object)["Body"].read()
+        s3.put_object(Bucket=bucket, Key=victim.object, Body=whole[: len(whole) - rec_bytes() // 2])
+        with pytest.raises(SessionDamaged, match="shorter than its commit recorded"):
+            store.read_planned(key, plan, 0, plan.n_records)
+        assert blobs.retries == 0
+        assert store.read_planned(key, plan, 0, ROWS) == image[: ROWS * rec_bytes()]
+
+
+def test_a_reused_buffer_never_changes_bytes_still_held(index_url, blobs_url, s3_server, monkeypatch):
+    """Fetched objects land in reused buffers (no fresh pages to fault in): a buffer is reused only
+    once nothing made from it is left — the chunks of a download still held keep their bytes while
+    later downloads reuse the buffers the others let go."""
+    monkeypatch.setattr(fetch._Buffers, "MIN_BYTES", 64)  # this test's objects are small
+    key, image = write_session(index_url, blobs_url, s3_server.endpoint, 4)
+    store, _ = reader_store(index_url, blobs_url, s3_server.endpoint, None, part_records=9, ahead_records=ROWS)
+    with store:
+        plan = store.index.read_plan(key)
+        held = list(store.stream_planned(key, plan, 0, plan.n_records, 7))  # every chunk kept
+        kept, at = [], 0  # every third chunk of another download, with where it starts
+        for i, view in enumerate(store.stream_planned(key, plan, 0, plan.n_records, 7)):
+            if i % 3 == 0:
+                kept.append((at, view))
+            at += len(view)
+        for _ in range(3):
+            assert b"".join(store.stream_planned(key, plan, 0, plan.n_records, 7)) == image
+        assert store.reads._buffers.made < 6 * len(plan.segments)  # the later downloads reused buffers
+        assert b"".join(held) == image  # ... never one still held
+        assert all(bytes(view) == image[at : at + len(view)] for at, view in kept)

@@ -15,6 +15,7 @@ them). What a retry cannot fix is :class:`~kvstore.errors.BlobStoreError`; retri
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import hashlib
 import random
@@ -34,6 +35,7 @@ from kvstore.errors import BlobStoreError, BlobStoreUnavailable, ConfigError
 T = TypeVar("T")
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
+_READ_STEP = 1 << 20  # a GET's body is read into place this much at a time
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"})
 # botocore errors a retry cannot fix: configuration, not the network
@@ -74,6 +76,8 @@ class BlobStore:
     attempts : tries per call (the first included)
     base_delay, max_delay : backoff bounds in seconds (delay ``k`` is uniform in ``[0, min(max, base * 2**k)]``)
     part_bytes : multipart part size; objects larger than it are uploaded in parts
+    get_bytes : bytes per ranged GET of a whole-object read, the parts fetched in parallel (None:
+        ``KVSTORE_BLOBS_GET_SIZE``, 8 MiB unless set; 0: one GET per object)
     timeout : connect and read timeout of one request, seconds
     """
 
@@ -87,12 +91,16 @@ class BlobStore:
         base_delay: float = 0.05,
         max_delay: float = 2.0,
         part_bytes: int = 64 << 20,
+        get_bytes: int | None = None,
         timeout: float = 10.0,
         max_connections: int = 32,
     ):
         self.bucket, self.prefix = parse_blobs_url(url)
         if part_bytes < MIN_PART_BYTES:
             raise ConfigError(f"part_bytes is {part_bytes}; S3 parts are at least {MIN_PART_BYTES} bytes")
+        self.get_bytes = settings.BLOBS_GET_SIZE.get() if get_bytes is None else get_bytes
+        if self.get_bytes < 0:
+            raise ConfigError(f"get_bytes is {self.get_bytes}; give a size in bytes (0: one GET per object)")
         self.attempts = max(1, attempts)
         self.base_delay = base_delay
         self.max_delay = max_delay
@@ -236,6 +244,38 @@ class BlobStore:
             if len(body) != expected or (stop is not None and len(body) != stop - start):
                 raise _ShortBody(f"{len(body)} of {expected} bytes")
             return body
+
+        return self._retry(f"reading {name}", call)
+
+    def get_into(self, name: str, start: int, into: memoryview) -> int:
+        """Bytes ``[start, start + len(into))`` of ``name`` read into ``into`` (one ranged GET): the
+        body goes from the socket into place a megabyte at a time, with no buffer of its size made
+        and copied (a replica's cold read fetches every segment this way). Returns the bytes the
+        object holds in that range: fewer than asked only when the object ends before it. A body
+        cut short of what its answer announced (a dropped connection) is retried."""
+        if not len(into):
+            return 0
+
+        def call() -> int:
+            answer = self.client.get_object(
+                Bucket=self.bucket, Key=name, Range=f"bytes={start}-{start + len(into) - 1}"
+            )
+            body, at = answer["Body"], 0
+            expected = int(answer.get("ContentLength", len(into)))
+            if expected > len(into):  # not the range asked for
+                body.close()
+                raise _ShortBody(f"{expected} bytes answered for a range of {len(into)}")
+            # the connection goes back to the pool once the body is read to its end; closing a body
+            # cut short discards it
+            with contextlib.closing(body):
+                while at < expected:
+                    got = body.readinto(into[at:expected][:_READ_STEP])
+                    if not got:
+                        break
+                    at += got
+            if at != expected:
+                raise _ShortBody(f"{at} of {expected} bytes")
+            return at
 
         return self._retry(f"reading {name}", call)
 

@@ -2,7 +2,10 @@
 
 Every byte served has been checked against the digest its segment's commit recorded (the shared
 backend's ``hashes_every_read``): a segment that is not in the cache is fetched **whole** — ranged
-GETs of ``part_bytes`` in parallel, since one S3 stream is far below a NIC (~100 MB/s) — hashed,
+GETs of ``part_bytes`` in parallel, since one S3 stream is far below a NIC (~100 MB/s); the object
+store's ``get_bytes``, ``KVSTORE_BLOBS_GET_SIZE``: 0 fetches each object in one GET, for a server that
+reads a whole object to answer any range (moto does: three 8 MiB parts of an 18 MB object cost it
+three whole reads; BENCHMARKS.md, "Restore through a replica") — into a reused buffer, hashed,
 fetched once more if it does not match (a torn read), then refused (:class:`SessionDamaged`).
 Concurrent readers of one object share that one fetch (single flight).
 
@@ -25,16 +28,19 @@ whole, decompressed and checked every time.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import queue
 import sys
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Generator, Iterator, NamedTuple
 
+import numpy as np
 import zstandard
 
 from kvstore.errors import KeyShredded, SealBroken, SessionDamaged
@@ -46,10 +52,10 @@ from kvstore.store.values import public_id
 
 log = logging.getLogger("kvstore.store")
 
-PART_BYTES = 8 << 20  # one ranged GET
 FETCH_THREADS = 16  # segments in flight at once (and, apart, the parts of each)
 READ_AHEAD_BYTES = 64 << 20  # a stream's blocks fetched ahead of the one being consumed
 KEEP_BACKLOG_BYTES = 512 << 20  # checked objects waiting for the keeper to write them, at most
+IDLE_BUFFER_BYTES = 128 << 20  # whole-object buffers kept for the next fetches, at most
 
 
 class Piece(NamedTuple):
@@ -70,6 +76,50 @@ def pieces(plan: ReadPlan, start: int, end: int) -> list[Piece]:
             offset = (lo - segment.first_record) * plan.rec_bytes
             out.append(Piece(segment, offset, (hi - lo) * plan.rec_bytes, (lo - start) * plan.rec_bytes))
     return out
+
+
+class _Buffers:
+    """Buffers for whole objects fetched from the object store, reused once nothing refers to them.
+
+    A buffer made fresh for every object costs a page fault per 4 KiB the fetch writes — on CI's
+    virtual machine ~1.4 ms a MiB, a replica's cold download its largest cost after the copies
+    themselves. :meth:`take` hands out a view of a kept slab (or a new one); the slab comes back
+    when the last memoryview or array made from that view is gone (a finalizer on the view:
+    whatever holds the bytes — a download's chunk, the keeper's backlog, a fetch in flight — keeps
+    them), and up to ``idle_bytes`` of slabs are kept for the next fetches.
+    """
+
+    MIN_BYTES = 1 << 20  # smaller objects: a fresh buffer (the allocator reuses its own memory)
+
+    def __init__(self, idle_bytes: int):
+        self.idle_bytes = idle_bytes
+        self._idle: list[np.ndarray] = []  # by size
+        self._idle_total = 0
+        self._lock = threading.Lock()
+        self.made = 0  # slabs allocated so far (the rest of the takes reused one)
+
+    def take(self, nbytes: int) -> memoryview:
+        """A writable ``nbytes``-byte buffer (its contents are not zeroed)."""
+        if nbytes < self.MIN_BYTES:
+            return memoryview(bytearray(nbytes))
+        slab = None
+        with self._lock:
+            at = bisect.bisect_left(self._idle, nbytes, key=len)
+            if at < len(self._idle) and len(self._idle[at]) <= 2 * nbytes:  # not a far larger one
+                slab = self._idle.pop(at)
+                self._idle_total -= len(slab)
+        if slab is None:
+            slab = np.empty(-(-nbytes // self.MIN_BYTES) * self.MIN_BYTES, dtype=np.uint8)
+            self.made += 1
+        view = slab[:nbytes]
+        weakref.finalize(view, self._give_back, slab)
+        return view.data  # a memoryview whose exporter is the view: it keeps the view (and the slab) held
+
+    def _give_back(self, slab: np.ndarray) -> None:
+        with self._lock:
+            if self._idle_total + len(slab) <= self.idle_bytes:
+                bisect.insort(self._idle, slab, key=len)
+                self._idle_total += len(slab)
 
 
 class _Keeper:
@@ -183,12 +233,13 @@ class SegmentFetcher:
         blobs: BlobStore,
         cache: SegmentCache | None,
         *,
-        part_bytes: int = PART_BYTES,
+        part_bytes: int | None = None,
         read_ahead_bytes: int = READ_AHEAD_BYTES,
     ):
         self.blobs = blobs
         self.cache = cache
-        self.part_bytes = max(1, part_bytes)
+        # bytes per ranged GET (None: the object store's ``get_bytes``; 0: one GET per object)
+        self.part_bytes = max(0, blobs.get_bytes if part_bytes is None else part_bytes)
         self.read_ahead_bytes = max(1, read_ahead_bytes)
         self.pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="kvstore-s3")
         # the parts of whole-object fetches: their own threads, so a segment waiting for its parts
@@ -197,6 +248,7 @@ class SegmentFetcher:
         self._fetching: dict[str, Future] = {}  # object name -> its whole, checked bytes
         self._fetching_lock = threading.Lock()
         self._keeper = _Keeper(cache, KEEP_BACKLOG_BYTES) if cache is not None else None
+        self._buffers = _Buffers(IDLE_BUFFER_BYTES)
         self.sealer: SegmentSealer | None = None  # an encrypted store's (SharedStore.encrypt)
         # set while the store's encryption is not known yet (PostgreSQL down at open): it decides
         # before a sealed object is opened (and clears itself)
@@ -363,7 +415,7 @@ class SegmentFetcher:
         if not mine:
             return running.result()
         try:
-            checked = self._remote_whole(key, segment, memoryview(bytearray(segment.nbytes)))
+            checked = self._remote_whole(key, segment, self._buffers.take(segment.nbytes))
         except BaseException as exc:
             running.set_exception(exc)
             with self._fetching_lock:
@@ -378,21 +430,20 @@ class SegmentFetcher:
         return checked
 
     def _remote(self, key: str, segment: Segment, offset: int, into: memoryview) -> None:
-        body = self.blobs.get(segment.object, offset, offset + len(into))
-        if len(body) != len(into):
+        if self.blobs.get_into(segment.object, offset, into) != len(into):
             raise SessionDamaged(
                 f"session {public_id(key)!r}: object {segment.object} is shorter than its commit recorded "
                 f"(records {segment.first_record}..); it is not served"
             )
-        into[:] = body
 
     def _remote_whole(self, key: str, segment: Segment, into: memoryview) -> memoryview:
         """The whole object into ``into`` (ranged GETs of ``part_bytes`` in parallel), checked
         against its digest; fetched once more if it does not match (a torn read), then refused."""
+        step = self.part_bytes or max(1, segment.nbytes)
         for _ in range(2):
             jobs = [
-                self._parts.submit(self._remote, key, segment, lo, into[lo : min(lo + self.part_bytes, segment.nbytes)])
-                for lo in range(0, segment.nbytes, self.part_bytes)
+                self._parts.submit(self._remote, key, segment, lo, into[lo : min(lo + step, segment.nbytes)])
+                for lo in range(0, segment.nbytes, step)
             ]
             for job in jobs:
                 job.result()
@@ -435,11 +486,12 @@ class SegmentFetcher:
                 if self.cache is not None:
                     self.cache.drop(segment)  # a damaged copy: fetched again below
         failure: Exception | None = None
+        step = self.part_bytes or max(1, segment.object_bytes)
         for _ in range(2):
-            body = memoryview(bytearray(segment.object_bytes))
+            body = self._buffers.take(segment.object_bytes)
             jobs = [
-                self._parts.submit(self._remote, key, segment, lo, body[lo : min(lo + self.part_bytes, len(body))])
-                for lo in range(0, len(body), self.part_bytes)
+                self._parts.submit(self._remote, key, segment, lo, body[lo : min(lo + step, len(body))])
+                for lo in range(0, len(body), step)
             ]
             for job in jobs:
                 job.result()
