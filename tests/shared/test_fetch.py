@@ -323,3 +323,21 @@ def test_a_reused_buffer_never_changes_bytes_still_held(index_url, blobs_url, s3
         assert store.reads._buffers.made < 6 * len(plan.segments)  # the later downloads reused buffers
         assert b"".join(held) == image  # ... never one still held
         assert all(bytes(view) == image[at : at + len(view)] for at, view in kept)
+
+
+@pytest.mark.timeout(30)  # a deadlock fails here, not at the suite's 10 minutes
+def test_a_buffer_let_go_inside_the_pool_is_kept_without_a_deadlock():
+    """The last reference to a fetched object can go anywhere — in a collection that runs while
+    the pool itself holds its lock: the slab is queued, not waited for, and the next take reuses it;
+    past the idle budget a slab is let go."""
+    buffers = fetch._Buffers(idle_bytes=3 << 20)
+    first = buffers.take(2 << 20)
+    with buffers._lock:
+        del first  # a finalizer on the lock holder's own thread: would deadlock on a blocking lock
+    again = buffers.take((2 << 20) - 100)
+    assert buffers.made == 1 and len(again) == (2 << 20) - 100
+    other = buffers.take(2 << 20)
+    assert buffers.made == 2
+    del again, other  # 4 MiB let go against a budget of 3: one slab kept
+    assert buffers._idle_total == 2 << 20
+    assert len(buffers.take(100)) == 100 and buffers.made == 2  # a small object: a fresh buffer of its own

@@ -86,7 +86,8 @@ class _Buffers:
     themselves. :meth:`take` hands out a view of a kept slab (or a new one); the slab comes back
     when the last memoryview or array made from that view is gone (a finalizer on the view:
     whatever holds the bytes — a download's chunk, the keeper's backlog, a fetch in flight — keeps
-    them), and up to ``idle_bytes`` of slabs are kept for the next fetches.
+    them), and up to ``idle_bytes`` of slabs are kept for the next fetches. An encrypted store's
+    objects are fetched as ciphertext: no idle slab holds an owner's plaintext for a shred to miss.
     """
 
     MIN_BYTES = 1 << 20  # smaller objects: a fresh buffer (the allocator reuses its own memory)
@@ -96,6 +97,9 @@ class _Buffers:
         self._idle: list[np.ndarray] = []  # by size
         self._idle_total = 0
         self._lock = threading.Lock()
+        # slabs given back while the lock was held (a finalizer runs wherever the last reference
+        # goes, a collection inside take() included): sorted in by the next take
+        self._returned: deque[np.ndarray] = deque()
         self.made = 0  # slabs allocated so far (the rest of the takes reused one)
 
     def take(self, nbytes: int) -> memoryview:
@@ -104,6 +108,8 @@ class _Buffers:
             return memoryview(bytearray(nbytes))
         slab = None
         with self._lock:
+            while self._returned:
+                self._keep(self._returned.popleft())
             at = bisect.bisect_left(self._idle, nbytes, key=len)
             if at < len(self._idle) and len(self._idle[at]) <= 2 * nbytes:  # not a far larger one
                 slab = self._idle.pop(at)
@@ -116,10 +122,19 @@ class _Buffers:
         return view.data  # a memoryview whose exporter is the view: it keeps the view (and the slab) held
 
     def _give_back(self, slab: np.ndarray) -> None:
-        with self._lock:
-            if self._idle_total + len(slab) <= self.idle_bytes:
-                bisect.insort(self._idle, slab, key=len)
-                self._idle_total += len(slab)
+        if not self._lock.acquire(blocking=False):
+            self._returned.append(slab)
+            return
+        try:
+            self._keep(slab)
+        finally:
+            self._lock.release()
+
+    def _keep(self, slab: np.ndarray) -> None:
+        """Keep ``slab`` for a later take if the idle ones leave room (the lock held)."""
+        if self._idle_total + len(slab) <= self.idle_bytes:
+            bisect.insort(self._idle, slab, key=len)
+            self._idle_total += len(slab)
 
 
 class _Keeper:
