@@ -270,6 +270,13 @@ def main() -> int:
 
         rows = []
         kept_after: list[float] = []
+
+        def per_client(label: str, server: ServeProcess, download, peer_s: float, peer: str) -> None:
+            """A row per client: the median of ``download(fetch)`` with ``fetch`` curl, then httpx."""
+            for client, fetch in (("curl", _curl), ("httpx", _httpx)):
+                seconds, cpu = meter.median(lambda fetch=fetch: download(fetch), args.reps, server.process.pid)
+                rows.append((f"{label}, {client}", seconds, cpu, peer_s, peer))
+
         for get in GET_SIZES:
             cold = replica(f"cold-{get}", get)
             _curl(cold.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
@@ -281,27 +288,26 @@ def main() -> int:
                 _kept(cold.url, before, size, kept_after)  # untimed; its CPU is counted in the rep's
                 return seconds
 
-            for client, fetch in (("curl", _curl), ("httpx", _httpx)):
-                cold_s, cpu = meter.median(lambda fetch=fetch: cold_download(fetch), args.reps, cold.process.pid)
-                rows.append((f"GET {get}: cold, its cache filling, {client}", cold_s, cpu, direct_s, "direct fetch"))
+            per_client(f"GET {get}: cold, its cache filling", cold, cold_download, direct_s, "direct fetch")
             uncached = replica(f"uncached-{get}", get, "--cache-size", "0")
             _curl(uncached.url + "/sessions/warm-up/resume", key, size)  # its first request, not timed
-            for client, fetch in (("curl", _curl), ("httpx", _httpx)):
-                cold_s, cpu = meter.median(
-                    lambda fetch=fetch, url=uncached.url: fetch(url + path, key, size), args.reps, uncached.process.pid
-                )
-                rows.append((f"GET {get}: cold, no cache, {client}", cold_s, cpu, direct_s, "direct fetch"))
+            chat = uncached.url + path
+            per_client(
+                f"GET {get}: cold, no cache",
+                uncached,
+                lambda fetch, url=chat: fetch(url, key, size),
+                direct_s,
+                "direct fetch",
+            )
             uncached.stop_cleanly()
             servers.remove(uncached)
             if get == GET_SIZES[0]:
-                cached = cold  # its cache holds "chat" once it has read it
-                _curl(cached.url + path, key, size)  # fills its cache
-                _curl(cached.url + path, key, size)  # its copies kept by then: this one is warm
-                for client, fetch in (("curl", _curl), ("httpx", _httpx)):
-                    warm_s, cpu = meter.median(
-                        lambda fetch=fetch, url=cached.url: fetch(url + path, key, size), args.reps, cached.process.pid
-                    )
-                    rows.append((f"warm (cache hits), {client}", warm_s, cpu, local_s, "local read"))
+                chat = cold.url + path  # its cache holds "chat" once it has read it
+                _curl(chat, key, size)  # fills its cache
+                _curl(chat, key, size)  # its copies kept by then: this one is warm
+                per_client(
+                    "warm (cache hits)", cold, lambda fetch, url=chat: fetch(url, key, size), local_s, "local read"
+                )
             cold.stop_cleanly()
             servers.remove(cold)
 
