@@ -15,7 +15,6 @@ them). What a retry cannot fix is :class:`~kvstore.errors.BlobStoreError`; retri
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import hashlib
 import random
@@ -35,7 +34,6 @@ from kvstore.errors import BlobStoreError, BlobStoreUnavailable, ConfigError
 T = TypeVar("T")
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
-_READ_STEP = 1 << 20  # a GET's body is read into place this much at a time
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"})
 # botocore errors a retry cannot fix: configuration, not the network
@@ -229,7 +227,11 @@ class BlobStore:
 
     # ------------------------------------------------------------------ reads
     def get(self, name: str, start: int = 0, stop: int | None = None) -> bytes:
-        """Bytes ``[start, stop)`` of ``name`` (one ranged GET; the whole object when both are default)."""
+        """Bytes ``[start, stop)`` of ``name`` (one ranged GET; the whole object when both are default).
+
+        Fewer bytes than asked only when the object ends before ``stop`` (the answer says so: the
+        caller decides what a short object means). A body cut short of what its answer announced
+        (a dropped connection), or longer than the range asked, is retried."""
         if stop is not None and stop <= start:
             return b""
 
@@ -241,41 +243,9 @@ class BlobStore:
                 answer = self.client.get_object(Bucket=self.bucket, Key=name, Range=f"bytes={start}-{last}")
             body = answer["Body"].read()
             expected = int(answer.get("ContentLength", len(body)))
-            if len(body) != expected or (stop is not None and len(body) != stop - start):
+            if len(body) != expected or (stop is not None and len(body) > stop - start):
                 raise _ShortBody(f"{len(body)} of {expected} bytes")
             return body
-
-        return self._retry(f"reading {name}", call)
-
-    def get_into(self, name: str, start: int, into: memoryview) -> int:
-        """Bytes ``[start, start + len(into))`` of ``name`` read into ``into`` (one ranged GET): the
-        body goes from the socket into place a megabyte at a time, with no buffer of its size made
-        and copied (a replica's cold read fetches every segment this way). Returns the bytes the
-        object holds in that range: fewer than asked only when the object ends before it. A body
-        cut short of what its answer announced (a dropped connection) is retried."""
-        if not len(into):
-            return 0
-
-        def call() -> int:
-            answer = self.client.get_object(
-                Bucket=self.bucket, Key=name, Range=f"bytes={start}-{start + len(into) - 1}"
-            )
-            body, at = answer["Body"], 0
-            expected = int(answer.get("ContentLength", len(into)))
-            if expected > len(into):  # not the range asked for
-                body.close()
-                raise _ShortBody(f"{expected} bytes answered for a range of {len(into)}")
-            # the connection goes back to the pool once the body is read to its end; closing a body
-            # cut short discards it
-            with contextlib.closing(body):
-                while at < expected:
-                    got = body.readinto(into[at:expected][:_READ_STEP])
-                    if not got:
-                        break
-                    at += got
-            if at != expected:
-                raise _ShortBody(f"{at} of {expected} bytes")
-            return at
 
         return self._retry(f"reading {name}", call)
 
