@@ -121,9 +121,15 @@ def server_metrics(url: str) -> dict[str, float]:
     return parse_metrics(page.text)
 
 
+def process_stat(pid: int) -> list[str]:
+    """A process's ``/proc/PID/stat`` fields after its command name (Linux): ``[0]`` its state,
+    ``[1]`` its parent, ``[7]`` its minor page faults, ``[11]``/``[12]`` its user/system ticks."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = process_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

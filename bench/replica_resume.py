@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_common import process_cpu_seconds, server_metrics  # noqa: E402
+from api_common import process_cpu_seconds, process_stat, server_metrics  # noqa: E402
 
 from kvstore import tiers  # noqa: E402
 from kvstore.formats import coli_kv  # noqa: E402
@@ -175,10 +175,10 @@ def _pid_cpu_s(pid: int) -> float:
 
 def _children_of(parent: int) -> list[int]:
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if int(stat.read_text().rpartition(")")[2].split()[1]) == parent:
-                found.append(int(stat.parent.name))
+            if int(process_stat(int(entry.name))[1]) == parent:
+                found.append(int(entry.name))
         except (OSError, ValueError):
             continue
     return found
@@ -187,7 +187,7 @@ def _children_of(parent: int) -> list[int]:
 def _pid_faults(pid: int) -> int:
     """Minor page faults a process has taken so far (fresh memory it touched); 0 once it is gone."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[7])
+        return int(process_stat(pid)[7])
     except (OSError, ValueError, IndexError):
         return 0
 

@@ -453,17 +453,22 @@ class SegmentFetcher:
             )
         into[:] = body
 
+    def _fetch_parts(self, key: str, segment: Segment, into: memoryview) -> None:
+        """``segment``'s object (``len(into)`` bytes) into ``into``: ranged GETs of ``part_bytes``
+        in parallel (0: one GET), each into its own slice."""
+        step = self.part_bytes or max(1, len(into))
+        jobs = [
+            self._parts.submit(self._remote, key, segment, lo, into[lo : min(lo + step, len(into))])
+            for lo in range(0, len(into), step)
+        ]
+        for job in jobs:
+            job.result()
+
     def _remote_whole(self, key: str, segment: Segment, into: memoryview) -> memoryview:
         """The whole object into ``into`` (ranged GETs of ``part_bytes`` in parallel), checked
         against its digest; fetched once more if it does not match (a torn read), then refused."""
-        step = self.part_bytes or max(1, segment.nbytes)
         for _ in range(2):
-            jobs = [
-                self._parts.submit(self._remote, key, segment, lo, into[lo : min(lo + step, segment.nbytes)])
-                for lo in range(0, segment.nbytes, step)
-            ]
-            for job in jobs:
-                job.result()
+            self._fetch_parts(key, segment, into)
             if segment.holds(into):
                 return into
         raise SessionDamaged(
@@ -503,15 +508,9 @@ class SegmentFetcher:
                 if self.cache is not None:
                     self.cache.drop(segment)  # a damaged copy: fetched again below
         failure: Exception | None = None
-        step = self.part_bytes or max(1, segment.object_bytes)
         for _ in range(2):
             body = self._buffers.take(segment.object_bytes)
-            jobs = [
-                self._parts.submit(self._remote, key, segment, lo, body[lo : min(lo + step, len(body))])
-                for lo in range(0, len(body), step)
-            ]
-            for job in jobs:
-                job.result()
+            self._fetch_parts(key, segment, body)
             try:
                 plain = self._plain(key, segment, body, into=into)
             except KeyShredded:
