@@ -133,12 +133,15 @@ def device_table(stores: dict, counts: list[int], size: int, device: str) -> Non
 
 def stage_table(store, device: str, threads: int) -> None:
     """The plaintext restore's parts apart, on ``device`` (``--stages``): the ring's reads alone,
-    the uploads alone (16 MiB chunks from pinned memory into one device stage, one stream, as the
-    restore queues them), the placement alone (chunks already on the device split into the cache's
-    fields), uploads and placement in turn without reads, then the whole restore — what bounds the
-    restore where its reads alone run twice as fast (issue 41)."""
+    the uploads alone (16 MiB chunks from pinned memory into one device stage, one stream), the
+    placement alone (chunks already on the device split into the cache's fields), uploads and
+    placement in turn without reads (the old pipeline's device side), the same overlapped (two
+    stages, uploads on a copy stream: the pipeline's now; CUDA only), then the whole restore with
+    one device stage and with the default — what bounds the restore where its reads alone run
+    twice as fast (issue 41)."""
     import torch
 
+    from kvstore.engine import restore
     from kvstore.engine.cache import LatentCache
     from kvstore.engine.restore import Placement
 
@@ -186,10 +189,28 @@ def stage_table(store, device: str, threads: int) -> None:
         host_s[0] = time.perf_counter() - began  # the loop's own time, before waiting for the device
         sync()
 
-    for work in (upload, place, both):
+    def overlapped() -> None:  # as the restore now queues them: two stages, uploads on a copy stream
+        copies = restore._DeviceStages(per * rec, 2)
+        done = torch.cuda.Event()
+        for a in starts:
+            got = min(per, n - a)
+            raw = copies.upload(host[a * rec : (a + got) * rec], done)
+            placement.apply(raw.view(got, rec), full, a)
+            copies.placed()
+        sync()
+
+    works = (upload, place, both, overlapped) if cuda else (upload, place, both)
+    for work in works:
         work()  # first-call costs
     reads_s, _ = ring_read(store, threads)
     upload_s, place_s, both_s = best_of(3, upload), best_of(3, place), best_of(3, both)
+    overlapped_s = best_of(3, overlapped) if cuda else float("nan")
+    stages = restore.DEVICE_STAGES
+    restore.DEVICE_STAGES = 1
+    try:
+        one_stage_s = device_restore(store, threads, device)
+    finally:
+        restore.DEVICE_STAGES = stages
     restore_s = device_restore(store, threads, device)
     print(f"\n# the plaintext restore's parts on {device}, {size / 1e6:.0f} MB in {len(starts)} chunks (best of 3)")
     print("| part | GB/s | ms |")
@@ -200,7 +221,9 @@ def stage_table(store, device: str, threads: int) -> None:
         ("placement alone (chunks already on the device)", place_s),
         ("uploads and placement in turn, no reads", both_s),
         ("  of which the host's loop, before the device is waited for", host_s[0]),
-        (f"the whole restore, {threads} threads", restore_s),
+        ("uploads on a copy stream beside the placement, two stages, no reads", overlapped_s),
+        (f"the whole restore, one device stage (the old pipeline), {threads} threads", one_stage_s),
+        (f"the whole restore, {restore.DEVICE_STAGES} device stages, {threads} threads", restore_s),
     ):
         print(f"| {name} | {size / took / 1e9:.2f} | {took * 1e3:.1f} |")
 

@@ -15,7 +15,8 @@ With ``--load``, steps of 512 tokens whose prompt's first rows are loaded (a hot
 host memory), each layer's attention waiting for its own layer's copies (``wait_for_layer_load``).
 With ``--settle``, the writer finishes its saves before each step: what the connector's calls cost
 the step by themselves, apart from its writer thread's work beside the step (the two differ where
-the writer's Python holds the GIL the step's launches wait for).
+the writer's Python holds the GIL the step's launches wait for). ``--widen``: the writer widens
+the rows to f32 first, as the connector did before it handed over the cache's bf16 bits.
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ def measure(model: SyntheticModel, n: int, loaded: int, args: argparse.Namespace
     """One table row: the median step with and without the connector, alternating."""
     with tempfile.TemporaryDirectory(dir=args.where) as folder:
         bench = Bench(model, n, Path(folder), args.queue, loaded, int(args.hot * (1 << 30)))
+        if args.widen:  # the writer widens bf16 rows to f32 and the bf16 tier narrows them back
+            bench.worker._save_bits = False
         try:
             for _ in range(5):  # warm-up: cuBLAS heuristics, the pinned allocator, the writer
                 bench.run(False)
@@ -199,6 +202,12 @@ def main() -> None:
         action="store_true",
         help="let the writer finish before every step: the connector's own cost in the step, without "
         "the writer's thread working beside it (the default runs steps back to back, as a busy server)",
+    )
+    parser.add_argument(
+        "--widen",
+        action="store_true",
+        help="hand the writer f32 rows (widened on its thread, narrowed back by the bf16 tier) instead of "
+        "the cache's bf16 bits: the connector before it saved bits, for a side-by-side",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():

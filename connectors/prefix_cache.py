@@ -545,9 +545,10 @@ class PrefixCache:
         return "vllm-" + digest.hexdigest()
 
     def save(self, tokens, rows: np.ndarray) -> str | None:
-        """Store a prompt's rows (``tokens`` int[n], ``rows`` f32 ``[n_layers, n, kv_lora + qk_rope]``)
-        as one complete turn of a new session; None when it was stored already or could not be
-        (the reason is counted in ``save_errors``: a failed save is a future miss, never an error
+        """Store a prompt's rows (``tokens`` int[n], ``rows`` ``[n_layers, n, kv_lora + qk_rope]``: f32,
+        or with the bf16 tier the bf16 bit patterns of :attr:`native_dtype`, a bf16 cache's own
+        bits) as one complete turn of a new session; None when it was stored already or could not
+        be (the reason is counted in ``save_errors``: a failed save is a future miss, never an error
         for the request)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         g = self.fingerprint.geometry
@@ -555,6 +556,8 @@ class PrefixCache:
             return None
         if rows.shape != (g.n_layers, tokens.size, self.row_width):
             raise ValueError(f"rows must be [{g.n_layers}, {tokens.size}, {self.row_width}], got {list(rows.shape)}")
+        if rows.dtype == np.uint16 and self.native_dtype != np.uint16:
+            raise ValueError(f"bf16 bit patterns are saved by the bf16 tier only, not {self.fingerprint.tier}")
         session_id = self.session_id_for(tokens)
         return session_id if self._store(session_id, tokens, rows) == "saved" else None
 
@@ -562,7 +565,8 @@ class PrefixCache:
         """Rows as one complete turn of a new session: ``"saved"``, ``"exists"`` (stored already) or
         ``"failed"`` (the reason counted in ``save_errors``; nothing is left behind)."""
         g = self.fingerprint.geometry
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if rows.dtype != np.uint16:  # (bf16 bits are copied into the records as they are)
+            rows = np.ascontiguousarray(rows, dtype=np.float32)
         try:  # encoded here, so that the digest is of the very bytes the journal will hold
             records = encode_rows(self.fingerprint, tokens, rows[..., : g.kv_lora], rows[..., g.kv_lora :])
             tags = (ROWS_DIGEST_TAG + rows_digest(records),)

@@ -60,8 +60,11 @@ class Stored:
 
 
 def encode_rows(fingerprint: Fingerprint, tokens: np.ndarray, L, R) -> np.ndarray:
-    """Rows as the records the store writes (structured array [n]; non-finite f32 values stored as
-    0, as the journal does)."""
+    """Rows as the records the store writes (structured array [n]; non-finite values stored as 0,
+    as the journal does). ``L``/``R``: f32, or for the bf16 tier u16 bf16 bit patterns (a bf16
+    cache's own bits, copied as they are: the same records as their f32 widening's)."""
+    if np.asarray(L).dtype == np.uint16 and fingerprint.tier is tiers.BF16:
+        return coli_kv.encode_bf16_records(fingerprint.geometry, tokens, L, R)
     return coli_kv.encode_records_counted(fingerprint.geometry, fingerprint.tier, tokens, L, R)[0]
 
 

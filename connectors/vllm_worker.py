@@ -16,7 +16,9 @@ the step's end (``wait_for_save``; vLLM may reuse the blocks after the step), in
 (:class:`kvstore.gpu.gather.LayerGather`; without Triton one ``index_select`` a layer as each
 layer is handed over); the buffer then goes to pinned host memory in one transfer on the side
 stream, in the cache's dtype, into a buffer of the worker's own pool (:class:`PinnedStaging`); the
-background writer waits for that copy's event, widens each prompt's rows to f32 and encodes them.
+background writer waits for that copy's event and encodes each prompt's rows — a bf16 cache's
+rows for the bf16 tier (the default) copied into the records as their bits, other pairs widened to
+f32 first.
 Slot indices go to the device once per load or save, from pinned memory, so no copy in the forward
 pass waits for the layers before it. On the CPU both are memory copies in the step.
 """
@@ -162,14 +164,26 @@ class _Staged:
     device: torch.Tensor | None = None
     filled: set[int] = field(default_factory=set)
 
-    def part(self, a: int, b: int, copied: torch.cuda.Event | None) -> tuple[np.ndarray, Callable[[], object] | None]:
+    def part(
+        self, a: int, b: int, copied: torch.cuda.Event | None, *, bits: bool = False
+    ) -> tuple[np.ndarray, Callable[[], object] | None]:
         """Rows ``a .. b-1`` of every layer (one prompt of the step's buffer, or all of them) and what
         the writer calls before reading them (None: they hold their values now): waits for the
         device's copies and, for a narrower cache dtype, widens those rows into an array of their
-        own, on the writer's thread."""
+        own, on the writer's thread — or with ``bits`` hands a bf16 cache's rows over as their u16
+        bit patterns, a view of the staging buffer (the bf16 tier copies them as they are: no pass
+        over the rows to widen them, none to narrow them back)."""
         if self.rows is not None:
             return self.rows[:, a:b], (None if copied is None else copied.synchronize)
         assert copied is not None and self.host is not None  # staged on a GPU
+        if bits and self.host.dtype == torch.bfloat16:
+            view = self.host[:, a:b].view(torch.int16).numpy().view(np.uint16)
+
+            def landed() -> None:  # holds ``self``: the staging buffer is its loan, kept while the writer reads
+                assert self.host is not None
+                copied.synchronize()
+
+            return view, landed
         rows = np.empty((self.host.shape[0], b - a, self.host.shape[2]), np.float32)
 
         def wait() -> None:  # holds ``self``: the staging buffer is its loan, not returned before this copy
@@ -226,6 +240,9 @@ class PagedWorker:
         # every layer's rows at a step's end in one launch (CUDA caches, with Triton); None: one
         # ``index_select`` a layer as each layer is handed over
         self._gather_all: Callable[..., torch.Tensor] | None = None
+        # the store keeps bf16 rows as they are (the bf16 tier): a bf16 cache's saves go to the
+        # writer as their bits
+        self._save_bits = cache.native_dtype == np.uint16
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -395,7 +412,7 @@ class PagedWorker:
         for save in finished:
             try:  # the blocks are held for this save: read every layer straight from the cache
                 staged = self._gather(save.block_ids, len(save.tokens))
-                rows, ready = staged.part(0, len(save.tokens), self._ship([staged]))
+                rows, ready = staged.part(0, len(save.tokens), self._ship([staged]), bits=self._save_bits)
             except Exception as exc:  # never keep vLLM's blocks: a failed save is a future miss
                 self.cache.count_save_error(f"{save.req_id}: {exc}")
                 self._sent.add(save.req_id)
@@ -417,7 +434,7 @@ class PagedWorker:
                 self._gather_all(step.slots, out=step.staged.device)
             copied = self._ship([step.staged])
             for save in shipping:
-                rows, ready = step.staged.part(*step.spans[save.req_id], copied)
+                rows, ready = step.staged.part(*step.spans[save.req_id], copied, bits=self._save_bits)
                 self._save(save.tokens, rows, ready=ready)
         for save in finished:
             self._load_failed.discard(save.req_id)

@@ -10,8 +10,9 @@ records stay as they are stored until they reach the device:
    (several chunks read at once by threads, since one ``pread`` from the page cache runs at one
    core's copy speed); records already in memory are copied into the ring instead, or on the CPU
    used where they lie;
-2. each chunk is uploaded once (``non_blocking``, from pinned memory) on the current stream while
-   the next chunks are being read;
+2. each chunk is uploaded once (``non_blocking``, from pinned memory) while the next chunks are
+   being read — on CUDA into one of two device stages, on a copy stream of its own, so a chunk's
+   upload runs beside the previous chunk's placement;
 3. on the device every field of every layer is a strided view of the chunk — ``[rows, n_layers,
    field bytes]`` at the field's offset in the record dtype — copied by one torch op per field into
    the target's buffers (``[n_layers, capacity, ...]``, seen transposed), as 4-byte words where the
@@ -78,6 +79,12 @@ __all__ = [
 # Big enough that the per-chunk device ops (a few per field) are noise next to the copy, small
 # enough that several chunks in flight cost little pinned memory.
 CHUNK_BYTES = 16 << 20
+
+# Device staging buffers of a CUDA restore. With one, a chunk's upload and the placement of the
+# chunk before it queue on one stream, one after the other (the restore ran at 1 / (1/upload +
+# 1/placement)); with two, uploads run on a copy stream beside the placement. 1 is the old
+# pipeline, kept for the benchmark's side-by-side (bench/sealed_read.py --stages).
+DEVICE_STAGES = 2
 
 # The format decoder reads rows of a radius not above this as zeros (the device twins would give
 # subnormals).
@@ -642,8 +649,55 @@ def reserve_buffers(rec_bytes: int, n: int, device: torch.device | str, *, threa
     slot_bytes = min(per_chunk, n) * rec_bytes
     ring = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
     with torch.cuda.device(device):
-        stage = torch.empty(slot_bytes, dtype=torch.uint8, device=torch.cuda.current_device())
-    del ring, stage
+        stages = [
+            torch.empty(slot_bytes, dtype=torch.uint8, device=torch.cuda.current_device()) for _ in range(DEVICE_STAGES)
+        ]
+    del ring, stages
+
+
+class _DeviceStages:
+    """The device side of a CUDA restore's pipeline: chunks uploaded in turn into ``count`` device
+    stages. With more than one, uploads run on a copy stream of their own: the placement (current
+    stream) waits for its chunk's upload, and an upload into a stage waits for the placement that
+    last read that stage — so a chunk's upload overlaps the previous chunk's placement."""
+
+    def __init__(self, size: int, count: int):
+        device = torch.cuda.current_device()
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(max(1, count))]
+        self.stream = torch.cuda.Stream() if len(self.buffers) > 1 else torch.cuda.current_stream()
+        # the stages' memory may have been another tensor's, still read or written by work queued on
+        # the current stream (the caching allocator orders reuse on that stream only)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        # per stage, once used: the placement that last read it is done
+        self.free: list[torch.cuda.Event | None] = [None] * len(self.buffers)
+        self.turn = 0
+
+    def upload(self, host: torch.Tensor, uploaded: torch.cuda.Event) -> torch.Tensor:
+        """Queue ``host`` (pinned) into the next stage; ``uploaded`` is recorded once the copy engine
+        is done with ``host``. Returns the stage's view, ready for the current stream to read."""
+        k = self.turn % len(self.buffers)
+        raw = self.buffers[k][: host.numel()]
+        compute = torch.cuda.current_stream()
+        if self.stream == compute:
+            raw.copy_(host, non_blocking=True)
+            uploaded.record()
+            return raw
+        free = self.free[k]
+        if free is not None:
+            self.stream.wait_event(free)
+        with torch.cuda.stream(self.stream):
+            raw.copy_(host, non_blocking=True)
+            uploaded.record(self.stream)
+        compute.wait_event(uploaded)
+        return raw
+
+    def placed(self) -> None:
+        """The current stream has queued everything that reads the stage last handed out."""
+        k = self.turn % len(self.buffers)
+        if self.stream != torch.cuda.current_stream():
+            free = self.free[k] = self.free[k] or torch.cuda.Event()
+            free.record()
+        self.turn += 1
 
 
 def _pipeline(
@@ -669,11 +723,11 @@ def _pipeline(
         ring = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
         views = [buffer.numpy() for buffer in ring]
         uploaded = [torch.cuda.Event() for _ in range(slots)]  # the slot's last upload has finished
-        stage = torch.empty(slot_bytes, dtype=torch.uint8, device=torch.cuda.current_device())
+        copies = _DeviceStages(slot_bytes, min(DEVICE_STAGES, len(starts)))
     else:
         views = [np.empty(slot_bytes, dtype=np.uint8) for _ in range(slots)]
         ring = [torch.from_numpy(view) for view in views]
-        uploaded, stage = [], ring[0][:0]  # no copy engine to wait for, no device stage
+        uploaded, copies = [], None  # no copy engine to wait for, no device stage
     in_use = [False] * slots
     tokens = np.empty(n, dtype=np.int32)
 
@@ -708,10 +762,8 @@ def _pipeline(
                     tokens[a : a + got] = body.tokens(a, got)
                 else:
                     tokens[a : a + got] = _tokens_of(views[slot][:size].reshape(got, rec))
-                if cuda:
-                    raw = stage[:size]
-                    raw.copy_(ring[slot][:size], non_blocking=True)
-                    uploaded[slot].record()
+                if copies is not None:  # CUDA
+                    raw = copies.upload(ring[slot][:size], uploaded[slot])
                     in_use[slot] = True
                 elif device.type == "cpu":
                     raw = ring[slot][:size]
@@ -721,6 +773,8 @@ def _pipeline(
                     placement.apply_split(raw, got, fields, a)
                 else:
                     placement.apply(raw.view(got, rec), fields, a)
+                if copies is not None:
+                    copies.placed()
             filled = a + got
             if got < counts[i]:
                 break  # the file ended early: keep the complete records before it

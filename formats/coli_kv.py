@@ -91,6 +91,7 @@ __all__ = [
     "check_geometry",
     "check_row_scales",
     "check_scales",
+    "encode_bf16_records",
     "encode_file",
     "encode_records",
     "encode_records_counted",
@@ -239,6 +240,37 @@ def _encode(geometry: Geometry, tier: Tier, tokens, L, R, I, *, zero_f32: bool) 
         if g.nic:
             records["index"][lo:hi] = fields["I"]
     return records, nonfinite.combined(parts)
+
+
+def encode_bf16_records(geometry: Geometry, tokens, L: np.ndarray, R: np.ndarray) -> np.ndarray:
+    """Records of the bf16 tier (v4) from rows already in bf16 — ``L`` u16[n_layers, n, kv_lora]
+    and ``R`` u16[n_layers, n, qk_rope] bit patterns, a bf16 cache's own bits — with no widening to
+    f32 and back: the values are copied as they are, and one that is not finite (exponent all
+    ones) is stored as 0, so the records equal :func:`encode_records_counted`'s of the f32 rows these
+    bits widen to (exactly)."""
+    tokens = np.asarray(tokens)
+    g = geometry
+    if g.nic:
+        raise GeometryMismatch(f"the model has {g.nic} indexer layers: encode its rows with encode_records")
+    if tokens.ndim != 1:
+        raise FormatError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= g.vocab):
+        raise FormatError(f"token ids must be in [0, {g.vocab}), got {tokens.min()}..{tokens.max()}")
+    n = tokens.shape[0]
+    for name, rows, width in (("L", L, g.kv_lora), ("R", R, g.qk_rope)):
+        if rows.dtype != np.uint16 or rows.shape != (g.n_layers, n, width):
+            raise GeometryMismatch(
+                f"{name} must be u16 bf16 bits of shape {(g.n_layers, n, width)}, got {rows.dtype} {rows.shape}"
+            )
+    records = np.empty(n, dtype=record_dtype(g, tiers.BF16))
+    records["token"] = tokens
+    layers = records["layers"]
+    exponent = np.uint16(0x7F80)
+    for which, rows in (("Lc", L), ("Rc", R)):
+        codes = layers[which]  # [n, n_layers, width], a view into the records
+        codes[...] = rows.transpose(1, 0, 2)  # the record order, one strided copy
+        codes[(codes & exponent) == exponent] = 0  # inf and NaN, as the journal stores them
+    return records
 
 
 def encode_file(

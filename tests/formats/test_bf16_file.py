@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvstore import tiers
-from kvstore.errors import BadMagic, CodecMismatch, FormatError
-from kvstore.formats import coli_kv, layout
+from kvstore.errors import BadMagic, CodecMismatch, FormatError, GeometryMismatch
+from kvstore.formats import coli_kv, floats, layout
 from kvstore.formats.coli_kv import Geometry
 from kvstore.journal import KVFile
 from kvstore.migrations import formats as migrations
@@ -119,3 +119,36 @@ def test_values_hand_a_value_tiers_rows_over_as_stored():
     fp8 = coli_kv.parse(coli_kv.encode_file(GEOMETRY, tokens, L, R, I, version=2))
     with pytest.raises(CodecMismatch, match="use rows"):
         fp8.values()
+
+
+def test_records_from_bf16_bits_equal_those_from_the_f32_rows_they_widen_to():
+    # a bf16 cache's rows handed over as their bits (no widening): every pattern, inf and NaN included
+    geometry = Geometry(n_layers=3, kv_lora=64, qk_rope=16, index_hd=0, nic=0, vocab=1000)
+    rng = np.random.default_rng(3)
+    n = 40
+    tokens = rng.integers(0, geometry.vocab, n).astype(np.int32)
+    L = rng.integers(0, 1 << 16, (geometry.n_layers, n, geometry.kv_lora), dtype=np.uint16)
+    R = rng.integers(0, 1 << 16, (geometry.n_layers, n, geometry.qk_rope), dtype=np.uint16)
+    L[0, :4, :4] = [[0x7F80, 0xFF80, 0x7FC0, 0xFFFF]] * 4  # +inf, -inf, NaN, a NaN with payload
+    R[2, -1, 0] = 0x8000  # -0 stays -0
+    assert ((L & 0x7F80) == 0x7F80).sum() > 40  # random patterns hold more (1 in 256)
+    from_bits = coli_kv.encode_bf16_records(geometry, tokens, L, R)
+    widened = (floats.bf16_decode(L), floats.bf16_decode(R))
+    from_f32, sanitized = coli_kv.encode_records_counted(geometry, tiers.BF16, tokens, *widened)
+    assert sanitized.values > 40
+    assert from_bits.dtype == from_f32.dtype and from_bits.tobytes() == from_f32.tobytes()
+    assert from_bits["layers"]["Rc"][-1, 2, 0] == 0x8000
+
+
+def test_bf16_bits_of_another_shape_or_dtype_are_refused():
+    geometry = Geometry(n_layers=2, kv_lora=8, qk_rope=4, index_hd=0, nic=0, vocab=100)
+    tokens = np.arange(5, dtype=np.int32)
+    L, R = np.zeros((2, 5, 8), np.uint16), np.zeros((2, 5, 4), np.uint16)
+    with pytest.raises(GeometryMismatch):
+        coli_kv.encode_bf16_records(geometry, tokens, L[:, :4], R)
+    with pytest.raises(GeometryMismatch):
+        coli_kv.encode_bf16_records(geometry, tokens, L.astype(np.float32), R)
+    with pytest.raises(GeometryMismatch):  # indexer rows have no bf16 form
+        coli_kv.encode_bf16_records(GEOMETRY, tokens, L, R)
+    with pytest.raises(FormatError):
+        coli_kv.encode_bf16_records(geometry, tokens + 99, L, R)

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from kvstore import tiers
 from kvstore.connectors.prefix_cache import (
@@ -24,6 +25,7 @@ from kvstore.connectors.prefix_cache import (
 )
 from kvstore.errors import ConfigError
 from kvstore.formats.coli_kv import HEADER_BYTES, Geometry, read_header
+from kvstore.formats.floats import bf16_decode
 from kvstore.store import SessionStore
 
 GEOMETRY = Geometry(2, 512, 64, 0, 0, 1000)
@@ -226,3 +228,21 @@ def test_the_sampled_weights_hash_tells_checkpoints_apart(tmp_path):
     assert sampled_weights_hash(one) != sampled_weights_hash(two)
     assert sampled_weights_hash(one) == sampled_weights_hash(one)
     assert sampled_weights_hash(tmp_path / "no-such-folder") is None
+
+
+def test_a_bf16_caches_bits_save_the_same_records_as_its_widened_rows(tmp_path):
+    # what a CUDA worker hands its writer for the bf16 tier: the cache's own bits, never widened
+    bits = torch.from_numpy(ROWS).bfloat16().view(torch.int16).numpy().view(np.uint16).copy()
+    bits[1, 7, :2] = [0x7F80, 0x7FC1]  # inf, a NaN: stored as 0 either way
+    saved = {}
+    for name, rows in (("bits", bits), ("f32", bf16_decode(bits))):
+        with SessionStore(tmp_path / name) as opened:
+            cache = PrefixCache(opened, "team-a", fingerprint(tiers.BF16))
+            session = cache.save(PROMPT, rows)
+            assert session is not None
+            with opened.reader(session, owner="team-a") as reader:
+                saved[name] = reader.load().record_bytes()
+            assert cache.load(session, 0, 200)[1, 7, :2].tolist() == [0.0, 0.0]
+    assert saved["bits"] == saved["f32"]
+    with SessionStore(tmp_path / "f32-tier") as opened, pytest.raises(ValueError, match="bf16 tier only"):
+        PrefixCache(opened, "team-a", fingerprint(tiers.F32)).save(PROMPT, bits)
