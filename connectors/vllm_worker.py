@@ -227,6 +227,9 @@ class PagedWorker:
         self._device = torch.device("cpu")  # where the caches are (vLLM's worker keeps them on one device)
         self._side: torch.cuda.Stream | None = None  # carries the loads' and saves' copies (CUDA caches)
         self._step_rows: _StepRows | None = None  # the prompts' rows gathered this step
+        # layers handed over this step, when every layer is gathered at the step's end (the step's
+        # plan is made there too)
+        self._handed: set[int] = set()
         self._layer_loaded: dict[str, torch.cuda.Event] = {}  # layer -> the end of its load copies, this step
         # host rows a queued load still reads (a hot-tier entry may be evicted meanwhile), with the
         # event after which they are free
@@ -382,13 +385,17 @@ class PagedWorker:
         layer = self._layer_of.get(layer_name)
         if layer is None:
             return
+        if self._gather_all is not None:
+            # Gathered with every other layer at the step's end (wait_for_save), and planned there:
+            # nothing in the step writes this layer's cache again, a launch a layer would cost the
+            # step's host, and the plan's host time (slots, buffers) spent here, as the step's first
+            # kernels are queued, would leave the device waiting; at the end the device is behind.
+            self._handed.add(layer)
+            return
         step = self._step_rows
         if step is None:  # the step's first layer: one buffer and one slot list for every prompt
             step = self._step_rows = self._plan_step(list(saves))
-        if self._gather_all is None:
-            self._copy_out(step.staged, layer, kv_layer, step.slots)
-        # else gathered with every other layer at the step's end (wait_for_save): nothing in the
-        # step writes this layer's cache again, and a launch a layer costs the step's host
+        self._copy_out(step.staged, layer, kv_layer, step.slots)
         step.staged.filled.add(layer)
 
     def _plan_step(self, saves: list[SaveSpec]) -> _StepRows:
@@ -404,7 +411,11 @@ class PagedWorker:
     def wait_for_save(self, saves: Iterable[SaveSpec], finished: Iterable[SaveSpec]) -> None:
         """End of a step: the finished conversations' rows, then the prompts gathered this step, go
         to the writer (which waits for their device copies, the step does not)."""
+        saves = list(saves)
         step, self._step_rows = self._step_rows, None
+        if self._handed:  # every layer gathered now, in one launch: the step's plan is made here
+            step = self._plan_step(saves)
+            step.staged.filled, self._handed = self._handed, set()
         for event in self._layer_loaded.values():  # a layer whose attention never waited: not past this step
             self._engine_stream().wait_event(event)
         self._layer_loaded.clear()
