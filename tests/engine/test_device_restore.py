@@ -416,6 +416,31 @@ def test_cuda_restore_gives_the_host_path_rows(tmp_path, file_name, tier_name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tier_name", ["fp8", "bf16"])
+def test_cuda_restore_of_large_chunks_gives_the_cpu_restores_bytes(tier_name):
+    """Chunks of 32 MiB, as a long session's are: each takes the copy engine long enough that a
+    placement not waiting for its own upload (the uploads run on a stream of their own, two device
+    stages in turn) would read a stage before it is written, or one being rewritten."""
+    geometry = Geometry(27, 512, 64, 0, 0, 102400)  # DeepSeek-V2-Lite's latent rows
+    tier = tiers.get(tier_name)
+    rng = np.random.default_rng(11)
+    n = 6000  # 95 MB of fp8 records (3 chunks), 186 MB of bf16 ones (6)
+    L = rng.standard_normal((geometry.n_layers, n, geometry.kv_lora)).astype(np.float32)
+    R = rng.standard_normal((geometry.n_layers, n, geometry.qk_rope)).astype(np.float32)
+    tokens = rng.integers(0, geometry.vocab, n).astype(np.int32)
+    records = coli_kv.encode_records(geometry, tier, tokens, L, R)
+    loaded = coli_kv.KVRecords(Header(geometry, tier, n), records, HEADER_BYTES + records.nbytes)
+    want = make_cache(tier_name, geometry, "cpu")
+    want.restore_body(MemoryBody(loaded))
+    for _ in range(2):  # the second restore finds the stages holding the first one's last chunks
+        got = make_cache(tier_name, geometry, "cuda")
+        got.restore_body(MemoryBody(loaded), chunk_bytes=32 << 20)
+        assert got.length == n
+        for name, field in want._fields.items():
+            assert torch.equal(got._fields[name][:, :n].cpu(), field[:, :n]), name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("file_name", ["v1", "v2", "v3-int4"])
 def test_cuda_transformers_restore_matches_the_format_decoder(hf_models, tmp_path, file_name):
     import copy
