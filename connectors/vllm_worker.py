@@ -152,8 +152,8 @@ class _Staged:
     or a finished conversation's)."""
 
     # f32 [n_layers, n, width], what the writer saves: the memory of ``host`` (a CPU cache); None
-    # on a GPU, where ``host`` is a pinned staging buffer the writer copies out of (widened to f32
-    # by :meth:`part`, off the step)
+    # on a GPU, where ``host`` is a pinned staging buffer the writer reads (as bf16 bits, or widened
+    # to f32 by :meth:`part`, off the step)
     rows: np.ndarray | None
     # where the rows land on the host: on a GPU a buffer of the worker's PinnedStaging in the
     # cache's dtype (half the bytes over the bus for bf16), set by PagedWorker._stage

@@ -190,14 +190,19 @@ def encode_records(geometry: Geometry, tier: Tier, tokens, L, R, I=None) -> np.n
     return _encode(geometry, tier, tokens, L, R, I, zero_f32=False)[0]
 
 
-def _encode(geometry: Geometry, tier: Tier, tokens, L, R, I, *, zero_f32: bool) -> tuple[np.ndarray, Sanitized]:
+def _checked_tokens(geometry: Geometry, tokens) -> np.ndarray:
     tokens = np.asarray(tokens)
-    n = tokens.shape[0] if tokens.ndim == 1 else -1
-    g = geometry
     if tokens.ndim != 1:
         raise FormatError(f"tokens must be 1-D, got shape {tokens.shape}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= g.vocab):
-        raise FormatError(f"token ids must be in [0, {g.vocab}), got {tokens.min()}..{tokens.max()}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= geometry.vocab):
+        raise FormatError(f"token ids must be in [0, {geometry.vocab}), got {tokens.min()}..{tokens.max()}")
+    return tokens
+
+
+def _encode(geometry: Geometry, tier: Tier, tokens, L, R, I, *, zero_f32: bool) -> tuple[np.ndarray, Sanitized]:
+    tokens = _checked_tokens(geometry, tokens)
+    n = tokens.shape[0]
+    g = geometry
     L = np.asarray(L, dtype=np.float32)
     R = np.asarray(R, dtype=np.float32)
     if L.shape != (g.n_layers, n, g.kv_lora):
@@ -248,14 +253,10 @@ def encode_bf16_records(geometry: Geometry, tokens, L: np.ndarray, R: np.ndarray
     f32 and back: the values are copied as they are, and one that is not finite (exponent all
     ones) is stored as 0, so the records equal :func:`encode_records_counted`'s of the f32 rows these
     bits widen to (exactly)."""
-    tokens = np.asarray(tokens)
     g = geometry
     if g.nic:
         raise GeometryMismatch(f"the model has {g.nic} indexer layers: encode its rows with encode_records")
-    if tokens.ndim != 1:
-        raise FormatError(f"tokens must be 1-D, got shape {tokens.shape}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= g.vocab):
-        raise FormatError(f"token ids must be in [0, {g.vocab}), got {tokens.min()}..{tokens.max()}")
+    tokens = _checked_tokens(g, tokens)
     n = tokens.shape[0]
     for name, rows, width in (("L", L, g.kv_lora), ("R", R, g.qk_rope)):
         if rows.dtype != np.uint16 or rows.shape != (g.n_layers, n, width):
