@@ -20,10 +20,17 @@ Usage::
     python bench/engine_decode.py --preset tiny --lengths 256 1024 --tokens 8   # CPU smoke
     python bench/engine_decode.py ... --profile                             # torch.profiler top 10
     python bench/engine_decode.py --device cuda --preset v2-lite --batch 16  # + 16 sessions together
+    python bench/engine_decode.py --device cuda --preset v2-lite --breakdown # + where a step's time goes
 
 With ``--batch B``, B sessions of different context lengths (``--batch-lengths``, default spread
 from 1k to 32k) decode together through ``Engine.generate_batch`` — one forward per step for all of
 them — and the aggregate tokens/s is printed beside the single-sequence rows, plain and replayed.
+
+With ``--breakdown``, 8 steps of each row are profiled (CUDA kernels through the profiler) and a
+step's device time is split into weight reads (cuBLAS GEMMs and the routed experts' kernels),
+attention (the MLA decode kernels), the rest (elementwise, norms, routing, copies) and the gaps
+where no kernel ran (launches, the host), beside the time the weights and the cache rows take at
+the copy bandwidth (on the CPU the same split of the leaf aten ops: indicative only).
 """
 
 from __future__ import annotations
@@ -142,10 +149,10 @@ def _batch_bytes(model, cfg, cache_bytes_per_token: int, lengths: list[int]) -> 
 
 
 def _batched(
-    model, cfg, tier: str, lengths: list[int], steps: int, mode: str, profile: bool = False
-) -> tuple[float, float, list]:
+    model, cfg, tier: str, lengths: list[int], steps: int, mode: str, profile: bool = False, breakdown: bool = False
+) -> tuple[float, float, list, dict[str, float] | None]:
     """B sessions decoding ``steps`` tokens together: (seconds per step, seconds of the first batch
-    — its capture included —, the tokens of the timed batch)."""
+    — its capture included —, the tokens of the timed batch, where 8 steps' device time goes or None)."""
     engine = _engine(model, mode, tier=tier)
     sessions = []
     for i, length in enumerate(lengths):
@@ -175,7 +182,16 @@ def _batched(
         print(prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=60))
         for (cache, _), length in zip(sessions, lengths):
             cache.truncate(length)
-    return timings[1] / result.steps, timings[0], result.tokens
+    parts = None
+    if breakdown:
+
+        def run() -> None:
+            engine.generate_batch([BatchSequence(c, [t]) for c, t in sessions], max_new_tokens=8, stop_tokens=())
+            for (cache, _), length in zip(sessions, lengths):
+                cache.truncate(length)
+
+        parts = _breakdown(run, engine.device, 8)
+    return timings[1] / result.steps, timings[0], result.tokens, parts
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
@@ -185,6 +201,100 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> str:
     same = sum(x == y for x, y in zip(a, b))
     prefix = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x)) for x, y in zip(a, b)]
     return f"{same}/{len(a)} same, common prefix {np.mean(prefix):.1f}/{len(a[0])}"
+
+
+# Kernel names by part of a decode step (lower case, substrings). Weight reads: cuBLAS/cuBLASLt
+# GEMMs (the projections, the LM head, the absorbed W_UK/W_UV bmm) and the routed experts' Triton
+# kernel; attention: the MLA decode kernels of kvstore.gpu (CUDA C++, Gluon, Triton). On the CPU the
+# leaf aten ops stand in for kernels.
+WEIGHT_KERNELS = (
+    "gemm",
+    "nvjet",
+    "cutlass",
+    "xmma",
+    "cublas",
+    "splitkreduce",
+    "_experts_kernel",
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+)
+ATTENTION_KERNELS = ("mla_", "_wide_split", "_dense_split", "_dense_merge")
+PARTS = ("weights", "attention", "other", "gaps")
+
+
+def step_parts(kernels: list[tuple[str, float, float]], steps: int, *, disjoint: bool = False) -> dict[str, float]:
+    """Microseconds per step of each part (:data:`PARTS`) and of the whole (``"step"``: first
+    kernel's start to last kernel's end over ``steps`` steps), from ``(name, start, end)`` of every
+    kernel in µs. Kernels that overlap (two streams) count in their part each; ``gaps`` is the span
+    no kernel covered (``disjoint``: the span less every kernel's time, for spans that stand for
+    ops' own times and may overlap as intervals)."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    if not kernels:
+        return {**parts, "step": 0.0}
+    for name, start, end in kernels:
+        low = name.lower()
+        part = (
+            "attention"
+            if any(k in low for k in ATTENTION_KERNELS)
+            else "weights"
+            if any(k in low for k in WEIGHT_KERNELS)
+            else "other"
+        )
+        parts[part] += end - start
+    ordered = sorted((start, end) for _, start, end in kernels)
+    if disjoint:
+        busy = sum(end - start for start, end in ordered)
+    else:  # the union of the intervals
+        busy, (lo, hi) = 0.0, ordered[0]
+        for start, end in ordered[1:]:
+            if start > hi:
+                busy, lo = busy + hi - lo, start
+            hi = max(hi, end)
+        busy += hi - lo
+    span = max(end for _, _, end in kernels) - ordered[0][0]
+    parts["gaps"] = span - busy
+    return {**{k: v / steps for k, v in parts.items()}, "step": span / steps}
+
+
+def _kernels(prof, device: torch.device) -> list[tuple[str, float, float]]:
+    """The profiled kernels (CUDA) as ``(name, start µs, end µs)``; on the CPU the aten ops, each
+    as its own time (less its children's) from its start."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for event in prof.events():
+        start = float(event.time_range.start)
+        if device.type == "cuda":
+            if event.device_type == DeviceType.CUDA:
+                out.append((event.name, start, float(event.time_range.end)))
+        elif event.device_type == DeviceType.CPU and event.name.startswith("aten::"):
+            out.append((event.name, start, start + float(event.self_cpu_time_total)))
+    return out
+
+
+def _breakdown(run, device: torch.device, steps: int) -> dict[str, float]:
+    """Where ``steps`` steps of ``run()`` spend their device time (:func:`step_parts`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()  # once unprofiled: nothing first-time (a capture, a plan) in the profile
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        _sync(device)
+    return step_parts(_kernels(prof, device), steps, disjoint=device.type != "cuda")
+
+
+def _parts_row(label: str, parts: dict[str, float], weights_us: float, rows_us: float) -> str:
+    step = parts["step"] or float("nan")
+    shares = "  ".join(f"{parts[k]:8.0f} {parts[k] / step:4.0%}" for k in PARTS)
+    return f"{label:28s} {parts['step']:8.0f}  {shares}  {weights_us:9.0f}  {rows_us:8.0f}"
+
+
+BREAKDOWN_HEAD = (
+    f"{'':28s} {'step µs':>8s}  " + "  ".join(f"{k:>13s}" for k in PARTS) + f"  {'weights@bw':>9s}  {'rows@bw':>8s}"
+)
 
 
 def _profile(engine: Engine, first: int, steps: int) -> str:
@@ -209,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per measurement")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top 10 of a decode step")
     parser.add_argument("--profile-prefill", type=int, metavar="N", help="also profile a cold prefill of N tokens")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="split each row's step into weight reads, attention, the rest, gaps"
+    )
     parser.add_argument("--batch", type=int, default=0, help="also decode this many sessions together")
     parser.add_argument("--batch-lengths", type=int, nargs="+", help="their context lengths (default 1k..32k)")
     parser.add_argument("--batch-only", action="store_true", help="skip the single-sequence rows")
@@ -251,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device copy bandwidth: {bandwidth:.0f} GB/s")
     modes = tuple(args.modes or MODES) if device.type == "cuda" else ("plain",)
     rows = []
+    breakdowns: list[str] = []
+    weights_us = _token_bytes(model, cfg, 0, 0) / bandwidth / 1e3  # µs at the copy bandwidth (GB/s)
     for tier in args.tiers if not args.batch_only else ():
         for length in args.lengths:
             results = {}
@@ -265,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
                 if args.profile and length == args.lengths[0]:
                     print(f"\n-- {tier}, {length} rows, {mode}: top 10 of 8 decode steps")
                     print(_profile(engine, tokens[-1], 8))
+                if args.breakdown:
+                    parts = _breakdown(_steps(engine, tokens[-1], 8), device, 8)
+                    rows_us = CacheGeometry.of(cfg).bytes_per_token(tier) * length / bandwidth / 1e3
+                    breakdowns.append(_parts_row(f"{tier} {length} {mode}", parts, weights_us, rows_us))
                 del engine
             need = _token_bytes(model, cfg, CacheGeometry.of(cfg).bytes_per_token(tier), length)
             bound = bandwidth * 1e9 / need if bandwidth == bandwidth else float("nan")
@@ -304,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             bound = bandwidth * 1e9 / need * args.batch if bandwidth == bandwidth else float("nan")
             outputs = {}
             for mode in modes:
-                step, first, outputs[mode] = _batched(
+                step, first, outputs[mode], parts = _batched(
                     model,
                     cfg,
                     tier,
@@ -312,14 +431,41 @@ def main(argv: list[str] | None = None) -> int:
                     args.tokens,
                     mode,
                     profile=args.profile and mode != "plain" and tier == args.tiers[0],
+                    breakdown=args.breakdown,
                 )
+                if parts is not None:
+                    rows_us = CacheGeometry.of(cfg).bytes_per_token(tier) * sum(lengths) / bandwidth / 1e3
+                    batch_weights_us = _batch_bytes(model, cfg, 0, lengths) / bandwidth / 1e3
+                    label = f"{tier} batch {args.batch} {mode}"
+                    breakdowns.append(_parts_row(label, parts, batch_weights_us, rows_us))
                 rate = args.batch / step
                 same = "-" if mode == "plain" or "plain" not in outputs else _agreement(outputs[mode], outputs["plain"])
                 print(
                     f"{tier:6s} {mode:8s}  {step * 1e3:7.2f}  {rate:15.1f}  {1 / step:17.1f}  "
                     f"{first:13.2f}  {rate / bound:9.1%} of {bound:7.0f}  {same}"
                 )
+    if breakdowns:
+        print(
+            "\nWhere a step's device time goes (µs per step, 8 profiled steps; the share of the step), "
+            "beside the weights' and the rows' time at the copy bandwidth"
+        )
+        print(BREAKDOWN_HEAD)
+        print("\n".join(breakdowns))
     return 0
+
+
+def _steps(engine: Engine, first: int, n: int):
+    """``n`` greedy steps from the cache's length as it is now, repeatable (the cache is cut back
+    to that length first)."""
+    start = engine.cache.length
+
+    def run() -> None:
+        engine.cache.truncate(start)
+        token = first
+        for _ in range(n):
+            token = int(torch.argmax(engine.decode_logits(token, engine.cache.length)))
+
+    return run
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 #   3. engine resume vs re-prefill on a random-weight DeepSeek-V2-Lite-geometry model, and a resume from
 #      rows in host memory (Engine.restore) beside restore_file;
 #   4. transformers restore + first token vs re-running the prompt, same geometry;
-#   5. decode speed: plain vs CUDA-graph steps per tier and context, 16 sessions batched, peak memory.
+#   5. decode speed: plain vs CUDA-graph steps per tier and context, 16 sessions batched, peak memory
+#      (DECODE_ARGS=--breakdown adds where each row's step time goes: weight reads, attention, the
+#      rest, gaps).
 # Usage: OUT=/some/dir bench/run_h200.sh [engine-tiers...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +64,6 @@ fi
 if want decode; then
 step "engine decode: plain vs graphs, 1k/32k/128k, 16 sessions batched (v2-lite, bf16)"
 python3 bench/engine_decode.py --device cuda --preset v2-lite --lengths 1024 32768 131072 \
-    --tiers ${ENGINE_TIERS:-fp8 int4 f32} --tokens 32 --batch 16 ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tail -n 30
+    --tiers ${ENGINE_TIERS:-fp8 int4 f32} --tokens 32 --batch 16 ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | tail -n 60
 fi
 step "done"
