@@ -372,6 +372,8 @@ class PrefixCache:
         #: the element type of the rows the hot tier keeps and ``load(native=True)`` returns: a value
         #: tier's own (bf16 bit patterns for bf16: half the memory of f32, widened exactly), else f32
         self.native_dtype = np.dtype(np.uint16) if fingerprint.tier is tiers.BF16 else np.dtype(np.float32)
+        # the tier stores rows as values (f32, bf16), which a load may hand out as they lie in the records
+        self.holds_values = fingerprint.tier.row_codec.holds_values
         self.hot = hot if hot is not None and hot.budget > 0 else None
         self._shred_mark = self.client.shred_mark() if self.hot is not None else None
 
@@ -448,7 +450,8 @@ class PrefixCache:
         With a hot tier, rows this process loaded (checked) or saved earlier are copied from host
         memory (``hot_hits``); else the store's rows are read and checked, and all of them are kept
         in the tier for the next load (``hot_misses``). The array returned is the caller's; with
-        ``view`` it may instead be a read-only view of the tier's entry (no copy: for a caller that
+        ``view`` it may instead be a read-only view of the tier's entry, or of the records read —
+        a value tier's rows (f32, bf16) as they lie there, undecoded (no copy: for a caller that
         only reads the rows, such as a worker placing them in its engine's cache).
 
         Raises
@@ -497,12 +500,15 @@ class PrefixCache:
                 raise LoadFailed(f"session {session_id!r} serves {served.records.n} rows, {stop} needed")
             if self.hot is not None and served.damaged_from is None:
                 # every served row, checked: the tier answers later loads of any range of them
-                everything = self._native_rows(served.records)  # fresh: the tier keeps it as it is (read-only)
+                everything = self._native_rows(served.records)  # the tier keeps it as it is (read-only)
                 self._keep_hot(session_id, everything, owned=True)
                 rows = self._handed(everything[:, start:stop], view=view, native=native)
             else:
-                part = served.records.slice(start, stop)  # decoded in place, or copied as stored: one pass
-                rows = self._native_rows(part) if native else part.rows()
+                part = served.records.slice(start, stop)
+                if view and (native or self.native_dtype == np.float32):  # nobody else holds the records
+                    rows = self._native_rows(part)
+                else:  # decoded in place, or copied as stored: one pass
+                    rows = part.values() if native and self.native_dtype == np.uint16 else part.rows()
         except (KVStoreError, OSError) as exc:
             reason = f"load {session_id}[{start}:{stop}]: {exc}"
             self._count(load_errors=1, error=reason)
@@ -513,8 +519,10 @@ class PrefixCache:
         return rows
 
     def _native_rows(self, records: KVRecords) -> np.ndarray:
-        """A fresh array of ``records``' rows in :attr:`native_dtype` (copied as stored for bf16)."""
-        return records.values() if self.native_dtype == np.uint16 else records.rows()
+        """``records``' rows in :attr:`native_dtype`, only to be read: a value tier's (f32, bf16) a
+        view of the records themselves — no pass over the rows, no fresh array —, a quantized
+        tier's decoded into a fresh array."""
+        return records.values_view() if self.holds_values else records.rows()
 
     @staticmethod
     def _handed(rows: np.ndarray, *, view: bool, native: bool) -> np.ndarray:
@@ -590,7 +598,8 @@ class PrefixCache:
         if self.hot is not None:  # the rows as a load will read them back (quantized, non-finite as 0)
             n = int(records.shape[0])
             written = KVRecords(Header(g, self.fingerprint.tier, n), records, HEADER_BYTES + records.nbytes)
-            self._keep_hot(session_id, self._native_rows(written), owned=True)  # a fresh array
+            # the records were encoded here and nobody else holds them
+            self._keep_hot(session_id, self._native_rows(written), owned=True)
         return "saved"
 
     # ------------------------------------------------------------------ hot tier

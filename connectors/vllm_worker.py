@@ -318,8 +318,10 @@ class PagedWorker:
         assert self._side is not None
         self._release_load_sources()
         host = rows_tensor(rows)
-        if not host.is_pinned():  # an asynchronous copy needs pinned memory: one host copy
-            host = host.pin_memory()
+        if not host.is_pinned():
+            # an asynchronous copy needs pinned memory, and rows in order (a store's rows may be a
+            # strided view of its records): one host copy
+            host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
         # the blocks may have been another request's: what the engine queued on them comes first
         self._side.wait_stream(self._engine_stream())
         with torch.cuda.stream(self._side):

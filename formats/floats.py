@@ -43,7 +43,8 @@ def bf16_encode(rows: np.ndarray) -> np.ndarray:
 
 def bf16_decode(codes: np.ndarray) -> np.ndarray:
     """u16[...] bf16 bit patterns -> f32[...] (exact)."""
-    return (np.asarray(codes).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    # order="C": a fresh array in row order whatever the codes' strides (a view of records)
+    return (np.asarray(codes).astype(np.uint32, order="C") << np.uint32(16)).view(np.float32)
 
 
 def _into(rows: np.ndarray, codes: np.ndarray, out: np.ndarray | None) -> np.ndarray:

@@ -300,6 +300,33 @@ class KVRecords:
         out[..., g.kv_lora :] = self._layer_field("Rc").transpose(1, 0, 2)
         return out
 
+    def values_view(self) -> np.ndarray:
+        """:meth:`values` with no copy: a read-only view ``[n_layers, n, kv_lora + qk_rope]`` of the
+        records themselves — in a value tier's record a layer's latent and rope values lie side by
+        side, so a row is one stride away from the next — for a reader that only reads them (a
+        decode pass and a fresh array saved). It keeps the records' whole buffer alive.
+
+        Raises
+        ------
+        CodecMismatch
+            The file stores codes and scales (v2, v3): use :meth:`rows`.
+        """
+        codec = self.tier.row_codec
+        if not codec.holds_values:
+            raise CodecMismatch(f"a v{self.tier.version} file stores {self.tier.name} codes, not values: use rows()")
+        g = self.geometry
+        latent = self._layer_field("Lc")  # [n, n_layers, kv_lora], from the first record's first row
+        layer = self.records.dtype["layers"].base  # one layer's fields: Lc, then Rc, no scales
+        rope_at = (layer.fields or {}).get("Rc", (None, -1))[1]
+        if layer.itemsize != (g.kv_lora + g.qk_rope) * latent.itemsize or rope_at != g.kv_lora * latent.itemsize:
+            raise AssertionError("a value tier's layer is not its latent values then its rope values")  # a bug
+        return np.lib.stride_tricks.as_strided(
+            latent,
+            shape=(g.n_layers, self.n, g.kv_lora + g.qk_rope),
+            strides=(layer.itemsize, self.records.strides[0], latent.itemsize),
+            writeable=False,
+        )
+
     def sanitized(self) -> tuple[np.ndarray, list[str]]:
         """A copy of the records with every damaged row neutralized as a load reads it, and one
         line per kind of change (what ``kvstore repair`` writes and reports).

@@ -121,6 +121,24 @@ def test_values_hand_a_value_tiers_rows_over_as_stored():
         fp8.values()
 
 
+@pytest.mark.parametrize("version", [1, 4])
+def test_a_value_tiers_rows_are_read_where_they_lie_in_the_records(version):
+    """``values_view``: the rows ``values`` copies, as a read-only view of the records (a loader
+    that only places them decodes nothing) — for any range of records, with indexer rows between."""
+    tokens, L, R, I = bf16_rows(7, seed=4)
+    loaded = coli_kv.parse(coli_kv.encode_file(GEOMETRY, tokens, L, R, I, version=version))
+    view = loaded.values_view()
+    assert view.dtype == loaded.values().dtype and np.array_equal(view, loaded.values())
+    assert np.shares_memory(view, loaded.records) and not view.flags.writeable
+    with pytest.raises(ValueError):
+        view[0, 0, 0] = 0
+    assert np.array_equal(loaded.slice(2, 6).values_view(), loaded.values()[:, 2:6])
+    assert loaded.slice(3, 3).values_view().shape == (3, 0, 80)
+    fp8 = coli_kv.parse(coli_kv.encode_file(GEOMETRY, tokens, L, R, I, version=2))
+    with pytest.raises(CodecMismatch, match="use rows"):
+        fp8.values_view()
+
+
 def test_records_from_bf16_bits_equal_those_from_the_f32_rows_they_widen_to():
     # a bf16 cache's rows handed over as their bits (no widening): every pattern, inf and NaN included
     geometry = Geometry(n_layers=3, kv_lora=64, qk_rope=16, index_hd=0, nic=0, vocab=1000)

@@ -108,6 +108,28 @@ def test_a_bf16_tiers_rows_are_kept_and_handed_out_as_stored(store):
     assert PrefixCache(store, "team-a", fingerprint(tiers.F32)).native_dtype == np.float32
 
 
+@pytest.mark.parametrize("tier", [tiers.F32, tiers.BF16, tiers.FP8], ids=lambda t: t.name)
+def test_a_store_load_taken_as_a_view_is_read_only_and_a_copy_is_the_callers(store, tier):
+    """With no hot tier, ``load(view=True)`` of a value tier hands out the rows where they lie in
+    the records read (nothing decoded): the same bytes as a copy, refused a write; a load without
+    ``view`` is the caller's own array (writable, in row order), and writing it changes no later
+    load."""
+    disk = PrefixCache(store, "team-a", fingerprint(tier))
+    session = disk.save(PROMPT, ROWS)
+    assert session is not None
+    for native in (False, True):
+        copy = disk.load(session, 16, 144, native=native)
+        view = disk.load(session, 16, 144, view=True, native=native)
+        assert view.dtype == copy.dtype and view.tobytes() == copy.tobytes()
+        assert copy.flags.writeable and copy.flags.c_contiguous and not np.shares_memory(copy, view)
+        if tier is tiers.F32 or (tier is tiers.BF16 and native):  # else decoded: the caller's anyway
+            assert not view.flags.writeable
+            with pytest.raises(ValueError):
+                view[0, 0, 0] = 0
+        copy[:] = 0
+        assert disk.load(session, 16, 144, view=True, native=native).tobytes() == view.tobytes()
+
+
 @pytest.mark.parametrize("tier", [tiers.F32, tiers.FP8], ids=lambda t: t.name)
 def test_a_reader_may_take_a_hit_as_a_read_only_view_of_the_entry(store, tier):
     """``load(view=True)`` (the vLLM worker's: it only places the rows) hands a hit out with no
@@ -153,9 +175,10 @@ def test_rows_handed_over_are_kept_read_only_and_others_are_copied():
     assert tier.get(("o", "k", "owned")) is handed and not handed.flags.writeable
     with pytest.raises(ValueError):
         handed[0, 0, 0] = 0.0  # read-only: a stray write fails instead of changing what hits serve
-    strided = np.ones((2, 8, 8), dtype=np.float32)[..., :4]  # not contiguous: copied even if handed over
+    # a view handed over (a value tier's rows as they lie in the records) is kept as it is too
+    strided = np.ones((2, 8, 8), dtype=np.float32)[..., :4]
     tier.put(("o", "k", "strided"), strided, owned=True)
-    assert tier.get(("o", "k", "strided")) is not strided and strided.flags.writeable
+    assert tier.get(("o", "k", "strided")) is strided and not strided.flags.writeable
 
 
 def test_the_budget_holds_and_the_least_recently_used_goes_first(store):
