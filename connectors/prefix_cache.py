@@ -500,8 +500,9 @@ class PrefixCache:
                 raise LoadFailed(f"session {session_id!r} serves {served.records.n} rows, {stop} needed")
             if self.hot is not None and served.damaged_from is None:
                 # every served row, checked: the tier answers later loads of any range of them
-                everything = self._native_rows(served.records)  # the tier keeps it as it is (read-only)
-                self._keep_hot(session_id, everything, owned=True)
+                # (a value tier's rows a view of the records read: the tier copies them into row
+                # order, in place of a decode pass; a quantized tier's decoded rows are kept as they are)
+                everything = self._keep_hot(session_id, self._native_rows(served.records), owned=True)
                 rows = self._handed(everything[:, start:stop], view=view, native=native)
             else:
                 part = served.records.slice(start, stop)
@@ -598,23 +599,25 @@ class PrefixCache:
         if self.hot is not None:  # the rows as a load will read them back (quantized, non-finite as 0)
             n = int(records.shape[0])
             written = KVRecords(Header(g, self.fingerprint.tier, n), records, HEADER_BYTES + records.nbytes)
-            # in row order, a fresh array (a hit places rows in order about twice as fast as from a
-            # view that strides over the records; the writer has the time, a load does not)
-            rows = written.values() if self.holds_values else written.rows()
-            self._keep_hot(session_id, rows, owned=True)
+            # the records were encoded here and nobody else holds them (the tier copies a value
+            # tier's view into row order)
+            self._keep_hot(session_id, self._native_rows(written), owned=True)
         return "saved"
 
     # ------------------------------------------------------------------ hot tier
     def _hot_key(self, session_id: str) -> HotKey:
         return (self.owner, self._key, session_id)
 
-    def _keep_hot(self, session_id: str, rows: np.ndarray, *, owned: bool = False) -> None:
+    def _keep_hot(self, session_id: str, rows: np.ndarray, *, owned: bool = False) -> np.ndarray:
         """Keep rows this process checked or wrote in the hot tier (counting what it evicted);
-        ``owned``: :meth:`HotTier.put`'s."""
+        ``owned``: :meth:`HotTier.put`'s. Returns the entry kept (``rows`` when none is)."""
         if self.hot is None:
-            return
-        evicted = self.hot.put(self._hot_key(session_id), rows, owned=owned)
+            return rows
+        key = self._hot_key(session_id)
+        evicted = self.hot.put(key, rows, owned=owned)
         self._add({"hot_evictions": evicted}, None, hot_bytes=self.hot.nbytes)
+        kept = self.hot.get(key)
+        return rows if kept is None else kept
 
     def _drop_hot(self, session_id: str) -> None:
         """Forget a session this process deletes: quarantined, or a save that failed halfway."""
