@@ -520,8 +520,8 @@ class PrefixCache:
         return rows
 
     def _native_rows(self, records: KVRecords) -> np.ndarray:
-        """``records``' rows in :attr:`native_dtype`, only to be read: a value tier's (f32, bf16) a
-        view of the records themselves — no pass over the rows, no fresh array —, a quantized
+        """``records``' rows in :attr:`native_dtype`, only to be read: a value tier's (f32, bf16) as
+        a view of the records themselves (no pass over the rows, no fresh array); a quantized
         tier's decoded into a fresh array."""
         return records.values_view() if self.holds_values else records.rows()
 
