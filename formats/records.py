@@ -291,14 +291,8 @@ class KVRecords:
         CodecMismatch
             The file stores codes and scales (v2, v3): use :meth:`rows`.
         """
-        codec = self.tier.row_codec
-        if not codec.holds_values:
-            raise CodecMismatch(f"a v{self.tier.version} file stores {self.tier.name} codes, not values: use rows()")
-        g = self.geometry
-        out = np.empty((g.n_layers, self.n, g.kv_lora + g.qk_rope), dtype=codec.codes_dtype.newbyteorder("="))
-        out[..., : g.kv_lora] = self._layer_field("Lc").transpose(1, 0, 2)
-        out[..., g.kv_lora :] = self._layer_field("Rc").transpose(1, 0, 2)
-        return out
+        view = self.values_view()
+        return np.array(view, dtype=view.dtype.newbyteorder("="), order="C")
 
     def values_view(self) -> np.ndarray:
         """:meth:`values` with no copy: a read-only view ``[n_layers, n, kv_lora + qk_rope]`` of the
