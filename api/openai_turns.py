@@ -37,6 +37,11 @@ TAG = "openai"
 DISCONNECT_POLL_S = 0.25
 #: Plans a turn may go through when its session keeps moving on (each further one is a fork).
 PLAN_ATTEMPTS = 4
+# A prompt text of more characters than this many per token of the context it has left is probed
+# before it is tokenized whole: its beginning alone, tokenized, that already holds clearly more
+# tokens than fit is refused then (a 4 MB text took 9 s of a core to tokenize before its 400). Few
+# texts that fit average this many characters a token, and those pay one probe.
+PROBE_CHARS_PER_TOKEN = 8
 
 
 # ---------------------------------------------------------------------------- the request
@@ -181,19 +186,41 @@ class TurnThread:
         job, tokenizer = self.job, self.tokenizer
         if job.messages is not None:
             text = render(tokenizer, job.messages)
-            return encode(tokenizer, text, special_prefix=first_turn_prefix(tokenizer))
+            return self._encode(text, special_prefix=first_turn_prefix(tokenizer), stored=0)
         if isinstance(job.prompt, str):
-            return encode(tokenizer, job.prompt, special_prefix=True)
+            return self._encode(job.prompt, special_prefix=True, stored=0)
         return self._ids(list(job.prompt or []))
 
-    def _continuing_prompt(self) -> list[int]:
-        """The ids of what the request adds to a stored conversation."""
+    def _continuing_prompt(self, stored: int) -> list[int]:
+        """The ids of what the request adds to a stored conversation of ``stored`` tokens."""
         job, tokenizer = self.job, self.tokenizer
         if job.messages is not None:
-            return encode(tokenizer, continuation(tokenizer, job.messages), special_prefix=False)
+            return self._encode(continuation(tokenizer, job.messages), special_prefix=False, stored=stored)
         if isinstance(job.prompt, str):
-            return encode(tokenizer, job.prompt, special_prefix=False)
+            return self._encode(job.prompt, special_prefix=False, stored=stored)
         return self._ids(list(job.prompt or []))
+
+    def _encode(self, text: str, *, special_prefix: bool, stored: int) -> list[int]:
+        """:func:`encode`, after a probe of a text too long to be likely to fit (see
+        :data:`PROBE_CHARS_PER_TOKEN`): one whose beginning alone holds more tokens than the
+        context has room for, by a margin no ending could take back, is refused without the rest."""
+        window = getattr(self.engine.engine.config, "max_position_embeddings", None)
+        if window is not None:
+            asked = self.job.max_tokens if self.job.max_tokens is not None else 1
+            room = max(0, window - stored - asked)
+            probe = max(room, 1024) * PROBE_CHARS_PER_TOKEN
+            if len(text) > probe:
+                head = len(encode(self.tokenizer, text[:probe], special_prefix=special_prefix))
+                if head > room + max(64, room // 8):
+                    raise InvalidParameter(
+                        f"This model's maximum context length is {window} tokens; this request holds "
+                        f"{stored} stored tokens of conversation, asks for {asked} more, and the first {probe} "
+                        f"characters of its new text alone hold {head} tokens: shorten the conversation"
+                        + (" or max_tokens" if self.job.max_tokens is not None else ""),
+                        "messages" if self.job.chat else "prompt",
+                        "context_length_exceeded",
+                    )
+        return encode(self.tokenizer, text, special_prefix=special_prefix)
 
     def _max_new(self, context: int) -> int:
         """``max_tokens``, checked against the model's context (``context``: the prompt's tokens
@@ -231,7 +258,7 @@ class TurnThread:
         if info.watermark == 0:  # an empty session: this is its first turn
             tokens = self._whole_prompt()
         else:
-            tokens = self._continuing_prompt()
+            tokens = self._continuing_prompt(info.watermark)
         self._max_new(info.watermark + len(tokens))
         return Plan(info.id, tokens, info.watermark)
 

@@ -401,6 +401,32 @@ def test_refusals_are_openai_errors_and_the_rest_of_the_api_keeps_its_own(make_s
     assert unloaded.value.status_code == 503 and "--model" in unloaded.value.message
 
 
+def test_a_prompt_far_past_the_context_is_refused_from_its_beginning(make_server, model_dir):
+    """A text too long to fit is refused once its beginning alone holds clearly more tokens than the
+    context has room for — the rest is never tokenized — as a new conversation and as the next turn
+    of a stored one (whose tokens count against the room); a prompt that fits is still answered."""
+    server = make_server("--model", str(model_dir))
+    api = client(server)
+    flood = "x" * 600_000  # the byte tokenizer: a token a character, past the 65,536-token context
+    first = api.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_body={"session_id": "long"}
+    )
+    stored = first.usage.total_tokens
+    for extra, held in (({}, 0), ({"session_id": "long"}, stored)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": flood}], max_tokens=4, extra_body=extra
+            )
+        body = refused.value.body
+        assert body["code"] == "context_length_exceeded" and body["param"] == "messages", body
+        assert (
+            f"holds {held} stored tokens" in body["message"] and "characters of its new text alone" in body["message"]
+        )
+    with server.client() as http:
+        assert len(stored_tokens(http, "long")) == stored  # the stored turn is as it was
+    assert api.completions.create(model="tiny", prompt="x" * 2000, max_tokens=2).usage.prompt_tokens >= 2000
+
+
 def test_the_servers_limits_answer_429_with_retry_after_and_cap_max_tokens(make_server, model_dir):
     server = make_server("--model", str(model_dir), "--max-turns-per-owner", "1", "--max-new-tokens", "400")
     api = client(server)
