@@ -366,14 +366,16 @@ def sglang_main(args: argparse.Namespace) -> None:
         )
     checks = results.get("kvstore f32", {}).get("checks")
     if checks:
-        # issue 38's limit: the check before a load costs at most 20% of the load. The load without
-        # a check is the verified batch_get less the check it ran (XXH3): both in this run.
+        # issue 38's limit: the check before a load costs at most 20% of the load. The check guards a
+        # load from the store (a hot-tier hit was checked when it was kept, and batch_get above is
+        # served from the hot tier), so its share is of the store's read with it; without the
+        # placement into the page, which the load adds, the share printed is an upper bound.
         per_page = {name: seconds / args.pages * 1e3 for name, seconds in checks.items()}
-        unchecked = results["kvstore f32"]["get_s"] / args.pages * 1e3 - (per_page["xxh3"] - per_page["read"])
-        print(f"the check before a load, f32, per page: serving the rows unchecked {per_page['read']:.2f} ms")
+        print(f"the check before a load, f32, per page: the store's read unchecked {per_page['read']:.2f} ms")
         for name, what in (("blake2b", "blake2b-256 turn hashes (before)"), ("xxh3", "XXH3-128 tag (now)")):
             cost = max(per_page[name] - per_page["read"], 0.0)
-            print(f"  {what:33}: +{cost:.2f} ms, {cost / (unchecked + cost):.0%} of a checked batch_get per page")
+            share = cost / (per_page["read"] + cost)
+            print(f"  {what:33}: +{cost:.2f} ms, at most {share:.0%} of a checked load from the store per page")
     total = page_mb * args.pages
     print(
         f"raw files of the same pages, written: {floor['write_s']:.3f} s ({total / floor['write_s']:.0f} MB/s); "
