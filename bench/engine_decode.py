@@ -169,28 +169,24 @@ def _batched(
         timings.append(time.perf_counter() - began)
         for (cache, _), length in zip(sessions, lengths):
             cache.truncate(length)  # back to the restored context for the next batch
+
+    def eight_steps() -> None:  # from the restored contexts, and back to them
+        engine.generate_batch([BatchSequence(c, [t]) for c, t in sessions], max_new_tokens=8, stop_tokens=())
+        for (cache, _), length in zip(sessions, lengths):
+            cache.truncate(length)
+
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
         with profiler(activities=activities) as prof:
-            engine.generate_batch([BatchSequence(c, [t]) for c, t in sessions], max_new_tokens=8, stop_tokens=())
+            eight_steps()
             _sync(engine.device)
         key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
         print(f"\n-- {tier}, {len(lengths)} sessions, {mode}: top 10 of 8 batched steps")
         print(prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=60))
-        for (cache, _), length in zip(sessions, lengths):
-            cache.truncate(length)
-    parts = None
-    if breakdown:
-
-        def run() -> None:
-            engine.generate_batch([BatchSequence(c, [t]) for c, t in sessions], max_new_tokens=8, stop_tokens=())
-            for (cache, _), length in zip(sessions, lengths):
-                cache.truncate(length)
-
-        parts = _breakdown(run, engine.device, 8)
+    parts = _breakdown(eight_steps, engine.device, 8) if breakdown else None
     return timings[1] / result.steps, timings[0], result.tokens, parts
 
 

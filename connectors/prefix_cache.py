@@ -504,12 +504,8 @@ class PrefixCache:
                 # order, in place of a decode pass; a quantized tier's decoded rows are kept as they are)
                 everything = self._keep_hot(session_id, self._native_rows(served.records), owned=True)
                 rows = self._handed(everything[:, start:stop], view=view, native=native)
-            else:
-                part = served.records.slice(start, stop)
-                if view and (native or self.native_dtype == np.float32):  # nobody else holds the records
-                    rows = self._native_rows(part)
-                else:  # decoded in place, or copied as stored: one pass
-                    rows = part.values() if native and self.native_dtype == np.uint16 else part.rows()
+            else:  # the records are this load's alone: one pass over the rows at most
+                rows = self._handed(self._native_rows(served.records.slice(start, stop)), view=view, native=native)
         except (KVStoreError, OSError) as exc:
             reason = f"load {session_id}[{start}:{stop}]: {exc}"
             self._count(load_errors=1, error=reason)
@@ -527,11 +523,12 @@ class PrefixCache:
 
     @staticmethod
     def _handed(rows: np.ndarray, *, view: bool, native: bool) -> np.ndarray:
-        """Rows of an entry (never written) as a caller gets them: f32 unless ``native``; a view of
-        the entry only with ``view`` and nothing to convert, else the caller's own array."""
+        """Rows as a caller gets them: f32 unless ``native``; as they are with ``view`` and nothing
+        to convert, else the caller's own array — read-only rows (a hot-tier entry, a view of the
+        records read) copied, fresh ones (a quantized tier's decode) handed over."""
         if rows.dtype == np.uint16 and not native:
             return bf16_decode(rows)  # exact, and a fresh array
-        return rows if view else rows.copy()
+        return rows if view or rows.flags.writeable else rows.copy()
 
     def _quarantine(self, session_id: str, reason: str) -> None:
         """Drop a session whose rows fail verification. Kept, it would be found by every later

@@ -266,11 +266,11 @@ def encode_bf16_records(geometry: Geometry, tokens, L: np.ndarray, R: np.ndarray
     records = np.empty(n, dtype=record_dtype(g, tiers.BF16))
     records["token"] = tokens
     layers = records["layers"]
-    exponent = np.uint16(0x7F80)
+    codec = tiers.BF16.row_codec
     for which, rows in (("Lc", L), ("Rc", R)):
         codes = layers[which]  # [n, n_layers, width], a view into the records
         codes[...] = rows.transpose(1, 0, 2)  # the record order, one strided copy
-        codes[(codes & exponent) == exponent] = 0  # inf and NaN, as the journal stores them
+        codes[codec.bad_codes(codes)] = 0  # inf and NaN, as the journal stores them
     return records
 
 
