@@ -48,6 +48,8 @@ from kvstore.engine.model import StepRegions
 DEFAULT_TIERS = ("f32", "fp8", "int4")
 #: How a step runs: kernels from Python, CUDA graphs of the eager step, of the compiled step.
 MODES = ("plain", "graphs", "compiled")
+#: Rows of torch.profiler's table that ``--profile`` prints (``--profile-rows``).
+PROFILE_ROWS = 10
 
 
 def _engine(model, mode: str, **kwargs) -> Engine:
@@ -185,7 +187,7 @@ def _batched(
             _sync(engine.device)
         key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
         print(f"\n-- {tier}, {len(lengths)} sessions, {mode}: top 10 of 8 batched steps")
-        print(prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=60))
     parts = _breakdown(eight_steps, engine.device, 8) if breakdown else None
     return timings[1] / result.steps, timings[0], result.tokens, parts
 
@@ -227,7 +229,7 @@ def step_parts(kernels: list[tuple[str, float, float]], steps: int, *, disjoint:
     ops' own times and may overlap as intervals)."""
     parts = dict.fromkeys(PARTS, 0.0)
     if not kernels:
-        return {**parts, "step": 0.0}
+        return {**parts, "step": 0.0, "kernels": 0.0}
     for name, start, end in kernels:
         low = name.lower()
         part = (
@@ -250,7 +252,7 @@ def step_parts(kernels: list[tuple[str, float, float]], steps: int, *, disjoint:
         busy += hi - lo
     span = max(end for _, _, end in kernels) - ordered[0][0]
     parts["gaps"] = span - busy
-    return {**{k: v / steps for k, v in parts.items()}, "step": span / steps}
+    return {**{k: v / steps for k, v in parts.items()}, "step": span / steps, "kernels": len(kernels) / steps}
 
 
 def _kernels(prof, device: torch.device) -> list[tuple[str, float, float]]:
@@ -285,11 +287,11 @@ def _breakdown(run, device: torch.device, steps: int) -> dict[str, float]:
 def _parts_row(label: str, parts: dict[str, float], weights_us: float, rows_us: float) -> str:
     step = parts["step"] or float("nan")
     shares = "  ".join(f"{parts[k]:8.0f} {parts[k] / step:4.0%}" for k in PARTS)
-    return f"{label:28s} {parts['step']:8.0f}  {shares}  {weights_us:9.0f}  {rows_us:8.0f}"
+    return f"{label:28s} {parts['step']:8.0f}  {shares}  {weights_us:9.0f}  {rows_us:8.0f}  {parts['kernels']:7.0f}"
 
 
 BREAKDOWN_HEAD = (
-    f"{'':28s} {'step µs':>8s}  " + "  ".join(f"{k:>13s}" for k in PARTS) + f"  {'weights@bw':>9s}  {'rows@bw':>8s}"
+    f"{'':28s} {'step µs':>8s}  " + "  ".join(f"{k:>13s}" for k in PARTS) + f"  {'weights@bw':>9s}  {'rows@bw':>8s}  {'kernels':>7s}"
 )
 
 
@@ -302,7 +304,7 @@ def _profile(engine: Engine, first: int, steps: int) -> str:
         for _ in range(steps):
             token = int(torch.argmax(engine.decode_logits(token, engine.cache.length)))
     key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=60)
+    return prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiers", nargs="+", default=list(DEFAULT_TIERS))
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per measurement")
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top 10 of a decode step")
+    parser.add_argument("--profile-rows", type=int, default=10, help="rows of the profiler's table")
     parser.add_argument("--profile-prefill", type=int, metavar="N", help="also profile a cold prefill of N tokens")
     parser.add_argument(
         "--breakdown", action="store_true", help="split each row's step into weight reads, attention, the rest, gaps"
@@ -325,14 +328,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--grouped-experts", action="store_true", help="routed experts by grouped GEMM, not the Triton kernels"
     )
+    parser.add_argument(
+        "--shared-apart", action="store_true", help="shared experts by their own GEMMs, not the experts' kernels"
+    )
     args = parser.parse_args(argv)
+    global PROFILE_ROWS
+    PROFILE_ROWS = args.profile_rows
 
     device = torch.device(args.device)
     dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     cfg = preset(args.preset)
     began = time.perf_counter()
     model = random_model(cfg, seed=0, device=device, dtype=dtype)
-    model.use_expert_kernels(not args.grouped_experts)
+    model.use_expert_kernels(not args.grouped_experts, fold_shared=not args.shared_apart)
     print(
         f"engine_decode: {args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
         f"kv_lora {cfg.kv_lora_rank}), {dtype} on {device}; model built in {time.perf_counter() - began:.1f} s"

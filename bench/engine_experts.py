@@ -9,6 +9,12 @@ a share of the copy bandwidth, and each path's relative error against an f32 per
 
     python bench/engine_experts.py            # the table (V2-Lite and V3 geometry, 1..64 tokens)
     python bench/engine_experts.py --sweep    # also the kernels' tiles on V2-Lite at 1 and 16 tokens
+    python bench/engine_experts.py --shared   # also routed + shared experts: in the kernels vs apart
+
+With ``--shared``, a second table times what a MoE layer's experts cost a decode step: the routed
+kernels with the shared MLP as cuBLAS GEMMs of its own (gate and up as one, silu·up, down, the
+sum), against the kernels running the shared experts too (``shared_as_experts``); bytes = the hit
+experts' and the shared MLP's weights.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from gpu_attention import _events_ms, copy_bandwidth  # noqa: E402
 
 #: (name, experts, intermediate, hidden, experts per token)
 GEOMETRIES = [("v2-lite", 64, 1408, 2048, 6), ("v3", 256, 2048, 7168, 8)]
+#: shared experts of each geometry (of the routed experts' intermediate size)
+SHARED = {"v2-lite": 2, "v3": 1}
 TOKENS = (1, 4, 16, 64)
 CALLS_PER_GRAPH = 10
 
@@ -121,10 +129,65 @@ def measure(name, n_experts, inter, hidden, k, bw, sweep: bool) -> list[tuple]:
     return sweeps
 
 
+def measure_shared(name, n_experts, inter, hidden, k, n_shared, bw, sweep: bool) -> None:
+    """Rows of the routed + shared table for this geometry (and, ``sweep``, the folded kernels' best
+    tiles at 1 and 16 tokens)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    gate_up = (torch.randn(n_experts, 2 * inter, hidden, generator=gen, device="cuda") * 0.02).bfloat16()
+    down = (torch.randn(n_experts, hidden, inter, generator=gen, device="cuda") * 0.02).bfloat16()
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    s_gate_up = (torch.randn(2 * n_shared * inter, hidden, generator=gen, device="cuda") * 0.02).bfloat16()
+    s_down = (torch.randn(hidden, n_shared * inter, generator=gen, device="cuda") * 0.02).bfloat16()
+    s_gate, s_up = s_gate_up[: n_shared * inter], s_gate_up[n_shared * inter :]
+    views = expert_kernels.shared_as_experts(s_gate, s_up, s_down, inter)
+
+    def apart(x, top, weights, **tiles):
+        both = F.linear(x, s_gate_up)
+        shared = F.linear(F.silu(both[:, : n_shared * inter]) * both[:, n_shared * inter :], s_down)
+        return expert_kernels.routed_experts(x, top, weights, gate, up, down, **tiles) + shared
+
+    def folded(x, top, weights, **tiles):
+        return expert_kernels.routed_experts(x, top, weights, gate, up, down, shared=views, **tiles)
+
+    for t in TOKENS:
+        if t * (k + n_shared) > expert_kernels.MAX_PAIRS:  # past the kernels' pairs: the layer keeps them apart
+            continue
+        top, weights = routes(t, n_experts, k, seed=t)
+        x = torch.randn(t, hidden, generator=gen, device="cuda").bfloat16()
+        hit = int(top.unique().numel())
+        n_bytes = (hit + n_shared) * 3 * inter * hidden * 2
+        xf = x.float()
+        ref = reference(x, top, weights, gate_up, down) + (
+            (F.silu(xf @ s_gate.float().T) * (xf @ s_up.float().T)) @ s_down.float().T
+        )
+        calls = [functools.partial(f, x, top, weights) for f in (apart, folded)]
+        errs = [float((call().float() - ref).norm() / ref.norm()) for call in calls]
+        a_us, f_us = (graph_us(call) for call in calls)
+        pct = [100 * n_bytes / (us * 1e-6) / bw for us in (a_us, f_us)]
+        print(
+            f"| {name} | {t} | {hit} + {n_shared} | {n_bytes / 1e6:.0f} | {a_us:.1f} | {pct[0]:.0f}% | {f_us:.1f} "
+            f"| {pct[1]:.0f}% | {a_us / f_us:.2f}x |  (rel err vs f32: apart {errs[0]:.1e}, in the kernels {errs[1]:.1e})",
+            flush=True,
+        )
+        if sweep and t in (1, 16):
+            rows = []
+            for bn, bk, stages, warps in itertools.product((16, 32, 64), (64, 128, 256), (2, 3, 4), (4,)):
+                tiles = dict(block_n=bn, block_k=bk, stages=stages, warps=warps)
+                try:
+                    rows.append((graph_us(functools.partial(folded, x, top, weights, **tiles)), tiles))
+                except Exception as exc:  # a tile that does not fit must not stop the sweep
+                    print(f"  sweep {tiles}: {type(exc).__name__}", flush=True)
+            for us, tiles in sorted(rows, key=lambda r: r[0])[:5]:
+                print(
+                    f"|   sweep, {t} tokens, in the kernels | {tiles} | {us:.1f} µs | {100 * n_bytes / (us * 1e-6) / bw:.0f}% |"
+                )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time the kernels' tiles (V2-Lite, 1 and 16 tokens)")
     parser.add_argument("--geometries", nargs="+", default=[g[0] for g in GEOMETRIES])
+    parser.add_argument("--shared", action="store_true", help="also routed + shared experts, in the kernels vs apart")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
@@ -138,6 +201,15 @@ def main() -> int:
         if geometry[0] in args.geometries:
             sweeps += measure(*geometry, bw, args.sweep and geometry[0] == "v2-lite")
             torch.cuda.empty_cache()
+    if args.shared:
+        print(
+            "\n| geometry | tokens | experts hit + shared | MB of weights | apart µs | % copy | in the kernels µs | % copy | speed-up |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for geometry in GEOMETRIES:
+            if geometry[0] in args.geometries:
+                measure_shared(*geometry, SHARED[geometry[0]], bw, args.sweep and geometry[0] == "v2-lite")
+                torch.cuda.empty_cache()
     if sweeps:
         print("\n| tokens | block_n | block_k | stages | warps | µs | % copy |\n|---:|---:|---:|---:|---:|---:|---:|")
         for t in (1, 16):

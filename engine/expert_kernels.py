@@ -15,6 +15,11 @@ Here nothing is sorted: each program reads the (token, expert) pairs' expert ids
 2. the down projection, the same kernel over those activations, each pair's output row at the
    pair's place, so a token's k outputs lie together for the weighted sum (one bmm, f32 sums).
 
+A layer's shared MLP runs in the same two kernels (``shared``): viewed as experts of the routed
+ones' size (:func:`shared_as_experts`, no copy), chosen by every token with weight 1, so its
+weights are read by these programs instead of three GEMMs and an elementwise kernel of its own, and
+its output joins the weighted sum.
+
 A program whose expert no pair chose returns after reading the ids, and nothing is read back to the
 host: a step stays capturable in a CUDA graph, and ``torch.compile`` traces the kernels as
 user-defined Triton kernels. The tiles were picked by ``bench/engine_experts.py --sweep`` on the
@@ -29,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_M", "MAX_PAIRS", "routed_experts"]
+__all__ = ["BLOCK_M", "MAX_PAIRS", "routed_experts", "shared_as_experts"]
 
 #: Pairs per program pass (the tensor-core product's smallest M); an expert with more loops.
 BLOCK_M = 16
@@ -53,6 +58,9 @@ def _experts_kernel(
     w_ptr,
     w2_ptr,
     out_ptr,
+    ws_ptr,
+    ws2_ptr,
+    n_routed,
     n_pairs,
     top_k,
     n_out,
@@ -60,6 +68,8 @@ def _experts_kernel(
     stride_x,
     stride_we,
     stride_wn,
+    stride_wse,
+    stride_wsn,
     stride_out,
     GATE_UP: tl.constexpr,
     PAIRS: tl.constexpr,
@@ -77,7 +87,16 @@ def _experts_kernel(
     count = tl.sum(mine, axis=0)
     rank = tl.cumsum(mine, axis=0) - 1
     ks = tl.arange(0, BLOCK_K)
-    w_offset = expert.to(tl.int64) * stride_we + cols[:, None] * stride_wn + ks[None, :]
+    # experts past the routed ones are the shared experts, read from their own tensors (views of the
+    # shared MLP's weights: nothing is copied); every token chose them, as the ids say
+    if expert < n_routed:
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        w2_base = w2_ptr + expert.to(tl.int64) * stride_we
+        w_offset = cols[:, None] * stride_wn + ks[None, :]
+    else:
+        w_base = ws_ptr + (expert - n_routed).to(tl.int64) * stride_wse
+        w2_base = ws2_ptr + (expert - n_routed).to(tl.int64) * stride_wse
+        w_offset = cols[:, None] * stride_wsn + ks[None, :]
     for m0 in range(0, count, BLOCK_M):  # pyright: ignore[reportArgumentType]  (a Triton loop bound is a tensor)
         r = m0 + tl.arange(0, BLOCK_M)
         row_ok = r < count
@@ -96,10 +115,10 @@ def _experts_kernel(
                 x_mask = row_ok[:, None] & k_ok[None, :]
                 w_mask = col_ok[:, None] & k_ok[None, :]
             xv = tl.load(x_rows + k0, mask=x_mask, other=0.0)
-            w = tl.load(w_ptr + w_offset + k0, mask=w_mask, other=0.0)
+            w = tl.load(w_base + w_offset + k0, mask=w_mask, other=0.0)
             acc = tl.dot(xv, tl.trans(w), acc)
             if GATE_UP:
-                w2 = tl.load(w2_ptr + w_offset + k0, mask=w_mask, other=0.0)
+                w2 = tl.load(w2_base + w_offset + k0, mask=w_mask, other=0.0)
                 acc2 = tl.dot(xv, tl.trans(w2), acc2)
         if GATE_UP:
             acc = acc * tl.sigmoid(acc) * acc2
@@ -110,15 +129,18 @@ def _experts_kernel(
         )
 
 
-def _project(x, ids, top_k, w, w2, out, gate_up: bool, block_n: int, block_k: int, stages: int, warps: int):
+def _project(x, ids, top_k, w, w2, ws, ws2, out, gate_up: bool, block_n: int, block_k: int, stages: int, warps: int):
     n_experts, n_out, n_in = w.shape
     n_pairs = ids.numel()
-    _experts_kernel[(n_experts, triton.cdiv(n_out, block_n))](
+    _experts_kernel[(n_experts + ws.shape[0], triton.cdiv(n_out, block_n))](
         x,
         ids,
         w,
         w2,
         out,
+        ws,
+        ws2,
+        n_experts,
         n_pairs,
         top_k,
         n_out,
@@ -126,6 +148,8 @@ def _project(x, ids, top_k, w, w2, out, gate_up: bool, block_n: int, block_k: in
         x.stride(0),
         w.stride(0),
         w.stride(1),
+        ws.stride(0),
+        ws.stride(1),
         out.stride(0),
         GATE_UP=gate_up,
         PAIRS=max(16, triton.next_power_of_2(n_pairs)),
@@ -146,20 +170,23 @@ def routed_experts(
     up: torch.Tensor,
     down: torch.Tensor,
     *,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
     stages: int = STAGES,
     warps: int = WARPS,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * down_e (silu(gate_e x_t) * up_e x_t)`` over each token's experts
-    ``e = top_idx[t, j]``.
+    ``e = top_idx[t, j]``, plus every shared expert's output (weight 1) when ``shared`` is given.
 
     Parameters
     ----------
     x : [T, hidden] (rows contiguous)
-    top_idx : int[T, k] expert of each pair, T * k <= MAX_PAIRS
+    top_idx : int[T, k] expert of each pair, T * (k + shared experts) <= MAX_PAIRS
     weights : [T, k] routing weights
     gate, up : [E, I, hidden] (may be the two halves of one tensor); down : [E, hidden, I]
+    shared : the shared experts as experts of the same shape, (gate [S, I, hidden], up [S, I,
+        hidden], down [S, hidden, I]) — :func:`shared_as_experts` views a shared MLP's weights so
     block_n, block_k, stages, warps : the kernels' tiles (the benchmark's sweep varies them)
 
     Returns
@@ -167,17 +194,49 @@ def routed_experts(
     [T, hidden] in ``x``'s dtype
     """
     t, k = top_idx.shape
-    inter, hidden = gate.shape[1], gate.shape[2]
-    if t * k > MAX_PAIRS:
-        raise ValueError(f"{t * k} (token, expert) pairs: the decode kernels take at most {MAX_PAIRS}")
+    n_routed, inter, hidden = gate.shape
+    if shared is None:
+        shared = (gate[:0], up[:0], down[:0])
+    s_gate, s_up, s_down = shared
+    n_shared = s_gate.shape[0]
+    if t * (k + n_shared) > MAX_PAIRS:
+        raise ValueError(f"{t * (k + n_shared)} (token, expert) pairs: the decode kernels take at most {MAX_PAIRS}")
     if gate.stride() != up.stride() or gate.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("gate and up must share one layout, and every weight row must be contiguous")
+    if (
+        s_gate.shape[1:] != gate.shape[1:]
+        or s_down.shape[1:] != down.shape[1:]
+        or s_gate.stride() != s_up.stride()
+        or s_gate.stride(-1) != 1
+        or s_down.stride(-1) != 1
+    ):
+        raise ValueError("the shared experts must have the routed ones' shapes, gate and up one layout")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if n_shared:  # every token's pairs end with the shared experts, weight 1
+        ids_shared = torch.arange(n_routed, n_routed + n_shared, device=top_idx.device, dtype=top_idx.dtype)
+        top_idx = torch.cat([top_idx, ids_shared.expand(t, n_shared)], dim=1)
+        weights = torch.cat([weights, torch.ones((t, n_shared), dtype=weights.dtype, device=weights.device)], dim=1)
+        k += n_shared
     ids = top_idx.reshape(-1).contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    _project(x, ids, k, gate, up, act, True, block_n, block_k, stages, warps)
+    _project(x, ids, k, gate, up, s_gate, s_up, act, True, block_n, block_k, stages, warps)
     y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
-    _project(act, ids, k, down, down, y, False, block_n, block_k, stages, warps)
+    _project(act, ids, k, down, down, s_down, s_down, y, False, block_n, block_k, stages, warps)
     # each token's k outputs weighted and summed in one bmm (f32 accumulation, one rounding)
     return torch.bmm(weights.to(y.dtype)[:, None, :], y.view(t, k, hidden))[:, 0]
+
+
+def shared_as_experts(
+    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, inter: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A shared MLP's weights (gate, up [S * inter, hidden], down [hidden, S * inter]) viewed as
+    ``S`` experts of intermediate size ``inter`` — gate, up [S, inter, hidden], down [S, hidden,
+    inter] — for :func:`routed_experts`' ``shared``: the MLP splits into S column blocks whose
+    outputs add up to its own. Views, nothing copied."""
+    hidden = gate.shape[1]
+    if gate.shape[0] % inter or down.shape != (hidden, gate.shape[0]):
+        raise ValueError(f"a shared MLP of {gate.shape[0]} columns is not a whole number of experts of {inter}")
+    n = gate.shape[0] // inter
+    as_experts = (gate.view(n, inter, hidden), up.view(n, inter, hidden))
+    return (*as_experts, down.as_strided((n, hidden, inter), (inter, down.stride(0), down.stride(1))))

@@ -185,16 +185,36 @@ class MLAttention(nn.Module):
         lc : [T, kv_lora] (normed latent), rc : [T, qk_rope] (roped shared key)
         """
         t = x.shape[0]
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        fused = getattr(self, "_x_proj", None)
+        if fused is not None:  # both of x's projections in one GEMM (fuse_x_projections)
+            q, compressed = F.linear(x, fused).split(
+                [first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], -1
+            )
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q, compressed = first(x), self.kv_a_proj_with_mqa(x)
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
-        compressed = self.kv_a_proj_with_mqa(x)
         lc = self.kv_a_layernorm(compressed[:, : self.kv_lora])
         rc = rotary.rotate(compressed[:, self.kv_lora :], cos, sin)
         return q_nope, rotary.rotate(q_rope, cos, sin), lc, rc
+
+    def fuse_x_projections(self) -> None:
+        """Store the two projections of the layer's input — the query's (``q_proj``, or ``q_a_proj``
+        with a query LoRA) and ``kv_a_proj_with_mqa`` — as the two parts of one weight (the
+        parameters become views of it, values unchanged): one GEMM reads both where a decode step
+        launched two. Not done where they carry biases."""
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        if getattr(self, "_x_proj", None) is not None or first.bias is not None:
+            return
+        if self.kv_a_proj_with_mqa.bias is not None:
+            return
+        fused = torch.cat([first.weight.data, self.kv_a_proj_with_mqa.weight.data])
+        first.weight.data = fused[: first.weight.shape[0]]
+        self.kv_a_proj_with_mqa.weight.data = fused[first.weight.shape[0] :]
+        self.register_buffer("_x_proj", fused, persistent=False)  # converted with the parameters
 
     def _uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, qk_nope, kv_lora], W_UV [H, v_head, kv_lora]."""
@@ -437,12 +457,14 @@ class MLAForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def use_expert_kernels(self, enabled: bool) -> None:
+    def use_expert_kernels(self, enabled: bool, *, fold_shared: bool = True) -> None:
         """Whether decode steps on CUDA run the routed experts' Triton kernels (the default) or keep
-        the grouped GEMM for every call (``bench/engine_decode.py --grouped-experts`` compares them)."""
+        the grouped GEMM for every call (``bench/engine_decode.py --grouped-experts`` compares them),
+        and whether those kernels also run the shared experts (``--shared-apart``)."""
         for module in self.modules():
             if isinstance(module, RoutedExperts):
                 module.triton_kernels = bool(enabled)
+                module.fold_shared = bool(fold_shared)
 
     @torch.inference_mode()
     def forward_tokens(
@@ -544,6 +566,19 @@ class MLAForCausalLM(nn.Module):
         """Final norm and LM head: f32[B, vocab]."""
         return self.lm_head(self.model.norm(x)).float()
 
+    def fuse_projections(self) -> None:
+        """Weights that multiply the same input stored as parts of one tensor (the parameters become
+        views of it, values unchanged): each layer's two projections of its input, the MLPs' gate
+        and up, the routed experts' gate and up. Fewer, larger GEMMs: each reads its weights at a
+        better share of the bandwidth, and a decode step launches fewer kernels."""
+        for layer in cast("list[DecoderLayer]", list(self.model.layers)):
+            cast(MLAttention, layer.self_attn).fuse_x_projections()
+            if isinstance(layer.mlp, MoE) and grouped_mm_available():
+                layer.mlp.experts.fuse_gate_up()
+            mlp = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
+            if isinstance(mlp, DenseMLP):
+                mlp.fuse_gate_up()
+
     def compile_decode(self) -> bool:
         """Fuse the elementwise work of every decode step with ``torch.compile`` (CUDA with triton).
 
@@ -557,9 +592,7 @@ class MLAForCausalLM(nn.Module):
         """
         if self.device.type != "cuda" or not has_triton():
             return False
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE) and grouped_mm_available():
-                layer.mlp.experts.fuse_gate_up()
+        self.fuse_projections()
         # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
         # step computes what the eager one does (not a more precise, different answer).
         options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}

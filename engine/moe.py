@@ -30,7 +30,21 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = getattr(self, "_gate_up", None)
+        if gate_up is not None:  # one GEMM for both halves (fuse_gate_up)
+            gate, up = F.linear(x, gate_up).split(self.gate_proj.weight.shape[0], dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse_gate_up(self) -> None:
+        """Store gate and up as the two halves of one [2I, hidden] weight (the parameters become
+        views of it, values unchanged): one GEMM reads both where a decode step launched two."""
+        if getattr(self, "_gate_up", None) is not None:
+            return
+        fused = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        self.gate_proj.weight.data = fused[: self.gate_proj.weight.shape[0]]
+        self.up_proj.weight.data = fused[self.gate_proj.weight.shape[0] :]
+        self.register_buffer("_gate_up", fused, persistent=False)  # converted with the parameters
 
 
 class Router(nn.Module):
@@ -82,12 +96,32 @@ class RoutedExperts(nn.Module):
         #: pace; False keeps the grouped GEMM (bf16) or the gathered / per-expert paths for every
         #: size (:meth:`MLAForCausalLM.use_expert_kernels`; the benchmarks compare them)
         self.triton_kernels = True
+        #: the kernels also run the layer's shared experts, as experts every token chose (weight 1):
+        #: their weights are read by the same two kernels, not by three GEMMs and an elementwise
+        #: kernel of their own; False keeps the shared MLP apart (the benchmarks compare them)
+        self.fold_shared = True
 
-    def forward(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor, shared: DenseMLP | None = None
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum, plus ``shared(x)`` when a shared MLP is given."""
         t, k = top_idx.shape
-        n_experts = self.gate_proj.shape[0]
         half = x.dtype in (torch.bfloat16, torch.float16)
         kernels = _expert_kernels() if self.triton_kernels and x.device.type == "cuda" and half else None
+        if kernels is not None and shared is not None and self.fold_shared:
+            views = kernels.shared_as_experts(
+                shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, self.gate_proj.shape[1]
+            )
+            if t * (k + views[0].shape[0]) <= kernels.MAX_PAIRS:
+                return kernels.routed_experts(
+                    x, top_idx, weights, self.gate_proj, self.up_proj, self.down_proj, shared=views
+                )
+        out = self._routed(x, top_idx, weights, kernels)
+        return out if shared is None else out + shared(x)
+
+    def _routed(self, x, top_idx, weights, kernels) -> torch.Tensor:
+        t, k = top_idx.shape
+        n_experts = self.gate_proj.shape[0]
         if kernels is not None and t * k <= kernels.MAX_PAIRS:
             return kernels.routed_experts(x, top_idx, weights, self.gate_proj, self.up_proj, self.down_proj)
         if _GROUPED_MM is not None and x.device.type == "cuda" and x.dtype == torch.bfloat16:
@@ -193,10 +227,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_idx, weights = self.gate(x)
-        out = self.experts(x, top_idx, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return self.experts(x, top_idx, weights, shared=self.shared_experts)
 
 
 def has_triton() -> bool:

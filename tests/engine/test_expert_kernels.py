@@ -3,7 +3,7 @@ interpreter (``TRITON_INTERPRET=1``, in a child process because the variable is 
 
 Against an f32 per-expert loop: one token, experts hit by more pairs than one pass takes, widths
 that are not multiples of the tiles, experts no token chose, gate and up as separate tensors or as
-halves of one. The interpreter's bf16 products are wrong in Triton 3.x (a 16x16 bf16 ``tl.dot``
+halves of one, and a layer's shared MLP run by the same kernels as experts every token chose. The interpreter's bf16 products are wrong in Triton 3.x (a 16x16 bf16 ``tl.dot``
 gives ~1e10 on random data), so here the dtypes are f32 and f16; bf16 runs on the GPU
 (tests/engine/test_graphs.py).
 """
@@ -26,7 +26,7 @@ _INTERPRETED = textwrap.dedent(
     import json
     import torch
     import torch.nn.functional as F
-    from kvstore.engine.expert_kernels import routed_experts
+    from kvstore.engine.expert_kernels import routed_experts, shared_as_experts
 
     def loop(x, top, w, gate, up, down):
         out = torch.zeros(x.shape)
@@ -65,6 +65,30 @@ _INTERPRETED = textwrap.dedent(
             "shape": list(got.shape),
             "err": float((got.float() - want).norm() / want.norm()),
         })
+    # a shared MLP of S experts' width run by the kernels beside the routed experts: what the layer
+    # computes is the routed sum plus the MLP's own output (an f32 MLP as the reference)
+    for t, e, k, n_shared, inter, hidden, dtype in [(1, 8, 2, 2, 64, 128, "float32"), (5, 8, 3, 1, 48, 80, "float16")]:
+        dt = getattr(torch, dtype)
+        gate_up = (torch.randn(e, 2 * inter, hidden, generator=gen) * 0.1).to(dt)
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        down = (torch.randn(e, hidden, inter, generator=gen) * 0.1).to(dt)
+        s_gate_up = (torch.randn(2 * n_shared * inter, hidden, generator=gen) * 0.1).to(dt)  # one tensor, two halves
+        s_gate, s_up = s_gate_up[: n_shared * inter], s_gate_up[n_shared * inter :]
+        s_down = (torch.randn(hidden, n_shared * inter, generator=gen) * 0.1).to(dt)
+        x = torch.randn(t, hidden, generator=gen).to(dt)
+        top = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        w = torch.rand(t, k, generator=gen)
+        got = routed_experts(x, top, w, gate, up, down, shared=shared_as_experts(s_gate, s_up, s_down, inter))
+        xf = x.float()
+        mlp = (F.silu(xf @ s_gate.float().T) * (xf @ s_up.float().T)) @ s_down.float().T
+        want = loop(x, top, w, gate, up, down) + mlp
+        report.append({
+            "case": f"T{t} E{e} k{k} S{n_shared} I{inter} H{hidden} {dtype} shared",
+            "dtype": str(got.dtype).removeprefix("torch."),
+            "shape": list(got.shape),
+            "err": float((got.float() - want).norm() / want.norm()),
+            "shared_err": float((got.float() - loop(x, top, w, gate, up, down)).norm() / want.norm()),
+        })
     print(json.dumps(report))
     """
 )
@@ -77,10 +101,12 @@ def test_kernels_under_the_interpreter_match_the_f32_loop():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 4
+    assert len(report) == 6
     for row in report:
         bound = 1e-5 if row["dtype"] == "float32" else 2e-3  # f16: its rounding of act and of the output
         assert row["err"] < bound, row
+        if "shared_err" in row:  # the shared experts' part is there: without it the answer is far off
+            assert row["shared_err"] > 100 * bound, row
 
 
 def test_mismatched_layouts_and_too_many_pairs_are_refused():
@@ -104,3 +130,12 @@ def test_mismatched_layouts_and_too_many_pairs_are_refused():
             up,
             torch.zeros(4, 8, 8),
         )
+
+    from kvstore.engine.expert_kernels import shared_as_experts
+
+    with pytest.raises(ValueError, match="whole number"):  # 12 columns are not experts of 8
+        shared_as_experts(torch.zeros(12, 8), torch.zeros(12, 8), torch.zeros(8, 12), 8)
+    shared = shared_as_experts(torch.zeros(16, 8), torch.zeros(16, 8), torch.zeros(8, 16), 8)
+    with pytest.raises(ValueError, match="at most"):  # the shared experts' pairs count too
+        n = MAX_PAIRS // 3 + 1
+        routed_experts(torch.zeros(n, 8), torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1), w, w, w, shared=shared)

@@ -187,3 +187,52 @@ def test_fused_gate_and_up_keep_the_values_and_the_output():
     assert _relative(experts._grouped(x, routes, weights).float(), want) <= 1e-2
     converted = copy.deepcopy(experts).float()
     assert torch.equal(converted._gate_up[:, : gate.shape[1]], gate.float())
+
+
+def test_fused_projections_keep_the_values_and_the_logits():
+    """``fuse_projections`` (what ``compile_decode`` does on CUDA) stores a layer's two projections
+    of its input and each MLP's gate and up as parts of one tensor: the same parameters, the same
+    prefill and decode logits (f32 on the CPU: one GEMM's columns are the two GEMMs' columns)."""
+    cfg = preset("tiny")
+    model = random_model(cfg, seed=4)
+    prompt = np.random.default_rng(5).integers(2, cfg.vocab_size, 30)
+    attn = model.model.layers[0].self_attn
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def run():
+        engine = Engine(model, tier="f32")
+        engine.prefill(prompt[:-1])
+        return engine.decode_logits(int(prompt[-1]), len(prompt) - 1)
+
+    want = run()
+    model.fuse_projections()
+    assert attn._x_proj is not None and attn.kv_a_proj_with_mqa.weight.data_ptr() != attn._x_proj.data_ptr()
+    first = attn.q_proj if hasattr(attn, "q_proj") else attn.q_a_proj
+    assert first.weight.data_ptr() == attn._x_proj.data_ptr()  # a view of the fused weight, no copy
+    assert "_x_proj" not in model.state_dict() and "_gate_up" not in str(list(model.state_dict()))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    torch.testing.assert_close(run(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_shared_experts_in_the_expert_kernels_agree_with_the_shared_mlp(tokens):
+    """On CUDA the experts' kernels also run a layer's shared MLP (as experts every token chose):
+    the layer's output within the bf16 bound of an f32 reference, and no farther from it than the
+    routed kernels plus the shared MLP's own GEMMs."""
+    cfg = preset("tiny")
+    model = random_model(cfg, seed=6, dtype="bfloat16").to("cuda")
+    moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    assert moe.shared_experts is not None
+    moe.shared_experts.fuse_gate_up()
+    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
+    reference = copy.deepcopy(moe).float()
+    reference.experts.triton_kernels = False
+    want = reference(x.float())
+    folded = moe(x)
+    moe.experts.fold_shared = False
+    apart = moe(x)
+    assert folded.dtype == torch.bfloat16 and folded.shape == x.shape
+    assert _relative(folded, want) <= 1e-2
+    assert _relative(folded, want) <= 1.25 * _relative(apart, want) + 1e-4

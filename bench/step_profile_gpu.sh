@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 43's decode figures in one device call: the CUDA tests the step's kernels touch; the experts'
+# kernels with the shared experts in them against apart (and their tiles); the compiled step per tier
+# at 1k and 32k and 16 sessions (tok/s, the HBM bound, where each step's device time goes, the
+# profiler's top kernels); with BASE=dir, the same for fp8 on another tree (a checkout of the
+# commit before, `git archive`d into an ignored folder and carried) in the same call.
+# Usage (device machine, wheels in .whl/): OUT=/some/dir [BASE=.base] bash bench/step_profile_gpu.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/device_wheels.sh
+OUT="${OUT:-/tmp/kvstore-step}"
+mkdir -p "$OUT"
+quiet() { grep -v "^USDT\|^STAGE\|^\[W\|SyncActivityProfiler"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+if [ -n "${TESTS-x}" ]; then
+echo "== gpu tests ($(date +%T))"
+timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/engine/test_graphs.py \
+    tests/engine/test_expert_kernels.py tests/vllm/test_paged_worker.py tests/vllm/test_hot_tier.py \
+    tests/engine/test_device_restore.py} 2>&1 | tee "$OUT/tests.log" | tail -n 8
+fi
+if [ -n "${EXPERTS-x}" ]; then
+echo "== experts: shared in the kernels vs apart ($(date +%T))"
+timeout "${EXPERTS_S:-150}" python3 bench/engine_experts.py --shared ${EXPERTS:---sweep} 2>&1 | tee "$OUT/experts.log"
+fi
+echo "== decode, one session and 16 ($(date +%T))"
+timeout "${DECODE_S:-300}" python3 bench/engine_decode.py --device cuda --preset v2-lite --lengths ${LENGTHS:-1024 32768} \
+    --tiers ${TIERS:-fp8 int4 f32} --tokens 32 --batch 16 --modes compiled --breakdown --profile \
+    --profile-rows ${ROWS:-30} ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | quiet
+if [ -n "${BASE:-}" ]; then
+echo "== decode on $BASE, fp8 ($(date +%T))"
+PYTHONPATH="$PWD/$BASE:/tmp/site" timeout "${BASE_S:-150}" python3 "$BASE/bench/engine_decode.py" --device cuda \
+    --preset v2-lite --lengths ${LENGTHS:-1024 32768} --tiers fp8 --tokens 32 --batch 16 --modes compiled \
+    --breakdown 2>&1 | tee "$OUT/decode_base.log" | quiet
+fi
+if [ -n "${BATCH64:-}" ]; then
+echo "== decode, 64 sessions, 1k..32k ($(date +%T))"
+timeout "${BATCH64_S:-150}" python3 bench/engine_decode.py --device cuda --preset v2-lite --tiers fp8 --tokens 16 \
+    --batch 64 --batch-only --modes compiled --breakdown 2>&1 | tee "$OUT/decode64.log" | quiet
+fi
+echo "== done ($(date +%T))"
