@@ -291,7 +291,9 @@ def _parts_row(label: str, parts: dict[str, float], weights_us: float, rows_us: 
 
 
 BREAKDOWN_HEAD = (
-    f"{'':28s} {'step µs':>8s}  " + "  ".join(f"{k:>13s}" for k in PARTS) + f"  {'weights@bw':>9s}  {'rows@bw':>8s}  {'kernels':>7s}"
+    f"{'':28s} {'step µs':>8s}  "
+    + "  ".join(f"{k:>13s}" for k in PARTS)
+    + f"  {'weights@bw':>9s}  {'rows@bw':>8s}  {'kernels':>7s}"
 )
 
 
