@@ -103,15 +103,6 @@ def _decode(engine: Engine, first: int, n: int) -> tuple[list[int], float, float
     return tokens, first_seconds, (time.perf_counter() - began) / max(1, n - 1), first_logits
 
 
-def _stream(engine: Engine, context: np.ndarray, first: int, n: int) -> tuple[list[int], float]:
-    """``Engine.generate`` after the same context and first token, greedy, ``n`` tokens — what a
-    user's call runs (on CUDA each step enqueued before the host reads the token before it): (the
-    tokens, seconds per decode step)."""
-    _sync(engine.device)
-    result = engine.generate(np.concatenate([context, [first]]), max_new_tokens=n, stop_tokens=())
-    return result.tokens, result.timings["decode"] / max(1, n - 1)
-
-
 def _distance(a: torch.Tensor, b: torch.Tensor) -> str:
     """max |a - b| and KL(softmax b || softmax a) of two logit vectors (b the reference)."""
     kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="sum")
@@ -380,7 +371,6 @@ def main(argv: list[str] | None = None) -> int:
     modes = tuple(args.modes or MODES) if device.type == "cuda" else ("plain",)
     rows = []
     breakdowns: list[str] = []
-    generated: list[str] = []
     weights_us = _token_bytes(model, cfg, 0, 0) / bandwidth / 1e3  # µs at the copy bandwidth (GB/s)
     for tier in args.tiers if not args.batch_only else ():
         for length in args.lengths:
@@ -392,12 +382,6 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.reset_peak_memory_stats(device)
                 tokens, first, per_step, logits = _decode(engine, int(context[-1]) % cfg.vocab_size, args.tokens)
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-                if mode == modes[-1]:
-                    streamed, stream_step = _stream(engine, context, int(context[-1]) % cfg.vocab_size, args.tokens)
-                    generated.append(
-                        f"{tier:6s} {length:7d}  {mode:8s}  {1 / per_step:13.1f}  {1 / stream_step:14.1f}  "
-                        f"{stream_step / per_step:10.2f}  {_agreement([streamed], [tokens])}"
-                    )
                 results[mode] = (tokens, first, per_step, peak, engine.cache.nbytes / 2**30, logits)
                 if args.profile and length == args.lengths[0]:
                     print(f"\n-- {tier}, {length} rows, {mode}: top 10 of 8 decode steps")
@@ -429,13 +413,6 @@ def main(argv: list[str] | None = None) -> int:
             + "  ".join(f"{rates[m]:15.1f}" for m in modes)
             + f"  {last[1] * 1e3:23.1f}  {rates[modes[-1]] / bound:9.1%} of {bound:7.0f}  {last[4]:9.2f}  {last[3]:8.2f}  {same}"
         )
-    if generated:
-        print(
-            "\nThe same greedy tokens through Engine.generate (the public call; on CUDA each step goes one "
-            "ahead of the host) beside the steps above (decode_logits, then argmax read back)"
-        )
-        print("tier   context  mode      step tok/s  generate tok/s  time ratio  tokens")
-        print("\n".join(generated))
     if args.batch:
         lengths = args.batch_lengths or [int(n) for n in np.linspace(1024, 32768, args.batch)]
         if len(lengths) != args.batch:

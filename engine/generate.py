@@ -440,44 +440,6 @@ class Engine:
         self.cache.commit(position, [token])
         return logits
 
-    def _greedy_steps(
-        self, logits: torch.Tensor, max_new: int, stops: frozenset[int], result: GenerationResult
-    ) -> Generator[int, None, None]:
-        """:meth:`_steps` for greedy decoding on CUDA graphs, one step ahead of the host: each step
-        takes its token from the step before on the device, and is enqueued before the host reads
-        that token, so the GPU is not idle while the host hands a token out and launches the next
-        replay. The same tokens and the same committed rows as one step at a time: a step whose
-        token turns out to be a stop (or is never asked for) wrote a row past the committed ones,
-        which nothing reads."""
-        graphs = self._graphs
-        assert graphs is not None
-        token = int(torch.argmax(logits).item())
-        result.tokens.append(token)
-        yield token
-        if token in stops:
-            result.finish_reason = "stop"
-            return
-        position = self.cache.length
-        self.cache.prepare(position, 1)
-        pending = graphs.launch(position, token=token)
-        self.cache.commit(position, [token])
-        for step in range(1, max_new):
-            position += 1
-            ahead = None
-            if step + 1 < max_new:  # the step after this token is wanted: enqueue it before reading
-                self.cache.prepare(position, 1)
-                ahead = graphs.launch(position, after=pending)
-            token = graphs.read(pending)
-            result.tokens.append(token)
-            yield token
-            if token in stops:
-                result.finish_reason = "stop"
-                return
-            if ahead is None:
-                return
-            self.cache.commit(position, [token])
-            pending = ahead
-
     def prefill(self, tokens) -> tuple[torch.Tensor, int, int]:
         """Bring the cache to ``tokens`` (the whole context), reusing the cached common prefix.
 
@@ -669,9 +631,6 @@ class Engine:
         result.timings["prefill"] = time.perf_counter() - began
         began = time.perf_counter()
         try:
-            if params.greedy and max_new > 1 and self._graphs is not None and self._graphs.cache is self.cache:
-                yield from self._greedy_steps(logits, max_new, stops, result)
-                return result
             for step in range(max_new):
                 token = sample_next(logits, params, generator)
                 result.tokens.append(token)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MIN_BUCKET", "DecodeGraphs", "Launched", "bucket", "capture"]
+__all__ = ["MIN_BUCKET", "DecodeGraphs", "bucket", "capture"]
 
 #: Fewest rows a captured step reads: below this, one graph serves every short context.
 MIN_BUCKET = 1024
@@ -44,17 +44,6 @@ class _Captured:
     token: torch.Tensor  # int64[1], the step's input (written before each replay)
     position: torch.Tensor  # int64[1]
     logits: torch.Tensor  # f32[1, vocab], the step's output (overwritten by each replay)
-    greedy: torch.Tensor  # int64[1], argmax of the logits (the greedy next token), written by the graph
-
-
-@dataclass
-class Launched:
-    """A step enqueued by :meth:`DecodeGraphs.launch`: its greedy next token lands in ``host`` (pinned)
-    once ``done`` has passed."""
-
-    captured: _Captured
-    host: torch.Tensor
-    done: torch.cuda.Event
 
 
 class DecodeGraphs:
@@ -73,9 +62,6 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool = None
         self.captures = 0  # how many graphs were captured (a bench and test figure)
-        # where launched steps' greedy tokens land: two pinned slots, each with the event of its copy
-        self._slots = [(torch.empty(1, dtype=torch.int64, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
-        self._turn = 0
 
     def logits(self, token: int, position: int) -> torch.Tensor:
         """The next token's logits f32[vocab] after ``token`` at ``position``; writes its rows.
@@ -93,36 +79,6 @@ class DecodeGraphs:
             captured.position.fill_(position)
             captured.graph.replay()
         return captured.logits[0]
-
-    def launch(self, position: int, *, token: int | None = None, after: Launched | None = None) -> Launched:
-        """Enqueue the step at ``position`` with no wait on the host: its token is ``token``, or the
-        greedy next token of the step ``after`` (copied on the device, never read back). The step's
-        own greedy next token is copied into pinned memory behind it; :meth:`read` waits for that
-        copy alone, so the host can enqueue the following step first (a greedy loop then keeps the
-        GPU busy while the host hands out each token)."""
-        rows = bucket(position + 1)
-        self.cache.reserve(rows)
-        key = (*self.cache.storage_key, rows)
-        captured = self._graphs.get(key)
-        if captured is None:  # its warm-up writes this position's row, which the replay writes again
-            captured = self._capture_for(key, 0, position, rows, replay=False)
-        if after is not None:
-            captured.token.copy_(after.captured.greedy)
-        else:
-            captured.token.fill_(int(token if token is not None else 0))
-        captured.position.fill_(position)
-        captured.graph.replay()
-        host, done = self._slots[self._turn]
-        self._turn ^= 1  # two in flight at most: a slot is reused only after its step was read
-        host.copy_(captured.greedy, non_blocking=True)
-        done.record()
-        return Launched(captured, host, done)
-
-    @staticmethod
-    def read(launched: Launched) -> int:
-        """The greedy next token of a launched step (waits for that step, not for later ones)."""
-        launched.done.synchronize()
-        return int(launched.host[0])
 
     def warm(self, max_context: int) -> int:
         """Reserve the cache's buffers for ``max_context`` positions and capture every bucket up to
@@ -156,20 +112,15 @@ class DecodeGraphs:
         device = self.device
         token_in = torch.full((1,), token, dtype=torch.int64, device=device)
         position_in = torch.full((1,), position, dtype=torch.int64, device=device)
-        greedy = torch.zeros(1, dtype=torch.int64, device=device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-
-        def step() -> torch.Tensor:
-            logits = self.model.decode_step(token_in, position_in, self.cache, n_rows)
-            greedy.copy_(logits.argmax(dim=-1))  # the host's torch.argmax: the same first maximum
-            return logits
-
-        graph, logits = capture(step, device, self._pool)
+        graph, logits = capture(
+            lambda: self.model.decode_step(token_in, position_in, self.cache, n_rows), device, self._pool
+        )
         if replay:
             graph.replay()  # the capture only recorded the step: run it for this token
         self.captures += 1
-        return _Captured(graph, token_in, position_in, logits, greedy)
+        return _Captured(graph, token_in, position_in, logits)
 
 
 def capture(step, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -98,56 +98,6 @@ def test_warm_graphs_capture_every_bucket_ahead():
     assert engine._graphs.captures == 3 and engine.cache.length == 2100 + 3
 
 
-def _one_step_at_a_time(engine, prompt, max_new, stops):
-    """Greedy generation as :meth:`Engine.generate` ran it before its steps went one ahead of the
-    host: each token read back before the step that takes it is launched."""
-    logits = engine.prefill(prompt)[0]
-    tokens = []
-    for step in range(max_new):
-        tokens.append(int(torch.argmax(logits)))
-        if tokens[-1] in stops:
-            break
-        if step + 1 < max_new:
-            logits = engine.decode_logits(tokens[-1], engine.cache.length)
-    return tokens
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("max_new", [1, 2, 48])
-def test_greedy_generation_one_step_ahead_gives_the_step_by_step_tokens_and_rows(max_new):
-    """On CUDA a greedy ``generate`` enqueues each step before the host reads the token it takes
-    (the token goes from step to step on the device): the same tokens as reading each one first,
-    across a bucket growth, with the same committed rows and length; a stop ends it at the same
-    place, and the step launched past it leaves nothing a later turn sees."""
-    cfg = preset("tiny-512")
-    model = random_model(cfg, seed=9).to("cuda")
-    prompt = np.random.default_rng(4).integers(2, cfg.vocab_size, MIN_BUCKET - 20)
-    ahead, reference = Engine(model, tier="fp8"), Engine(model, tier="fp8")
-    want = _one_step_at_a_time(reference, prompt, max_new, ())
-    got = ahead.generate(prompt, max_new_tokens=max_new, stop_tokens=())
-    assert got.tokens == want and got.finish_reason == "length"
-    assert ahead.cache.length == reference.cache.length == len(prompt) + max_new - 1
-    assert np.array_equal(ahead.cache.tokens, reference.cache.tokens)
-    for layer in range(cfg.num_hidden_layers):
-        for a, b in zip(ahead.cache.read(layer, ahead.cache.length), reference.cache.read(layer, ahead.cache.length)):
-            assert torch.equal(a, b)
-    if max_new < 48:
-        return
-    stop = want[9]  # a stop token: generation ends at its first appearance
-    first = want.index(stop)
-    for engine in (ahead, reference):
-        engine.cache.truncate(0)
-    got = ahead.generate(prompt, max_new_tokens=max_new, stop_tokens=[stop])
-    assert got.tokens == want[: first + 1] and got.finish_reason == "stop"
-    assert _one_step_at_a_time(reference, prompt, max_new, {stop}) == got.tokens
-    assert ahead.cache.length == reference.cache.length == len(prompt) + first
-    # the next turn (the stop token and more) reads only committed rows: the same answer again
-    follow = np.concatenate([prompt, got.tokens, [5, 6]])
-    assert ahead.generate(follow, max_new_tokens=8, stop_tokens=()).tokens == _one_step_at_a_time(
-        reference, follow, 8, ()
-    )
-
-
 def _experts_and_routes(device, dtype, tokens=37, seed=1):
     cfg = preset("tiny")
     model = random_model(cfg, seed=seed, dtype=dtype).to(device)
