@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shared-apart", action="store_true", help="shared experts by their own GEMMs, not the experts' kernels"
     )
+    parser.add_argument(
+        "--torch-routing", action="store_true", help="the router's top-k by torch's kernels, not the routing kernel"
+    )
     args = parser.parse_args(argv)
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile_rows
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = preset(args.preset)
     began = time.perf_counter()
     model = random_model(cfg, seed=0, device=device, dtype=dtype)
-    model.use_expert_kernels(not args.grouped_experts, fold_shared=not args.shared_apart)
+    model.use_expert_kernels(not args.grouped_experts, fold_shared=not args.shared_apart, route=not args.torch_routing)
     print(
         f"engine_decode: {args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
         f"kv_lora {cfg.kv_lora_rank}), {dtype} on {device}; model built in {time.perf_counter() - began:.1f} s"

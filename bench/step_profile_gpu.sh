@@ -24,17 +24,20 @@ timeout "${EXPERTS_S:-150}" python3 bench/engine_experts.py --shared ${EXPERTS:-
 fi
 echo "== decode, one session and 16 ($(date +%T))"
 timeout "${DECODE_S:-300}" python3 bench/engine_decode.py --device cuda --preset v2-lite --lengths ${LENGTHS:-1024 32768} \
-    --tiers ${TIERS:-fp8 int4 f32} --tokens 32 --batch 16 --modes compiled --breakdown --profile \
-    --profile-rows ${ROWS:-30} ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | quiet
+    --tiers ${TIERS:-fp8 int4 f32} --tokens 32 --batch 16 --modes compiled --breakdown \
+    ${PROFILE---profile --profile-rows 30} ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | quiet
 if [ -n "${BASE:-}" ]; then
 echo "== decode on $BASE, fp8 ($(date +%T))"
 PYTHONPATH="$PWD/$BASE:/tmp/site" timeout "${BASE_S:-150}" python3 "$BASE/bench/engine_decode.py" --device cuda \
-    --preset v2-lite --lengths ${LENGTHS:-1024 32768} --tiers fp8 --tokens 32 --batch 16 --modes compiled \
+    --preset v2-lite --lengths ${LENGTHS:-1024 32768} --tiers ${BASE_TIERS:-fp8} --tokens 32 --batch 16 --modes compiled \
     --breakdown 2>&1 | tee "$OUT/decode_base.log" | quiet
 fi
 if [ -n "${BATCH64:-}" ]; then
-echo "== decode, 64 sessions, 1k..32k ($(date +%T))"
-timeout "${BATCH64_S:-150}" python3 bench/engine_decode.py --device cuda --preset v2-lite --tiers fp8 --tokens 16 \
-    --batch 64 --batch-only --modes compiled --breakdown 2>&1 | tee "$OUT/decode64.log" | quiet
+for tree in . ${BASE:-}; do
+echo "== decode on $tree, 64 sessions, 1k..32k ($(date +%T))"
+PYTHONPATH="$PWD/$tree:/tmp/site" timeout "${BATCH64_S:-150}" python3 "$tree/bench/engine_decode.py" --device cuda \
+    --preset v2-lite --tiers fp8 --tokens ${BATCH64_TOKENS:-16} --batch 64 --batch-only --modes compiled --breakdown 2>&1 \
+    | tee "$OUT/decode64_$(basename "$tree" | tr -d .).log" | quiet
+done
 fi
 echo "== done ($(date +%T))"

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_M", "MAX_PAIRS", "routed_experts", "shared_as_experts"]
+__all__ = ["BLOCK_M", "FOLD_MAX_PAIRS", "MAX_PAIRS", "route", "routed_experts", "shared_as_experts"]
 
 #: Pairs per program pass (the tensor-core product's smallest M); an expert with more loops.
 BLOCK_M = 16
@@ -49,6 +49,10 @@ WARPS = 4
 #: Most (token, expert) pairs the kernels take (every program scans them all): past this (prefill)
 #: the grouped GEMM, which reuses each weight tile over many rows, is the faster.
 MAX_PAIRS = 512
+#: Most pairs (shared experts' included) for which the kernels also run the shared experts: up to
+#: 16 V2-Lite tokens (6 + 2 pairs each) they beat the shared MLP's own GEMMs (1.11x one token, 1.22x
+#: four, 1.03x sixteen on an H100), at 64 tokens they lose (0.85x: every program scans 512 pairs).
+FOLD_MAX_PAIRS = 128
 
 
 @triton.jit
@@ -171,6 +175,7 @@ def routed_experts(
     down: torch.Tensor,
     *,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    routes_hold_shared: bool = False,
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
     stages: int = STAGES,
@@ -187,6 +192,8 @@ def routed_experts(
     gate, up : [E, I, hidden] (may be the two halves of one tensor); down : [E, hidden, I]
     shared : the shared experts as experts of the same shape, (gate [S, I, hidden], up [S, I,
         hidden], down [S, hidden, I]) — :func:`shared_as_experts` views a shared MLP's weights so
+    routes_hold_shared : ``top_idx`` and ``weights`` already end with the shared experts' columns
+        (:func:`route` with ``n_shared``), ``k`` counting them
     block_n, block_k, stages, warps : the kernels' tiles (the benchmark's sweep varies them)
 
     Returns
@@ -199,8 +206,9 @@ def routed_experts(
         shared = (gate[:0], up[:0], down[:0])
     s_gate, s_up, s_down = shared
     n_shared = s_gate.shape[0]
-    if t * (k + n_shared) > MAX_PAIRS:
-        raise ValueError(f"{t * (k + n_shared)} (token, expert) pairs: the decode kernels take at most {MAX_PAIRS}")
+    added = 0 if routes_hold_shared else n_shared
+    if t * (k + added) > MAX_PAIRS:
+        raise ValueError(f"{t * (k + added)} (token, expert) pairs: the decode kernels take at most {MAX_PAIRS}")
     if gate.stride() != up.stride() or gate.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("gate and up must share one layout, and every weight row must be contiguous")
     if (
@@ -213,11 +221,11 @@ def routed_experts(
         raise ValueError("the shared experts must have the routed ones' shapes, gate and up one layout")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if n_shared:  # every token's pairs end with the shared experts, weight 1
+    if added:  # every token's pairs end with the shared experts, weight 1
         ids_shared = torch.arange(n_routed, n_routed + n_shared, device=top_idx.device, dtype=top_idx.dtype)
         top_idx = torch.cat([top_idx, ids_shared.expand(t, n_shared)], dim=1)
         weights = torch.cat([weights, torch.ones((t, n_shared), dtype=weights.dtype, device=weights.device)], dim=1)
-        k += n_shared
+        k += added
     ids = top_idx.reshape(-1).contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     _project(x, ids, k, gate, up, s_gate, s_up, act, True, block_n, block_k, stages, warps)
@@ -240,3 +248,116 @@ def shared_as_experts(
     n = gate.shape[0] // inter
     as_experts = (gate.view(n, inter, hidden), up.view(n, inter, hidden))
     return (*as_experts, down.as_strided((n, hidden, inter), (inter, down.stride(0), down.stride(1))))
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    weights_ptr,
+    n_experts,
+    stride_l,
+    scale,
+    TOP_K: tl.constexpr,
+    N_SHARED: tl.constexpr,
+    E_BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    t = tl.program_id(0)
+    e = tl.arange(0, E_BLOCK)
+    ok = e < n_experts
+    scores = tl.sigmoid(tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0))
+    choice = tl.where(ok, scores + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+    if TOPK_GROUP < N_GROUP:  # group-limited: keep the experts of the groups whose two best sum highest
+        per_group: tl.constexpr = E_BLOCK // N_GROUP
+        grouped = tl.reshape(choice, (N_GROUP, per_group))
+        j = tl.arange(0, per_group)
+        best = tl.max(grouped, axis=1)
+        first = tl.argmax(grouped, axis=1)
+        second = tl.max(tl.where(j[None, :] == first[:, None], float("-inf"), grouped), axis=1)
+        group_scores = best + second  # pyright: ignore[reportOperatorIssue]  (Triton tensors)
+        g = tl.arange(0, N_GROUP)
+        kept = tl.zeros((N_GROUP,), dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):  # pyright: ignore[reportGeneralTypeIssues]  (a Triton loop)
+            pick = tl.argmax(group_scores, axis=0)
+            kept = tl.where(g == pick, 1, kept)
+            group_scores = tl.where(g == pick, float("-inf"), group_scores)
+        keep = tl.reshape(tl.broadcast_to(kept[:, None], (N_GROUP, per_group)), (E_BLOCK,))
+        choice = tl.where(keep > 0, choice, float("-inf"))
+    kk = tl.arange(0, K_BLOCK)
+    chosen = tl.zeros((K_BLOCK,), dtype=tl.int64)
+    picked = tl.zeros((K_BLOCK,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):  # pyright: ignore[reportGeneralTypeIssues]  (the k best, one at a time)
+        pick = tl.argmax(choice, axis=0)
+        chosen = tl.where(kk == slot, pick.to(tl.int64), chosen)
+        picked = tl.where(kk == slot, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), picked)
+        choice = tl.where(e == pick, float("-inf"), choice)
+    if NORM:
+        picked = picked / (tl.sum(picked, axis=0) + 1e-20)
+    picked = picked * scale
+    # the shared experts follow, weight 1 (the experts' kernels run them as experts)
+    chosen = tl.where((kk >= TOP_K) & (kk < TOP_K + N_SHARED), n_experts + kk - TOP_K, chosen)
+    picked = tl.where((kk >= TOP_K) & (kk < TOP_K + N_SHARED), 1.0, picked)
+    width: tl.constexpr = TOP_K + N_SHARED
+    tl.store(ids_ptr + t * width + kk, chosen, mask=kk < width)
+    tl.store(weights_ptr + t * width + kk, picked, mask=kk < width)
+
+
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    *,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm: bool = True,
+    scale: float = 1.0,
+    n_shared: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's routing in one kernel: sigmoid scores, the group-limited top-k of the
+    bias-corrected scores, their raw scores as weights (normalized when ``norm``) times ``scale`` —
+    what :class:`kvstore.engine.moe.Router` computes from its logits — and, after each token's
+    ``top_k`` experts, the ``n_shared`` shared experts (ids ``E ..``, weight 1).
+
+    Parameters
+    ----------
+    logits : f32[T, E] (the router's products); bias : f32[E]
+
+    Returns
+    -------
+    ids int64[T, top_k + n_shared] (each token's experts in descending order of choice), weights
+    f32[T, top_k + n_shared]
+    """
+    t, n_experts = logits.shape
+    if n_experts % n_group or not 0 < top_k <= n_experts:
+        raise ValueError(f"{n_experts} experts cannot be routed top-{top_k} in {n_group} groups")
+    e_block = triton.next_power_of_2(n_experts)
+    if topk_group < n_group and (e_block != n_experts or n_group & (n_group - 1)):
+        raise ValueError("group-limited routing here needs a power-of-two count of experts and of groups")
+    width = top_k + n_shared
+    ids = torch.empty((t, width), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((t, width), dtype=torch.float32, device=logits.device)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    _route_kernel[(t,)](
+        logits,
+        bias,
+        ids,
+        weights,
+        n_experts,
+        logits.stride(0),
+        float(scale),
+        TOP_K=top_k,
+        N_SHARED=n_shared,
+        E_BLOCK=e_block,
+        K_BLOCK=max(2, triton.next_power_of_2(width)),
+        N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
+        NORM=bool(norm),
+        num_warps=1,  # pyright: ignore[reportCallIssue]
+    )
+    return ids, weights

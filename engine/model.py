@@ -33,7 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 from kvstore import tiers
 from kvstore.engine.cache import encode_fields
 from kvstore.engine.config import ModelConfig
-from kvstore.engine.moe import DenseMLP, MoE, RoutedExperts, grouped_mm_available, has_triton
+from kvstore.engine.moe import DenseMLP, MoE, RoutedExperts, Router, grouped_mm_available, has_triton
 
 __all__ = ["MLAForCausalLM", "Segment", "rope_inv_freq"]
 
@@ -457,14 +457,17 @@ class MLAForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def use_expert_kernels(self, enabled: bool, *, fold_shared: bool = True) -> None:
+    def use_expert_kernels(self, enabled: bool, *, fold_shared: bool = True, route: bool = True) -> None:
         """Whether decode steps on CUDA run the routed experts' Triton kernels (the default) or keep
         the grouped GEMM for every call (``bench/engine_decode.py --grouped-experts`` compares them),
-        and whether those kernels also run the shared experts (``--shared-apart``)."""
+        whether those kernels also run the shared experts (``--shared-apart``), and whether the
+        routing runs as one kernel (``--torch-routing``)."""
         for module in self.modules():
             if isinstance(module, RoutedExperts):
                 module.triton_kernels = bool(enabled)
                 module.fold_shared = bool(fold_shared)
+            elif isinstance(module, Router):
+                module.triton_route = bool(route) and module.triton_route
 
     @torch.inference_mode()
     def forward_tokens(

@@ -62,11 +62,41 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.n_experts, cfg.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias: torch.Tensor
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
+        #: on CUDA the routing after the router's product runs as one Triton kernel
+        #: (:func:`kvstore.engine.expert_kernels.route`) instead of ~6 small ones (sigmoid, top-k,
+        #: gather, normalization, the shared experts' columns); False keeps torch's (the benchmarks
+        #: compare them). Group-limited routing needs power-of-two counts of experts and groups.
+        pow2 = not self.n_experts & (self.n_experts - 1) and not self.n_group & (self.n_group - 1)
+        self.triton_route = self.topk_group >= self.n_group or pow2
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns expert indices int64[T, top_k] and their weights f32[T, top_k]."""
+    def forward(self, x: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns expert indices int64[T, top_k] and their weights f32[T, top_k]; with
+        ``n_shared``, each token's row ends with the shared experts (ids ``n_experts ..``, weight 1):
+        ``[T, top_k + n_shared]``."""
         t = x.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        logits = F.linear(x.float(), self.weight.float())
+        kernels = _expert_kernels() if self.triton_route and x.device.type == "cuda" else None
+        if kernels is not None:
+            return kernels.route(
+                logits,
+                self.e_score_correction_bias.float(),
+                self.top_k,
+                n_group=self.n_group,
+                topk_group=self.topk_group,
+                norm=self.norm_topk_prob,
+                scale=self.routed_scaling_factor,
+                n_shared=n_shared,
+            )
+        top_idx, weights = self._route(logits)
+        if n_shared:
+            shared_ids = torch.arange(self.n_experts, self.n_experts + n_shared, device=x.device).expand(t, n_shared)
+            top_idx = torch.cat([top_idx, shared_ids], dim=1)
+            weights = torch.cat([weights, weights.new_ones(t, n_shared)], dim=1)
+        return top_idx, weights
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = logits.shape[0]
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if self.topk_group < self.n_group:  # otherwise every group is kept and the mask is a no-op
             per_group = self.n_experts // self.n_group
@@ -101,21 +131,45 @@ class RoutedExperts(nn.Module):
         #: kernel of their own; False keeps the shared MLP apart (the benchmarks compare them)
         self.fold_shared = True
 
-    def forward(
-        self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor, shared: DenseMLP | None = None
-    ) -> torch.Tensor:
-        """The routed experts' weighted sum, plus ``shared(x)`` when a shared MLP is given."""
-        t, k = top_idx.shape
+    def _kernels(self, x: torch.Tensor):
+        """The decode kernels' module where they take ``x`` (CUDA, bf16/f16, triton), else None."""
         half = x.dtype in (torch.bfloat16, torch.float16)
-        kernels = _expert_kernels() if self.triton_kernels and x.device.type == "cuda" and half else None
-        if kernels is not None and shared is not None and self.fold_shared:
-            views = kernels.shared_as_experts(
-                shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, self.gate_proj.shape[1]
+        return _expert_kernels() if self.triton_kernels and x.device.type == "cuda" and half else None
+
+    def folded(self, x: torch.Tensor, shared: DenseMLP | None, top_k: int):
+        """The shared MLP as experts for the decode kernels (:func:`expert_kernels.shared_as_experts`)
+        when they run it for these tokens (few enough pairs, ``fold_shared``), else None."""
+        kernels = self._kernels(x)
+        if kernels is None or shared is None or not self.fold_shared:
+            return None
+        views = kernels.shared_as_experts(
+            shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, self.gate_proj.shape[1]
+        )
+        return views if x.shape[0] * (top_k + views[0].shape[0]) <= kernels.FOLD_MAX_PAIRS else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        top_idx: torch.Tensor,
+        weights: torch.Tensor,
+        shared: DenseMLP | None = None,
+        folded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum, plus ``shared(x)`` when a shared MLP is given; with
+        ``folded`` (:meth:`folded`), the routes end with the shared experts' columns and the decode
+        kernels run them."""
+        kernels = self._kernels(x)
+        if folded is not None and kernels is not None:
+            return kernels.routed_experts(
+                x,
+                top_idx,
+                weights,
+                self.gate_proj,
+                self.up_proj,
+                self.down_proj,
+                shared=folded,
+                routes_hold_shared=True,
             )
-            if t * (k + views[0].shape[0]) <= kernels.MAX_PAIRS:
-                return kernels.routed_experts(
-                    x, top_idx, weights, self.gate_proj, self.up_proj, self.down_proj, shared=views
-                )
         out = self._routed(x, top_idx, weights, kernels)
         return out if shared is None else out + shared(x)
 
@@ -226,8 +280,9 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_idx, weights = self.gate(x)
-        return self.experts(x, top_idx, weights, shared=self.shared_experts)
+        folded = self.experts.folded(x, self.shared_experts, self.gate.top_k)
+        top_idx, weights = self.gate(x, n_shared=0 if folded is None else folded[0].shape[0])
+        return self.experts(x, top_idx, weights, shared=self.shared_experts, folded=folded)
 
 
 def has_triton() -> bool:

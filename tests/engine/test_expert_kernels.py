@@ -89,6 +89,37 @@ _INTERPRETED = textwrap.dedent(
             "err": float((got.float() - want).norm() / want.norm()),
             "shared_err": float((got.float() - loop(x, top, w, gate, up, down)).norm() / want.norm()),
         })
+    # the routing kernel against the Router module (its logits handed over): the same experts per
+    # token, the same weights; group-limited (tiny-like: 8 experts in 2 groups, 1 kept) and not
+    from kvstore.engine.config import ModelConfig
+    from kvstore.engine.expert_kernels import route
+    from kvstore.engine.moe import Router
+
+    for e, k, n_group, topk_group, norm, n_shared in [(8, 2, 2, 1, True, 1), (64, 6, 1, 1, False, 2), (16, 4, 4, 2, True, 0)]:
+        cfg = ModelConfig(
+            hidden_size=32, n_routed_experts=e, num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+            norm_topk_prob=norm, routed_scaling_factor=2.5,
+        )
+        router = Router(cfg)
+        with torch.no_grad():
+            router.weight.normal_(generator=gen)
+            router.e_score_correction_bias.normal_(generator=gen).mul_(0.1)
+        x = torch.randn(9, 32, generator=gen)
+        want_ids, want_w = router(x)
+        ids, w = route(
+            F.linear(x, router.weight), router.e_score_correction_bias, k, n_group=n_group, topk_group=topk_group,
+            norm=norm, scale=2.5, n_shared=n_shared,
+        )
+        same = bool(torch.equal(ids[:, :k].sort(dim=1).values, want_ids.sort(dim=1).values))
+        by_id = torch.zeros(9, e).scatter_(1, want_ids, want_w)
+        report.append({
+            "case": f"route E{e} k{k} groups {n_group}/{topk_group} norm {norm} shared {n_shared}",
+            "dtype": "float32",
+            "same_experts": same,
+            "err": float((w[:, :k] - by_id.gather(1, ids[:, :k])).abs().max() / want_w.abs().max()),
+            "shared_ids": ids[:, k:].tolist() == [list(range(e, e + n_shared))] * 9,
+            "shared_weights": bool(torch.all(w[:, k:] == 1.0)),
+        })
     print(json.dumps(report))
     """
 )
@@ -101,8 +132,10 @@ def test_kernels_under_the_interpreter_match_the_f32_loop():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 6
+    assert len(report) == 9
     for row in report:
+        if row["case"].startswith("route"):
+            assert row["same_experts"] and row["shared_ids"] and row["shared_weights"], row
         bound = 1e-5 if row["dtype"] == "float32" else 2e-3  # f16: its rounding of act and of the output
         assert row["err"] < bound, row
         if "shared_err" in row:  # the shared experts' part is there: without it the answer is far off

@@ -234,5 +234,28 @@ def test_shared_experts_in_the_expert_kernels_agree_with_the_shared_mlp(tokens):
     moe.experts.fold_shared = False
     apart = moe(x)
     assert folded.dtype == torch.bfloat16 and folded.shape == x.shape
+    assert not torch.equal(folded, apart)  # two paths: the shared MLP ran in the kernels
     assert _relative(folded, want) <= 1e-2
     assert _relative(folded, want) <= 1.25 * _relative(apart, want) + 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_the_routing_kernel_on_cuda_routes_as_torch(tokens):
+    """The decode step's routing kernel picks each token's experts as the router's torch path does
+    (group-limited, tiny's 2 groups of 4) and gives them the same weights; with the shared experts'
+    columns appended when the experts' kernels run them."""
+    cfg = preset("tiny")
+    model = random_model(cfg, seed=8).to("cuda")
+    router = next(layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate"))
+    with torch.no_grad():
+        router.e_score_correction_bias.normal_().mul_(0.1)
+    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to("cuda")
+    assert router.triton_route
+    ids, weights = router(x, n_shared=1)
+    want_ids, want_weights = router._route(torch.nn.functional.linear(x.float(), router.weight))
+    k = cfg.num_experts_per_tok
+    assert torch.equal(ids[:, :k].sort(dim=1).values, want_ids.sort(dim=1).values)
+    by_id = torch.zeros(tokens, cfg.n_routed_experts, device="cuda").scatter_(1, want_ids, want_weights)
+    torch.testing.assert_close(weights[:, :k], by_id.gather(1, ids[:, :k]), rtol=1e-6, atol=1e-6)
+    assert torch.all(ids[:, k:] == cfg.n_routed_experts) and torch.all(weights[:, k:] == 1.0)
