@@ -56,6 +56,14 @@ def graph_us(fn) -> float:
     return 1e3 * statistics.median(_events_ms(graph.replay, reps=20)) / CALLS_PER_GRAPH
 
 
+def side_by_side(calls, ref, n_bytes: int, bw: float) -> tuple[list[float], list[float], list[float]]:
+    """Each call's relative error against ``ref``, its µs per graph-replayed call, and the share of
+    the copy bandwidth its ``n_bytes`` of weights make of that time (%)."""
+    errs = [float((call().float() - ref).norm() / ref.norm()) for call in calls]
+    times = [graph_us(call) for call in calls]
+    return errs, times, [100 * n_bytes / (us * 1e-6) / bw for us in times]
+
+
 def grouped(x, top_idx, weights, gate_up, down):
     """The engine's grouped-GEMM path (RoutedExperts._grouped with gate and up fused)."""
     t, k = top_idx.shape
@@ -109,9 +117,7 @@ def measure(name, n_experts, inter, hidden, k, bw, sweep: bool) -> list[tuple]:
             functools.partial(grouped, x, top, weights, gate_up, down),
             functools.partial(expert_kernels.routed_experts, x, top, weights, gate, up, down),
         )
-        errs = [float((path().float() - ref).norm() / ref.norm()) for path in paths]
-        g_us, k_us = (graph_us(path) for path in paths)
-        pct = [100 * n_bytes / (us * 1e-6) / bw for us in (g_us, k_us)]
+        errs, (g_us, k_us), pct = side_by_side(paths, ref, n_bytes, bw)
         print(
             f"| {name} | {t} | {hit} | {n_bytes / 1e6:.0f} | {g_us:.1f} | {pct[0]:.0f}% | {k_us:.1f} | {pct[1]:.0f}% "
             f"| {g_us / k_us:.2f}x |  (rel err vs f32: grouped {errs[0]:.1e}, Triton {errs[1]:.1e})",
@@ -161,9 +167,7 @@ def measure_shared(name, n_experts, inter, hidden, k, n_shared, bw, sweep: bool)
             (F.silu(xf @ s_gate.float().T) * (xf @ s_up.float().T)) @ s_down.float().T
         )
         calls = [functools.partial(f, x, top, weights) for f in (apart, folded)]
-        errs = [float((call().float() - ref).norm() / ref.norm()) for call in calls]
-        a_us, f_us = (graph_us(call) for call in calls)
-        pct = [100 * n_bytes / (us * 1e-6) / bw for us in (a_us, f_us)]
+        errs, (a_us, f_us), pct = side_by_side(calls, ref, n_bytes, bw)
         print(
             f"| {name} | {t} | {hit} + {n_shared} | {n_bytes / 1e6:.0f} | {a_us:.1f} | {pct[0]:.0f}% | {f_us:.1f} "
             f"| {pct[1]:.0f}% | {a_us / f_us:.2f}x |  (rel err vs f32: apart {errs[0]:.1e}, in the kernels {errs[1]:.1e})",
