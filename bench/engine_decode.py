@@ -18,7 +18,7 @@ Usage::
 
     python bench/engine_decode.py --device cuda --preset v2-lite            # H200 figures
     python bench/engine_decode.py --preset tiny --lengths 256 1024 --tokens 8   # CPU smoke
-    python bench/engine_decode.py ... --profile                             # torch.profiler top 10
+    python bench/engine_decode.py ... --profile                             # torch.profiler top 10 (--profile-rows N)
     python bench/engine_decode.py --device cuda --preset v2-lite --batch 16  # + 16 sessions together
     python bench/engine_decode.py --device cuda --preset v2-lite --breakdown # + where a step's time goes
 
@@ -186,7 +186,7 @@ def _batched(
             eight_steps()
             _sync(engine.device)
         key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
-        print(f"\n-- {tier}, {len(lengths)} sessions, {mode}: top 10 of 8 batched steps")
+        print(f"\n-- {tier}, {len(lengths)} sessions, {mode}: top {PROFILE_ROWS} of 8 batched steps")
         print(prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS, max_name_column_width=60))
     parts = _breakdown(eight_steps, engine.device, 8) if breakdown else None
     return timings[1] / result.steps, timings[0], result.tokens, parts
@@ -317,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 32768])
     parser.add_argument("--tiers", nargs="+", default=list(DEFAULT_TIERS))
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per measurement")
-    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top 10 of a decode step")
+    parser.add_argument(
+        "--profile", action="store_true", help="print torch.profiler's top kernels of a decode step (--profile-rows)"
+    )
     parser.add_argument("--profile-rows", type=int, default=10, help="rows of the profiler's table")
     parser.add_argument("--profile-prefill", type=int, metavar="N", help="also profile a cold prefill of N tokens")
     parser.add_argument(
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
                 results[mode] = (tokens, first, per_step, peak, engine.cache.nbytes / 2**30, logits)
                 if args.profile and length == args.lengths[0]:
-                    print(f"\n-- {tier}, {length} rows, {mode}: top 10 of 8 decode steps")
+                    print(f"\n-- {tier}, {length} rows, {mode}: top {PROFILE_ROWS} of 8 decode steps")
                     print(_profile(engine, tokens[-1], 8))
                 if args.breakdown:
                     parts = _breakdown(_steps(engine, tokens[-1], 8), device, 8)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstore.engine import expert_kernels
+from kvstore.engine.moe import with_shared_columns
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_attention import _events_ms, copy_bandwidth  # noqa: E402
@@ -153,6 +154,7 @@ def measure_shared(name, n_experts, inter, hidden, k, n_shared, bw, sweep: bool)
         return expert_kernels.routed_experts(x, top, weights, gate, up, down, **tiles) + shared
 
     def folded(x, top, weights, **tiles):
+        top, weights = with_shared_columns(top, weights, n_experts, n_shared)
         return expert_kernels.routed_experts(x, top, weights, gate, up, down, shared=views, **tiles)
 
     for t in TOKENS:

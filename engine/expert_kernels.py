@@ -175,25 +175,24 @@ def routed_experts(
     down: torch.Tensor,
     *,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    routes_hold_shared: bool = False,
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
     stages: int = STAGES,
     warps: int = WARPS,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * down_e (silu(gate_e x_t) * up_e x_t)`` over each token's experts
-    ``e = top_idx[t, j]``, plus every shared expert's output (weight 1) when ``shared`` is given.
+    ``e = top_idx[t, j]``; ids ``E ..`` are the ``shared`` experts.
 
     Parameters
     ----------
     x : [T, hidden] (rows contiguous)
-    top_idx : int[T, k] expert of each pair, T * (k + shared experts) <= MAX_PAIRS
+    top_idx : int[T, k] expert of each pair, T * k <= MAX_PAIRS
     weights : [T, k] routing weights
     gate, up : [E, I, hidden] (may be the two halves of one tensor); down : [E, hidden, I]
     shared : the shared experts as experts of the same shape, (gate [S, I, hidden], up [S, I,
-        hidden], down [S, hidden, I]) — :func:`shared_as_experts` views a shared MLP's weights so
-    routes_hold_shared : ``top_idx`` and ``weights`` already end with the shared experts' columns
-        (:func:`route` with ``n_shared``), ``k`` counting them
+        hidden], down [S, hidden, I]) — :func:`shared_as_experts` views a shared MLP's weights so;
+        each token's routes then end with their columns, ids ``E .. E + S - 1`` and weight 1
+        (:func:`route` with ``n_shared``, or :func:`kvstore.engine.moe.with_shared_columns`)
     block_n, block_k, stages, warps : the kernels' tiles (the benchmark's sweep varies them)
 
     Returns
@@ -201,14 +200,12 @@ def routed_experts(
     [T, hidden] in ``x``'s dtype
     """
     t, k = top_idx.shape
-    n_routed, inter, hidden = gate.shape
+    inter, hidden = gate.shape[1], gate.shape[2]
     if shared is None:
         shared = (gate[:0], up[:0], down[:0])
     s_gate, s_up, s_down = shared
-    n_shared = s_gate.shape[0]
-    added = 0 if routes_hold_shared else n_shared
-    if t * (k + added) > MAX_PAIRS:
-        raise ValueError(f"{t * (k + added)} (token, expert) pairs: the decode kernels take at most {MAX_PAIRS}")
+    if t * k > MAX_PAIRS:
+        raise ValueError(f"{t * k} (token, expert) pairs: the decode kernels take at most {MAX_PAIRS}")
     if gate.stride() != up.stride() or gate.stride(-1) != 1 or down.stride(-1) != 1:
         raise ValueError("gate and up must share one layout, and every weight row must be contiguous")
     if (
@@ -221,11 +218,6 @@ def routed_experts(
         raise ValueError("the shared experts must have the routed ones' shapes, gate and up one layout")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if added:  # every token's pairs end with the shared experts, weight 1
-        ids_shared = torch.arange(n_routed, n_routed + n_shared, device=top_idx.device, dtype=top_idx.dtype)
-        top_idx = torch.cat([top_idx, ids_shared.expand(t, n_shared)], dim=1)
-        weights = torch.cat([weights, torch.ones((t, n_shared), dtype=weights.dtype, device=weights.device)], dim=1)
-        k += added
     ids = top_idx.reshape(-1).contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     _project(x, ids, k, gate, up, s_gate, s_up, act, True, block_n, block_k, stages, warps)

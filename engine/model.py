@@ -467,7 +467,7 @@ class MLAForCausalLM(nn.Module):
                 module.triton_kernels = bool(enabled)
                 module.fold_shared = bool(fold_shared)
             elif isinstance(module, Router):
-                module.triton_route = bool(route) and module.triton_route
+                module.triton_route = bool(route)
 
     @torch.inference_mode()
     def forward_tokens(

@@ -14,7 +14,7 @@ from torch import nn
 
 from kvstore.engine.config import ModelConfig
 
-__all__ = ["DenseMLP", "MoE", "RoutedExperts", "Router", "grouped_mm_available", "has_triton"]
+__all__ = ["DenseMLP", "MoE", "RoutedExperts", "Router", "grouped_mm_available", "has_triton", "with_shared_columns"]
 
 
 # Grouped GEMM (bf16 on sm90+ in CUDA builds): the routed experts' path on CUDA. The CPU keeps the
@@ -47,6 +47,21 @@ class DenseMLP(nn.Module):
         self.register_buffer("_gate_up", fused, persistent=False)  # converted with the parameters
 
 
+def with_shared_columns(
+    top_idx: torch.Tensor, weights: torch.Tensor, n_routed: int, n_shared: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes ``[T, k]`` with each token's row extended by the ``n_shared`` shared experts (ids
+    ``n_routed ..``, weight 1), as the experts' kernels take them when they run the shared MLP."""
+    if not n_shared:
+        return top_idx, weights
+    t = top_idx.shape[0]
+    ids = torch.arange(n_routed, n_routed + n_shared, device=top_idx.device, dtype=top_idx.dtype)
+    return (
+        torch.cat([top_idx, ids.expand(t, n_shared)], dim=1),
+        torch.cat([weights, weights.new_ones(t, n_shared)], dim=1),
+    )
+
+
 class Router(nn.Module):
     """Sigmoid scores, group-limited top-k on bias-corrected scores, weights from raw scores."""
 
@@ -64,18 +79,24 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
         #: on CUDA the routing after the router's product runs as one Triton kernel
         #: (:func:`kvstore.engine.expert_kernels.route`) instead of ~6 small ones (sigmoid, top-k,
-        #: gather, normalization, the shared experts' columns); False keeps torch's (the benchmarks
-        #: compare them). Group-limited routing needs power-of-two counts of experts and groups.
+        #: gather, normalization, the shared experts' columns) wherever it can (:attr:`kernel_routes`);
+        #: False keeps torch's (the benchmarks compare them)
+        self.triton_route = True
+
+    @property
+    def kernel_routes(self) -> bool:
+        """Whether the routing kernel takes this router's shape: group-limited routing needs
+        power-of-two counts of experts and of groups."""
         pow2 = not self.n_experts & (self.n_experts - 1) and not self.n_group & (self.n_group - 1)
-        self.triton_route = self.topk_group >= self.n_group or pow2
+        return self.topk_group >= self.n_group or pow2
 
     def forward(self, x: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns expert indices int64[T, top_k] and their weights f32[T, top_k]; with
         ``n_shared``, each token's row ends with the shared experts (ids ``n_experts ..``, weight 1):
         ``[T, top_k + n_shared]``."""
-        t = x.shape[0]
         logits = F.linear(x.float(), self.weight.float())
-        kernels = _expert_kernels() if self.triton_route and x.device.type == "cuda" else None
+        use = self.triton_route and x.device.type == "cuda" and self.kernel_routes
+        kernels = _expert_kernels() if use else None
         if kernels is not None:
             return kernels.route(
                 logits,
@@ -87,12 +108,7 @@ class Router(nn.Module):
                 scale=self.routed_scaling_factor,
                 n_shared=n_shared,
             )
-        top_idx, weights = self._route(logits)
-        if n_shared:
-            shared_ids = torch.arange(self.n_experts, self.n_experts + n_shared, device=x.device).expand(t, n_shared)
-            top_idx = torch.cat([top_idx, shared_ids], dim=1)
-            weights = torch.cat([weights, weights.new_ones(t, n_shared)], dim=1)
-        return top_idx, weights
+        return with_shared_columns(*self._route(logits), self.n_experts, n_shared)
 
     def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = logits.shape[0]
@@ -168,7 +184,6 @@ class RoutedExperts(nn.Module):
                 self.up_proj,
                 self.down_proj,
                 shared=folded,
-                routes_hold_shared=True,
             )
         out = self._routed(x, top_idx, weights, kernels)
         return out if shared is None else out + shared(x)

@@ -27,6 +27,7 @@ _INTERPRETED = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     from kvstore.engine.expert_kernels import routed_experts, shared_as_experts
+    from kvstore.engine.moe import with_shared_columns
 
     def loop(x, top, w, gate, up, down):
         out = torch.zeros(x.shape)
@@ -78,7 +79,8 @@ _INTERPRETED = textwrap.dedent(
         x = torch.randn(t, hidden, generator=gen).to(dt)
         top = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
         w = torch.rand(t, k, generator=gen)
-        got = routed_experts(x, top, w, gate, up, down, shared=shared_as_experts(s_gate, s_up, s_down, inter))
+        routes = with_shared_columns(top, w, e, n_shared)
+        got = routed_experts(x, *routes, gate, up, down, shared=shared_as_experts(s_gate, s_up, s_down, inter))
         xf = x.float()
         mlp = (F.silu(xf @ s_gate.float().T) * (xf @ s_up.float().T)) @ s_down.float().T
         want = loop(x, top, w, gate, up, down) + mlp
@@ -165,10 +167,12 @@ def test_mismatched_layouts_and_too_many_pairs_are_refused():
         )
 
     from kvstore.engine.expert_kernels import shared_as_experts
+    from kvstore.engine.moe import with_shared_columns
 
     with pytest.raises(ValueError, match="whole number"):  # 12 columns are not experts of 8
         shared_as_experts(torch.zeros(12, 8), torch.zeros(12, 8), torch.zeros(8, 12), 8)
     shared = shared_as_experts(torch.zeros(16, 8), torch.zeros(16, 8), torch.zeros(8, 16), 8)
     with pytest.raises(ValueError, match="at most"):  # the shared experts' pairs count too
         n = MAX_PAIRS // 3 + 1
-        routed_experts(torch.zeros(n, 8), torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1), w, w, w, shared=shared)
+        routes = with_shared_columns(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1), 4, 2)
+        routed_experts(torch.zeros(n, 8), *routes, w, w, w, shared=shared)

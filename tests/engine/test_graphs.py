@@ -251,7 +251,7 @@ def test_the_routing_kernel_on_cuda_routes_as_torch(tokens):
     with torch.no_grad():
         router.e_score_correction_bias.normal_().mul_(0.1)
     x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to("cuda")
-    assert router.triton_route
+    assert router.triton_route and router.kernel_routes
     ids, weights = router(x, n_shared=1)
     want_ids, want_weights = router._route(torch.nn.functional.linear(x.float(), router.weight))
     k = cfg.num_experts_per_tok
