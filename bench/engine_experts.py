@@ -65,6 +65,19 @@ def side_by_side(calls, ref, n_bytes: int, bw: float) -> tuple[list[float], list
     return errs, times, [100 * n_bytes / (us * 1e-6) / bw for us in times]
 
 
+def sweep_tiles(call, block_n, block_k, stages) -> list[tuple[float, dict[str, int]]]:
+    """µs per graph-replayed ``call(**tiles)`` for every tile in the grid (4 warps), as (µs, tiles);
+    a tile that does not fit is reported and left out."""
+    rows = []
+    for bn, bk, st in itertools.product(block_n, block_k, stages):
+        tiles = dict(block_n=bn, block_k=bk, stages=st, warps=4)
+        try:
+            rows.append((graph_us(functools.partial(call, **tiles)), tiles))
+        except Exception as exc:  # a tile that does not fit must not stop the sweep
+            print(f"  sweep {tiles}: {type(exc).__name__}", flush=True)
+    return rows
+
+
 def grouped(x, top_idx, weights, gate_up, down):
     """The engine's grouped-GEMM path (RoutedExperts._grouped with gate and up fused)."""
     t, k = top_idx.shape
@@ -125,14 +138,8 @@ def measure(name, n_experts, inter, hidden, k, bw, sweep: bool) -> list[tuple]:
             flush=True,
         )
         if sweep and t in (1, 16):
-            for bn, bk, stages, warps in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5), (4,)):
-                tiles = dict(block_n=bn, block_k=bk, stages=stages, warps=warps)
-                try:
-                    us = graph_us(functools.partial(paths[1], **tiles))
-                except Exception as exc:  # a tile that does not fit must not stop the sweep
-                    print(f"  sweep {tiles}: {type(exc).__name__}", flush=True)
-                    continue
-                sweeps.append((t, us, bn, bk, stages, warps, 100 * n_bytes / (us * 1e-6) / bw))
+            for us, tiles in sweep_tiles(paths[1], (32, 64, 128), (64, 128, 256), (3, 4, 5)):
+                sweeps.append((t, us, *tiles.values(), 100 * n_bytes / (us * 1e-6) / bw))
     return sweeps
 
 
@@ -176,13 +183,7 @@ def measure_shared(name, n_experts, inter, hidden, k, n_shared, bw, sweep: bool)
             flush=True,
         )
         if sweep and t in (1, 16):
-            rows = []
-            for bn, bk, stages, warps in itertools.product((16, 32, 64), (64, 128, 256), (2, 3, 4), (4,)):
-                tiles = dict(block_n=bn, block_k=bk, stages=stages, warps=warps)
-                try:
-                    rows.append((graph_us(functools.partial(folded, x, top, weights, **tiles)), tiles))
-                except Exception as exc:  # a tile that does not fit must not stop the sweep
-                    print(f"  sweep {tiles}: {type(exc).__name__}", flush=True)
+            rows = sweep_tiles(calls[1], (16, 32, 64), (64, 128, 256), (2, 3, 4))
             for us, tiles in sorted(rows, key=lambda r: r[0])[:5]:
                 print(
                     f"|   sweep, {t} tokens, in the kernels | {tiles} | {us:.1f} µs | {100 * n_bytes / (us * 1e-6) / bw:.0f}% |"
