@@ -102,14 +102,21 @@ class LatentCache:
             problem = tier.width_problem(width)
             if problem is not None:
                 raise TierUnsupported(f"{name}: {problem}")
+        #: :mod:`kvstore.gpu.encode_kernels` when one kernel encodes and stores a layer's new rows
+        #: (:meth:`write_at`; fp8, int4 and f32 on CUDA), else None
+        self.write_kernels = None
         if self.device.type != "cpu":
             # Build the codec's device tables (signs, levels, ...) now, outside any compiled region:
-            # torch.compile cannot trace their numpy construction.
-            encode_fields(
-                tier,
+            # torch.compile cannot trace their numpy construction (nor can a captured graph copy them).
+            zeros = (
                 torch.zeros(1, self.geometry.kv_lora, device=self.device),
                 torch.zeros(1, self.geometry.qk_rope, device=self.device),
             )
+            encode_fields(tier, *zeros)
+            kernels = codecs.encode_kernels() if self.device.type == "cuda" else None
+            if kernels is not None and kernels.usable(tier.name, *zeros):
+                kernels.encode_rows(tier.name, zeros)  # its tables, and the kernel compiled
+                self.write_kernels = kernels
         self._length = 0
         self._tokens = np.zeros(capacity, dtype=np.int32)
         self._fields = self._allocate(capacity)
@@ -271,7 +278,16 @@ class LatentCache:
     def write_at(self, layer: int, positions: torch.Tensor, lc: torch.Tensor, rc: torch.Tensor) -> None:
         """:meth:`write` at device positions int64[T] (one row each): no host value decides where, so a
         CUDA graph can capture it. The positions must lie below the capacity (not checked: that would
-        read them back to the host)."""
+        read them back to the host). With :attr:`write_kernels`, one kernel encodes both widths' rows
+        and writes them into their slots."""
+        if self.write_kernels is not None:
+            fields = self._fields
+            out = tuple(
+                (fields[p][layer], fields[f"{p}_scales"][layer] if f"{p}_scales" in fields else None)
+                for p in ("lc", "rc")
+            )
+            self.write_kernels.encode_rows(self.tier.name, (lc, rc), out, positions)
+            return
         self.store_at(layer, positions, self._encode(lc.to(torch.float32), rc.to(torch.float32)))
 
     def store_at(self, layer: int, positions: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
@@ -568,8 +584,8 @@ def encode_fields(tier: tiers.Tier, lc: torch.Tensor, rc: torch.Tensor) -> dict[
     """f32 rows [..., K] / [..., R] -> a cache's field tensors in ``tier`` (``lc``, ``rc`` and, for a
     quantized tier, ``lc_scales``, ``rc_scales``) with the same leading shape."""
     fields = {}
-    for prefix, rows in (("lc", lc), ("rc", rc)):
-        fields[prefix], scales = codecs.encode_tier(tier, rows)
+    for prefix, (values, scales) in zip(("lc", "rc"), codecs.encode_tier_pair(tier, lc, rc)):
+        fields[prefix] = values
         if scales is not None:
             fields[f"{prefix}_scales"] = scales
     return fields

@@ -404,18 +404,25 @@ class DecoderLayer(nn.Module):
         projection, MLP or experts). The two regions are what ``torch.compile`` fuses on CUDA; the
         attention kernels and the write into the cache's buffers stay between them."""
         attn = self.self_attn
-        q_lat, q_rope, fields = regions.inputs_for(cache.tier.name)(self, x, cos, sin, rotary, cache.tier.name)
-        cache.store_at(attn.layer, slots.rows, fields)
+        name, encode = cache.tier.name, cache.write_kernels is None
+        q_lat, q_rope, fields = regions.inputs_for(name)(self, x, cos, sin, rotary, name, encode)
+        if encode:
+            cache.store_at(attn.layer, slots.rows, fields)
+        else:  # one kernel encodes the rows into their slots
+            cache.write_at(attn.layer, slots.rows, fields["lc"], fields["rc"])
         ctx_lat = cache.attend(attn.layer, q_lat, q_rope, slots.seq_start, slots.seq_len, attn.softmax_scale, n_rows)
         return regions.outputs(self, x, ctx_lat)
 
-    def step_inputs(self, x, cos, sin, rotary, tier: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def step_inputs(
+        self, x, cos, sin, rotary, tier: str, encode: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(q_lat f32[B, H, kv_lora], q_rope f32[B, H, qk_rope], the new rows encoded in the tier
-        named ``tier``). The tier comes by name: a compiled region guards on a string's value, so
-        each tier gets its own graph (a frozen Tier object is not guarded that finely)."""
+        named ``tier``, or with ``encode`` False as they are: ``{"lc", "rc"}`` in the model's dtype,
+        for the cache's own kernel). The tier comes by name: a compiled region guards on a string's
+        value, so each tier gets its own graph (a frozen Tier object is not guarded that finely)."""
         attn = self.self_attn
         q_nope, q_rope, lc, rc = attn.project(self.input_layernorm(x), cos, sin, rotary)
-        fields = encode_fields(tiers.TIERS[tier], lc.float(), rc.float())
+        fields = encode_fields(tiers.TIERS[tier], lc.float(), rc.float()) if encode else {"lc": lc, "rc": rc}
         return attn.latent_query(q_nope), q_rope.float().contiguous(), fields
 
     def step_outputs(self, x, ctx_lat) -> torch.Tensor:

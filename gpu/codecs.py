@@ -62,6 +62,7 @@ from kvstore.formats.errors import FormatError
 from kvstore.formats.floats import BF16Codec, F32Codec
 from kvstore.gpu.codec_tables import device_table, device_tensor, f32_quotient, fill_where
 from kvstore.gpu.tq_codecs import (
+    encode_kernels,
     int4_dequantize_rows,
     int4_levels,
     int4_quantize_rows,
@@ -87,7 +88,9 @@ __all__ = [
     "TorchTwin",
     "as_tier",
     "decode_tier",
+    "encode_kernels",
     "encode_tier",
+    "encode_tier_pair",
     "fp8_dequantize_rows",
     "fp8_encode",
     "fp8_lut",
@@ -502,6 +505,25 @@ def encode_tier(tier: tiers.Tier | str, rows: torch.Tensor) -> tuple[torch.Tenso
     """
     tier = as_tier(tier)
     return torch_twin(tier).encode(tier, rows)
+
+
+def encode_tier_pair(
+    tier: tiers.Tier | str, a: torch.Tensor, b: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]:
+    """:func:`encode_tier` of two row sets of one leading shape (a layer's latent and rope rows):
+    fp8 and int4 on CUDA encode both in one kernel (:mod:`kvstore.gpu.encode_kernels`, the same
+    bytes)."""
+    tier = as_tier(tier)
+    kernels = encode_kernels() if a.device.type == "cuda" else None
+    if (
+        not tier.holds_values
+        and kernels is not None
+        and kernels.usable(tier.name, a, b)
+        and a.shape[:-1] == b.shape[:-1]
+    ):
+        first, second = kernels.encode_rows(tier.name, (a, b))
+        return first, second
+    return encode_tier(tier, a), encode_tier(tier, b)
 
 
 def decode_tier(tier: tiers.Tier | str, values: torch.Tensor, scales: torch.Tensor | None, width: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ __all__ = [
     "rotate",
     "sanitize_tq_",
     "sign_vector",
+    "encode_kernels",
     "unrotate",
 ]
 
@@ -130,14 +131,20 @@ def sanitize_tq_(
     return codes, radii
 
 
-def int4_quantize_rows(rows: torch.Tensor, chunk_rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_quantize_rows(
+    rows: torch.Tensor, chunk_rows: int = 4096, *, kernel: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated int4 (codec 1): codes u8[..., n/2] (even element in the low nibble), radii f32[...].
 
     ``invstd = sqrtf(n) / radius``; each element takes the nearest Lloyd-Max level of
     ``y * invstd`` (first index on a tie). Inert rows (and widths ``tq`` does not encode): zero
-    bytes, radius 0.
+    bytes, radius 0. On CUDA one Triton kernel (:mod:`kvstore.gpu.encode_kernels`) encodes them;
+    ``kernel=False`` keeps the torch ops (the tests and benchmarks compare the two).
     """
     x = rows.to(torch.float32)
+    kernels = encode_kernels() if kernel and x.device.type == "cuda" else None
+    if kernels is not None and kernels.usable("int4", x):  # one Triton kernel, the same bytes
+        return kernels.int4_encode(x)[0]
     n = x.shape[-1]
     lead = x.shape[:-1]
     if not tq.encodable(n):
@@ -158,6 +165,24 @@ def int4_quantize_rows(rows: torch.Tensor, chunk_rows: int = 4096) -> tuple[torc
     codes.masked_fill_(~live[:, None], 0)  # not codes[~live]: a boolean index syncs (and breaks graph capture)
     radius = torch.where(live, radius, torch.zeros_like(radius))
     return codes.reshape(*lead, n // 2), radius.reshape(lead)
+
+
+_ENCODE_KERNELS = None
+
+
+def encode_kernels():
+    """:mod:`kvstore.gpu.encode_kernels` where Triton runs, else None; looked up once (a compiled
+    decode step reads the cached answer)."""
+    global _ENCODE_KERNELS
+    if _ENCODE_KERNELS is None:
+        _ENCODE_KERNELS = False
+        from torch.utils._triton import has_triton
+
+        if has_triton():
+            from kvstore.gpu import encode_kernels as module
+
+            _ENCODE_KERNELS = module
+    return _ENCODE_KERNELS or None
 
 
 #: The two levels of every int4 byte: element 2i is the low nibble, 2i + 1 the high one. f32[256, 2]
