@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 43's decode figures in one device call: the CUDA tests the step's kernels touch; the experts'
-# kernels with the shared experts in them against apart (and their tiles); the compiled step per tier
+# kernels with the shared experts in them against apart (and their tiles); with ENCODE=1 a layer's cache
+# write, one kernel against the torch twins; the compiled step per tier
 # at 1k and 32k and 16 sessions (tok/s, the HBM bound, where each step's device time goes, the
 # profiler's top kernels); with BASE=dir, the same for fp8 on another tree (a checkout of the
 # commit before, `git archive`d into an ignored folder and carried) in the same call.
@@ -21,6 +22,10 @@ fi
 if [ -n "${EXPERTS-x}" ]; then
 echo "== experts: shared in the kernels vs apart ($(date +%T))"
 timeout "${EXPERTS_S:-150}" python3 bench/engine_experts.py --shared ${EXPERTS:---sweep} 2>&1 | tee "$OUT/experts.log"
+fi
+if [ -n "${ENCODE:-}" ]; then
+echo "== a layer's cache write: one kernel vs the twins ($(date +%T))"
+timeout "${ENCODE_S:-120}" python3 bench/engine_encode.py 2>&1 | tee "$OUT/encode.log" | quiet
 fi
 echo "== decode, one session and 16 ($(date +%T))"
 timeout "${DECODE_S:-300}" python3 bench/engine_decode.py --device cuda --preset v2-lite --lengths ${LENGTHS:-1024 32768} \
