@@ -102,8 +102,8 @@ def _int4_row(x, signs_ptr, consts_ptr, levels_ptr, N: tl.constexpr, LOG_N: tl.c
     # block of 2 * length, (a + b, a - b) in place
     h = x * tl.load(signs_ptr + i)
     for stage in tl.static_range(LOG_N):  # pyright: ignore[reportGeneralTypeIssues]  (a Triton loop)
-        length: tl.constexpr = 1 << stage
-        blocks = tl.permute(tl.reshape(h, (N // (2 * length), 2, length)), (0, 2, 1))
+        # length 1 << stage (a constexpr is not reassigned across iterations: the shape is inline)
+        blocks = tl.permute(tl.reshape(h, (N >> (stage + 1), 2, 1 << stage)), (0, 2, 1))
         a, b = tl.split(blocks)
         h = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
     z = _product_rn(h * tl.load(consts_ptr + 1), invstd, EXACT)

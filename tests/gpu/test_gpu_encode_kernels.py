@@ -222,3 +222,38 @@ def test_a_cache_write_at_is_its_encode_then_store(tier):
         plain.write_at(layer, slots, lc, rc)
     for name in ("lc", "rc") if tier == "f32" else ("lc", "lc_scales", "rc", "rc_scales"):
         assert torch.equal(fused.field(name), plain.field(name)), name
+
+
+@pytest.mark.parametrize("tier", ["fp8", "int4", "f32"])
+def test_the_kernel_compiles_for_sm_90_with_no_gpu(tier):
+    """Triton's own compiler for an H100/H200 target, here: what the interpreter does not check (a
+    shape Triton cannot lower, a constexpr reassigned in a loop), the int4 product the rounding
+    rules need unfused (``mul.rn.f32``), and no spill to local memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvstore.gpu import encode_kernels
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton has no ptxas")
+    fn = encode_kernels._encode_kernel
+    rows, codes = "*bf16", "*fp32" if tier == "f32" else "*u8"
+    signature = {name: "constexpr" for name in fn.arg_names}
+    for name in fn.arg_names:
+        if name.endswith("_ptr"):
+            signature[name] = {"x0_ptr": rows, "x1_ptr": rows, "codes0_ptr": codes, "codes1_ptr": codes}.get(
+                name, "*i64" if name == "positions_ptr" else "*fp32"
+            )
+        elif name.startswith("stride"):
+            signature[name] = "i32"
+    for n0, n1 in ((512, 64), (2048, 2)):
+        constants = dict(FORMAT=encode_kernels.FORMATS[tier], N0=n0, LOG_N0=n0.bit_length() - 1, N1=n1,
+                         LOG_N1=n1.bit_length() - 1, POSITIONS=True, EXACT=True)  # fmt: skip
+        kernel = triton.compile(
+            ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+        )
+        ptx = kernel.asm["ptx"]
+        assert kernel.asm["cubin"] and ".local" not in ptx, (tier, n0)
+        assert ("mul.rn.f32" in ptx) == (tier == "int4"), (tier, n0)
