@@ -291,6 +291,9 @@ def encode_rows(
             POSITIONS=positions is not None,
             EXACT=device.type == "cuda",
             num_warps=4 if max(n0, n1) >= 512 else 1,  # pyright: ignore[reportCallIssue]
+            # no product fused into a sum; torch.compile's wrapper takes no compile options (there
+            # Triton's default holds and the mul.rn.f32 keeps int4's product unfused)
+            **({} if torch.compiler.is_compiling() else {"enable_fp_fusion": False}),
         )
     return outputs
 

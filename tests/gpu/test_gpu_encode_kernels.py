@@ -227,8 +227,9 @@ def test_a_cache_write_at_is_its_encode_then_store(tier):
 @pytest.mark.parametrize("tier", ["fp8", "int4", "f32"])
 def test_the_kernel_compiles_for_sm_90_with_no_gpu(tier):
     """Triton's own compiler for an H100/H200 target, here: what the interpreter does not check (a
-    shape Triton cannot lower, a constexpr reassigned in a loop), the int4 product the rounding
-    rules need unfused (``mul.rn.f32``), and no spill to local memory."""
+    shape Triton cannot lower, a constexpr reassigned in a loop), no product fused into a sum (the
+    launch turns fusion off) and the int4 product that must stay unfused under ``torch.compile``
+    (which drops that option) written as ``mul.rn.f32``, and no spill to local memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -252,8 +253,11 @@ def test_the_kernel_compiles_for_sm_90_with_no_gpu(tier):
         constants = dict(FORMAT=encode_kernels.FORMATS[tier], N0=n0, LOG_N0=n0.bit_length() - 1, N1=n1,
                          LOG_N1=n1.bit_length() - 1, POSITIONS=True, EXACT=True)  # fmt: skip
         kernel = triton.compile(
-            ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+            ASTSource(fn, signature, constants),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4, "enable_fp_fusion": False},
         )
         ptx = kernel.asm["ptx"]
         assert kernel.asm["cubin"] and ".local" not in ptx, (tier, n0)
-        assert ("mul.rn.f32" in ptx) == (tier == "int4"), (tier, n0)
+        assert "fma.rn.f32" not in ptx, (tier, n0)  # no f32 product fused into a sum anywhere
+        assert ("mul.rn.f32 %" in ptx) == (tier == "int4"), (tier, n0)  # int4's guard (inline PTX)
