@@ -44,6 +44,7 @@ import torch
 from kvstore.engine import BatchSequence, CacheGeometry, Engine, preset, random_model
 from kvstore.engine.graphs import bucket
 from kvstore.engine.model import StepRegions
+from kvstore.gpu import codecs
 
 DEFAULT_TIERS = ("f32", "fp8", "int4")
 #: How a step runs: kernels from Python, CUDA graphs of the eager step, of the compiled step.
@@ -338,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--torch-routing", action="store_true", help="the router's top-k by torch's kernels, not the routing kernel"
     )
+    parser.add_argument(
+        "--twin-encode",
+        action="store_true",
+        help="the cache's new rows encoded by the torch twins and index_copy_, not the one encode kernel",
+    )
     args = parser.parse_args(argv)
+    codecs.use_encode_kernels(not args.twin_encode)
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile_rows
 

@@ -74,6 +74,7 @@ from kvstore.gpu.tq_codecs import (
     sanitize_tq_,
     sign_vector,
     unrotate,
+    use_encode_kernels,
 )
 
 __all__ = [
@@ -113,6 +114,7 @@ __all__ = [
     "sign_vector",
     "torch_twin",
     "unrotate",
+    "use_encode_kernels",
 ]
 
 # -- fp8 e4m3 (docs/FORMAT.md section 3) ----------------------------------------------------------------

@@ -29,6 +29,7 @@ __all__ = [
     "sign_vector",
     "encode_kernels",
     "unrotate",
+    "use_encode_kernels",
 ]
 
 # Python floats, not numpy scalars: torch.compile traces these codecs (the engine's compiled decode
@@ -168,12 +169,25 @@ def int4_quantize_rows(
 
 
 _ENCODE_KERNELS = None
+#: Whether CUDA encodes run the Triton kernel (:func:`use_encode_kernels`).
+_ENCODE_KERNELS_ON = True
+
+
+def use_encode_kernels(enabled: bool) -> None:
+    """Whether rows encoded on CUDA from now on (the decode step's writes of caches made after
+    this, ``int4_quantize_rows``, ``encode_tier_pair``) take the one Triton kernel of
+    :mod:`kvstore.gpu.encode_kernels` (the default) or the torch ops (``bench/engine_decode.py
+    --twin-encode`` compares them). The bytes are the same either way."""
+    global _ENCODE_KERNELS_ON
+    _ENCODE_KERNELS_ON = bool(enabled)
 
 
 def encode_kernels():
-    """:mod:`kvstore.gpu.encode_kernels` where Triton runs, else None; looked up once (a compiled
-    decode step reads the cached answer)."""
+    """:mod:`kvstore.gpu.encode_kernels` where Triton runs and :func:`use_encode_kernels` allows
+    it, else None; looked up once (a compiled decode step reads the cached answer)."""
     global _ENCODE_KERNELS
+    if not _ENCODE_KERNELS_ON:
+        return None
     if _ENCODE_KERNELS is None:
         _ENCODE_KERNELS = False
         from torch.utils._triton import has_triton

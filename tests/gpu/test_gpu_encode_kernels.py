@@ -261,3 +261,17 @@ def test_the_kernel_compiles_for_sm_90_with_no_gpu(tier):
         assert kernel.asm["cubin"] and ".local" not in ptx, (tier, n0)
         assert "fma.rn.f32" not in ptx, (tier, n0)  # no f32 product fused into a sum anywhere
         assert ("mul.rn.f32 %" in ptx) == (tier == "int4"), (tier, n0)  # int4's guard (inline PTX)
+
+
+def test_the_kernel_can_be_switched_off_for_the_torch_twins():
+    from kvstore.gpu import codecs, encode_kernels
+
+    # where Triton runs (has_triton: a CUDA device), the module; else None either way
+    usual = codecs.encode_kernels()
+    assert usual in (encode_kernels, None)
+    try:
+        codecs.use_encode_kernels(False)
+        assert codecs.encode_kernels() is None
+    finally:
+        codecs.use_encode_kernels(True)
+    assert codecs.encode_kernels() is usual
