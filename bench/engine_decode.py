@@ -340,12 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         "--torch-routing", action="store_true", help="the router's top-k by torch's kernels, not the routing kernel"
     )
     parser.add_argument(
-        "--twin-encode",
+        "--encode-kernel",
         action="store_true",
-        help="the cache's new rows encoded by the torch twins and index_copy_, not the one encode kernel",
+        help="the cache's new rows encoded and stored by one Triton kernel, not the torch twins and index_copy_",
     )
     args = parser.parse_args(argv)
-    codecs.use_encode_kernels(not args.twin_encode)
+    codecs.use_encode_kernels(args.encode_kernel)
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile_rows
 

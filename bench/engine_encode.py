@@ -21,6 +21,7 @@ import torch
 
 from kvstore.engine import CacheGeometry, make_cache
 from kvstore.engine.cache import encode_fields
+from kvstore.gpu import codecs
 from kvstore.tiers import TIERS
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -75,6 +76,7 @@ def case(tier: str, rows: int, compiled) -> tuple[list[float], bool]:
 
 
 def main() -> None:
+    codecs.use_encode_kernels(True)  # the caches made here take the kernel (off by default for now)
     compiled = torch.compile(lambda name, lc, rc: encode_fields(TIERS[name], lc.float(), rc.float()))
     print(torch.cuda.get_device_name(), f"torch {torch.__version__}")
     print("| tier | rows | kernel graph µs | twins compiled + store | twins eager + store | kernel plain µs "

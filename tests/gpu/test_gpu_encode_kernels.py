@@ -156,9 +156,18 @@ def test_bad_calls_are_refused():
         )
 
 
+@pytest.fixture
+def encode_kernels_on():
+    from kvstore.gpu import codecs
+
+    codecs.use_encode_kernels(True)
+    yield
+    codecs.use_encode_kernels(False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["fp8", "int4"])
-def test_the_kernel_on_cuda_gives_the_reference_and_the_twins_bytes(tier):
+def test_the_kernel_on_cuda_gives_the_reference_and_the_twins_bytes(tier, encode_kernels_on):
     """int4 is bit-exact but for the f64 radius sum, whose order on the GPU may differ from the
     host's in the last f64 bit (a handful of rows per million move their f32 radius)."""
     from kvstore.gpu import codecs
@@ -204,7 +213,7 @@ def test_a_captured_kernel_encodes_the_rows_of_each_replay():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["fp8", "int4", "f32"])
-def test_a_cache_write_at_is_its_encode_then_store(tier):
+def test_a_cache_write_at_is_its_encode_then_store(tier, encode_kernels_on):
     """The decode step's write (one kernel into the slots) leaves the cache's buffers as the torch
     twins' encode and ``store_at`` leave them, bf16 rows as the model gives them."""
     from kvstore.engine import CacheGeometry, make_cache
@@ -263,15 +272,34 @@ def test_the_kernel_compiles_for_sm_90_with_no_gpu(tier):
         assert ("mul.rn.f32 %" in ptx) == (tier == "int4"), (tier, n0)  # int4's guard (inline PTX)
 
 
-def test_the_kernel_can_be_switched_off_for_the_torch_twins():
+def test_the_kernel_is_switched_on_and_off():
     from kvstore.gpu import codecs, encode_kernels
 
-    # where Triton runs (has_triton: a CUDA device), the module; else None either way
-    usual = codecs.encode_kernels()
-    assert usual in (encode_kernels, None)
+    assert codecs.encode_kernels() is None  # off by default until measured on a GPU
     try:
+        codecs.use_encode_kernels(True)  # where Triton runs (has_triton: a CUDA device), the module
+        assert codecs.encode_kernels() in (encode_kernels, None)
         codecs.use_encode_kernels(False)
         assert codecs.encode_kernels() is None
     finally:
-        codecs.use_encode_kernels(True)
-    assert codecs.encode_kernels() is usual
+        codecs.use_encode_kernels(False)
+
+
+@pytest.mark.gpu
+def test_the_kernel_inside_torch_compile_writes_the_formats_bytes(encode_kernels_on):
+    """``encode_fields`` compiled (the kernel as a user-defined Triton kernel in the graph, launched
+    without compile options there) gives the reference codecs' bytes."""
+    from kvstore.engine.cache import encode_fields
+    from kvstore.tiers import TIERS
+
+    cuda = torch.device("cuda")
+    x, r = _rows(4096, 512, 3), _rows(4096, 64, 4)
+    fused = torch.compile(lambda name, lc, rc: encode_fields(TIERS[name], lc, rc))
+    for tier in ("fp8", "int4"):
+        lc, rc = torch.from_numpy(x).to(cuda), torch.from_numpy(r).to(cuda)
+        encode_fields(TIERS[tier], lc, rc)  # the tables, outside the compiled region
+        got = fused(tier, lc, rc)
+        for prefix, rows in (("lc", x), ("rc", r)):
+            codes, scales = reference(tier, rows)
+            same = (got[prefix].cpu().numpy() == codes).all(axis=-1) & (got[f"{prefix}_scales"].cpu().numpy() == scales)
+            assert same.mean() >= (1.0 if tier == "fp8" else 0.9999), (tier, prefix, same.mean())
