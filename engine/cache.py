@@ -103,7 +103,8 @@ class LatentCache:
             if problem is not None:
                 raise TierUnsupported(f"{name}: {problem}")
         #: :mod:`kvstore.gpu.encode_kernels` when one kernel encodes and stores a layer's new rows
-        #: (:meth:`write_at`; fp8, int4 and f32 on CUDA), else None
+        #: (:meth:`write_at`; fp8, int4 and f32 on CUDA, with ``codecs.use_encode_kernels`` on when
+        #: the cache was made), else None
         self.write_kernels = None
         if self.device.type != "cpu":
             # Build the codec's device tables (signs, levels, ...) now, outside any compiled region:

@@ -513,8 +513,8 @@ def encode_tier_pair(
     tier: tiers.Tier | str, a: torch.Tensor, b: torch.Tensor
 ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]:
     """:func:`encode_tier` of two row sets of one leading shape (a layer's latent and rope rows):
-    fp8 and int4 on CUDA encode both in one kernel (:mod:`kvstore.gpu.encode_kernels`, the same
-    bytes)."""
+    with :func:`use_encode_kernels` on, fp8 and int4 on CUDA encode both in one kernel
+    (:mod:`kvstore.gpu.encode_kernels`, the same bytes)."""
     tier = as_tier(tier)
     kernels = encode_kernels() if a.device.type == "cuda" else None
     if (
