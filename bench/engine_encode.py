@@ -15,7 +15,6 @@ compared with the kernel's.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 
@@ -26,21 +25,10 @@ from kvstore.tiers import TIERS
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from engine_experts import graph_us  # noqa: E402
+from gpu_host import host_us  # noqa: E402
 
 ROWS = (1, 16, 64)
 GEOMETRY = CacheGeometry(n_layers=1, kv_lora=512, qk_rope=64)
-
-
-def plain_us(fn, reps: int = 200) -> float:
-    """Wall microseconds per plain call (launches included), the device drained at the end."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - start) / reps
 
 
 def case(tier: str, rows: int, compiled) -> tuple[list[float], bool]:
@@ -68,7 +56,7 @@ def case(tier: str, rows: int, compiled) -> tuple[list[float], bool]:
     def by_cast():
         return lc.float().to(torch.float8_e4m3fn), rc.float().to(torch.float8_e4m3fn)
 
-    times = [graph_us(by_kernel), graph_us(by_compiled), graph_us(by_twins), plain_us(by_kernel), graph_us(by_cast)]
+    times = [graph_us(by_kernel), graph_us(by_compiled), graph_us(by_twins), host_us(by_kernel, 200), graph_us(by_cast)]
     by_kernel()
     by_twins()
     names = ("lc", "rc") if fused.tier.holds_values else ("lc", "lc_scales", "rc", "rc_scales")

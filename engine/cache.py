@@ -113,10 +113,9 @@ class LatentCache:
                 torch.zeros(1, self.geometry.kv_lora, device=self.device),
                 torch.zeros(1, self.geometry.qk_rope, device=self.device),
             )
-            encode_fields(tier, *zeros)
+            encode_fields(tier, *zeros)  # with the encode kernel on, its tables too (f32 needs none)
             kernels = codecs.encode_kernels() if self.device.type == "cuda" else None
             if kernels is not None and kernels.usable(tier.name, *zeros):
-                kernels.encode_rows(tier.name, zeros)  # its tables, and the kernel compiled
                 self.write_kernels = kernels
         self._length = 0
         self._tokens = np.zeros(capacity, dtype=np.int32)

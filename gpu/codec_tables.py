@@ -1,6 +1,7 @@
 """What the torch codecs share: small per-device tables built once, and exact f32 helpers.
 
-(:mod:`kvstore.gpu.codecs` and :mod:`kvstore.gpu.tq_codecs` use them; nothing else should.)
+(:mod:`kvstore.gpu.codecs`, :mod:`kvstore.gpu.tq_codecs` and :mod:`kvstore.gpu.encode_kernels` use
+them; nothing else should.)
 """
 
 from __future__ import annotations
@@ -9,6 +10,17 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
+
+from kvstore.formats import fp8
+
+# e4m3 from the bits of an f32 value (docs/FORMAT.md section 3), as kvstore.gpu.codecs.fp8_encode and
+# the encode kernel (kvstore.gpu.encode_kernels) compute it
+F32_NAN_BITS = 0x7F800000  # magnitudes above this are NaN (IEEE 754)
+F32_448_BITS = int(np.float32(fp8.MAX).view(np.uint32))  # magnitudes at or above 448 saturate to 0x7E
+F32_2POW_M6_BITS = int(np.float32(2.0**-6).view(np.uint32))  # below 2^-6 the e4m3 grid is subnormal
+E4M3_REBIAS = (127 - 7) << 3  # f32 exponent bias -> e4m3 bias, in (exp << 3 | mant) units
+E4M3_ANCHOR = 16384.0  # 2^14: its f32 ulp is 2^-9, the e4m3 subnormal step
+E4M3_ANCHOR_BITS = int(np.float32(E4M3_ANCHOR).view(np.uint32))
 
 # Small per-device tables (LUT, sign vectors, level tables), built once per (kind, width, device).
 _tables: dict[tuple, Any] = {}

@@ -60,7 +60,18 @@ from kvstore.formats import fp8, q8, tq
 from kvstore.formats.codecs import RowCodec, registered_codecs
 from kvstore.formats.errors import FormatError
 from kvstore.formats.floats import BF16Codec, F32Codec
-from kvstore.gpu.codec_tables import device_table, device_tensor, f32_quotient, fill_where
+from kvstore.gpu.codec_tables import (
+    E4M3_ANCHOR,
+    E4M3_ANCHOR_BITS,
+    E4M3_REBIAS,
+    F32_2POW_M6_BITS,
+    F32_448_BITS,
+    F32_NAN_BITS,
+    device_table,
+    device_tensor,
+    f32_quotient,
+    fill_where,
+)
 from kvstore.gpu.tq_codecs import (
     encode_kernels,
     int4_dequantize_rows,
@@ -124,12 +135,6 @@ FP8_MAX = float(fp8.MAX)
 FP8_MAX_SCALE = float(fp8.MAX_SCALE)
 _AMAX_FLOOR = float(fp8.AMAX_FLOOR)
 _AMAX_CEIL = float(fp8.AMAX_CEIL)
-_F32_NAN_BITS = 0x7F800000  # magnitudes above this are NaN (IEEE 754)
-_F32_MAX_BITS = int(np.float32(fp8.MAX).view(np.uint32))  # magnitudes at or above 448 saturate to 0x7E
-_F32_2POW_M6_BITS = int(np.float32(2.0**-6).view(np.uint32))  # below 2^-6 the e4m3 grid is subnormal
-_REBIAS = (127 - 7) << 3  # f32 exponent bias -> e4m3 bias, in (exp << 3 | mant) units
-_ANCHOR = 16384.0  # 2^14: its f32 ulp is 2^-9, the e4m3 subnormal step
-_ANCHOR_BITS = int(np.float32(_ANCHOR).view(np.uint32))
 # step), and numpy scalars there become tensors it guards on.
 
 
@@ -152,13 +157,13 @@ def fp8_encode(values: torch.Tensor) -> torch.Tensor:
     """
     bits = values.contiguous().view(torch.int32)
     magnitude = bits & 0x7FFFFFFF
-    nan = magnitude > _F32_NAN_BITS
-    clamped = torch.clamp(magnitude, max=_F32_MAX_BITS)
+    nan = magnitude > F32_NAN_BITS
+    clamped = torch.clamp(magnitude, max=F32_448_BITS)
     # Round the f32 mantissa to 3 bits, ties to even; a carry bumps the exponent (spec's k == 16).
-    code = ((clamped + 0x7FFFF + ((clamped >> 20) & 1)) >> 20) - _REBIAS
-    small = magnitude < _F32_2POW_M6_BITS
-    anchor = torch.full_like(values, _ANCHOR, dtype=torch.float32)
-    subnormal = (magnitude.view(torch.float32) + anchor).view(torch.int32) - _ANCHOR_BITS
+    code = ((clamped + 0x7FFFF + ((clamped >> 20) & 1)) >> 20) - E4M3_REBIAS
+    small = magnitude < F32_2POW_M6_BITS
+    anchor = torch.full_like(values, E4M3_ANCHOR, dtype=torch.float32)
+    subnormal = (magnitude.view(torch.float32) + anchor).view(torch.int32) - E4M3_ANCHOR_BITS
     code = torch.where(small, subnormal, code)
     sign = (bits >> 24) & 0x80
     code = torch.where(nan, torch.zeros_like(code), code | sign)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kvstore.formats import fp8, tq
+from kvstore.gpu import codec_tables
 from kvstore.gpu.codec_tables import device_table, device_tensor
 
 __all__ = ["FORMATS", "MAX_WIDTH", "encode_rows", "int4_encode", "usable"]
@@ -47,14 +48,14 @@ _FP8_FLOOR = tl.constexpr(float(np.float32(fp8.AMAX_FLOOR)))
 _FP8_CEIL = tl.constexpr(float(np.float32(fp8.AMAX_CEIL)))
 _TQ_FLOOR = tl.constexpr(float(np.float32(tq.RADIUS_FLOOR)))
 _TQ_CEIL = tl.constexpr(float(np.float32(tq.RADIUS_CEIL)))
-# e4m3 from the f32 bits, as kvstore.gpu.codecs.fp8_encode computes it
+# e4m3 from the f32 bits, as kvstore.gpu.codecs.fp8_encode computes it (codec_tables' constants)
 _FP8_MAX = tl.constexpr(float(fp8.MAX))
-_F32_NAN_BITS = tl.constexpr(0x7F800000)  # magnitudes above are NaN
-_F32_MAX_BITS = tl.constexpr(int(np.float32(fp8.MAX).view(np.uint32)))  # at or above 448: 0x7E
-_F32_2POW_M6_BITS = tl.constexpr(int(np.float32(2.0**-6).view(np.uint32)))  # below: the subnormal grid
-_REBIAS = tl.constexpr((127 - 7) << 3)  # f32 exponent bias -> e4m3 bias, in (exp << 3 | mant) units
-_ANCHOR = tl.constexpr(16384.0)  # 2^14: its f32 ulp is 2^-9, the e4m3 subnormal step
-_ANCHOR_BITS = tl.constexpr(int(np.float32(16384.0).view(np.uint32)))
+_F32_NAN_BITS = tl.constexpr(codec_tables.F32_NAN_BITS)
+_F32_448_BITS = tl.constexpr(codec_tables.F32_448_BITS)
+_F32_2POW_M6_BITS = tl.constexpr(codec_tables.F32_2POW_M6_BITS)
+_REBIAS = tl.constexpr(codec_tables.E4M3_REBIAS)
+_ANCHOR = tl.constexpr(codec_tables.E4M3_ANCHOR)
+_ANCHOR_BITS = tl.constexpr(codec_tables.E4M3_ANCHOR_BITS)
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def _fp8_row(x):
     inv = (fp8_max / safe.to(tl.float64)).to(tl.float32)
     bits = (x * inv).to(tl.int32, bitcast=True)
     m = bits & 0x7FFFFFFF
-    clamped = tl.minimum(m, _F32_MAX_BITS)
+    clamped = tl.minimum(m, _F32_448_BITS)
     code = ((clamped + 0x7FFFF + ((clamped >> 20) & 1)) >> 20) - _REBIAS  # the mantissa to 3 bits, ties to even
     subnormal = (m.to(tl.float32, bitcast=True) + _ANCHOR).to(tl.int32, bitcast=True) - _ANCHOR_BITS
     code = tl.where(m < _F32_2POW_M6_BITS, subnormal, code)

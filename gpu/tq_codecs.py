@@ -17,6 +17,7 @@ from kvstore.formats import tq
 from kvstore.gpu.codec_tables import device_table, device_tensor, f32_quotient, fill_where
 
 __all__ = [
+    "encode_kernels",
     "int4_dequantize_rows",
     "int4_levels",
     "int4_quantize_rows",
@@ -27,7 +28,6 @@ __all__ = [
     "rotate",
     "sanitize_tq_",
     "sign_vector",
-    "encode_kernels",
     "unrotate",
     "use_encode_kernels",
 ]
