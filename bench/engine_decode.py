@@ -41,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from kvstore.engine import BatchSequence, CacheGeometry, Engine, preset, random_model
+from kvstore.engine import BatchSequence, CacheGeometry, Engine, preset, products, random_model
 from kvstore.engine.graphs import bucket
 from kvstore.engine.model import StepRegions
 from kvstore.gpu import codecs
@@ -344,8 +344,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the cache's new rows encoded and stored by one Triton kernel, not the torch twins and index_copy_",
     )
+    parser.add_argument(
+        "--reduced-tokens",
+        type=int,
+        default=products.REDUCED_TOKENS,
+        help="compiled steps of at most this many tokens take the per-head and router products as "
+        "reductions (0, the default for now: cuBLAS's GEMMs for every step)",
+    )
     args = parser.parse_args(argv)
     codecs.use_encode_kernels(args.encode_kernel)
+    products.REDUCED_TOKENS = args.reduced_tokens
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile_rows
 

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Issue 43's decode figures in one device call: the CUDA tests the step's kernels touch; the experts'
 # kernels with the shared experts in them against apart (and their tiles); with ENCODE=1 a layer's cache
-# write, one kernel against the torch twins; the compiled step per tier (with ENCODE_KERNEL=1 also with
-# that kernel)
+# write, one kernel against the torch twins; the compiled step per tier (once per VARIANTS entry)
 # at 1k and 32k and 16 sessions (tok/s, the HBM bound, where each step's device time goes, the
 # profiler's top kernels); with BASE=dir, the same for fp8 on another tree (a checkout of the
 # commit before, `git archive`d into an ignored folder and carried) in the same call.
@@ -28,12 +27,18 @@ if [ -n "${ENCODE:-}" ]; then
 echo "== a layer's cache write: one kernel vs the twins ($(date +%T))"
 timeout "${ENCODE_S:-120}" python3 bench/engine_encode.py 2>&1 | tee "$OUT/encode.log" | quiet
 fi
-# with ENCODE_KERNEL=1, the step once with the one-kernel cache write and once with the torch twins
-for encode in ${ENCODE_KERNEL:+--encode-kernel} ""; do
-echo "== decode, one session and 16 ${encode:-(torch twins encode)} ($(date +%T))"
+# VARIANTS: ';'-separated sets of extra engine_decode arguments, each its own decode rows in this call
+# (e.g. VARIANTS="--encode-kernel;--reduced-tokens 0;" compares two switches against the default)
+IFS=';' read -r -a variants <<< "${VARIANTS:-}"
+[ ${#variants[@]} -eq 0 ] && variants=("")
+[[ "${VARIANTS:-}" == *";" ]] && variants+=("")
+i=0
+for variant in "${variants[@]}"; do
+echo "== decode, one session and 16 [${variant:-default}] ($(date +%T))"
 timeout "${DECODE_S:-300}" python3 bench/engine_decode.py --device cuda --preset v2-lite --lengths ${LENGTHS:-1024 32768} \
-    --tiers ${TIERS:-fp8 int4 f32} --tokens 32 --batch 16 --modes compiled --breakdown $encode \
-    ${PROFILE---profile --profile-rows 30} ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode${encode:+_kernel}.log" | quiet
+    --tiers ${TIERS:-fp8 int4 f32} --tokens 32 --batch 16 --modes compiled --breakdown $variant \
+    ${PROFILE---profile --profile-rows 30} ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode_$i.log" | quiet
+i=$((i + 1))
 done
 if [ -n "${BASE:-}" ]; then
 echo "== decode on $BASE, fp8 ($(date +%T))"

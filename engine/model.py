@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from kvstore import tiers
+from kvstore.engine import products
 from kvstore.engine.cache import encode_fields
 from kvstore.engine.config import ModelConfig
 from kvstore.engine.moe import DenseMLP, MoE, RoutedExperts, Router, grouped_mm_available, has_triton
@@ -269,13 +270,18 @@ class MLAttention(nn.Module):
     def latent_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_lat[t, h] = q_nope[t, h] @ W_UK[h]: the query in latent space, f32[T, H, kv_lora]."""
         w_uk, _ = self._uk_uv()
+        if products.as_reduction(q_nope):  # a compiled step of a few tokens: one reduction kernel
+            return products.head_products(q_nope, w_uk, contract_last=False).float()
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).float().contiguous()
 
     def latent_output(self, ctx_lat: torch.Tensor) -> torch.Tensor:
         """out[t, h] = ctx_lat[t, h] @ W_UV[h]^T, through ``o_proj``: [T, hidden]."""
         _, w_uv = self._uk_uv()
         ctx_lat = ctx_lat.to(w_uv.dtype)
-        out = torch.bmm(ctx_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        if products.as_reduction(ctx_lat):
+            out = products.head_products(ctx_lat, w_uv, contract_last=True)
+        else:
+            out = torch.bmm(ctx_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.reshape(ctx_lat.shape[0], self.n_heads * self.v_dim))
 
     def _absorbed(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstore.engine import products
 from kvstore.engine.config import ModelConfig
 
 __all__ = ["DenseMLP", "MoE", "RoutedExperts", "Router", "grouped_mm_available", "has_triton", "with_shared_columns"]
@@ -94,7 +95,10 @@ class Router(nn.Module):
         """Returns expert indices int64[T, top_k] and their weights f32[T, top_k]; with
         ``n_shared``, each token's row ends with the shared experts (ids ``n_experts ..``, weight 1):
         ``[T, top_k + n_shared]``."""
-        logits = F.linear(x.float(), self.weight.float())
+        if products.as_reduction(x):  # a compiled step of a few tokens: one reduction, not cuBLAS's GEMV
+            logits = products.linear_rows(x, self.weight)
+        else:
+            logits = F.linear(x.float(), self.weight.float())
         use = self.triton_route and x.device.type == "cuda" and self.kernel_routes
         kernels = _expert_kernels() if use else None
         if kernels is not None:

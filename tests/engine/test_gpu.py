@@ -70,11 +70,19 @@ def test_compiled_encoders_write_the_format_bytes():
             assert same.mean() >= (1.0 if tier is FP8 else 0.9999), (tier.name, name, same.mean())
 
 
+@pytest.mark.parametrize("reduced", [0, 4], ids=["gemms", "reductions"])
 @pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
-def test_the_compiled_step_is_the_eager_step(tier):
+def test_the_compiled_step_is_the_eager_step(tier, reduced, monkeypatch):
     """bf16 V2-style layers (grouped experts) on CUDA: the compiled regions give the eager step's
-    logits up to bf16 rounding and write the same rows."""
+    logits up to bf16 rounding and write the same rows — with the small products as cuBLAS's GEMMs
+    and as reductions (kvstore.engine.products)."""
+    import torch._dynamo
+
+    from kvstore.engine import products
     from kvstore.engine.model import StepRegions
+
+    monkeypatch.setattr(products, "REDUCED_TOKENS", reduced)
+    torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")
     model = random_model(cfg, seed=7, device=CUDA, dtype="bfloat16")

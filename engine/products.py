@@ -1,0 +1,47 @@
+"""Small matrix products of a decode step written as reductions, for ``torch.compile`` to fuse.
+
+A decode step of one sequence multiplies a single token by a few small weights per layer: the
+query into latent space (``W_UK``, one [qk_nope, kv_lora] block per head), the context out of it
+(``W_UV``) and the router's logits (f32 [experts, hidden]). cuBLAS runs each as its own batched
+GEMV — two or three kernels with a cast or a transposition beside them — whose launches, not their
+few megabytes of weights, cost the time. Written as a product and a sum, each becomes one reduction
+kernel inside the compiled region, the casts and layouts fused into its loads and stores.
+
+Only for a few tokens, and only while compiling for CUDA (:func:`as_reduction`): a larger batch
+reuses the weights across tokens, which a GEMM does and a reduction does not, and the eager step
+keeps the operation order the transformers oracle tests pin on the CPU. Every product accumulates
+in f32 and rounds once to the output dtype, as cuBLAS does; only the order of the sum differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["REDUCED_TOKENS", "as_reduction", "head_products", "linear_rows"]
+
+#: steps of at most this many tokens take the reductions; more reuse the weights through a GEMM.
+#: 0 (none) until they are measured against cuBLAS on a GPU (``bench/engine_decode.py
+#: --reduced-tokens 4`` turns them on)
+REDUCED_TOKENS = 0
+
+
+def as_reduction(x: torch.Tensor) -> bool:
+    """Whether ``x`` [T, ...]'s small products run as reductions: a compiled CUDA region, T small."""
+    return x.is_cuda and x.shape[0] <= REDUCED_TOKENS and torch.compiler.is_compiling()
+
+
+def head_products(x: torch.Tensor, w: torch.Tensor, *, contract_last: bool) -> torch.Tensor:
+    """Per-head products of ``x`` [T, H, K] with ``w`` [H, ., .], accumulated in f32 and rounded to
+    ``x``'s dtype: with ``contract_last`` ``w`` is [H, N, K] and the result ``x[t, h] @ w[h]^T``,
+    otherwise ``w`` is [H, K, N] and the result ``x[t, h] @ w[h]``; [T, H, N] either way."""
+    xf, wf = x.float(), w.float()
+    if contract_last:
+        out = (xf.unsqueeze(2) * wf.unsqueeze(0)).sum(-1)
+    else:
+        out = (xf.unsqueeze(-1) * wf.unsqueeze(0)).sum(2)
+    return out.to(x.dtype)
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, K] @ ``w`` [N, K]^T in f32: [T, N]."""
+    return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1)
