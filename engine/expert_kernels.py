@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstore.engine import products
+
 __all__ = ["BLOCK_M", "FOLD_MAX_PAIRS", "MAX_PAIRS", "route", "routed_experts", "shared_as_experts"]
 
 #: Pairs per program pass (the tensor-core product's smallest M); an expert with more loops.
@@ -223,7 +225,10 @@ def routed_experts(
     _project(x, ids, k, gate, up, s_gate, s_up, act, True, block_n, block_k, stages, warps)
     y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
     _project(act, ids, k, down, down, s_down, s_down, y, False, block_n, block_k, stages, warps)
-    # each token's k outputs weighted and summed in one bmm (f32 accumulation, one rounding)
+    # each token's k outputs weighted and summed (f32 accumulation, one rounding): in a compiled
+    # step a reduction that fuses with what follows, else one bmm
+    if products.as_reduction(x, any_tokens=True):
+        return products.weighted_sum(weights.to(y.dtype), y.view(t, k, hidden))
     return torch.bmm(weights.to(y.dtype)[:, None, :], y.view(t, k, hidden))[:, 0]
 
 

@@ -2,13 +2,15 @@
 
 A decode step of one sequence multiplies a single token by a few small weights per layer: the
 query into latent space (``W_UK``, one [qk_nope, kv_lora] block per head), the context out of it
-(``W_UV``) and the router's logits (f32 [experts, hidden]). cuBLAS runs each as its own batched
+(``W_UV``) and the router's logits (f32 [experts, hidden]), and sums each token's experts' outputs
+by their weights. cuBLAS runs each as its own batched
 GEMV — two or three kernels with a cast or a transposition beside them — whose launches, not their
 few megabytes of weights, cost the time. Written as a product and a sum, each becomes one reduction
 kernel inside the compiled region, the casts and layouts fused into its loads and stores.
 
 Only for a few tokens, and only while compiling for CUDA (:func:`as_reduction`): a larger batch
-reuses the weights across tokens, which a GEMM does and a reduction does not, and the eager step
+reuses the weights across tokens, which a GEMM does and a reduction does not (the experts' weighted
+sum reads no weights, and takes the reduction whatever the batch), and the eager step
 keeps the operation order the transformers oracle tests pin on the CPU. Every product accumulates
 in f32 and rounds once to the output dtype, as cuBLAS does; only the order of the sum differs.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REDUCED_TOKENS", "as_reduction", "head_products", "linear_rows"]
+__all__ = ["REDUCED_TOKENS", "as_reduction", "head_products", "linear_rows", "weighted_sum"]
 
 #: steps of at most this many tokens take the reductions; more reuse the weights through a GEMM.
 #: 0 (none) until they are measured against cuBLAS on a GPU (``bench/engine_decode.py
@@ -25,9 +27,11 @@ __all__ = ["REDUCED_TOKENS", "as_reduction", "head_products", "linear_rows"]
 REDUCED_TOKENS = 0
 
 
-def as_reduction(x: torch.Tensor) -> bool:
-    """Whether ``x`` [T, ...]'s small products run as reductions: a compiled CUDA region, T small."""
-    return x.is_cuda and x.shape[0] <= REDUCED_TOKENS and torch.compiler.is_compiling()
+def as_reduction(x: torch.Tensor, *, any_tokens: bool = False) -> bool:
+    """Whether ``x`` [T, ...]'s small products run as reductions: a compiled CUDA region, T small
+    (with ``any_tokens``, for a product that reads no weights, T any: while the reductions are on)."""
+    few = 0 < x.shape[0] <= REDUCED_TOKENS or (any_tokens and REDUCED_TOKENS > 0)
+    return x.is_cuda and few and torch.compiler.is_compiling()
 
 
 def head_products(x: torch.Tensor, w: torch.Tensor, *, contract_last: bool) -> torch.Tensor:
@@ -45,3 +49,9 @@ def head_products(x: torch.Tensor, w: torch.Tensor, *, contract_last: bool) -> t
 def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x`` [T, K] @ ``w`` [N, K]^T in f32: [T, N]."""
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1)
+
+
+def weighted_sum(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[t, j] * y[t, j]``: ``weights`` [T, k], ``y`` [T, k, N] -> [T, N] in ``y``'s
+    dtype, f32 sums (the weights as given: the caller rounds them as its GEMM would)."""
+    return (weights.float().unsqueeze(-1) * y.float()).sum(1).to(y.dtype)

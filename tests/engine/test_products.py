@@ -52,6 +52,16 @@ def test_linear_rows_is_the_routers_f32_product():
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
+def test_weighted_sum_is_the_bmm_over_each_tokens_experts():
+    gen = torch.Generator().manual_seed(11)
+    y = torch.randn(5, 8, 2048, generator=gen).bfloat16()
+    weights = torch.rand(5, 8, generator=gen).bfloat16()
+    got = products.weighted_sum(weights, y)
+    want = torch.bmm(weights.double()[:, None, :], y.double())[:, 0]
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 2048)
+    assert _ulps_apart(got, want.bfloat16()) <= 1
+
+
 def test_the_reductions_trace_under_torch_compile():
     """The forms a compiled CUDA step takes, compiled here for the CPU: same values as eager."""
     gen = torch.Generator().manual_seed(9)
@@ -69,6 +79,8 @@ def test_the_reductions_are_taken_only_by_a_compiled_cuda_step_of_a_few_tokens(m
     assert not products.as_reduction(x)  # compiling, but for the CPU
     cuda_like = torch.zeros(1, 8, device="meta")
     assert not products.as_reduction(cuda_like)
+    monkeypatch.setattr(products, "REDUCED_TOKENS", 0)  # the switch off: nothing takes them
+    assert not products.as_reduction(x, any_tokens=True)
 
 
 def test_eager_attention_products_are_unchanged_by_the_module():
