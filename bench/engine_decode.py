@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from kvstore.engine import BatchSequence, CacheGeometry, Engine, preset, products, random_model
+from kvstore.engine import model as model_module
 from kvstore.engine.graphs import bucket
 from kvstore.engine.model import StepRegions
 from kvstore.gpu import codecs
@@ -351,9 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         help="compiled steps of at most this many tokens take the per-head and router products as "
         "reductions (0, the default for now: cuBLAS's GEMMs for every step)",
     )
+    parser.add_argument(
+        "--merged-regions",
+        action="store_true",
+        help="compiled steps run each layer's outputs with the next layer's inputs as one region",
+    )
     args = parser.parse_args(argv)
     codecs.use_encode_kernels(args.encode_kernel)
     products.REDUCED_TOKENS = args.reduced_tokens
+    model_module.MERGED_REGIONS = args.merged_regions
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile_rows
 

@@ -49,6 +49,10 @@ _FUSED_BUDGET_FACTOR = 16
 SHARED_ATTENTION_TOKENS = 128
 # graphs dynamo keeps per compiled region: (batch size classes up to 256) x (dense, MoE) x tiers
 RECOMPILE_LIMIT = 64
+# A compiled step runs each layer's outputs and the next layer's inputs as one region (the residual's
+# add fused into the next norm, a region's boundary fewer): off until measured on a GPU
+# (bench/engine_decode.py --merged-regions); read by compile_decode
+MERGED_REGIONS = False
 
 
 class RMSNorm(nn.Module):
@@ -409,15 +413,20 @@ class DecoderLayer(nn.Module):
         encoding), the cache write and the attention call, then ``regions.outputs`` (output
         projection, MLP or experts). The two regions are what ``torch.compile`` fuses on CUDA; the
         attention kernels and the write into the cache's buffers stay between them."""
-        attn = self.self_attn
         name, encode = cache.tier.name, cache.write_kernels is None
         q_lat, q_rope, fields = regions.inputs_for(name)(self, x, cos, sin, rotary, name, encode)
-        if encode:
-            cache.store_at(attn.layer, slots.rows, fields)
-        else:  # one kernel encodes the rows into their slots
-            cache.write_at(attn.layer, slots.rows, fields["lc"], fields["rc"])
-        ctx_lat = cache.attend(attn.layer, q_lat, q_rope, slots.seq_start, slots.seq_len, attn.softmax_scale, n_rows)
+        ctx_lat = self.step_attend(cache, slots, n_rows, q_lat, q_rope, fields)
         return regions.outputs(self, x, ctx_lat)
+
+    def step_attend(self, cache, slots: StepSlots, n_rows: int, q_lat, q_rope, fields) -> torch.Tensor:
+        """The step's new rows written into the cache (``fields`` from :meth:`step_inputs`) and the
+        attention over it: ctx_lat f32[B, H, kv_lora]."""
+        attn = self.self_attn
+        if cache.write_kernels is None:  # encoded by step_inputs
+            cache.store_at(attn.layer, slots.rows, fields)
+        else:  # rows as they are: one kernel encodes them into their slots
+            cache.write_at(attn.layer, slots.rows, fields["lc"], fields["rc"])
+        return cache.attend(attn.layer, q_lat, q_rope, slots.seq_start, slots.seq_len, attn.softmax_scale, n_rows)
 
     def step_inputs(
         self, x, cos, sin, rotary, tier: str, encode: bool = True
@@ -434,6 +443,16 @@ class DecoderLayer(nn.Module):
     def step_outputs(self, x, ctx_lat) -> torch.Tensor:
         x = x + self.self_attn.latent_output(ctx_lat)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def step_between(self, nxt: "DecoderLayer", x, ctx_lat, cos, sin, rotary, tier: str, encode: bool = True):
+        """This layer's :meth:`step_outputs` and ``nxt``'s :meth:`step_inputs` as one region: (x,
+        q_lat, q_rope, fields). Compiled, the residual's add joins the next layer's norm."""
+        x = self.step_outputs(x, ctx_lat)
+        return (x, *nxt.step_inputs(x, cos, sin, rotary, tier, encode))
+
+    def step_last(self, model: "MLAForCausalLM", x, ctx_lat) -> torch.Tensor:
+        """The last layer's :meth:`step_outputs` and the model's head as one region: the logits."""
+        return model.logits_of(self.step_outputs(x, ctx_lat))
 
 
 class DecoderStack(nn.Module):
@@ -574,9 +593,20 @@ class MLAForCausalLM(nn.Module):
         rotary = self.model.rotary
         x = self.model.embed_tokens(token_ids)
         cos, sin = (c.to(x.dtype) for c in rotary(positions))  # cast once, not in every layer
-        for layer in cast("list[DecoderLayer]", self.model.layers):  # (a ModuleList types its items as Module)
-            x = layer.step(x, cos, sin, rotary, cache, slots, n_rows, self.regions)
-        return self.regions.head(self, x)
+        layers = cast("list[DecoderLayer]", list(self.model.layers))  # (a ModuleList types its items as Module)
+        regions, name, encode = self.regions, cache.tier.name, cache.write_kernels is None
+        if not regions.merges(name):
+            for layer in layers:
+                x = layer.step(x, cos, sin, rotary, cache, slots, n_rows, regions)
+            return regions.head(self, x)
+        # merged regions: each layer's outputs and the next one's inputs in one compiled region
+        assert regions.between is not None and regions.last is not None
+        q_lat, q_rope, fields = regions.inputs(layers[0], x, cos, sin, rotary, name, encode)
+        for layer, nxt in zip(layers, layers[1:]):
+            ctx_lat = layer.step_attend(cache, slots, n_rows, q_lat, q_rope, fields)
+            x, q_lat, q_rope, fields = regions.between(layer, nxt, x, ctx_lat, cos, sin, rotary, name, encode)
+        ctx_lat = layers[-1].step_attend(cache, slots, n_rows, q_lat, q_rope, fields)
+        return regions.last(layers[-1], self, x, ctx_lat)
 
     def logits_of(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: f32[B, vocab]."""
@@ -620,11 +650,14 @@ class MLAForCausalLM(nn.Module):
         config = torch._dynamo.config
         if hasattr(config, "recompile_limit"):
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        merged = MERGED_REGIONS
         self.regions = StepRegions(
             torch.compile(DecoderLayer.step_inputs, options=options),
             torch.compile(DecoderLayer.step_outputs, options=options),
             torch.compile(MLAForCausalLM.logits_of, options=options),
             compiled=True,
+            between=torch.compile(DecoderLayer.step_between, options=options) if merged else None,
+            last=torch.compile(DecoderLayer.step_last, options=options) if merged else None,
         )
         return True
 
@@ -656,6 +689,10 @@ class StepRegions:
     outputs: Callable[..., Any]
     head: Callable[..., Any]
     compiled: bool = False
+    #: with :data:`MERGED_REGIONS`, a layer's outputs and the next layer's inputs as one region
+    #: (:meth:`DecoderLayer.step_between`), and the last layer's outputs with the head
+    between: Callable[..., Any] | None = None
+    last: Callable[..., Any] | None = None
 
     #: Tiers whose encoders the compiled input region traces (pure torch, checked byte for byte on
     #: the H200); the others encode in the eager region.
@@ -669,6 +706,10 @@ class StepRegions:
         if self.compiled and tier not in self.COMPILED_TIERS:
             return DecoderLayer.step_inputs
         return self.inputs
+
+    def merges(self, tier: str) -> bool:
+        """Whether a step of this tier runs the merged regions (the compiled inputs take its tier)."""
+        return self.between is not None and self.inputs_for(tier) is self.inputs
 
 
 @dataclass(frozen=True)

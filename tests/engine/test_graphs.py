@@ -44,6 +44,53 @@ def test_decode_step_equals_the_plain_absorbed_step(tier):
         torch.testing.assert_close(field[:, : len(prompt)], plain.cache._fields[name][:, : len(prompt)])
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_merged_regions_give_the_layer_by_layer_steps_logits_and_rows(compiled):
+    """A step whose regions run each layer's outputs with the next layer's inputs (and the last
+    layer's with the head) computes what the layer-by-layer step does: the same operations, grouped
+    otherwise. Eager, bit for bit; compiled (here for the CPU: the regions trace with two layers as
+    arguments, dense-then-MoE and MoE-then-MoE), up to the fused kernels' rounding."""
+    from kvstore.engine.model import DecoderLayer, MLAForCausalLM, StepRegions
+
+    cfg = preset("tiny")
+    model = random_model(cfg, seed=4)
+    assert cfg.first_k_dense_replace >= 1 and cfg.num_hidden_layers > cfg.first_k_dense_replace + 1
+    prompt = np.random.default_rng(5).integers(2, cfg.vocab_size, 30)
+    # (compiled on the CPU, an f32 cache: the CPU's fp8 encoder runs numpy, which dynamo does not trace)
+    tier = "f32" if compiled else "fp8"
+    engine = Engine(model, tier=tier)
+    engine.prefill(prompt[:-1])
+    wrap = torch.compile if compiled else (lambda fn: fn)
+    layered = StepRegions.eager()
+    merged = StepRegions(
+        wrap(DecoderLayer.step_inputs),
+        DecoderLayer.step_outputs,
+        MLAForCausalLM.logits_of,
+        between=wrap(DecoderLayer.step_between),
+        last=wrap(DecoderLayer.step_last),
+    )
+    assert merged.merges(tier) and not layered.merges(tier)
+    results = []
+    for regions in (layered, merged):
+        model.regions = regions
+        cache = engine.cache.copy()
+        cache.prepare(len(prompt) - 1, 1)
+        cache.reserve(64)
+        token, position = torch.tensor([int(prompt[-1])]), torch.tensor([len(prompt) - 1])
+        results.append((model.decode_step(token, position, cache, n_rows=cache.capacity)[0], cache))
+    model.regions = StepRegions.eager()
+    (want, want_cache), (got, got_cache) = results
+    if compiled:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    else:
+        assert torch.equal(got, want)
+    tol = 1e-4 if compiled else 0.0
+    for name, field in want_cache._fields.items():
+        torch.testing.assert_close(
+            got_cache._fields[name][:, : len(prompt)], field[:, : len(prompt)], rtol=tol, atol=tol
+        )
+
+
 def test_write_at_is_write():
     cfg = preset("tiny")
     a, b = make_cache("fp8", cfg, capacity=16), make_cache("fp8", cfg, capacity=16)
