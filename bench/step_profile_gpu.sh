@@ -28,7 +28,8 @@ echo "== a layer's cache write: one kernel vs the twins ($(date +%T))"
 timeout "${ENCODE_S:-120}" python3 bench/engine_encode.py 2>&1 | tee "$OUT/encode.log" | quiet
 fi
 # VARIANTS: ';'-separated sets of extra engine_decode arguments, each its own decode rows in this call
-# (e.g. VARIANTS="--encode-kernel;--reduced-tokens 0;" compares two switches against the default)
+# (e.g. VARIANTS=";--encode-kernel;--encode-kernel --reduced-tokens 4 --merged-regions": the default,
+# one switch, all of them)
 IFS=';' read -r -a variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -eq 0 ] && variants=("")
 [[ "${VARIANTS:-}" == *";" ]] && variants+=("")

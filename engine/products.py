@@ -2,17 +2,18 @@
 
 A decode step of one sequence multiplies a single token by a few small weights per layer: the
 query into latent space (``W_UK``, one [qk_nope, kv_lora] block per head), the context out of it
-(``W_UV``) and the router's logits (f32 [experts, hidden]), and sums each token's experts' outputs
-by their weights. cuBLAS runs each as its own batched
-GEMV — two or three kernels with a cast or a transposition beside them — whose launches, not their
-few megabytes of weights, cost the time. Written as a product and a sum, each becomes one reduction
-kernel inside the compiled region, the casts and layouts fused into its loads and stores.
+(``W_UV``) and the router's logits (f32 [experts, hidden]); and it sums each token's experts'
+outputs by their weights. cuBLAS runs each as its own batched GEMV — two or three kernels with a
+cast or a transposition beside them — whose launches, not their few megabytes of weights, cost the
+time. Written as a product and a sum, each becomes one reduction kernel inside the compiled region,
+the casts and layouts fused into its loads and stores.
 
-Only for a few tokens, and only while compiling for CUDA (:func:`as_reduction`): a larger batch
-reuses the weights across tokens, which a GEMM does and a reduction does not (the experts' weighted
-sum reads no weights, and takes the reduction whatever the batch), and the eager step
-keeps the operation order the transformers oracle tests pin on the CPU. Every product accumulates
-in f32 and rounds once to the output dtype, as cuBLAS does; only the order of the sum differs.
+Only while compiling for CUDA, and for the weight products only at a few tokens
+(:func:`as_reduction`): a larger batch reuses each weight across its tokens, which a GEMM does and
+a reduction does not (the experts' weighted sum reads no weights and takes the reduction whatever
+the batch). The eager step keeps the operation order the transformers oracle tests pin on the CPU.
+Every product accumulates in f32 and rounds once to the output dtype, as cuBLAS does; only the
+order of the sum differs.
 """
 
 from __future__ import annotations
