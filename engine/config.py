@@ -134,7 +134,7 @@ class ModelConfig:
         """
         scale = self.qk_head_dim**-0.5
         if self.rope.kind != "default" and self.rope.mscale_all_dim:
-            m = _yarn_mscale(self.rope_factor() or 1.0, self.rope.mscale_all_dim)
+            m = yarn_mscale(self.rope_factor() or 1.0, self.rope.mscale_all_dim)
             scale = scale * m * m
         return scale
 
@@ -293,7 +293,8 @@ class ModelConfig:
             raise ModelConfigError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """yarn's magnitude correction for a rope scaled by ``scale`` (transformers' ``get_mscale``)."""
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0

@@ -31,7 +31,8 @@ import torch
 
 from kvstore.engine.config import ModelConfig, preset
 from kvstore.engine.errors import WeightsError
-from kvstore.engine.model import MLAForCausalLM, Rotary
+from kvstore.engine.model import MLAForCausalLM
+from kvstore.engine.rotary import Rotary
 
 __all__ = ["load_model", "random_model", "save_model", "write_random_model"]
 

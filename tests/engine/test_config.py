@@ -9,7 +9,7 @@ import torch
 
 from kvstore.engine import ModelConfig, preset
 from kvstore.engine.errors import ModelConfigError
-from kvstore.engine.model import rope_inv_freq
+from kvstore.engine.rotary import rope_inv_freq
 
 # The shape of DeepSeek-V3's own config.json: rope_theta at the top, legacy "rope_scaling".
 LEGACY_V3 = {
