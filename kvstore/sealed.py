@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import mmap
 import os
 import struct
 import threading
@@ -337,8 +338,7 @@ def read_frames(fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int, *
     lo, hi = (table.offsets[i], table.ends[j - 1]) if i < j else (0, 0)
     plain = np.empty(head_room + sum(table.counts[i:j]) * codec.rec_bytes, dtype=np.uint8)
     out = plain.data
-    with _scratch(hi - lo) as view:
-        _read_exact(fd, view, lo, codec.name)
+    with _ciphertext(fd, lo, hi, codec.name) as view:
         pos = head_room
         for k in range(i, j):
             at = table.offsets[k] - lo
@@ -348,6 +348,37 @@ def read_frames(fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int, *
             codec.open_at(head, body, out, pos)
             pos += size
     return out
+
+
+MAP_BYTES = 1 << 20  # a range at least this large is decrypted from a mapping of the file, not a read
+
+
+@contextlib.contextmanager
+def _ciphertext(fd: int, lo: int, hi: int, name: str) -> Iterator[memoryview]:
+    """Bytes ``[lo, hi)`` of the file for the length of the block. A large range is mapped: AES
+    then reads the page cache itself, one pass over the bytes where a read into a buffer first
+    costs a copy as well (1.5x the decryption rate of one core here). Safe because every reader of a
+    sealed journal holds what keeps it from shrinking (the writer lock or a store's read lock), as
+    :func:`kvstore.journal.read_tokens` does; a range past the file's end is :class:`SealBroken`."""
+    if hi - lo < MAP_BYTES:
+        with _scratch(hi - lo) as view:
+            _read_exact(fd, view, lo, name)
+            yield view
+        return
+    aligned = lo - lo % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapped = mmap.mmap(fd, hi - aligned, access=mmap.ACCESS_READ, offset=aligned)
+    except ValueError:  # the mapping would run past the file's end
+        raise SealBroken(f"{name}: the journal ended inside its committed frames") from None
+    whole = memoryview(mapped)
+    try:
+        yield whole[lo - aligned :]
+    finally:
+        whole.release()
+        try:
+            mapped.close()
+        except BufferError:  # a slice still held (by a traceback's frame): unmapped when it goes
+            pass
 
 
 def _read_exact(fd: int, view: memoryview, offset: int, name: str) -> None:
@@ -387,16 +418,20 @@ def _scratch(nbytes: int) -> Iterator[memoryview]:
 
 def read_records_into(fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int, out: memoryview) -> int:
     """Decrypt records ``[start, stop)`` straight into ``out`` (bytes, at least their size): the
-    covering frames' bytes are read once into a reused buffer, each frame wholly inside the range is
-    decrypted in place in ``out`` (one AEAD call, no copy), a frame cut by the range's ends through
-    a small buffer. Returns the bytes written."""
+    covering frames' bytes are mapped (:func:`_ciphertext`; a small range is read into a reused
+    buffer), each frame wholly inside the range is decrypted in place in ``out`` (one AEAD call, no
+    copy), a frame cut by the range's ends through a small buffer. Returns the bytes written."""
     if stop <= start:
         return 0
     rec = codec.rec_bytes
     i, j = table.covering(start, stop)
-    # the frames' bytes read a few at a time into a buffer small enough to stay in the core's cache,
-    # then decrypted from there: one trip through memory for the ciphertext, not two (read, then
-    # read back for AES). A frame larger than the buffer is read alone.
+    if i < j and table.ends[j - 1] - table.offsets[i] >= MAP_BYTES:
+        with _ciphertext(fd, table.offsets[i], table.ends[j - 1], codec.name) as raw:
+            _open_frames(codec, table, i, j, raw, table.offsets[i], start, stop, out)
+        return (stop - start) * rec
+    # a small range (or mapping off): the frames' bytes read a few at a time into a buffer small
+    # enough to stay in the core's cache, then decrypted from there. A frame larger than the buffer
+    # is read alone.
     k = i
     with _scratch(STAGE_BYTES) as stage:
         while k < j:

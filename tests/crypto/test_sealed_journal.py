@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+import kvstore.sealed
 from kvstore import tiers
 from kvstore.crypto import Keyring, LocalKEK
 from kvstore.errors import EncryptedJournal, FormatError, KeyShredded, SealBroken
@@ -28,6 +29,14 @@ REC = coli_kv.record_bytes(GEOMETRY, TIER)
 def ring(tmp_path):
     (tmp_path / "keys").mkdir()
     return Keyring(tmp_path / "keys", LocalKEK(bytes(range(32))), create=True)
+
+
+@pytest.fixture(params=["mapped", "read"])
+def ranges(request, monkeypatch):
+    """Every range of frames decrypted from a mapping of the file, or read into a buffer first
+    (``kvstore.sealed.MAP_BYTES``: large ranges are mapped, small ones read)."""
+    monkeypatch.setattr(kvstore.sealed, "MAP_BYTES", 0 if request.param == "mapped" else 1 << 62)
+    return request.param
 
 
 def sealed(ring, path, identity=None):
@@ -67,7 +76,7 @@ def plain_twin(tmp_path, batches=(3, 5, 2), seed=0):
     return path
 
 
-def test_the_records_are_the_plaintext_journals_and_none_is_in_clear(ring, tmp_path):
+def test_the_records_are_the_plaintext_journals_and_none_is_in_clear(ring, ranges, tmp_path):
     path = tmp_path / "chat~alice.coli_kv"
     make(ring, path)
     plain = plain_twin(tmp_path)
@@ -110,7 +119,7 @@ def test_every_plaintext_reader_refuses_it_with_a_typed_error(ring, tmp_path):
         "tag",
     ],
 )
-def test_a_flipped_bit_anywhere_is_refused(ring, tmp_path, where):
+def test_a_flipped_bit_anywhere_is_refused(ring, ranges, tmp_path, where):
     path = tmp_path / "chat~alice.coli_kv"
     make(ring, path)
     second = frames_of(path).offsets[1]
@@ -131,6 +140,43 @@ def test_a_flipped_bit_anywhere_is_refused(ring, tmp_path, where):
     with pytest.raises((SealBroken, KeyShredded, FormatError)):
         with KVFile.open(path, sealing=sealed(ring, path)) as journal:
             journal.load()
+
+
+def test_a_range_read_into_a_buffer_is_decrypted_in_place_or_zeroed(ring, ranges, tmp_path):
+    """``read_into`` (a restore's ring): records across frames land at their places in the caller's
+    buffer, a range cut inside frames too; a changed byte in a frame is refused with every byte of
+    that frame written zeroed, never its plaintext or garbage."""
+    path = tmp_path / "chat~alice.coli_kv"
+    make(ring, path, (3, 5, 2))
+    expected = coli_kv.load(plain_twin(tmp_path)).records.tobytes()
+    out = np.full(10 * REC, 0xAB, dtype=np.uint8)
+    with KVFile.open(path, sealing=sealed(ring, path)) as journal:
+        assert journal.read_into(out.data, 0, 10) == 10 * REC and out.tobytes() == expected
+        assert journal.read_into(out.data, 2, 9) == 7 * REC and out[: 7 * REC].tobytes() == expected[2 * REC : 9 * REC]
+    table = frames_of(path)
+    raw = bytearray(path.read_bytes())
+    raw[table.offsets[1] + FRAME_HEADER_BYTES + REC + 5] ^= 0x10  # inside the second frame's ciphertext
+    path.write_bytes(raw)
+    out[:] = 0xAB
+    with KVFile.open(path, sealing=sealed(ring, path)) as journal:
+        with pytest.raises(SealBroken, match=r"records \[3, 8\) failed authentication"):
+            journal.read_into(out.data, 0, 10)
+    assert out[: 3 * REC].tobytes() == expected[: 3 * REC]  # the frame before it, decrypted
+    assert not out[3 * REC : 8 * REC].any()  # the refused frame: zeroed
+
+
+def test_a_journal_cut_short_under_an_open_reader_is_refused_not_misread(ring, ranges, tmp_path):
+    """Frames walked at open and then cut off the file by something outside kvstore's locks (an
+    operator's ``truncate``): a read of them is :class:`SealBroken`, whether its range is mapped
+    (the mapping would pass the file's end) or read."""
+    path = tmp_path / "chat~alice.coli_kv"
+    make(ring, path, (3, 5, 2))
+    expected = coli_kv.load(plain_twin(tmp_path)).records.tobytes()
+    with KVFile.open(path, sealing=sealed(ring, path)) as journal:
+        os.truncate(path, frames_of(path).ends[1] - 40)  # into the second frame
+        with pytest.raises(SealBroken, match="ended inside its committed frames"):
+            journal.read_range(0, 10)
+        assert journal.read_range(0, 3) == expected[: 3 * REC]  # the frame still whole reads
 
 
 def test_frames_cannot_be_spliced_reordered_or_moved(ring, tmp_path):
@@ -194,7 +240,7 @@ def test_nonces_never_repeat_across_restarts_and_a_crash_dropped_tail(ring, tmp_
     assert len(seen) == len(set(seen)) == 2 + 3 + 1 + 1
 
 
-def test_a_torn_tail_is_dropped_as_in_a_plaintext_journal(ring, tmp_path):
+def test_a_torn_tail_is_dropped_as_in_a_plaintext_journal(ring, ranges, tmp_path):
     path = tmp_path / "chat~alice.coli_kv"
     rows = make(ring, path, (4,))
     size = path.stat().st_size
@@ -212,7 +258,7 @@ def test_a_torn_tail_is_dropped_as_in_a_plaintext_journal(ring, tmp_path):
     assert KVFile.open(path, sealing=sealed(ring, path)).n_records == 6
 
 
-def test_truncate_at_a_frame_is_in_place_and_inside_one_rewrites(ring, tmp_path):
+def test_truncate_at_a_frame_is_in_place_and_inside_one_rewrites(ring, ranges, tmp_path):
     path = tmp_path / "chat~alice.coli_kv"
     make(ring, path)
     plain = coli_kv.load(plain_twin(tmp_path)).records.tobytes()
@@ -224,7 +270,7 @@ def test_truncate_at_a_frame_is_in_place_and_inside_one_rewrites(ring, tmp_path)
     assert KVFile.open(path, sealing=sealed(ring, path)).load().records.tobytes() == plain[: 6 * REC]
 
 
-def test_large_batches_are_cut_into_bounded_frames(ring, tmp_path, monkeypatch):
+def test_large_batches_are_cut_into_bounded_frames(ring, ranges, tmp_path, monkeypatch):
     import kvstore.sealed as sealed_module
 
     monkeypatch.setattr(sealed_module, "FRAME_BYTES", 3 * REC)
