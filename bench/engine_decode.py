@@ -341,26 +341,26 @@ def main(argv: list[str] | None = None) -> int:
         "--torch-routing", action="store_true", help="the router's top-k by torch's kernels, not the routing kernel"
     )
     parser.add_argument(
-        "--encode-kernel",
+        "--torch-encode",
         action="store_true",
-        help="the cache's new rows encoded and stored by one Triton kernel, not the torch twins and index_copy_",
+        help="the cache's new rows encoded by the torch twins and stored by index_copy_, not one Triton kernel",
     )
     parser.add_argument(
         "--reduced-tokens",
         type=int,
         default=products.REDUCED_TOKENS,
         help="compiled steps of at most this many tokens take the per-head and router products as "
-        "reductions (0, the default for now: cuBLAS's GEMMs for every step)",
+        "reductions (0: cuBLAS's GEMMs for every step)",
     )
     parser.add_argument(
-        "--merged-regions",
+        "--layer-regions",
         action="store_true",
-        help="compiled steps run each layer's outputs with the next layer's inputs as one region",
+        help="compiled steps run each layer as its own regions, not its outputs with the next layer's inputs",
     )
     args = parser.parse_args(argv)
-    codecs.use_encode_kernels(args.encode_kernel)
+    codecs.use_encode_kernels(not args.torch_encode)
     products.REDUCED_TOKENS = args.reduced_tokens
-    model_module.MERGED_REGIONS = args.merged_regions
+    model_module.MERGED_REGIONS = not args.layer_regions
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile_rows
 

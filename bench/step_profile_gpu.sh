@@ -28,8 +28,8 @@ echo "== a layer's cache write: one kernel vs the twins ($(date +%T))"
 timeout "${ENCODE_S:-120}" python3 bench/engine_encode.py 2>&1 | tee "$OUT/encode.log" | quiet
 fi
 # VARIANTS: ';'-separated sets of extra engine_decode arguments, each its own decode rows in this call
-# (e.g. VARIANTS=";--encode-kernel;--encode-kernel --reduced-tokens 4 --merged-regions": the default,
-# one switch, all of them)
+# (e.g. VARIANTS=";--torch-encode;--torch-encode --reduced-tokens 0 --layer-regions": the default,
+# one switch off, all of them off)
 IFS=';' read -r -a variants <<< "${VARIANTS:-}"
 [ ${#variants[@]} -eq 0 ] && variants=("")
 [[ "${VARIANTS:-}" == *";" ]] && variants+=("")

@@ -50,9 +50,9 @@ SHARED_ATTENTION_TOKENS = 128
 # graphs dynamo keeps per compiled region: (batch size classes up to 256) x (dense, MoE) x tiers
 RECOMPILE_LIMIT = 64
 # A compiled step runs each layer's outputs and the next layer's inputs as one region (the residual's
-# add fused into the next norm, a region's boundary fewer): off until measured on a GPU
-# (bench/engine_decode.py --merged-regions); read by compile_decode
-MERGED_REGIONS = False
+# add fused into the next norm, a region's boundary fewer): measured on an H100 (BENCHMARKS.md;
+# bench/engine_decode.py --layer-regions turns it off); read by compile_decode
+MERGED_REGIONS = True
 
 
 class RMSNorm(nn.Module):

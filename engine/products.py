@@ -23,9 +23,9 @@ import torch
 __all__ = ["REDUCED_TOKENS", "as_reduction", "head_products", "linear_rows", "weighted_sum"]
 
 #: steps of at most this many tokens take the reductions; more reuse the weights through a GEMM.
-#: 0 (none) until they are measured against cuBLAS on a GPU (``bench/engine_decode.py
-#: --reduced-tokens 4`` turns them on)
-REDUCED_TOKENS = 0
+#: Measured on an H100 with the encode kernel and merged regions (BENCHMARKS.md); 0 turns them off
+#: (``bench/engine_decode.py --reduced-tokens 0``)
+REDUCED_TOKENS = 4
 
 
 def as_reduction(x: torch.Tensor, *, any_tokens: bool = False) -> bool:

@@ -169,17 +169,16 @@ def int4_quantize_rows(
 
 
 _ENCODE_KERNELS = None
-#: Whether CUDA encodes run the Triton kernel (:func:`use_encode_kernels`). Off until the kernel
-#: has run and been measured on a GPU (it is checked under Triton's interpreter and compiled for
-#: sm_90 with no GPU; docs/GPU.md).
-_ENCODE_KERNELS_ON = False
+#: Whether CUDA encodes run the Triton kernel (:func:`use_encode_kernels`): on since it was tested
+#: and measured on an H100 (BENCHMARKS.md, "A decode step with fewer kernels"; docs/GPU.md).
+_ENCODE_KERNELS_ON = True
 
 
 def use_encode_kernels(enabled: bool) -> None:
     """Whether rows encoded on CUDA from now on (the decode step's writes of caches made after
     this, ``int4_quantize_rows``, ``encode_tier_pair``) take the one Triton kernel of
-    :mod:`kvstore.gpu.encode_kernels` or the torch ops (the default for now;
-    ``bench/engine_decode.py --encode-kernel`` compares them). The bytes are the same either way."""
+    :mod:`kvstore.gpu.encode_kernels` (the default) or the torch ops
+    (``bench/engine_decode.py --torch-encode`` compares them). The bytes are the same either way."""
     global _ENCODE_KERNELS_ON
     _ENCODE_KERNELS_ON = bool(enabled)
 
