@@ -360,16 +360,19 @@ def _ciphertext(fd: int, lo: int, hi: int, name: str) -> Iterator[memoryview]:
     costs a copy as well (1.5x the decryption rate of one core here). Safe because every reader of a
     sealed journal holds what keeps it from shrinking (the writer lock or a store's read lock), as
     :func:`kvstore.journal.read_tokens` does; a range past the file's end is :class:`SealBroken`."""
-    if hi - lo < MAP_BYTES:
+    mapped, aligned = None, lo - lo % mmap.ALLOCATIONGRANULARITY
+    if hi - lo >= MAP_BYTES:
+        try:
+            mapped = mmap.mmap(fd, hi - aligned, access=mmap.ACCESS_READ, offset=aligned)
+        except ValueError:  # the mapping would run past the file's end
+            raise SealBroken(f"{name}: the journal ended inside its committed frames") from None
+        except OSError:  # a file system that cannot map this file: read it as a small range is
+            mapped = None
+    if mapped is None:
         with _scratch(hi - lo) as view:
             _read_exact(fd, view, lo, name)
             yield view
         return
-    aligned = lo - lo % mmap.ALLOCATIONGRANULARITY
-    try:
-        mapped = mmap.mmap(fd, hi - aligned, access=mmap.ACCESS_READ, offset=aligned)
-    except ValueError:  # the mapping would run past the file's end
-        raise SealBroken(f"{name}: the journal ended inside its committed frames") from None
     whole = memoryview(mapped)
     try:
         yield whole[lo - aligned :]

@@ -179,6 +179,25 @@ def test_a_journal_cut_short_under_an_open_reader_is_refused_not_misread(ring, r
         assert journal.read_range(0, 3) == expected[: 3 * REC]  # the frame still whole reads
 
 
+def test_a_file_that_cannot_be_mapped_is_read(ring, tmp_path, monkeypatch):
+    """A file system that refuses ``mmap`` (some network or FUSE mounts) costs the copy, not the read."""
+    import errno
+    import mmap
+
+    path = tmp_path / "chat~alice.coli_kv"
+    make(ring, path)
+    expected = coli_kv.load(plain_twin(tmp_path)).records.tobytes()
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENODEV, "no mapping here")
+
+    monkeypatch.setattr(kvstore.sealed, "MAP_BYTES", 0)
+    monkeypatch.setattr(mmap, "mmap", refused)
+    with KVFile.open(path, sealing=sealed(ring, path)) as journal:
+        assert journal.load().records.tobytes() == expected
+        assert journal.read_range(2, 9) == expected[2 * REC : 9 * REC]
+
+
 def test_frames_cannot_be_spliced_reordered_or_moved(ring, tmp_path):
     a, b = tmp_path / "a~alice.coli_kv", tmp_path / "b~alice.coli_kv"
     make(ring, a, (4, 4))
