@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from kvstore import tiers
-from kvstore.engine import CacheGeometry, Engine, StoredRows, make_cache, preset, random_model
+from kvstore.engine import CacheGeometry, Engine, StoredRows, make_cache, preset, random_model, restore
 from kvstore.formats import coli_kv
 
 DEFAULT_TIERS = ("f32", "bf16", "fp8", "q8", "int4", "polar4")
@@ -123,10 +123,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --store, also through a store encrypted at rest (docs/SECURITY.md), the same rows",
     )
+    parser.add_argument(
+        "--read-threads", type=int, help="chunks a restore reads at once (default: restore.read_threads, by decryption)"
+    )
+    parser.add_argument(
+        "--chunk-mib", type=int, help="MiB per chunk of a restore's ring (default: restore.CHUNK_BYTES)"
+    )
     args = parser.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.read_threads:  # every restore of this run (file, rows, store, encrypted) reads with these threads
+        count = args.read_threads
+        restore.read_threads = lambda *, decrypting=False: count
+    if args.chunk_mib:
+        restore.CHUNK_BYTES = args.chunk_mib << 20
     device = torch.device(args.device)
     dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     cfg = preset(args.preset)

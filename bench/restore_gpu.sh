@@ -3,7 +3,8 @@
 # of a plaintext and an encrypted session by thread count (bench/sealed_read.py), and
 # the first token after a resume through a plaintext and an encrypted store, with the encrypted
 # journal's ranges mapped (the default) and read into a buffer first (kvstore/sealed.py MAP_BYTES).
-#   OUT=... [STAGES=8] bash bench/restore_gpu.sh   (needs .whl carried: bench/device_wheels.sh; STAGES:
+#   OUT=... [STAGES=8] [THREADS="12 16"] bash bench/restore_gpu.sh   (needs .whl carried: bench/device_wheels.sh;
+#   THREADS: the first token again with those reading threads; STAGES:
 #   also the plaintext restore's parts apart, with that many reading threads)
 set -u
 source bench/device_wheels.sh
@@ -16,4 +17,9 @@ for mapped in 1 0; do  # encrypted ranges decrypted from a mapping of the journa
 import engine_resume; sys.exit(engine_resume.main(sys.argv[1:]))" \
         --device cuda --preset v2-lite --lengths 32768 --tiers fp8 --store --encrypt |
         sed -n "/Resume through a session store/,/^Decode after/p"
+done
+for threads in ${THREADS:-16}; do  # the same run with other reading-thread counts (default: 8 when decrypting)
+    echo "## read threads = $threads"
+    timeout "${RESUME_S:-120}" python3 bench/engine_resume.py --device cuda --preset v2-lite --lengths 32768 \
+        --tiers fp8 --store --encrypt --read-threads "$threads" | sed -n "/Resume through a session store/,/^Decode after/p"
 done
