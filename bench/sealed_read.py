@@ -123,7 +123,6 @@ def unmapped() -> Iterator[None]:
 
 
 def device_table(stores: dict, counts: list[int], size: int, device: str) -> None:
-
     print(f"\n# restore into an fp8 cache on {device} (restore_body(ReaderBody(reader)), best of 3)")
     print("threads  plaintext GB/s  encrypted GB/s  ratio   enc. 0.2 ms switch   enc. read, no map")
     for n in counts:
