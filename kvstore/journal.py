@@ -601,6 +601,10 @@ class KVFile:
         self._committed = total
         return total
 
+    def map_for_reads(self) -> None:
+        """An encrypted journal's reads share one mapping while the file is open
+        (:meth:`kvstore.sealed.SealedKVFile.map_for_reads`); a plaintext one's are ``preadv``s."""
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

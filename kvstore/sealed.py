@@ -332,13 +332,15 @@ def _fixed_header(fd: int) -> bytes:
     return raw[:NREC_OFFSET] + raw[NREC_OFFSET + 4 :]
 
 
-def read_frames(fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int, *, head_room: int = 0) -> memoryview:
+def read_frames(
+    fd: int, codec: FrameCodec, table: FrameTable, i: int, j: int, *, head_room: int = 0, held: mmap.mmap | None = None
+) -> memoryview:
     """The plaintext records of frames ``[i, j)`` (after ``head_room`` free bytes): one read of
     their bytes into one buffer, then one AEAD call per frame decrypting into the output buffer."""
     lo, hi = (table.offsets[i], table.ends[j - 1]) if i < j else (0, 0)
     plain = np.empty(head_room + sum(table.counts[i:j]) * codec.rec_bytes, dtype=np.uint8)
     out = plain.data
-    with _ciphertext(fd, lo, hi, codec.name) as view:
+    with _ciphertext(fd, lo, hi, codec.name, held) as view:
         pos = head_room
         for k in range(i, j):
             at = table.offsets[k] - lo
@@ -354,12 +356,23 @@ MAP_BYTES = 1 << 20  # a range at least this large is decrypted from a mapping o
 
 
 @contextlib.contextmanager
-def _ciphertext(fd: int, lo: int, hi: int, name: str) -> Iterator[memoryview]:
+def _ciphertext(fd: int, lo: int, hi: int, name: str, held: mmap.mmap | None = None) -> Iterator[memoryview]:
     """Bytes ``[lo, hi)`` of the file for the length of the block. A large range is mapped: AES
     then reads the page cache itself, one pass over the bytes where a read into a buffer first
     costs a copy as well (1.5x the decryption rate of one core here). Safe because every reader of a
     sealed journal holds what keeps it from shrinking (the writer lock or a store's read lock), as
-    :func:`kvstore.journal.read_tokens` does; a range past the file's end is :class:`SealBroken`."""
+    :func:`kvstore.journal.read_tokens` does; a range past the file's end is :class:`SealBroken`.
+    ``held``: a mapping of the file from byte 0 that the caller keeps open
+    (:meth:`SealedKVFile.map_for_reads`), used where it covers the range instead of a new one, and
+    the file still holds the range: a page of a mapping past the file's end (cut by something
+    outside kvstore's locks since it was mapped) would be a SIGBUS, not an error."""
+    if held is not None and not held.closed and MAP_BYTES <= hi - lo and hi <= min(len(held), os.fstat(fd).st_size):
+        whole = memoryview(held)
+        try:
+            yield whole[lo:hi]
+        finally:
+            whole.release()
+        return
     mapped, aligned = None, lo - lo % mmap.ALLOCATIONGRANULARITY
     if hi - lo >= MAP_BYTES:
         try:
@@ -419,7 +432,9 @@ def _scratch(nbytes: int) -> Iterator[memoryview]:
                     _POOL.pop(min(range(len(_POOL)), key=lambda k: _POOL[k].size))
 
 
-def read_records_into(fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int, out: memoryview) -> int:
+def read_records_into(
+    fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int, out: memoryview, held: mmap.mmap | None = None
+) -> int:
     """Decrypt records ``[start, stop)`` straight into ``out`` (bytes, at least their size): the
     covering frames' bytes are mapped (:func:`_ciphertext`; a small range is read into a reused
     buffer), each frame wholly inside the range is decrypted in place in ``out`` (one AEAD call, no
@@ -429,7 +444,7 @@ def read_records_into(fd: int, codec: FrameCodec, table: FrameTable, start: int,
     rec = codec.rec_bytes
     i, j = table.covering(start, stop)
     if i < j and table.ends[j - 1] - table.offsets[i] >= MAP_BYTES:
-        with _ciphertext(fd, table.offsets[i], table.ends[j - 1], codec.name) as raw:
+        with _ciphertext(fd, table.offsets[i], table.ends[j - 1], codec.name, held) as raw:
             _open_frames(codec, table, i, j, raw, table.offsets[i], start, stop, out)
         return (stop - start) * rec
     # a small range (or mapping off): the frames' bytes read a few at a time into a buffer small
@@ -475,13 +490,15 @@ def _open_frames(
             out[(a - start) * rec : (b - start) * rec] = whole.data[(a - first) * rec : (b - first) * rec]
 
 
-def read_records(fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int) -> memoryview:
+def read_records(
+    fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int, held: mmap.mmap | None = None
+) -> memoryview:
     """The plaintext bytes of records ``[start, stop)`` (within the committed ones): only the frames
     covering them are read and decrypted."""
     if stop <= start:
         return memoryview(b"")
     out = np.empty((stop - start) * codec.rec_bytes, dtype=np.uint8).data
-    read_records_into(fd, codec, table, start, stop, out)
+    read_records_into(fd, codec, table, start, stop, out, held)
     return out
 
 
@@ -538,7 +555,13 @@ class SealedImage:
 
 
 def iter_records(
-    fd: int, codec: FrameCodec, table: FrameTable, start: int, stop: int, chunk_records: int
+    fd: int,
+    codec: FrameCodec,
+    table: FrameTable,
+    start: int,
+    stop: int,
+    chunk_records: int,
+    held: mmap.mmap | None = None,
 ) -> Iterator[memoryview]:
     """Records ``[start, stop)`` in chunks of about ``chunk_records`` that end on frames (no frame
     decrypted twice): a frame refused (:class:`SealBroken`) is raised after every good record
@@ -552,7 +575,7 @@ def iter_records(
         while k < j and table.firsts[k] + table.counts[k] - table.firsts[i] <= chunk_records:
             k += 1
         try:
-            plain = read_frames(fd, codec, table, i, k)
+            plain = read_frames(fd, codec, table, i, k, held=held)
         except SealBroken:
             for single in range(i, k):  # yield the good frames before the refused one, then raise
                 plain = read_frames(fd, codec, table, single, single + 1)
@@ -686,9 +709,40 @@ class SealedKVFile(KVFile):
     """
 
     def __init__(self, path, fd, head: SealedHeader, table: FrameTable, tier, lock, dir_fd, target, sealing: Sealing):
+        self._held: mmap.mmap | None = None  # map_for_reads: one mapping for every range read
+        self._hold, self._held_lock = False, threading.Lock()
         super().__init__(path, fd, head.header.with_nrec(table.n_records), table.n_records, tier, lock, dir_fd, target)
         self._sealing = sealing
         self._set_image(head, table)
+
+    def map_for_reads(self) -> None:
+        """Let the range reads of this open file share one mapping of its committed frames, made at
+        the first large read and unmapped at :meth:`close`, where each read would map and unmap its
+        own range: an unmap makes every core the process runs on drop the range from its TLB, and a
+        restore's reading threads unmap a range each per chunk. Only for a file that cannot shrink
+        while it is open: a store's reader, which holds the session's read lock for its life."""
+        self._hold = True
+
+    def _mapping(self) -> mmap.mmap | None:
+        """The held mapping (:meth:`map_for_reads`), made on first use; None where not held."""
+        if not self._hold:
+            return None
+        with self._held_lock:
+            if self._held is None and self._table.end >= MAP_BYTES:
+                try:
+                    self._held = mmap.mmap(self._fd, self._table.end, access=mmap.ACCESS_READ)
+                except (OSError, ValueError):  # no mapping here: each range read as it would be
+                    self._hold = False
+            return self._held
+
+    def close(self) -> None:
+        held, self._held = getattr(self, "_held", None), None
+        if held is not None:
+            try:
+                held.close()
+            except BufferError:  # a view still held (by a traceback's frame): unmapped when it goes
+                pass
+        super().close()
 
     def _set_image(self, head: SealedHeader, table: FrameTable) -> None:
         self._head = head
@@ -767,12 +821,13 @@ class SealedKVFile(KVFile):
     # ------------------------------------------------------------------ reading
     def read_range(self, start: int, stop: int) -> memoryview:
         self._check_open()
-        return read_records(self._fd, self._codec, self._table, start, min(stop, self._commit_point()))
+        return read_records(self._fd, self._codec, self._table, start, min(stop, self._commit_point()), self._mapping())
 
     def iter_records(self, start: int, stop: int, chunk_records: int) -> Iterator[memoryview]:
         """Committed records ``[start, stop)`` decrypted in chunks that end on frames."""
         self._check_open()
-        return iter_records(self._fd, self._codec, self._table, start, min(stop, self._commit_point()), chunk_records)
+        stop = min(stop, self._commit_point())
+        return iter_records(self._fd, self._codec, self._table, start, stop, chunk_records, self._mapping())
 
     def chunk_starts(self, start: int, stop: int, chunk_records: int) -> list[int]:
         """Chunks of committed records ``[start, stop)`` ending on frames (:func:`chunk_starts`)."""
@@ -782,7 +837,8 @@ class SealedKVFile(KVFile):
     def read_into(self, out: memoryview, start: int, stop: int) -> int:
         """Decrypt committed records ``[start, stop)`` straight into ``out``; returns the bytes."""
         self._check_open()
-        return read_records_into(self._fd, self._codec, self._table, start, min(stop, self._commit_point()), out)
+        stop = min(stop, self._commit_point())
+        return read_records_into(self._fd, self._codec, self._table, start, stop, out, self._mapping())
 
     def read_tokens(self, start: int, stop: int) -> np.ndarray:
         raw = self.read_range(start, stop)

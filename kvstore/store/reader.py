@@ -108,6 +108,7 @@ class SessionReader(Reader):
                 self._sealed = ctx.open_journal_file(
                     session.journal, Geometry(*record["geometry"]), stored_tier(record["tier"]), writable=False
                 )
+                self._sealed.map_for_reads()  # the read lock held above keeps it from shrinking
                 header = self._sealed.load_header()
             else:
                 self._fd = ctx.open_journal_reader(session.journal)

@@ -18,7 +18,15 @@ from kvstore.crypto import Keyring, LocalKEK
 from kvstore.errors import EncryptedJournal, FormatError, KeyShredded, SealBroken
 from kvstore.formats import coli_kv
 from kvstore.journal import KVFile
-from kvstore.sealed import FRAME_HEADER_BYTES, SEALED_HEADER_BYTES, SealedHeader, Sealing, append_frames, walk
+from kvstore.sealed import (
+    FRAME_HEADER_BYTES,
+    SEALED_HEADER_BYTES,
+    SealedHeader,
+    SealedKVFile,
+    Sealing,
+    append_frames,
+    walk,
+)
 from store.support import GEOMETRY, Rows
 
 TIER = tiers.FP8
@@ -31,11 +39,20 @@ def ring(tmp_path):
     return Keyring(tmp_path / "keys", LocalKEK(bytes(range(32))), create=True)
 
 
-@pytest.fixture(params=["mapped", "read"])
+@pytest.fixture(params=["mapped", "held", "read"])
 def ranges(request, monkeypatch):
-    """Every range of frames decrypted from a mapping of the file, or read into a buffer first
+    """Every range of frames decrypted from a mapping of the file, from one mapping the open file
+    holds (``SealedKVFile.map_for_reads``, as a store's reader asks), or read into a buffer first
     (``kvstore.sealed.MAP_BYTES``: large ranges are mapped, small ones read)."""
-    monkeypatch.setattr(kvstore.sealed, "MAP_BYTES", 0 if request.param == "mapped" else 1 << 62)
+    monkeypatch.setattr(kvstore.sealed, "MAP_BYTES", 0 if request.param in ("mapped", "held") else 1 << 62)
+    if request.param == "held":
+        made = SealedKVFile.__init__
+
+        def holding(self, *args, **kwargs):
+            made(self, *args, **kwargs)
+            self.map_for_reads()
+
+        monkeypatch.setattr(SealedKVFile, "__init__", holding)
     return request.param
 
 
@@ -177,6 +194,42 @@ def test_a_journal_cut_short_under_an_open_reader_is_refused_not_misread(ring, r
         with pytest.raises(SealBroken, match="ended inside its committed frames"):
             journal.read_range(0, 10)
         assert journal.read_range(0, 3) == expected[: 3 * REC]  # the frame still whole reads
+
+
+def test_a_reader_holds_one_mapping_until_it_closes_and_a_cut_file_is_refused_not_a_crash(ring, tmp_path, monkeypatch):
+    """A file whose reads share one mapping (``map_for_reads``) maps it once, at its first read, and
+    unmaps it at close; cut short under it afterwards (an operator's ``truncate``), a read of the
+    cut frames is :class:`SealBroken` — a page of the mapping past the file's end would kill the
+    process with SIGBUS — and the frames still whole read as before."""
+    import mmap
+
+    path = tmp_path / "chat~alice.coli_kv"
+    batches = (30, 50, 20)  # frames of pages: the cut below leaves whole pages of the mapping past the end
+    make(ring, path, batches)
+    expected = coli_kv.load(plain_twin(tmp_path, batches)).records.tobytes()
+    monkeypatch.setattr(kvstore.sealed, "MAP_BYTES", 0)
+    maps = []
+    real = mmap.mmap
+
+    def counted(*args, **kwargs):
+        made = real(*args, **kwargs)
+        maps.append(made)
+        return made
+
+    monkeypatch.setattr(mmap, "mmap", counted)
+    with KVFile.open(path, sealing=sealed(ring, path)) as journal:
+        journal.map_for_reads()
+        out = np.empty(100 * REC, dtype=np.uint8)
+        for start, stop in ((0, 100), (20, 90), (80, 100)):
+            assert journal.read_into(out.data, start, stop) == (stop - start) * REC
+            assert out[: (stop - start) * REC].tobytes() == expected[start * REC : stop * REC]
+        assert journal.read_range(0, 100) == expected
+        assert len(maps) == 1 and not maps[0].closed  # one mapping for every read
+        os.truncate(path, frames_of(path).ends[0] + 40)  # into the second frame
+        with pytest.raises(SealBroken, match="ended inside its committed frames"):
+            journal.read_into(out.data, 0, 100)
+        assert journal.read_range(0, 30) == expected[: 30 * REC]
+    assert maps[0].closed  # unmapped with the file
 
 
 def test_a_file_that_cannot_be_mapped_is_read(ring, tmp_path, monkeypatch):
