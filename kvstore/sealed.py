@@ -366,35 +366,32 @@ def _ciphertext(fd: int, lo: int, hi: int, name: str, held: mmap.mmap | None = N
     (:meth:`SealedKVFile.map_for_reads`), used where it covers the range instead of a new one, and
     the file still holds the range: a page of a mapping past the file's end (cut by something
     outside kvstore's locks since it was mapped) would be a SIGBUS, not an error."""
+    source, base, owned = None, 0, False  # the mapping the range is read from, its first byte, ours to unmap
     if held is not None and not held.closed and MAP_BYTES <= hi - lo and hi <= min(len(held), os.fstat(fd).st_size):
-        whole = memoryview(held)
+        source = held
+    elif hi - lo >= MAP_BYTES:
+        base = lo - lo % mmap.ALLOCATIONGRANULARITY
         try:
-            yield whole[lo:hi]
-        finally:
-            whole.release()
-        return
-    mapped, aligned = None, lo - lo % mmap.ALLOCATIONGRANULARITY
-    if hi - lo >= MAP_BYTES:
-        try:
-            mapped = mmap.mmap(fd, hi - aligned, access=mmap.ACCESS_READ, offset=aligned)
+            source, owned = mmap.mmap(fd, hi - base, access=mmap.ACCESS_READ, offset=base), True
         except ValueError:  # the mapping would run past the file's end
             raise SealBroken(f"{name}: the journal ended inside its committed frames") from None
         except OSError:  # a file system that cannot map this file: read it as a small range is
-            mapped = None
-    if mapped is None:
+            pass
+    if source is None:
         with _scratch(hi - lo) as view:
             _read_exact(fd, view, lo, name)
             yield view
         return
-    whole = memoryview(mapped)
+    whole = memoryview(source)
     try:
-        yield whole[lo - aligned :]
+        yield whole[lo - base : hi - base]
     finally:
         whole.release()
-        try:
-            mapped.close()
-        except BufferError:  # a slice still held (by a traceback's frame): unmapped when it goes
-            pass
+        if owned:
+            try:
+                source.close()
+            except BufferError:  # a slice still held (by a traceback's frame): unmapped when it goes
+                pass
 
 
 def _read_exact(fd: int, view: memoryview, offset: int, name: str) -> None:
@@ -578,7 +575,7 @@ def iter_records(
             plain = read_frames(fd, codec, table, i, k, held=held)
         except SealBroken:
             for single in range(i, k):  # yield the good frames before the refused one, then raise
-                plain = read_frames(fd, codec, table, single, single + 1)
+                plain = read_frames(fd, codec, table, single, single + 1, held=held)
                 lo = max(start - table.firsts[single], 0) * rec
                 hi = (min(stop, table.firsts[single] + table.counts[single]) - table.firsts[single]) * rec
                 yield plain[lo:hi]
