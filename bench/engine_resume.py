@@ -129,6 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-mib", type=int, help="MiB per chunk of a restore's ring (default: restore.CHUNK_BYTES)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="with --store --encrypt: also N rounds of the first token through both stores in turn, the encrypted "
+        "one with each --sealed-threads count, in one engine (an A/B where the host's drift falls on every column)",
+    )
+    parser.add_argument(
+        "--sealed-threads",
+        type=int,
+        nargs="+",
+        default=[8, 16],
+        help="reading threads of the encrypted restores in --rounds",
+    )
     args = parser.parse_args(argv)
 
     if args.threads:
@@ -167,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_rows = {}
     host_rows = []
     store_rows = []
+    round_rows = []
     memory_rows = []
     store = sealed = None
     try:
@@ -227,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
                     if args.encrypt:
                         sealed = sealed or _store(workdir, encrypted=True)
                         stores.append(("sealed", sealed))
+                    if args.rounds and sealed is not None:
+                        round_rows.extend(
+                            _first_token_rounds(
+                                store, sealed, model, geometry, tier, length, stored, context, args, device
+                            )
+                        )
                     for label, each in stores:
                         store_rows.append(
                             (
@@ -320,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{_fmt_seconds(step_seconds):>11s} {_fmt_seconds(first):>13s} {versus:7.2f}x {file_text:>11s} "
                 f"{'same' if same_rows else 'DIFFER':>8s}"
             )
+    if round_rows:
+        _print_rounds(round_rows, args.sealed_threads)
     if memory_rows:
         print("\nResume from rows in host memory (a fresh engine, graphs warmed: Engine.restore(StoredRows))")
         print("beside restore_file of the same rows; first call of each, then the best of 3 more")
@@ -374,6 +397,68 @@ def _store(workdir: Path, encrypted: bool = False):
 
     kek = write_kek_file(workdir / "kek.hex")
     return kvstore.store.open(workdir / "sealed-store", map_size=1 << 32, kek=kek)
+
+
+def _first_token_rounds(store, sealed, model, geometry, tier, length, stored, context, args, device):
+    """The first token through the plaintext store (its default reading threads) and the encrypted
+    one (each of ``args.sealed_threads``), one after the other in each of ``args.rounds`` rounds,
+    into one warmed engine: per round and column the best of 3 restores, then the step.
+    Returns [(length, tier, round, label, threads, restore s, step s, bytes)]."""
+    session_id = f"rounds-{length}-{tier}"
+    for each in (store, sealed):
+        each.create("bench", geometry, stored.tier, {"name": "bench", "revision": "1"}, session_id=session_id)
+        each.append_records(session_id, stored.record_array(geometry))
+    engine = Engine(model, tier=tier, prefill_chunk=args.prefill_chunk)
+    engine.warm_graphs(length + 1)
+    default_threads = restore.read_threads
+    columns = [("plain", store, None)] + [("sealed", sealed, n) for n in args.sealed_threads]
+    rows = []
+    try:
+        for round_index in range(args.rounds):
+            for label, each, threads in columns:
+                restore.read_threads = (
+                    default_threads if threads is None else (lambda *, decrypting=False, n=threads: n)
+                )
+                times = []
+                for _ in range(3):
+                    with each.reader(session_id) as reader:
+                        times.append(_timed(device, partial(engine.restore_reader, reader))[0])
+                step_seconds, _ = _timed(device, partial(engine.prefill, context))
+                size = each.journal_path(session_id).stat().st_size
+                shown = threads if threads is not None else default_threads(decrypting=False)
+                rows.append((length, tier, round_index, label, shown, min(times), step_seconds, size))
+    finally:
+        restore.read_threads = default_threads
+        for each in (store, sealed):
+            each.delete(session_id)
+    return rows
+
+
+def _print_rounds(rows, sealed_threads) -> None:
+    print("\nFirst token through the plaintext store and the encrypted one in turn, each round in one engine")
+    print("(restore best of 3 + one step, ms; 'x' = encrypted first token / the same round's plaintext one)")
+    head = f"{'tokens':>7s} {'tier':>5s} {'round':>5s} {'plain':>14s}"
+    for n in sealed_threads:
+        head += f" {f'sealed, {n} thr':>22s}"
+    print(head)
+    by_round: dict[tuple, list] = {}
+    for length, tier, round_index, label, threads, seconds, step, size in rows:
+        by_round.setdefault((length, tier, round_index), []).append((label, threads, seconds, step, size))
+    ratios: dict[tuple, list[float]] = {}
+    for (length, tier, round_index), cells in by_round.items():
+        plain = cells[0][2] + cells[0][3]
+        line = f"{length:7d} {tier:>5s} {round_index + 1:5d} {cells[0][2] * 1e3:6.1f}+{cells[0][3] * 1e3:4.1f} ({cells[0][1]})"
+        for _label, threads, seconds, step, size in cells[1:]:
+            ratio = (seconds + step) / plain
+            ratios.setdefault((length, tier, threads), []).append(ratio)
+            line += f" {seconds * 1e3:6.1f}+{step * 1e3:4.1f} {size / seconds / 1e9:5.2f}GB/s {ratio:4.2f}x"
+        print(line)
+    for (length, tier, threads), values in ratios.items():
+        values = sorted(values)
+        print(
+            f"{length:7d} {tier:>5s} sealed {threads:2d} threads: first token vs plain, median {values[len(values) // 2]:.2f}x "
+            f"(range {values[0]:.2f}-{values[-1]:.2f}x over {len(values)} rounds)"
+        )
 
 
 def _store_resume(store, model, geometry, tier, length, stored, context, reference, prefill_chunk, device):
