@@ -357,7 +357,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compiled steps run each layer as its own regions, not its outputs with the next layer's inputs",
     )
+    parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="compiled regions launch without programmatic dependent launch (model.DEPENDENT_LAUNCH; sm_90+ only)",
+    )
     args = parser.parse_args(argv)
+    model_module.DEPENDENT_LAUNCH = not args.no_pdl
     codecs.use_encode_kernels(not args.torch_encode)
     products.REDUCED_TOKENS = args.reduced_tokens
     model_module.MERGED_REGIONS = not args.layer_regions

@@ -54,6 +54,12 @@ RECOMPILE_LIMIT = 64
 # bench/engine_decode.py --layer-regions turns it off); read by compile_decode
 MERGED_REGIONS = True
 
+# Compiled regions launch with programmatic dependent launch on Hopper and later (inductor's
+# triton.enable_pdl: a kernel's prologue overlaps the end of the one before, where a step of ~530
+# kernels spends much of its time): measured on an H100 (BENCHMARKS.md; bench/engine_decode.py
+# --no-pdl turns it off); read by compile_decode
+DEPENDENT_LAUNCH = True
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, computed in f32 and cast back before the weight."""
@@ -561,6 +567,8 @@ class MLAForCausalLM(nn.Module):
         # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
         # step computes what the eager one does (not a more precise, different answer).
         options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
+        if dependent_launch(self.device):
+            options["triton.enable_pdl"] = True
         # A region compiles once per decode batch size and layer kind (dense, MoE): a scheduler's
         # size classes (1, 2, 4, ... max batch) times two outgrow dynamo's default of 8 graphs a
         # function, past which it runs the region eagerly for every new size.
@@ -579,6 +587,19 @@ class MLAForCausalLM(nn.Module):
             last=torch.compile(DecoderLayer.step_last, options=options) if merged else None,
         )
         return True
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether compiled regions on ``device`` launch with programmatic dependent launch: asked for
+    (``DEPENDENT_LAUNCH``), a GPU that has it (sm_90+), and an inductor that offers it."""
+    import torch._inductor.config as inductor_config
+
+    return (
+        DEPENDENT_LAUNCH
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+        and hasattr(inductor_config.triton, "enable_pdl")
+    )
 
 
 @dataclass(frozen=True)

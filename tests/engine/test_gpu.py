@@ -75,8 +75,9 @@ def test_compiled_encoders_write_the_format_bytes():
 def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     """bf16 V2-style layers (grouped experts) on CUDA: the compiled regions give the eager step's
     logits up to bf16 rounding and write the same rows — as compiled by default (the small products
-    as reductions, kvstore.engine.products, in merged regions, model.MERGED_REGIONS), and with
-    both switched off (cuBLAS's GEMMs, each layer its own regions)."""
+    as reductions, kvstore.engine.products, in merged regions, model.MERGED_REGIONS, launched with
+    programmatic dependent launch on sm_90+, model.DEPENDENT_LAUNCH), and with all three switched off
+    (cuBLAS's GEMMs, each layer its own regions, plain launches)."""
     import torch._dynamo
 
     from kvstore.engine import model as model_module
@@ -86,6 +87,10 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     if variant == "gemms-layered":
         monkeypatch.setattr(products, "REDUCED_TOKENS", 0)
         monkeypatch.setattr(model_module, "MERGED_REGIONS", False)
+        monkeypatch.setattr(model_module, "DEPENDENT_LAUNCH", False)
+    assert model_module.dependent_launch(CUDA) == (
+        variant != "gemms-layered" and torch.cuda.get_device_capability(CUDA) >= (9, 0)
+    )
     torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")

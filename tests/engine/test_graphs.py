@@ -44,6 +44,16 @@ def test_decode_step_equals_the_plain_absorbed_step(tier):
         torch.testing.assert_close(field[:, : len(prompt)], plain.cache._fields[name][:, : len(prompt)])
 
 
+def test_a_cpu_step_stays_eager_and_never_asks_for_dependent_launch():
+    """The compiled regions (and their dependent launches, sm_90+ only) are CUDA's: on the CPU the
+    step is the eager one the transformers oracle tests pin."""
+    from kvstore.engine import model as model_module
+
+    model = random_model(preset("tiny"), seed=0)
+    assert not model.compile_decode()
+    assert model_module.DEPENDENT_LAUNCH and not model_module.dependent_launch(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_merged_regions_give_the_layer_by_layer_steps_logits_and_rows(compiled):
     """A step whose regions run each layer's outputs with the next layer's inputs (and the last
