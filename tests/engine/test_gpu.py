@@ -127,6 +127,48 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
             assert float((fused[-1] - eager[-1]).abs().max()) <= 0.1 * float(eager[-1].abs().max())
 
 
+@pytest.mark.parametrize("tier", ["fp8", "int4"])
+def test_dependent_launches_change_no_bit_of_a_decode(tier, monkeypatch):
+    """Programmatic dependent launch lets a compiled kernel start before the one ahead of it ends,
+    and it waits for that one's results before it reads them: the tokens of a greedy decode through
+    the compiled step in CUDA graphs — one session, then three together — and every row they wrote
+    are bit for bit those of plain launches. A kernel that read ahead of its input would show here
+    as another row or token."""
+    import torch._dynamo
+
+    from kvstore.engine import model as model_module
+    from kvstore.engine.batch import BatchSequence
+
+    if not model_module.dependent_launch(CUDA):
+        pytest.skip("no programmatic dependent launch on this GPU or in this torch")
+    cfg = preset("tiny-512")
+    geometry = cfg.coli_geometry()
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(2, cfg.vocab_size, 200)
+    contexts = [rng.integers(2, cfg.vocab_size, n) for n in (40, 300, 1100)]
+    runs = []
+    for dependent in (True, False):
+        monkeypatch.setattr(model_module, "DEPENDENT_LAUNCH", dependent)
+        torch._dynamo.reset()  # the regions are compiled afresh under this setting
+        model = random_model(cfg, seed=7, device=CUDA, dtype="bfloat16")
+        engine = Engine(model, tier=tier)
+        assert model.regions.compiled
+        alone = engine.generate(prompt, max_new_tokens=48, stop_tokens=())
+        rows = engine.export_rows(0, engine.cache.length).record_array(geometry).tobytes()
+        batch = []
+        for context in contexts:
+            writer = Engine(model, tier=tier)
+            writer.prefill(context[:-1])
+            cache = engine.new_cache()
+            cache.restore(writer.export_rows())
+            batch.append(BatchSequence(cache, context[-1:]))
+        together = engine.generate_batch(batch, max_new_tokens=24, stop_tokens=())
+        batch_rows = [seq.cache.export_rows().record_array(geometry).tobytes() for seq in batch]
+        runs.append((list(alone.tokens), rows, [list(t) for t in together.tokens], batch_rows))
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
+    assert runs[0][2] == runs[1][2] and runs[0][3] == runs[1][3]
+
+
 @pytest.mark.parametrize("tier", ["fp8", "int4", "polar4", "q8", "bf16"])
 def test_selected_decode_backend_agrees_with_the_torch_path(tier):
     geometry = CacheGeometry.of(preset("v2-lite"))
