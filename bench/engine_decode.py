@@ -358,12 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         help="compiled steps run each layer as its own regions, not its outputs with the next layer's inputs",
     )
     parser.add_argument(
-        "--no-pdl",
+        "--pdl",
         action="store_true",
-        help="compiled regions launch without programmatic dependent launch (model.DEPENDENT_LAUNCH; sm_90+ only)",
+        help="compiled regions launch with programmatic dependent launch (model.DEPENDENT_LAUNCH, sm_90+; "
+        "off by default: it changes a decode's rows, see BENCHMARKS.md)",
     )
     args = parser.parse_args(argv)
-    model_module.DEPENDENT_LAUNCH = not args.no_pdl
+    model_module.DEPENDENT_LAUNCH = args.pdl
     codecs.use_encode_kernels(not args.torch_encode)
     products.REDUCED_TOKENS = args.reduced_tokens
     model_module.MERGED_REGIONS = not args.layer_regions

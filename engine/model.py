@@ -54,11 +54,12 @@ RECOMPILE_LIMIT = 64
 # bench/engine_decode.py --layer-regions turns it off); read by compile_decode
 MERGED_REGIONS = True
 
-# Compiled regions launch with programmatic dependent launch on Hopper and later (inductor's
-# triton.enable_pdl: a kernel's prologue overlaps the end of the one before, where a step of ~530
-# kernels spends much of its time): measured on an H100 (BENCHMARKS.md; bench/engine_decode.py
-# --no-pdl turns it off); read by compile_decode
-DEPENDENT_LAUNCH = True
+# Compiled regions may launch with programmatic dependent launch on Hopper and later (inductor's
+# triton.enable_pdl: a kernel starts while the one before it ends; +8% tokens/s at 1k on an H100).
+# Off: with it, a greedy decode's rows differ from the second graph replay on, identically from run
+# to run — a kernel reading a buffer before the kernel writing it is done (BENCHMARKS.md;
+# tests/engine/test_gpu.py holds it as a known failure). bench/engine_decode.py --pdl turns it on.
+DEPENDENT_LAUNCH = False
 
 
 class RMSNorm(nn.Module):
@@ -589,17 +590,22 @@ class MLAForCausalLM(nn.Module):
         return True
 
 
-def dependent_launch(device: torch.device) -> bool:
-    """Whether compiled regions on ``device`` launch with programmatic dependent launch: asked for
-    (``DEPENDENT_LAUNCH``), a GPU that has it (sm_90+), and an inductor that offers it."""
+def dependent_launch_available(device: torch.device) -> bool:
+    """Whether compiled regions on ``device`` could launch with programmatic dependent launch: a
+    GPU that has it (sm_90+) and an inductor that offers it."""
     import torch._inductor.config as inductor_config
 
     return (
-        DEPENDENT_LAUNCH
-        and device.type == "cuda"
+        device.type == "cuda"
         and torch.cuda.get_device_capability(device) >= (9, 0)
         and hasattr(inductor_config.triton, "enable_pdl")
     )
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether compiled regions on ``device`` launch with programmatic dependent launch: asked for
+    (``DEPENDENT_LAUNCH``) where it is available."""
+    return DEPENDENT_LAUNCH and dependent_launch_available(device)
 
 
 @dataclass(frozen=True)

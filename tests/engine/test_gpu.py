@@ -75,9 +75,8 @@ def test_compiled_encoders_write_the_format_bytes():
 def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     """bf16 V2-style layers (grouped experts) on CUDA: the compiled regions give the eager step's
     logits up to bf16 rounding and write the same rows — as compiled by default (the small products
-    as reductions, kvstore.engine.products, in merged regions, model.MERGED_REGIONS, launched with
-    programmatic dependent launch on sm_90+, model.DEPENDENT_LAUNCH), and with all three switched off
-    (cuBLAS's GEMMs, each layer its own regions, plain launches)."""
+    as reductions, kvstore.engine.products, in merged regions, model.MERGED_REGIONS), and with
+    both switched off (cuBLAS's GEMMs, each layer its own regions)."""
     import torch._dynamo
 
     from kvstore.engine import model as model_module
@@ -87,10 +86,6 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     if variant == "gemms-layered":
         monkeypatch.setattr(products, "REDUCED_TOKENS", 0)
         monkeypatch.setattr(model_module, "MERGED_REGIONS", False)
-        monkeypatch.setattr(model_module, "DEPENDENT_LAUNCH", False)
-    assert model_module.dependent_launch(CUDA) == (
-        variant != "gemms-layered" and torch.cuda.get_device_capability(CUDA) >= (9, 0)
-    )
     torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")
@@ -127,19 +122,26 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
             assert float((fused[-1] - eager[-1]).abs().max()) <= 0.1 * float(eager[-1].abs().max())
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="with inductor's dependent launches a decode's rows differ from the second graph replay on "
+    "(H100, torch 2.11): a kernel reads a buffer before its writer is done; model.DEPENDENT_LAUNCH stays off",
+)
 @pytest.mark.parametrize("tier", ["fp8", "int4"])
 def test_dependent_launches_change_no_bit_of_a_decode(tier, monkeypatch):
-    """Programmatic dependent launch lets a compiled kernel start before the one ahead of it ends,
-    and it waits for that one's results before it reads them: the tokens of a greedy decode through
-    the compiled step in CUDA graphs — one session, then three together — and every row they wrote
-    are bit for bit those of plain launches. A kernel that read ahead of its input would show here
-    as another row or token."""
+    """Programmatic dependent launch lets a compiled kernel start before the one ahead of it ends;
+    it must wait for that one's results before it reads them. Then the tokens of a greedy decode
+    through the compiled step in CUDA graphs — one session, then three together — and every row
+    they wrote are bit for bit those of plain launches. A kernel that read ahead of its input shows
+    here as another row or token (the first replay hides it: the eager runs before the capture left
+    the same values in the buffers). Marked a known failure: when it passes, strict xfail fails the
+    suite, and the switch can be looked at again."""
     import torch._dynamo
 
     from kvstore.engine import model as model_module
     from kvstore.engine.batch import BatchSequence
 
-    if not model_module.dependent_launch(CUDA):
+    if not model_module.dependent_launch_available(CUDA):
         pytest.skip("no programmatic dependent launch on this GPU or in this torch")
     cfg = preset("tiny-512")
     geometry = cfg.coli_geometry()

@@ -44,14 +44,16 @@ def test_decode_step_equals_the_plain_absorbed_step(tier):
         torch.testing.assert_close(field[:, : len(prompt)], plain.cache._fields[name][:, : len(prompt)])
 
 
-def test_a_cpu_step_stays_eager_and_never_asks_for_dependent_launch():
-    """The compiled regions (and their dependent launches, sm_90+ only) are CUDA's: on the CPU the
-    step is the eager one the transformers oracle tests pin."""
+def test_a_cpu_step_stays_eager_and_never_asks_for_dependent_launch(monkeypatch):
+    """The compiled regions (and their dependent launches, sm_90+ only, off by default) are CUDA's:
+    on the CPU the step is the eager one the transformers oracle tests pin, switch or not."""
     from kvstore.engine import model as model_module
 
+    assert not model_module.DEPENDENT_LAUNCH
+    monkeypatch.setattr(model_module, "DEPENDENT_LAUNCH", True)
     model = random_model(preset("tiny"), seed=0)
     assert not model.compile_decode()
-    assert model_module.DEPENDENT_LAUNCH and not model_module.dependent_launch(torch.device("cpu"))
+    assert not model_module.dependent_launch(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
