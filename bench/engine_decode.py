@@ -353,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         "reductions (0: cuBLAS's GEMMs for every step)",
     )
     parser.add_argument(
+        "--reduced-projections",
+        action="store_true",
+        help="compiled steps of at most --reduced-tokens tokens also take the attention's input and output "
+        "projections as reductions (products.REDUCED_PROJECTIONS; off until measured)",
+    )
+    parser.add_argument(
         "--layer-regions",
         action="store_true",
         help="compiled steps run each layer as its own regions, not its outputs with the next layer's inputs",
@@ -367,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     model_module.DEPENDENT_LAUNCH = args.pdl
     codecs.use_encode_kernels(not args.torch_encode)
     products.REDUCED_TOKENS = args.reduced_tokens
+    products.REDUCED_PROJECTIONS = args.reduced_projections
     model_module.MERGED_REGIONS = not args.layer_regions
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile_rows

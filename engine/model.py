@@ -119,9 +119,8 @@ class MLAttention(nn.Module):
         first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
         fused = getattr(self, "_x_proj", None)
         if fused is not None:  # both of x's projections in one GEMM (fuse_x_projections)
-            q, compressed = F.linear(x, fused).split(
-                [first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], -1
-            )
+            both = products.project_rows(x, fused) if products.as_projection_reduction(x) else F.linear(x, fused)
+            q, compressed = both.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], -1)
         else:
             q, compressed = first(x), self.kv_a_proj_with_mqa(x)
         if not hasattr(self, "q_proj"):
@@ -212,7 +211,10 @@ class MLAttention(nn.Module):
             out = products.head_products(ctx_lat, w_uv, contract_last=True)
         else:
             out = torch.bmm(ctx_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(out.reshape(ctx_lat.shape[0], self.n_heads * self.v_dim))
+        flat = out.reshape(ctx_lat.shape[0], self.n_heads * self.v_dim)
+        if products.as_projection_reduction(flat):
+            return products.project_rows(flat, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(flat)
 
     def _absorbed(
         self, q_nope, q_rope, cache, seq_len: torch.Tensor, n_rows: int, seq_start: torch.Tensor | None = None

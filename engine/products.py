@@ -20,12 +20,28 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REDUCED_TOKENS", "as_reduction", "head_products", "linear_rows", "weighted_sum"]
+__all__ = [
+    "REDUCED_PROJECTIONS",
+    "REDUCED_TOKENS",
+    "as_projection_reduction",
+    "as_reduction",
+    "head_products",
+    "linear_rows",
+    "project_rows",
+    "weighted_sum",
+]
 
 #: steps of at most this many tokens take the reductions; more reuse the weights through a GEMM.
 #: Measured on an H100 with the encode kernel and merged regions (BENCHMARKS.md); 0 turns them off
 #: (``bench/engine_decode.py --reduced-tokens 0``)
 REDUCED_TOKENS = 4
+
+#: The attention's input projections (one fused weight) and its output projection as reductions too,
+#: in the same steps: inductor can then fold the norm before them and the split, rotary and cast
+#: after them into the product's kernel, where cuBLAS read those 23 MB a layer at ~58% of the copy
+#: bandwidth (an H100 profile, BENCHMARKS.md). Built with no GPU: off until measured
+#: (``bench/engine_decode.py --reduced-projections``).
+REDUCED_PROJECTIONS = False
 
 
 def as_reduction(x: torch.Tensor, *, any_tokens: bool = False) -> bool:
@@ -33,6 +49,12 @@ def as_reduction(x: torch.Tensor, *, any_tokens: bool = False) -> bool:
     (with ``any_tokens``, for a product that reads no weights, T any: while the reductions are on)."""
     few = 0 < x.shape[0] <= REDUCED_TOKENS or (any_tokens and REDUCED_TOKENS > 0)
     return x.is_cuda and few and torch.compiler.is_compiling()
+
+
+def as_projection_reduction(x: torch.Tensor) -> bool:
+    """Whether the attention's projections of ``x`` [T, K] run as reductions: switched on
+    (``REDUCED_PROJECTIONS``) and where the other products do (:func:`as_reduction`)."""
+    return REDUCED_PROJECTIONS and as_reduction(x)
 
 
 def head_products(x: torch.Tensor, w: torch.Tensor, *, contract_last: bool) -> torch.Tensor:
@@ -50,6 +72,15 @@ def head_products(x: torch.Tensor, w: torch.Tensor, *, contract_last: bool) -> t
 def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x`` [T, K] @ ``w`` [N, K]^T in f32: [T, N]."""
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1)
+
+
+def project_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [T, K] @ ``w`` [N, K]^T (+ ``bias``) as ``F.linear`` gives it: f32 sums (the bias
+    added in f32), rounded once to ``x``'s dtype."""
+    out = linear_rows(x, w)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
 def weighted_sum(weights: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

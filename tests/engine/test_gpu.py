@@ -70,13 +70,14 @@ def test_compiled_encoders_write_the_format_bytes():
             assert same.mean() >= (1.0 if tier is FP8 else 0.9999), (tier.name, name, same.mean())
 
 
-@pytest.mark.parametrize("variant", ["default", "gemms-layered"])
+@pytest.mark.parametrize("variant", ["default", "gemms-layered", "reduced-projections"])
 @pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
 def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     """bf16 V2-style layers (grouped experts) on CUDA: the compiled regions give the eager step's
     logits up to bf16 rounding and write the same rows — as compiled by default (the small products
-    as reductions, kvstore.engine.products, in merged regions, model.MERGED_REGIONS), and with
-    both switched off (cuBLAS's GEMMs, each layer its own regions)."""
+    as reductions, kvstore.engine.products, in merged regions, model.MERGED_REGIONS), with
+    both switched off (cuBLAS's GEMMs, each layer its own regions), and with the attention's
+    projections as reductions too (products.REDUCED_PROJECTIONS, off by default until measured)."""
     import torch._dynamo
 
     from kvstore.engine import model as model_module
@@ -86,6 +87,8 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     if variant == "gemms-layered":
         monkeypatch.setattr(products, "REDUCED_TOKENS", 0)
         monkeypatch.setattr(model_module, "MERGED_REGIONS", False)
+    if variant == "reduced-projections":
+        monkeypatch.setattr(products, "REDUCED_PROJECTIONS", True)
     torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")

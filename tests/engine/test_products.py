@@ -52,6 +52,20 @@ def test_linear_rows_is_the_routers_f32_product():
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_project_rows_is_the_linear_layer_rounded_once(bias):
+    """The attention's projections as reductions give ``F.linear``'s bf16 values: f32 sums, the bias
+    added in f32, one rounding (at most one bf16 step from the exact product)."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(3, 2048, generator=gen).bfloat16()
+    w = (torch.randn(576, 2048, generator=gen) * 0.02).bfloat16()
+    b = torch.randn(576, generator=gen).bfloat16() if bias else None
+    got = products.project_rows(x, w, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 576)
+    assert _ulps_apart(got, want.bfloat16()) <= 1
+
+
 def test_weighted_sum_is_the_bmm_over_each_tokens_experts():
     gen = torch.Generator().manual_seed(11)
     y = torch.randn(5, 8, 2048, generator=gen).bfloat16()
@@ -81,6 +95,41 @@ def test_the_reductions_are_taken_only_by_a_compiled_cuda_step_of_a_few_tokens(m
     assert not products.as_reduction(cuda_like)
     monkeypatch.setattr(products, "REDUCED_TOKENS", 0)  # the switch off: nothing takes them
     assert not products.as_reduction(x, any_tokens=True)
+
+
+def test_the_projections_take_reductions_only_when_switched_on_where_the_others_do(monkeypatch):
+    x = torch.zeros(1, 8)
+    monkeypatch.setattr(products, "as_reduction", lambda t, any_tokens=False: True)  # a compiled CUDA step
+    assert not products.REDUCED_PROJECTIONS and not products.as_projection_reduction(x)
+    monkeypatch.setattr(products, "REDUCED_PROJECTIONS", True)
+    assert products.as_projection_reduction(x)
+    monkeypatch.setattr(products, "as_reduction", lambda t, any_tokens=False: False)  # eager, or the CPU
+    assert not products.as_projection_reduction(x)
+
+
+def test_the_projections_as_reductions_give_the_layers_outputs(monkeypatch):
+    """The attention's ``project`` and ``latent_output`` with the projections taken as reductions (as
+    a compiled CUDA step would, forced here on the CPU) give the GEMMs' values within rounding."""
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    attn = MLAttention(cfg, 0)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.05)
+    attn.fuse_x_projections()
+    from kvstore.engine.rotary import Rotary
+
+    rotary = Rotary(cfg)
+    x = torch.randn(2, cfg.hidden_size)
+    positions = torch.tensor([5, 6])
+    cos, sin = rotary(positions)
+    ctx = torch.randn(2, cfg.num_attention_heads, cfg.kv_lora_rank)
+    want = attn.project(x, cos, sin, rotary), attn.latent_output(ctx)
+    monkeypatch.setattr(products, "REDUCED_PROJECTIONS", True)
+    monkeypatch.setattr(products, "as_reduction", lambda t, any_tokens=False: True)
+    got = attn.project(x, cos, sin, rotary), attn.latent_output(ctx)
+    for g, w in zip([*got[0], got[1]], [*want[0], want[1]]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_eager_attention_products_are_unchanged_by_the_module():
