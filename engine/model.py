@@ -570,8 +570,12 @@ class MLAForCausalLM(nn.Module):
         # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
         # step computes what the eager one does (not a more precise, different answer).
         options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
-        if dependent_launch(self.device):
-            options["triton.enable_pdl"] = True
+        import torch._inductor.config as inductor_config
+
+        if hasattr(inductor_config.triton, "enable_pdl"):
+            # said either way: TORCHINDUCTOR_ENABLE_PDL=1 in the environment must not turn on, for
+            # these regions, what changed a decode's rows (DEPENDENT_LAUNCH)
+            options["triton.enable_pdl"] = dependent_launch(self.device)
         # A region compiles once per decode batch size and layer kind (dense, MoE): a scheduler's
         # size classes (1, 2, 4, ... max batch) times two outgrow dynamo's default of 8 graphs a
         # function, past which it runs the region eagerly for every new size.
