@@ -107,15 +107,21 @@ def test_the_projections_take_reductions_only_when_switched_on_where_the_others_
     assert not products.as_projection_reduction(x)
 
 
-def test_the_projections_as_reductions_give_the_layers_outputs(monkeypatch):
-    """The attention's ``project`` and ``latent_output`` with the projections taken as reductions (as
-    a compiled CUDA step would, forced here on the CPU) give the GEMMs' values within rounding."""
-    cfg = preset("tiny")
+def _attention(cfg) -> MLAttention:
+    """Layer 0's attention of ``cfg`` with small random weights (seeded)."""
     torch.manual_seed(0)
     attn = MLAttention(cfg, 0)
     with torch.no_grad():
         for p in attn.parameters():
             p.normal_(0, 0.05)
+    return attn
+
+
+def test_the_projections_as_reductions_give_the_layers_outputs(monkeypatch):
+    """The attention's ``project`` and ``latent_output`` with the projections taken as reductions (as
+    a compiled CUDA step would, forced here on the CPU) give the GEMMs' values within rounding."""
+    cfg = preset("tiny")
+    attn = _attention(cfg)
     attn.fuse_x_projections()
     from kvstore.engine.rotary import Rotary
 
@@ -136,11 +142,7 @@ def test_eager_attention_products_are_unchanged_by_the_module():
     """Outside a compiled region the layer's products are the bmm they always were (the
     transformers oracle tests pin that order on the CPU)."""
     cfg = preset("tiny")
-    torch.manual_seed(0)
-    attn = MLAttention(cfg, 0)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, 0.05)
+    attn = _attention(cfg)
     q_nope = torch.randn(2, cfg.num_attention_heads, cfg.qk_nope_head_dim)
     w_uk, _ = attn._uk_uv()
     want = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).float()
