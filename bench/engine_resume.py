@@ -399,6 +399,22 @@ def _store(workdir: Path, encrypted: bool = False):
     return kvstore.store.open(workdir / "sealed-store", map_size=1 << 32, kek=kek)
 
 
+def _store_session(store, session_id: str, geometry, stored) -> None:
+    """``stored`` (StoredRows) as the session ``session_id`` of ``store``, owner "bench"."""
+    store.create("bench", geometry, stored.tier, {"name": "bench", "revision": "1"}, session_id=session_id)
+    store.append_records(session_id, stored.record_array(geometry))
+
+
+def _best_reader_restore(store, session_id: str, engine, device) -> float:
+    """Seconds of the best of 3 ``Engine.restore_reader`` of the session, each through a reader of
+    its own, as a server's turn opens one (the first restore of a process also maps the pages)."""
+    times = []
+    for _ in range(3):
+        with store.reader(session_id) as reader:
+            times.append(_timed(device, partial(engine.restore_reader, reader))[0])
+    return min(times)
+
+
 def _first_token_rounds(store, sealed, model, geometry, tier, length, stored, context, args, device):
     """The first token through the plaintext store (its default reading threads) and the encrypted
     one (each of ``args.sealed_threads``), one after the other in each of ``args.rounds`` rounds,
@@ -406,8 +422,10 @@ def _first_token_rounds(store, sealed, model, geometry, tier, length, stored, co
     Returns [(length, tier, round, label, threads, restore s, step s, bytes)]."""
     session_id = f"rounds-{length}-{tier}"
     for each in (store, sealed):
-        each.create("bench", geometry, stored.tier, {"name": "bench", "revision": "1"}, session_id=session_id)
-        each.append_records(session_id, stored.record_array(geometry))
+        _store_session(each, session_id, geometry, stored)
+    sizes = {
+        label: each.journal_path(session_id).stat().st_size for label, each in (("plain", store), ("sealed", sealed))
+    }
     engine = Engine(model, tier=tier, prefill_chunk=args.prefill_chunk)
     engine.warm_graphs(length + 1)
     default_threads = restore.read_threads
@@ -419,14 +437,10 @@ def _first_token_rounds(store, sealed, model, geometry, tier, length, stored, co
                 restore.read_threads = (
                     default_threads if threads is None else (lambda *, decrypting=False, n=threads: n)
                 )
-                times = []
-                for _ in range(3):
-                    with each.reader(session_id) as reader:
-                        times.append(_timed(device, partial(engine.restore_reader, reader))[0])
+                seconds = _best_reader_restore(each, session_id, engine, device)
                 step_seconds, _ = _timed(device, partial(engine.prefill, context))
-                size = each.journal_path(session_id).stat().st_size
                 shown = threads if threads is not None else default_threads(decrypting=False)
-                rows.append((length, tier, round_index, label, shown, min(times), step_seconds, size))
+                rows.append((length, tier, round_index, label, shown, seconds, step_seconds, sizes[label]))
     finally:
         restore.read_threads = default_threads
         for each in (store, sealed):
@@ -466,15 +480,10 @@ def _store_resume(store, model, geometry, tier, length, stored, context, referen
     server does) and run the new token: (length, tier, restore s, step s, restore_file s, bytes,
     same rows as the file's restore)."""
     session_id = f"bench-{length}-{tier}"
-    store.create("bench", geometry, stored.tier, {"name": "bench", "revision": "1"}, session_id=session_id)
-    store.append_records(session_id, stored.record_array(geometry))
+    _store_session(store, session_id, geometry, stored)
     engine = Engine(model, tier=tier, prefill_chunk=prefill_chunk)
     engine.warm_graphs(length + 1)
-    times = []
-    for _ in range(3):  # the first restore of a process also maps the journal's pages
-        with store.reader(session_id) as reader:
-            seconds, _ = _timed(device, partial(engine.restore_reader, reader))
-        times.append(seconds)
+    restore_seconds = _best_reader_restore(store, session_id, engine, device)
     step_seconds, _ = _timed(device, partial(engine.prefill, context))
     path = store.journal_path(session_id)
     file_seconds = None  # an encrypted journal is no .coli_kv file: restore_file refuses it
@@ -487,7 +496,7 @@ def _store_resume(store, model, geometry, tier, length, stored, context, referen
     )
     size = path.stat().st_size
     store.delete(session_id)
-    return length, tier, min(times), step_seconds, file_seconds, size, same
+    return length, tier, restore_seconds, step_seconds, file_seconds, size, same
 
 
 if __name__ == "__main__":

@@ -570,9 +570,7 @@ class MLAForCausalLM(nn.Module):
         # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
         # step computes what the eager one does (not a more precise, different answer).
         options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
-        import torch._inductor.config as inductor_config
-
-        if hasattr(inductor_config.triton, "enable_pdl"):
+        if _inductor_offers_dependent_launch():
             # said either way: TORCHINDUCTOR_ENABLE_PDL=1 in the environment must not turn on, for
             # these regions, what changed a decode's rows (DEPENDENT_LAUNCH)
             options["triton.enable_pdl"] = dependent_launch(self.device)
@@ -596,15 +594,20 @@ class MLAForCausalLM(nn.Module):
         return True
 
 
+def _inductor_offers_dependent_launch() -> bool:
+    """Whether this torch's inductor has the ``triton.enable_pdl`` option."""
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl")
+
+
 def dependent_launch_available(device: torch.device) -> bool:
     """Whether compiled regions on ``device`` could launch with programmatic dependent launch: a
     GPU that has it (sm_90+) and an inductor that offers it."""
-    import torch._inductor.config as inductor_config
-
     return (
         device.type == "cuda"
         and torch.cuda.get_device_capability(device) >= (9, 0)
-        and hasattr(inductor_config.triton, "enable_pdl")
+        and _inductor_offers_dependent_launch()
     )
 
 

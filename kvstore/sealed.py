@@ -733,7 +733,7 @@ class SealedKVFile(KVFile):
             return self._held
 
     def close(self) -> None:
-        held, self._held = getattr(self, "_held", None), None
+        held, self._held = self._held, None
         if held is not None:
             try:
                 held.close()
