@@ -353,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         "reductions (0: cuBLAS's GEMMs for every step)",
     )
     parser.add_argument(
-        "--reduced-projections",
+        "--gemm-projections",
         action="store_true",
-        help="compiled steps of at most --reduced-tokens tokens also take the attention's input and output "
-        "projections as reductions (products.REDUCED_PROJECTIONS; off until measured)",
+        help="the attention's input and output projections as cuBLAS's GEMMs in every step, not as "
+        "reductions in steps of at most --reduced-tokens tokens (products.REDUCED_PROJECTIONS off)",
     )
     parser.add_argument(
         "--layer-regions",
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     model_module.DEPENDENT_LAUNCH = args.pdl
     codecs.use_encode_kernels(not args.torch_encode)
     products.REDUCED_TOKENS = args.reduced_tokens
-    products.REDUCED_PROJECTIONS = args.reduced_projections
+    products.REDUCED_PROJECTIONS = not args.gemm_projections
     model_module.MERGED_REGIONS = not args.layer_regions
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile_rows

@@ -55,10 +55,12 @@ RECOMPILE_LIMIT = 64
 MERGED_REGIONS = True
 
 # Compiled regions may launch with programmatic dependent launch on Hopper and later (inductor's
-# triton.enable_pdl: a kernel starts while the one before it ends; +8% tokens/s at 1k on an H100).
-# Off: with it, a greedy decode's rows differ from the second graph replay on, identically from run
-# to run — a kernel reading a buffer before the kernel writing it is done (BENCHMARKS.md;
-# tests/engine/test_gpu.py holds it as a known failure). bench/engine_decode.py --pdl turns it on.
+# triton.enable_pdl: a kernel starts while the one before it ends; +8-10% tokens/s at 1k on an H100).
+# With inductor's own waits a greedy decode's rows differed from the second graph replay on (a
+# kernel read a buffer two kernels back before its writer was done); wait_before_every_access
+# closes that, and fp8 decodes bit for bit as with plain launches. Off while int4's rows still part
+# late, at a row that moves between processes (BENCHMARKS.md; tests/engine/test_gpu.py).
+# bench/engine_decode.py --pdl turns it on.
 DEPENDENT_LAUNCH = False
 
 
@@ -613,8 +615,46 @@ def dependent_launch_available(device: torch.device) -> bool:
 
 def dependent_launch(device: torch.device) -> bool:
     """Whether compiled regions on ``device`` launch with programmatic dependent launch: asked for
-    (``DEPENDENT_LAUNCH``) where it is available."""
-    return DEPENDENT_LAUNCH and dependent_launch_available(device)
+    (``DEPENDENT_LAUNCH``) where it is available. When so, every kernel inductor writes for them
+    waits on the kernel before it (``wait_before_every_access``)."""
+    return DEPENDENT_LAUNCH and dependent_launch_available(device) and wait_before_every_access()
+
+
+def wait_before_every_access() -> bool:
+    """Make inductor's dependent-launch kernels wait for the grid before them ahead of their first
+    load or store, whichever kernel wrote what they touch.
+
+    Inductor (torch 2.11) puts the wait before an access only when the kernel just before wrote (or,
+    for a store, read) that buffer, and otherwise after the first load. A kernel that loads nothing
+    (a fill, an iota) then never waits and may end before the kernel ahead of it does; the kernel
+    after it waits only on it, so it can read a buffer two kernels back that is still being written:
+    the rows that differed from the second replay on. Here inductor's own placement runs as if every
+    kernel were a region's first, which always waits. Process-wide, idempotent, and it changes only
+    code generated with ``triton.enable_pdl``. False where this inductor places its waits in some
+    other way: the regions then launch plainly."""
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.virtualized import V
+
+    placement = getattr(TritonKernel, "_handle_pdl_before_access", None)
+    if placement is None:
+        return False
+    if getattr(placement, "waits_always", False):
+        return True
+
+    def wait_always(self: Any, wait_buffer: Any, *dependencies: Any, consider_reads: bool = False) -> None:
+        scheduler = V.graph.scheduler
+        before = None if scheduler is None else scheduler.previous_node
+        if scheduler is not None:
+            scheduler.previous_node = None  # "no kernel before": inductor's rule then waits
+        try:
+            placement(self, wait_buffer, *dependencies, consider_reads=consider_reads)
+        finally:
+            if scheduler is not None:
+                scheduler.previous_node = before
+
+    wait_always.waits_always = True  # type: ignore[attr-defined]
+    TritonKernel._handle_pdl_before_access = wait_always  # type: ignore[method-assign]
+    return True
 
 
 @dataclass(frozen=True)

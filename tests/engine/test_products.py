@@ -100,9 +100,10 @@ def test_the_reductions_are_taken_only_by_a_compiled_cuda_step_of_a_few_tokens(m
 def test_the_projections_take_reductions_only_when_switched_on_where_the_others_do(monkeypatch):
     x = torch.zeros(1, 8)
     monkeypatch.setattr(products, "as_reduction", lambda t, any_tokens=False: True)  # a compiled CUDA step
-    assert not products.REDUCED_PROJECTIONS and not products.as_projection_reduction(x)
+    assert products.REDUCED_PROJECTIONS and products.as_projection_reduction(x)  # on by default
+    monkeypatch.setattr(products, "REDUCED_PROJECTIONS", False)
+    assert not products.as_projection_reduction(x)
     monkeypatch.setattr(products, "REDUCED_PROJECTIONS", True)
-    assert products.as_projection_reduction(x)
     monkeypatch.setattr(products, "as_reduction", lambda t, any_tokens=False: False)  # eager, or the CPU
     assert not products.as_projection_reduction(x)
 
