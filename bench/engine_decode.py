@@ -41,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from kvstore.engine import BatchSequence, CacheGeometry, Engine, preset, products, random_model
+from kvstore.engine import BatchSequence, CacheGeometry, Engine, launches, preset, products, random_model
 from kvstore.engine import model as model_module
 from kvstore.engine.graphs import bucket
 from kvstore.engine.model import StepRegions
@@ -366,11 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pdl",
         action="store_true",
-        help="compiled regions launch with programmatic dependent launch (model.DEPENDENT_LAUNCH, sm_90+; "
-        "off by default: it changes a decode's rows, see BENCHMARKS.md)",
+        help="compiled regions launch with programmatic dependent launch (launches.DEPENDENT_LAUNCH, sm_90+; "
+        "off by default: a long decode's rows can part from plain launches', see BENCHMARKS.md)",
     )
     args = parser.parse_args(argv)
-    model_module.DEPENDENT_LAUNCH = args.pdl
+    launches.DEPENDENT_LAUNCH = args.pdl
     codecs.use_encode_kernels(not args.torch_encode)
     products.REDUCED_TOKENS = args.reduced_tokens
     products.REDUCED_PROJECTIONS = not args.gemm_projections

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from kvstore import tiers
-from kvstore.engine import products
+from kvstore.engine import launches, products
 from kvstore.engine.cache import encode_fields
 from kvstore.engine.config import ModelConfig
 from kvstore.engine.moe import DenseMLP, MoE, RoutedExperts, Router, grouped_mm_available, has_triton
@@ -53,15 +53,6 @@ RECOMPILE_LIMIT = 64
 # add fused into the next norm, a region's boundary fewer): measured on an H100 (BENCHMARKS.md;
 # bench/engine_decode.py --layer-regions turns it off); read by compile_decode
 MERGED_REGIONS = True
-
-# Compiled regions may launch with programmatic dependent launch on Hopper and later (inductor's
-# triton.enable_pdl: a kernel starts while the one before it ends; +8-10% tokens/s at 1k on an H100).
-# With inductor's own waits a greedy decode's rows differed from the second graph replay on (a
-# kernel read a buffer two kernels back before its writer was done); wait_before_every_access
-# closes that, and fp8 decodes bit for bit as with plain launches. Off while int4's rows still part
-# late, at a row that moves between processes (BENCHMARKS.md; tests/engine/test_gpu.py).
-# bench/engine_decode.py --pdl turns it on.
-DEPENDENT_LAUNCH = False
 
 
 class RMSNorm(nn.Module):
@@ -572,10 +563,10 @@ class MLAForCausalLM(nn.Module):
         # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
         # step computes what the eager one does (not a more precise, different answer).
         options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
-        if _inductor_offers_dependent_launch():
+        if launches.inductor_offers_dependent_launch():
             # said either way: TORCHINDUCTOR_ENABLE_PDL=1 in the environment must not turn on, for
-            # these regions, what changed a decode's rows (DEPENDENT_LAUNCH)
-            options["triton.enable_pdl"] = dependent_launch(self.device)
+            # these regions, what can change a decode's rows (launches.DEPENDENT_LAUNCH)
+            options["triton.enable_pdl"] = launches.dependent_launch(self.device)
         # A region compiles once per decode batch size and layer kind (dense, MoE): a scheduler's
         # size classes (1, 2, 4, ... max batch) times two outgrow dynamo's default of 8 graphs a
         # function, past which it runs the region eagerly for every new size.
@@ -594,67 +585,6 @@ class MLAForCausalLM(nn.Module):
             last=torch.compile(DecoderLayer.step_last, options=options) if merged else None,
         )
         return True
-
-
-def _inductor_offers_dependent_launch() -> bool:
-    """Whether this torch's inductor has the ``triton.enable_pdl`` option."""
-    import torch._inductor.config as inductor_config
-
-    return hasattr(inductor_config.triton, "enable_pdl")
-
-
-def dependent_launch_available(device: torch.device) -> bool:
-    """Whether compiled regions on ``device`` could launch with programmatic dependent launch: a
-    GPU that has it (sm_90+) and an inductor that offers it."""
-    return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-        and _inductor_offers_dependent_launch()
-    )
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Whether compiled regions on ``device`` launch with programmatic dependent launch: asked for
-    (``DEPENDENT_LAUNCH``) where it is available. When so, every kernel inductor writes for them
-    waits on the kernel before it (``wait_before_every_access``)."""
-    return DEPENDENT_LAUNCH and dependent_launch_available(device) and wait_before_every_access()
-
-
-def wait_before_every_access() -> bool:
-    """Make inductor's dependent-launch kernels wait for the grid before them ahead of their first
-    load or store, whichever kernel wrote what they touch.
-
-    Inductor (torch 2.11) puts the wait before an access only when the kernel just before wrote (or,
-    for a store, read) that buffer, and otherwise after the first load. A kernel that loads nothing
-    (a fill, an iota) then never waits and may end before the kernel ahead of it does; the kernel
-    after it waits only on it, so it can read a buffer two kernels back that is still being written:
-    the rows that differed from the second replay on. Here inductor's own placement runs as if every
-    kernel were a region's first, which always waits. Process-wide, idempotent, and it changes only
-    code generated with ``triton.enable_pdl``. False where this inductor places its waits in some
-    other way: the regions then launch plainly."""
-    from torch._inductor.codegen.triton import TritonKernel
-    from torch._inductor.virtualized import V
-
-    placement = getattr(TritonKernel, "_handle_pdl_before_access", None)
-    if placement is None:
-        return False
-    if getattr(placement, "waits_always", False):
-        return True
-
-    def wait_always(self: Any, wait_buffer: Any, *dependencies: Any, consider_reads: bool = False) -> None:
-        scheduler = V.graph.scheduler
-        before = None if scheduler is None else scheduler.previous_node
-        if scheduler is not None:
-            scheduler.previous_node = None  # "no kernel before": inductor's rule then waits
-        try:
-            placement(self, wait_buffer, *dependencies, consider_reads=consider_reads)
-        finally:
-            if scheduler is not None:
-                scheduler.previous_node = before
-
-    wait_always.waits_always = True  # type: ignore[attr-defined]
-    TritonKernel._handle_pdl_before_access = wait_always  # type: ignore[method-assign]
-    return True
 
 
 @dataclass(frozen=True)

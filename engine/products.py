@@ -39,7 +39,7 @@ REDUCED_TOKENS = 4
 #: The attention's input projections (one fused weight) and its output projection as reductions too,
 #: in the same steps: inductor can then fold the norm before them and the split, rotary and cast
 #: after them into the product's kernel, where cuBLAS read those 23 MB a layer at ~58% of the copy
-#: bandwidth (an H100 profile, BENCHMARKS.md). Measured on an H100: +1.0-1.4% tokens/s at 1k and 32k
+#: bandwidth (an H100 profile, BENCHMARKS.md). Measured on an H100: +0.6-1.5% tokens/s at 1k and 32k
 #: on the fp8 and int4 caches, single-stream; batches of 16 and 64 take the GEMMs as before
 #: (``bench/engine_decode.py --gemm-projections`` turns it off).
 REDUCED_PROJECTIONS = True

@@ -133,16 +133,16 @@ def test_dependent_launches_change_no_bit_of_a_decode_s_first_steps(tier, monkey
     give the tokens and rows of plain launches, bit for bit. A kernel that read ahead of its input
     showed here from the second step on (the first replay hides it: the eager runs before the
     capture left the same values in the buffers), which inductor's own placement of the waits did
-    on both tiers (torch 2.11, H100) and model.wait_before_every_access closes. Eight steps, not a
+    on both tiers (torch 2.11, H100) and launches.wait_before_every_access closes. Eight steps, not a
     whole decode: past them the rows can still part by a rounding (rows 211-224 of 247 on an H100,
     at a row that moves from process to process, the same with no two kernels overlapping), which
-    keeps model.DEPENDENT_LAUNCH off (docs/ENGINE.md)."""
+    keeps launches.DEPENDENT_LAUNCH off (docs/ENGINE.md)."""
     import torch._dynamo
 
-    from kvstore.engine import model as model_module
+    from kvstore.engine import launches
     from kvstore.engine.batch import BatchSequence
 
-    if not model_module.dependent_launch_available(CUDA):
+    if not launches.dependent_launch_available(CUDA):
         pytest.skip("no programmatic dependent launch on this GPU or in this torch")
     cfg = preset("tiny-512")
     geometry = cfg.coli_geometry()
@@ -151,7 +151,7 @@ def test_dependent_launches_change_no_bit_of_a_decode_s_first_steps(tier, monkey
     contexts = [rng.integers(2, cfg.vocab_size, n) for n in (40, 300, 1100)]
     runs = []
     for dependent in (True, False):
-        monkeypatch.setattr(model_module, "DEPENDENT_LAUNCH", dependent)
+        monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", dependent)
         torch._dynamo.reset()  # the regions are compiled afresh under this setting
         model = random_model(cfg, seed=7, device=CUDA, dtype="bfloat16")
         engine = Engine(model, tier=tier)

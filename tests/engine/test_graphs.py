@@ -47,13 +47,13 @@ def test_decode_step_equals_the_plain_absorbed_step(tier):
 def test_a_cpu_step_stays_eager_and_never_asks_for_dependent_launch(monkeypatch):
     """The compiled regions (and their dependent launches, sm_90+ only, off by default) are CUDA's:
     on the CPU the step is the eager one the transformers oracle tests pin, switch or not."""
-    from kvstore.engine import model as model_module
+    from kvstore.engine import launches
 
-    assert not model_module.DEPENDENT_LAUNCH
-    monkeypatch.setattr(model_module, "DEPENDENT_LAUNCH", True)
+    assert not launches.DEPENDENT_LAUNCH
+    monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
     model = random_model(preset("tiny"), seed=0)
     assert not model.compile_decode()
-    assert not model_module.dependent_launch(torch.device("cpu"))
+    assert not launches.dependent_launch(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

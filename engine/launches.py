@@ -1,0 +1,87 @@
+"""How the compiled decode regions' kernels launch: programmatic dependent launch on Hopper and later.
+
+With inductor's ``triton.enable_pdl`` a region's kernel may start while the one before it ends, its
+set-up overlapping that kernel's tail (+8-10% tokens/s at 1k on an H100). Inductor's own placement
+of the kernels' waits let a decode's rows part from plain launches from the second graph replay on;
+:func:`wait_before_every_access` closes that. A long decode's rows can still part late, at a row that
+moves between processes (BENCHMARKS.md; tests/engine/test_gpu.py), so the switch stays off.
+``bench/engine_decode.py --pdl`` turns it on. Read by ``MLAForCausalLM.compile_decode``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEPENDENT_LAUNCH",
+    "dependent_launch",
+    "dependent_launch_available",
+    "inductor_offers_dependent_launch",
+    "wait_before_every_access",
+]
+
+#: Compiled regions launch with programmatic dependent launch where available (off: see above).
+DEPENDENT_LAUNCH = False
+
+
+def inductor_offers_dependent_launch() -> bool:
+    """Whether this torch's inductor has the ``triton.enable_pdl`` option."""
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl")
+
+
+def dependent_launch_available(device: torch.device) -> bool:
+    """Whether compiled regions on ``device`` could launch with programmatic dependent launch: a
+    GPU that has it (sm_90+) and an inductor that offers it."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+        and inductor_offers_dependent_launch()
+    )
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether compiled regions on ``device`` launch with programmatic dependent launch: asked for
+    (``DEPENDENT_LAUNCH``) where it is available. When so, every kernel inductor writes for them
+    waits on the kernel before it (``wait_before_every_access``)."""
+    return DEPENDENT_LAUNCH and dependent_launch_available(device) and wait_before_every_access()
+
+
+def wait_before_every_access() -> bool:
+    """Make inductor's dependent-launch kernels wait for the grid before them ahead of their first
+    load or store, whichever kernel wrote what they touch.
+
+    Inductor (torch 2.11) puts the wait before an access only when the kernel just before wrote (or,
+    for a store, read) that buffer, and otherwise after the first load. A kernel that loads nothing
+    (a fill, an iota) then never waits and may end before the kernel ahead of it does; the kernel
+    after it waits only on it, so it can read a buffer two kernels back that is still being written:
+    the rows that differed from the second replay on. Here inductor's own placement runs as if every
+    kernel were a region's first, which always waits. Process-wide, idempotent, and it changes only
+    code generated with ``triton.enable_pdl``. False where this inductor places its waits in some
+    other way: the regions then launch plainly."""
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.virtualized import V
+
+    placement = getattr(TritonKernel, "_handle_pdl_before_access", None)
+    if placement is None:
+        return False
+    if getattr(placement, "waits_always", False):
+        return True
+
+    def wait_always(self: Any, wait_buffer: Any, *dependencies: Any, consider_reads: bool = False) -> None:
+        scheduler = V.graph.scheduler
+        if scheduler is None:  # no kernel before, as far as inductor knows: its rule waits already
+            placement(self, wait_buffer, *dependencies, consider_reads=consider_reads)
+            return
+        before, scheduler.previous_node = scheduler.previous_node, None
+        try:
+            placement(self, wait_buffer, *dependencies, consider_reads=consider_reads)
+        finally:
+            scheduler.previous_node = before
+
+    wait_always.waits_always = True  # type: ignore[attr-defined]
+    TritonKernel._handle_pdl_before_access = wait_always  # type: ignore[method-assign]
+    return True
