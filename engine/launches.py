@@ -19,6 +19,7 @@ __all__ = [
     "dependent_launch",
     "dependent_launch_available",
     "inductor_offers_dependent_launch",
+    "region_options",
     "wait_before_every_access",
 ]
 
@@ -85,3 +86,33 @@ def wait_before_every_access() -> bool:
     wait_always.waits_always = True  # type: ignore[attr-defined]
     TritonKernel._handle_pdl_before_access = wait_always  # type: ignore[method-assign]
     return True
+
+
+def region_options(device: torch.device) -> dict[str, Any]:
+    """The inductor options of the compiled regions that say how their kernels launch.
+
+    ``triton.enable_pdl`` is said either way, so an environment's ``TORCHINDUCTOR_ENABLE_PDL=1``
+    cannot turn on for these regions what was not checked. With dependent launch on, the wait
+    placement is put in inductor's cache key (a graph pass that does nothing but name it): the
+    placement is patched code, not a config value, and without this a region could load from the
+    cache a graph built under inductor's own placement, whose key is the same."""
+    if not inductor_offers_dependent_launch():
+        return {}
+    dependent = dependent_launch(device)
+    options: dict[str, Any] = {"triton.enable_pdl": dependent}
+    if dependent:
+        options["post_grad_custom_pre_pass"] = _placement_in_cache_key()
+    return options
+
+
+def _placement_in_cache_key() -> Any:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class PlacementInCacheKey(CustomGraphPass):
+        def __call__(self, graph: Any) -> None:  # changes nothing: it only names the placement
+            return None
+
+        def uuid(self) -> str:
+            return "kvstore.engine.launches: dependent-launch waits before every access, v1"
+
+    return PlacementInCacheKey()

@@ -562,11 +562,8 @@ class MLAForCausalLM(nn.Module):
         self.fuse_projections()
         # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
         # step computes what the eager one does (not a more precise, different answer).
-        options: dict[str, str | int | bool | Callable[..., Any]] = {"emulate_precision_casts": True}
-        if launches.inductor_offers_dependent_launch():
-            # said either way: TORCHINDUCTOR_ENABLE_PDL=1 in the environment must not turn on, for
-            # these regions, what can change a decode's rows (launches.DEPENDENT_LAUNCH)
-            options["triton.enable_pdl"] = launches.dependent_launch(self.device)
+        options: dict[str, Any] = {"emulate_precision_casts": True}
+        options.update(launches.region_options(self.device))
         # A region compiles once per decode batch size and layer kind (dense, MoE): a scheduler's
         # size classes (1, 2, 4, ... max batch) times two outgrow dynamo's default of 8 graphs a
         # function, past which it runs the region eagerly for every new size.

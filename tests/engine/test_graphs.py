@@ -56,6 +56,37 @@ def test_a_cpu_step_stays_eager_and_never_asks_for_dependent_launch(monkeypatch)
     assert not launches.dependent_launch(torch.device("cpu"))
 
 
+def test_a_region_built_under_inductors_own_wait_placement_is_never_loaded_for_ours(tmp_path, monkeypatch):
+    """The waits' placement is patched code (launches.wait_before_every_access), not a config value:
+    with dependent launch on, a region compiled by inductor's own placement (a process without the
+    patch, an older kvstore) has the same cache key and would be loaded from inductor's cache, race
+    and all. The regions' options name the placement in the key: a graph cached without it is a
+    miss for a compile with it, and one cached with it is a hit (so the cache is on here)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from kvstore.engine import launches
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(launches, "dependent_launch", lambda device: True)
+    ours = launches.region_options(torch.device("cuda"))
+    assert ours["triton.enable_pdl"] is True
+    inductors = {"triton.enable_pdl": True}
+    x = torch.randn(64)
+
+    def compile_once(options):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(lambda t: torch.sin(t) * 3 + 1, options=options)(x)
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    assert compile_once(inductors) == (0, 1)
+    assert compile_once(inductors) == (1, 0)
+    assert compile_once(ours) == (0, 1)
+    assert compile_once(ours) == (1, 0)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_merged_regions_give_the_layer_by_layer_steps_logits_and_rows(compiled):
     """A step whose regions run each layer's outputs with the next layer's inputs (and the last
