@@ -364,13 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         help="compiled steps run each layer as its own regions, not its outputs with the next layer's inputs",
     )
     parser.add_argument(
-        "--pdl",
+        "--plain-launches",
         action="store_true",
-        help="compiled regions launch with programmatic dependent launch (launches.DEPENDENT_LAUNCH, sm_90+; "
-        "off by default: a long decode's rows can part from plain launches', see BENCHMARKS.md)",
+        help="compiled regions launch plainly, not with programmatic dependent launch "
+        "(launches.DEPENDENT_LAUNCH off; it is on by default where available, sm_90+)",
     )
     args = parser.parse_args(argv)
-    launches.DEPENDENT_LAUNCH = args.pdl
+    launches.DEPENDENT_LAUNCH = not args.plain_launches
     codecs.use_encode_kernels(not args.torch_encode)
     products.REDUCED_TOKENS = args.reduced_tokens
     products.REDUCED_PROJECTIONS = not args.gemm_projections

@@ -2,10 +2,10 @@
 
 With inductor's ``triton.enable_pdl`` a region's kernel may start while the one before it ends, its
 set-up overlapping that kernel's tail (+8-10% tokens/s at 1k on an H100). Inductor's own placement
-of the kernels' waits let a decode's rows part from plain launches from the second graph replay on;
-:func:`wait_before_every_access` closes that. A long decode's rows can still part late, at a row that
-moves between processes (BENCHMARKS.md; tests/engine/test_gpu.py), so the switch stays off.
-``bench/engine_decode.py --pdl`` turns it on. Read by ``MLAForCausalLM.compile_decode``.
+of the kernels' waits can let a kernel touch memory before the kernel ahead of it is done;
+:func:`wait_before_every_access` has every kernel wait first, and the placement is put in inductor's
+cache key (:func:`region_options`). On by default where available; ``bench/engine_decode.py
+--plain-launches`` turns it off. Read by ``MLAForCausalLM.compile_decode``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ __all__ = [
     "wait_before_every_access",
 ]
 
-#: Compiled regions launch with programmatic dependent launch where available (off: see above).
-DEPENDENT_LAUNCH = False
+#: Compiled regions launch with programmatic dependent launch where available.
+DEPENDENT_LAUNCH = True
 
 
 def inductor_offers_dependent_launch() -> bool:
@@ -62,7 +62,8 @@ def wait_before_every_access() -> bool:
     the rows that differed from the second replay on. Here inductor's own placement runs as if every
     kernel were a region's first, which always waits. Process-wide, idempotent, and it changes only
     code generated with ``triton.enable_pdl``. False where this inductor places its waits in some
-    other way: the regions then launch plainly."""
+    other way: the regions then launch plainly. (Inductor's placement was first suspected of parting
+    a decode's rows; measured since, those rows came from the other build, not from any overlap.)"""
     from torch._inductor.codegen.triton import TritonKernel
     from torch._inductor.virtualized import V
 

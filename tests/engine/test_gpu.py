@@ -126,48 +126,99 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
 
 
 @pytest.mark.parametrize("tier", ["fp8", "int4"])
-def test_dependent_launches_change_no_bit_of_a_decode_s_first_steps(tier, monkeypatch):
-    """Programmatic dependent launch lets a compiled kernel start before the one ahead of it ends;
-    it must wait for that one's results before it touches them. Then the first eight steps of a
-    greedy decode through the compiled step in CUDA graphs — one session, then three together —
-    give the tokens and rows of plain launches, bit for bit. A kernel that read ahead of its input
-    showed here from the second step on (the first replay hides it: the eager runs before the
-    capture left the same values in the buffers), which inductor's own placement of the waits did
-    on both tiers (torch 2.11, H100) and launches.wait_before_every_access closes. Eight steps, not a
-    whole decode: past them the rows can still part by a rounding (rows 211-224 of 247 on an H100,
-    at a row that moves from process to process, the same with no two kernels overlapping), which
-    keeps launches.DEPENDENT_LAUNCH off (docs/ENGINE.md)."""
+def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, monkeypatch):
+    """Programmatic dependent launch (on by default, sm_90+) lets a compiled kernel start while the
+    one ahead of it still runs; it must wait for it (``gdc_wait``) before its first load or store.
+    Inductor's own placement waited only where the kernel just before wrote what was touched, and
+    otherwise after the first load; launches.wait_before_every_access has it wait first in every
+    kernel. Read from the code the engine's regions compile to, alone and batched, built afresh:
+    every kernel that launches dependently waits before it touches memory."""
     import torch._dynamo
+    from torch._inductor import utils as inductor_utils
 
+    from kernel_waits import accesses_before_the_wait, dependent_kernels
     from kvstore.engine import launches
-    from kvstore.engine.batch import BatchSequence
 
     if not launches.dependent_launch_available(CUDA):
         pytest.skip("no programmatic dependent launch on this GPU or in this torch")
+    monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
+    torch._dynamo.reset()
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    with fresh():
+        _, sources = inductor_utils.run_and_get_code(_greedy_rows, tier, 2)
+    kernels = [kernel for source in sources for kernel in dependent_kernels(source).items()]
+    assert len(kernels) >= 10, f"only {len(kernels)} dependently launched kernels in {len(sources)} modules"
+    early = [(name, line) for name, text in kernels if (line := accesses_before_the_wait(text))]
+    assert not early, early
+
+
+def _greedy_rows(tier, steps):
+    """A tiny bf16 model's greedy decode through the compiled step in CUDA graphs, alone and three
+    sessions together: (tokens, rows, batch tokens, batch rows), rows as ``.coli_kv`` bytes."""
+    from kvstore.engine.batch import BatchSequence
+
     cfg = preset("tiny-512")
     geometry = cfg.coli_geometry()
     rng = np.random.default_rng(5)
     prompt = rng.integers(2, cfg.vocab_size, 200)
     contexts = [rng.integers(2, cfg.vocab_size, n) for n in (40, 300, 1100)]
+    model = random_model(cfg, seed=7, device=CUDA, dtype="bfloat16")
+    engine = Engine(model, tier=tier)
+    assert model.regions.compiled
+    alone = engine.generate(prompt, max_new_tokens=steps, stop_tokens=())
+    rows = engine.export_rows(0, engine.cache.length).record_array(geometry).tobytes()
+    batch = []
+    for context in contexts:
+        writer = Engine(model, tier=tier)
+        writer.prefill(context[:-1])
+        cache = engine.new_cache()
+        cache.restore(writer.export_rows())
+        batch.append(BatchSequence(cache, context[-1:]))
+    together = engine.generate_batch(batch, max_new_tokens=steps, stop_tokens=())
+    batch_rows = [seq.cache.export_rows().record_array(geometry).tobytes() for seq in batch]
+    return list(alone.tokens), rows, [list(t) for t in together.tokens], batch_rows
+
+
+@pytest.mark.parametrize("tier", ["fp8", "int4"])
+def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, monkeypatch):
+    """Dependent launch (on by default) may change no bit: the very same kernels launched with the
+    attribute and without it (Triton's launcher told to drop it: nothing overlaps, the waits return
+    at once) give a whole 48-token decode, alone and three sessions together, bit for bit. On an
+    H100 this held on both tiers, and also with inductor's own placement and with every wait
+    planted out: the tiny model's kernels end before a dependent one is up, so this cannot show a
+    missing wait (the test above reads the waits from the code). What it rules out is that the
+    overlap itself changes a row; a build with dependent launch against one without may differ by a
+    rounding of differently built kernels, as any two builds may."""
+    import torch._dynamo
+
+    from kvstore.engine import launches
+
+    if not launches.dependent_launch_available(CUDA):
+        pytest.skip("no programmatic dependent launch on this GPU or in this torch")
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    launcher = getattr(driver, "CudaLauncher", None)
+    if launcher is None:
+        pytest.skip("this Triton's CUDA launcher is not the one this test can tell to launch plainly")
+    plainly = {"on": False, "dropped": 0}
+
+    def launch_pdl(self):
+        asked = self.__dict__.get("_launch_pdl", False)
+        if asked and plainly["on"]:
+            plainly["dropped"] += 1
+            return False
+        return asked
+
+    def ask(self, value):
+        self.__dict__["_launch_pdl"] = value
+
+    monkeypatch.setattr(launcher, "launch_pdl", property(launch_pdl, ask), raising=False)
+    monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
     runs = []
-    for dependent in (True, False):
-        monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", dependent)
-        torch._dynamo.reset()  # the regions are compiled afresh under this setting
-        model = random_model(cfg, seed=7, device=CUDA, dtype="bfloat16")
-        engine = Engine(model, tier=tier)
-        assert model.regions.compiled
-        alone = engine.generate(prompt, max_new_tokens=8, stop_tokens=())
-        rows = engine.export_rows(0, engine.cache.length).record_array(geometry).tobytes()
-        batch = []
-        for context in contexts:
-            writer = Engine(model, tier=tier)
-            writer.prefill(context[:-1])
-            cache = engine.new_cache()
-            cache.restore(writer.export_rows())
-            batch.append(BatchSequence(cache, context[-1:]))
-        together = engine.generate_batch(batch, max_new_tokens=8, stop_tokens=())
-        batch_rows = [seq.cache.export_rows().record_array(geometry).tobytes() for seq in batch]
-        runs.append((list(alone.tokens), rows, [list(t) for t in together.tokens], batch_rows))
+    for plain in (False, True):
+        plainly["on"] = plain
+        torch._dynamo.reset()  # built afresh: the launchers (and the graphs) are made anew
+        runs.append(_greedy_rows(tier, 48))
+    assert plainly["dropped"] > 0, "no kernel asked for a dependent launch"
     assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
     assert runs[0][2] == runs[1][2] and runs[0][3] == runs[1][3]
 

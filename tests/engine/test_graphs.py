@@ -44,13 +44,12 @@ def test_decode_step_equals_the_plain_absorbed_step(tier):
         torch.testing.assert_close(field[:, : len(prompt)], plain.cache._fields[name][:, : len(prompt)])
 
 
-def test_a_cpu_step_stays_eager_and_never_asks_for_dependent_launch(monkeypatch):
-    """The compiled regions (and their dependent launches, sm_90+ only, off by default) are CUDA's:
+def test_a_cpu_step_stays_eager_and_never_asks_for_dependent_launch():
+    """The compiled regions (and their dependent launches, sm_90+ only, on by default) are CUDA's:
     on the CPU the step is the eager one the transformers oracle tests pin, switch or not."""
     from kvstore.engine import launches
 
-    assert not launches.DEPENDENT_LAUNCH
-    monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
+    assert launches.DEPENDENT_LAUNCH
     model = random_model(preset("tiny"), seed=0)
     assert not model.compile_decode()
     assert not launches.dependent_launch(torch.device("cpu"))
@@ -85,6 +84,56 @@ def test_a_region_built_under_inductors_own_wait_placement_is_never_loaded_for_o
     assert compile_once(ours) == (0, 1)
     assert compile_once(ours) == (1, 0)
     torch._dynamo.reset()
+
+
+_PLANTED = """
+triton_poi_fused_0 = async_compile.triton('triton_poi_fused_0', '''
+@triton_heuristics.pointwise(triton_meta={'signature': {}, 'launch_pdl': True})
+@triton.jit
+def triton_poi_fused_0(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    xindex = xoffset + tl.arange(0, XBLOCK)[:]
+    tl.extra.cuda.gdc_wait()
+    tmp0 = tl.load(in_ptr0 + (x0), xmask)
+    tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr0 + (x0), tmp0, xmask)
+''', device_str='cuda')
+triton_red_fused_1 = async_compile.triton('triton_red_fused_1', '''
+@triton_heuristics.reduction(triton_meta={'signature': {}, 'launch_pdl': True})
+@triton.jit
+def triton_red_fused_1(in_ptr0, in_ptr1, out_ptr0, xnumel, r0_numel):
+    tmp0 = tl.load(in_ptr0 + (r0_1), r0_mask, eviction_policy='evict_first', other=0.0)
+    tl.extra.cuda.gdc_wait()
+    tmp1 = tl.load(in_ptr1 + (r0_1), r0_mask)
+    tl.store(out_ptr0 + (x0), tmp1, xmask)
+''', device_str='cuda')
+triton_poi_fused_2 = async_compile.triton('triton_poi_fused_2', '''
+@triton_heuristics.pointwise(triton_meta={'signature': {}, 'launch_pdl': True})
+@triton.jit
+def triton_poi_fused_2(out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    tmp0 = 0.0
+    tl.store(out_ptr0 + (x0), tmp0, xmask)
+''', device_str='cuda')
+triton_poi_fused_3 = async_compile.triton('triton_poi_fused_3', '''
+@triton_heuristics.pointwise(triton_meta={'signature': {}, 'launch_pdl': False})
+@triton.jit
+def triton_poi_fused_3(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    tl.store(out_ptr0 + (x0), tl.load(in_ptr0 + (x0)), xmask)
+''', device_str='cuda')
+"""
+
+
+def test_the_wait_check_finds_a_dependent_kernel_that_touches_memory_before_it_waits():
+    """The GPU test of the regions' generated code reads it with these helpers: each dependently
+    launched kernel must wait before its first load or store. Planted here: one kernel that waits
+    first, one that loads before its wait (inductor's own placement did this), one fill with no
+    wait at all, and one launched plainly (not a dependent kernel, so not checked)."""
+    from kernel_waits import accesses_before_the_wait, dependent_kernels
+
+    kernels = dependent_kernels(_PLANTED)
+    assert sorted(kernels) == ["triton_poi_fused_0", "triton_poi_fused_2", "triton_red_fused_1"]
+    assert accesses_before_the_wait(kernels["triton_poi_fused_0"]) is None
+    assert accesses_before_the_wait(kernels["triton_red_fused_1"]).startswith("tmp0 = tl.load(in_ptr0")
+    assert accesses_before_the_wait(kernels["triton_poi_fused_2"]).startswith("tl.store(out_ptr0")
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
