@@ -22,62 +22,17 @@ that a cached graph would not reflect (the engine keys its own; these builds do 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
-import torch
 import torch._dynamo
 
-from kvstore.engine import Engine, launches, preset, random_model
-from kvstore.engine.batch import BatchSequence
+from kvstore.engine import launches
 
-CUDA = torch.device("cuda")
-
-
-class _Launches:
-    """Triton's CUDA launcher's ``launch_pdl``, made droppable: while ``plain`` is set, a launch
-    that asked for the attribute goes without it (counted in ``dropped``)."""
-
-    plain = False
-    dropped = 0
-
-    @classmethod
-    def install(cls) -> None:
-        import triton.backends.nvidia.driver as driver
-
-        def launch_pdl(launcher):
-            asked = launcher.__dict__.get("_launch_pdl", False)
-            if asked and cls.plain:
-                cls.dropped += 1
-                return False
-            return asked
-
-        def ask(launcher, value):
-            launcher.__dict__["_launch_pdl"] = value
-
-        driver.CudaLauncher.launch_pdl = property(launch_pdl, ask)
-
-
-def decode(tier: str, steps: int):
-    cfg = preset("tiny-512")
-    geometry = cfg.coli_geometry()
-    rng = np.random.default_rng(5)
-    prompt = rng.integers(2, cfg.vocab_size, 200)
-    contexts = [rng.integers(2, cfg.vocab_size, n) for n in (40, 300, 1100)]
-    model = random_model(cfg, seed=7, device=CUDA, dtype="bfloat16")
-    engine = Engine(model, tier=tier)
-    alone = engine.generate(prompt, max_new_tokens=steps, stop_tokens=())
-    rows = engine.export_rows(0, engine.cache.length).record_array(geometry)
-    batch = []
-    for context in contexts:
-        writer = Engine(model, tier=tier)
-        writer.prefill(context[:-1])
-        cache = engine.new_cache()
-        cache.restore(writer.export_rows())
-        batch.append(BatchSequence(cache, context[-1:]))
-    together = engine.generate_batch(batch, max_new_tokens=steps, stop_tokens=())
-    batch_rows = [seq.cache.export_rows().record_array(geometry) for seq in batch]
-    return list(alone.tokens), rows, [list(t) for t in together.tokens], batch_rows
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from kernel_waits import DroppedLaunches, greedy_rows  # noqa: E402 - the decode and launcher the GPU tests use
 
 
 def first_difference(a: np.ndarray, b: np.ndarray) -> str:
@@ -102,17 +57,20 @@ def main(argv=None) -> None:
         from torch._inductor.codegen.triton import TritonKernel
 
         TritonKernel._handle_pdl_before_access = lambda self, *a, **k: None
-    _Launches.install()
+    import triton.backends.nvidia.driver as driver
+
+    dropped = DroppedLaunches()
+    driver.CudaLauncher.launch_pdl = dropped.launch_pdl()
     runs = {}
     for build in args.builds:
         started = time.perf_counter()
         launches.DEPENDENT_LAUNCH = not build.startswith("plain")
-        _Launches.plain, _Launches.dropped = build.endswith("-seq"), 0
+        dropped.plain, dropped.dropped = build.endswith("-seq"), 0
         torch._dynamo.reset()
-        runs[build] = decode(args.tier, args.steps)
+        runs[build] = greedy_rows(args.tier, args.steps)
         print(
             f"{args.tier} {build}: {time.perf_counter() - started:.0f} s, "
-            f"launches with the attribute dropped: {_Launches.dropped}",
+            f"launches with the attribute dropped: {dropped.dropped}",
             flush=True,
         )
     names = list(runs)

@@ -58,12 +58,12 @@ def wait_before_every_access() -> bool:
     Inductor (torch 2.11) puts the wait before an access only when the kernel just before wrote (or,
     for a store, read) that buffer, and otherwise after the first load. A kernel that loads nothing
     (a fill, an iota) then never waits and may end before the kernel ahead of it does; the kernel
-    after it waits only on it, so it can read a buffer two kernels back that is still being written:
-    the rows that differed from the second replay on. Here inductor's own placement runs as if every
-    kernel were a region's first, which always waits. Process-wide, idempotent, and it changes only
-    code generated with ``triton.enable_pdl``. False where this inductor places its waits in some
-    other way: the regions then launch plainly. (Inductor's placement was first suspected of parting
-    a decode's rows; measured since, those rows came from the other build, not from any overlap.)"""
+    after it waits only on it, so it can read a buffer two kernels back that is still being written.
+    Here inductor's own placement runs as if every kernel were a region's first, which always waits.
+    Process-wide, idempotent, and it changes only code generated with ``triton.enable_pdl``. False
+    where this inductor places its waits in some other way: the regions then launch plainly.
+    (Inductor's placement was first suspected of parting a decode's rows; measured since, those rows
+    came from the other build, not from any overlap: BENCHMARKS.md.)"""
     from torch._inductor.codegen.triton import TritonKernel
     from torch._inductor.virtualized import V
 

@@ -1,13 +1,16 @@
-"""Where inductor's generated kernels wait for the grid before them (programmatic dependent launch).
+"""Programmatic dependent launch, looked at from outside: where inductor's generated kernels wait
+for the grid before them, a decode to compare builds and launches by, and Triton's launcher told to
+drop the launch attribute.
 
 A kernel launched dependently may start while the kernel ahead of it still runs; it must wait
-(``gdc_wait``) before it loads or stores anything. Used by the engine's GPU test on the compiled
-regions' generated code, and by a CPU test on planted sources.
+(``gdc_wait``) before it loads or stores anything. Used by the engine's GPU tests, a CPU test on
+planted sources and ``bench/dependent_launch_rows.py``.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _KERNEL = re.compile(r"async_compile\.triton\(\s*'(\w+)',\s*'''(.*?)'''", re.DOTALL)
 _ACCESS = re.compile(r"\btl\.(load|store|atomic_\w+)\(")
@@ -30,3 +33,57 @@ def accesses_before_the_wait(text: str) -> str | None:
     if wait != -1 and wait < access.start():
         return None
     return body[body.rfind("\n", 0, access.start()) + 1 : body.find("\n", access.start())].strip()
+
+
+def greedy_rows(tier: str, steps: int) -> tuple[list[int], Any, list[list[int]], list[Any]]:
+    """A tiny bf16 model's greedy decode through the compiled step in CUDA graphs, alone and three
+    sessions together: (tokens, rows, batch tokens, batch rows), rows as ``.coli_kv`` records."""
+    import numpy as np
+    import torch
+
+    from kvstore.engine import Engine, preset, random_model
+    from kvstore.engine.batch import BatchSequence
+
+    cfg = preset("tiny-512")
+    geometry = cfg.coli_geometry()
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(2, cfg.vocab_size, 200)
+    contexts = [rng.integers(2, cfg.vocab_size, n) for n in (40, 300, 1100)]
+    model = random_model(cfg, seed=7, device=torch.device("cuda"), dtype="bfloat16")
+    engine = Engine(model, tier=tier)
+    assert model.regions.compiled
+    alone = engine.generate(prompt, max_new_tokens=steps, stop_tokens=())
+    rows = engine.export_rows(0, engine.cache.length).record_array(geometry)
+    batch = []
+    for context in contexts:
+        writer = Engine(model, tier=tier)
+        writer.prefill(context[:-1])
+        cache = engine.new_cache()
+        cache.restore(writer.export_rows())
+        batch.append(BatchSequence(cache, context[-1:]))
+    together = engine.generate_batch(batch, max_new_tokens=steps, stop_tokens=())
+    batch_rows = [seq.cache.export_rows().record_array(geometry) for seq in batch]
+    return list(alone.tokens), rows, [list(t) for t in together.tokens], batch_rows
+
+
+class DroppedLaunches:
+    """Triton's CUDA launcher's ``launch_pdl`` made droppable: set :meth:`launch_pdl` on the
+    launcher class; while ``plain`` is set, a launch that asked for dependent launch goes without
+    the attribute (nothing overlaps, the kernel's waits return at once), counted in ``dropped``."""
+
+    def __init__(self) -> None:
+        self.plain = False
+        self.dropped = 0
+
+    def launch_pdl(self) -> property:
+        def asked(launcher: Any) -> bool:
+            value = launcher.__dict__.get("_launch_pdl", False)
+            if value and self.plain:
+                self.dropped += 1
+                return False
+            return value
+
+        def ask(launcher: Any, value: bool) -> None:
+            launcher.__dict__["_launch_pdl"] = value
+
+        return property(asked, ask)

@@ -136,7 +136,7 @@ def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, 
     import torch._dynamo
     from torch._inductor import utils as inductor_utils
 
-    from kernel_waits import accesses_before_the_wait, dependent_kernels
+    from kernel_waits import accesses_before_the_wait, dependent_kernels, greedy_rows
     from kvstore.engine import launches
 
     if not launches.dependent_launch_available(CUDA):
@@ -145,38 +145,11 @@ def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, 
     torch._dynamo.reset()
     fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
     with fresh():
-        _, sources = inductor_utils.run_and_get_code(_greedy_rows, tier, 2)
+        _, sources = inductor_utils.run_and_get_code(greedy_rows, tier, 2)
     kernels = [kernel for source in sources for kernel in dependent_kernels(source).items()]
     assert len(kernels) >= 10, f"only {len(kernels)} dependently launched kernels in {len(sources)} modules"
     early = [(name, line) for name, text in kernels if (line := accesses_before_the_wait(text))]
     assert not early, early
-
-
-def _greedy_rows(tier, steps):
-    """A tiny bf16 model's greedy decode through the compiled step in CUDA graphs, alone and three
-    sessions together: (tokens, rows, batch tokens, batch rows), rows as ``.coli_kv`` bytes."""
-    from kvstore.engine.batch import BatchSequence
-
-    cfg = preset("tiny-512")
-    geometry = cfg.coli_geometry()
-    rng = np.random.default_rng(5)
-    prompt = rng.integers(2, cfg.vocab_size, 200)
-    contexts = [rng.integers(2, cfg.vocab_size, n) for n in (40, 300, 1100)]
-    model = random_model(cfg, seed=7, device=CUDA, dtype="bfloat16")
-    engine = Engine(model, tier=tier)
-    assert model.regions.compiled
-    alone = engine.generate(prompt, max_new_tokens=steps, stop_tokens=())
-    rows = engine.export_rows(0, engine.cache.length).record_array(geometry).tobytes()
-    batch = []
-    for context in contexts:
-        writer = Engine(model, tier=tier)
-        writer.prefill(context[:-1])
-        cache = engine.new_cache()
-        cache.restore(writer.export_rows())
-        batch.append(BatchSequence(cache, context[-1:]))
-    together = engine.generate_batch(batch, max_new_tokens=steps, stop_tokens=())
-    batch_rows = [seq.cache.export_rows().record_array(geometry).tobytes() for seq in batch]
-    return list(alone.tokens), rows, [list(t) for t in together.tokens], batch_rows
 
 
 @pytest.mark.parametrize("tier", ["fp8", "int4"])
@@ -191,6 +164,7 @@ def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, monkeypatch):
     rounding of differently built kernels, as any two builds may."""
     import torch._dynamo
 
+    from kernel_waits import DroppedLaunches, greedy_rows
     from kvstore.engine import launches
 
     if not launches.dependent_launch_available(CUDA):
@@ -199,26 +173,16 @@ def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, monkeypatch):
     launcher = getattr(driver, "CudaLauncher", None)
     if launcher is None:
         pytest.skip("this Triton's CUDA launcher is not the one this test can tell to launch plainly")
-    plainly = {"on": False, "dropped": 0}
-
-    def launch_pdl(self):
-        asked = self.__dict__.get("_launch_pdl", False)
-        if asked and plainly["on"]:
-            plainly["dropped"] += 1
-            return False
-        return asked
-
-    def ask(self, value):
-        self.__dict__["_launch_pdl"] = value
-
-    monkeypatch.setattr(launcher, "launch_pdl", property(launch_pdl, ask), raising=False)
+    dropped = DroppedLaunches()
+    monkeypatch.setattr(launcher, "launch_pdl", dropped.launch_pdl(), raising=False)
     monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
     runs = []
     for plain in (False, True):
-        plainly["on"] = plain
+        dropped.plain = plain
         torch._dynamo.reset()  # built afresh: the launchers (and the graphs) are made anew
-        runs.append(_greedy_rows(tier, 48))
-    assert plainly["dropped"] > 0, "no kernel asked for a dependent launch"
+        tokens, rows, batch_tokens, batch_rows = greedy_rows(tier, 48)
+        runs.append((tokens, rows.tobytes(), batch_tokens, [r.tobytes() for r in batch_rows]))
+    assert dropped.dropped > 0, "no kernel asked for a dependent launch"
     assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
     assert runs[0][2] == runs[1][2] and runs[0][3] == runs[1][3]
 
