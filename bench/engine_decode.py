@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         "--tuned-reductions",
         action="store_true",
         help="inductor tunes each compiled kernel's blocks by coordinate descent as it first runs "
-        "(its coordinate_descent_tuning; TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1): the projections it "
-        "writes as reductions read at 53-63%% of the copy bandwidth with its default blocks (H100)",
+        "(its coordinate_descent_tuning; TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1); on an H100 the step was "
+        "4-5%% slower with it and took 2-6x longer to compile (BENCHMARKS.md)",
     )
     parser.add_argument(
         "--plain-launches",

@@ -1,7 +1,8 @@
 """How the compiled decode regions' kernels launch: programmatic dependent launch on Hopper and later.
 
 With inductor's ``triton.enable_pdl`` a region's kernel may start while the one before it ends, its
-set-up overlapping that kernel's tail (+8-10% tokens/s at 1k on an H100). Inductor's own placement
+set-up overlapping that kernel's tail (+0.7-2.1% tokens/s single-stream on an H100 in an interleaved
+A/B, ``bench/engine_ab.py``; BENCHMARKS.md). Inductor's own placement
 of the kernels' waits can let a kernel touch memory before the kernel ahead of it is done;
 :func:`wait_before_every_access` has every kernel wait first, and the placement is put in inductor's
 cache key (:func:`region_options`). On by default where available; ``bench/engine_decode.py

@@ -1,0 +1,184 @@
+"""Two or more settings of the decode step side by side in one process, their rounds interleaved.
+
+Successive runs of ``bench/engine_decode.py`` on one GPU drift by a few percent (the copy bandwidth
+each measures at its start moved by 4% between two runs in one call on an H100), more than a change
+to one kernel of the step moves it. Here one model serves every variant: each variant sets its
+switches (upper-case module attributes of ``kvstore.engine``'s ``products``, ``model`` and
+``launches``, or ``inductor.<option>`` of ``torch._inductor.config``), compiles the step's regions
+afresh (``compile_decode``) and captures its own engine's CUDA graph; then the rounds run variant
+after variant, ``--tokens`` greedy steps each, and every variant's rate is divided by the first
+variant's of the same round. The figure is the median of those ratios, beside their range; the
+rates are medians over the rounds. ``--variant ""`` is the defaults. "graphs" counts the graphs
+dynamo compiled while a variant's engine took its first steps: 0 where a variant ran code compiled
+before (the same switches as an earlier one, or none that the regions read).
+
+    python3 bench/engine_ab.py --device cuda --preset v2-lite --tiers fp8 int4 --lengths 1024 32768 \\
+        --variant "" --variant "products.REDUCED_PROJECTIONS=0"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_decode import _engine, _fill, _sync  # noqa: E402
+
+from kvstore.engine import Engine, launches, preset, products, random_model  # noqa: E402
+from kvstore.engine import model as model_module  # noqa: E402
+from kvstore.gpu import codecs  # noqa: E402
+
+#: Modules whose upper-case attributes a variant may set; ``inductor.<option>`` sets one of
+#: ``torch._inductor.config`` (dotted for its sections: ``inductor.triton.persistent_reductions=0``),
+#: which the variant's own compile of the regions reads.
+SWITCHES: dict[str, Any] = {"products": products, "model": model_module, "launches": launches}
+
+
+def _owner(module: str, attribute: str) -> tuple[Any, str]:
+    """The object holding a switch and its last name (``inductor.triton.x`` -> config.triton, "x")."""
+    if module == "inductor":
+        import torch._inductor.config as inductor_config
+
+        *path, last = attribute.split(".")
+        owner: Any = inductor_config
+        for part in path:
+            owner = getattr(owner, part)
+        return owner, last
+    return SWITCHES[module], attribute
+
+
+def parse_variant(text: str) -> dict[tuple[str, str], object]:
+    """``"products.REDUCED_PROJECTIONS=0 model.MERGED_REGIONS=1"`` -> {(module, attribute): value}; the value
+    takes the type of the attribute's current value (bool: 0/1/true/false, int, float)."""
+    settings: dict[tuple[str, str], object] = {}
+    for item in text.split():
+        name, sep, raw = item.partition("=")
+        module, dot, attribute = name.partition(".")
+        known = module == "inductor" or (module in SWITCHES and attribute.isupper())
+        if not sep or not dot or not known:
+            raise ValueError(
+                f"not a switch: {item!r} (module.ATTRIBUTE=value, module one of {sorted(SWITCHES)}, or inductor.option)"
+            )
+        try:
+            owner, last = _owner(module, attribute)
+            current = getattr(owner, last)
+        except AttributeError:
+            raise ValueError(f"not a switch: {item!r} ({module} has no {attribute})") from None
+        if isinstance(current, bool):
+            if raw.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"{item!r}: {name} is a bool (0, 1, true, false)")
+            value: object = raw.lower() in ("1", "true")
+        else:
+            value = type(current)(raw)
+        settings[(module, attribute)] = value
+    return settings
+
+
+def apply(settings: dict[tuple[str, str], object], defaults: dict[tuple[str, str], object]) -> None:
+    """Every switch any variant names back to its default, then this variant's."""
+    for (module, attribute), value in {**defaults, **settings}.items():
+        owner, last = _owner(module, attribute)
+        setattr(owner, last, value)
+
+
+def rate(engine: Engine, first: int, start: int, tokens: int) -> float:
+    """Greedy tokens per second from ``start`` rows (the cache cut back to them first), a host sync
+    per token as a user's loop has."""
+    engine.cache.truncate(start)
+    token = first
+    _sync(engine.device)
+    began = time.perf_counter()
+    for _ in range(tokens):
+        token = int(torch.argmax(engine.decode_logits(token, engine.cache.length)))
+    return tokens / (time.perf_counter() - began)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--tiers", nargs="+", default=["fp8"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per variant per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        help="switches of one variant, e.g. 'products.REDUCED_PROJECTIONS=0' ('' : the defaults); the first is the "
+        "baseline of the ratios (default: '' and 'products.REDUCED_PROJECTIONS=0')",
+    )
+    parser.add_argument(
+        "--skip-unknown",
+        action="store_true",
+        help="drop a variant (not the first) whose switch this torch or tree lacks, and say so, rather than stop",
+    )
+    args = parser.parse_args(argv)
+    texts = args.variant if args.variant is not None else ["", "products.REDUCED_PROJECTIONS=0"]
+    variants, kept = [], []
+    for text in texts:
+        try:
+            variants.append(parse_variant(text))
+            kept.append(text)
+        except ValueError as error:
+            if not args.skip_unknown or not variants:
+                parser.error(str(error))
+            print(f"engine_ab: skipped, {error}")
+    texts = kept
+    if len(variants) < 2:
+        parser.error("give at least two --variant")
+    defaults = {key: getattr(*_owner(*key)) for v in variants for key in v}
+    codecs.use_encode_kernels(True)
+
+    device = torch.device(args.device)
+    cfg = preset(args.preset)
+    model = random_model(cfg, seed=0, device=device, dtype="float32" if device.type == "cpu" else "bfloat16")
+    model.use_expert_kernels(True)
+    mode = "compiled" if device.type == "cuda" else "plain"
+    labels = [t or "defaults" for t in texts]
+    print(f"engine_ab: {args.preset} on {device} ({mode}), {args.rounds} rounds of {args.tokens} tokens per variant")
+    print(
+        f"{'tier':5s} {'context':>7s}  {'variant':40s} {'tok/s':>8s}  {'vs first':>8s}  {'ratio range':>13s}  capture s  graphs"
+    )
+    for tier in args.tiers:
+        for length in args.lengths:
+            engines, firsts, captures = [], [], []
+            for settings in variants:
+                apply(settings, defaults)
+                engine = _engine(model, mode, tier=tier)
+                context = _fill(engine, length, seed=length)
+                first = int(context[-1]) % cfg.vocab_size
+                graphs = counters["stats"]["unique_graphs"]
+                began = time.perf_counter()
+                rate(engine, first, length, 2)  # compiles and captures under this variant's switches
+                captures.append((time.perf_counter() - began, counters["stats"]["unique_graphs"] - graphs))
+                engines.append(engine)
+                firsts.append(first)
+            rates = np.zeros((args.rounds, len(variants)))
+            for r in range(args.rounds):
+                for i, (settings, engine) in enumerate(zip(variants, engines)):
+                    apply(settings, defaults)  # a new bucket would capture under these
+                    rates[r, i] = rate(engine, firsts[i], length, args.tokens)
+            apply({}, defaults)
+            ratios = rates / rates[:, :1]
+            for i, label in enumerate(labels):
+                spread = f"{ratios[:, i].min():.3f}-{ratios[:, i].max():.3f}"
+                print(
+                    f"{tier:5s} {length:7d}  {label[:40]:40s} {np.median(rates[:, i]):8.1f}  "
+                    f"{np.median(ratios[:, i]):8.3f}  {spread:>13s}  {captures[i][0]:9.1f}  {captures[i][1]:6d}"
+                )
+            del engines
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
