@@ -3,17 +3,21 @@
 Successive runs of ``bench/engine_decode.py`` on one GPU drift by a few percent (the copy bandwidth
 each measures at its start moved by 4% between two runs in one call on an H100), more than a change
 to one kernel of the step moves it. Here one model serves every variant: each variant sets its
-switches (upper-case module attributes of ``kvstore.engine``'s ``products``, ``model`` and
-``launches``, or ``inductor.<option>`` of ``torch._inductor.config``), compiles the step's regions
-afresh (``compile_decode``) and captures its own engine's CUDA graph; then the rounds run variant
-after variant, ``--tokens`` greedy steps each, and every variant's rate is divided by the first
-variant's of the same round. The figure is the median of those ratios, beside their range; the
-rates are medians over the rounds. ``--variant ""`` is the defaults. "graphs" counts the graphs
-dynamo compiled while a variant's engine took its first steps: 0 where a variant ran code compiled
-before (the same switches as an earlier one, or none that the regions read).
+switches (upper-case module attributes of ``kvstore.engine``'s ``products``, ``model``,
+``launches`` and ``expert_kernels``, or ``inductor.<option>`` of ``torch._inductor.config``),
+compiles the step's regions afresh (``compile_decode``) and captures its own engine's CUDA graph;
+then the rounds run variant after variant, ``--tokens`` greedy steps each, and every variant's rate
+is divided by the first variant's of the same round. The figure is the median of those ratios,
+beside their range; the rates are medians over the rounds. ``--variant ""`` is the defaults.
+"graphs" counts the graphs dynamo compiled while a variant's engine took its first steps: 0 where a
+variant ran code compiled before (the same switches as an earlier one, or none that the regions
+read).
 
     python3 bench/engine_ab.py --device cuda --preset v2-lite --tiers fp8 int4 --lengths 1024 32768 \\
-        --variant "" --variant "products.REDUCED_PROJECTIONS=0"
+        --batch 16 64 --variant "" --variant "products.REDUCED_PROJECTIONS=0"
+
+"x16" in the context column is 16 sessions decoded together (their aggregate tok/s), lengths spread
+evenly over 1k..32k; their caches are shared by the variants, each cut back before its run.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,14 +35,27 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_decode import _engine, _fill, _sync  # noqa: E402
 
-from kvstore.engine import Engine, launches, preset, products, random_model  # noqa: E402
+from kvstore.engine import (  # noqa: E402
+    BatchSequence,
+    Engine,
+    expert_kernels,
+    launches,
+    preset,
+    products,
+    random_model,
+)
 from kvstore.engine import model as model_module  # noqa: E402
 from kvstore.gpu import codecs  # noqa: E402
 
 #: Modules whose upper-case attributes a variant may set; ``inductor.<option>`` sets one of
 #: ``torch._inductor.config`` (dotted for its sections: ``inductor.triton.persistent_reductions=0``),
 #: which the variant's own compile of the regions reads.
-SWITCHES: dict[str, Any] = {"products": products, "model": model_module, "launches": launches}
+SWITCHES: dict[str, Any] = {
+    "products": products,
+    "model": model_module,
+    "launches": launches,
+    "expert_kernels": expert_kernels,
+}
 
 
 def _owner(module: str, attribute: str) -> tuple[Any, str]:
@@ -88,16 +105,53 @@ def apply(settings: dict[tuple[str, str], object], defaults: dict[tuple[str, str
         setattr(owner, last, value)
 
 
-def rate(engine: Engine, first: int, start: int, tokens: int) -> float:
-    """Greedy tokens per second from ``start`` rows (the cache cut back to them first), a host sync
-    per token as a user's loop has."""
-    engine.cache.truncate(start)
-    token = first
-    _sync(engine.device)
-    began = time.perf_counter()
-    for _ in range(tokens):
-        token = int(torch.argmax(engine.decode_logits(token, engine.cache.length)))
-    return tokens / (time.perf_counter() - began)
+def single(model, mode: str, tier: str, length: int, vocab: int) -> Callable[[int], float]:
+    """One session of ``length`` rows in an engine of its own: a run of ``tokens`` greedy tokens
+    from those rows (the cache cut back to them first), a host sync per token as a user's loop has;
+    it returns tokens per second."""
+    engine = _engine(model, mode, tier=tier)
+    first = int(_fill(engine, length, seed=length)[-1]) % vocab
+
+    def run(tokens: int) -> float:
+        engine.cache.truncate(length)
+        token = first
+        _sync(engine.device)
+        began = time.perf_counter()
+        for _ in range(tokens):
+            token = int(torch.argmax(engine.decode_logits(token, engine.cache.length)))
+        return tokens / (time.perf_counter() - began)
+
+    return run
+
+
+def batched(model, mode: str, tier: str, sessions: list[tuple[Any, int, int]]) -> Callable[[int], float]:
+    """The ``sessions`` (cache, first token, length), shared by every variant, decoded together by an
+    engine of this variant's own: a run of ``tokens`` steps from their lengths; it returns the
+    aggregate tokens per second."""
+    engine = _engine(model, mode, tier=tier)
+
+    def run(tokens: int) -> float:
+        for cache, _, length in sessions:
+            cache.truncate(length)
+        batch = [BatchSequence(cache, [token]) for cache, token, _ in sessions]
+        _sync(engine.device)
+        began = time.perf_counter()
+        result = engine.generate_batch(batch, max_new_tokens=tokens, stop_tokens=())
+        _sync(engine.device)
+        return len(sessions) * result.steps / (time.perf_counter() - began)
+
+    return run
+
+
+def spread_sessions(model, tier: str, n: int, vocab: int) -> list[tuple[Any, int, int]]:
+    """``n`` sessions of random rows, lengths spread evenly over 1k..32k (as
+    ``bench/engine_decode.py --batch`` takes them)."""
+    sessions = []
+    for i, length in enumerate(int(x) for x in np.linspace(1024, 32768, n)):
+        holder = Engine(model, tier=tier, cuda_graphs=False, compile_step=False)
+        first = int(_fill(holder, length, seed=1000 + i)[-1]) % vocab
+        sessions.append((holder.cache, first, length))
+    return sessions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024])
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per variant per round")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also this many sessions decoded together (lengths spread over 1k..32k), per number given",
+    )
+    parser.add_argument("--batch-only", action="store_true", help="skip the single-session rows")
     parser.add_argument(
         "--variant",
         action="append",
@@ -147,34 +209,38 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'tier':5s} {'context':>7s}  {'variant':40s} {'tok/s':>8s}  {'vs first':>8s}  {'ratio range':>13s}  capture s  graphs"
     )
+    cases = [("single", n) for n in ([] if args.batch_only else args.lengths)] + [("batch", n) for n in args.batch]
     for tier in args.tiers:
-        for length in args.lengths:
-            engines, firsts, captures = [], [], []
+        for kind, n in cases:
+            sessions = spread_sessions(model, tier, n, cfg.vocab_size) if kind == "batch" else []
+            runs, captures = [], []
             for settings in variants:
                 apply(settings, defaults)
-                engine = _engine(model, mode, tier=tier)
-                context = _fill(engine, length, seed=length)
-                first = int(context[-1]) % cfg.vocab_size
+                run = (
+                    single(model, mode, tier, n, cfg.vocab_size)
+                    if kind == "single"
+                    else batched(model, mode, tier, sessions)
+                )
                 graphs = counters["stats"]["unique_graphs"]
                 began = time.perf_counter()
-                rate(engine, first, length, 2)  # compiles and captures under this variant's switches
+                run(2)  # compiles and captures under this variant's switches
                 captures.append((time.perf_counter() - began, counters["stats"]["unique_graphs"] - graphs))
-                engines.append(engine)
-                firsts.append(first)
+                runs.append(run)
             rates = np.zeros((args.rounds, len(variants)))
             for r in range(args.rounds):
-                for i, (settings, engine) in enumerate(zip(variants, engines)):
+                for i, (settings, run) in enumerate(zip(variants, runs)):
                     apply(settings, defaults)  # a new bucket would capture under these
-                    rates[r, i] = rate(engine, firsts[i], length, args.tokens)
+                    rates[r, i] = run(args.tokens)
             apply({}, defaults)
             ratios = rates / rates[:, :1]
+            context = f"{n:7d}" if kind == "single" else f"{'x' + str(n):>7s}"
             for i, label in enumerate(labels):
                 spread = f"{ratios[:, i].min():.3f}-{ratios[:, i].max():.3f}"
                 print(
-                    f"{tier:5s} {length:7d}  {label[:40]:40s} {np.median(rates[:, i]):8.1f}  "
+                    f"{tier:5s} {context}  {label[:40]:40s} {np.median(rates[:, i]):8.1f}  "
                     f"{np.median(ratios[:, i]):8.3f}  {spread:>13s}  {captures[i][0]:9.1f}  {captures[i][1]:6d}"
                 )
-            del engines
+            del runs, sessions
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return 0

@@ -36,7 +36,7 @@ from kvstore.engine.config import ModelConfig
 from kvstore.engine.moe import DenseMLP, MoE, RoutedExperts, Router, grouped_mm_available, has_triton
 from kvstore.engine.rotary import Rotary
 
-__all__ = ["MLAForCausalLM", "Segment"]
+__all__ = ["MLAForCausalLM", "Segment", "region_compile_options"]
 
 # The two latent norms are built with transformers' default eps, not the config's.
 _LATENT_NORM_EPS = 1e-6
@@ -53,6 +53,12 @@ RECOMPILE_LIMIT = 64
 # add fused into the next norm, a region's boundary fewer): measured on an H100 (BENCHMARKS.md;
 # bench/engine_decode.py --layer-regions turns it off); read by compile_decode
 MERGED_REGIONS = True
+# Inductor's combo kernels in the compiled regions: independent small kernels of a region launched
+# as one (its ``combo_kernels``). +2.0-3.1% tokens/s single-stream on an H100, fp8 and int4, 1k and
+# 32k (bench/engine_ab.py, BENCHMARKS.md), and the compiled-step and wait-placement GPU tests pass
+# with it; off until the batched steps and the rest of the GPU tests have run with it too
+# (bench/engine_ab.py --variant "model.COMBO_KERNELS=1"); read by compile_decode
+COMBO_KERNELS = False
 
 
 class RMSNorm(nn.Module):
@@ -560,10 +566,7 @@ class MLAForCausalLM(nn.Module):
         if self.device.type != "cuda" or not has_triton():
             return False
         self.fuse_projections()
-        # Intermediates rounded to the model's dtype where the eager step rounds them, so the fused
-        # step computes what the eager one does (not a more precise, different answer).
-        options: dict[str, Any] = {"emulate_precision_casts": True}
-        options.update(launches.region_options(self.device))
+        options = region_compile_options(self.device)
         # A region compiles once per decode batch size and layer kind (dense, MoE): a scheduler's
         # size classes (1, 2, 4, ... max batch) times two outgrow dynamo's default of 8 graphs a
         # function, past which it runs the region eagerly for every new size.
@@ -582,6 +585,22 @@ class MLAForCausalLM(nn.Module):
             last=torch.compile(DecoderLayer.step_last, options=options) if merged else None,
         )
         return True
+
+
+def region_compile_options(device: torch.device) -> dict[str, Any]:
+    """The inductor options of the compiled step's regions on ``device``: intermediates rounded to
+    the model's dtype where the eager step rounds them (so the fused step computes what the eager one
+    does, not a more precise, different answer), how the kernels launch
+    (:func:`launches.region_options`), and whether combo kernels are on (:data:`COMBO_KERNELS`, said
+    either way, so a process-wide inductor setting does not turn on for the regions what was not
+    checked)."""
+    import torch._inductor.config as inductor_config
+
+    options: dict[str, Any] = {"emulate_precision_casts": True}
+    options.update(launches.region_options(device))
+    if hasattr(inductor_config, "combo_kernels"):
+        options["combo_kernels"] = COMBO_KERNELS
+    return options
 
 
 @dataclass(frozen=True)

@@ -70,14 +70,15 @@ def test_compiled_encoders_write_the_format_bytes():
             assert same.mean() >= (1.0 if tier is FP8 else 0.9999), (tier.name, name, same.mean())
 
 
-@pytest.mark.parametrize("variant", ["default", "gemms-layered", "gemm-projections"])
+@pytest.mark.parametrize("variant", ["default", "gemms-layered", "gemm-projections", "combo-kernels"])
 @pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
 def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     """bf16 V2-style layers (grouped experts) on CUDA: the compiled regions give the eager step's
     logits up to bf16 rounding and write the same rows — as compiled by default (the small products
     and the attention's projections as reductions, kvstore.engine.products, in merged regions,
     model.MERGED_REGIONS), with all of them switched off (cuBLAS's GEMMs, each layer its own
-    regions), and with only the projections as GEMMs (products.REDUCED_PROJECTIONS off)."""
+    regions), with only the projections as GEMMs (products.REDUCED_PROJECTIONS off), and with
+    inductor's combo kernels (model.COMBO_KERNELS on)."""
     import torch._dynamo
 
     from kvstore.engine import model as model_module
@@ -87,8 +88,9 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     if variant == "gemms-layered":
         monkeypatch.setattr(products, "REDUCED_TOKENS", 0)
         monkeypatch.setattr(model_module, "MERGED_REGIONS", False)
-    if variant != "default":
+    if variant in ("gemms-layered", "gemm-projections"):
         monkeypatch.setattr(products, "REDUCED_PROJECTIONS", False)
+    monkeypatch.setattr(model_module, "COMBO_KERNELS", variant == "combo-kernels")
     torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")
@@ -125,23 +127,27 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
             assert float((fused[-1] - eager[-1]).abs().max()) <= 0.1 * float(eager[-1].abs().max())
 
 
+@pytest.mark.parametrize("combo", [False, True], ids=["kernels", "combo-kernels"])
 @pytest.mark.parametrize("tier", ["fp8", "int4"])
-def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, monkeypatch):
+def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, combo, monkeypatch):
     """Programmatic dependent launch (on by default, sm_90+) lets a compiled kernel start while the
     one ahead of it still runs; it must wait for it (``gdc_wait``) before its first load or store.
     Inductor's own placement waited only where the kernel just before wrote what was touched, and
     otherwise after the first load; launches.wait_before_every_access has it wait first in every
     kernel. Read from the code the engine's regions compile to, alone and batched, built afresh:
-    every kernel that launches dependently waits before it touches memory."""
+    every kernel that launches dependently waits before it touches memory — inductor's combo kernels
+    (model.COMBO_KERNELS) too."""
     import torch._dynamo
     from torch._inductor import utils as inductor_utils
 
     from kernel_waits import accesses_before_the_wait, dependent_kernels, greedy_rows
     from kvstore.engine import launches
+    from kvstore.engine import model as model_module
 
     if not launches.dependent_launch_available(CUDA):
         pytest.skip("no programmatic dependent launch on this GPU or in this torch")
     monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
+    monkeypatch.setattr(model_module, "COMBO_KERNELS", combo)
     torch._dynamo.reset()
     fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
     with fresh():

@@ -44,6 +44,24 @@ def test_decode_step_equals_the_plain_absorbed_step(tier):
         torch.testing.assert_close(field[:, : len(prompt)], plain.cache._fields[name][:, : len(prompt)])
 
 
+def test_the_regions_say_combo_kernels_either_way_as_the_switch_says(monkeypatch):
+    """``model.COMBO_KERNELS`` (off) reaches the regions' inductor options, and an inductor set to
+    combine kernels process-wide does not turn it on for them; every option is one inductor knows."""
+    import torch._inductor.config as inductor_config
+
+    from kvstore.engine import model as model_module
+    from kvstore.engine.model import region_compile_options
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(inductor_config, "combo_kernels", True)
+    assert region_compile_options(cpu)["combo_kernels"] is False
+    monkeypatch.setattr(model_module, "COMBO_KERNELS", True)
+    options = region_compile_options(cpu)
+    assert options["combo_kernels"] is True and options["emulate_precision_casts"] is True
+    with inductor_config.patch(**options):  # refuses a name it does not know
+        pass
+
+
 def test_a_cpu_step_stays_eager_and_never_asks_for_dependent_launch():
     """The compiled regions (and their dependent launches, sm_90+ only, on by default) are CUDA's:
     on the CPU the step is the eager one the transformers oracle tests pin, switch or not."""
