@@ -15,6 +15,7 @@ from typing import Any
 _KERNEL = re.compile(r"async_compile\.triton\(\s*'(\w+)',\s*'''(.*?)'''", re.DOTALL)
 _ACCESS = re.compile(r"\btl\.(load|store|atomic_\w+)\(")
 _WAIT = "tl.extra.cuda.gdc_wait()"
+_BRANCH = re.compile(r"^[ \t]*(?:if|elif) pid < ", re.MULTILINE)
 
 
 def dependent_kernels(source: str) -> dict[str, str]:
@@ -24,15 +25,34 @@ def dependent_kernels(source: str) -> dict[str, str]:
 
 def accesses_before_the_wait(text: str) -> str | None:
     """The first load or store a dependent kernel issues before its wait (its line), or None when
-    it waits first."""
+    it waits first. A combo kernel (inductor's ``combo_kernels``) runs one of its sub-kernels per
+    program, each under its own ``if pid < ...`` / ``elif pid < ...`` branch: unless it waits
+    before the branches, every branch must wait before its own first access."""
     body = text[text.index("@triton.jit") :]
-    access = _ACCESS.search(body)
+    branches = [m.start() for m in _BRANCH.finditer(body)]
+    if branches and _first_access_unwaited(body[: branches[0]]) is None and _WAIT in body[: branches[0]]:
+        return None  # waited before any branch: every program has
+    for start, end in zip([0, *branches], [*branches, len(body)]):
+        line = _first_access_unwaited(body[start:end])
+        if line is not None:
+            return line
+    return None
+
+
+def is_combo(text: str) -> bool:
+    """Whether a kernel is a combo kernel: sub-kernels under branches of ``pid``."""
+    return _BRANCH.search(text) is not None
+
+
+def _first_access_unwaited(segment: str) -> str | None:
+    """The line of the segment's first load or store when no wait comes before it, else None."""
+    access = _ACCESS.search(segment)
     if access is None:
         return None
-    wait = body.find(_WAIT)
+    wait = segment.find(_WAIT)
     if wait != -1 and wait < access.start():
         return None
-    return body[body.rfind("\n", 0, access.start()) + 1 : body.find("\n", access.start())].strip()
+    return segment[segment.rfind("\n", 0, access.start()) + 1 : segment.find("\n", access.start())].strip()
 
 
 def greedy_rows(tier: str, steps: int) -> tuple[list[int], Any, list[list[int]], list[Any]]:

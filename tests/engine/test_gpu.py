@@ -140,7 +140,7 @@ def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, 
     import torch._dynamo
     from torch._inductor import utils as inductor_utils
 
-    from kernel_waits import accesses_before_the_wait, dependent_kernels, greedy_rows
+    from kernel_waits import accesses_before_the_wait, dependent_kernels, greedy_rows, is_combo
     from kvstore.engine import launches
     from kvstore.engine import model as model_module
 
@@ -154,6 +154,8 @@ def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, 
         _, sources = inductor_utils.run_and_get_code(greedy_rows, tier, 2)
     kernels = [kernel for source in sources for kernel in dependent_kernels(source).items()]
     assert len(kernels) >= 10, f"only {len(kernels)} dependently launched kernels in {len(sources)} modules"
+    combos = [name for name, text in kernels if is_combo(text)]
+    assert bool(combos) == combo, f"combo kernels {combos} with model.COMBO_KERNELS {combo}"
     early = [(name, line) for name, text in kernels if (line := accesses_before_the_wait(text))]
     assert not early, early
 

@@ -131,6 +131,52 @@ def triton_poi_fused_2(out_ptr0, xnumel, XBLOCK : tl.constexpr):
     tmp0 = 0.0
     tl.store(out_ptr0 + (x0), tmp0, xmask)
 ''', device_str='cuda')
+triton_for_fused_4 = async_compile.triton('triton_for_fused_4', '''
+@triton_heuristics.foreach(triton_meta={'signature': {}, 'launch_pdl': True})
+@triton.jit
+def triton_for_fused_4(in_ptr0, in_ptr1, out_ptr0, out_ptr1):
+    pid = tl.program_id(0)
+    if pid < num_xblocks_0:
+        pid_offset = pid
+        tl.extra.cuda.gdc_wait()
+        tmp0 = tl.load(in_ptr0 + (x0), xmask)
+        tl.store(out_ptr0 + (x0), tmp0, xmask)
+    elif pid < num_xblocks_1:
+        pid_offset = pid - num_xblocks_0
+        tl.extra.cuda.gdc_wait()
+        tmp1 = tl.load(in_ptr1 + (x1), xmask)
+        tl.store(out_ptr1 + (x1), tmp1, xmask)
+    else:
+        pass
+''', device_str='cuda')
+triton_for_fused_5 = async_compile.triton('triton_for_fused_5', '''
+@triton_heuristics.foreach(triton_meta={'signature': {}, 'launch_pdl': True})
+@triton.jit
+def triton_for_fused_5(in_ptr0, in_ptr1, out_ptr0, out_ptr1):
+    pid = tl.program_id(0)
+    if pid < num_xblocks_0:
+        pid_offset = pid
+        tl.extra.cuda.gdc_wait()
+        tmp0 = tl.load(in_ptr0 + (x0), xmask)
+        tl.store(out_ptr0 + (x0), tmp0, xmask)
+    elif pid < num_xblocks_1:
+        pid_offset = pid - num_xblocks_0
+        tmp1 = tl.load(in_ptr1 + (x1), xmask)
+        tl.store(out_ptr1 + (x1), tmp1, xmask)
+    else:
+        pass
+''', device_str='cuda')
+triton_for_fused_6 = async_compile.triton('triton_for_fused_6', '''
+@triton_heuristics.foreach(triton_meta={'signature': {}, 'launch_pdl': True})
+@triton.jit
+def triton_for_fused_6(in_ptr0, in_ptr1, out_ptr0, out_ptr1):
+    pid = tl.program_id(0)
+    tl.extra.cuda.gdc_wait()
+    if pid < num_xblocks_0:
+        tl.store(out_ptr0 + (x0), tl.load(in_ptr0 + (x0), xmask), xmask)
+    elif pid < num_xblocks_1:
+        tl.store(out_ptr1 + (x1), tl.load(in_ptr1 + (x1), xmask), xmask)
+''', device_str='cuda')
 triton_poi_fused_3 = async_compile.triton('triton_poi_fused_3', '''
 @triton_heuristics.pointwise(triton_meta={'signature': {}, 'launch_pdl': False})
 @triton.jit
@@ -144,14 +190,27 @@ def test_the_wait_check_finds_a_dependent_kernel_that_touches_memory_before_it_w
     """The GPU test of the regions' generated code reads it with these helpers: each dependently
     launched kernel must wait before its first load or store. Planted here: one kernel that waits
     first, one that loads before its wait (inductor's own placement did this), one fill with no
-    wait at all, and one launched plainly (not a dependent kernel, so not checked)."""
-    from kernel_waits import accesses_before_the_wait, dependent_kernels
+    wait at all, one launched plainly (not a dependent kernel, so not checked), and three combo
+    kernels (one sub-kernel per branch of ``pid``): each branch waiting, the second branch not
+    (its programs would read before the kernel ahead is done), and one wait before the branches."""
+    from kernel_waits import accesses_before_the_wait, dependent_kernels, is_combo
 
     kernels = dependent_kernels(_PLANTED)
-    assert sorted(kernels) == ["triton_poi_fused_0", "triton_poi_fused_2", "triton_red_fused_1"]
+    assert [name for name, text in kernels.items() if is_combo(text)] == [f"triton_for_fused_{i}" for i in (4, 5, 6)]
+    assert sorted(kernels) == [
+        "triton_for_fused_4",
+        "triton_for_fused_5",
+        "triton_for_fused_6",
+        "triton_poi_fused_0",
+        "triton_poi_fused_2",
+        "triton_red_fused_1",
+    ]
     assert accesses_before_the_wait(kernels["triton_poi_fused_0"]) is None
     assert accesses_before_the_wait(kernels["triton_red_fused_1"]).startswith("tmp0 = tl.load(in_ptr0")
     assert accesses_before_the_wait(kernels["triton_poi_fused_2"]).startswith("tl.store(out_ptr0")
+    assert accesses_before_the_wait(kernels["triton_for_fused_4"]) is None
+    assert accesses_before_the_wait(kernels["triton_for_fused_5"]).startswith("tmp1 = tl.load(in_ptr1")
+    assert accesses_before_the_wait(kernels["triton_for_fused_6"]) is None
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
