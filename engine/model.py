@@ -106,8 +106,11 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=bias)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary):
-        """Queries and the new latent rows of ``x`` [T, hidden].
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary, norm: RMSNorm | None = None
+    ):
+        """Queries and the new latent rows of ``x`` [T, hidden] (normed first by ``norm`` when given:
+        inside the projection's kernel where :func:`products.gemv_kernels` runs it).
 
         Returns
         -------
@@ -117,11 +120,18 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
         fused = getattr(self, "_x_proj", None)
-        if fused is not None:  # both of x's projections in one GEMM (fuse_x_projections)
-            both = products.project_rows(x, fused) if products.as_projection_reduction(x) else F.linear(x, fused)
-            q, compressed = both.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], -1)
-        else:
+        if fused is None:
+            x = x if norm is None else norm(x)
             q, compressed = first(x), self.kv_a_proj_with_mqa(x)
+        else:  # both of x's projections in one product (fuse_x_projections)
+            kernels = products.gemv_kernels(x)
+            if kernels is not None:  # one kernel: the norm and both projections
+                weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+                both = kernels.project(x, fused, norm=weight, eps=eps)
+            else:
+                x = x if norm is None else norm(x)
+                both = products.project_rows(x, fused) if products.as_projection_reduction(x) else F.linear(x, fused)
+            q, compressed = both.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], -1)
         if not hasattr(self, "q_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, self.n_heads, self.nope + self.rope_dim)
@@ -211,6 +221,9 @@ class MLAttention(nn.Module):
         else:
             out = torch.bmm(ctx_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         flat = out.reshape(ctx_lat.shape[0], self.n_heads * self.v_dim)
+        kernels = products.gemv_kernels(flat)
+        if kernels is not None:
+            return kernels.project(flat, self.o_proj.weight, bias=self.o_proj.bias)
         if products.as_projection_reduction(flat):
             return products.project_rows(flat, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(flat)
@@ -363,7 +376,7 @@ class DecoderLayer(nn.Module):
         for the cache's own kernel). The tier comes by name: a compiled region guards on a string's
         value, so each tier gets its own graph (a frozen Tier object is not guarded that finely)."""
         attn = self.self_attn
-        q_nope, q_rope, lc, rc = attn.project(self.input_layernorm(x), cos, sin, rotary)
+        q_nope, q_rope, lc, rc = attn.project(x, cos, sin, rotary, norm=self.input_layernorm)
         fields = encode_fields(tiers.TIERS[tier], lc.float(), rc.float()) if encode else {"lc": lc, "rc": rc}
         return attn.latent_query(q_nope), q_rope.float().contiguous(), fields
 
