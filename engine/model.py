@@ -579,6 +579,7 @@ class MLAForCausalLM(nn.Module):
         if self.device.type != "cuda" or not has_triton():
             return False
         self.fuse_projections()
+        products.load_gemv_kernels()  # imported here, not while a region is traced
         options = region_compile_options(self.device)
         # A region compiles once per decode batch size and layer kind (dense, MoE): a scheduler's
         # size classes (1, 2, 4, ... max batch) times two outgrow dynamo's default of 8 graphs a

@@ -29,6 +29,7 @@ __all__ = [
     "as_projection_reduction",
     "as_reduction",
     "gemv_kernels",
+    "load_gemv_kernels",
     "head_products",
     "linear_rows",
     "project_rows",
@@ -73,11 +74,16 @@ def as_projection_reduction(x: torch.Tensor) -> bool:
 def gemv_kernels(x: torch.Tensor) -> Any:
     """:mod:`kvstore.engine.gemv_kernels` where the attention's projections of ``x`` [T, K] run as
     its kernels — switched on (``GEMV_KERNELS``), where they would be reductions
-    (:func:`as_projection_reduction`) — else None. The module is looked up once (a compiled step
-    reads the cached answer)."""
-    global _GEMV_MODULE
+    (:func:`as_projection_reduction`) — else None."""
     if not (GEMV_KERNELS and as_projection_reduction(x)):
         return None
+    return load_gemv_kernels()
+
+
+def load_gemv_kernels() -> Any:
+    """The kernels' module, imported once: ``compile_decode`` loads it before any region is traced,
+    so a traced step only reads the cached module (needs triton)."""
+    global _GEMV_MODULE
     if _GEMV_MODULE is None:
         from kvstore.engine import gemv_kernels as module
 
