@@ -11,13 +11,11 @@ gives ~1e10 on random data), so here the dtypes are f32 and f16; bf16 runs on th
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from interpreted import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -128,12 +126,7 @@ _INTERPRETED = textwrap.dedent(
 
 
 def test_kernels_under_the_interpreter_match_the_f32_loop():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_interpreted(_INTERPRETED)
     assert len(report) == 9
     for row in report:
         if row["case"].startswith("route"):

@@ -9,15 +9,12 @@ in the compiled-step GPU test ("gemv-kernels")."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from interpreted import run_interpreted
 from kvstore.engine import products
 from kvstore.engine.config import preset
 from kvstore.engine.model import MLAttention, RMSNorm
@@ -97,12 +94,7 @@ _INTERPRETED = textwrap.dedent(
 
 @needs_triton
 def test_the_kernel_under_the_interpreter_matches_the_products_and_the_layer():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_interpreted(_INTERPRETED)
     assert len(report) == 10
     for row in report:
         assert row["dtype"] == row["want_dtype"] and row["shape"] == row["want_shape"], row
