@@ -33,11 +33,10 @@ import torch
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_decode import _engine, _fill, _sync  # noqa: E402
+from engine_decode import _engine, _fill, _steps, _sync, filled_sessions, spread_lengths  # noqa: E402
 
 from kvstore.engine import (  # noqa: E402
     BatchSequence,
-    Engine,
     expert_kernels,
     launches,
     preset,
@@ -105,21 +104,19 @@ def apply(settings: dict[tuple[str, str], object], defaults: dict[tuple[str, str
         setattr(owner, last, value)
 
 
-def single(model, mode: str, tier: str, length: int, vocab: int) -> Callable[[int], float]:
-    """One session of ``length`` rows in an engine of its own: a run of ``tokens`` greedy tokens
-    from those rows (the cache cut back to them first), a host sync per token as a user's loop has;
-    it returns tokens per second."""
+def single(model, mode: str, tier: str, length: int, tokens: int) -> Callable[[int], float]:
+    """One session of ``length`` rows in an engine of its own: a run of ``tokens`` (or, the first
+    time, 2) greedy tokens from those rows (the cache cut back to them first), a host sync per token
+    as a user's loop has; it returns tokens per second."""
     engine = _engine(model, mode, tier=tier)
-    first = int(_fill(engine, length, seed=length)[-1]) % vocab
+    first = int(_fill(engine, length, seed=length)[-1])
+    runs = {n: _steps(engine, first, n) for n in (2, tokens)}  # each cuts the cache back to `length`
 
-    def run(tokens: int) -> float:
-        engine.cache.truncate(length)
-        token = first
+    def run(n: int) -> float:
         _sync(engine.device)
         began = time.perf_counter()
-        for _ in range(tokens):
-            token = int(torch.argmax(engine.decode_logits(token, engine.cache.length)))
-        return tokens / (time.perf_counter() - began)
+        runs[n]()
+        return n / (time.perf_counter() - began)
 
     return run
 
@@ -141,17 +138,6 @@ def batched(model, mode: str, tier: str, sessions: list[tuple[Any, int, int]]) -
         return len(sessions) * result.steps / (time.perf_counter() - began)
 
     return run
-
-
-def spread_sessions(model, tier: str, n: int, vocab: int) -> list[tuple[Any, int, int]]:
-    """``n`` sessions of random rows, lengths spread evenly over 1k..32k (as
-    ``bench/engine_decode.py --batch`` takes them)."""
-    sessions = []
-    for i, length in enumerate(int(x) for x in np.linspace(1024, 32768, n)):
-        holder = Engine(model, tier=tier, cuda_graphs=False, compile_step=False)
-        first = int(_fill(holder, length, seed=1000 + i)[-1]) % vocab
-        sessions.append((holder.cache, first, length))
-    return sessions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     cases = [("single", n) for n in ([] if args.batch_only else args.lengths)] + [("batch", n) for n in args.batch]
     for tier in args.tiers:
         for kind, n in cases:
-            sessions = spread_sessions(model, tier, n, cfg.vocab_size) if kind == "batch" else []
+            sessions = filled_sessions(model, tier, spread_lengths(n)) if kind == "batch" else []
             runs, captures = [], []
             for settings in variants:
                 apply(settings, defaults)
                 run = (
-                    single(model, mode, tier, n, cfg.vocab_size)
+                    single(model, mode, tier, n, args.tokens)
                     if kind == "single"
                     else batched(model, mode, tier, sessions)
                 )

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -152,17 +153,29 @@ def _batch_bytes(model, cfg, cache_bytes_per_token: int, lengths: list[int]) -> 
     return total + cache_bytes_per_token * sum(lengths)
 
 
+def spread_lengths(n: int) -> list[int]:
+    """``n`` context lengths spread evenly over 1k..32k: the sessions of a batched measurement."""
+    return [int(x) for x in np.linspace(1024, 32768, n)]
+
+
+def filled_sessions(model, tier: str, lengths: list[int]) -> list[tuple[Any, int, int]]:
+    """One cache of ``tier`` per length, filled with random rows (:func:`_fill`, seed 1000 + its
+    index): (cache, its last token, length), sessions to decode together."""
+    sessions = []
+    for i, length in enumerate(lengths):
+        holder = Engine(model, tier=tier, cuda_graphs=False)
+        context = _fill(holder, length, seed=1000 + i)
+        sessions.append((holder.cache, int(context[-1]), length))
+    return sessions
+
+
 def _batched(
     model, cfg, tier: str, lengths: list[int], steps: int, mode: str, profile: bool = False, breakdown: bool = False
 ) -> tuple[float, float, list, dict[str, float] | None]:
     """B sessions decoding ``steps`` tokens together: (seconds per step, seconds of the first batch
     — its capture included —, the tokens of the timed batch, where 8 steps' device time goes or None)."""
     engine = _engine(model, mode, tier=tier)
-    sessions = []
-    for i, length in enumerate(lengths):
-        holder = Engine(model, cache=engine.new_cache(), cuda_graphs=False)
-        context = _fill(holder, length, seed=1000 + i)
-        sessions.append((holder.cache, int(context[-1])))
+    sessions = [(cache, token) for cache, token, _ in filled_sessions(model, tier, lengths)]
     timings = []
     for _ in range(2):  # the first batch captures the graph (when on); the second is timed
         batch = [BatchSequence(cache, [token]) for cache, token in sessions]
@@ -472,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             + f"  {last[1] * 1e3:23.1f}  {rates[modes[-1]] / bound:9.1%} of {bound:7.0f}  {last[4]:9.2f}  {last[3]:8.2f}  {same}"
         )
     if args.batch:
-        lengths = args.batch_lengths or [int(n) for n in np.linspace(1024, 32768, args.batch)]
+        lengths = args.batch_lengths or spread_lengths(args.batch)
         if len(lengths) != args.batch:
             parser.error(f"--batch-lengths gives {len(lengths)} lengths for --batch {args.batch}")
         print(
