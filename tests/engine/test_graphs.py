@@ -131,6 +131,17 @@ def triton_poi_fused_2(out_ptr0, xnumel, XBLOCK : tl.constexpr):
     tmp0 = 0.0
     tl.store(out_ptr0 + (x0), tmp0, xmask)
 ''', device_str='cuda')
+triton_poi_fused_3 = async_compile.triton('triton_poi_fused_3', '''
+@triton_heuristics.pointwise(triton_meta={'signature': {}, 'launch_pdl': False})
+@triton.jit
+def triton_poi_fused_3(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    tl.store(out_ptr0 + (x0), tl.load(in_ptr0 + (x0)), xmask)
+''', device_str='cuda')
+"""
+
+# Combo kernels: a sub-kernel per branch of ``pid``, each waiting before its first access; the
+# same kernel with the second branch's wait planted out; one waiting before its branches.
+_COMBO_WAITING = """
 triton_for_fused_4 = async_compile.triton('triton_for_fused_4', '''
 @triton_heuristics.foreach(triton_meta={'signature': {}, 'launch_pdl': True})
 @triton.jit
@@ -149,23 +160,15 @@ def triton_for_fused_4(in_ptr0, in_ptr1, out_ptr0, out_ptr1):
     else:
         pass
 ''', device_str='cuda')
-triton_for_fused_5 = async_compile.triton('triton_for_fused_5', '''
-@triton_heuristics.foreach(triton_meta={'signature': {}, 'launch_pdl': True})
-@triton.jit
-def triton_for_fused_5(in_ptr0, in_ptr1, out_ptr0, out_ptr1):
-    pid = tl.program_id(0)
-    if pid < num_xblocks_0:
-        pid_offset = pid
-        tl.extra.cuda.gdc_wait()
-        tmp0 = tl.load(in_ptr0 + (x0), xmask)
-        tl.store(out_ptr0 + (x0), tmp0, xmask)
-    elif pid < num_xblocks_1:
-        pid_offset = pid - num_xblocks_0
-        tmp1 = tl.load(in_ptr1 + (x1), xmask)
-        tl.store(out_ptr1 + (x1), tmp1, xmask)
-    else:
-        pass
-''', device_str='cuda')
+"""
+_COMBO_SECOND_UNWAITED = _COMBO_WAITING.replace("fused_4", "fused_5").replace(
+    "        pid_offset = pid - num_xblocks_0\n        tl.extra.cuda.gdc_wait()\n",
+    "        pid_offset = pid - num_xblocks_0\n",
+)
+_PLANTED += (
+    _COMBO_WAITING
+    + _COMBO_SECOND_UNWAITED
+    + """
 triton_for_fused_6 = async_compile.triton('triton_for_fused_6', '''
 @triton_heuristics.foreach(triton_meta={'signature': {}, 'launch_pdl': True})
 @triton.jit
@@ -177,13 +180,8 @@ def triton_for_fused_6(in_ptr0, in_ptr1, out_ptr0, out_ptr1):
     elif pid < num_xblocks_1:
         tl.store(out_ptr1 + (x1), tl.load(in_ptr1 + (x1), xmask), xmask)
 ''', device_str='cuda')
-triton_poi_fused_3 = async_compile.triton('triton_poi_fused_3', '''
-@triton_heuristics.pointwise(triton_meta={'signature': {}, 'launch_pdl': False})
-@triton.jit
-def triton_poi_fused_3(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
-    tl.store(out_ptr0 + (x0), tl.load(in_ptr0 + (x0)), xmask)
-''', device_str='cuda')
 """
+)
 
 
 def test_the_wait_check_finds_a_dependent_kernel_that_touches_memory_before_it_waits():
