@@ -129,27 +129,29 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
             assert float((fused[-1] - eager[-1]).abs().max()) <= 0.1 * float(eager[-1].abs().max())
 
 
-@pytest.mark.parametrize("combo", [False, True], ids=["kernels", "combo-kernels"])
+@pytest.mark.parametrize("variant", ["kernels", "combo-kernels", "gemv-kernels"])
 @pytest.mark.parametrize("tier", ["fp8", "int4"])
-def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, combo, monkeypatch):
+def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, variant, monkeypatch):
     """Programmatic dependent launch (on by default, sm_90+) lets a compiled kernel start while the
     one ahead of it still runs; it must wait for it (``gdc_wait``) before its first load or store.
     Inductor's own placement waited only where the kernel just before wrote what was touched, and
     otherwise after the first load; launches.wait_before_every_access has it wait first in every
     kernel. Read from the code the engine's regions compile to, alone and batched, built afresh:
     every kernel that launches dependently waits before it touches memory — inductor's combo kernels
-    (model.COMBO_KERNELS) too."""
+    (model.COMBO_KERNELS) and the regions around the projections' own kernels (products.GEMV_KERNELS) too."""
     import torch._dynamo
     from torch._inductor import utils as inductor_utils
 
     from kernel_waits import accesses_before_the_wait, dependent_kernels, greedy_rows, is_combo
-    from kvstore.engine import launches
+    from kvstore.engine import launches, products
     from kvstore.engine import model as model_module
 
     if not launches.dependent_launch_available(CUDA):
         pytest.skip("no programmatic dependent launch on this GPU or in this torch")
     monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
+    combo = variant == "combo-kernels"
     monkeypatch.setattr(model_module, "COMBO_KERNELS", combo)
+    monkeypatch.setattr(products, "GEMV_KERNELS", variant == "gemv-kernels")
     torch._dynamo.reset()
     fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
     with fresh():
