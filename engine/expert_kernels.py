@@ -22,7 +22,11 @@ its output joins the weighted sum.
 
 A program whose expert no pair chose returns after reading the ids, and nothing is read back to the
 host: a step stays capturable in a CUDA graph, and ``torch.compile`` traces the kernels as
-user-defined Triton kernels. The tiles were picked by ``bench/engine_experts.py --sweep`` on the
+user-defined Triton kernels. With fewer pairs than experts (one V2-Lite token: 8 pairs, 66 experts
+with the shared ones), :data:`COMPACT_GRID` launches one program row per pair instead of one per
+expert: program row ``s`` takes the ``s``-th distinct expert of the pairs (first occurrences, in
+pair order), so most of the grid's programs, which would only read the ids and return, are not
+launched at all. The tiles were picked by ``bench/engine_experts.py --sweep`` on the
 H200.
 
 ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors (the CPU tests use it).
@@ -36,7 +40,7 @@ import triton.language as tl
 
 from kvstore.engine import products
 
-__all__ = ["BLOCK_M", "FOLD_MAX_PAIRS", "MAX_PAIRS", "route", "routed_experts", "shared_as_experts"]
+__all__ = ["BLOCK_M", "COMPACT_GRID", "FOLD_MAX_PAIRS", "MAX_PAIRS", "route", "routed_experts", "shared_as_experts"]
 
 #: Pairs per program pass (the tensor-core product's smallest M); an expert with more loops.
 BLOCK_M = 16
@@ -55,6 +59,10 @@ MAX_PAIRS = 512
 #: 16 V2-Lite tokens (6 + 2 pairs each) they beat the shared MLP's own GEMMs (1.11x one token, 1.22x
 #: four, 1.03x sixteen on an H100), at 64 tokens they lose (0.85x: every program scans 512 pairs).
 FOLD_MAX_PAIRS = 128
+#: With fewer (token, expert) pairs than experts, one program row per pair, each taking one of the
+#: distinct experts the pairs hold, rather than one per expert (``bench/engine_ab.py --variant
+#: "expert_kernels.COMPACT_GRID=1"``): off until measured on a GPU.
+COMPACT_GRID = False
 
 
 @triton.jit
@@ -83,18 +91,30 @@ def _experts_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
-    expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
-    # this expert's pairs, in pair order: rank[p] is pair p's place among them
     p = tl.arange(0, PAIRS)
-    mine = (tl.load(ids_ptr + p, mask=p < n_pairs, other=-1) == expert).to(tl.int32)
+    live = p < n_pairs
+    ids = tl.load(ids_ptr + p, mask=live, other=-1)
+    if COMPACT:
+        # program row s: the s-th distinct expert of the pairs, by first occurrence ([PAIRS, PAIRS]
+        # compares; PAIRS < the expert count here), or none (-1: no pair is its) past the last
+        earlier = (ids[:, None] == ids[None, :]) & (p[None, :] < p[:, None])
+        first = live & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
+        order = tl.cumsum(first.to(tl.int32), axis=0) - 1
+        expert = tl.sum(tl.where(first & (order == tl.program_id(0)), ids + 1, 0), axis=0) - 1
+    else:
+        expert = tl.program_id(0)
+    # this expert's pairs, in pair order: rank[p] is pair p's place among them
+    mine = (live & (ids == expert)).to(tl.int32)
     count = tl.sum(mine, axis=0)
     rank = tl.cumsum(mine, axis=0) - 1
     ks = tl.arange(0, BLOCK_K)
     # experts past the routed ones are the shared experts, read from their own tensors (views of the
     # shared MLP's weights: nothing is copied); every token chose them, as the ids say
+    expert = tl.maximum(expert, 0)  # no pair's when it was -1 (count 0): only the pointers below see it
     if expert < n_routed:
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         w2_base = w2_ptr + expert.to(tl.int64) * stride_we
@@ -138,7 +158,9 @@ def _experts_kernel(
 def _project(x, ids, top_k, w, w2, ws, ws2, out, gate_up: bool, block_n: int, block_k: int, stages: int, warps: int):
     n_experts, n_out, n_in = w.shape
     n_pairs = ids.numel()
-    _experts_kernel[(n_experts + ws.shape[0], triton.cdiv(n_out, block_n))](
+    rows = n_experts + ws.shape[0]
+    compact = COMPACT_GRID and n_pairs < rows
+    _experts_kernel[(n_pairs if compact else rows, triton.cdiv(n_out, block_n))](
         x,
         ids,
         w,
@@ -163,6 +185,7 @@ def _project(x, ids, top_k, w, w2, ws, ws2, out, gate_up: bool, block_n: int, bl
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=n_in % block_k == 0,
+        COMPACT=compact,
         num_stages=stages,  # pyright: ignore[reportCallIssue]  (launch options, not kernel parameters)
         num_warps=warps,  # pyright: ignore[reportCallIssue]
     )

@@ -125,8 +125,13 @@ _INTERPRETED = textwrap.dedent(
 )
 
 
-def test_kernels_under_the_interpreter_match_the_f32_loop():
-    report = run_interpreted(_INTERPRETED)
+@pytest.mark.parametrize("compact", [False, True], ids=["a-row-per-expert", "a-row-per-pair"])
+def test_kernels_under_the_interpreter_match_the_f32_loop(compact):
+    """Both grids: one program row per expert, and (expert_kernels.COMPACT_GRID) one per pair where
+    the pairs are fewer than the experts (cases 1, 3 and the first shared one), each row taking one
+    of the distinct experts the pairs hold."""
+    script = f"import kvstore.engine.expert_kernels as _ek\n_ek.COMPACT_GRID = {compact}\n" + _INTERPRETED
+    report = run_interpreted(script)
     assert len(report) == 9
     for row in report:
         if row["case"].startswith("route"):

@@ -70,7 +70,9 @@ def test_compiled_encoders_write_the_format_bytes():
             assert same.mean() >= (1.0 if tier is FP8 else 0.9999), (tier.name, name, same.mean())
 
 
-@pytest.mark.parametrize("variant", ["default", "gemms-layered", "gemm-projections", "combo-kernels", "gemv-kernels"])
+@pytest.mark.parametrize(
+    "variant", ["default", "gemms-layered", "gemm-projections", "combo-kernels", "gemv-kernels", "compact-experts"]
+)
 @pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
 def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     """bf16 V2-style layers (grouped experts) on CUDA: the compiled regions give the eager step's
@@ -79,11 +81,12 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     model.MERGED_REGIONS), with all of them switched off (cuBLAS's GEMMs, each layer its own
     regions), with only the projections as GEMMs (products.REDUCED_PROJECTIONS off), with
     inductor's combo kernels (model.COMBO_KERNELS on), and with the projections as the Triton
-    kernels of kvstore.engine.gemv_kernels, the input norm folded in (products.GEMV_KERNELS on)."""
+    kernels of kvstore.engine.gemv_kernels, the input norm folded in (products.GEMV_KERNELS on), and
+    with the experts' kernels launching a row of programs per pair (expert_kernels.COMPACT_GRID)."""
     import torch._dynamo
 
+    from kvstore.engine import expert_kernels, products
     from kvstore.engine import model as model_module
-    from kvstore.engine import products
     from kvstore.engine.model import StepRegions
 
     if variant == "gemms-layered":
@@ -93,6 +96,7 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
         monkeypatch.setattr(products, "REDUCED_PROJECTIONS", False)
     monkeypatch.setattr(model_module, "COMBO_KERNELS", variant == "combo-kernels")
     monkeypatch.setattr(products, "GEMV_KERNELS", variant == "gemv-kernels")
+    monkeypatch.setattr(expert_kernels, "COMPACT_GRID", variant == "compact-experts")
     torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")

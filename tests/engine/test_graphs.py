@@ -347,10 +347,13 @@ def test_grouped_experts_on_cuda_agree_with_the_loop(tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("tokens", [1, 16, 200])
-def test_decode_expert_kernels_on_cuda_agree_with_the_loop(tokens, dtype):
+def test_decode_expert_kernels_on_cuda_agree_with_the_loop(tokens, dtype, monkeypatch):
     """The Triton experts (engine/expert_kernels.py; 200 tokens: experts with several passes of
     pairs) within the grouped path's bound of the f32 loop, and in bf16 no farther from it than the
-    grouped GEMM, which rounds gate and up before their product; a decode step's pairs take them."""
+    grouped GEMM, which rounds gate and up before their product; a decode step's pairs take them.
+    With fewer pairs than experts (one token), the grid of a row per pair (COMPACT_GRID) gives the
+    same bits as the row per expert."""
+    from kvstore.engine import expert_kernels
     from kvstore.engine.expert_kernels import MAX_PAIRS, routed_experts
 
     experts, x, routes, weights = _experts_and_routes("cuda", dtype, tokens)
@@ -365,15 +368,23 @@ def test_decode_expert_kernels_on_cuda_agree_with_the_loop(tokens, dtype):
     assert torch.equal(fused, got)
     if routes.numel() <= MAX_PAIRS:
         assert torch.equal(experts(x, routes, weights), got)
+    if routes.numel() < experts.gate_proj.shape[0]:
+        monkeypatch.setattr(expert_kernels, "COMPACT_GRID", True)
+        compact = routed_experts(x, routes, weights, experts.gate_proj, experts.up_proj, experts.down_proj)
+        assert torch.equal(compact, got)
 
 
 @pytest.mark.gpu
-def test_decode_expert_kernels_replay_in_a_cuda_graph():
-    """Nothing goes back to the host: one capture replays with new tokens and new routes."""
+@pytest.mark.parametrize("tokens, compact", [(16, False), (3, True)], ids=["a-row-per-expert", "a-row-per-pair"])
+def test_decode_expert_kernels_replay_in_a_cuda_graph(tokens, compact, monkeypatch):
+    """Nothing goes back to the host: one capture replays with new tokens and new routes — with a
+    row of programs per pair too (6 pairs, 8 experts), whose rows find their experts on the device."""
+    from kvstore.engine import expert_kernels
     from kvstore.engine.expert_kernels import routed_experts
 
-    experts, x, routes, weights = _experts_and_routes("cuda", "bfloat16", 16, seed=3)
-    _, x2, routes2, weights2 = _experts_and_routes("cuda", "bfloat16", 16, seed=4)
+    monkeypatch.setattr(expert_kernels, "COMPACT_GRID", compact)
+    experts, x, routes, weights = _experts_and_routes("cuda", "bfloat16", tokens, seed=3)
+    _, x2, routes2, weights2 = _experts_and_routes("cuda", "bfloat16", tokens, seed=4)
     params = (experts.gate_proj, experts.up_proj, experts.down_proj)
     routed_experts(x, routes, weights, *params)  # compile outside the capture
     torch.cuda.synchronize()
