@@ -104,7 +104,7 @@ def _experts_kernel(
         earlier = (ids[:, None] == ids[None, :]) & (p[None, :] < p[:, None])
         first = live & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
         order = tl.cumsum(first.to(tl.int32), axis=0) - 1
-        expert = tl.sum(tl.where(first & (order == tl.program_id(0)), ids + 1, 0), axis=0) - 1
+        expert = tl.max(tl.where(first & (order == tl.program_id(0)), ids, -1), axis=0)
     else:
         expert = tl.program_id(0)
     # this expert's pairs, in pair order: rank[p] is pair p's place among them
