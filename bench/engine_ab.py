@@ -14,10 +14,12 @@ variant ran code compiled before (the same switches as an earlier one, or none t
 read).
 
     python3 bench/engine_ab.py --device cuda --preset v2-lite --tiers fp8 int4 --lengths 1024 32768 \\
-        --batch 16 64 --variant "" --variant "products.REDUCED_PROJECTIONS=0"
+        --batch 16 --variant "" --variant "products.REDUCED_PROJECTIONS=0"
 
 "x16" in the context column is 16 sessions decoded together (their aggregate tok/s), lengths spread
-evenly over 1k..32k; their caches are shared by the variants, each cut back before its run.
+evenly over 1k..32k; their caches are shared by the variants, each cut back before its run, but
+each variant's engine holds a batch pool of its own, so 64 such sessions and two variants do not
+fit an 80 GB card (alternate ``bench/engine_decode.py --batch 64 --batch-only`` runs instead).
 """
 
 from __future__ import annotations

@@ -384,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         "4-5%% slower with it and took 2-6x longer to compile (BENCHMARKS.md)",
     )
     parser.add_argument(
-        "--combo-kernels",
+        "--no-combo-kernels",
         action="store_true",
-        help="compiled regions with inductor's combo kernels (model.COMBO_KERNELS on; off by default)",
+        help="compiled regions without inductor's combo kernels (model.COMBO_KERNELS off; on by default)",
     )
     parser.add_argument(
         "--plain-launches",
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     products.REDUCED_TOKENS = args.reduced_tokens
     products.REDUCED_PROJECTIONS = not args.gemm_projections
     model_module.MERGED_REGIONS = not args.layer_regions
-    model_module.COMBO_KERNELS = args.combo_kernels
+    model_module.COMBO_KERNELS = not args.no_combo_kernels
     global PROFILE_ROWS
     PROFILE_ROWS = args.profile_rows
 

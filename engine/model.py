@@ -54,11 +54,10 @@ RECOMPILE_LIMIT = 64
 # bench/engine_decode.py --layer-regions turns it off); read by compile_decode
 MERGED_REGIONS = True
 # Inductor's combo kernels in the compiled regions: independent small kernels of a region launched
-# as one (its ``combo_kernels``). +2.0-3.1% tokens/s single-stream on an H100, fp8 and int4, 1k and
-# 32k (bench/engine_ab.py, BENCHMARKS.md), and the compiled-step and wait-placement GPU tests pass
-# with it; off until the batched steps and the rest of the GPU tests have run with it too
-# (bench/engine_ab.py --variant "model.COMBO_KERNELS=1"); read by compile_decode
-COMBO_KERNELS = False
+# as one (its ``combo_kernels``). +2.0-3.3% tokens/s single-stream on an H100, fp8 and int4, 1k and
+# 32k, 16 and 64 sessions unchanged (bench/engine_ab.py, BENCHMARKS.md); the compiled-step and
+# wait-placement GPU tests run with it on and off. Read by compile_decode
+COMBO_KERNELS = True
 
 
 class RMSNorm(nn.Module):
@@ -109,8 +108,7 @@ class MLAttention(nn.Module):
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary, norm: RMSNorm | None = None
     ):
-        """Queries and the new latent rows of ``x`` [T, hidden] (normed first by ``norm`` when given:
-        inside the projection's kernel where :func:`products.gemv_kernels` runs it).
+        """Queries and the new latent rows of ``x`` [T, hidden] (normed first by ``norm`` when given).
 
         Returns
         -------
@@ -120,17 +118,11 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
         fused = getattr(self, "_x_proj", None)
+        x = x if norm is None else norm(x)
         if fused is None:
-            x = x if norm is None else norm(x)
             q, compressed = first(x), self.kv_a_proj_with_mqa(x)
         else:  # both of x's projections in one product (fuse_x_projections)
-            kernels = products.gemv_kernels(x)
-            if kernels is not None:  # one kernel: the norm and both projections
-                weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-                both = kernels.project(x, fused, norm=weight, eps=eps)
-            else:
-                x = x if norm is None else norm(x)
-                both = products.project_rows(x, fused) if products.as_projection_reduction(x) else F.linear(x, fused)
+            both = products.project_rows(x, fused) if products.as_projection_reduction(x) else F.linear(x, fused)
             q, compressed = both.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], -1)
         if not hasattr(self, "q_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
@@ -221,9 +213,6 @@ class MLAttention(nn.Module):
         else:
             out = torch.bmm(ctx_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         flat = out.reshape(ctx_lat.shape[0], self.n_heads * self.v_dim)
-        kernels = products.gemv_kernels(flat)
-        if kernels is not None:
-            return kernels.project(flat, self.o_proj.weight, bias=self.o_proj.bias)
         if products.as_projection_reduction(flat):
             return products.project_rows(flat, self.o_proj.weight, self.o_proj.bias)
         return self.o_proj(flat)
@@ -579,7 +568,6 @@ class MLAForCausalLM(nn.Module):
         if self.device.type != "cuda" or not has_triton():
             return False
         self.fuse_projections()
-        products.load_gemv_kernels()  # imported here, not while a region is traced
         options = region_compile_options(self.device)
         # A region compiles once per decode batch size and layer kind (dense, MoE): a scheduler's
         # size classes (1, 2, 4, ... max batch) times two outgrow dynamo's default of 8 graphs a

@@ -18,18 +18,13 @@ order of the sum differs.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 __all__ = [
-    "GEMV_KERNELS",
     "REDUCED_PROJECTIONS",
     "REDUCED_TOKENS",
     "as_projection_reduction",
     "as_reduction",
-    "gemv_kernels",
-    "load_gemv_kernels",
     "head_products",
     "linear_rows",
     "project_rows",
@@ -49,14 +44,6 @@ REDUCED_TOKENS = 4
 #: (``bench/engine_decode.py --gemm-projections`` turns it off).
 REDUCED_PROJECTIONS = True
 
-#: Those two projections, where they would be reductions, as one Triton kernel each instead
-#: (:mod:`kvstore.engine.gemv_kernels`: a program per block of output rows, the input norm folded
-#: into the input projection's). Off until measured against the reductions on a GPU
-#: (``bench/engine_ab.py --variant "products.GEMV_KERNELS=1"``).
-GEMV_KERNELS = False
-
-_GEMV_MODULE: Any = None
-
 
 def as_reduction(x: torch.Tensor, *, any_tokens: bool = False) -> bool:
     """Whether ``x`` [T, ...]'s small products run as reductions: a compiled CUDA region, T small
@@ -69,26 +56,6 @@ def as_projection_reduction(x: torch.Tensor) -> bool:
     """Whether the attention's projections of ``x`` [T, K] run as reductions: switched on
     (``REDUCED_PROJECTIONS``) and where the other products do (:func:`as_reduction`)."""
     return REDUCED_PROJECTIONS and as_reduction(x)
-
-
-def gemv_kernels(x: torch.Tensor) -> Any:
-    """:mod:`kvstore.engine.gemv_kernels` where the attention's projections of ``x`` [T, K] run as
-    its kernels — switched on (``GEMV_KERNELS``), where they would be reductions
-    (:func:`as_projection_reduction`) — else None."""
-    if not (GEMV_KERNELS and as_projection_reduction(x)):
-        return None
-    return load_gemv_kernels()
-
-
-def load_gemv_kernels() -> Any:
-    """The kernels' module, imported once: ``compile_decode`` loads it before any region is traced,
-    so a traced step only reads the cached module (needs triton)."""
-    global _GEMV_MODULE
-    if _GEMV_MODULE is None:
-        from kvstore.engine import gemv_kernels as module
-
-        _GEMV_MODULE = module
-    return _GEMV_MODULE
 
 
 def head_products(x: torch.Tensor, w: torch.Tensor, *, contract_last: bool) -> torch.Tensor:

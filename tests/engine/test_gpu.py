@@ -71,7 +71,7 @@ def test_compiled_encoders_write_the_format_bytes():
 
 
 @pytest.mark.parametrize(
-    "variant", ["default", "gemms-layered", "gemm-projections", "combo-kernels", "gemv-kernels", "compact-experts"]
+    "variant", ["default", "gemms-layered", "gemm-projections", "no-combo-kernels", "row-per-expert"]
 )
 @pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
 def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
@@ -80,9 +80,8 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     and the attention's projections as reductions, kvstore.engine.products, in merged regions,
     model.MERGED_REGIONS), with all of them switched off (cuBLAS's GEMMs, each layer its own
     regions), with only the projections as GEMMs (products.REDUCED_PROJECTIONS off), with
-    inductor's combo kernels (model.COMBO_KERNELS on), and with the projections as the Triton
-    kernels of kvstore.engine.gemv_kernels, the input norm folded in (products.GEMV_KERNELS on), and
-    with the experts' kernels launching a row of programs per pair (expert_kernels.COMPACT_GRID)."""
+    inductor's combo kernels off (model.COMBO_KERNELS), and with the experts' kernels launching a row
+    of programs per expert rather than per pair (expert_kernels.COMPACT_GRID off)."""
     import torch._dynamo
 
     from kvstore.engine import expert_kernels, products
@@ -94,9 +93,10 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
         monkeypatch.setattr(model_module, "MERGED_REGIONS", False)
     if variant in ("gemms-layered", "gemm-projections"):
         monkeypatch.setattr(products, "REDUCED_PROJECTIONS", False)
-    monkeypatch.setattr(model_module, "COMBO_KERNELS", variant == "combo-kernels")
-    monkeypatch.setattr(products, "GEMV_KERNELS", variant == "gemv-kernels")
-    monkeypatch.setattr(expert_kernels, "COMPACT_GRID", variant == "compact-experts")
+    if variant == "no-combo-kernels":
+        monkeypatch.setattr(model_module, "COMBO_KERNELS", False)
+    if variant == "row-per-expert":
+        monkeypatch.setattr(expert_kernels, "COMPACT_GRID", False)
     torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")
@@ -133,29 +133,27 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
             assert float((fused[-1] - eager[-1]).abs().max()) <= 0.1 * float(eager[-1].abs().max())
 
 
-@pytest.mark.parametrize("variant", ["kernels", "combo-kernels", "gemv-kernels"])
+@pytest.mark.parametrize("combo", [True, False], ids=["combo-kernels", "no-combo-kernels"])
 @pytest.mark.parametrize("tier", ["fp8", "int4"])
-def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, variant, monkeypatch):
+def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, combo, monkeypatch):
     """Programmatic dependent launch (on by default, sm_90+) lets a compiled kernel start while the
     one ahead of it still runs; it must wait for it (``gdc_wait``) before its first load or store.
     Inductor's own placement waited only where the kernel just before wrote what was touched, and
     otherwise after the first load; launches.wait_before_every_access has it wait first in every
     kernel. Read from the code the engine's regions compile to, alone and batched, built afresh:
     every kernel that launches dependently waits before it touches memory — inductor's combo kernels
-    (model.COMBO_KERNELS) and the regions around the projections' own kernels (products.GEMV_KERNELS) too."""
+    (model.COMBO_KERNELS, on by default) too."""
     import torch._dynamo
     from torch._inductor import utils as inductor_utils
 
     from kernel_waits import accesses_before_the_wait, dependent_kernels, greedy_rows, is_combo
-    from kvstore.engine import launches, products
+    from kvstore.engine import launches
     from kvstore.engine import model as model_module
 
     if not launches.dependent_launch_available(CUDA):
         pytest.skip("no programmatic dependent launch on this GPU or in this torch")
     monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
-    combo = variant == "combo-kernels"
     monkeypatch.setattr(model_module, "COMBO_KERNELS", combo)
-    monkeypatch.setattr(products, "GEMV_KERNELS", variant == "gemv-kernels")
     torch._dynamo.reset()
     fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
     with fresh():

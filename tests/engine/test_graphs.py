@@ -45,14 +45,17 @@ def test_decode_step_equals_the_plain_absorbed_step(tier):
 
 
 def test_the_regions_say_combo_kernels_either_way_as_the_switch_says(monkeypatch):
-    """``model.COMBO_KERNELS`` (off) reaches the regions' inductor options, and an inductor set to
-    combine kernels process-wide does not turn it on for them; every option is one inductor knows."""
+    """``model.COMBO_KERNELS`` (on by default) reaches the regions' inductor options, and an inductor
+    set to combine kernels process-wide does not turn it on for them where it is off; every option is
+    one inductor knows."""
     import torch._inductor.config as inductor_config
 
     from kvstore.engine import model as model_module
     from kvstore.engine.model import region_compile_options
 
     cpu = torch.device("cpu")
+    assert region_compile_options(cpu)["combo_kernels"] is True
+    monkeypatch.setattr(model_module, "COMBO_KERNELS", False)
     with inductor_config.patch(combo_kernels=True):  # (a monkeypatch would delete the option on undo)
         assert region_compile_options(cpu)["combo_kernels"] is False
     monkeypatch.setattr(model_module, "COMBO_KERNELS", True)
@@ -351,11 +354,12 @@ def test_decode_expert_kernels_on_cuda_agree_with_the_loop(tokens, dtype, monkey
     """The Triton experts (engine/expert_kernels.py; 200 tokens: experts with several passes of
     pairs) within the grouped path's bound of the f32 loop, and in bf16 no farther from it than the
     grouped GEMM, which rounds gate and up before their product; a decode step's pairs take them.
-    With fewer pairs than experts (one token), the grid of a row per pair (COMPACT_GRID) gives the
-    same bits as the row per expert."""
+    With fewer pairs than experts (one token), the grid of a row per pair (COMPACT_GRID, the
+    default) gives the same bits as the row per expert."""
     from kvstore.engine import expert_kernels
     from kvstore.engine.expert_kernels import MAX_PAIRS, routed_experts
 
+    monkeypatch.setattr(expert_kernels, "COMPACT_GRID", False)  # a row of programs per expert
     experts, x, routes, weights = _experts_and_routes("cuda", dtype, tokens)
     want = copy.deepcopy(experts).float()._segmented(x.float(), routes, weights)
     got = routed_experts(x, routes, weights, experts.gate_proj, experts.up_proj, experts.down_proj)
