@@ -200,10 +200,10 @@ def routed_experts(
     down: torch.Tensor,
     *,
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    block_n: int = BLOCK_N,
-    block_k: int = BLOCK_K,
-    stages: int = STAGES,
-    warps: int = WARPS,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    stages: int | None = None,
+    warps: int | None = None,
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * down_e (silu(gate_e x_t) * up_e x_t)`` over each token's experts
     ``e = top_idx[t, j]``; ids ``E ..`` are the ``shared`` experts.
@@ -218,7 +218,9 @@ def routed_experts(
         hidden], down [S, hidden, I]) — :func:`shared_as_experts` views a shared MLP's weights so;
         each token's routes then end with their columns, ids ``E .. E + S - 1`` and weight 1
         (:func:`route` with ``n_shared``, or :func:`kvstore.engine.moe.with_shared_columns`)
-    block_n, block_k, stages, warps : the kernels' tiles (the benchmark's sweep varies them)
+    block_n, block_k, stages, warps : the kernels' tiles (the benchmark's sweep varies them); by
+        default the module's ``BLOCK_N``, ``BLOCK_K``, ``STAGES`` and ``WARPS`` as they are at the call,
+        so ``bench/engine_ab.py --variant "expert_kernels.BLOCK_N=32"`` reaches a compiled step
 
     Returns
     -------
@@ -245,9 +247,10 @@ def routed_experts(
         x = x.contiguous()
     ids = top_idx.reshape(-1).contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    _project(x, ids, k, gate, up, s_gate, s_up, act, True, block_n, block_k, stages, warps)
+    tiles = (block_n or BLOCK_N, block_k or BLOCK_K, stages or STAGES, warps or WARPS)
+    _project(x, ids, k, gate, up, s_gate, s_up, act, True, *tiles)
     y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
-    _project(act, ids, k, down, down, s_down, s_down, y, False, block_n, block_k, stages, warps)
+    _project(act, ids, k, down, down, s_down, s_down, y, False, *tiles)
     # each token's k outputs weighted and summed (f32 accumulation, one rounding): in a compiled
     # step a reduction that fuses with what follows, else one bmm
     if products.as_reduction(x, any_tokens=True):

@@ -174,3 +174,22 @@ def test_mismatched_layouts_and_too_many_pairs_are_refused():
         n = MAX_PAIRS // 3 + 1
         routes = with_shared_columns(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1), 4, 2)
         routed_experts(torch.zeros(n, 8), *routes, w, w, w, shared=shared)
+
+
+def test_the_module_tiles_at_the_call_reach_both_kernels(monkeypatch):
+    """The tiles default to the module's BLOCK_N, BLOCK_K, STAGES and WARPS as they are when the
+    experts run — what a variant of bench/engine_ab.py sets — and a caller's own tiles win."""
+    import torch
+
+    from kvstore.engine import expert_kernels
+
+    launched = []
+    monkeypatch.setattr(expert_kernels, "_project", lambda *args: launched.append(args[-4:]))
+    monkeypatch.setattr(expert_kernels, "BLOCK_N", 32)
+    monkeypatch.setattr(expert_kernels, "WARPS", 8)
+    w = torch.zeros(4, 8, 8)
+    x, top, weights = torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+    expert_kernels.routed_experts(x, top, weights, w, w, w)
+    expert_kernels.routed_experts(x, top, weights, w, w, w, block_n=16, stages=2)
+    tiles = (32, expert_kernels.BLOCK_K, expert_kernels.STAGES, 8)
+    assert launched == [tiles, tiles, (16, tiles[1], 2, 8), (16, tiles[1], 2, 8)]
