@@ -112,9 +112,9 @@ def _experts_kernel(
     count = tl.sum(mine, axis=0)
     rank = tl.cumsum(mine, axis=0) - 1
     ks = tl.arange(0, BLOCK_K)
+    expert = tl.maximum(expert, 0)  # no pair's when it was -1 (count 0): only the pointers below see it
     # experts past the routed ones are the shared experts, read from their own tensors (views of the
     # shared MLP's weights: nothing is copied); every token chose them, as the ids say
-    expert = tl.maximum(expert, 0)  # no pair's when it was -1 (count 0): only the pointers below see it
     if expert < n_routed:
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         w2_base = w2_ptr + expert.to(tl.int64) * stride_we

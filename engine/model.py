@@ -105,10 +105,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=bias)
 
-    def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary, norm: RMSNorm | None = None
-    ):
-        """Queries and the new latent rows of ``x`` [T, hidden] (normed first by ``norm`` when given).
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary):
+        """Queries and the new latent rows of ``x`` [T, hidden].
 
         Returns
         -------
@@ -118,12 +116,11 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
         fused = getattr(self, "_x_proj", None)
-        x = x if norm is None else norm(x)
-        if fused is None:
-            q, compressed = first(x), self.kv_a_proj_with_mqa(x)
-        else:  # both of x's projections in one product (fuse_x_projections)
+        if fused is not None:  # both of x's projections in one GEMM (fuse_x_projections)
             both = products.project_rows(x, fused) if products.as_projection_reduction(x) else F.linear(x, fused)
             q, compressed = both.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], -1)
+        else:
+            q, compressed = first(x), self.kv_a_proj_with_mqa(x)
         if not hasattr(self, "q_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, self.n_heads, self.nope + self.rope_dim)
@@ -365,7 +362,7 @@ class DecoderLayer(nn.Module):
         for the cache's own kernel). The tier comes by name: a compiled region guards on a string's
         value, so each tier gets its own graph (a frozen Tier object is not guarded that finely)."""
         attn = self.self_attn
-        q_nope, q_rope, lc, rc = attn.project(x, cos, sin, rotary, norm=self.input_layernorm)
+        q_nope, q_rope, lc, rc = attn.project(self.input_layernorm(x), cos, sin, rotary)
         fields = encode_fields(tiers.TIERS[tier], lc.float(), rc.float()) if encode else {"lc": lc, "rc": rc}
         return attn.latent_query(q_nope), q_rope.float().contiguous(), fields
 

@@ -54,15 +54,13 @@ def test_the_regions_say_combo_kernels_either_way_as_the_switch_says(monkeypatch
     from kvstore.engine.model import region_compile_options
 
     cpu = torch.device("cpu")
-    assert region_compile_options(cpu)["combo_kernels"] is True
-    monkeypatch.setattr(model_module, "COMBO_KERNELS", False)
-    with inductor_config.patch(combo_kernels=True):  # (a monkeypatch would delete the option on undo)
-        assert region_compile_options(cpu)["combo_kernels"] is False
-    monkeypatch.setattr(model_module, "COMBO_KERNELS", True)
     options = region_compile_options(cpu)
     assert options["combo_kernels"] is True and options["emulate_precision_casts"] is True
     with inductor_config.patch(**options):  # refuses a name it does not know
         pass
+    monkeypatch.setattr(model_module, "COMBO_KERNELS", False)
+    with inductor_config.patch(combo_kernels=True):  # (a monkeypatch would delete the option on undo)
+        assert region_compile_options(cpu)["combo_kernels"] is False
 
 
 def test_a_cpu_step_stays_eager_and_never_asks_for_dependent_launch():
