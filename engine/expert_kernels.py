@@ -40,6 +40,11 @@ import triton.language as tl
 
 from kvstore.engine import products
 
+try:  # grid dependency control (Triton 3.4+): what a dependently launched kernel waits with
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover - an older Triton: the kernels launch plainly
+    gdc_wait = None
+
 __all__ = ["BLOCK_M", "COMPACT_GRID", "FOLD_MAX_PAIRS", "MAX_PAIRS", "route", "routed_experts", "shared_as_experts"]
 
 #: Pairs per program pass (the tensor-core product's smallest M); an expert with more loops.
@@ -63,6 +68,11 @@ FOLD_MAX_PAIRS = 128
 #: distinct experts the pairs hold, rather than one per expert: +0.6-1.2% tokens/s single-stream on
 #: an H100, fp8 and int4, 1k and 32k (``bench/engine_ab.py --variant "expert_kernels.COMPACT_GRID=0"``).
 COMPACT_GRID = True
+#: Where the compiled step's own kernels launch dependently (:func:`kvstore.engine.launches.dependent_launch`),
+#: these kernels do too: each waits for the grid before it (``gdc_wait``) ahead of its first load
+#: or store, and is launched through a custom op (inductor launches the user-defined Triton
+#: kernels it traces plainly, with no launch attribute), so its set-up overlaps the kernel before.
+DEPENDENT_LAUNCH = False
 
 
 @triton.jit
@@ -92,7 +102,10 @@ def _experts_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     COMPACT: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
+    if WAIT:  # launched dependently: nothing is touched before the grid ahead is done
+        gdc_wait()  # pyright: ignore[reportOptionalCall]  (WAIT only where it exists)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     p = tl.arange(0, PAIRS)
@@ -156,10 +169,50 @@ def _experts_kernel(
 
 
 def _project(x, ids, top_k, w, w2, ws, ws2, out, gate_up: bool, block_n: int, block_k: int, stages: int, warps: int):
+    tiles = (gate_up, block_n, block_k, stages, warps)
+    if DEPENDENT_LAUNCH and x.device.type == "cuda" and _launches_dependently(x.device.index or 0):
+        torch.ops.kvstore.experts_project_dependently(x, ids, top_k, w, w2, ws, ws2, out, *tiles)
+    else:
+        _launch(x, ids, top_k, w, w2, ws, ws2, out, *tiles, dependent=False)
+
+
+@torch.compiler.assume_constant_result
+def _launches_dependently(device_index: int) -> bool:
+    """Whether the compiled step's kernels launch dependently on this CUDA device, and this Triton
+    has the wait (a constant to ``torch.compile``: the device does not change under a region)."""
+    from kvstore.engine import launches
+
+    return gdc_wait is not None and launches.dependent_launch(torch.device("cuda", device_index))
+
+
+@torch.library.custom_op("kvstore::experts_project_dependently", mutates_args=("out",))
+def _project_dependently(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    top_k: int,
+    w: torch.Tensor,
+    w2: torch.Tensor,
+    ws: torch.Tensor,
+    ws2: torch.Tensor,
+    out: torch.Tensor,
+    gate_up: bool,
+    block_n: int,
+    block_k: int,
+    stages: int,
+    warps: int,
+) -> None:
+    """The kernel launched with programmatic dependent launch: an op of its own, so that a compiled
+    region calls it as it is rather than tracing it into a plain launch."""
+    _launch(x, ids, top_k, w, w2, ws, ws2, out, gate_up, block_n, block_k, stages, warps, dependent=True)
+
+
+def _launch(x, ids, top_k, w, w2, ws, ws2, out, gate_up, block_n, block_k, stages, warps, *, dependent: bool):
     n_experts, n_out, n_in = w.shape
     n_pairs = ids.numel()
     rows = n_experts + ws.shape[0]
     compact = COMPACT_GRID and n_pairs < rows
+    # launch_pdl only where it is asked: said either way, Triton would key its cache on it
+    launch = {"launch_pdl": True} if dependent else {}
     _experts_kernel[(n_pairs if compact else rows, triton.cdiv(n_out, block_n))](
         x,
         ids,
@@ -186,8 +239,10 @@ def _project(x, ids, top_k, w, w2, ws, ws2, out, gate_up: bool, block_n: int, bl
         BLOCK_K=block_k,
         EVEN_K=n_in % block_k == 0,
         COMPACT=compact,
+        WAIT=dependent,
         num_stages=stages,  # pyright: ignore[reportCallIssue]  (launch options, not kernel parameters)
         num_warps=warps,  # pyright: ignore[reportCallIssue]
+        **launch,
     )
 
 
@@ -289,7 +344,10 @@ def _route_kernel(
     N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     NORM: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
+    if WAIT:  # launched dependently (as the experts' kernels)
+        gdc_wait()  # pyright: ignore[reportOptionalCall]  (WAIT only where it exists)
     t = tl.program_id(0)
     e = tl.arange(0, E_BLOCK)
     ok = e < n_experts
@@ -366,21 +424,54 @@ def route(
     weights = torch.empty((t, width), dtype=torch.float32, device=logits.device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    _route_kernel[(t,)](
+    options = (top_k, n_shared, e_block, max(2, triton.next_power_of_2(width)), n_group, topk_group, bool(norm))
+    if DEPENDENT_LAUNCH and logits.device.type == "cuda" and _launches_dependently(logits.device.index or 0):
+        torch.ops.kvstore.route_dependently(logits, bias, ids, weights, float(scale), *options)
+    else:
+        _launch_route(logits, bias, ids, weights, float(scale), *options, dependent=False)
+    return ids, weights
+
+
+@torch.library.custom_op("kvstore::route_dependently", mutates_args=("ids", "weights"))
+def _route_dependently(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    top_k: int,
+    n_shared: int,
+    e_block: int,
+    k_block: int,
+    n_group: int,
+    topk_group: int,
+    norm: bool,
+) -> None:
+    """The routing kernel launched with programmatic dependent launch (see :func:`_project_dependently`)."""
+    options = (top_k, n_shared, e_block, k_block, n_group, topk_group, norm)
+    _launch_route(logits, bias, ids, weights, scale, *options, dependent=True)
+
+
+def _launch_route(
+    logits, bias, ids, weights, scale, top_k, n_shared, e_block, k_block, n_group, topk_group, norm, *, dependent: bool
+):
+    launch = {"launch_pdl": True} if dependent else {}
+    _route_kernel[(logits.shape[0],)](
         logits,
         bias,
         ids,
         weights,
-        n_experts,
+        logits.shape[1],
         logits.stride(0),
-        float(scale),
+        scale,
         TOP_K=top_k,
         N_SHARED=n_shared,
         E_BLOCK=e_block,
-        K_BLOCK=max(2, triton.next_power_of_2(width)),
+        K_BLOCK=k_block,
         N_GROUP=n_group,
         TOPK_GROUP=topk_group,
-        NORM=bool(norm),
+        NORM=norm,
+        WAIT=dependent,
         num_warps=1,  # pyright: ignore[reportCallIssue]
+        **launch,
     )
-    return ids, weights

@@ -71,7 +71,8 @@ def test_compiled_encoders_write_the_format_bytes():
 
 
 @pytest.mark.parametrize(
-    "variant", ["default", "gemms-layered", "gemm-projections", "no-combo-kernels", "row-per-expert"]
+    "variant",
+    ["default", "gemms-layered", "gemm-projections", "no-combo-kernels", "row-per-expert", "experts-dependent"],
 )
 @pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
 def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
@@ -81,7 +82,8 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     model.MERGED_REGIONS), with all of them switched off (cuBLAS's GEMMs, each layer its own
     regions), with only the projections as GEMMs (products.REDUCED_PROJECTIONS off), with
     inductor's combo kernels off (model.COMBO_KERNELS), and with the experts' kernels launching a row
-    of programs per expert rather than per pair (expert_kernels.COMPACT_GRID off)."""
+    of programs per expert rather than per pair (expert_kernels.COMPACT_GRID off), and with the
+    experts' and routing kernels launched dependently (expert_kernels.DEPENDENT_LAUNCH on)."""
     import torch._dynamo
 
     from kvstore.engine import expert_kernels, products
@@ -97,6 +99,8 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
         monkeypatch.setattr(model_module, "COMBO_KERNELS", False)
     if variant == "row-per-expert":
         monkeypatch.setattr(expert_kernels, "COMPACT_GRID", False)
+    if variant == "experts-dependent":
+        monkeypatch.setattr(expert_kernels, "DEPENDENT_LAUNCH", True)
     torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")
@@ -166,8 +170,9 @@ def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, 
     assert not early, early
 
 
+@pytest.mark.parametrize("experts", [False, True], ids=["experts-plain", "experts-dependent"])
 @pytest.mark.parametrize("tier", ["fp8", "int4"])
-def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, monkeypatch):
+def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, experts, monkeypatch):
     """Dependent launch (on by default) may change no bit: the very same kernels launched with the
     attribute and without it (Triton's launcher told to drop it: nothing overlaps, the waits return
     at once) give a whole 48-token decode, alone and three sessions together, bit for bit. On an
@@ -175,11 +180,13 @@ def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, monkeypatch):
     planted out: the tiny model's kernels end before a dependent one is up, so this cannot show a
     missing wait (the test above reads the waits from the code). What it rules out is that the
     overlap itself changes a row; a build with dependent launch against one without may differ by a
-    rounding of differently built kernels, as any two builds may."""
+    rounding of differently built kernels, as any two builds may. With ``experts`` the experts' and
+    the routing kernels launch dependently too (expert_kernels.DEPENDENT_LAUNCH), and some of them
+    must be among the launches told to go plainly."""
     import torch._dynamo
 
     from kernel_waits import DroppedLaunches, greedy_rows
-    from kvstore.engine import launches
+    from kvstore.engine import expert_kernels, launches
 
     if not launches.dependent_launch_available(CUDA):
         pytest.skip("no programmatic dependent launch on this GPU or in this torch")
@@ -190,6 +197,17 @@ def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, monkeypatch):
     dropped = DroppedLaunches()
     monkeypatch.setattr(launcher, "launch_pdl", dropped.launch_pdl(), raising=False)
     monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
+    monkeypatch.setattr(expert_kernels, "DEPENDENT_LAUNCH", experts)
+    experts_dropped = []
+    if experts:  # count the experts' own dropped launches apart: they go through the custom ops
+        for name in ("_launch", "_launch_route"):
+            launch = getattr(expert_kernels, name)
+
+            def counted(*args, _launch=launch, **kwargs):
+                experts_dropped.append(kwargs["dependent"] and dropped.plain)
+                return _launch(*args, **kwargs)
+
+            monkeypatch.setattr(expert_kernels, name, counted)
     runs = []
     for plain in (False, True):
         dropped.plain = plain
@@ -197,6 +215,7 @@ def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, monkeypatch):
         tokens, rows, batch_tokens, batch_rows = greedy_rows(tier, 48)
         runs.append((tokens, rows.tobytes(), batch_tokens, [r.tobytes() for r in batch_rows]))
     assert dropped.dropped > 0, "no kernel asked for a dependent launch"
+    assert any(experts_dropped) == experts, "the experts' kernels did not launch as asked"
     assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
     assert runs[0][2] == runs[1][2] and runs[0][3] == runs[1][3]
 
