@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kvstore import tiers
+from kvstore.engine import launches
 from kvstore.engine.errors import CacheError, CodecMismatch, GeometryMismatch, TierUnsupported
 from kvstore.engine.rows import StoredRows
 from kvstore.gpu import codecs, registry
@@ -286,7 +287,8 @@ class LatentCache:
                 (fields[p][layer], fields[f"{p}_scales"][layer] if f"{p}_scales" in fields else None)
                 for p in ("lc", "rc")
             )
-            self.write_kernels.encode_rows(self.tier.name, (lc, rc), out, positions)
+            dependent = self.device.type == "cuda" and launches.own_kernels_dependent(self.device.index or 0)
+            self.write_kernels.encode_rows(self.tier.name, (lc, rc), out, positions, dependent=dependent)
             return
         self.store_at(layer, positions, self._encode(lc.to(torch.float32), rc.to(torch.float32)))
 

@@ -38,12 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstore.engine import products
-
-try:  # grid dependency control (Triton 3.4+): what a dependently launched kernel waits with
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # pragma: no cover - an older Triton: the kernels launch plainly
-    gdc_wait = None
+from kvstore.engine import launches, products
+from kvstore.gpu.dependent import gdc_wait, launch_options
 
 __all__ = ["BLOCK_M", "COMPACT_GRID", "FOLD_MAX_PAIRS", "MAX_PAIRS", "route", "routed_experts", "shared_as_experts"]
 
@@ -68,11 +64,6 @@ FOLD_MAX_PAIRS = 128
 #: distinct experts the pairs hold, rather than one per expert: +0.6-1.2% tokens/s single-stream on
 #: an H100, fp8 and int4, 1k and 32k (``bench/engine_ab.py --variant "expert_kernels.COMPACT_GRID=0"``).
 COMPACT_GRID = True
-#: Where the compiled step's own kernels launch dependently (:func:`kvstore.engine.launches.dependent_launch`),
-#: these kernels do too: each waits for the grid before it (``gdc_wait``) ahead of its first load
-#: or store, and is launched through a custom op (inductor launches the user-defined Triton
-#: kernels it traces plainly, with no launch attribute), so its set-up overlaps the kernel before.
-DEPENDENT_LAUNCH = False
 
 
 @triton.jit
@@ -170,19 +161,10 @@ def _experts_kernel(
 
 def _project(x, ids, top_k, w, w2, ws, ws2, out, gate_up: bool, block_n: int, block_k: int, stages: int, warps: int):
     tiles = (gate_up, block_n, block_k, stages, warps)
-    if DEPENDENT_LAUNCH and x.device.type == "cuda" and _launches_dependently(x.device.index or 0):
+    if x.device.type == "cuda" and launches.own_kernels_dependent(x.device.index or 0):
         torch.ops.kvstore.experts_project_dependently(x, ids, top_k, w, w2, ws, ws2, out, *tiles)
     else:
         _launch(x, ids, top_k, w, w2, ws, ws2, out, *tiles, dependent=False)
-
-
-@torch.compiler.assume_constant_result
-def _launches_dependently(device_index: int) -> bool:
-    """Whether the compiled step's kernels launch dependently on this CUDA device, and this Triton
-    has the wait (a constant to ``torch.compile``: the device does not change under a region)."""
-    from kvstore.engine import launches
-
-    return gdc_wait is not None and launches.dependent_launch(torch.device("cuda", device_index))
 
 
 @torch.library.custom_op("kvstore::experts_project_dependently", mutates_args=("out",))
@@ -201,8 +183,9 @@ def _project_dependently(
     stages: int,
     warps: int,
 ) -> None:
-    """The kernel launched with programmatic dependent launch: an op of its own, so that a compiled
-    region calls it as it is rather than tracing it into a plain launch."""
+    """The kernel launched with programmatic dependent launch (``launches.OWN_KERNELS_DEPENDENT``):
+    an op of its own, so that a compiled region calls it as it is rather than tracing it into a
+    plain launch."""
     _launch(x, ids, top_k, w, w2, ws, ws2, out, gate_up, block_n, block_k, stages, warps, dependent=True)
 
 
@@ -211,8 +194,6 @@ def _launch(x, ids, top_k, w, w2, ws, ws2, out, gate_up, block_n, block_k, stage
     n_pairs = ids.numel()
     rows = n_experts + ws.shape[0]
     compact = COMPACT_GRID and n_pairs < rows
-    # launch_pdl only where it is asked: said either way, Triton would key its cache on it
-    launch = {"launch_pdl": True} if dependent else {}
     _experts_kernel[(n_pairs if compact else rows, triton.cdiv(n_out, block_n))](
         x,
         ids,
@@ -242,7 +223,7 @@ def _launch(x, ids, top_k, w, w2, ws, ws2, out, gate_up, block_n, block_k, stage
         WAIT=dependent,
         num_stages=stages,  # pyright: ignore[reportCallIssue]  (launch options, not kernel parameters)
         num_warps=warps,  # pyright: ignore[reportCallIssue]
-        **launch,
+        **launch_options(dependent),
     )
 
 
@@ -425,7 +406,7 @@ def route(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     options = (top_k, n_shared, e_block, max(2, triton.next_power_of_2(width)), n_group, topk_group, bool(norm))
-    if DEPENDENT_LAUNCH and logits.device.type == "cuda" and _launches_dependently(logits.device.index or 0):
+    if logits.device.type == "cuda" and launches.own_kernels_dependent(logits.device.index or 0):
         torch.ops.kvstore.route_dependently(logits, bias, ids, weights, float(scale), *options)
     else:
         _launch_route(logits, bias, ids, weights, float(scale), *options, dependent=False)
@@ -455,7 +436,6 @@ def _route_dependently(
 def _launch_route(
     logits, bias, ids, weights, scale, top_k, n_shared, e_block, k_block, n_group, topk_group, norm, *, dependent: bool
 ):
-    launch = {"launch_pdl": True} if dependent else {}
     _route_kernel[(logits.shape[0],)](
         logits,
         bias,
@@ -473,5 +453,5 @@ def _launch_route(
         NORM=norm,
         WAIT=dependent,
         num_warps=1,  # pyright: ignore[reportCallIssue]
-        **launch,
+        **launch_options(dependent),
     )

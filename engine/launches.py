@@ -17,6 +17,7 @@ import torch
 
 __all__ = [
     "DEPENDENT_LAUNCH",
+    "OWN_KERNELS_DEPENDENT",
     "dependent_launch",
     "dependent_launch_available",
     "inductor_offers_dependent_launch",
@@ -26,6 +27,13 @@ __all__ = [
 
 #: Compiled regions launch with programmatic dependent launch where available.
 DEPENDENT_LAUNCH = True
+#: Where they do, the engine's own Triton kernels in the step — the experts', the routing and the
+#: cache's encoder — launch dependently too (:func:`own_kernels_dependent`). Inductor launches the
+#: user-defined kernels it traces plainly, with no launch attribute, so the experts' and the
+#: routing kernels go through custom ops (``kvstore::experts_project_dependently``, ...); the
+#: encoder runs between the regions and is launched directly. Each waits for the grid before it
+#: (``gdc_wait``) ahead of its first load or store.
+OWN_KERNELS_DEPENDENT = False
 
 
 def inductor_offers_dependent_launch() -> bool:
@@ -50,6 +58,17 @@ def dependent_launch(device: torch.device) -> bool:
     (``DEPENDENT_LAUNCH``) where it is available. When so, every kernel inductor writes for them
     waits on the kernel before it (``wait_before_every_access``)."""
     return DEPENDENT_LAUNCH and dependent_launch_available(device) and wait_before_every_access()
+
+
+@torch.compiler.assume_constant_result
+def own_kernels_dependent(device_index: int) -> bool:
+    """Whether the engine's own Triton kernels launch dependently on CUDA device ``device_index``:
+    asked for (``OWN_KERNELS_DEPENDENT``) where the compiled regions launch so (:func:`dependent_launch`)
+    and this Triton has the wait. A constant to ``torch.compile``: the device does not change under
+    a region, and a region's trace calls this once."""
+    from kvstore.gpu.dependent import gdc_wait
+
+    return OWN_KERNELS_DEPENDENT and gdc_wait is not None and dependent_launch(torch.device("cuda", device_index))
 
 
 def wait_before_every_access() -> bool:

@@ -34,6 +34,7 @@ import triton.language as tl
 from kvstore.formats import fp8, tq
 from kvstore.gpu import codec_tables
 from kvstore.gpu.codec_tables import device_table, device_tensor
+from kvstore.gpu.dependent import gdc_wait, launch_options
 
 __all__ = ["FORMATS", "MAX_WIDTH", "encode_rows", "int4_encode", "usable"]
 
@@ -176,7 +177,10 @@ def _encode_kernel(
     LOG_N1: tl.constexpr,
     POSITIONS: tl.constexpr,
     EXACT: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
+    if WAIT:  # launched dependently (kvstore.gpu.dependent): nothing is touched before the grid ahead is done
+        gdc_wait()  # pyright: ignore[reportOptionalCall]  (WAIT only where it exists)
     if tl.program_id(1) == 0:
         _encode_row(
             x0_ptr, stride0, codes0_ptr, scales0_ptr, signs0_ptr, consts0_ptr, levels_ptr, positions_ptr,
@@ -218,6 +222,8 @@ def encode_rows(
     rows: tuple[torch.Tensor, ...],
     out: tuple[tuple[torch.Tensor, torch.Tensor | None], ...] | None = None,
     positions: torch.Tensor | None = None,
+    *,
+    dependent: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """The ``tier``'s fields (``fp8``, ``int4``: codes and scales; ``f32``: the values) of one or two
     row sets in one launch.
@@ -228,6 +234,8 @@ def encode_rows(
     out : for each, (codes, scales or None for f32) to write into: contiguous [slots, width] and
         [slots] (a cache layer's buffers), with ``positions`` int64[rows] giving each row's slot;
         None: new tensors, row i at i
+    dependent : launch with programmatic dependent launch (:mod:`kvstore.gpu.dependent`; CUDA sm_90+
+        and a Triton with the wait: the caller checks), the kernel waiting first for the one ahead
 
     Returns
     -------
@@ -291,10 +299,12 @@ def encode_rows(
             LOG_N1=n1.bit_length() - 1,
             POSITIONS=positions is not None,
             EXACT=device.type == "cuda",
+            WAIT=dependent,
             num_warps=4 if max(n0, n1) >= 512 else 1,  # pyright: ignore[reportCallIssue]
             # no product fused into a sum; torch.compile's wrapper takes no compile options (there
             # Triton's default holds and the mul.rn.f32 keeps int4's product unfused)
             **({} if torch.compiler.is_compiling() else {"enable_fp_fusion": False}),
+            **launch_options(dependent),
         )
     return outputs
 

@@ -55,6 +55,40 @@ def _first_access_unwaited(segment: str) -> str | None:
     return segment[segment.rfind("\n", 0, access.start()) + 1 : segment.find("\n", access.start())].strip()
 
 
+_PTX_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+
+
+def ptx_accesses_before_the_wait(ptx: str) -> str | None:
+    """For a kernel kvstore launches dependently itself (compiled by Triton to PTX): its first
+    global-memory instruction before any ``griddepcontrol.wait`` (the line), or None when it waits
+    first."""
+    body = ptx[ptx.index(".entry") :]
+    access = _PTX_ACCESS.search(body)
+    if access is None or "griddepcontrol.wait" in body[: access.start()]:
+        return None
+    return body[body.rfind("\n", 0, access.start()) + 1 : body.find("\n", access.start())].strip()
+
+
+def compile_for_sm90(fn: Any, types: dict[str, str], constants: dict[str, Any], **options: Any) -> str:
+    """The PTX Triton compiles ``fn`` to for an H100/H200 target, with no GPU: pointers typed by
+    ``types`` (default ``*bf16``), the other non-constexpr parameters i32 (``fp32`` where ``types``
+    says), ``constants`` the constexprs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+        else:
+            signature[name] = "*bf16" if name.endswith("_ptr") else "i32"
+    kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
+    return kernel.asm["ptx"]
+
+
 def greedy_rows(tier: str, steps: int) -> tuple[list[int], Any, list[list[int]], list[Any]]:
     """A tiny bf16 model's greedy decode through the compiled step in CUDA graphs, alone and three
     sessions together: (tokens, rows, batch tokens, batch rows), rows as ``.coli_kv`` records."""

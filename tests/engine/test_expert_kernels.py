@@ -198,50 +198,32 @@ def test_the_module_tiles_at_the_call_reach_both_kernels(monkeypatch):
 @pytest.mark.parametrize("kernel", ["experts", "route"])
 def test_a_dependently_launched_kernel_waits_before_it_touches_memory(kernel):
     """Compiled by Triton for an H100/H200 target here (no GPU): with ``WAIT`` (how a dependent
-    launch runs them, expert_kernels.DEPENDENT_LAUNCH) the kernel's first PTX instruction that reads
+    launch runs them, launches.OWN_KERNELS_DEPENDENT) the kernel's first PTX instruction that reads
     or writes global memory comes after its ``griddepcontrol.wait``, so it cannot read what the grid
     before it is still writing, nor overwrite what that grid still reads; without ``WAIT`` (a plain
     launch) it has none."""
-    import re
     from pathlib import Path
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
+    from kernel_waits import compile_for_sm90, ptx_accesses_before_the_wait
     from kvstore.engine import expert_kernels
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton has no ptxas")
     if kernel == "experts":
         fn = expert_kernels._experts_kernel
-        types = {"x_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16"}
+        types = {"ids_ptr": "*i64"}
         constants = dict(GATE_UP=True, PAIRS=16, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, COMPACT=True)
         options = {"num_warps": 4, "num_stages": 4}
     else:
         fn = expert_kernels._route_kernel
-        types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32"}
+        types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "scale": "fp32"}
         constants = dict(TOP_K=6, N_SHARED=2, E_BLOCK=64, K_BLOCK=8, N_GROUP=1, TOPK_GROUP=1, NORM=True)
         options = {"num_warps": 1}
-    signature = {}
-    for name in fn.arg_names:
-        if name in constants or name == "WAIT":
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = types.get(name, "*bf16")
-        else:
-            signature[name] = "fp32" if name == "scale" else "i32"
     for wait in (True, False):
-        compiled = triton.compile(
-            ASTSource(fn, signature, {**constants, "WAIT": wait}),
-            target=GPUTarget("cuda", 90, 32),
-            options={**options, "launch_pdl": wait},
-        )
-        ptx = compiled.asm["ptx"]
-        body = ptx[ptx.index(".entry") :]
-        memory = re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", body)
-        assert memory is not None, kernel
+        ptx = compile_for_sm90(fn, types, {**constants, "WAIT": wait}, launch_pdl=wait, **options)
         if wait:
-            assert "griddepcontrol.wait" in body[: memory.start()], (kernel, "a memory access before the wait")
+            assert ptx_accesses_before_the_wait(ptx) is None, kernel
         else:
-            assert "griddepcontrol" not in body, kernel
+            assert "griddepcontrol" not in ptx, kernel

@@ -72,7 +72,7 @@ def test_compiled_encoders_write_the_format_bytes():
 
 @pytest.mark.parametrize(
     "variant",
-    ["default", "gemms-layered", "gemm-projections", "no-combo-kernels", "row-per-expert", "experts-dependent"],
+    ["default", "gemms-layered", "gemm-projections", "no-combo-kernels", "row-per-expert", "own-kernels-dependent"],
 )
 @pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
 def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
@@ -83,10 +83,10 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     regions), with only the projections as GEMMs (products.REDUCED_PROJECTIONS off), with
     inductor's combo kernels off (model.COMBO_KERNELS), and with the experts' kernels launching a row
     of programs per expert rather than per pair (expert_kernels.COMPACT_GRID off), and with the
-    experts' and routing kernels launched dependently (expert_kernels.DEPENDENT_LAUNCH on)."""
+    engine's own Triton kernels launched dependently (launches.OWN_KERNELS_DEPENDENT on)."""
     import torch._dynamo
 
-    from kvstore.engine import expert_kernels, products
+    from kvstore.engine import expert_kernels, launches, products
     from kvstore.engine import model as model_module
     from kvstore.engine.model import StepRegions
 
@@ -99,8 +99,8 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
         monkeypatch.setattr(model_module, "COMBO_KERNELS", False)
     if variant == "row-per-expert":
         monkeypatch.setattr(expert_kernels, "COMPACT_GRID", False)
-    if variant == "experts-dependent":
-        monkeypatch.setattr(expert_kernels, "DEPENDENT_LAUNCH", True)
+    if variant == "own-kernels-dependent":
+        monkeypatch.setattr(launches, "OWN_KERNELS_DEPENDENT", True)
     torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")
@@ -170,9 +170,9 @@ def test_every_dependently_launched_kernel_waits_before_it_touches_memory(tier, 
     assert not early, early
 
 
-@pytest.mark.parametrize("experts", [False, True], ids=["experts-plain", "experts-dependent"])
+@pytest.mark.parametrize("own", [False, True], ids=["own-kernels-plain", "own-kernels-dependent"])
 @pytest.mark.parametrize("tier", ["fp8", "int4"])
-def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, experts, monkeypatch):
+def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, own, monkeypatch):
     """Dependent launch (on by default) may change no bit: the very same kernels launched with the
     attribute and without it (Triton's launcher told to drop it: nothing overlaps, the waits return
     at once) give a whole 48-token decode, alone and three sessions together, bit for bit. On an
@@ -180,13 +180,15 @@ def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, experts, monke
     planted out: the tiny model's kernels end before a dependent one is up, so this cannot show a
     missing wait (the test above reads the waits from the code). What it rules out is that the
     overlap itself changes a row; a build with dependent launch against one without may differ by a
-    rounding of differently built kernels, as any two builds may. With ``experts`` the experts' and
-    the routing kernels launch dependently too (expert_kernels.DEPENDENT_LAUNCH), and some of them
-    must be among the launches told to go plainly."""
+    rounding of differently built kernels, as any two builds may. With ``own`` the engine's own
+    Triton kernels (the experts', the routing, the cache's encoder) launch dependently too
+    (launches.OWN_KERNELS_DEPENDENT), and each of the three must be among the launches told to go
+    plainly."""
     import torch._dynamo
 
     from kernel_waits import DroppedLaunches, greedy_rows
     from kvstore.engine import expert_kernels, launches
+    from kvstore.gpu import encode_kernels
 
     if not launches.dependent_launch_available(CUDA):
         pytest.skip("no programmatic dependent launch on this GPU or in this torch")
@@ -197,17 +199,21 @@ def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, experts, monke
     dropped = DroppedLaunches()
     monkeypatch.setattr(launcher, "launch_pdl", dropped.launch_pdl(), raising=False)
     monkeypatch.setattr(launches, "DEPENDENT_LAUNCH", True)
-    monkeypatch.setattr(expert_kernels, "DEPENDENT_LAUNCH", experts)
-    experts_dropped = []
-    if experts:  # count the experts' own dropped launches apart: they go through the custom ops
-        for name in ("_launch", "_launch_route"):
-            launch = getattr(expert_kernels, name)
+    monkeypatch.setattr(launches, "OWN_KERNELS_DEPENDENT", own)
+    own_dropped: set[str] = set()  # which of the engine's own kernels were told to go plainly
+    for module, name in (
+        (expert_kernels, "_launch"),
+        (expert_kernels, "_launch_route"),
+        (encode_kernels, "encode_rows"),
+    ):
+        launch = getattr(module, name)
 
-            def counted(*args, _launch=launch, **kwargs):
-                experts_dropped.append(kwargs["dependent"] and dropped.plain)
-                return _launch(*args, **kwargs)
+        def counted(*args, _launch=launch, _name=name, **kwargs):
+            if kwargs.get("dependent") and dropped.plain:
+                own_dropped.add(_name)
+            return _launch(*args, **kwargs)
 
-            monkeypatch.setattr(expert_kernels, name, counted)
+        monkeypatch.setattr(module, name, counted)
     runs = []
     for plain in (False, True):
         dropped.plain = plain
@@ -215,7 +221,7 @@ def test_dependent_launches_change_no_bit_of_a_whole_decode(tier, experts, monke
         tokens, rows, batch_tokens, batch_rows = greedy_rows(tier, 48)
         runs.append((tokens, rows.tobytes(), batch_tokens, [r.tobytes() for r in batch_rows]))
     assert dropped.dropped > 0, "no kernel asked for a dependent launch"
-    assert any(experts_dropped) == experts, "the experts' kernels did not launch as asked"
+    assert own_dropped == ({"_launch", "_launch_route", "encode_rows"} if own else set()), own_dropped
     assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
     assert runs[0][2] == runs[1][2] and runs[0][3] == runs[1][3]
 

@@ -238,11 +238,14 @@ def test_the_kernel_compiles_for_sm_90_with_no_gpu(tier):
     """Triton's own compiler for an H100/H200 target, here: what the interpreter does not check (a
     shape Triton cannot lower, a constexpr reassigned in a loop), no product fused into a sum (the
     launch turns fusion off) and the int4 product that must stay unfused under ``torch.compile``
-    (which drops that option) written as ``mul.rn.f32``, and no spill to local memory."""
+    (which drops that option) written as ``mul.rn.f32``, and no spill to local memory. Launched
+    dependently (``WAIT``, kvstore.gpu.dependent) it waits for the grid ahead before its first
+    global load or store, and a plain launch has no wait."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kernel_waits import ptx_accesses_before_the_wait
     from kvstore.gpu import encode_kernels
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -259,17 +262,22 @@ def test_the_kernel_compiles_for_sm_90_with_no_gpu(tier):
         elif name.startswith("stride"):
             signature[name] = "i32"
     for n0, n1 in ((512, 64), (2048, 2)):
-        constants = dict(FORMAT=encode_kernels.FORMATS[tier], N0=n0, LOG_N0=n0.bit_length() - 1, N1=n1,
-                         LOG_N1=n1.bit_length() - 1, POSITIONS=True, EXACT=True)  # fmt: skip
-        kernel = triton.compile(
-            ASTSource(fn, signature, constants),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 4, "enable_fp_fusion": False},
-        )
-        ptx = kernel.asm["ptx"]
-        assert kernel.asm["cubin"] and ".local" not in ptx, (tier, n0)
-        assert "fma.rn.f32" not in ptx, (tier, n0)  # no f32 product fused into a sum anywhere
-        assert ("mul.rn.f32 %" in ptx) == (tier == "int4"), (tier, n0)  # int4's guard (inline PTX)
+        for wait in (False, True):
+            constants = dict(FORMAT=encode_kernels.FORMATS[tier], N0=n0, LOG_N0=n0.bit_length() - 1, N1=n1,
+                             LOG_N1=n1.bit_length() - 1, POSITIONS=True, EXACT=True, WAIT=wait)  # fmt: skip
+            kernel = triton.compile(
+                ASTSource(fn, signature, constants),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": 4, "enable_fp_fusion": False, "launch_pdl": wait},
+            )
+            ptx = kernel.asm["ptx"]
+            assert kernel.asm["cubin"] and ".local" not in ptx, (tier, n0)
+            assert "fma.rn.f32" not in ptx, (tier, n0)  # no f32 product fused into a sum anywhere
+            assert ("mul.rn.f32 %" in ptx) == (tier == "int4"), (tier, n0)  # int4's guard (inline PTX)
+            if wait:
+                assert ptx_accesses_before_the_wait(ptx) is None, (tier, n0)
+            else:
+                assert "griddepcontrol" not in ptx, (tier, n0)
 
 
 def test_the_kernel_is_switched_on_and_off():
