@@ -53,6 +53,13 @@ BLOCK_K = 128
 STAGES = 4
 #: Warps per program.
 WARPS = 4
+#: A step of one token (one session's decode) takes narrower column blocks and fewer stages: twice
+#: the programs, each holding less shared memory, over the few experts it hits. In the compiled
+#: step on an H100, +1.2-2.1% tokens/s at 1k and +1.1-1.4% at 32k, fp8 and int4, where 16 sessions
+#: lost 0.3-1.2% with them (``bench/engine_ab.py --variant "expert_kernels.BLOCK_N=32
+#: expert_kernels.STAGES=3"``), so steps of more tokens keep the tiles above.
+ONE_TOKEN_BLOCK_N = 32
+ONE_TOKEN_STAGES = 3
 #: Most (token, expert) pairs the kernels take (every program scans them all): past this (prefill)
 #: the grouped GEMM, which reuses each weight tile over many rows, is the faster.
 MAX_PAIRS = 512
@@ -255,8 +262,9 @@ def routed_experts(
         each token's routes then end with their columns, ids ``E .. E + S - 1`` and weight 1
         (:func:`route` with ``n_shared``, or :func:`kvstore.engine.moe.with_shared_columns`)
     block_n, block_k, stages, warps : the kernels' tiles (the benchmark's sweep varies them); by
-        default the module's ``BLOCK_N``, ``BLOCK_K``, ``STAGES`` and ``WARPS`` as they are at the call,
-        so ``bench/engine_ab.py --variant "expert_kernels.BLOCK_N=32"`` reaches a compiled step
+        default the module's ``BLOCK_N``, ``BLOCK_K``, ``STAGES`` and ``WARPS`` as they are at the call
+        (``ONE_TOKEN_BLOCK_N`` and ``ONE_TOKEN_STAGES`` for one token), so ``bench/engine_ab.py
+        --variant "expert_kernels.BLOCK_N=32"`` reaches a compiled step
 
     Returns
     -------
@@ -283,7 +291,13 @@ def routed_experts(
         x = x.contiguous()
     ids = top_idx.reshape(-1).contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    tiles = (block_n or BLOCK_N, block_k or BLOCK_K, stages or STAGES, warps or WARPS)
+    one = t == 1
+    tiles = (
+        block_n or (ONE_TOKEN_BLOCK_N if one else BLOCK_N),
+        block_k or BLOCK_K,
+        stages or (ONE_TOKEN_STAGES if one else STAGES),
+        warps or WARPS,
+    )
     _project(x, ids, k, gate, up, s_gate, s_up, act, True, *tiles)
     y = torch.empty((t * k, hidden), dtype=x.dtype, device=x.device)
     _project(act, ids, k, down, down, s_down, s_down, y, False, *tiles)

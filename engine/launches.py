@@ -2,7 +2,8 @@
 
 With inductor's ``triton.enable_pdl`` a region's kernel may start while the one before it ends, its
 set-up overlapping that kernel's tail (+0.7-2.1% tokens/s single-stream on an H100 in an interleaved
-A/B, ``bench/engine_ab.py``; BENCHMARKS.md). Inductor's own placement
+A/B, ``bench/engine_ab.py``; BENCHMARKS.md), and so do the engine's own Triton kernels in the step
+(:data:`OWN_KERNELS_DEPENDENT`). Inductor's own placement
 of the kernels' waits can let a kernel touch memory before the kernel ahead of it is done;
 :func:`wait_before_every_access` has every kernel wait first, and the placement is put in inductor's
 cache key (:func:`region_options`). On by default where available; ``bench/engine_decode.py
@@ -32,8 +33,10 @@ DEPENDENT_LAUNCH = True
 #: user-defined kernels it traces plainly, with no launch attribute, so the experts' and the
 #: routing kernels go through custom ops (``kvstore::experts_project_dependently``, ...); the
 #: encoder runs between the regions and is launched directly. Each waits for the grid before it
-#: (``gdc_wait``) ahead of its first load or store.
-OWN_KERNELS_DEPENDENT = False
+#: (``gdc_wait``) ahead of its first load or store. On an H100, +1.2-2.7% tokens/s single-stream
+#: (fp8 and int4, 1k and 32k), unchanged with 16 and 64 sessions (``bench/engine_ab.py --variant
+#: "launches.OWN_KERNELS_DEPENDENT=0"``; BENCHMARKS.md).
+OWN_KERNELS_DEPENDENT = True
 
 
 def inductor_offers_dependent_launch() -> bool:

@@ -178,7 +178,8 @@ def test_mismatched_layouts_and_too_many_pairs_are_refused():
 
 def test_the_module_tiles_at_the_call_reach_both_kernels(monkeypatch):
     """The tiles default to the module's BLOCK_N, BLOCK_K, STAGES and WARPS as they are when the
-    experts run — what a variant of bench/engine_ab.py sets — and a caller's own tiles win."""
+    experts run — what a variant of bench/engine_ab.py sets — a step of one token to its own
+    ONE_TOKEN_BLOCK_N and ONE_TOKEN_STAGES, and a caller's own tiles win."""
     import torch
 
     from kvstore.engine import expert_kernels
@@ -193,6 +194,13 @@ def test_the_module_tiles_at_the_call_reach_both_kernels(monkeypatch):
     expert_kernels.routed_experts(x, top, weights, w, w, w, block_n=16, stages=2)
     tiles = (32, expert_kernels.BLOCK_K, expert_kernels.STAGES, 8)
     assert launched == [tiles, tiles, (16, tiles[1], 2, 8), (16, tiles[1], 2, 8)]
+    launched.clear()
+    monkeypatch.setattr(expert_kernels, "ONE_TOKEN_BLOCK_N", 16)
+    monkeypatch.setattr(expert_kernels, "ONE_TOKEN_STAGES", 5)
+    expert_kernels.routed_experts(x[:1], top[:1], weights[:1], w, w, w)
+    expert_kernels.routed_experts(x[:1], top[:1], weights[:1], w, w, w, block_n=64, stages=2)
+    one = (16, tiles[1], 5, 8)
+    assert launched == [one, one, (64, tiles[1], 2, 8), (64, tiles[1], 2, 8)]
 
 
 @pytest.mark.parametrize("kernel", ["experts", "route"])

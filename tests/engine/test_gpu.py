@@ -72,7 +72,7 @@ def test_compiled_encoders_write_the_format_bytes():
 
 @pytest.mark.parametrize(
     "variant",
-    ["default", "gemms-layered", "gemm-projections", "no-combo-kernels", "row-per-expert", "own-kernels-dependent"],
+    ["default", "gemms-layered", "gemm-projections", "no-combo-kernels", "row-per-expert", "own-kernels-plain"],
 )
 @pytest.mark.parametrize("tier", ["f32", "fp8", "int4"])
 def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
@@ -83,7 +83,7 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
     regions), with only the projections as GEMMs (products.REDUCED_PROJECTIONS off), with
     inductor's combo kernels off (model.COMBO_KERNELS), and with the experts' kernels launching a row
     of programs per expert rather than per pair (expert_kernels.COMPACT_GRID off), and with the
-    engine's own Triton kernels launched dependently (launches.OWN_KERNELS_DEPENDENT on)."""
+    engine's own Triton kernels launched plainly (launches.OWN_KERNELS_DEPENDENT off)."""
     import torch._dynamo
 
     from kvstore.engine import expert_kernels, launches, products
@@ -99,8 +99,8 @@ def test_the_compiled_step_is_the_eager_step(tier, variant, monkeypatch):
         monkeypatch.setattr(model_module, "COMBO_KERNELS", False)
     if variant == "row-per-expert":
         monkeypatch.setattr(expert_kernels, "COMPACT_GRID", False)
-    if variant == "own-kernels-dependent":
-        monkeypatch.setattr(launches, "OWN_KERNELS_DEPENDENT", True)
+    if variant == "own-kernels-plain":
+        monkeypatch.setattr(launches, "OWN_KERNELS_DEPENDENT", False)
     torch._dynamo.reset()  # the regions are traced afresh under this setting
 
     cfg = preset("tiny-512")
