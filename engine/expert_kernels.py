@@ -22,7 +22,9 @@ its output joins the weighted sum.
 
 A program whose expert no pair chose returns after reading the ids, and nothing is read back to the
 host: a step stays capturable in a CUDA graph, and ``torch.compile`` traces the kernels as
-user-defined Triton kernels. With fewer pairs than experts (one V2-Lite token: 8 pairs, 66 experts
+user-defined Triton kernels — or, where the step's kernels launch dependently
+(``launches.OWN_KERNELS_DEPENDENT``), calls them through custom ops that launch them so, each
+waiting for the grid ahead of it before it touches memory. With fewer pairs than experts (one V2-Lite token: 8 pairs, 66 experts
 with the shared ones), :data:`COMPACT_GRID` launches one program row per pair instead of one per
 expert: program row ``s`` takes the ``s``-th distinct expert of the pairs (first occurrences, in
 pair order), so most of the grid's programs, which would only read the ids and return, are not

@@ -12,6 +12,7 @@ cache key (:func:`region_options`). On by default where available; ``bench/engin
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -69,9 +70,17 @@ def own_kernels_dependent(device_index: int) -> bool:
     asked for (``OWN_KERNELS_DEPENDENT``) where the compiled regions launch so (:func:`dependent_launch`)
     and this Triton has the wait. A constant to ``torch.compile``: the device does not change under
     a region, and a region's trace calls this once."""
+    return OWN_KERNELS_DEPENDENT and DEPENDENT_LAUNCH and _own_kernels_can_wait(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _own_kernels_can_wait(device_index: int) -> bool:
+    """The device's and the libraries' part of :func:`own_kernels_dependent`, looked up once a
+    device (an eager step asks for every layer's write)."""
     from kvstore.gpu.dependent import gdc_wait
 
-    return OWN_KERNELS_DEPENDENT and gdc_wait is not None and dependent_launch(torch.device("cuda", device_index))
+    device = torch.device("cuda", device_index)
+    return gdc_wait is not None and dependent_launch_available(device) and wait_before_every_access()
 
 
 def wait_before_every_access() -> bool:
