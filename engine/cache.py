@@ -287,7 +287,7 @@ class LatentCache:
                 (fields[p][layer], fields[f"{p}_scales"][layer] if f"{p}_scales" in fields else None)
                 for p in ("lc", "rc")
             )
-            dependent = self.device.type == "cuda" and launches.own_kernels_dependent(self.device.index or 0)
+            dependent = launches.own_kernels_dependent(self.device)
             self.write_kernels.encode_rows(self.tier.name, (lc, rc), out, positions, dependent=dependent)
             return
         self.store_at(layer, positions, self._encode(lc.to(torch.float32), rc.to(torch.float32)))

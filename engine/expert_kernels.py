@@ -170,7 +170,7 @@ def _experts_kernel(
 
 def _project(x, ids, top_k, w, w2, ws, ws2, out, gate_up: bool, block_n: int, block_k: int, stages: int, warps: int):
     tiles = (gate_up, block_n, block_k, stages, warps)
-    if x.device.type == "cuda" and launches.own_kernels_dependent(x.device.index or 0):
+    if launches.own_kernels_dependent(x.device):
         torch.ops.kvstore.experts_project_dependently(x, ids, top_k, w, w2, ws, ws2, out, *tiles)
     else:
         _launch(x, ids, top_k, w, w2, ws, ws2, out, *tiles, dependent=False)
@@ -422,7 +422,7 @@ def route(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     options = (top_k, n_shared, e_block, max(2, triton.next_power_of_2(width)), n_group, topk_group, bool(norm))
-    if logits.device.type == "cuda" and launches.own_kernels_dependent(logits.device.index or 0):
+    if launches.own_kernels_dependent(logits.device):
         torch.ops.kvstore.route_dependently(logits, bias, ids, weights, float(scale), *options)
     else:
         _launch_route(logits, bias, ids, weights, float(scale), *options, dependent=False)

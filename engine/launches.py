@@ -64,12 +64,17 @@ def dependent_launch(device: torch.device) -> bool:
     return DEPENDENT_LAUNCH and dependent_launch_available(device) and wait_before_every_access()
 
 
+def own_kernels_dependent(device: torch.device) -> bool:
+    """Whether the engine's own Triton kernels launch dependently on ``device`` (a tensor's: CUDA
+    ones carry their index): asked for (``OWN_KERNELS_DEPENDENT``) where the compiled regions launch
+    so (:func:`dependent_launch`) and this Triton has the wait."""
+    return device.type == "cuda" and _own_kernels_dependent_on(device.index or 0)
+
+
 @torch.compiler.assume_constant_result
-def own_kernels_dependent(device_index: int) -> bool:
-    """Whether the engine's own Triton kernels launch dependently on CUDA device ``device_index``:
-    asked for (``OWN_KERNELS_DEPENDENT``) where the compiled regions launch so (:func:`dependent_launch`)
-    and this Triton has the wait. A constant to ``torch.compile``: the device does not change under
-    a region, and a region's trace calls this once."""
+def _own_kernels_dependent_on(device_index: int) -> bool:
+    """:func:`own_kernels_dependent` for a CUDA device by index: a constant to ``torch.compile`` (the
+    device does not change under a region, and a region's trace calls this once)."""
     return OWN_KERNELS_DEPENDENT and DEPENDENT_LAUNCH and _own_kernels_can_wait(device_index)
 
 

@@ -10,6 +10,7 @@ planted sources and ``bench/dependent_launch_rows.py``.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 _KERNEL = re.compile(r"async_compile\.triton\(\s*'(\w+)',\s*'''(.*?)'''", re.DOTALL)
@@ -52,7 +53,12 @@ def _first_access_unwaited(segment: str) -> str | None:
     wait = segment.find(_WAIT)
     if wait != -1 and wait < access.start():
         return None
-    return segment[segment.rfind("\n", 0, access.start()) + 1 : segment.find("\n", access.start())].strip()
+    return _line_at(segment, access.start())
+
+
+def _line_at(text: str, position: int) -> str:
+    """The line of ``text`` that holds ``position``, stripped."""
+    return text[text.rfind("\n", 0, position) + 1 : text.find("\n", position)].strip()
 
 
 _PTX_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
@@ -66,13 +72,20 @@ def ptx_accesses_before_the_wait(ptx: str) -> str | None:
     access = _PTX_ACCESS.search(body)
     if access is None or "griddepcontrol.wait" in body[: access.start()]:
         return None
-    return body[body.rfind("\n", 0, access.start()) + 1 : body.find("\n", access.start())].strip()
+    return _line_at(body, access.start())
 
 
-def compile_for_sm90(fn: Any, types: dict[str, str], constants: dict[str, Any], **options: Any) -> str:
-    """The PTX Triton compiles ``fn`` to for an H100/H200 target, with no GPU: pointers typed by
-    ``types`` (default ``*bf16``), the other non-constexpr parameters i32 (``fp32`` where ``types``
-    says), ``constants`` the constexprs."""
+def can_compile_for_sm90() -> bool:
+    """Whether this Triton can compile for an H100/H200 with no GPU (it ships ptxas)."""
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+def compile_for_sm90(fn: Any, types: dict[str, str], constants: dict[str, Any], **options: Any) -> dict[str, Any]:
+    """What Triton compiles ``fn`` to for an H100/H200 target, with no GPU (its ``asm``: ``ptx``,
+    ``cubin``, ...): pointers typed by ``types`` (default ``*bf16``), the other non-constexpr
+    parameters i32 (or as ``types`` says), ``constants`` the constexprs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -86,7 +99,7 @@ def compile_for_sm90(fn: Any, types: dict[str, str], constants: dict[str, Any], 
         else:
             signature[name] = "*bf16" if name.endswith("_ptr") else "i32"
     kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
-    return kernel.asm["ptx"]
+    return kernel.asm
 
 
 def greedy_rows(tier: str, steps: int) -> tuple[list[int], Any, list[list[int]], list[Any]]:

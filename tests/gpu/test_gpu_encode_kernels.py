@@ -241,37 +241,22 @@ def test_the_kernel_compiles_for_sm_90_with_no_gpu(tier):
     (which drops that option) written as ``mul.rn.f32``, and no spill to local memory. Launched
     dependently (``WAIT``, kvstore.gpu.dependent) it waits for the grid ahead before its first
     global load or store, and a plain launch has no wait."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kernel_waits import ptx_accesses_before_the_wait
+    from kernel_waits import can_compile_for_sm90, compile_for_sm90, ptx_accesses_before_the_wait
     from kvstore.gpu import encode_kernels
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
+    if not can_compile_for_sm90():
         pytest.skip("this Triton has no ptxas")
     fn = encode_kernels._encode_kernel
     rows, codes = "*bf16", "*fp32" if tier == "f32" else "*u8"
-    signature = {name: "constexpr" for name in fn.arg_names}
-    for name in fn.arg_names:
-        if name.endswith("_ptr"):
-            signature[name] = {"x0_ptr": rows, "x1_ptr": rows, "codes0_ptr": codes, "codes1_ptr": codes}.get(
-                name, "*i64" if name == "positions_ptr" else "*fp32"
-            )
-        elif name.startswith("stride"):
-            signature[name] = "i32"
+    types = {name: "*fp32" for name in fn.arg_names if name.endswith("_ptr")}
+    types.update(x0_ptr=rows, x1_ptr=rows, codes0_ptr=codes, codes1_ptr=codes, positions_ptr="*i64")
     for n0, n1 in ((512, 64), (2048, 2)):
         for wait in (False, True):
             constants = dict(FORMAT=encode_kernels.FORMATS[tier], N0=n0, LOG_N0=n0.bit_length() - 1, N1=n1,
                              LOG_N1=n1.bit_length() - 1, POSITIONS=True, EXACT=True, WAIT=wait)  # fmt: skip
-            kernel = triton.compile(
-                ASTSource(fn, signature, constants),
-                target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": 4, "enable_fp_fusion": False, "launch_pdl": wait},
-            )
-            ptx = kernel.asm["ptx"]
-            assert kernel.asm["cubin"] and ".local" not in ptx, (tier, n0)
+            asm = compile_for_sm90(fn, types, constants, num_warps=4, enable_fp_fusion=False, launch_pdl=wait)
+            ptx = asm["ptx"]
+            assert asm["cubin"] and ".local" not in ptx, (tier, n0)
             assert "fma.rn.f32" not in ptx, (tier, n0)  # no f32 product fused into a sum anywhere
             assert ("mul.rn.f32 %" in ptx) == (tier == "int4"), (tier, n0)  # int4's guard (inline PTX)
             if wait:
